@@ -1,0 +1,48 @@
+"""Atomic file replacement: write a temporary file beside the target, fsync, rename, fsync the dir.
+
+Shared by the refresher's state store and daemon and by the job's version log and Parquet sink."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, BinaryIO
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_atomic(path: Path, write: Callable[[BinaryIO], None]) -> None:
+    """Call ``write`` on a temporary file and move it over ``path`` once it is on disk."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except FileNotFoundError:
+            pass
+        raise
+    fsync_dir(path.parent)
+
+
+def write_bytes_atomic(path: Path, data: bytes) -> None:
+    write_atomic(path, lambda f: f.write(data))
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    data = (json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n").encode("utf-8")
+    write_atomic(path, lambda f: f.write(data))

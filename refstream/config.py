@@ -1,0 +1,165 @@
+"""Helpers for loading YAML configuration: ``${ENV}`` substitution, typed values, errors naming the key.
+
+Both ``refresh.config`` and ``enrich.config`` build frozen dataclasses with these helpers so a bad
+value is reported as e.g. ``conf/refresh.yaml: datasets.devices.schedule.every: '6x' is not a duration``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from refstream.errors import ConfigError
+
+_ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
+_UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, None: 1}
+
+
+def substitute_env(text: str, source: str) -> str:
+    """Replace ``${VAR}`` and ``${VAR:-default}``; an unset variable without default is an error."""
+
+    def repl(m: re.Match[str]) -> str:
+        name, default = m.group(1), m.group(2)
+        value = os.environ.get(name)
+        if value is None or (value == "" and default is not None):
+            if default is None:
+                line = text.count("\n", 0, m.start()) + 1
+                raise ConfigError(f"{source}:{line}: environment variable {name} is not set")
+            return default
+        return value
+
+    return _ENV.sub(repl, text)
+
+
+def load_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read a YAML mapping from ``path`` with environment variables substituted."""
+    p = Path(path)
+    try:
+        text = p.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"config file {p} not found") from None
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {p}: {exc}") from None
+    try:
+        data = yaml.safe_load(substitute_env(text, str(p)))
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{p}: invalid YAML: {exc}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: top level must be a mapping, got {type(data).__name__}")
+    return data
+
+
+class Section:
+    """A mapping read from YAML that remembers where it sits, so every error names the key path.
+
+    ``Section(data, "datasets.devices", source="conf/refresh.yaml")``; ``sec.get("mode", str, "diff")``;
+    ``sec.section("schedule")``; ``sec.done()`` rejects keys nobody read (typos).
+    """
+
+    def __init__(self, data: Any, path: str = "", source: str = "config") -> None:
+        if data is None:
+            data = {}
+        self.path, self.source = path, source
+        if not isinstance(data, Mapping):
+            raise self.error(f"must be a mapping, got {type(data).__name__}")
+        self.data: Mapping[str, Any] = data
+        self._seen: set[str] = set()
+
+    def key(self, name: str) -> str:
+        return f"{self.path}.{name}" if self.path else name
+
+    def error(self, msg: str, name: str | None = None) -> ConfigError:
+        where = self.key(name) if name is not None else (self.path or "<top>")
+        return ConfigError(f"{self.source}: {where}: {msg}")
+
+    def has(self, name: str) -> bool:
+        return name in self.data
+
+    def raw(self, name: str, default: Any = ...) -> Any:
+        self._seen.add(name)
+        if name not in self.data or self.data[name] is None:
+            if default is ...:
+                raise self.error("is required", name)
+            return default
+        return self.data[name]
+
+    def get(self, name: str, typ: type | tuple[type, ...], default: Any = ...) -> Any:
+        value = self.raw(name, default)
+        if value is default and default is not ...:
+            return value
+        if typ is float and isinstance(value, int) and not isinstance(value, bool):
+            return float(value)
+        if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
+            names = typ.__name__ if isinstance(typ, type) else " or ".join(t.__name__ for t in typ)
+            raise self.error(f"expected {names}, got {value!r}", name)
+        return value
+
+    def choice(self, name: str, choices: tuple[str, ...], default: Any = ...) -> str:
+        value = self.get(name, str, default)
+        if value not in choices:
+            raise self.error(f"{value!r} is not one of {', '.join(choices)}", name)
+        return value
+
+    def duration(self, name: str, default: Any = ...) -> timedelta:
+        value = self.raw(name, default)
+        if isinstance(value, timedelta) or (value is default and default is not ...):
+            return value
+        try:
+            return parse_duration(value)
+        except ValueError as exc:
+            raise self.error(str(exc), name) from None
+
+    def str_list(self, name: str, default: Any = ...) -> list[str]:
+        value = self.raw(name, default)
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
+            raise self.error(f"expected a list of names, got {value!r}", name)
+        return list(value)
+
+    def section(self, name: str, default: Any = ...) -> Section:
+        return Section(self.raw(name, {} if default is ... else default), self.key(name), self.source)
+
+    def done(self) -> None:
+        extra = sorted(set(self.data) - self._seen)
+        if extra:
+            raise self.error(f"unknown key(s): {', '.join(map(str, extra))}")
+
+
+def parse_duration(value: Any) -> timedelta:
+    """``"30s"``, ``"6h"``, ``"1.5m"``, ``"250ms"``, ``"2d"`` or a number of seconds -> timedelta."""
+    if isinstance(value, bool):
+        raise ValueError(f"{value!r} is not a duration")
+    if isinstance(value, int | float):
+        if value < 0:
+            raise ValueError(f"{value!r} is negative")
+        return timedelta(seconds=value)
+    if isinstance(value, str):
+        m = _DURATION.match(value)
+        if m:
+            return timedelta(seconds=float(m.group(1)) * _UNITS[m.group(2)])
+    raise ValueError(f"{value!r} is not a duration (use e.g. 250ms, 30s, 5m, 6h, 1d)")
+
+
+def kafka_settings(sec: Section) -> dict[str, str]:
+    """The ``kafka:`` section as librdkafka settings: ``bootstrap_servers`` -> ``bootstrap.servers``,
+    everything else passed through (``security.protocol``, ``sasl.*``...)."""
+    out: dict[str, str] = {}
+    for name in list(sec.data):
+        value = sec.raw(name)
+        if isinstance(value, Mapping | list):
+            raise sec.error("expected a scalar librdkafka setting", name)
+        key = "bootstrap.servers" if name in ("bootstrap_servers", "bootstrap.servers") else str(name)
+        out[key] = str(value).lower() if isinstance(value, bool) else str(value)
+    if "bootstrap.servers" not in out:
+        raise sec.error("is required", "bootstrap_servers")
+    return out

@@ -1,0 +1,432 @@
+"""The changelog contract between the refresher (producer) and the enrichment job (consumer).
+
+One Kafka topic per dataset (``ref.<dataset>`` unless configured), ``cleanup.policy=compact``.
+
+Records
+    *change*  key   = canonical JSON object of the key columns in declared order, e.g.
+                      ``{"device_id":"d-17"}`` (UTF-8, no spaces: same key, same bytes, always)
+              value = the whole row as a JSON object (upsert) or null (delete: a tombstone)
+    *schema*  key   = ``__schema__`` (never a JSON object, so it cannot collide with a row key)
+              value = :class:`DatasetSchema` as JSON; published to every partition before the changes
+                      of any refresh whose columns differ from the last published schema, so a reader
+                      that applies records in offset order always knows the types of what follows.
+
+Headers (UTF-8 strings): ``op`` = ``upsert`` | ``delete`` | ``schema``; ``dataset``; ``version`` = a
+decimal integer that grows with every refresh of the dataset; ``contract`` = :data:`CONTRACT_VERSION`.
+
+JSON encoding of values: DECIMAL as a string with its exact digits; DATE ``YYYY-MM-DD``;
+DATETIME ``2024-05-01T12:00:00[.ffffff]``; TIMESTAMP WITH TIME ZONE the same with an offset
+(normalised to UTC, ``+00:00``); TIME ``HH:MM:SS[.ffffff]``; binary as base64; NULL as null; text as
+UTF-8 (any unicode); non-finite floats as the strings ``NaN``, ``Infinity``, ``-Infinity``.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import math
+import re
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, date, datetime, time, timedelta
+from decimal import Decimal
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.json as pajson
+
+from refstream.errors import ContractError
+
+CONTRACT_VERSION = 1
+
+H_OP, H_DATASET, H_VERSION, H_CONTRACT = "op", "dataset", "version", "contract"
+OP_UPSERT, OP_DELETE, OP_SCHEMA = "upsert", "delete", "schema"
+SCHEMA_KEY = b"__schema__"
+TOPIC_CONFIG = {"cleanup.policy": "compact"}
+
+#: Contract column types. ``decimal(p,s)`` is parametric; everything else is a plain name.
+SIMPLE_TYPES = ("bool", "int64", "float64", "string", "binary", "date", "time", "timestamp", "timestamp_tz")
+_DECIMAL = re.compile(r"^decimal\((\d+),\s*(\d+)\)$")
+
+
+def default_topic(dataset: str) -> str:
+    return f"ref.{dataset}"
+
+
+# --------------------------------------------------------------------------------------------- types
+
+def check_type(t: str) -> str:
+    if t in SIMPLE_TYPES or _DECIMAL.match(t):
+        return t
+    raise ContractError(f"unknown column type {t!r}")
+
+
+def type_from_arrow(t: pa.DataType) -> str:
+    """Map an Arrow type (as read from a database or a file) to a contract type."""
+    if pa.types.is_boolean(t):
+        return "bool"
+    if pa.types.is_integer(t):
+        return "int64"
+    if pa.types.is_floating(t):
+        return "float64"
+    if pa.types.is_decimal(t):
+        return f"decimal({t.precision},{t.scale})"
+    if pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t):
+        return "string"
+    if pa.types.is_binary(t) or pa.types.is_large_binary(t) or pa.types.is_fixed_size_binary(t):
+        return "binary"
+    if pa.types.is_date(t):
+        return "date"
+    if pa.types.is_time(t) or pa.types.is_duration(t):
+        return "time"
+    if pa.types.is_timestamp(t):
+        return "timestamp_tz" if t.tz else "timestamp"
+    if pa.types.is_null(t):
+        return "string"
+    if pa.types.is_dictionary(t):
+        return type_from_arrow(t.value_type)
+    raise ContractError(f"Arrow type {t} has no changelog encoding")
+
+
+def type_to_arrow(t: str) -> pa.DataType:
+    m = _DECIMAL.match(t)
+    if m:
+        p, s = int(m.group(1)), int(m.group(2))
+        return pa.decimal128(p, s) if p <= 38 else pa.decimal256(p, s)
+    try:
+        return {
+            "bool": pa.bool_(), "int64": pa.int64(), "float64": pa.float64(), "string": pa.string(),
+            "binary": pa.binary(), "date": pa.date32(), "time": pa.string(),
+            "timestamp": pa.timestamp("us"), "timestamp_tz": pa.timestamp("us", tz="UTC"),
+        }[t]
+    except KeyError:
+        raise ContractError(f"unknown column type {t!r}") from None
+
+
+def type_to_spark(t: str) -> str:
+    """Spark SQL DDL type of a contract type."""
+    m = _DECIMAL.match(t)
+    if m:
+        return f"DECIMAL({m.group(1)},{m.group(2)})" if int(m.group(1)) <= 38 else "STRING"
+    try:
+        return {
+            "bool": "BOOLEAN", "int64": "BIGINT", "float64": "DOUBLE", "string": "STRING",
+            "binary": "BINARY", "date": "DATE", "time": "STRING", "timestamp": "TIMESTAMP_NTZ",
+            "timestamp_tz": "TIMESTAMP",
+        }[t]
+    except KeyError:
+        raise ContractError(f"unknown column type {t!r}") from None
+
+
+# -------------------------------------------------------------------------------------------- schema
+
+@dataclass(frozen=True)
+class Column:
+    name: str
+    type: str
+
+    def __post_init__(self) -> None:
+        check_type(self.type)
+
+
+@dataclass(frozen=True)
+class DatasetSchema:
+    """Column names and types of a dataset, published on its changelog topic."""
+
+    dataset: str
+    key: tuple[str, ...]
+    columns: tuple[Column, ...]
+    version: int = 0
+    contract: int = field(default=CONTRACT_VERSION)
+
+    def __post_init__(self) -> None:
+        names = [c.name for c in self.columns]
+        missing = [k for k in self.key if k not in names]
+        if missing:
+            raise ContractError(f"dataset {self.dataset}: key column(s) {missing} not among columns {names}")
+        if len(set(names)) != len(names):
+            raise ContractError(f"dataset {self.dataset}: duplicate column names in {names}")
+
+    @property
+    def names(self) -> list[str]:
+        return [c.name for c in self.columns]
+
+    def type_of(self, name: str) -> str:
+        for c in self.columns:
+            if c.name == name:
+                return c.type
+        raise KeyError(name)
+
+    def same_columns(self, other: DatasetSchema | None) -> bool:
+        return other is not None and self.key == other.key and self.columns == other.columns
+
+    @classmethod
+    def from_arrow(cls, dataset: str, key: Sequence[str], schema: pa.Schema, version: int = 0) -> DatasetSchema:
+        return cls(dataset, tuple(key), tuple(Column(f.name, type_from_arrow(f.type)) for f in schema), version)
+
+    def arrow_schema(self) -> pa.Schema:
+        return pa.schema([pa.field(c.name, type_to_arrow(c.type)) for c in self.columns])
+
+    def spark_ddl(self, columns: Iterable[str] | None = None) -> str:
+        wanted = list(columns) if columns is not None else self.names
+        return ", ".join(f"`{n}` {type_to_spark(self.type_of(n))}" for n in wanted)
+
+    def to_json(self) -> bytes:
+        return _dumps({
+            "contract": self.contract, "dataset": self.dataset, "version": self.version,
+            "key": list(self.key), "columns": [{"name": c.name, "type": c.type} for c in self.columns],
+        })
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> DatasetSchema:
+        try:
+            obj = json.loads(data)
+            return cls(obj["dataset"], tuple(obj["key"]),
+                       tuple(Column(c["name"], c["type"]) for c in obj["columns"]),
+                       int(obj.get("version", 0)), int(obj.get("contract", CONTRACT_VERSION)))
+        except ContractError:
+            raise
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ContractError(f"malformed schema record: {exc}") from None
+
+
+# ---------------------------------------------------------------------------------------- encoding
+
+def _default(v: Any) -> Any:
+    if isinstance(v, Decimal):
+        return format(v, "f") if v.is_finite() else str(v)
+    if isinstance(v, datetime):
+        if v.tzinfo is not None:
+            v = v.astimezone(UTC)
+        return v.isoformat()
+    if isinstance(v, date | time):
+        return v.isoformat()
+    if isinstance(v, timedelta):
+        return _timedelta_str(v)
+    if isinstance(v, bytes | bytearray | memoryview):
+        return base64.b64encode(bytes(v)).decode("ascii")
+    raise TypeError(f"value {v!r} of type {type(v).__name__} has no changelog encoding")
+
+
+def _timedelta_str(v: timedelta) -> str:
+    # MySQL TIME arrives as timedelta (it may exceed 24h or be negative).
+    total = v.days * 86400 + v.seconds
+    sign = "-" if total < 0 else ""
+    total = abs(total)
+    s = f"{sign}{total // 3600:02d}:{total % 3600 // 60:02d}:{total % 60:02d}"
+    return s + (f".{v.microseconds:06d}" if v.microseconds else "")
+
+
+def _fix_floats(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return "NaN" if math.isnan(v) else ("Infinity" if v > 0 else "-Infinity")
+    return v
+
+
+def _dumps(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False, default=_default,
+                      allow_nan=False).encode("utf-8")
+
+
+def encode_key(key: Sequence[str], row: Mapping[str, Any]) -> bytes:
+    """Canonical key bytes: a JSON object of the key columns in declared order."""
+    try:
+        return _dumps({k: _fix_floats(row[k]) for k in key})
+    except KeyError as exc:
+        raise ContractError(f"row has no key column {exc}") from None
+
+
+def encode_row(row: Mapping[str, Any]) -> bytes:
+    """Value bytes of an upsert: the whole row as a JSON object."""
+    return _dumps({k: _fix_floats(v) for k, v in row.items()})
+
+
+def headers(op: str, dataset: str, version: int) -> list[tuple[str, bytes]]:
+    return [(H_OP, op.encode()), (H_DATASET, dataset.encode()), (H_VERSION, str(version).encode()),
+            (H_CONTRACT, str(CONTRACT_VERSION).encode())]
+
+
+@dataclass(frozen=True)
+class Message:
+    """One changelog record ready to produce."""
+
+    key: bytes
+    value: bytes | None
+    headers: list[tuple[str, bytes]]
+
+
+def schema_message(schema: DatasetSchema) -> Message:
+    return Message(SCHEMA_KEY, schema.to_json(), headers(OP_SCHEMA, schema.dataset, schema.version))
+
+
+def upsert_messages(schema: DatasetSchema, rows: pa.Table | Iterable[Mapping[str, Any]],
+                    version: int) -> Iterator[Message]:
+    """Upsert records for every row of ``rows`` (an Arrow table is converted in chunks)."""
+    h = headers(OP_UPSERT, schema.dataset, version)
+    for row in _iter_rows(rows):
+        yield Message(encode_key(schema.key, row), encode_row(row), h)
+
+
+def delete_messages(schema: DatasetSchema, keys: pa.Table | Iterable[Mapping[str, Any]],
+                    version: int) -> Iterator[Message]:
+    """Tombstones for every key row of ``keys`` (only the key columns are read)."""
+    h = headers(OP_DELETE, schema.dataset, version)
+    for row in _iter_rows(keys):
+        yield Message(encode_key(schema.key, row), None, h)
+
+
+def _iter_rows(rows: pa.Table | Iterable[Mapping[str, Any]]) -> Iterator[Mapping[str, Any]]:
+    if isinstance(rows, pa.Table | pa.RecordBatch):
+        batches = rows.to_batches(max_chunksize=10_000) if isinstance(rows, pa.Table) else [rows]
+        for b in batches:
+            yield from b.to_pylist()
+    else:
+        yield from rows
+
+
+# ---------------------------------------------------------------------------------------- decoding
+
+def header_map(hdrs: Iterable[tuple[str, bytes | None]] | Mapping[str, Any] | None) -> dict[str, str]:
+    if not hdrs:
+        return {}
+    items = hdrs.items() if isinstance(hdrs, Mapping) else hdrs
+    return {k: (v.decode("utf-8") if isinstance(v, bytes | bytearray) else (v or "")) for k, v in items}
+
+
+@dataclass(frozen=True)
+class Change:
+    """A decoded changelog record."""
+
+    op: str
+    dataset: str
+    version: int
+    key: bytes
+    value: bytes | None
+    schema: DatasetSchema | None = None
+
+
+def decode(key: bytes | None, value: bytes | None, hdrs: Any) -> Change:
+    """Classify one record; raises :class:`ContractError` naming the key when it breaks the contract."""
+    h = header_map(hdrs)
+    if key is None:
+        raise ContractError("changelog record without a key")
+    op = h.get(H_OP) or (OP_SCHEMA if key == SCHEMA_KEY else (OP_DELETE if value is None else OP_UPSERT))
+    try:
+        version = int(h.get(H_VERSION, "0") or 0)
+    except ValueError:
+        raise ContractError(f"record {key!r}: bad version header {h.get(H_VERSION)!r}") from None
+    if op == OP_SCHEMA:
+        if value is None:
+            raise ContractError("schema record without a value")
+        schema = DatasetSchema.from_json(value)
+        return Change(op, h.get(H_DATASET, schema.dataset), version, key, value, schema)
+    if op == OP_DELETE or value is None:
+        return Change(OP_DELETE, h.get(H_DATASET, ""), version, key, None)
+    if op != OP_UPSERT:
+        raise ContractError(f"record {key!r}: unknown op header {op!r}")
+    return Change(op, h.get(H_DATASET, ""), version, key, value)
+
+
+def decode_key(key: bytes) -> dict[str, Any]:
+    try:
+        obj = json.loads(key)
+    except ValueError:
+        raise ContractError(f"key {key!r} is not JSON") from None
+    if not isinstance(obj, dict):
+        raise ContractError(f"key {key!r} is not a JSON object")
+    return obj
+
+
+def decode_values(schema: DatasetSchema, values: Sequence[bytes]) -> pa.Table:
+    """Decode upsert values into an Arrow table typed by ``schema`` (columns absent from a value are null).
+
+    Vectorised: the values are parsed by Arrow's JSON reader as strings and numbers, then cast.
+    """
+    if not values:
+        return schema.arrow_schema().empty_table()
+    read_types = []
+    for c in schema.columns:
+        if c.type in ("bool", "int64"):
+            read_types.append(pa.field(c.name, type_to_arrow(c.type)))
+        elif c.type == "float64":
+            read_types.append(pa.field(c.name, pa.float64()))
+        else:
+            read_types.append(pa.field(c.name, pa.string()))
+    buf = b"\n".join(values)
+    try:
+        table = pajson.read_json(
+            io.BytesIO(buf),
+            read_options=pajson.ReadOptions(block_size=max(1 << 20, min(len(buf) + 1, 64 << 20))),
+            parse_options=pajson.ParseOptions(explicit_schema=pa.schema(read_types),
+                                              unexpected_field_behavior="ignore"),
+        )
+    except (pa.ArrowInvalid, pa.ArrowTypeError):
+        # Slow path: a float column holding "NaN", an int column holding a string, ...; done per row so
+        # the error can name the record at fault.
+        return _decode_values_slow(schema, values)
+    cols = []
+    for c, f in zip(schema.columns, read_types, strict=True):
+        cols.append(_cast_column(c, table.column(c.name) if c.name in table.column_names
+                                 else pa.nulls(len(table), f.type)))
+    return pa.Table.from_arrays(cols, schema=schema.arrow_schema())
+
+
+def _cast_column(c: Column, arr: pa.ChunkedArray | pa.Array) -> pa.ChunkedArray | pa.Array:
+    target = type_to_arrow(c.type)
+    if c.type == "binary":
+        return pa.array([None if v is None else base64.b64decode(v) for v in arr.to_pylist()], pa.binary())
+    if c.type == "timestamp_tz":
+        return pa.array([None if v is None else datetime.fromisoformat(v) for v in arr.to_pylist()],
+                        target)
+    if c.type in ("bool", "int64", "float64", "string", "time"):
+        return arr
+    return pc.cast(arr, target)
+
+
+def _decode_values_slow(schema: DatasetSchema, values: Sequence[bytes]) -> pa.Table:
+    out: dict[str, list[Any]] = {c.name: [] for c in schema.columns}
+    for i, raw in enumerate(values):
+        try:
+            obj = json.loads(raw)
+            for c in schema.columns:
+                out[c.name].append(_from_json(c.type, obj.get(c.name)))
+        except (ValueError, TypeError, AttributeError, ArithmeticError) as exc:
+            raise ContractError(f"dataset {schema.dataset}: value #{i} {raw[:200]!r} does not fit the "
+                                f"published schema: {exc}") from None
+    return pa.table({c.name: pa.array(out[c.name], type_to_arrow(c.type)) for c in schema.columns},
+                    schema=schema.arrow_schema())
+
+
+_NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
+
+
+def _from_json(t: str, v: Any) -> Any:
+    if v is None:
+        return None
+    if t == "float64":
+        return _NONFINITE[v] if isinstance(v, str) else float(v)
+    if t == "int64":
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise TypeError(f"{v!r} is not an integer")
+        return v
+    if t == "bool":
+        if not isinstance(v, bool):
+            raise TypeError(f"{v!r} is not a boolean")
+        return v
+    if t.startswith("decimal"):
+        return Decimal(v)
+    if t == "date":
+        return date.fromisoformat(v)
+    if t in ("timestamp", "timestamp_tz"):
+        return datetime.fromisoformat(v)
+    if t == "binary":
+        return base64.b64decode(v)
+    return v if isinstance(v, str) else json.dumps(v)
+
+
+def decode_row(schema: DatasetSchema, value: bytes) -> dict[str, Any]:
+    """One upsert value as a dict of Python values typed by ``schema``."""
+    obj = json.loads(value)
+    return {c.name: _from_json(c.type, obj.get(c.name)) for c in schema.columns}

@@ -1,0 +1,3 @@
+from refstream.demo.cli import main
+
+raise SystemExit(main())

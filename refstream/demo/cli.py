@@ -1,0 +1,288 @@
+"""``python -m refstream.demo`` (``make demo``): the whole pipeline on one machine, then an operator
+changing reference data and the time each change takes to reach the enriched output.
+
+Starts, each in its own process group and stopped in reverse order on Ctrl-C, SIGTERM or
+``--duration``: an embedded Kafka-protocol broker, the refresher daemon (``python -m refresh``), the
+enrichment job (``python -m enrich run``) and the device simulator (``python -m enrich.simulate``).
+``--duration`` stops the run that many seconds after its start, but only once the scripted changes
+are through (each bounded by ``--timeout``, the start by ``--startup-timeout``). The reference
+database is a SQLite file under the work directory, or the database at ``REF_DB_URL``
+(its ``devices`` and ``models`` tables are replaced). Logs of every process go to ``<workdir>/logs``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import os
+import shutil
+import signal
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+from confluent_kafka import Producer
+
+from refstream.broker import EmbeddedBroker
+from refstream.contract import OP_UPSERT, decode, default_topic
+from refstream.demo.processes import Child, ChildExited
+from refstream.demo.scenario import ChangeNotSeen, Operator, Stopped, matched, say, stamp
+from refstream.demo.seed import MODELS, SITES, seed_database, write_sites
+from refstream.demo.tail import EnrichedTail
+from refstream.errors import RefstreamError
+from refstream.kafka import read_to_end
+
+log = logging.getLogger("refstream.demo")
+
+ROOT = Path(__file__).resolve().parents[2]
+CONF = ROOT / "conf" / "demo"
+MARKER = ".refstream-demo"
+EVENTS_TOPIC = "device-events"
+ENRICHED_TOPIC = "device-events-enriched"
+DATASETS = ("devices", "models", "sites")
+
+
+class DemoError(RuntimeError):
+    """The demo cannot go on; the message is the one line the user sees."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m refstream.demo", description=__doc__.split("\n\n")[0])
+    p.add_argument("--duration", type=float, default=None,
+                   help="stop this many seconds after the start, once the operator's changes are "
+                        "through (default: run until Ctrl-C)")
+    p.add_argument("--workdir", type=Path, default=Path("var/demo"),
+                   help="state, data and logs of this run (wiped at start; default var/demo)")
+    p.add_argument("--devices", type=int, default=5000, help="devices in the sample data")
+    p.add_argument("--rate", type=float, default=500, help="simulated events per second")
+    p.add_argument("--timeout", type=float, default=60,
+                   help="seconds a change may take to reach the enriched output")
+    p.add_argument("--startup-timeout", type=float, default=300,
+                   help="seconds the pipeline may take to deliver its first enriched event")
+    p.add_argument("--master", default="local[2]", help="Spark master of the enrichment job")
+    p.add_argument("--debug", action="store_true", help="tracebacks and debug logs")
+    return p
+
+
+class Demo:
+    def __init__(self, args: argparse.Namespace, stop: threading.Event) -> None:
+        self.args = args
+        self.stop = stop
+        self.workdir: Path = args.workdir.resolve()
+        self.logs = self.workdir / "logs"
+        self.children: list[Child] = []
+        self.started = time.monotonic()
+
+    # ------------------------------------------------------------------------------------- the run
+
+    def run(self) -> int:
+        try:
+            return self._run()
+        except Stopped:
+            say(f"[{stamp()}] stopped before the end of the scenario")
+            return 0
+
+    def _run(self) -> int:
+        with contextlib.ExitStack() as stack:
+            self._prepare_workdir()
+            say(f"refstream demo: work directory {self.workdir}, logs in {self.logs}/ (Ctrl-C stops)")
+            broker = EmbeddedBroker(log_path=self.logs / "broker.log")
+            broker.start()
+            stack.callback(self._stopped, "broker", broker.stop)
+            settings = {"bootstrap.servers": broker.bootstrap}
+            say(f"[{stamp()}] broker up on {broker.bootstrap} (embedded, in memory)")
+
+            db_url = self._seed()
+            self._export_env(broker.bootstrap, db_url)
+            refresh_cmd = [sys.executable, "-m", "refresh", "--config", str(CONF / "refresh.yaml")]
+
+            self._start(stack, "refresher", [*refresh_cmd, "daemon"])
+            self._wait_for_changelogs(settings)
+            self._start(stack, "enrichment job", [sys.executable, "-m", "enrich", "run", "--config",
+                                                  str(CONF / "enrich.yaml"), "--master", self.args.master])
+            self._start(stack, "simulator", [sys.executable, "-m", "enrich.simulate", "--bootstrap",
+                                             broker.bootstrap, "--topic", EVENTS_TOPIC, "--rate",
+                                             f"{self.args.rate:g}", "--devices", str(self.args.devices),
+                                             "--malformed", "0.01"])
+            tail = EnrichedTail(settings, ENRICHED_TOPIC).start()
+            stack.callback(tail.stop)
+            producer = Producer({**settings, "linger.ms": "5", "logger": log})
+            stack.callback(producer.flush, 5)
+
+            self._wait_for_first_event(tail)
+            operator = Operator(db_url=db_url, sites_csv=self.workdir / "data" / "sites.csv", tail=tail,
+                                producer=producer, events_topic=EVENTS_TOPIC, refresh_cmd=refresh_cmd,
+                                timeout=self.args.timeout, stop=self.stop, check=self._check_children,
+                                devices=self.args.devices)
+            stack.callback(operator.close)
+            results = operator.run()
+            lat = [s for _, s in results.latencies]
+            say(f"[{stamp()}] all {len(lat)} changes reached the enriched output "
+                f"(median {statistics.median(lat):.1f} s, max {max(lat):.1f} s)")
+            self._steady(tail)
+            say(f"[{stamp()}] stopping: {tail.count:,} enriched events read")
+        return 0
+
+    def _prepare_workdir(self) -> None:
+        if not (CONF / "refresh.yaml").exists():
+            raise DemoError(f"{CONF} not found: run the demo from a checkout of refstream (make demo)")
+        w = self.workdir
+        if w.exists() and any(w.iterdir()):
+            if not (w / MARKER).exists():
+                raise DemoError(f"{w} exists and was not made by the demo; choose another --workdir")
+            shutil.rmtree(w)  # the broker keeps topics in memory: old state would not match them
+        (w / "data").mkdir(parents=True, exist_ok=True)
+        self.logs.mkdir(parents=True, exist_ok=True)
+        (w / MARKER).write_text("work directory of `python -m refstream.demo`, wiped at each start\n")
+        logging.basicConfig(filename=self.logs / "demo.log",
+                            level=logging.DEBUG if self.args.debug else logging.INFO,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+
+    def _seed(self) -> str:
+        db_url = os.environ.get("REF_DB_URL") or f"sqlite:///{self.workdir / 'refdata.db'}"
+        seed_database(db_url, self.args.devices)
+        write_sites(self.workdir / "data" / "sites.csv")
+        shown = db_url.split("@")[-1] if "@" in db_url else db_url
+        say(f"[{stamp()}] seeded {shown}: {self.args.devices:,} devices, {len(MODELS)} models; "
+            f"{len(SITES)} sites in data/sites.csv")
+        return db_url
+
+    def _export_env(self, bootstrap: str, db_url: str) -> None:
+        # Read by conf/demo/*.yaml in every child and in `refresh run` started by the operator.
+        os.environ.update({"DEMO_BOOTSTRAP": bootstrap, "DEMO_DB_URL": db_url, "DEMO_DIR": str(self.workdir),
+                           "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable,
+                           "PYTHONUNBUFFERED": "1"})
+
+    def _start(self, stack: contextlib.ExitStack, name: str, argv: list[str]) -> Child:
+        child = Child(name, argv, self.logs / f"{name.split()[0]}.log", cwd=ROOT).start()
+        self.children.append(child)
+        stack.callback(self._stopped, name, child.stop)
+        say(f"[{stamp()}] started {name} (pid {child.pid})")
+        return child
+
+    def _stopped(self, name: str, stop: Callable[[], Any]) -> None:
+        code = stop()
+        say(f"[{stamp()}] stopped {name}" + (f" (exit code {code})" if code not in (None, 0) else ""))
+
+    def _check_children(self) -> None:
+        for c in self.children:
+            try:
+                c.check()
+            except ChildExited as exc:
+                raise DemoError(str(exc)) from None
+
+    def _sleep(self, seconds: float) -> None:
+        self._check_children()
+        if self.stop.wait(seconds):
+            raise Stopped
+
+    # ---------------------------------------------------------------------------------- waiting
+
+    def _wait_for_changelogs(self, settings: dict[str, str]) -> None:
+        t0 = time.monotonic()
+        deadline = t0 + self.args.startup_timeout
+        counts: dict[str, int] = {}
+        while time.monotonic() < deadline:
+            counts = {d: _upserts(settings, default_topic(d)) for d in DATASETS}
+            if all(counts.values()):
+                say(f"[{stamp()}] refresher published "
+                    + ", ".join(f"{d}: {n:,} rows" for d, n in counts.items())
+                    + f" in {time.monotonic() - t0:.1f} s")
+                return
+            self._sleep(1.0)
+        missing = [d for d, n in counts.items() if not n] or list(DATASETS)
+        raise DemoError(f"the refresher published nothing for {', '.join(missing)} within "
+                        f"{self.args.startup_timeout:.0f} s (see {self.logs / 'refresher.log'})")
+
+    def _wait_for_first_event(self, tail: EnrichedTail) -> None:
+        t0 = time.monotonic()
+        say(f"[{stamp()}] waiting for the first enriched event (Spark's first start takes a minute or two) ...", end=" ")
+        exp = tail.expect("first", lambda e: matched(e, "devices", "model_id") and e.get("site_name"))
+        exp.mark_started()
+        while time.monotonic() - t0 < self.args.startup_timeout:
+            latency = exp.wait(1.0, self.stop)
+            if latency is not None:
+                e = exp.event or {}
+                say(f"after {latency:.1f} s:\n           {e.get('device_id')} -> model "
+                    f"{e.get('model_name')!r}, site {e.get('site_name')!r} ({e.get('region')}), "
+                    f"owner {e.get('owner')!r}")
+                return
+            self._sleep(0)
+        raise DemoError(f"no enriched event within {self.args.startup_timeout:.0f} s "
+                        f"(see {self.logs / 'enrichment.log'})")
+
+    def _steady(self, tail: EnrichedTail) -> None:
+        # --duration bounds the run but never cuts the scenario short: on a busy machine Spark's start
+        # alone can take minutes, and a run that stops before the changes shows nothing.
+        end = None if self.args.duration is None else self.started + self.args.duration
+        if end is None:
+            say(f"[{stamp()}] the pipeline keeps running; Ctrl-C stops it")
+        last, t_last = tail.count, time.monotonic()
+        while True:
+            left = 10.0 if end is None else min(10.0, end - time.monotonic())
+            if left <= 0:
+                return
+            try:
+                self._sleep(left)
+            except Stopped:
+                return
+            now = time.monotonic()
+            if now - t_last < 5.0:
+                continue  # the short stretch before --duration ends: no rate worth showing
+            say(f"[{stamp()}] {tail.count:,} enriched events so far "
+                f"({(tail.count - last) / (now - t_last):,.0f}/s)")
+            last, t_last = tail.count, now
+
+
+def _upserts(settings: dict[str, str], topic: str) -> int:
+    try:
+        return sum(1 for m in read_to_end(settings, topic, timeout=10)
+                   if decode(m.key(), m.value(), m.headers()).op == OP_UPSERT)
+    except RefstreamError:
+        return 0
+
+
+@contextlib.contextmanager
+def _signals(stop: threading.Event) -> Iterator[None]:
+    """First SIGINT/SIGTERM: stop in order. A second one: unwind at once (children still stopped).
+
+    A second signal within a second of the first is the same Ctrl-C delivered twice (wrappers such as
+    ``timeout`` pass it on to their whole process group, which already got it): ignored."""
+    first: float | None = None
+
+    def handler(signum: int, _frame: object) -> None:
+        nonlocal first
+        now = time.monotonic()
+        if first is None:
+            first = now
+            stop.set()
+        elif now - first > 1.0:
+            raise KeyboardInterrupt
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    stop = threading.Event()
+    demo = Demo(args, stop)
+    try:
+        with _signals(stop):
+            return demo.run()
+    except KeyboardInterrupt:
+        return 130
+    except (DemoError, ChangeNotSeen, ChildExited, RefstreamError, OSError) as exc:
+        if args.debug:
+            raise
+        print(f"demo: {exc} (logs in {demo.logs})", file=sys.stderr)
+        return 1
