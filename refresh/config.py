@@ -1,0 +1,232 @@
+"""``conf/refresh.yaml`` as frozen dataclasses.
+
+Relative paths (``state_dir``, a file source's ``path``) are resolved against the current working
+directory at load time (the directory ``refresh`` is started from, like SQLite URLs), and stored
+absolute, so a later ``chdir`` changes nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+
+from refstream.config import Section, kafka_settings, load_yaml
+from refstream.contract import check_type, default_topic
+from refstream.errors import ConfigError, ContractError
+from refstream.retry import RetryPolicy
+
+MODES = ("diff", "incremental")
+FILE_FORMATS = ("csv", "jsonl", "parquet")
+_EXT_FORMATS = {".csv": "csv", ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl",
+                ".parquet": "parquet", ".pq": "parquet"}
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """When the daemon runs a dataset: a fixed interval or a cron expression (or neither: on demand)."""
+
+    every: timedelta | None = None
+    cron: str | None = None
+
+
+@dataclass(frozen=True)
+class SourceConfig:
+    """Where a dataset comes from: a SQL table or query (``url`` + ``table``/``query``) or files
+    (``path``, a file or a glob; ``format`` from the extension unless given)."""
+
+    path: str | None = None
+    format: str | None = None
+    url: str | None = None
+    table: str | None = None
+    query: str | None = None
+    chunk_rows: int = 50_000
+    types: tuple[tuple[str, str], ...] = ()   # files: column -> contract type, overriding inference
+
+    @property
+    def kind(self) -> str:
+        return "sql" if self.url else "files"
+
+    def describe(self) -> str:
+        if self.kind == "files":
+            return str(self.path)
+        return f"{_redact(self.url or '')} {'table ' + self.table if self.table else 'query'}"
+
+
+@dataclass(frozen=True)
+class IncrementalConfig:
+    """Cursor settings of ``mode: incremental``."""
+
+    column: str | None = None
+    lag: timedelta = timedelta(seconds=30)
+    reconcile_every: timedelta | None = None
+
+
+@dataclass(frozen=True)
+class DatasetConfig:
+    name: str
+    topic: str
+    key: tuple[str, ...]
+    mode: str
+    schedule: Schedule
+    watch: bool
+    source: SourceConfig
+    incremental: IncrementalConfig
+    allow_empty: bool = False
+    partitions: int = 1
+
+
+@dataclass(frozen=True)
+class RefreshConfig:
+    path: Path
+    kafka: dict[str, str]
+    state_dir: Path
+    datasets: dict[str, DatasetConfig]
+    retry: RetryPolicy = field(default_factory=RetryPolicy)
+
+    def dataset(self, name: str) -> DatasetConfig:
+        try:
+            return self.datasets[name]
+        except KeyError:
+            known = ", ".join(sorted(self.datasets)) or "none"
+            raise ConfigError(f"{self.path}: no dataset {name!r} (known: {known})") from None
+
+    def __hash__(self) -> int:  # dict fields: hash by identity of the file loaded
+        return hash((self.path, tuple(self.datasets)))
+
+
+def _redact(url: str) -> str:
+    """A URL safe to log: the password replaced by ***."""
+    try:
+        from sqlalchemy.engine import make_url
+
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # noqa: BLE001 - logging helper, never fails the caller
+        return url.split("@")[-1]
+
+
+def _abs(p: str) -> str:
+    return p if os.path.isabs(p) else os.path.abspath(p)
+
+
+def load_config(path: str | os.PathLike[str]) -> RefreshConfig:
+    """Read and validate a refresher config; :class:`ConfigError` names the file and the bad key."""
+    p = Path(path)
+    src = str(p)
+    root = Section(load_yaml(p), "", src)
+    kafka = kafka_settings(root.section("kafka"))
+    state_dir = Path(_abs(root.get("state_dir", str, "var/refresh")))
+    retry = _retry(root.section("retry", {}))
+    dsec = root.section("datasets")
+    datasets: dict[str, DatasetConfig] = {}
+    for name in dsec.data:
+        if not isinstance(name, str) or not name or "/" in name or name.startswith(("_", ".")):
+            raise dsec.error(f"bad dataset name {name!r} (letters, digits, - and _; not starting with _)")
+        datasets[name] = _dataset(name, dsec.section(name))
+        dsec.raw(name)
+    dsec.done()
+    root.done()
+    return RefreshConfig(p, kafka, state_dir, datasets, retry)
+
+
+def _retry(sec: Section) -> RetryPolicy:
+    d = RetryPolicy()
+    policy = RetryPolicy(attempts=sec.get("attempts", int, d.attempts),
+                         initial=sec.duration("initial", timedelta(seconds=d.initial)).total_seconds(),
+                         maximum=sec.duration("maximum", timedelta(seconds=d.maximum)).total_seconds())
+    if policy.attempts < 1:
+        raise sec.error("must be at least 1", "attempts")
+    sec.done()
+    return policy
+
+
+def _dataset(name: str, sec: Section) -> DatasetConfig:
+    source = _source(sec.section("source"))
+    key = tuple(sec.str_list("key"))
+    if len(set(key)) != len(key):
+        raise sec.error(f"repeats a column: {list(key)}", "key")
+    mode = sec.choice("mode", MODES, "diff")
+    schedule = _schedule(sec.section("schedule", {}))
+    inc = _incremental(sec.section("incremental", {}))
+    if mode == "incremental":
+        if source.kind != "sql":
+            raise sec.error("incremental mode needs a SQL source (files are always diffed)", "mode")
+        if inc.column is None:
+            raise sec.error("is required in incremental mode", "incremental.column")
+    elif sec.has("incremental"):
+        raise sec.error("only valid with mode: incremental", "incremental")
+    watch = sec.get("watch", bool, False)
+    if watch and source.kind != "files":
+        raise sec.error("only file sources can be watched", "watch")
+    topic = sec.get("topic", str, default_topic(name))
+    allow_empty = sec.get("allow_empty", bool, False)
+    partitions = sec.get("partitions", int, 1)
+    if partitions < 1:
+        raise sec.error("must be at least 1", "partitions")
+    sec.done()
+    return DatasetConfig(name, topic, key, mode, schedule, watch, source, inc, allow_empty, partitions)
+
+
+def _source(sec: Section) -> SourceConfig:
+    chunk = sec.get("chunk_rows", int, 50_000)
+    if chunk < 1:
+        raise sec.error("must be at least 1", "chunk_rows")
+    if sec.has("url"):
+        url = sec.get("url", str)
+        table, query = sec.get("table", str, None), sec.get("query", str, None)
+        if (table is None) == (query is None):
+            raise sec.error("give exactly one of table or query")
+        sec.done()
+        return SourceConfig(url=url, table=table, query=query, chunk_rows=chunk)
+    if sec.has("path"):
+        path = sec.get("path", str)
+        fmt = sec.get("format", str, None)
+        types_sec = sec.section("types", {})
+        types = []
+        for col in list(types_sec.data):
+            t = types_sec.get(col, str)
+            try:
+                check_type(t)
+            except ContractError as exc:
+                raise types_sec.error(str(exc), col) from None
+            types.append((str(col), t))
+        types_sec.done()
+        if fmt is None:
+            fmt = _EXT_FORMATS.get(os.path.splitext(path)[1].lower())
+            if fmt is None:
+                raise sec.error(f"cannot tell the format of {path!r} from its extension; "
+                                f"set format: {' | '.join(FILE_FORMATS)}", "path")
+        elif fmt not in FILE_FORMATS:
+            raise sec.error(f"{fmt!r} is not one of {', '.join(FILE_FORMATS)}", "format")
+        sec.done()
+        return SourceConfig(path=_abs(path), format=fmt, chunk_rows=chunk, types=tuple(types))
+    raise sec.error("needs url (with table or query) or path")
+
+
+def _schedule(sec: Section) -> Schedule:
+    every = sec.duration("every", None)
+    cron = sec.get("cron", str, None)
+    if every is not None and cron is not None:
+        raise sec.error("give either every or cron, not both")
+    if every is not None and every.total_seconds() <= 0:
+        raise sec.error("must be positive", "every")
+    if cron is not None and len(cron.split()) != 5:
+        raise sec.error(f"{cron!r} is not a 5-field cron expression", "cron")
+    sec.done()
+    return Schedule(every, cron)
+
+
+def _incremental(sec: Section) -> IncrementalConfig:
+    column = sec.get("column", str, None)
+    lag = sec.duration("lag", timedelta(seconds=30))
+    reconcile_every = None
+    if sec.has("reconcile"):
+        rec = sec.section("reconcile")
+        reconcile_every = rec.duration("every", None)
+        rec.done()
+    elif sec.has("reconcile_every"):
+        reconcile_every = sec.duration("reconcile_every")
+    sec.raw("reconcile_every", None)
+    sec.done()
+    return IncrementalConfig(column, lag, reconcile_every)

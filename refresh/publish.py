@@ -1,0 +1,175 @@
+"""Publishing a change set: idempotent producer, every delivery report checked before returning.
+
+:meth:`Publisher.publish` returns only when the broker acknowledged every message; otherwise it raises
+:class:`refresh.errors.PublishError` (transient), and the caller commits nothing, so the next run
+publishes the same changes again (harmless: same keys, same values, compacted topic).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from confluent_kafka import KafkaException, Producer
+
+from refresh.errors import PublishError, Stopped
+from refstream.contract import TOPIC_CONFIG, Message
+from refstream.kafka import ensure_topic, partitions_of
+
+log = logging.getLogger(__name__)
+
+PRODUCER_DEFAULTS = {
+    "enable.idempotence": "true",
+    "acks": "all",
+    "linger.ms": "20",
+    "compression.type": "lz4",
+    # Same partition for the same key as Java clients (murmur2), so any producer of a key agrees.
+    "partitioner": "murmur2_random",
+    # Bounded: a broker that stays away fails the run instead of blocking it forever.
+    "message.timeout.ms": "60000",
+    "queue.buffering.max.messages": "200000",
+}
+
+# Producers created ahead of a publish (see Publisher.warm_up), by settings.
+_warm: dict[tuple[tuple[str, str], ...], Producer] = {}
+_warm_lock = threading.Lock()
+
+
+def _settings_key(settings: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
+    return tuple(sorted((str(k), str(v)) for k, v in settings.items()))
+
+
+def _new_producer(settings: Mapping[str, str]) -> Producer:
+    # librdkafka's own log lines (e.g. "connection refused") go through logging, not stderr.
+    conf: dict[str, Any] = {**PRODUCER_DEFAULTS, **settings, "logger": logging.getLogger("refresh.kafka")}
+    conf["enable.idempotence"] = "true"  # never overridable: retries must not duplicate
+    return Producer(conf)
+
+
+class Publisher:
+    """Produces change sets to dataset topics. One per run; not shared between threads."""
+
+    def __init__(self, settings: Mapping[str, str], *, topic_timeout: float = 10.0) -> None:
+        self.settings = dict(settings)
+        self.topic_timeout = topic_timeout
+        self._producer: Producer | None = None
+        self._errors: list[str] = []
+        self._acked = 0
+        self._lock = threading.Lock()
+
+    def _on_delivery(self, err: Any, msg: Any) -> None:
+        with self._lock:
+            if err is not None:
+                self._errors.append(f"{msg.topic()}[{msg.partition()}] key {msg.key()!r}: {err}")
+            else:
+                self._acked += 1
+
+    @classmethod
+    def warm_up(cls, settings: Mapping[str, str]) -> None:
+        """Create the producer of the next publish with ``settings`` now, e.g. before a long read.
+
+        An idempotent producer cannot send before the broker gave it a producer id, and librdkafka
+        asks for one only after a first retry timer (0.5-1 s after the producer is created); done
+        ahead, that wait overlaps the read instead of adding to the run. Errors are left to the publish."""
+        key = _settings_key(settings)
+        with _warm_lock:
+            if key in _warm:
+                return
+        try:
+            p = _new_producer(settings)
+        except KafkaException:
+            return
+        with _warm_lock:
+            if key in _warm:  # another thread was quicker
+                stale = [p]
+            else:
+                # At most one waiting producer (a config has one broker list): one for other
+                # settings is let go rather than left reconnecting forever.
+                stale = list(_warm.values())
+                _warm.clear()
+                _warm[key] = p
+        del stale  # released outside the lock (destroying a producer may take a moment)
+
+    def producer(self) -> Producer:
+        if self._producer is None:
+            with _warm_lock:
+                self._producer = _warm.pop(_settings_key(self.settings), None)
+        if self._producer is None:
+            try:
+                self._producer = _new_producer(self.settings)
+            except KafkaException as exc:
+                raise PublishError(f"cannot create a Kafka producer: {exc}") from None
+        return self._producer
+
+    def prepare(self, topic: str, partitions: int = 1) -> list[int]:
+        """Create ``topic`` if missing; returns its partitions. Unreachable broker -> TransientError."""
+        ensure_topic(self.settings, topic, partitions=partitions, config=TOPIC_CONFIG,
+                     timeout=self.topic_timeout)
+        parts = partitions_of(self.settings, topic, timeout=self.topic_timeout)
+        if not parts:
+            raise PublishError(f"topic {topic} has no partitions (metadata not available)")
+        return parts
+
+    def publish(self, topic: str, messages: Iterable[Message], *, to_every_partition: Iterable[Message] = (),
+                partitions: list[int] | None = None, flush_timeout: float = 120.0,
+                stop: threading.Event | None = None) -> int:
+        """Produce ``to_every_partition`` (schema records) to each partition, then ``messages`` by key;
+        wait for every delivery report. Returns the number of messages acknowledged."""
+        p = self.producer()
+        self._errors.clear()
+        self._acked = 0
+        sent = 0
+        for m in to_every_partition:
+            for part in partitions or [0]:
+                self._produce(p, topic, m, part)
+                sent += 1
+        for i, m in enumerate(messages):
+            self._produce(p, topic, m, None)
+            sent += 1
+            if i % 10_000 == 0:
+                p.poll(0)
+                if stop is not None and stop.is_set():
+                    p.flush(5)
+                    raise Stopped(f"topic {topic}: stopped while publishing ({sent} produced); "
+                                  f"nothing committed")
+                if self._errors:
+                    break
+        deadline = time.monotonic() + flush_timeout
+        while len(p) > 0 and time.monotonic() < deadline:
+            p.flush(min(1.0, max(0.0, deadline - time.monotonic())))
+            if stop is not None and stop.is_set() and self._errors:
+                break
+        pending = len(p)
+        if self._errors or pending or self._acked != sent:
+            first = self._errors[0] if self._errors else "no delivery report"
+            raise PublishError(f"topic {topic}: {self._acked}/{sent} messages acknowledged "
+                               f"({len(self._errors)} failed, {pending} pending); first error: {first}")
+        return sent
+
+    def _produce(self, p: Producer, topic: str, m: Message, partition: int | None) -> None:
+        kwargs: dict[str, Any] = {"key": m.key, "value": m.value, "headers": m.headers,
+                                  "on_delivery": self._on_delivery}
+        if partition is not None:
+            kwargs["partition"] = partition
+        while True:
+            try:
+                p.produce(topic, **kwargs)
+                return
+            except BufferError:
+                p.poll(0.05)  # local queue full: let delivery reports drain it
+            except KafkaException as exc:
+                raise PublishError(f"topic {topic}: produce failed: {exc}") from None
+
+    def close(self) -> None:
+        if self._producer is not None:
+            self._producer.flush(5)
+            self._producer = None
+
+    def __enter__(self) -> Publisher:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

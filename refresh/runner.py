@@ -1,0 +1,360 @@
+"""One refresh of one dataset: read, check, diff, publish, and only then commit.
+
+Order of a run (under the dataset's lock):
+    load committed state -> read the source (retried while the database is unreachable) -> normalise and
+    check keys -> compute the change set -> publish (schema record first if the columns changed), wait
+    for every acknowledgement -> commit snapshot + state atomically -> record the run's status.
+Any failure before the commit leaves the committed state as it was: the next run computes the same
+changes again (or more) and republishes them, which is harmless on a compacted, keyed topic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import pyarrow as pa
+
+from refresh import incremental as inc
+from refresh.config import DatasetConfig, RefreshConfig
+from refresh.diff import ChangeSet, canonical_schema, check_keys, diff, normalize, upsert_into, within
+from refresh.errors import DatasetBusy, EmptySnapshot, Stopped
+from refresh.publish import Publisher
+from refresh.sources import open_source
+from refresh.sources.abc import IncrementalSource, Source
+from refresh.stores.abc import CommittedState, SnapshotRows, StateStore
+from refresh.stores.files import FileStateStore
+from refstream.contract import DatasetSchema, delete_messages, schema_message, upsert_messages
+from refstream.errors import RefstreamError
+from refstream.retry import call_with_retry
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """Outcome of one run. ``published`` counts messages acknowledged (schema records included)."""
+
+    dataset: str
+    ok: bool
+    version: int
+    rows: int
+    inserts: int
+    updates: int
+    deletes: int
+    published: int
+    seconds: float
+    error: str | None = None
+    kind: str = "diff"            # diff | incremental | reconcile | full
+    watermark: Any = None
+    schema_changed: bool = False
+    phases: dict[str, float] = field(default_factory=dict)   # seconds per step: load, read, diff, ...
+
+    def as_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+@dataclass(frozen=True)
+class _Step:
+    """What a read computed: the change set and the state to commit once it is published."""
+
+    kind: str
+    rows_read: int
+    schema: DatasetSchema
+    changes: ChangeSet
+    snapshot: pa.Table | None      # the new published rows (None: unchanged)
+    total: int
+    watermark: Any
+    watermark_type: str | None
+    last_reconcile: str | None
+
+
+class _Phases:
+    """Seconds spent per step of a run (reported in the run's log line and RunResult.phases)."""
+
+    def __init__(self) -> None:
+        self.phases: dict[str, float] = {}
+        self._last = time.monotonic()
+
+    def mark(self, name: str) -> None:
+        now = time.monotonic()
+        self.phases[name] = round(self.phases.get(name, 0.0) + now - self._last, 3)
+        self._last = now
+
+    def __str__(self) -> str:
+        return ", ".join(f"{k} {v:.2f}s" for k, v in self.phases.items())
+
+
+class Refresher:
+    """Runs refreshes of the datasets of one config. Thread-safe: runs of different datasets may go
+    in parallel; runs of the same dataset (in any thread or process) are serialised by a lock."""
+
+    def __init__(self, config: RefreshConfig, *, store: StateStore | None = None,
+                 publisher_factory: Callable[[dict[str, str]], Publisher] = Publisher,
+                 progress: bool | None = None) -> None:
+        self.config = config
+        self.store = store or FileStateStore(config.state_dir)
+        self.publisher_factory = publisher_factory
+        self.progress = sys.stderr.isatty() if progress is None else progress
+
+    # --------------------------------------------------------------------------------- public
+    def run(self, dataset: str, *, full: bool = False, reconcile: bool = False, wait: bool = True,
+            stop: threading.Event | None = None) -> RunResult:
+        """Refresh ``dataset`` now. ``full`` republishes every current row; ``reconcile`` (incremental
+        mode) reads the whole source to find hard deletes. Records the outcome in the dataset's status
+        and re-raises the error of a failed run after recording it. ``wait=False`` raises
+        :class:`DatasetBusy` instead of waiting for a run that holds the dataset."""
+        ds = self.config.dataset(dataset)
+        with self.store.lock(ds.name, wait=wait, stop=stop):
+            started = _utcnow()
+            t0 = time.monotonic()
+            try:
+                result = self._run_locked(ds, full=full, reconcile=reconcile, stop=stop, t0=t0)
+            except BaseException as exc:
+                self._record(ds, started, RunResult(
+                    ds.name, False, self.store.load(ds.name).version, 0, 0, 0, 0, 0,
+                    round(time.monotonic() - t0, 3), _one_line(exc), "full" if full else ds.mode))
+                log.error("dataset %s: refresh failed after %.1fs: %s", ds.name,
+                          time.monotonic() - t0, _one_line(exc))
+                raise
+            self._record(ds, started, result)
+            return result
+
+    def run_many(self, datasets: Iterable[str] | None = None, *, full: bool = False,
+                 stop: threading.Event | None = None) -> list[RunResult | BaseException]:
+        """Run datasets one after the other; a failure does not stop the others (returned instead)."""
+        out: list[RunResult | BaseException] = []
+        for name in datasets or list(self.config.datasets):
+            if stop is not None and stop.is_set():
+                break
+            try:
+                out.append(self.run(name, full=full, stop=stop))
+            except DatasetBusy:
+                raise
+            except Exception as exc:  # noqa: BLE001 - reported per dataset by the caller
+                out.append(exc)
+        return out
+
+    # ------------------------------------------------------------------------------- internals
+    def _retry(self, fn: Callable[[], Any], what: str, stop: threading.Event | None) -> Any:
+        return call_with_retry(fn, what=what, policy=self.config.retry, stop=stop)
+
+    def _read(self, ds: DatasetConfig, what: str, read: Callable[[Callable[[int], None] | None], pa.Table],
+              prior: DatasetSchema | None, stop: threading.Event | None) -> pa.Table:
+        def attempt() -> pa.Table:
+            with ExitStack() as stack:
+                bar = None
+                if self.progress:
+                    from tqdm import tqdm
+
+                    bar = stack.enter_context(tqdm(desc=f"{ds.name}: {what}", unit=" rows", leave=False,
+                                                   file=sys.stderr))
+
+                def cb(n: int) -> None:
+                    # Called per chunk: a stop request ends a long read between chunks.
+                    if stop is not None and stop.is_set():
+                        raise Stopped(f"dataset {ds.name}: stopped while reading; nothing published")
+                    if bar is not None:
+                        bar.update(n - bar.n)
+
+                table = read(cb)
+            if stop is not None and stop.is_set():
+                raise Stopped(f"dataset {ds.name}: stopped after reading; nothing published")
+            return normalize(_fill_null_types(table, prior), ds.name)
+
+        return self._retry(attempt, f"dataset {ds.name}: read {what}", stop)
+
+    def _run_locked(self, ds: DatasetConfig, *, full: bool, reconcile: bool,
+                    stop: threading.Event | None, t0: float) -> RunResult:
+        timer = _Phases()
+        warm_up = getattr(self.publisher_factory, "warm_up", None)
+        if warm_up is not None:
+            warm_up(self.config.kafka)  # the producer gets ready while the source is read
+        state = self.store.load(ds.name)
+        snapshot = self.store.open_snapshot(ds.name, state)
+        if snapshot is not None and canonical_schema(snapshot.schema, ds.name) != snapshot.schema:
+            snapshot = normalize(snapshot.read(), ds.name)  # written by an older release: convert it whole
+        timer.mark("load")
+        source = open_source(ds)
+        log.info("dataset %s: refresh from %s (version %d%s)", ds.name, source.describe(),
+                 state.version, ", full republish" if full else "")
+        version = state.version + 1
+
+        step: _Step | None = None
+        if ds.mode == "incremental" and not full and not reconcile and snapshot is not None \
+                and not self._reconcile_due(ds, state):
+            assert isinstance(source, IncrementalSource)
+            step = self._incremental(ds, state, snapshot, source, stop, timer)
+        if step is None:
+            step = self._full_read(ds, state, snapshot, source, stop, timer,
+                                   kind="full" if full else ("reconcile" if ds.mode == "incremental" else "diff"))
+        del snapshot  # the old rows are not needed any more: free them before publishing
+
+        schema, changes = step.schema, step.changes
+        schema_changed = not schema.same_columns(state.schema)
+        if schema_changed and state.schema is not None:
+            log.warning("dataset %s: schema change: %s", ds.name, describe_schema_change(state.schema, schema))
+        with_schema = schema_changed or full
+        schema = dataclasses.replace(schema, version=version) if with_schema else (state.schema or schema)
+
+        published = 0
+        if changes or with_schema:
+            published = self._publish(ds, schema, changes, version, with_schema=with_schema, stop=stop)
+        timer.mark("publish")
+        # Every message is acknowledged: commit even if a stop was requested meanwhile (it is quick,
+        # and stopping here would only make the next run publish the same changes again).
+        keep_snapshot = step.snapshot is None or (not changes and not schema_changed and state.snapshot)
+        self.store.commit(ds.name, CommittedState(
+            version=version, schema=schema, snapshot=state.snapshot, rows=step.total,
+            watermark=step.watermark, watermark_type=step.watermark_type,
+            last_reconcile=step.last_reconcile, topic=ds.topic), None if keep_snapshot else step.snapshot)
+        timer.mark("commit")
+        seconds = round(time.monotonic() - t0, 3)
+        result = RunResult(ds.name, True, version, step.rows_read, changes.inserts, changes.updates,
+                           changes.delete_count, published, seconds, None, step.kind, step.watermark,
+                           schema_changed, timer.phases)
+        log.info("dataset %s: version %d (%s): read %d rows, %d inserts, %d updates, %d deletes, "
+                 "%d messages published in %.2fs (%s)", ds.name, version, step.kind, result.rows,
+                 result.inserts, result.updates, result.deletes, published, seconds, timer)
+        return result
+
+    def _incremental(self, ds: DatasetConfig, state: CommittedState, published: SnapshotRows | pa.Table,
+                     source: IncrementalSource, stop: threading.Event | None, timer: _Phases) -> _Step | None:
+        """Rows from the watermark (minus the lag) on, compared with the published ones; None when the
+        columns changed and a full read must decide instead."""
+        col = ds.incremental.column or ""
+        snapshot = published.read() if isinstance(published, SnapshotRows) else published
+        old_wm = inc.from_json(state.watermark, state.watermark_type)
+        low = inc.window_start(old_wm, ds.incremental.lag)
+        db_now = self._retry(source.now, f"dataset {ds.name}: database clock", stop)
+        rows = self._read(ds, f"rows with {col} >= {low}", lambda cb: source.read_since(col, low, cb),
+                          state.schema, stop)
+        timer.mark("read")
+        if rows.num_rows:
+            check_keys(ds.name, rows, ds.key)
+            if not DatasetSchema.from_arrow(ds.name, ds.key, rows.schema).same_columns(state.schema):
+                log.warning("dataset %s: columns changed since the last run; switching to a full read", ds.name)
+                return None
+            changes = diff(ds.name, within(snapshot, rows, ds.key), rows, ds.key)
+        else:
+            changes = ChangeSet(rows, rows.select(list(ds.key)), 0, 0)
+        new_snapshot = upsert_into(snapshot, changes.upserts, ds.key) if changes else None
+        watermark = inc.to_json(inc.advance(old_wm, rows, col, db_now))
+        wm_type = state.watermark_type or (inc.column_type(rows, col) if rows.num_rows else None)
+        timer.mark("diff")
+        schema = state.schema or DatasetSchema.from_arrow(ds.name, ds.key, rows.schema)
+        total = new_snapshot.num_rows if new_snapshot is not None else snapshot.num_rows
+        return _Step("incremental", rows.num_rows, schema, changes, new_snapshot, total, watermark, wm_type,
+                     state.last_reconcile)
+
+    def _full_read(self, ds: DatasetConfig, state: CommittedState, snapshot: SnapshotRows | pa.Table | None,
+                   source: Source,
+                   stop: threading.Event | None, timer: _Phases, *, kind: str) -> _Step:
+        """Every row, diffed with the published snapshot (``kind`` full also republishes every row)."""
+        incremental = ds.mode == "incremental"
+        db_now = self._retry(source.now, f"dataset {ds.name}: database clock", stop) \
+            if incremental and isinstance(source, IncrementalSource) else None
+        rows = self._read(ds, "snapshot", source.read, state.schema, stop)
+        timer.mark("read")
+        if rows.num_rows == 0 and not ds.allow_empty:
+            raise EmptySnapshot(
+                f"dataset {ds.name}: {source.describe()} read as empty; refusing to delete "
+                f"{snapshot.num_rows if snapshot is not None else 0} published row(s) "
+                f"(set allow_empty: true if an empty dataset is legitimate)")
+        if rows.num_rows == 0 and rows.num_columns == 0 and snapshot is not None:
+            # An allowed empty source without columns (a zero-byte file): empty with the columns last
+            # published, so it deletes every row instead of failing on missing key columns.
+            rows = normalize(snapshot.schema.empty_table(), ds.name)
+        check_keys(ds.name, rows, ds.key)
+        schema = DatasetSchema.from_arrow(ds.name, ds.key, rows.schema)
+        changes = diff(ds.name, snapshot, rows, ds.key, republish_all=kind == "full")
+        watermark, wm_type, last_reconcile = state.watermark, state.watermark_type, state.last_reconcile
+        if incremental:
+            col = ds.incremental.column or ""
+            watermark = inc.to_json(inc.advance(inc.from_json(state.watermark, state.watermark_type), rows,
+                                                col, db_now))
+            wm_type = inc.column_type(rows, col)
+            last_reconcile = _utcnow().isoformat()
+        timer.mark("diff")
+        return _Step(kind, rows.num_rows, schema, changes, rows, rows.num_rows, watermark, wm_type, last_reconcile)
+
+    def _reconcile_due(self, ds: DatasetConfig, state: CommittedState) -> bool:
+        every = ds.incremental.reconcile_every
+        if every is None:
+            return False
+        if not state.last_reconcile:
+            return True
+        return _utcnow() - datetime.fromisoformat(state.last_reconcile) >= every
+
+    def _publish(self, ds: DatasetConfig, schema: DatasetSchema, changes: ChangeSet, version: int, *,
+                 with_schema: bool, stop: threading.Event | None) -> int:
+        def messages() -> Iterator[Any]:
+            yield from delete_messages(schema, changes.deletes, version)
+            yield from upsert_messages(schema, changes.upserts, version)
+
+        def attempt() -> int:
+            with self.publisher_factory(self.config.kafka) as pub:
+                parts = pub.prepare(ds.topic, ds.partitions)
+                return pub.publish(ds.topic, messages(),
+                                   to_every_partition=[schema_message(schema)] if with_schema else [],
+                                   partitions=parts, stop=stop)
+
+        return self._retry(attempt, f"dataset {ds.name}: publish to {ds.topic}", stop)
+
+    def _record(self, ds: DatasetConfig, started: datetime, result: RunResult) -> None:
+        prev = self.store.read_status(ds.name)
+        run = {"started": started.isoformat(), "finished": _utcnow().isoformat(), **result.as_dict()}
+        status = {
+            "dataset": ds.name, "last_run": run,
+            "last_success": run if result.ok else prev.get("last_success"),
+            "consecutive_failures": 0 if result.ok else int(prev.get("consecutive_failures", 0)) + 1,
+        }
+        try:
+            self.store.write_status(ds.name, status)
+        except OSError as exc:  # the run's outcome stands; only its report is lost
+            log.error("dataset %s: cannot write status: %s", ds.name, exc)
+
+
+def describe_schema_change(old: DatasetSchema, new: DatasetSchema) -> str:
+    o, n = {c.name: c.type for c in old.columns}, {c.name: c.type for c in new.columns}
+    parts = [f"added {k} {n[k]}" for k in n if k not in o]
+    parts += [f"dropped {k}" for k in o if k not in n]
+    parts += [f"retyped {k} {o[k]} -> {n[k]}" for k in n if k in o and o[k] != n[k]]
+    if old.key != new.key:
+        parts.append(f"key {list(old.key)} -> {list(new.key)}")
+    if not parts and old.names != new.names:
+        parts.append("columns reordered")
+    return ", ".join(parts) or "no visible change"
+
+
+def _fill_null_types(table: pa.Table, prior: DatasetSchema | None) -> pa.Table:
+    """Columns a source could not type (all NULL, untyped driver) take the type last published."""
+    if prior is None or not any(pa.types.is_null(f.type) for f in table.schema):
+        return table
+    known = {c.name: c for c in prior.columns}
+    for i, f in enumerate(table.schema):
+        if pa.types.is_null(f.type) and f.name in known:
+            t = prior.arrow_schema().field(f.name).type
+            table = table.set_column(i, pa.field(f.name, t), pa.nulls(table.num_rows, t))
+    return table
+
+
+def _one_line(exc: BaseException) -> str:
+    """An error as one line: our own errors by message, anything else prefixed with its type."""
+    text = str(exc).strip()
+    msg = text.splitlines()[0] if text else ""
+    if isinstance(exc, RefstreamError) and msg:
+        return msg
+    return f"{type(exc).__name__}: {msg}" if msg else type(exc).__name__

@@ -1,0 +1,17 @@
+"""Where snapshots come from: SQL (:mod:`refresh.sources.sql`) and files (:mod:`refresh.sources.files`)."""
+
+from __future__ import annotations
+
+from refresh.config import DatasetConfig
+from refresh.sources.abc import Source
+
+
+def open_source(ds: DatasetConfig) -> Source:
+    """The source of ``ds`` (imports the implementation it needs only)."""
+    if ds.source.kind == "sql":
+        from refresh.sources.sql import SqlSource
+
+        return SqlSource(ds.name, ds.source)
+    from refresh.sources.files import FileSource
+
+    return FileSource(ds.name, ds.source)

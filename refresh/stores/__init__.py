@@ -1,0 +1,1 @@
+"""Durable per-dataset state under ``state_dir``: snapshots, committed state, run status, locks."""

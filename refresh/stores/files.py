@@ -1,0 +1,181 @@
+"""The file state store (see :mod:`refresh.stores.abc` for the layout)."""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from refresh.errors import DatasetBusy, Stopped
+from refresh.stores.abc import CommittedState, SnapshotRows, StateStore
+from refstream.atomic import write_atomic, write_json_atomic
+from refstream.contract import DatasetSchema
+from refstream.errors import TerminalError
+
+log = logging.getLogger(__name__)
+
+STATE_FORMAT = 1
+
+
+class FileStateStore(StateStore):
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root)
+
+    def dir(self, dataset: str) -> Path:
+        return self.root / dataset
+
+    # ------------------------------------------------------------------------------------- lock
+    @contextlib.contextmanager
+    def lock(self, dataset: str, *, wait: bool = True,
+             stop: threading.Event | None = None) -> Iterator[None]:
+        d = self.dir(dataset)
+        d.mkdir(parents=True, exist_ok=True)
+        # flock locks belong to the open file description: a second open() in this process conflicts
+        # with the first just like another process does, so threads are excluded too.
+        fd = os.open(d / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            announced = False
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if not wait:
+                        raise DatasetBusy(dataset) from None
+                    if not announced:
+                        log.info("dataset %s: waiting for the refresh already running", dataset)
+                        announced = True
+                    if stop is not None:
+                        if stop.wait(0.1):
+                            raise Stopped(f"dataset {dataset}: stopped while waiting for the lock") from None
+                    else:
+                        time.sleep(0.1)
+            os.ftruncate(fd, 0)
+            os.write(fd, f"{os.getpid()} {threading.current_thread().name}\n".encode())
+            try:
+                yield
+            finally:
+                fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
+
+    # ------------------------------------------------------------------------------------ state
+    def load(self, dataset: str) -> CommittedState:
+        p = self.dir(dataset) / "state.json"
+        try:
+            obj = json.loads(p.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return CommittedState()
+        except (OSError, ValueError) as exc:
+            raise TerminalError(f"dataset {dataset}: unreadable state file {p}: {exc}") from None
+        schema = obj.get("schema")
+        return CommittedState(
+            version=int(obj.get("version", 0)),
+            schema=DatasetSchema.from_json(json.dumps(schema)) if schema else None,
+            snapshot=obj.get("snapshot"), rows=int(obj.get("rows", 0)),
+            watermark=obj.get("watermark"), watermark_type=obj.get("watermark_type"),
+            last_reconcile=obj.get("last_reconcile"), topic=obj.get("topic"),
+            extra=obj.get("extra") or {},
+        )
+
+    def load_snapshot(self, dataset: str, state: CommittedState) -> pa.Table | None:
+        if not state.snapshot:
+            return None
+        p = self.dir(dataset) / state.snapshot
+        try:
+            return pq.read_table(p)
+        except (OSError, pa.ArrowException) as exc:
+            raise TerminalError(f"dataset {dataset}: snapshot {p} is unreadable ({exc}); "
+                                f"remove {self.dir(dataset) / 'state.json'} to start over") from None
+
+    def open_snapshot(self, dataset: str, state: CommittedState) -> SnapshotRows | None:
+        if not state.snapshot:
+            return None
+        p = self.dir(dataset) / state.snapshot
+        try:
+            return ParquetSnapshot(p)
+        except (OSError, pa.ArrowException) as exc:
+            raise TerminalError(f"dataset {dataset}: snapshot {p} is unreadable ({exc}); "
+                                f"remove {self.dir(dataset) / 'state.json'} to start over") from None
+
+    def commit(self, dataset: str, state: CommittedState, snapshot: pa.Table | None) -> CommittedState:
+        d = self.dir(dataset)
+        d.mkdir(parents=True, exist_ok=True)
+        old = self.load(dataset).snapshot
+        if snapshot is not None:
+            name = f"snapshot-{state.version:010d}.parquet"
+            write_atomic(d / name, lambda f: pq.write_table(snapshot, f, compression="lz4"))
+            state = CommittedState(**{**state.__dict__, "snapshot": name})
+        obj = {
+            "format": STATE_FORMAT, "version": state.version,
+            "schema": json.loads(state.schema.to_json()) if state.schema else None,
+            "snapshot": state.snapshot, "rows": state.rows, "watermark": state.watermark,
+            "watermark_type": state.watermark_type, "last_reconcile": state.last_reconcile,
+            "topic": state.topic, "extra": state.extra,
+        }
+        write_json_atomic(d / "state.json", obj)
+        # Only now is the new snapshot the committed one: remove what nothing points at any more.
+        for p in d.glob("snapshot-*.parquet"):
+            if p.name != state.snapshot and (p.name == old or p.name < (state.snapshot or "")):
+                with contextlib.suppress(FileNotFoundError):
+                    p.unlink()
+        for p in d.glob(".*.tmp"):
+            with contextlib.suppress(FileNotFoundError):
+                p.unlink()
+        return state
+
+    # ----------------------------------------------------------------------------------- status
+    def write_status(self, dataset: str, status: dict[str, Any]) -> None:
+        write_json_atomic(self.dir(dataset) / "status.json", status)
+
+    def read_status(self, dataset: str) -> dict[str, Any]:
+        try:
+            return json.loads((self.dir(dataset) / "status.json").read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return {}
+        except (OSError, ValueError) as exc:
+            log.warning("dataset %s: unreadable status file: %s", dataset, exc)
+            return {}
+
+
+class ParquetSnapshot(SnapshotRows):
+    """A snapshot file read column by column on demand."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._file = pq.ParquetFile(path)
+        self.schema = self._file.schema_arrow
+        self.num_rows = self._file.metadata.num_rows
+
+    def select(self, names: list[str]) -> pa.Table:
+        return self._file.read(columns=list(names))
+
+    def column(self, name: str) -> pa.ChunkedArray:
+        return self._file.read(columns=[name]).column(0)
+
+    def column_parts(self, name: str) -> Iterator[tuple[int, pa.ChunkedArray]]:
+        """(first row, values) of one column per row group: the diff of a 10M-row table then holds
+        one row group of an old column at a time, not the whole column."""
+        start = 0
+        for i in range(self._file.num_row_groups):
+            part = self._file.read_row_group(i, columns=[name]).column(0)
+            n = len(part)
+            yield start, part
+            del part  # before the next row group is read
+            start += n
+
+    def read(self) -> pa.Table:
+        return self._file.read()
+
+    def close(self) -> None:
+        self._file.close()
