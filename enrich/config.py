@@ -1,0 +1,185 @@
+"""``conf/enrich.yaml`` as frozen dataclasses; every error names the file and the key at fault."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from refstream.config import Section, kafka_settings, load_yaml
+from refstream.contract import default_topic
+
+STARTING_OFFSETS = ("latest", "earliest")
+HOW = ("left", "inner")
+SOURCES = ("python", "builtin")
+
+
+@dataclass(frozen=True)
+class EventsConfig:
+    """The device event stream: one topic of JSON values described by a Spark DDL schema."""
+
+    topic: str
+    schema: str
+    starting_offsets: str = "latest"
+    required: tuple[str, ...] = ()      # event fields that must not be null (else: dead letter)
+    source: str = "python"              # "builtin": Spark's own Kafka connector, when its jar is present
+
+
+@dataclass(frozen=True)
+class JoinConfig:
+    """One lookup of a reference dataset; ``on`` pairs event columns with the dataset's key columns.
+
+    A pair's key column is ``None`` when ``on:`` was a bare column name: it then matches the
+    dataset's (single) key column, whatever its name, resolved once the published schema is known.
+    """
+
+    dataset: str
+    topic: str
+    on: tuple[tuple[str, str | None], ...]
+    columns: tuple[str, ...] | None = None     # None: every non-key column
+    how: str = "left"
+    prefix: str = ""
+
+    @property
+    def matched_column(self) -> str:
+        return f"_{self.prefix}{self.dataset}_matched"
+
+
+@dataclass(frozen=True)
+class OutputConfig:
+    kind: str                    # kafka | parquet | console
+    topic: str | None = None
+    path: Path | None = None
+    transactional_id: str | None = None
+    rows: int = 20               # console: rows shown per batch
+
+
+@dataclass(frozen=True)
+class EnrichConfig:
+    kafka: dict[str, str]
+    events: EventsConfig
+    joins: tuple[JoinConfig, ...]
+    output: OutputConfig
+    dead_letter_topic: str
+    checkpoint: Path
+    trigger: timedelta = timedelta(seconds=1)
+    max_events_per_batch: int | None = None
+    bootstrap_timeout: timedelta = timedelta(seconds=60)
+    spark_conf: dict[str, str] = field(default_factory=dict)
+    source: str = "config"
+
+    @property
+    def datasets(self) -> dict[str, str]:
+        """dataset -> changelog topic, in first-use order."""
+        out: dict[str, str] = {}
+        for j in self.joins:
+            out.setdefault(j.dataset, j.topic)
+        return out
+
+
+def load(path: str | os.PathLike[str]) -> EnrichConfig:
+    return parse(load_yaml(path), str(path))
+
+
+def parse(data: dict[str, Any], source: str = "config") -> EnrichConfig:
+    top = Section(data, "", source)
+    settings = kafka_settings(top.section("kafka"))
+
+    ev = top.section("events")
+    events = EventsConfig(
+        topic=ev.get("topic", str),
+        schema=ev.get("schema", str),
+        starting_offsets=ev.choice("starting_offsets", STARTING_OFFSETS, "latest"),
+        required=tuple(ev.str_list("required", [])),
+        source=ev.choice("source", SOURCES, "python"),
+    )
+    ev.done()
+
+    raw_joins = top.raw("joins", [])
+    if not isinstance(raw_joins, list):
+        raise top.error(f"expected a list of joins, got {raw_joins!r}", "joins")
+    joins = tuple(_join(Section(_yaml11_on(j), f"joins[{i}]", source)) for i, j in enumerate(raw_joins))
+    seen: set[tuple[str, str]] = set()
+    for i, j in enumerate(joins):
+        if (j.dataset, j.prefix) in seen:
+            raise top.error(f"dataset {j.dataset!r} joined twice with the same prefix; give one a "
+                            "prefix: to keep their columns apart", f"joins[{i}]")
+        seen.add((j.dataset, j.prefix))
+
+    output = _output(top.section("output"))
+    max_events = top.get("max_events_per_batch", int, None)
+    if max_events is not None and max_events <= 0:
+        raise top.error("must be positive", "max_events_per_batch")
+    trigger = top.duration("trigger", timedelta(seconds=1))
+    spark_sec = top.section("spark", {})
+    spark_conf = {str(k): str(spark_sec.raw(k)).lower() if isinstance(spark_sec.raw(k), bool)
+                  else str(spark_sec.raw(k)) for k in list(spark_sec.data)}
+    cfg = EnrichConfig(
+        kafka=settings,
+        events=events,
+        joins=joins,
+        output=output,
+        dead_letter_topic=top.get("dead_letter_topic", str),
+        checkpoint=Path(top.get("checkpoint", str)),
+        trigger=trigger,
+        max_events_per_batch=max_events,
+        bootstrap_timeout=top.duration("bootstrap_timeout", timedelta(seconds=60)),
+        spark_conf=spark_conf,
+        source=source,
+    )
+    top.done()
+    return cfg
+
+
+def _yaml11_on(data: Any) -> Any:
+    # YAML 1.1 reads a bare ``on:`` key as the boolean true.
+    if isinstance(data, dict) and True in data and "on" not in data:
+        data = {("on" if k is True else k): v for k, v in data.items()}
+    return data
+
+
+def _join(sec: Section) -> JoinConfig:
+    dataset = sec.get("dataset", str)
+    raw_on = sec.raw("on")
+    on: list[tuple[str, str | None]]
+    if isinstance(raw_on, str) and raw_on:
+        on = [(raw_on, None)]
+    elif isinstance(raw_on, dict) and raw_on and all(isinstance(k, str) and isinstance(v, str)
+                                                      for k, v in raw_on.items()):
+        on = [(k, v) for k, v in raw_on.items()]
+    elif isinstance(raw_on, list) and raw_on and all(isinstance(v, str) and v for v in raw_on):
+        on = [(v, v) for v in raw_on]
+    else:
+        raise sec.error(f"expected an event column, a list of columns or a mapping "
+                        f"{{event_col: key_col}}, got {raw_on!r}", "on")
+    columns = sec.str_list("columns") if sec.has("columns") else None
+    cfg = JoinConfig(
+        dataset=dataset,
+        topic=sec.get("topic", str, default_topic(dataset)),
+        on=tuple(on),
+        columns=tuple(columns) if columns is not None else None,
+        how=sec.choice("how", HOW, "left"),
+        prefix=sec.get("prefix", str, ""),
+    )
+    sec.done()
+    return cfg
+
+
+def _output(sec: Section) -> OutputConfig:
+    kinds = [k for k in ("kafka", "parquet", "console") if sec.has(k)]
+    if len(kinds) != 1:
+        raise sec.error("needs exactly one of kafka:, parquet:, console:")
+    kind = kinds[0]
+    sub = sec.section(kind, {})
+    if kind == "kafka":
+        out = OutputConfig(kind, topic=sub.get("topic", str),
+                           transactional_id=sub.get("transactional_id", str, None))
+    elif kind == "parquet":
+        out = OutputConfig(kind, path=Path(sub.get("path", str)))
+    else:
+        out = OutputConfig(kind, rows=sub.get("rows", int, 20))
+    sub.done()
+    sec.done()
+    return out

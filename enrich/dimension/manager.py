@@ -1,0 +1,157 @@
+"""All dimensions of a job, pinned per micro-batch.
+
+``pin(batch_id)`` decides which changelog positions batch ``batch_id`` uses - the recorded ones when
+the batch is a replay, the current end of every changelog otherwise (recorded before the batch runs)
+- brings every dimension there and returns the shipped handles every task of the batch will use.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from enrich.dimension.abc import ChangeFeed, Positions, VersionLog
+from enrich.dimension.ship import Shipped, Shipper
+from enrich.dimension.store import DimensionState
+from refstream import contract
+from refstream.errors import ContractError, TransientError
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Dim:
+    dataset: str
+    columns: list[str] | None
+    feed: ChangeFeed
+    state: DimensionState
+    shipped: Shipped | None = None
+    shipped_gens: tuple[int, int] = (-1, -1)
+
+
+class Dimensions:
+    """Driver-side owner of every dimension: bootstrap, follow, pin, ship."""
+
+    def __init__(self, datasets: Mapping[str, str], columns: Mapping[str, Sequence[str] | None],
+                 feed_factory: Callable[[str], ChangeFeed], versions: VersionLog, shipper: Shipper,
+                 *, timeout: float = 60.0) -> None:
+        self._factory = feed_factory
+        self._topics = dict(datasets)
+        self._columns = {ds: (list(c) if c is not None else None) for ds, c in columns.items()}
+        self._versions = versions
+        self._shipper = shipper
+        self._timeout = timeout
+        self._dims: dict[str, _Dim] = {}
+        self.last_pin_seconds = 0.0
+
+    def _open(self, dataset: str) -> _Dim:
+        deadline = time.monotonic() + self._timeout
+        while True:
+            try:
+                feed = self._factory(self._topics[dataset])
+                break
+            except TransientError as exc:
+                if time.monotonic() > deadline:
+                    raise
+                log.info("dataset %s: %s; waiting", dataset, exc)
+                time.sleep(1.0)
+        return _Dim(dataset, self._columns.get(dataset), feed, DimensionState(dataset))
+
+    def bootstrap(self) -> None:
+        """Build every dimension before the first batch: to the positions of the last recorded batch
+        (a restart: that batch or the next one is what runs first), else to the end of each changelog."""
+        latest = self._versions.latest()
+        for ds in self._topics:
+            if ds in self._dims:
+                continue
+            t0 = time.monotonic()
+            dim = self._dims[ds] = self._open(ds)
+            if latest is not None and ds in latest[1]:
+                dim.state.apply(dim.feed.read_until(latest[1][ds], self._timeout))
+                self._require_schema(dim)
+            else:
+                dim.state.apply(dim.feed.read_to_end(self._timeout))
+                self._wait_for_schema(dim)
+            dim.state.compact()
+            log.info("dataset %s: bootstrapped %d rows from %s in %.1fs (positions %s)", ds,
+                     len(dim.state), dim.feed.topic, time.monotonic() - t0, dim.feed.positions())
+
+    def _wait_for_schema(self, dim: _Dim) -> None:
+        deadline = time.monotonic() + self._timeout
+        while dim.state.schema is None:
+            if time.monotonic() > deadline:
+                raise ContractError(f"dataset {dim.dataset}: no schema record on {dim.feed.topic} after "
+                                    f"{self._timeout:.0f}s; is the refresher publishing it?")
+            time.sleep(0.2)
+            dim.state.apply(dim.feed.read_to_end(self._timeout))
+
+    @staticmethod
+    def _require_schema(dim: _Dim) -> None:
+        if dim.state.schema is None:
+            raise ContractError(f"dataset {dim.dataset}: no schema record on {dim.feed.topic} below the "
+                                f"recorded positions {dim.feed.positions()}")
+
+    @property
+    def shipper(self) -> Shipper:
+        """What ships versions to the executors (its counters show what each batch cost)."""
+        return self._shipper
+
+    def schema(self, dataset: str) -> contract.DatasetSchema:
+        s = self._dims[dataset].state.schema
+        assert s is not None
+        return s
+
+    def pin(self, batch_id: int) -> dict[str, Shipped]:
+        t0 = time.monotonic()
+        self.bootstrap()
+        recorded = self._versions.get(batch_id)
+        if recorded is not None and any(self._behind(ds, pos) for ds, pos in recorded.items()):
+            log.warning("batch %d replays positions older than the dimensions hold; rebuilding them", batch_id)
+            self.close_feeds()
+            self.bootstrap_to(recorded)
+        positions: dict[str, Positions] = {}
+        for ds, dim in self._dims.items():
+            if recorded is not None and ds in recorded:
+                dim.state.apply(dim.feed.read_until(recorded[ds], self._timeout))
+            else:
+                dim.state.apply(dim.feed.read_to_end(self._timeout))
+            positions[ds] = dim.feed.positions()
+        if recorded is None:
+            self._versions.put(batch_id, positions)
+        out = {ds: self._ship(dim) for ds, dim in self._dims.items()}
+        self.last_pin_seconds = time.monotonic() - t0
+        return out
+
+    def _behind(self, ds: str, target: Positions) -> bool:
+        dim = self._dims.get(ds)
+        if dim is None:
+            return False
+        pos = dim.feed.positions()
+        return any(pos.get(p, 0) > o for p, o in target.items())
+
+    def bootstrap_to(self, positions: Mapping[str, Positions]) -> None:
+        for ds in self._topics:
+            dim = self._dims[ds] = self._open(ds)
+            dim.state.apply(dim.feed.read_until(positions.get(ds, {}), self._timeout))
+            self._require_schema(dim)
+            dim.state.compact()
+
+    def _ship(self, dim: _Dim) -> Shipped:
+        gens = (dim.state.base_gen, dim.state.overlay_gen)
+        if dim.shipped is None or gens != dim.shipped_gens:
+            snap = dim.state.snapshot(dim.columns)
+            dim.shipped = self._shipper.ship(snap)
+            dim.shipped_gens = (snap.base_gen, snap.overlay_gen)
+        return dim.shipped
+
+    def close_feeds(self) -> None:
+        for ds, dim in self._dims.items():
+            dim.feed.close()
+            self._shipper.forget(ds)
+        self._dims = {}
+
+    def close(self) -> None:
+        self.close_feeds()
+        self._shipper.close()

@@ -1,0 +1,113 @@
+"""Shipping dimension versions to executors through Spark broadcasts, only when they change.
+
+A base is broadcast once per generation (Arrow IPC bytes); an overlay once per change. Executors
+get a :class:`Shipped` handle per batch: ids plus broadcast references, a few hundred bytes. Python
+workers are reused across batches and cache the lookup they built per id (see ``enrich.join``), so
+a batch in which nothing changed re-ships and rebuilds nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+from pyspark import SparkContext
+from pyspark.broadcast import Broadcast
+
+from enrich.dimension.store import Snapshot
+
+log = logging.getLogger(__name__)
+
+
+def to_ipc(table: pa.Table) -> bytes:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as w:
+        w.write_table(table)
+    return sink.getvalue().to_pybytes()
+
+
+def from_ipc(data: bytes) -> pa.Table:
+    return pa.ipc.open_stream(pa.py_buffer(data)).read_all()
+
+
+@dataclass(frozen=True)
+class Shipped:
+    """A picklable reference to one dimension version, for the executors."""
+
+    dataset: str
+    key: tuple[str, ...]
+    base_id: str
+    base: Any               # Broadcast[bytes]
+    overlay_id: str | None
+    overlay: Any | None     # Broadcast[bytes] | None
+
+
+class Shipper:
+    """Broadcasts new bases and overlays of every dimension; retires replaced broadcasts."""
+
+    def __init__(self, sc: SparkContext) -> None:
+        self._sc = sc
+        self._run = uuid.uuid4().hex[:8]
+        self._current: dict[str, Shipped] = {}
+        self._gens: dict[str, tuple[int, int]] = {}
+        self._retired: list[Broadcast[Any]] = []
+        self._seq = 0
+        self.bytes_shipped = 0
+        self.broadcasts = 0     # broadcasts created so far (bases and overlays)
+
+    def _broadcast(self, data: bytes) -> tuple[str, Broadcast[bytes]]:
+        """A new broadcast and an id no other broadcast of this shipper has: executors cache by id."""
+        self._seq += 1
+        self.broadcasts += 1
+        self.bytes_shipped += len(data)
+        return f"{self._run}/{self._seq}", self._sc.broadcast(data)
+
+    def ship(self, snap: Snapshot) -> Shipped:
+        # Replaced broadcasts are dropped once the batch that used them is over (batches run one at a time).
+        for bc in self._retired:
+            bc.destroy(blocking=False)
+        self._retired = []
+        prev = self._current.get(snap.dataset)
+        gens = self._gens.get(snap.dataset)
+        if prev is not None and gens == (snap.base_gen, snap.overlay_gen):
+            return prev
+        if prev is not None and gens is not None and gens[0] == snap.base_gen:
+            base_id, base_bc = prev.base_id, prev.base
+        else:
+            data = to_ipc(snap.base)
+            base_id, base_bc = self._broadcast(data)
+            log.info("dataset %s: shipping base generation %d (%d rows, %.1f MB)", snap.dataset,
+                     snap.base_gen, snap.base.num_rows, len(data) / 1e6)
+            if prev is not None:
+                self._retired.append(prev.base)
+        overlay_id, overlay_bc = None, None
+        if snap.overlay is not None:
+            data = to_ipc(snap.overlay)
+            overlay_id, overlay_bc = self._broadcast(data)
+            log.debug("dataset %s: shipping overlay %s (%d rows)", snap.dataset, overlay_id, snap.overlay.num_rows)
+        if prev is not None and prev.overlay is not None:
+            self._retired.append(prev.overlay)
+        shipped = Shipped(snap.dataset, snap.schema.key, base_id, base_bc, overlay_id, overlay_bc)
+        self._current[snap.dataset] = shipped
+        self._gens[snap.dataset] = (snap.base_gen, snap.overlay_gen)
+        return shipped
+
+    def forget(self, dataset: str) -> None:
+        """Drop what was shipped for ``dataset``: its state was rebuilt, and a rebuilt state restarts its
+        generations, so equal generation numbers no longer mean equal contents."""
+        prev = self._current.pop(dataset, None)
+        self._gens.pop(dataset, None)
+        if prev is not None:
+            self._retired.extend(bc for bc in (prev.base, prev.overlay) if bc is not None)
+
+    def close(self) -> None:
+        for s in self._current.values():
+            for bc in (s.base, s.overlay):
+                if bc is not None:
+                    bc.destroy(blocking=False)
+        for bc in self._retired:
+            bc.destroy(blocking=False)
+        self._current, self._retired = {}, []

@@ -1,0 +1,183 @@
+"""The enrichment job: Kafka events -> parse -> lookup joins against pinned dimensions -> sink.
+
+One ``foreachBatch`` per micro-batch, on the driver:
+1. pin: fix (or, on a replay, reuse) the changelog positions of every dimension for this batch id,
+   bring the dimensions there and ship what changed (docs/dimension.md);
+2. parse the events (bad ones get ``_error``), join them in one ``mapInArrow`` pass;
+3. the sink writes the good rows at most once per batch id; dead letters go to their topic the same way.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import uuid
+from contextlib import ExitStack
+from pathlib import Path
+
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql.streaming import StreamingQuery
+
+from enrich import events, join
+from enrich.config import EnrichConfig
+from enrich.deadletter import DeadLetters
+from enrich.dimension.changelog import ChangelogFollower
+from enrich.dimension.manager import Dimensions
+from enrich.dimension.ship import Shipper
+from enrich.dimension.versions import FileVersionLog
+from enrich.sinks import EnrichedBatch, Sink, make_sink
+from refstream import kafka as rkafka
+from refstream.contract import DatasetSchema
+from refstream.errors import TerminalError
+from refstream.retry import RetryPolicy, call_with_retry
+
+log = logging.getLogger(__name__)
+
+DEFAULT_RETRY = RetryPolicy(attempts=5, initial=1.0, maximum=15.0)
+
+
+class EnrichJob:
+    """Builds and runs the streaming query; ``run()`` blocks until done or ``stop`` is set."""
+
+    def __init__(self, cfg: EnrichConfig, spark: SparkSession, *, available_now: bool = False,
+                 retry: RetryPolicy = DEFAULT_RETRY) -> None:
+        self.cfg, self.spark, self.available_now, self.retry = cfg, spark, available_now, retry
+        self.event_schema = events.event_schema(cfg.events.schema, cfg.events.required, cfg.source)
+        self._stack = ExitStack()
+        self._stop = threading.Event()
+        self.query: StreamingQuery | None = None
+        self._plan: tuple[dict[str, DatasetSchema], list[join.JoinSpec], tuple[str, ...], object] | None = None
+        self.batches = 0
+
+    @property
+    def checkpoint(self) -> Path:
+        return self.cfg.checkpoint
+
+    # ------------------------------------------------------------------------------- lifecycle
+
+    def start(self) -> StreamingQuery:
+        cfg = self.cfg
+        for topic in [cfg.dead_letter_topic] + ([cfg.output.topic] if cfg.output.topic else []):
+            call_with_retry(lambda t=topic: rkafka.ensure_topic(cfg.kafka, t), what=f"creating topic {topic}",
+                            policy=self.retry)
+        self.cfg.checkpoint.mkdir(parents=True, exist_ok=True)
+        columns: dict[str, list[str] | None] = {}
+        for j in cfg.joins:  # ship only the columns some join uses (plus the key)
+            if j.columns is None or columns.get(j.dataset, []) is None:
+                columns[j.dataset] = None
+            else:
+                columns[j.dataset] = sorted(set(columns.get(j.dataset) or []) | set(j.columns))
+        self.dims = Dimensions(cfg.datasets, columns, lambda topic: ChangelogFollower(cfg.kafka, topic),
+                               FileVersionLog(cfg.checkpoint / "dimensions"), Shipper(self.spark.sparkContext),
+                               timeout=cfg.bootstrap_timeout.total_seconds())
+        self._stack.callback(self.dims.close)
+        call_with_retry(self.dims.bootstrap, what="bootstrapping dimensions", policy=self.retry, stop=self._stop)
+        scope = self._scope()
+        self.sink: Sink = make_sink(cfg, scope)
+        self._stack.callback(self.sink.close)
+        self.dead = DeadLetters(cfg.kafka, cfg.dead_letter_topic, self._dlq_transactional_id(), scope)
+        self._stack.callback(self.dead.close)
+
+        from enrich.kafka import read_stream
+
+        raw = read_stream(self.spark, cfg.kafka, [cfg.events.topic], starting_offsets=cfg.events.starting_offsets,
+                          max_offsets_per_trigger=cfg.max_events_per_batch, builtin=cfg.events.source == "builtin")
+        # The published schemas are known now: a join naming a missing column fails here, as a config
+        # error, instead of failing the first micro-batch.
+        self._planned(events.parse(raw, self.event_schema, cfg.events.required))
+        writer = (raw.writeStream.foreachBatch(self._process)
+                  .option("checkpointLocation", str((cfg.checkpoint / "spark").resolve()))
+                  .queryName(f"enrich-{cfg.events.topic}"))
+        if self.available_now:
+            writer = writer.trigger(availableNow=True)
+        else:
+            writer = writer.trigger(processingTime=f"{int(cfg.trigger.total_seconds() * 1000)} milliseconds")
+        self.query = writer.start()
+        self._stack.callback(self._stop_query)
+        log.info("enrichment query started: %s -> %s (checkpoint %s)", cfg.events.topic,
+                 cfg.output.topic or cfg.output.path or "console", cfg.checkpoint)
+        return self.query
+
+    def _dlq_transactional_id(self) -> str:
+        from enrich.kafka import transactional_id_for
+
+        if self.cfg.output.transactional_id:
+            return self.cfg.output.transactional_id + "-dlq"
+        return transactional_id_for(self.cfg.checkpoint, self.cfg.dead_letter_topic)
+
+    def _scope(self) -> str:
+        """Identity of this checkpoint's query: output markers of an earlier query that used the same
+        checkpoint path (since deleted) must not make the new query's batch ids look committed."""
+        path = self.cfg.checkpoint / "scope"
+        if path.exists():
+            return path.read_text(encoding="utf-8").strip()
+        scope = uuid.uuid4().hex
+        tmp = path.with_suffix(".tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.write(scope)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        return scope
+
+    def run(self) -> None:
+        """Start, then wait until the query ends (available-now) or :meth:`stop` is called."""
+        with self._stack:
+            query = self.start()
+            while not self._stop.is_set() and query.isActive:
+                query.awaitTermination(0.5)
+            if self._stop.is_set():
+                log.info("stopping the enrichment query")
+            exc = query.exception()
+            if exc is not None:
+                raise TerminalError(f"enrichment query failed: {_first_line(str(exc))}") from exc
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def close(self) -> None:
+        self._stack.close()
+
+    def _stop_query(self) -> None:
+        if self.query is not None and self.query.isActive:
+            self.query.stop()
+
+    # ----------------------------------------------------------------------------- one batch
+
+    def _process(self, batch_df: DataFrame, batch_id: int) -> None:
+        t0 = time.monotonic()
+        shipped = call_with_retry(lambda: self.dims.pin(batch_id), what=f"batch {batch_id}: pinning dimensions",
+                                  policy=self.retry, stop=self._stop)
+        parsed = events.parse(batch_df, self.event_schema, self.cfg.events.required)
+        specs, out_cols, out_schema = self._planned(parsed)
+        enriched = join.enrich(parsed, specs, out_schema, shipped, events.ERROR)  # type: ignore[arg-type]
+        batch = EnrichedBatch(enriched, out_cols)
+        dead = call_with_retry(lambda: self.sink.write(batch_id, batch), what=f"batch {batch_id}: writing output",
+                               policy=self.retry, stop=self._stop)
+        call_with_retry(lambda: self.dead.write(batch_id, dead), what=f"batch {batch_id}: writing dead letters",
+                        policy=self.retry, stop=self._stop)
+        self.batches += 1
+        log.info("batch %d done in %.2fs (dimensions pinned in %.3fs, %d dead letter(s))", batch_id,
+                 time.monotonic() - t0, self.dims.last_pin_seconds, dead.num_rows)
+
+    def _planned(self, parsed: DataFrame) -> tuple[list[join.JoinSpec], tuple[str, ...], object]:
+        schemas = {ds: self.dims.schema(ds) for ds in self.cfg.datasets}
+        if self._plan is None or self._plan[0] != schemas:
+            tz = self.spark.conf.get("spark.sql.session.timeZone") or "UTC"
+            specs, out_schema = join.plan(self.cfg.joins, schemas, parsed.schema, timezone=tz,
+                                          source=self.cfg.source)
+            out_cols = tuple(f.name for f in out_schema.fields if f.name not in events.INTERNAL)
+            self._plan = (schemas, specs, out_cols, out_schema)
+            log.info("output columns: %s", ", ".join(out_cols))
+        _, specs, out_cols, out_schema = self._plan
+        return specs, out_cols, out_schema
+
+
+def _first_line(text: str) -> str:
+    for line in text.splitlines():
+        if line.strip():
+            return line.strip()
+    return text
+

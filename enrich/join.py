@@ -1,0 +1,261 @@
+"""The lookup join of events with dimensions, vectorised with Arrow inside ``mapInArrow``.
+
+Driver side: :func:`plan` resolves the configured joins against the published schemas (names the
+join and column at fault) and :func:`enrich` adds the ``mapInArrow`` step. Executor side:
+:class:`Enricher` looks every event key up in the overlay (latest changes) and then the base of a
+dimension through a hash table (pandas' ``PyObjectHashTable`` / ``Int64HashTable``) built once per
+Python worker and version, then ``take``s the dimension columns. No per-row Python on the hot path.
+
+Every join adds its (prefixed) dimension columns and ``_<prefix><dataset>_matched`` (false: no
+reference row - its columns are null). ``how: inner`` drops unmatched events, except dead-letter
+rows (``error_column`` set), which must reach the dead-letter topic.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+from pyspark.sql import DataFrame
+from pyspark.sql.pandas.types import to_arrow_schema
+from pyspark.sql.types import BooleanType, StructField, StructType, _parse_datatype_string
+
+from enrich.config import JoinConfig
+from enrich.dimension.ship import Shipped, from_ipc
+from enrich.dimension.store import DELETED
+from refstream.contract import DatasetSchema
+from refstream.errors import ConfigError
+
+log = logging.getLogger(__name__)
+
+try:  # pandas' hash tables: the fast way to probe a fixed set of keys many times
+    from pandas._libs import hashtable as _ht
+except ImportError:  # pragma: no cover
+    _ht = None
+
+
+@dataclass(frozen=True)
+class JoinSpec:
+    """One join resolved against a published schema; picklable for the executors."""
+
+    dataset: str
+    pairs: tuple[tuple[str, str], ...]        # (input column, key column), in the key's declared order
+    key_types: tuple[pa.DataType, ...]        # Arrow types of the key columns
+    columns: tuple[tuple[str, str], ...]      # (dimension column, output column)
+    out_types: tuple[pa.DataType, ...]        # Arrow types the output columns are sent to Spark as
+    matched: str
+    inner: bool
+
+
+def plan(joins: Sequence[JoinConfig], schemas: Mapping[str, DatasetSchema], input_schema: StructType,
+         *, timezone: str = "UTC", source: str = "config") -> tuple[list[JoinSpec], StructType]:
+    """Resolve ``joins`` in order; returns the specs and the output schema of the enriched rows."""
+    fields = list(input_schema.fields)
+    names = {f.name for f in fields}
+    specs = []
+    for i, j in enumerate(joins):
+        where = f"{source}: joins[{i}] ({j.dataset})"
+        schema = schemas[j.dataset]
+        if all(k is None for _, k in j.on):
+            if len(schema.key) != len(j.on):
+                raise ConfigError(f"{where}: on: names {len(j.on)} column(s) but the dataset's key is "
+                                  f"{list(schema.key)}; use on: {{event_col: key_col}}")
+            pairs = list(zip([e for e, _ in j.on], schema.key, strict=True))
+        else:
+            by_key = {k: e for e, k in j.on}
+            if set(by_key) != set(schema.key) or len(by_key) != len(j.on):
+                raise ConfigError(f"{where}: on: key columns {[k for _, k in j.on]} must be exactly the "
+                                  f"dataset's key {list(schema.key)}")
+            pairs = [(by_key[k], k) for k in schema.key]
+        for ev, _ in pairs:
+            if ev not in names:
+                raise ConfigError(f"{where}: on: column {ev!r} is neither an event field nor added by an "
+                                  f"earlier join (have: {', '.join(sorted(names))})")
+        wanted = list(j.columns) if j.columns is not None else [c for c in schema.names if c not in schema.key]
+        unknown = [c for c in wanted if c not in schema.names]
+        if unknown:
+            raise ConfigError(f"{where}: columns: {unknown} not in the published schema {schema.names}")
+        dim_struct = _parse_datatype_string(schema.spark_ddl(wanted)) if wanted else StructType([])
+        out_fields = []
+        for f in dim_struct.fields:
+            name = j.prefix + f.name
+            if name in names:
+                raise ConfigError(f"{where}: column {name!r} already exists; select other columns: or "
+                                  f"set prefix:")
+            out_fields.append(StructField(name, f.dataType, True))
+            names.add(name)
+        if j.matched_column in names:
+            raise ConfigError(f"{where}: column {j.matched_column!r} already exists")
+        out_fields.append(StructField(j.matched_column, BooleanType(), False))
+        names.add(j.matched_column)
+        fields.extend(out_fields)
+        arrow_out = to_arrow_schema(StructType(out_fields[:-1]), timezone=timezone)
+        arrow_dim = schema.arrow_schema()
+        specs.append(JoinSpec(
+            dataset=j.dataset, pairs=tuple(pairs),
+            key_types=tuple(arrow_dim.field(k).type for _, k in pairs),
+            columns=tuple((c, j.prefix + c) for c in wanted),
+            out_types=tuple(f.type for f in arrow_out),
+            matched=j.matched_column, inner=j.how == "inner"))
+    return specs, StructType(fields)
+
+
+def enrich(df: DataFrame, specs: Sequence[JoinSpec], out_schema: StructType, shipped: Mapping[str, Shipped],
+           error_column: str | None = None) -> DataFrame:
+    """``df`` with every join applied, in one ``mapInArrow`` pass."""
+    if not specs:
+        return df
+    return df.mapInArrow(Enricher(tuple(specs), dict(shipped), error_column), out_schema)
+
+
+# ------------------------------------------------------------------------------------ executors
+
+class _Lookup:
+    """A dimension version as executors use it: the table and a hash index over its key.
+
+    The index is one of pandas' hash tables, built once and probed per batch: ``pandas.Index.
+    get_indexer`` costs 50-250 ms per 10,000 probes of a 1M-string index (pandas 3), the table ~1 ms.
+    """
+
+    def __init__(self, table: pa.Table, key: Sequence[str]) -> None:
+        self.table = table.combine_chunks()
+        values, _ = _key_values([self.table.column(k).combine_chunks() for k in key])
+        self.index = _hash_index(values)
+        self.deleted = (self.table.column(DELETED).to_numpy(zero_copy_only=False)
+                        if DELETED in self.table.column_names else None)
+
+    def find(self, values: np.ndarray) -> np.ndarray:
+        """Row position of every value in the table, -1 where it has none."""
+        if isinstance(self.index, pd.Index):
+            return self.index.get_indexer(values)
+        # Both sides come from _key_values over the same key type: int64, or objects.
+        dtype = np.int64 if isinstance(self.index, _ht.Int64HashTable) else object
+        return self.index.lookup(np.ascontiguousarray(values, dtype=dtype)).astype(np.int64, copy=False)
+
+
+def _hash_index(values: np.ndarray) -> object:
+    if _ht is None:  # pragma: no cover - pandas without its hash tables
+        return pd.Index(values)
+    table = _ht.Int64HashTable(len(values)) if values.dtype == np.int64 else _ht.PyObjectHashTable(len(values))
+    table.map_locations(np.ascontiguousarray(values))
+    return table
+
+
+# Reused Python workers keep these across micro-batches: an unchanged version costs a dict lookup.
+_BASES: OrderedDict[str, _Lookup] = OrderedDict()
+_OVERLAYS: OrderedDict[str, _Lookup] = OrderedDict()
+
+
+def _cached(cache: OrderedDict[str, _Lookup], ident: str, bc: object, key: Sequence[str], keep: int) -> _Lookup:
+    hit = cache.get(ident)
+    if hit is not None:
+        cache.move_to_end(ident)
+        return hit
+    lookup = _Lookup(from_ipc(bc.value), key)  # type: ignore[attr-defined]
+    cache[ident] = lookup
+    while len(cache) > keep:
+        cache.popitem(last=False)
+    return lookup
+
+
+def _key_values(arrays: Sequence[pa.Array]) -> tuple[np.ndarray, np.ndarray]:
+    """Hashable key values (int64 or objects) and a null mask; composite keys become one string."""
+    if len(arrays) == 1:
+        a = arrays[0]
+        nulls = a.is_null().to_numpy(zero_copy_only=False)
+        if pa.types.is_integer(a.type):
+            return a.cast(pa.int64()).fill_null(0).to_numpy(zero_copy_only=False), nulls
+        if not (pa.types.is_string(a.type) or pa.types.is_large_string(a.type) or pa.types.is_binary(a.type)):
+            a = pc.cast(a, pa.string())
+        return a.to_numpy(zero_copy_only=False), nulls
+    joined = pc.binary_join_element_wise(*[pc.cast(a, pa.string()) for a in arrays], "\x1f")
+    return joined.to_numpy(zero_copy_only=False), joined.is_null().to_numpy(zero_copy_only=False)
+
+
+def _align(arr: pa.Array, typ: pa.DataType) -> pa.Array:
+    """The event's key column in the dimension key's type; values that do not convert match nothing."""
+    if arr.type == typ:
+        return arr
+    try:
+        return pc.cast(arr, typ)
+    except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+        out = []
+        for v in arr:
+            try:
+                out.append(pc.cast(pa.array([v.as_py()], arr.type), typ)[0].as_py())
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+                out.append(None)
+        return pa.array(out, typ)
+
+
+def _indices(idx: np.ndarray) -> pa.Array:
+    return pa.array(idx, pa.int64(), mask=idx < 0)
+
+
+def join_table(t: pa.Table, spec: JoinSpec, base: _Lookup, overlay: _Lookup | None,
+               error_column: str | None = None) -> pa.Table:
+    """Apply one join to ``t`` (one Arrow batch of events)."""
+    keys = [_align(t.column(ev).combine_chunks(), typ) for (ev, _), typ in zip(spec.pairs, spec.key_types,
+                                                                                strict=True)]
+    values, nulls = _key_values(keys)
+    bi = base.find(values)
+    bi[nulls] = -1
+    if overlay is not None:
+        oi = overlay.find(values)
+        oi[nulls] = -1
+        from_ov = oi >= 0
+        assert overlay.deleted is not None
+        gone = np.zeros(len(oi), dtype=bool)
+        gone[from_ov] = overlay.deleted[oi[from_ov]]
+        matched = np.where(from_ov, ~gone, bi >= 0)
+        bi = np.where(from_ov, -1, bi)
+        oi = np.where(gone, -1, oi)
+        take_ov, take_base, pick = _indices(oi), _indices(bi), pa.array(from_ov)
+    else:
+        matched = bi >= 0
+        take_base = _indices(bi)
+    for (col, name), typ in zip(spec.columns, spec.out_types, strict=True):
+        vals = base.table.column(col).take(take_base)
+        if overlay is not None:
+            vals = pc.if_else(pick, overlay.table.column(col).take(take_ov), vals)
+        if vals.type != typ:
+            vals = pc.cast(vals, typ)
+        t = t.append_column(name, vals)
+    t = t.append_column(spec.matched, pa.array(matched, pa.bool_()))
+    if spec.inner:
+        keep = matched
+        if error_column is not None:
+            keep = keep | t.column(error_column).is_valid().to_numpy(zero_copy_only=False)
+        t = t.filter(pa.array(keep))
+    return t
+
+
+class Enricher:
+    """The ``mapInArrow`` function: every join, in order, on every batch of events."""
+
+    def __init__(self, specs: tuple[JoinSpec, ...], shipped: dict[str, Shipped], error_column: str | None) -> None:
+        self.specs, self.shipped, self.error_column = specs, shipped, error_column
+
+    def lookups(self) -> dict[str, tuple[_Lookup, _Lookup | None]]:
+        out = {}
+        for ds, s in self.shipped.items():
+            base = _cached(_BASES, s.base_id, s.base, s.key, keep=2 * len(self.shipped))
+            overlay = (_cached(_OVERLAYS, s.overlay_id, s.overlay, s.key, keep=2 * len(self.shipped))
+                       if s.overlay_id is not None else None)
+            out[ds] = (base, overlay)
+        return out
+
+    def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        lookups = self.lookups()
+        for b in batches:
+            t = pa.Table.from_batches([b])
+            for spec in self.specs:
+                base, overlay = lookups[spec.dataset]
+                t = join_table(t, spec, base, overlay, self.error_column)
+            yield from t.to_batches()

@@ -1,0 +1,57 @@
+"""Kafka input and output of the enrichment job, built on PySpark's Python Data Source API and
+confluent-kafka (Spark's own Kafka connector jar is optional; ``builtin=True`` switches to it).
+
+- :func:`read_stream`: the streaming DataFrame of one or more topics (columns of Spark's Kafka source).
+- :class:`TransactionalBatchWriter`: exactly-once output of ``foreachBatch`` micro-batches.
+- ``df.writeStream.format("refstream-kafka")``: an at-least-once streaming sink.
+
+See docs/kafka-source.md for how offsets, end offsets, admission control and transactions work.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from pyspark.sql import DataFrame, SparkSession
+
+from enrich.kafka.source import FORMAT, KafkaDataSource
+from enrich.kafka.writer import TransactionalBatchWriter, transactional_id_for
+
+__all__ = ["FORMAT", "KafkaDataSource", "TransactionalBatchWriter", "read_stream", "register",
+           "source_options", "transactional_id_for"]
+
+
+def register(spark: SparkSession) -> None:
+    """Make ``format("refstream-kafka")`` available in ``spark`` (idempotent)."""
+    spark.dataSource.register(KafkaDataSource)
+
+
+def source_options(settings: Mapping[str, str], topics: Sequence[str], *, starting_offsets: str = "latest",
+                   max_offsets_per_trigger: int | None = None) -> dict[str, str]:
+    """Reader options, valid for both ``refstream-kafka`` and Spark's built-in ``kafka`` format."""
+    opts = {f"kafka.{k}": str(v) for k, v in settings.items()}
+    opts["subscribe"] = ",".join(topics)
+    opts["startingOffsets"] = starting_offsets
+    if max_offsets_per_trigger:
+        opts["maxOffsetsPerTrigger"] = str(int(max_offsets_per_trigger))
+    return opts
+
+
+def read_stream(spark: SparkSession, settings: Mapping[str, str], topics: Sequence[str], *,
+                starting_offsets: str = "latest", max_offsets_per_trigger: int | None = None,
+                builtin: bool = False) -> DataFrame:
+    """The streaming DataFrame of ``topics`` with the columns of Spark's Kafka source: ``key``,
+    ``value`` (binary), ``topic``, ``partition``, ``offset``, ``timestamp``, ``timestampType``,
+    ``headers``. ``settings`` are librdkafka settings (``bootstrap.servers``...), ``starting_offsets``
+    is ``earliest``, ``latest`` or Spark's per-partition JSON. ``builtin=True`` uses Spark's own
+    ``kafka`` format (needs the spark-sql-kafka connector on the classpath) with the same options,
+    read_committed isolation and headers."""
+    opts = source_options(settings, topics, starting_offsets=starting_offsets,
+                          max_offsets_per_trigger=max_offsets_per_trigger)
+    if builtin:
+        opts.setdefault("kafka.isolation.level", "read_committed")
+        opts["includeHeaders"] = "true"
+        return spark.readStream.format("kafka").options(**opts).load()
+    register(spark)
+    return spark.readStream.format(FORMAT).options(**opts).load()
+

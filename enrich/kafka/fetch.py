@@ -1,0 +1,177 @@
+"""Executor side of the source: read one offset range of one partition into Arrow record batches.
+
+A range ``[start, end)`` is read exactly: records at or past ``end`` are dropped and reading stops
+as soon as ``end`` is reached, by a record at ``end - 1`` or later, or by partition EOF at or past
+``end``. Offsets the reader never sees (transaction markers, aborted records under read_committed)
+make a range hold fewer records than ``end - start``; that is expected, not data loss.
+
+``Consumer.consume(n, timeout)`` waits for ``n`` messages or the timeout, so it is asked for no more
+than the range can still hold and with a short timeout: the tail of a range never costs seconds.
+Consumers are kept per Python worker process (Spark reuses workers) and re-assigned per task.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import time
+import uuid
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
+from pyspark.sql.datasource import InputPartition
+
+from refstream.errors import DataError, TransientError
+
+log = logging.getLogger(__name__)
+
+SCHEMA_DDL = ("key BINARY, value BINARY, topic STRING, partition INT, offset BIGINT, timestamp TIMESTAMP, "
+              "timestampType INT, headers ARRAY<STRUCT<key: STRING, value: BINARY>>")
+"""The columns of Spark's built-in Kafka source (with ``includeHeaders``)."""
+
+HEADERS_TYPE = pa.list_(pa.struct([("key", pa.string()), ("value", pa.binary())]))
+ARROW_SCHEMA = pa.schema([
+    ("key", pa.binary()), ("value", pa.binary()), ("topic", pa.string()), ("partition", pa.int32()),
+    ("offset", pa.int64()), ("timestamp", pa.timestamp("us", tz="UTC")), ("timestampType", pa.int32()),
+    ("headers", HEADERS_TYPE),
+])
+
+BATCH_MESSAGES = 20_000
+POLL_TIMEOUT = 0.05
+
+
+@dataclass(frozen=True)
+class OffsetRange(InputPartition):
+    """One Spark task's work: offsets ``[start, end)`` of one partition."""
+
+    topic: str
+    partition: int
+    start: int
+    end: int
+
+
+_CONSUMERS: dict[tuple[tuple[str, str], ...], Consumer] = {}
+
+
+def _close_consumers() -> None:
+    for c in _CONSUMERS.values():
+        try:
+            c.close()
+        except Exception:  # noqa: BLE001 - closing at exit, nothing left to report to
+            pass
+    _CONSUMERS.clear()
+
+
+atexit.register(_close_consumers)
+
+
+def _consumer(settings: Mapping[str, str]) -> Consumer:
+    key = tuple(sorted(settings.items()))
+    c = _CONSUMERS.get(key)
+    if c is None:
+        conf = {"group.id": f"refstream-source-{uuid.uuid4().hex[:12]}", "isolation.level": "read_committed",
+                "auto.offset.reset": "earliest", "fetch.wait.max.ms": 100, "fetch.queue.backoff.ms": 10,
+                "max.partition.fetch.bytes": 8 << 20, "fetch.max.bytes": 64 << 20,
+                **settings,
+                # The reader tracks offsets itself and needs the EOF event to see a range's end.
+                "enable.auto.commit": False, "enable.partition.eof": True}
+        c = Consumer(conf)
+        _CONSUMERS[key] = c
+    return c
+
+
+def _to_batch(msgs: list[Message], topic: str, partition: int) -> pa.RecordBatch:
+    n = len(msgs)
+    ts = [m.timestamp() for m in msgs]
+    ts_type = np.fromiter((t[0] for t in ts), dtype=np.int32, count=n)
+    ts_ms = np.fromiter((t[1] for t in ts), dtype=np.int64, count=n)
+    # librdkafka: 0 none, 1 create time, 2 log append time; Spark/Java: -1, 0, 1.
+    ts_missing = ts_type == 0
+    headers = [m.headers() for m in msgs]
+    if any(h is not None for h in headers):
+        headers_col = pa.array(headers, type=HEADERS_TYPE)
+    else:
+        headers_col = pa.nulls(n, HEADERS_TYPE)
+    return pa.RecordBatch.from_arrays([
+        pa.array([m.key() for m in msgs], pa.binary()),
+        pa.array([m.value() for m in msgs], pa.binary()),
+        pa.array([topic] * n, pa.string()),
+        pa.array(np.full(n, partition, dtype=np.int32)),
+        pa.array(np.fromiter((m.offset() for m in msgs), dtype=np.int64, count=n)),
+        pa.array(ts_ms * 1000, type=pa.timestamp("us", tz="UTC"), mask=ts_missing if ts_missing.any() else None),
+        pa.array(ts_type - 1),
+        headers_col,
+    ], schema=ARROW_SCHEMA)
+
+
+def read_range(settings: Mapping[str, str], rng: OffsetRange, *, poll_timeout_s: float = 120.0,
+               fail_on_data_loss: bool = True) -> Iterator[pa.RecordBatch]:
+    """Yield the records of ``rng`` as Arrow batches of :data:`ARROW_SCHEMA`.
+
+    Raises :class:`TransientError` when the range's end is not reached within ``poll_timeout_s``
+    without progress, :class:`DataError` when records of the range were deleted (retention) and
+    ``fail_on_data_loss`` is set.
+    """
+    if rng.end <= rng.start:
+        return
+    c = _consumer(settings)
+    tp = TopicPartition(rng.topic, rng.partition, rng.start)
+    c.assign([tp])
+    try:
+        next_offset = rng.start  # offsets below it are done (read, or skipped by the broker)
+        first = True
+        last_progress = time.monotonic()
+        while next_offset < rng.end:
+            want = min(BATCH_MESSAGES, rng.end - next_offset + 1)  # +1: room for the EOF event
+            msgs = c.consume(want, timeout=POLL_TIMEOUT)
+            if not msgs:
+                if time.monotonic() - last_progress > poll_timeout_s:
+                    raise TransientError(
+                        f"reading {rng.topic}/{rng.partition} [{rng.start}, {rng.end}): stuck at offset "
+                        f"{next_offset} for {poll_timeout_s:.0f}s")
+                continue
+            records = msgs
+            if any(m.error() is not None for m in msgs):
+                records = []
+                for m in msgs:
+                    err = m.error()
+                    if err is None:
+                        records.append(m)
+                    elif err.code() == KafkaError._PARTITION_EOF:
+                        if m.offset() >= rng.end and m.partition() == rng.partition and m.topic() == rng.topic:
+                            next_offset = max(next_offset, m.offset())
+                    elif err.fatal() or not (err.retriable() or err.code() == KafkaError._TRANSPORT):
+                        raise TransientError(f"reading {rng.topic}/{rng.partition}: {err}")
+                    else:
+                        log.warning("reading %s/%d: %s (retrying)", rng.topic, rng.partition, err)
+            if records:
+                if first:
+                    first = False
+                    _check_data_loss(c, rng, records[0].offset(), fail_on_data_loss)
+                if records[-1].offset() >= rng.end:
+                    cut = 0
+                    while cut < len(records) and records[cut].offset() < rng.end:
+                        cut += 1
+                    records = records[:cut]
+                    next_offset = rng.end
+                if records:
+                    next_offset = max(next_offset, records[-1].offset() + 1)
+                    yield _to_batch(records, rng.topic, rng.partition)
+            last_progress = time.monotonic()
+    finally:
+        c.unassign()
+
+
+def _check_data_loss(c: Consumer, rng: OffsetRange, first: int, fail: bool) -> None:
+    if first <= rng.start:
+        return
+    low, _ = c.get_watermark_offsets(TopicPartition(rng.topic, rng.partition), cached=True)
+    if low is not None and low > rng.start:
+        msg = (f"{rng.topic}/{rng.partition}: offsets [{rng.start}, {low}) were deleted before they were "
+               f"read (retention); set failOnDataLoss=false to skip them")
+        if fail:
+            raise DataError(msg)
+        log.warning("%s", msg)

@@ -1,0 +1,224 @@
+"""Kafka offsets as Spark checkpoints them, admission control, and the driver-side end-offset probe.
+
+Offset JSON (what Spark writes to ``<checkpoint>/offsets``): ``{topic: {partition: next_offset}}``,
+partitions as strings, both levels sorted so that equal positions always serialise to equal JSON
+(Spark compares offsets as JSON text to decide whether a batch has new data).
+
+End offsets: the end of a partition for a ``read_committed`` reader is its last stable offset (LSO).
+ListOffsets("latest") gives it on Apache Kafka, but some Kafka-protocol brokers answer with the base
+offset of the last record batch + 1. :class:`EndOffsetProbe` therefore trusts only Fetch responses:
+it positions a consumer one record before the best known end (``max(ListOffsets, start) - 1``),
+consumes, and takes the offset at which librdkafka reports partition EOF - that is where a
+``read_committed`` fetch stops, i.e. the LSO. A probe reads at most about one record batch per
+partition, never the data itself, and has a deadline; a partition that gave no answer in time keeps
+its start offset (no progress this trigger, never a wrong end).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
+
+from refstream.errors import ConfigError, TransientError
+
+log = logging.getLogger(__name__)
+
+TP = tuple[str, int]
+"""A topic partition: (topic, partition)."""
+
+EARLIEST = -2
+LATEST = -1
+
+
+def to_json_offsets(positions: Mapping[TP, int]) -> dict[str, dict[str, int]]:
+    """``{(topic, p): offset}`` -> Spark offset dict, in canonical (sorted) order."""
+    out: dict[str, dict[str, int]] = {}
+    for topic, part in sorted(positions):
+        out.setdefault(topic, {})[str(part)] = int(positions[(topic, part)])
+    return out
+
+
+def from_json_offsets(offsets: Mapping[str, Mapping[str, int]]) -> dict[TP, int]:
+    """Spark offset dict -> ``{(topic, p): offset}``."""
+    return {(topic, int(part)): int(off) for topic, parts in offsets.items() for part, off in parts.items()}
+
+
+def parse_starting_offsets(value: str, topics: Iterable[str], option: str = "startingOffsets"
+                           ) -> int | dict[TP, int]:
+    """``earliest`` / ``latest`` -> :data:`EARLIEST` / :data:`LATEST`; a JSON object
+    ``{"topic": {"0": 23, "1": -2}}`` (-2 earliest, -1 latest) -> per-partition offsets.
+    Partitions of a subscribed topic missing from the JSON start at the earliest offset."""
+    v = value.strip()
+    if v.lower() == "earliest":
+        return EARLIEST
+    if v.lower() == "latest":
+        return LATEST
+    try:
+        parsed = json.loads(v)
+        out = {(str(t), int(p)): int(o) for t, parts in parsed.items() for p, o in parts.items()}
+    except (ValueError, AttributeError, TypeError):
+        raise ConfigError(f"option {option}: expected earliest, latest or JSON like "
+                          f'{{"topic": {{"0": 23}}}}, got {value!r}') from None
+    unknown = sorted({t for t, _ in out} - set(topics))
+    if unknown:
+        raise ConfigError(f"option {option}: topics {unknown} are not subscribed")
+    bad = [f"{t}/{p}={o}" for (t, p), o in out.items() if o < EARLIEST]
+    if bad:
+        raise ConfigError(f"option {option}: invalid offsets {bad} (use >= 0, -2 earliest, -1 latest)")
+    return out
+
+
+def rate_limit(start: Mapping[TP, int], end: Mapping[TP, int], max_offsets: int) -> dict[TP, int]:
+    """Cap ``end`` so that at most ``max_offsets`` offsets are admitted in total, shared in
+    proportion to each partition's backlog (as Spark's Kafka source does). The caps sum to exactly
+    ``min(max_offsets, backlog)``; a partition with backlog never starves for rounding."""
+    lag = {tp: max(0, end[tp] - start.get(tp, 0)) for tp in end}
+    total = sum(lag.values())
+    if total <= max_offsets:
+        return dict(end)
+    share = {tp: max_offsets * n // total for tp, n in lag.items()}
+    rest = max_offsets - sum(share.values())
+    # Hand out what rounding left over, largest remainders first (deterministic order).
+    for tp in sorted(lag, key=lambda t: (-(max_offsets * lag[t] % total), t)):
+        if rest <= 0:
+            break
+        if share[tp] < lag[tp]:
+            share[tp] += 1
+            rest -= 1
+    return {tp: start.get(tp, 0) + share[tp] for tp in end}
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """Per partition: the end for a read_committed reader, and the log start offset when known."""
+
+    end: dict[TP, int]
+    low: dict[TP, int]
+
+
+class EndOffsetProbe:
+    """A driver-side consumer that finds the partitions of the subscribed topics and their true ends.
+
+    Not thread-safe; one per stream reader. :meth:`close` releases the consumer.
+    """
+
+    def __init__(self, settings: Mapping[str, str], *, deadline: float = 5.0) -> None:
+        self._settings = dict(settings)
+        self._deadline = deadline
+        self._consumer: Consumer | None = None
+
+    def _client(self) -> Consumer:
+        if self._consumer is None:
+            conf = {"group.id": f"refstream-probe-{uuid.uuid4().hex[:12]}", "enable.auto.commit": False,
+                    "isolation.level": "read_committed", "auto.offset.reset": "earliest",
+                    **self._settings,
+                    # A probe wants one small fetch per partition and an early EOF.
+                    "enable.partition.eof": True, "fetch.wait.max.ms": 20,
+                    "fetch.queue.backoff.ms": 0, "fetch.max.bytes": 4 << 20}
+            self._consumer = Consumer(conf)
+        return self._consumer
+
+    def partitions(self, topics: Iterable[str], timeout: float = 10.0) -> list[TP]:
+        """Current partitions of ``topics`` (a topic that does not exist yet has none)."""
+        c = self._client()
+        out: list[TP] = []
+        for topic in topics:
+            try:
+                md = c.list_topics(topic, timeout=timeout)
+            except KafkaException as exc:
+                raise TransientError(f"cannot read metadata of topic {topic}: {exc}") from None
+            t = md.topics.get(topic)
+            if t is None or t.error is not None:
+                if t is not None and t.error is not None and t.error.code() not in (
+                        KafkaError.UNKNOWN_TOPIC_OR_PART, KafkaError.LEADER_NOT_AVAILABLE):
+                    raise TransientError(f"metadata of topic {topic}: {t.error}")
+                continue
+            out.extend((topic, p) for p in sorted(t.partitions))
+        return out
+
+    def listed_end(self, tp: TP, timeout: float = 10.0) -> tuple[int, int]:
+        """(low, high) from ListOffsets; the high value is only a hint (see module docstring)."""
+        try:
+            return self._client().get_watermark_offsets(TopicPartition(*tp), timeout=timeout, cached=False)
+        except KafkaException as exc:
+            raise TransientError(f"cannot list offsets of {tp[0]}/{tp[1]}: {exc}") from None
+
+    def probe(self, tps: Iterable[TP], known: Mapping[TP, int] | None = None) -> ProbeResult:
+        """True ends of ``tps``. ``known`` holds offsets known to be <= the end (e.g. the batch
+        start); a partition that does not answer before the deadline gets ``known`` (or its listed
+        end when nothing is known)."""
+        tps = list(tps)
+        known = dict(known or {})
+        if not tps:
+            return ProbeResult({}, {})
+        c = self._client()
+        listed = {tp: self.listed_end(tp) for tp in tps}
+        assignment = []
+        asked: dict[TP, int] = {}
+        for tp in tps:
+            low, high = listed[tp]
+            asked[tp] = max(high, known.get(tp, 0))
+            pos = asked[tp] - 1
+            assignment.append(TopicPartition(tp[0], tp[1], pos if pos >= max(low, 0) else OFFSET_BEGINNING))
+        ends: dict[TP, int] = {}
+        seen: dict[TP, int] = {}
+        t0 = time.monotonic()
+        c.assign(assignment)
+        try:
+            deadline = time.monotonic() + self._deadline
+            while len(ends) < len(tps) and time.monotonic() < deadline:
+                msgs = c.consume(1000, timeout=0.02)
+                for m in msgs:
+                    tp = (m.topic(), m.partition())
+                    err = m.error()
+                    if err is None:
+                        seen[tp] = max(seen.get(tp, 0), m.offset() + 1)
+                    elif err.code() == KafkaError._PARTITION_EOF:
+                        ends[tp] = max(m.offset(), ends.get(tp, 0))
+                        # Paused partitions stop prefetching data nobody reads.
+                        c.pause([TopicPartition(*tp)])
+                    elif err.fatal() or not (err.retriable() or err.code() == KafkaError._TRANSPORT):
+                        raise TransientError(f"probing end of {tp[0]}/{tp[1]}: {err}")
+                if len(msgs) == 1000:
+                    continue  # more fetched records are queued: a record batch may be half delivered
+                # A record past the asked-for end means what existed when we asked has been read
+                # (whole record batches: the queue is drained). While producers write continuously,
+                # EOF may not come before the deadline (every fetch brings new records); every
+                # offset below a delivered read_committed record is stable: a correct end.
+                for tp, off in seen.items():
+                    if tp not in ends and off > asked[tp]:
+                        ends[tp] = off
+                        c.pause([TopicPartition(*tp)])
+            lows = {}
+            for tp in tps:
+                low, _ = c.get_watermark_offsets(TopicPartition(*tp), cached=True)
+                lows[tp] = low if low is not None and low >= 0 else listed[tp][0]
+        finally:
+            # Pause state outlives the assignment in librdkafka: undo it before the next probe.
+            c.resume(assignment)
+            c.unassign()
+        log.debug("probe of %d partitions took %.3fs", len(tps), time.monotonic() - t0)
+        missing = [tp for tp in tps if tp not in ends]
+        for tp in missing:
+            # Every offset below a delivered read_committed record is stable: a safe end.
+            fallback = known.get(tp, listed[tp][1])
+            ends[tp] = max(fallback, seen.get(tp, fallback))
+        if missing:
+            log.warning("no end-of-partition answer within %.1fs for %s; using %s", self._deadline,
+                        missing, {tp: ends[tp] for tp in missing})
+        return ProbeResult(ends, lows)
+
+    def close(self) -> None:
+        if self._consumer is not None:
+            self._consumer.close()
+            self._consumer = None
+
+
+__all__ = ["EARLIEST", "LATEST", "TP", "EndOffsetProbe", "ProbeResult", "from_json_offsets",
+           "parse_starting_offsets", "rate_limit", "to_json_offsets"]

@@ -1,0 +1,159 @@
+"""The ``refstream-kafka`` streaming source: Spark's Kafka source rebuilt on the Python Data Source API.
+
+Driver side (:class:`KafkaStreamReader`, one long-lived instance per query): discovers partitions,
+finds end offsets with :class:`~enrich.kafka.offsets.EndOffsetProbe`, applies admission control
+(``maxOffsetsPerTrigger`` through ``latestOffset(start, limit)``) and plans one task per partition
+range. Executor side (:func:`~enrich.kafka.fetch.read_range`): reads each range exactly into Arrow
+batches. Spark checkpoints the offsets; the source keeps no state of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import pyarrow as pa
+from pyspark.sql.datasource import DataSource, DataSourceStreamReader, DataSourceStreamWriter, InputPartition
+from pyspark.sql.streaming.datasource import (
+    ReadAllAvailable,
+    ReadLimit,
+    ReadMaxRows,
+    SupportsTriggerAvailableNow,
+)
+from pyspark.sql.types import StructType
+
+from enrich.kafka.fetch import SCHEMA_DDL, OffsetRange, read_range
+from enrich.kafka.offsets import (
+    EARLIEST,
+    LATEST,
+    TP,
+    EndOffsetProbe,
+    from_json_offsets,
+    rate_limit,
+    to_json_offsets,
+)
+from enrich.kafka.options import SourceOptions
+
+log = logging.getLogger(__name__)
+
+FORMAT = "refstream-kafka"
+
+
+class KafkaDataSource(DataSource):
+    """``spark.readStream.format("refstream-kafka")`` and ``df.writeStream.format("refstream-kafka")``."""
+
+    @classmethod
+    def name(cls) -> str:
+        return FORMAT
+
+    def schema(self) -> str:
+        return SCHEMA_DDL
+
+    def streamReader(self, schema: StructType) -> DataSourceStreamReader:
+        return KafkaStreamReader(SourceOptions.parse(self.options))
+
+    def streamWriter(self, schema: StructType, overwrite: bool) -> DataSourceStreamWriter:
+        from enrich.kafka.sink import KafkaStreamWriter  # the sink is optional for readers
+
+        return KafkaStreamWriter(self.options, schema)
+
+
+class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
+    """Offsets: ``{topic: {partition: next offset}}``. Pickled to executors for :meth:`read`, so
+    the driver-side probe is created lazily and never pickled."""
+
+    def __init__(self, options: SourceOptions) -> None:
+        self.options = options
+        self._probe: EndOffsetProbe | None = None
+        self._available_now: dict[TP, int] | None = None
+        self._latest: dict[TP, int] | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"options": self.options, "_probe": None, "_available_now": None, "_latest": None}
+
+    # -- driver side -------------------------------------------------------------------------------
+
+    def _prober(self) -> EndOffsetProbe:
+        if self._probe is None:
+            self._probe = EndOffsetProbe(self.options.settings)
+        return self._probe
+
+    def _ends(self, known: dict[TP, int]) -> tuple[dict[TP, int], dict[TP, int]]:
+        """(end, low) of every current partition of the subscribed topics."""
+        probe = self._prober()
+        tps = probe.partitions(self.options.topics)
+        res = probe.probe(tps, known)
+        return res.end, res.low
+
+    def initialOffset(self) -> dict:
+        start = self.options.starting
+        probe = self._prober()
+        tps = probe.partitions(self.options.topics)
+        if start == EARLIEST:
+            offsets = {tp: max(probe.listed_end(tp)[0], 0) for tp in tps}
+        elif start == LATEST:
+            offsets = probe.probe(tps).end
+        else:
+            assert isinstance(start, dict)
+            want = {tp: start.get(tp, EARLIEST) for tp in tps}
+            ends = probe.probe([tp for tp, o in want.items() if o == LATEST]).end
+            offsets = {tp: (ends[tp] if o == LATEST else max(o, 0)) for tp, o in want.items()}
+        log.info("initial offsets of %s: %s", ",".join(self.options.topics), offsets)
+        return to_json_offsets(offsets)
+
+    def prepareForTriggerAvailableNow(self) -> None:
+        # Trigger.AvailableNow: stop at what exists now, however many batches admission control needs.
+        self._available_now, _ = self._ends({})
+        log.info("available-now target offsets: %s", self._available_now)
+
+    def getDefaultReadLimit(self) -> ReadLimit:
+        n = self.options.max_offsets_per_trigger
+        return ReadMaxRows(n) if n else ReadAllAvailable()
+
+    def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
+        begin = from_json_offsets(start)
+        end, _ = self._ends(begin)
+        if self._available_now is not None:
+            # Partitions created after the target was taken start at 0 and wait for the next run.
+            end = {tp: min(off, self._available_now.get(tp, 0)) for tp, off in end.items()}
+        # New partitions start at their beginning; a partition never moves backwards.
+        end = {tp: max(off, begin.get(tp, 0)) for tp, off in end.items()}
+        for tp, off in begin.items():
+            end.setdefault(tp, off)  # a partition that vanished from metadata keeps its position
+        self._latest = dict(end)
+        if isinstance(limit, ReadMaxRows):
+            end = rate_limit({tp: begin.get(tp, 0) for tp in end}, end, limit.max_rows)
+        return to_json_offsets(end)
+
+    def reportLatestOffset(self) -> dict | None:
+        return to_json_offsets(self._latest) if self._latest is not None else None
+
+    def partitions(self, start: dict, end: dict) -> Sequence[InputPartition]:
+        begin = from_json_offsets(start)
+        out: list[InputPartition] = []
+        split = self.options.max_records_per_partition
+        for (topic, part), stop in sorted(from_json_offsets(end).items()):
+            lo = begin.get((topic, part), 0)
+            if stop <= lo:
+                continue
+            step = split or stop - lo
+            for a in range(lo, stop, step):
+                out.append(OffsetRange(topic, part, a, min(a + step, stop)))
+        return out
+
+    def commit(self, end: dict) -> None:
+        # Spark's checkpoint is the source of truth; nothing to commit on the Kafka side.
+        pass
+
+    def stop(self) -> None:
+        if self._probe is not None:
+            self._probe.close()
+            self._probe = None
+
+    # -- executor side -----------------------------------------------------------------------------
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        assert isinstance(partition, OffsetRange)
+        return read_range(self.options.settings, partition, poll_timeout_s=self.options.poll_timeout_s,
+                          fail_on_data_loss=self.options.fail_on_data_loss)

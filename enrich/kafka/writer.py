@@ -1,0 +1,293 @@
+"""Exactly-once output of micro-batches to Kafka, for ``foreachBatch`` on the driver.
+
+Each micro-batch is produced in ONE Kafka transaction together with a commit marker record
+``{"batch_id": n, ...}`` in the marker topic ``<topic>.refstream-commits`` (key: the transactional
+id). The marker commits atomically with the data, so "batch n is in Kafka" and "the marker says n"
+are the same fact. After a crash Spark replays the last uncommitted batch with the same batch id;
+the writer reads the last marker of its transactional id and skips every batch id at or below it.
+A read_committed consumer therefore sees each event once.
+
+The transactional id must be stable for one query (same checkpoint -> same id, see
+:func:`transactional_id_for`): ``init_transactions`` then fences a zombie instance of the previous
+run and aborts whatever it left open.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from collections import Counter
+from collections.abc import Mapping
+from datetime import UTC, datetime
+from types import TracebackType
+
+import pyarrow as pa
+from confluent_kafka import KafkaError, KafkaException, Producer
+
+from enrich.kafka.fetch import OffsetRange, read_range
+from enrich.kafka.offsets import EndOffsetProbe
+from refstream.errors import TerminalError, TransientError
+from refstream.kafka import ensure_topic
+
+log = logging.getLogger(__name__)
+
+MARKER_SUFFIX = ".refstream-commits"
+_MARKER_WINDOW = 1000  # offsets read back per step when looking for the last marker
+
+
+def transactional_id_for(checkpoint: str | os.PathLike[str], topic: str) -> str:
+    """A transactional id that is stable for one streaming query (its checkpoint) and output topic,
+    and differs between queries: a restarted query fences its previous incarnation, two queries
+    never fence each other."""
+    digest = hashlib.sha256(f"{os.path.abspath(os.fspath(checkpoint))}\0{topic}".encode()).hexdigest()
+    return f"refstream-enrich-{digest[:20]}"
+
+
+def _identity(key: bytes | None, value: bytes, headers: list | None) -> tuple:
+    return (key, value, tuple(map(tuple, headers)) if headers else None)
+
+
+def _kafka_error(exc: KafkaException) -> KafkaError | None:
+    err = exc.args[0] if exc.args else None
+    return err if isinstance(err, KafkaError) else None
+
+
+class TransactionalBatchWriter:
+    """Writes whole micro-batches to ``topic`` exactly once.
+
+    ``settings``: librdkafka settings (``bootstrap.servers``...). ``scope``: optional identity of the
+    query incarnation (e.g. the streaming query id); markers from another scope do not count, so a
+    query started on a fresh checkpoint (batch ids from 0 again) is not mistaken for a replay.
+    """
+
+    def __init__(self, settings: Mapping[str, str], topic: str, transactional_id: str, *,
+                 scope: str | None = None, marker_topic: str | None = None, timeout: float = 60.0) -> None:
+        self.topic = topic
+        self.transactional_id = transactional_id
+        self.scope = scope
+        self.marker_topic = marker_topic or topic + MARKER_SUFFIX
+        self._settings = dict(settings)
+        self._timeout = timeout
+        ensure_topic(self._settings, self.marker_topic, partitions=1,
+                     config={"cleanup.policy": "compact"})  # one marker per transactional id is enough
+        conf = {"linger.ms": 20, "batch.size": 1 << 20, "compression.type": "lz4",
+                # Room for a whole micro-batch in the local queue: no stalls on a full queue mid-batch.
+                "queue.buffering.max.messages": 1_000_000,
+                # Java clients' partitioner: a key lands where Spark's Kafka sink would put it.
+                "partitioner": "murmur2_random",
+                **self._settings,
+                "transactional.id": transactional_id, "enable.idempotence": True}
+        self._producer = Producer(conf)
+        before = self._visible_ends()
+        try:
+            # Fences an older producer with this id and completes or aborts its open transaction.
+            self._producer.init_transactions(timeout)
+        except KafkaException as exc:
+            raise self._classify(exc, "init_transactions") from None
+        self._last = self._read_last_marker()
+        self._leaked = self._read_leaked(before, self._visible_ends())
+        log.info("transactional writer %s -> %s ready; last committed batch %s", transactional_id, topic,
+                 self._last)
+
+    # -- markers -----------------------------------------------------------------------------------
+
+    def last_committed_batch(self) -> int | None:
+        """The highest batch id committed by this transactional id (and scope), or None."""
+        return self._last
+
+    def _read_last_marker(self) -> int | None:
+        probe = EndOffsetProbe(self._settings)
+        try:
+            tp = (self.marker_topic, 0)
+            res = probe.probe([tp])
+            end, low = res.end[tp], max(res.low.get(tp, 0), 0)
+        finally:
+            probe.close()
+        key = self.transactional_id.encode()
+        stop, window = end, _MARKER_WINDOW
+        while stop > low:
+            start = max(low, stop - window)
+            found: int | None = None
+            for batch in read_range(self._settings, OffsetRange(self.marker_topic, 0, start, stop),
+                                    poll_timeout_s=self._timeout):
+                keys = batch.column(0).to_pylist()
+                values = batch.column(1).to_pylist()
+                for k, v in zip(keys, values, strict=True):
+                    if k == key:
+                        marker = json.loads(v)
+                        if self.scope is None or marker.get("scope") == self.scope:
+                            found = int(marker["batch_id"])  # offset order: the last one wins
+            if found is not None:
+                return found
+            stop, window = start, window * 8
+        return None
+
+    def _visible_ends(self) -> dict[tuple[str, int], int]:
+        probe = EndOffsetProbe(self._settings)
+        try:
+            return probe.probe(probe.partitions([self.topic])).end
+        finally:
+            probe.close()
+
+    def _read_leaked(self, before: Mapping[tuple[str, int], int], after: Mapping[tuple[str, int], int]
+                     ) -> Counter[tuple]:
+        """Records that became visible while this writer fenced its predecessor.
+
+        Apache Kafka aborts the open transaction of a fenced producer: nothing appears. Some
+        Kafka-protocol brokers instead expose it, so a batch the previous run was writing when it
+        died is (partly) visible although its marker never committed. Those records are remembered
+        and left out when Spark replays that batch (its content is the same: same input, same
+        output), so a read_committed consumer still sees each record once."""
+        leaked: Counter[tuple] = Counter()
+        for (topic, part), end in after.items():
+            start = before.get((topic, part), 0)
+            if end <= start:
+                continue
+            for batch in read_range(self._settings, OffsetRange(topic, part, start, end),
+                                    poll_timeout_s=self._timeout):
+                cols = batch.to_pydict()
+                for k, v, h in zip(cols["key"], cols["value"], cols["headers"], strict=True):
+                    leaked[_identity(k, v, None if h is None else [(e["key"], e["value"]) for e in h])] += 1
+        if leaked:
+            log.warning("%d records of an unfinished transaction on %s became visible when the previous "
+                        "writer was fenced; they will not be written again", sum(leaked.values()), self.topic)
+        return leaked
+
+    # -- writing -----------------------------------------------------------------------------------
+
+    def write(self, batch_id: int, table: pa.Table | pa.RecordBatch) -> int:
+        """Produce ``table`` (columns ``value`` BINARY, optional ``key`` BINARY and ``headers``
+        ARRAY<STRUCT<key STRING, value BINARY>>) and the marker of ``batch_id`` in one transaction.
+        Returns the number of records written: 0 for a batch id already committed (a replay) or an
+        empty table. Raises :class:`TransientError` when the transaction was aborted (the caller
+        fails the batch; Spark retries it) and :class:`TerminalError` when this writer was fenced."""
+        if self._last is not None and batch_id <= self._last:
+            log.info("batch %d already committed to %s (last %d): skipped", batch_id, self.topic, self._last)
+            return 0
+        n = table.num_rows
+        if n == 0:
+            return 0
+        names = table.schema.names
+        if "value" not in names:
+            raise TerminalError(f"batch {batch_id} for {self.topic}: no 'value' column in {names}")
+        values = table.column("value").to_pylist()
+        keys = table.column("key").to_pylist() if "key" in names else None
+        headers = None
+        if "headers" in names:
+            headers = [None if h is None else [(e["key"], e["value"]) for e in h]
+                       for h in table.column("headers").to_pylist()]
+        if self._leaked:
+            if batch_id == (self._last if self._last is not None else -1) + 1:
+                values, keys, headers = self._without_leaked(values, keys, headers)
+            self._leaked = Counter()
+        started = time.monotonic()
+        p = self._producer
+        try:
+            p.begin_transaction()
+            self._produce_all(values, keys, headers)
+            # Data before marker: a broker that exposes a dead writer's transaction must never show
+            # a marker without all of its batch.
+            p.flush(self._timeout)
+            marker = {"batch_id": batch_id, "topic": self.topic, "records": n, "scope": self.scope,
+                      "committed_at": datetime.now(UTC).isoformat()}
+            p.produce(self.marker_topic, json.dumps(marker).encode(), key=self.transactional_id.encode(),
+                      partition=0)
+            self._commit()
+        except KafkaException as exc:
+            err = self._classify(exc, f"batch {batch_id}")
+            if not isinstance(err, TerminalError):
+                self._abort()
+            raise err from None
+        self._last = batch_id
+        log.info("batch %d: %d records to %s in %.2fs", batch_id, len(values), self.topic,
+                 time.monotonic() - started)
+        return len(values)
+
+    def _produce_all(self, values: list, keys: list | None, headers: list | None) -> None:
+        produce, poll, topic = self._producer.produce, self._producer.poll, self.topic
+        if keys is None:
+            keys = [None] * len(values)
+        if headers is not None and any(headers):
+            for i, (value, key, hdr) in enumerate(zip(values, keys, headers, strict=True)):
+                while True:
+                    try:
+                        produce(topic, value, key, headers=hdr or None)
+                        break
+                    except BufferError:
+                        poll(0.05)  # local queue full: let librdkafka send
+                if i & 0x3FFF == 0:
+                    poll(0)
+            return
+        # The hot path (no headers): one produce call per record, delivery reports served in chunks.
+        step = 0x4000
+        for lo in range(0, len(values), step):
+            for value, key in zip(values[lo:lo + step], keys[lo:lo + step], strict=True):
+                try:
+                    produce(topic, value, key)
+                except BufferError:
+                    while True:
+                        poll(0.05)  # local queue full: let librdkafka send
+                        try:
+                            produce(topic, value, key)
+                            break
+                        except BufferError:
+                            continue
+            poll(0)
+
+    def _without_leaked(self, values: list, keys: list | None, headers: list | None
+                        ) -> tuple[list, list | None, list | None]:
+        left = Counter(self._leaked)
+        keep = []
+        for i, v in enumerate(values):
+            ident = _identity(keys[i] if keys is not None else None, v, headers[i] if headers is not None else None)
+            if left[ident] > 0:
+                left[ident] -= 1
+            else:
+                keep.append(i)
+        log.warning("replay on %s: %d of %d records were already visible, writing %d", self.topic,
+                    len(values) - len(keep), len(values), len(keep))
+        return ([values[i] for i in keep], None if keys is None else [keys[i] for i in keep],
+                None if headers is None else [headers[i] for i in keep])
+
+    def _commit(self) -> None:
+        deadline = time.monotonic() + self._timeout
+        while True:
+            try:
+                self._producer.commit_transaction(max(1.0, deadline - time.monotonic()))
+                return
+            except KafkaException as exc:
+                err = _kafka_error(exc)
+                if err is not None and err.retriable() and time.monotonic() < deadline:
+                    log.warning("commit of transaction on %s failed (%s); retrying", self.topic, err)
+                    continue
+                raise
+
+    def _abort(self) -> None:
+        try:
+            self._producer.abort_transaction(min(self._timeout, 15.0))
+        except KafkaException as exc:
+            log.warning("abort of transaction on %s failed: %s", self.topic, exc)
+
+    def _classify(self, exc: KafkaException, what: str) -> Exception:
+        err = _kafka_error(exc)
+        if err is not None and (err.fatal() or err.code() in (KafkaError._FENCED, KafkaError.PRODUCER_FENCED,
+                                                              KafkaError.INVALID_PRODUCER_EPOCH)):
+            return TerminalError(f"{what}: transactional id {self.transactional_id} was fenced or failed "
+                                 f"fatally (another instance of this query is running?): {err}")
+        return TransientError(f"{what}: Kafka transaction on {self.topic} failed: {exc}")
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Flush and release the producer (an open transaction is aborted by the broker later)."""
+        self._producer.flush(self._timeout)
+
+    def __enter__(self) -> TransactionalBatchWriter:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()

@@ -1,0 +1,28 @@
+"""Where enriched events go: Kafka (exactly-once), Parquet (a directory per batch), console."""
+
+from __future__ import annotations
+
+from enrich.config import EnrichConfig
+from enrich.sinks.abc import EnrichedBatch, Sink
+
+__all__ = ["EnrichedBatch", "Sink", "make_sink"]
+
+
+def make_sink(cfg: EnrichConfig, scope: str | None = None) -> Sink:
+    """The configured sink; ``scope`` identifies the query (see TransactionalBatchWriter)."""
+    out = cfg.output
+    if out.kind == "kafka":
+        from enrich.kafka import transactional_id_for
+        from enrich.sinks.kafka import KafkaSink
+
+        assert out.topic is not None
+        return KafkaSink(cfg.kafka, out.topic, out.transactional_id or transactional_id_for(cfg.checkpoint, out.topic),
+                         scope)
+    if out.kind == "parquet":
+        from enrich.sinks.parquet import ParquetSink
+
+        assert out.path is not None
+        return ParquetSink(out.path)
+    from enrich.sinks.console import ConsoleSink
+
+    return ConsoleSink(out.rows)

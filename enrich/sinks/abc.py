@@ -1,0 +1,45 @@
+"""The sink interface: one micro-batch of enriched events in, its dead letters out.
+
+A sink must be idempotent per batch id (a batch replayed after a crash is written at most once)
+and returns the batch's dead-letter rows (``enrich.deadletter.COLUMNS``) for the dead-letter topic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import pyarrow as pa
+from pyspark.sql import Column, DataFrame
+from pyspark.sql import functions as F
+
+from enrich.deadletter import COLUMNS as DEAD_COLUMNS
+from enrich.events import ERROR
+
+#: How enriched events are written as JSON: nulls kept (an unmatched join shows as nulls), microseconds kept.
+JSON_OPTIONS = {"ignoreNullFields": "false", "timestampFormat": "yyyy-MM-dd'T'HH:mm:ss.SSSSSSXXX",
+                "timestampNTZFormat": "yyyy-MM-dd'T'HH:mm:ss.SSSSSS"}
+
+
+@dataclass(frozen=True)
+class EnrichedBatch:
+    """``df`` holds the output ``columns`` plus ``_error`` and the Kafka source columns."""
+
+    df: DataFrame
+    columns: tuple[str, ...]
+
+    def good(self) -> DataFrame:
+        return self.df.filter(F.col(ERROR).isNull()).select(*[F.col(f"`{c}`") for c in self.columns])
+
+    def dead_letters(self) -> pa.Table:
+        return self.df.filter(F.col(ERROR).isNotNull()).select(*DEAD_COLUMNS).toArrow()
+
+    def json_value(self) -> Column:
+        return F.to_json(F.struct(*[F.col(f"`{c}`") for c in self.columns]), JSON_OPTIONS)
+
+
+class Sink(Protocol):
+    def write(self, batch_id: int, batch: EnrichedBatch) -> pa.Table:
+        """Write the good events of ``batch`` (at most once per batch id); return its dead letters."""
+
+    def close(self) -> None: ...
