@@ -1,0 +1,105 @@
+"""`python -m refstream.demo` end to end: a bounded run whose every scripted change must be seen in
+the enriched output; Ctrl-C (SIGINT) then stops it cleanly, leaving no process behind."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.demo.conftest import ROOT
+
+pytestmark = pytest.mark.slow
+
+LIMIT = 420.0  # the whole run, Spark start included, on a busy 2-core machine (typically 3-4 min)
+SEEN = re.compile(r"^\[(?P<t0>\d\d:\d\d:\d\d)\] (?P<what>(UPDATE|EDIT|DELETE|INSERT|refresh run) .*?) \.\.\. .*"
+                  r"seen in enriched output at (?P<t1>\d\d:\d\d:\d\d), after (?P<s>\d+\.\d) s", re.M)
+
+
+def _leftovers(workdir: Path) -> list[psutil.Process]:
+    """Processes started for this demo run (they all inherit DEMO_DIR=<workdir>)."""
+    out = []
+    for p in psutil.process_iter():
+        try:
+            if p.pid != os.getpid() and p.environ().get("DEMO_DIR") == str(workdir):
+                out.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return out
+
+
+def test_demo_shows_every_change_in_the_enriched_output_and_stops_cleanly(tmp_path: Path) -> None:
+    workdir = tmp_path / "demo"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("REF_DB_URL", None)  # the SQLite default
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "refstream.demo", "--duration", str(LIMIT), "--workdir", str(workdir),
+         "--devices", "2000", "--rate", "200", "--timeout", "60"],
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    lines: list[str] = []
+    done = threading.Event()
+
+    def read() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            lines.append(line)
+            if "changes reached the enriched output" in line:
+                done.set()
+        done.set()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    finished = done.wait(LIMIT + 60)
+    # Ctrl-C as a user would press it, once the scenario is through.
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=90)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    reader.join(10)  # stdout belongs to the reader thread: never read it here too
+    assert proc.stderr is not None
+    err = proc.stderr.read()
+    out = "".join(lines)
+    assert finished, out + err
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{out}\n{err}"
+
+    seen = {m.group("what").split()[0]: float(m.group("s")) for m in SEEN.finditer(out)}
+    for m in SEEN.finditer(out):
+        # The arrival time printed is the change's time plus its latency (whole seconds, midnight wraps).
+        t0, t1 = (sum(int(x) * f for x, f in zip(m.group(g).split(":"), (3600, 60, 1), strict=True))
+                  for g in ("t0", "t1"))
+        assert abs((t1 - t0) % 86400 - float(m.group("s"))) <= 1.5, m.group(0)
+    # The operator's changes: an UPDATE of the devices table (daemon schedule), an UPDATE of the
+    # models table followed by a forced `refresh run`, an edit of the watched CSV file, a DELETE and
+    # an INSERT; each reached the enriched output in well under the timeout.
+    assert set(seen) == {"UPDATE", "refresh", "EDIT", "DELETE", "INSERT"}, out
+    assert len(SEEN.findall(out)) == 5, out
+    assert re.search(r"^\[.{8}\] UPDATE models m-\d+ model_name .*\n\[.{8}\] refresh run models \.\.\. exit 0 after",
+                     out, re.M), out
+    assert all(s < 60 for s in seen.values()), seen
+    assert "all 5 changes reached the enriched output" in out
+    for name in ("refresher", "enrichment job", "simulator", "broker"):
+        assert f"stopped {name}\n" in out, out  # each stopped, and with exit code 0
+
+    time.sleep(1)
+    left = _leftovers(workdir)
+    # The broker starts before DEMO_DIR is set: find it by the port the demo printed.
+    port = re.search(r"broker up on 127\.0\.0\.1:(\d+)", out)
+    assert port, out
+    for p in psutil.process_iter():
+        try:
+            if p.pid != os.getpid() and f"127.0.0.1:{port.group(1)}" in " ".join(p.cmdline()):
+                left.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    assert not left, f"left behind: {[p.cmdline() for p in left]}"

@@ -1,0 +1,219 @@
+"""The README's configuration reference against the real loaders: every key `refresh.config` and
+`enrich.config` accept is documented, nothing documented is refused, and the defaults the README
+states are the ones the loaders apply.
+
+The accepted keys are recorded by watching which keys the loaders ask their ``Section`` for while
+loading configs that take every branch (SQL, file and incremental datasets; each output kind)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from enrich.config import EnrichConfig
+from enrich.config import load as load_enrich
+from refresh.config import RefreshConfig, load_config
+from refstream.config import Section, parse_duration
+from tests.demo.conftest import ROOT
+
+README = ROOT / "README.md"
+
+REFRESH_YAML = """\
+kafka: {bootstrap_servers: "127.0.0.1:9", client.id: readme-test}
+state_dir: var/refresh
+retry: {attempts: 3, initial: 1s, maximum: 5s}
+datasets:
+  plain:
+    source: {url: "sqlite://", table: t}
+    key: id
+  inc:
+    source: {url: "sqlite://", query: "SELECT 1 AS id, 2 AS u", chunk_rows: 10}
+    key: [id]
+    mode: incremental
+    incremental: {column: u, lag: 1s, reconcile: {every: 1h}}
+    schedule: {cron: "*/5 * * * *"}
+    topic: t.inc
+    partitions: 2
+    allow_empty: true
+  inc2:
+    source: {url: "sqlite://", table: t}
+    key: id
+    mode: incremental
+    incremental: {column: u, reconcile_every: 2h}
+    schedule: {every: 10s}
+  file:
+    source: {path: data/x.csv, format: csv, types: {id: string}}
+    key: id
+    watch: true
+"""
+
+ENRICH_YAML = """\
+kafka: {bootstrap_servers: "127.0.0.1:9", client.id: readme-test}
+events: {topic: ev, schema: "device_id STRING", starting_offsets: earliest, required: [device_id],
+         source: python}
+joins:
+  - {dataset: devices, topic: ref.devices, on: device_id, columns: [a], how: inner, prefix: "d_"}
+  - {dataset: sites, on: {site: site_id}}
+output: %s
+dead_letter_topic: dlq
+checkpoint: var/ck
+trigger: 2s
+max_events_per_batch: 10
+bootstrap_timeout: 5s
+spark: {spark.driver.memory: 2g}
+"""
+OUTPUTS = ("{kafka: {topic: out, transactional_id: tx}}", "{parquet: {path: var/out}}", "{console: {rows: 5}}")
+
+
+@pytest.fixture
+def recorded(monkeypatch: pytest.MonkeyPatch) -> Iterator[set[str]]:
+    """Every key path the loaders ask for, present in the file or not."""
+    keys: set[str] = set()
+    raw = Section.raw
+
+    def spy(self: Section, name: str, default: Any = ...) -> Any:
+        keys.add(self.key(name))
+        return raw(self, name, default)
+
+    monkeypatch.setattr(Section, "raw", spy)
+    yield keys
+
+
+def readme_table(heading: str) -> dict[str, str]:
+    """README key -> default cell, from the table under the heading that contains ``heading``."""
+    text = README.read_text(encoding="utf-8")
+    m = re.search(rf"^###[^\n]*{re.escape(heading)}[^\n]*\n(.*?)(?=^#)", text, re.M | re.S)
+    assert m, f"README has no section about {heading}"
+    out: dict[str, str] = {}
+    for line in m.group(1).splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 3 or cells[0] in ("key", "") or set(cells[0]) <= {"-"}:
+            continue
+        for key in re.findall(r"`([^`]+)`", cells[0]):
+            out[key] = cells[1]
+    assert out, f"no configuration table under {heading}"
+    return out
+
+
+def leaves(keys: set[str]) -> set[str]:
+    """Drop containers: keys under which other keys were read."""
+    return {k for k in keys if not any(o.startswith(k + ".") or o.startswith(k + "[") for o in keys if o != k)}
+
+
+def refresh_form(key: str) -> str:
+    """A recorded key in the README's notation (dataset entries as ``.source.url`` etc.)."""
+    key = re.sub(r"^kafka\.(?!bootstrap_servers$).+", "kafka.<librdkafka setting>", key)
+    m = re.match(r"^datasets\.([^.]+)(\..*)?$", key)
+    if m:
+        key = m.group(2) or "datasets.<name>"
+    return re.sub(r"^\.source\.types\..+", ".source.types", key)
+
+
+def enrich_form(key: str) -> str:
+    key = re.sub(r"^kafka\.(?!bootstrap_servers$).+", "kafka.<librdkafka setting>", key)
+    key = re.sub(r"^spark\..+", "spark.<setting>", key)
+    return "joins[]" if key == "joins" else re.sub(r"^joins\[\d+\]", "joins[]", key)
+
+
+def load_all_refresh(tmp_path: Path) -> RefreshConfig:
+    p = tmp_path / "refresh.yaml"
+    p.write_text(REFRESH_YAML)
+    return load_config(p)
+
+
+def load_all_enrich(tmp_path: Path) -> list[EnrichConfig]:
+    out = []
+    for i, output in enumerate(OUTPUTS):
+        p = tmp_path / f"enrich{i}.yaml"
+        p.write_text(ENRICH_YAML % output)
+        out.append(load_enrich(p))
+    return out
+
+
+@pytest.mark.parametrize("which", ["refresh", "enrich"])
+def test_readme_documents_every_key_the_loaders_accept(which: str, recorded: set[str], tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    if which == "refresh":
+        load_all_refresh(tmp_path)
+        form: Callable[[str], str] = refresh_form
+    else:
+        load_all_enrich(tmp_path)
+        form = enrich_form
+    accepted = {form(k) for k in recorded}
+    documented = set(readme_table(f"conf/{which}.yaml"))
+    missing = leaves(accepted) - documented
+    assert not missing, f"conf/{which}.yaml keys the loader accepts but the README does not list: {sorted(missing)}"
+    unknown = documented - accepted
+    assert not unknown, f"README lists conf/{which}.yaml keys the loader does not read: {sorted(unknown)}"
+
+
+def matches(cell: str, actual: Any) -> bool:
+    """Whether a README default cell (``\\`30s\\```, ``none``, ``\\`[]\\```...) says ``actual``."""
+    text = cell.strip().strip("`")
+    if actual is None:
+        return text == "none"
+    if isinstance(actual, bool):
+        return text == str(actual).lower()
+    if isinstance(actual, timedelta):
+        return parse_duration(text) == actual
+    if isinstance(actual, int):
+        return text.replace(",", "").isdigit() and int(text.replace(",", "")) == actual
+    if isinstance(actual, Path):
+        return Path(text).resolve() == actual.resolve()
+    if isinstance(actual, tuple):
+        return yaml.safe_load(text) == list(actual)
+    return (yaml.safe_load(text) if text.startswith('"') else text) == actual
+
+
+def test_readme_defaults_are_the_loaders_defaults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    p = tmp_path / "refresh.yaml"
+    p.write_text('kafka: {bootstrap_servers: "127.0.0.1:9"}\n'
+                 'datasets:\n  dd:\n    source: {url: "sqlite://", table: t}\n    key: id\n'
+                 '  ii:\n    source: {url: "sqlite://", table: t}\n    key: id\n    mode: incremental\n'
+                 '    incremental: {column: u}\n')
+    r = load_config(p)
+    d, i = r.datasets["dd"], r.datasets["ii"]
+    refresh_actual: dict[str, Any] = {
+        "state_dir": r.state_dir, "retry.attempts": r.retry.attempts,
+        "retry.initial": timedelta(seconds=r.retry.initial), "retry.maximum": timedelta(seconds=r.retry.maximum),
+        ".source.chunk_rows": d.source.chunk_rows, ".mode": d.mode, ".incremental.lag": i.incremental.lag,
+        ".incremental.reconcile.every": i.incremental.reconcile_every, ".watch": d.watch,
+        ".schedule.every": d.schedule.every, ".schedule.cron": d.schedule.cron,
+        ".topic": d.topic.replace("dd", "<name>"), ".partitions": d.partitions, ".allow_empty": d.allow_empty,
+    }
+    e = tmp_path / "enrich.yaml"
+    e.write_text('kafka: {bootstrap_servers: "127.0.0.1:9"}\nevents: {topic: ev, schema: "a STRING"}\n'
+                 "joins: [{dataset: dd, on: a}]\noutput: {console: {}}\ndead_letter_topic: dlq\n"
+                 "checkpoint: ck\n")
+    c = load_enrich(e)
+    bare = tmp_path / "bare.yaml"
+    bare.write_text(e.read_text().replace("joins: [{dataset: dd, on: a}]\n", ""))
+    enrich_actual: dict[str, Any] = {
+        "events.starting_offsets": c.events.starting_offsets, "events.required": c.events.required,
+        "events.source": c.events.source, "joins[]": load_enrich(bare).joins, "joins[].topic":
+        c.joins[0].topic.replace("dd", "<dataset>"), "joins[].how": c.joins[0].how,
+        "joins[].prefix": c.joins[0].prefix, "output.console.rows": c.output.rows, "trigger": c.trigger,
+        "max_events_per_batch": c.max_events_per_batch, "bootstrap_timeout": c.bootstrap_timeout,
+    }
+    for heading, actual in (("conf/refresh.yaml", refresh_actual), ("conf/enrich.yaml", enrich_actual)):
+        table = readme_table(heading)
+        wrong = {k: (table.get(k), v) for k, v in actual.items() if k not in table or not matches(table[k], v)}
+        assert not wrong, f"README defaults of {heading} differ from the loader's (README, loader): {wrong}"
+
+
+@pytest.mark.parametrize("doc", ["README.md", "docs/architecture.md"])
+def test_relative_links_point_at_files_that_exist(doc: str) -> None:
+    path = ROOT / doc
+    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", path.read_text(encoding="utf-8"))
+    local = [link for link in links if not re.match(r"^[a-z]+:", link)]
+    assert local, f"{doc} links nowhere"
+    missing = [link for link in local if not (path.parent / link).exists()]
+    assert not missing, f"{doc} links to missing files: {missing}"

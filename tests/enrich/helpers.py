@@ -1,0 +1,60 @@
+"""Test helpers: publish changelogs with the contract codec, produce and read back events."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from confluent_kafka import Producer
+
+from refstream import contract
+from refstream import kafka as rkafka
+from refstream.contract import DatasetSchema, Message
+
+
+def publish(settings: Mapping[str, str], topic: str, messages: Iterable[Message]) -> None:
+    rkafka.ensure_topic(settings, topic, config=contract.TOPIC_CONFIG)
+    p = Producer({**settings, "enable.idempotence": True, "linger.ms": 5})
+    for m in messages:
+        p.produce(topic, key=m.key, value=m.value, headers=m.headers)
+    p.flush(30)
+
+
+def changelog(schema: DatasetSchema, rows: Sequence[Mapping[str, Any]] = (), deletes: Sequence[Mapping[str, Any]] = (),
+              version: int = 1, with_schema: bool = True) -> list[Message]:
+    out = [contract.schema_message(schema)] if with_schema else []
+    out += list(contract.upsert_messages(schema, rows, version))
+    out += list(contract.delete_messages(schema, deletes, version))
+    return out
+
+
+def produce_events(settings: Mapping[str, str], topic: str, events: Iterable[Mapping[str, Any] | bytes],
+                   key_field: str = "device_id", partitions: int = 1) -> None:
+    rkafka.ensure_topic(settings, topic, partitions=partitions)
+    p = Producer({**settings, "linger.ms": 5})
+    for e in events:
+        if isinstance(e, bytes):
+            p.produce(topic, key=b"bad", value=e)
+        else:
+            key = str(e.get(key_field)).encode() if e.get(key_field) is not None else None
+            p.produce(topic, key=key, value=json.dumps(e).encode())
+    p.flush(30)
+
+
+def read_all(settings: Mapping[str, str], topic: str) -> list[Any]:
+    """Every committed record of ``topic`` (read_committed), to the end."""
+    return [m for m in rkafka.read_to_end(settings, topic, timeout=20)]
+
+
+def wait_for(predicate: Callable[[], bool], what: str, runner: threading.Thread, timeout: float = 120) -> None:
+    """Poll ``predicate`` until it holds; fail at once if the job's thread ``runner`` has stopped."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert runner.is_alive(), f"the job stopped while waiting for {what}"
+        if predicate():
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")

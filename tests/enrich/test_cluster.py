@@ -1,0 +1,95 @@
+"""The same job on a real standalone Spark cluster: a master and two workers started with pyspark's
+``bin/spark-class``, the job submitted with ``--master spark://...``."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pyspark
+import pytest
+
+from refstream.broker import free_port
+from refstream.contract import Column, DatasetSchema
+from tests.enrich.helpers import changelog, produce_events, publish, read_all
+from tests.enrich.test_restart import start_job, write_config
+
+SCHEMA = DatasetSchema("devices", ("device_id",), (Column("device_id", "string"), Column("owner", "string")))
+SPARK_HOME = Path(pyspark.__file__).parent
+
+
+def _spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "SPARK_HOME": str(SPARK_HOME), "SPARK_LOCAL_IP": "127.0.0.1",
+           "PYSPARK_PYTHON": sys.executable, "SPARK_WORKER_OPTS": "-Dspark.worker.cleanup.enabled=false"}
+    return subprocess.Popen([str(SPARK_HOME / "bin" / "spark-class"), *args], env=env, stdout=open(log, "ab"),  # noqa: SIM115
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _state(ui: int) -> dict:
+    with urllib.request.urlopen(f"http://127.0.0.1:{ui}/json/", timeout=5) as r:
+        return json.loads(r.read())
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[tuple[str, int]]:
+    port, ui = free_port(), free_port()
+    procs = [_spawn(["org.apache.spark.deploy.master.Master", "--host", "127.0.0.1", "--port", str(port),
+                     "--webui-port", str(ui)], tmp_path / "master.log")]
+    try:
+        for i in range(2):
+            procs.append(_spawn(["org.apache.spark.deploy.worker.Worker", f"spark://127.0.0.1:{port}",
+                                 "--host", "127.0.0.1", "--cores", "1", "--memory", "1g", "--webui-port", "0",
+                                 "--work-dir", str(tmp_path / f"work{i}")], tmp_path / f"worker{i}.log"))
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if _state(ui).get("aliveworkers") == 2:
+                    break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError("the cluster did not come up: " + (tmp_path / "master.log").read_text()[-2000:])
+            time.sleep(1)
+        yield f"spark://127.0.0.1:{port}", ui
+    finally:
+        for p in reversed(procs):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(10)
+
+
+def test_job_on_a_two_worker_standalone_cluster(cluster: tuple[str, int], kafka: dict[str, str],
+                                                unique: Callable[[str], str], tmp_path: Path) -> None:
+    master, ui = cluster
+    config = tmp_path / "enrich.yaml"
+    cfg = write_config(config, kafka, unique, spark={"spark.executor.memory": "512m", "spark.cores.max": "2",
+                                                     "spark.driver.memory": "1g", "spark.driver.host": "127.0.0.1",
+                                                     "spark.sql.shuffle.partitions": "2"})
+    publish(kafka, cfg["joins"][0]["topic"], changelog(SCHEMA, [{"device_id": f"d{i}", "owner": f"o{i}"}
+                                                                for i in range(5)]))
+    produce_events(kafka, cfg["events"]["topic"], [{"device_id": f"d{i % 6}", "n": i} for i in range(600)],
+                   partitions=2)
+    log = tmp_path / "job.log"
+    proc = start_job(config, log, "--available-now", master=master)
+    rc = proc.wait(400)
+    assert rc == 0, log.read_text()[-4000:]
+    rows = [json.loads(m.value()) for m in read_all(kafka, cfg["output"]["kafka"]["topic"])]
+    assert sorted(r["n"] for r in rows) == list(range(600))
+    assert all(r["owner"] == f"o{r['n'] % 6}" for r in rows if r["n"] % 6 < 5)
+    assert all(r["_devices_matched"] is False for r in rows if r["n"] % 6 == 5)
+    apps = _state(ui)["completedapps"] + _state(ui)["activeapps"]
+    assert any(a["name"] == "refstream-enrich" for a in apps), "the job did not run on the cluster"
+    for i in range(2):  # each worker launched an executor for the job
+        assert list((tmp_path / f"work{i}").glob("app-*/*/stderr")), f"worker {i} ran no executor"

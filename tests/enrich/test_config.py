@@ -1,0 +1,79 @@
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from enrich import config
+from refstream.errors import ConfigError
+
+BASE = {
+    "kafka": {"bootstrap_servers": "127.0.0.1:9092"},
+    "events": {"topic": "ev", "schema": "device_id STRING, ts TIMESTAMP"},
+    "joins": [{"dataset": "devices", "on": "device_id", "columns": ["model_id", "site_id"]},
+              {"dataset": "sites", "on": {"site_id": "id"}, "how": "inner", "topic": "t.sites"}],
+    "output": {"kafka": {"topic": "out"}},
+    "dead_letter_topic": "dlq",
+    "checkpoint": "var/cp",
+    "trigger": "500ms",
+    "max_events_per_batch": 1000,
+}
+
+
+def test_parse_full_shape() -> None:
+    cfg = config.parse(BASE, "enrich.yaml")
+    assert cfg.kafka == {"bootstrap.servers": "127.0.0.1:9092"}
+    assert cfg.events.starting_offsets == "latest"
+    assert cfg.joins[0].topic == "ref.devices" and cfg.joins[0].on == (("device_id", None),)
+    assert cfg.joins[0].columns == ("model_id", "site_id") and cfg.joins[0].how == "left"
+    assert cfg.joins[1].on == (("site_id", "id"),) and cfg.joins[1].how == "inner"
+    assert cfg.joins[1].topic == "t.sites" and cfg.joins[1].columns is None
+    assert cfg.datasets == {"devices": "ref.devices", "sites": "t.sites"}
+    assert cfg.output.kind == "kafka" and cfg.output.topic == "out"
+    assert cfg.trigger == timedelta(milliseconds=500) and cfg.max_events_per_batch == 1000
+    assert cfg.checkpoint == Path("var/cp")
+
+
+@pytest.mark.parametrize(("patch", "message"), [
+    ({"joins": [{"dataset": "d", "on": 3}]}, "joins[0].on"),
+    ({"joins": [{"dataset": "d", "on": "x", "how": "outer"}]}, "joins[0].how: 'outer' is not one of"),
+    ({"output": {"kafka": {"topic": "o"}, "console": {}}}, "output: needs exactly one of"),
+    ({"output": {"parquet": {}}}, "output.parquet.path: is required"),
+    ({"trigger": "soon"}, "trigger: 'soon' is not a duration"),
+    ({"events": {"topic": "e", "schema": "x INT", "starting_offsets": "middle"}}, "events.starting_offsets"),
+    ({"events": {"topic": "e", "schema": "x INT", "sheme": 1}}, "events: unknown key(s): sheme"),
+    ({"max_events_per_batch": 0}, "max_events_per_batch: must be positive"),
+    ({"joins": [{"dataset": "d", "on": "x"}, {"dataset": "d", "on": "y"}]}, "joined twice"),
+    ({"kafka": {"security.protocol": "SSL"}}, "kafka.bootstrap_servers: is required"),
+    ({"events": {"topic": "e", "schema": "x INT", "source": "jar"}}, "events.source: 'jar' is not one of"),
+    ({"events": {"schema": "x INT"}}, "events.topic: is required"),
+    ({"joins": {"dataset": "d"}}, "joins: expected a list of joins"),
+    ({"joins": [{"dataset": "d", "on": "x", "colums": ["a"]}]}, "joins[0]: unknown key(s): colums"),
+    ({"joins": [{"dataset": "d", "on": "x", "columns": [1, 2]}]}, "joins[0].columns: expected a list of names"),
+    ({"output": {"kafka": {}}}, "output.kafka.topic: is required"),
+    ({"dead_letter_topic": None}, "dead_letter_topic: is required"),
+    ({"checkpoint": 3}, "checkpoint: expected str"),
+    ({"triger": "1s"}, "<top>: unknown key(s): triger"),
+    ({"spark": ["spark.driver.memory"]}, "spark: must be a mapping"),
+])
+def test_errors_name_the_key(patch: dict, message: str) -> None:
+    with pytest.raises(ConfigError) as exc:
+        config.parse({**BASE, **patch}, "enrich.yaml")
+    assert message in str(exc.value)
+    assert str(exc.value).startswith("enrich.yaml: ")
+
+
+def test_env_substitution_and_shipped_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KAFKA_BOOTSTRAP", "broker:1234")
+    cfg = config.load(Path(__file__).parents[2] / "conf" / "enrich.yaml")
+    assert cfg.kafka["bootstrap.servers"] == "broker:1234"
+    assert [j.dataset for j in cfg.joins] == ["devices", "sites"]
+
+
+def test_unset_environment_variable_names_file_and_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("NO_SUCH_BOOTSTRAP", raising=False)
+    path = tmp_path / "enrich.yaml"
+    path.write_text("events: {topic: e, schema: 'x INT'}\nkafka:\n  bootstrap_servers: ${NO_SUCH_BOOTSTRAP}\n")
+    with pytest.raises(ConfigError, match=rf"^{path}:3: environment variable NO_SUCH_BOOTSTRAP is not set"):
+        config.load(path)

@@ -1,0 +1,94 @@
+"""DimensionState: pure logic over changelog records built with the contract codec."""
+
+from __future__ import annotations
+
+from decimal import Decimal
+
+import pytest
+
+from enrich.dimension.abc import Record
+from enrich.dimension.store import DELETED, DimensionState
+from refstream import contract
+from refstream.contract import Column, DatasetSchema
+from refstream.errors import ContractError
+
+SCHEMA = DatasetSchema("devices", ("device_id",), (Column("device_id", "string"), Column("model", "string"),
+                                                   Column("price", "decimal(10,2)")))
+
+
+def records(msgs: list[contract.Message], start: int = 0) -> list[Record]:
+    return [Record(0, start + i, m.key, m.value, m.headers) for i, m in enumerate(msgs)]
+
+
+def rows(state: DimensionState) -> dict[str, dict]:
+    snap = state.snapshot()
+    out = {r["device_id"]: r for r in snap.base.to_pylist()}
+    if snap.overlay is not None:
+        for r in snap.overlay.to_pylist():
+            if r.pop(DELETED):
+                out.pop(r["device_id"], None)
+            else:
+                out[r["device_id"]] = r
+    return out
+
+
+def test_upsert_replace_delete_reinsert_in_offset_order() -> None:
+    s = DimensionState("devices")
+    msgs = [contract.schema_message(SCHEMA)]
+    msgs += contract.upsert_messages(SCHEMA, [{"device_id": "a", "model": "m1", "price": Decimal("1.50")},
+                                              {"device_id": "b", "model": "m2", "price": None}], 1)
+    s.apply(records(msgs))
+    s.compact()
+    base_gen = s.base_gen
+    later = list(contract.upsert_messages(SCHEMA, [{"device_id": "a", "model": "m9", "price": "2.00"}], 2))
+    later += contract.delete_messages(SCHEMA, [{"device_id": "b"}], 2)
+    later += contract.delete_messages(SCHEMA, [{"device_id": "c"}], 2)
+    later += contract.upsert_messages(SCHEMA, [{"device_id": "c", "model": "m3", "price": "3"}], 2)
+    s.apply(records(later, 10))
+    got = rows(s)
+    assert s.base_gen == base_gen, "a few changes must not rebuild the base"
+    assert got == {"a": {"device_id": "a", "model": "m9", "price": Decimal("2.00")},
+                   "c": {"device_id": "c", "model": "m3", "price": Decimal("3.00")}}
+    s.compact()
+    assert rows(s) == got and s.snapshot().overlay is None
+
+
+def test_compaction_after_many_changes_and_column_projection() -> None:
+    s = DimensionState("devices", compact_min=5, compact_fraction=0.0)
+    s.apply(records([contract.schema_message(SCHEMA)]))
+    s.apply(records(list(contract.upsert_messages(
+        SCHEMA, [{"device_id": f"d{i}", "model": f"m{i}", "price": i} for i in range(20)], 1)), 1))
+    snap = s.snapshot(["price"])
+    assert snap.overlay is None and snap.base.num_rows == 20
+    assert snap.base.column_names == ["device_id", "price"]
+    assert str(snap.base.schema.field("price").type) == "decimal128(10, 2)"
+
+
+def test_schema_change_keeps_rows_and_adds_columns() -> None:
+    s = DimensionState("devices")
+    s.apply(records([contract.schema_message(SCHEMA),
+                     *contract.upsert_messages(SCHEMA, [{"device_id": "a", "model": "m", "price": 1}], 1)]))
+    wider = DatasetSchema("devices", SCHEMA.key, SCHEMA.columns + (Column("site", "int64"),), 2)
+    s.apply(records([contract.schema_message(wider),
+                     *contract.upsert_messages(wider, [{"device_id": "b", "model": "n", "price": 2, "site": 7}], 2)], 5))
+    assert rows(s) == {"a": {"device_id": "a", "model": "m", "price": Decimal("1.00"), "site": None},
+                       "b": {"device_id": "b", "model": "n", "price": Decimal("2.00"), "site": 7}}
+
+
+def test_bad_record_is_skipped_not_fatal() -> None:
+    s = DimensionState("devices")
+    bad = Record(0, 1, None, b"{}", [])
+    s.apply([*records([contract.schema_message(SCHEMA)]), bad,
+             *records(list(contract.upsert_messages(SCHEMA, [{"device_id": "a", "model": "m", "price": 1}], 1)), 2)])
+    assert set(rows(s)) == {"a"}
+
+
+def test_dropped_joined_column_is_refused_naming_dataset_and_column() -> None:
+    s = DimensionState("devices")
+    s.apply(records([contract.schema_message(SCHEMA),
+                     *contract.upsert_messages(SCHEMA, [{"device_id": "a", "model": "m", "price": 1}], 1)]))
+    narrower = DatasetSchema("devices", SCHEMA.key, SCHEMA.columns[:2], 2)
+    s.apply(records([contract.schema_message(narrower)], 5))
+    assert s.snapshot(["model"]).base.column_names == ["device_id", "model"]
+    with pytest.raises(ContractError, match=r"dataset devices: column\(s\) price selected by a join"):
+        s.snapshot(["model", "price"])

@@ -1,0 +1,166 @@
+"""SQL sources against the real MariaDB, PostgreSQL and SQLite: types, chunks, errors."""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Iterator
+from decimal import Decimal
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+import sqlalchemy as sa
+
+from refresh.config import SourceConfig
+from refresh.diff import normalize
+from refresh.sources.sql import SqlSource
+from refstream.errors import DataError, TerminalError, TransientError
+from tests.refresh.conftest import execute
+
+PG_URL = "postgresql+psycopg2://postgres@127.0.0.1:5432/test"
+
+MYSQL_TYPES = """(
+    id INT NOT NULL, k2 VARCHAR(10) NOT NULL, price DECIMAL(30,10), small DECIMAL(5,2) UNSIGNED,
+    day DATE, at DATETIME(6), stamp TIMESTAMP NULL, t TIME, bin VARBINARY(8), blobby BLOB,
+    txt TEXT, name VARCHAR(50), flag TINYINT(1), big BIGINT UNSIGNED, f DOUBLE, js JSON, e ENUM('a','b'),
+    PRIMARY KEY (id, k2))"""
+
+
+@pytest.fixture
+def typed_table(mysql_engine: sa.Engine, unique) -> Iterator[str]:
+    t = unique("types")
+    execute(mysql_engine, f"CREATE TABLE {t} {MYSQL_TYPES}")
+    execute(mysql_engine,
+            f"INSERT INTO {t} VALUES (1, 'a', 12345678901234567890.0123456789, 999.99, '2024-05-01', "
+            "'2024-05-01 12:00:00.123456', '2024-05-01 12:00:00', '-838:59:59', x'00ff10', x'cafe', "
+            "'日本語 ✓ \\\\ \"q\"', 'Zoë', 1, 9223372036854775807, 0.1, '{\"a\": [1, 2]}', 'b'), "
+            "(2, 'b', NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL)")
+    return t
+
+
+def test_mysql_types_map_to_exact_arrow_types(mysql_url: str, typed_table: str) -> None:
+    table = normalize(SqlSource("ds", SourceConfig(url=mysql_url, table=typed_table)).read())
+    types = {f.name: f.type for f in table.schema}
+    assert types["price"] == pa.decimal128(30, 10)
+    assert types["small"] == pa.decimal128(5, 2)
+    assert types["day"] == pa.date32() and types["at"] == pa.timestamp("us") and types["stamp"] == pa.timestamp("us")
+    assert types["bin"] == pa.binary() and types["blobby"] == pa.binary()
+    assert types["txt"] == pa.string() and types["js"] == pa.string() and types["e"] == pa.string()
+    assert types["t"] == pa.duration("us") and types["id"] == pa.int64() and types["f"] == pa.float64()
+    rows = sorted(table.to_pylist(), key=lambda r: r["id"])
+    r = rows[0]
+    assert r["price"] == Decimal("12345678901234567890.0123456789")
+    assert r["small"] == Decimal("999.99")
+    assert r["day"] == dt.date(2024, 5, 1)
+    assert r["at"] == dt.datetime(2024, 5, 1, 12, 0, 0, 123456)
+    assert r["stamp"] == dt.datetime(2024, 5, 1, 12)
+    assert r["t"] == -dt.timedelta(hours=838, minutes=59, seconds=59)
+    assert r["bin"] == b"\x00\xff\x10" and r["blobby"] == b"\xca\xfe"
+    assert r["txt"] == '日本語 ✓ \\ "q"' and r["name"] == "Zoë"
+    assert r["big"] == 9223372036854775807 and r["f"] == 0.1 and r["e"] == "b"
+    assert r["js"].replace(" ", "") == '{"a":[1,2]}'
+    assert all(v is None for k, v in rows[1].items() if k not in ("id", "k2"))
+
+
+def test_mysql_reads_in_chunks_and_queries_with_a_cursor(mysql_url: str, mysql_engine: sa.Engine, unique) -> None:
+    t = unique("chunks")
+    execute(mysql_engine, f"CREATE TABLE {t} (id INT PRIMARY KEY, at DATETIME, note VARCHAR(10))")
+    execute(mysql_engine, f"INSERT INTO {t} VALUES (:id, :at, :note)",
+            params=[{"id": i, "at": dt.datetime(2024, 1, 1) + dt.timedelta(minutes=i), "note": "50%"}
+                    for i in range(10)])
+    src = SqlSource("ds", SourceConfig(url=mysql_url, query=f"SELECT id, at, note FROM {t} WHERE note LIKE '50%'",
+                                       chunk_rows=3))
+    batches = list(src.batches())
+    assert [b.num_rows for b in batches] == [3, 3, 3, 1]
+    since = src.read_since("at", dt.datetime(2024, 1, 1, 0, 7))
+    assert sorted(since.column("id").to_pylist()) == [7, 8, 9]
+    now = src.now()
+    assert isinstance(now, dt.datetime) and abs((now - dt.datetime.now()).total_seconds()) < 3600 * 24
+    empty = SqlSource("ds", SourceConfig(url=mysql_url, query=f"SELECT * FROM {t} WHERE id < 0")).read()
+    assert empty.num_rows == 0 and empty.schema.field("at").type == pa.timestamp("us")
+
+
+def test_mysql_zero_dates_read_as_null(mysql_url: str, mysql_engine: sa.Engine, unique) -> None:
+    t = unique("zero")
+    with mysql_engine.begin() as conn:
+        conn.execute(sa.text("SET SESSION sql_mode=''"))
+        conn.execute(sa.text(f"CREATE TABLE {t} (id INT PRIMARY KEY, d DATETIME)"))
+        conn.execute(sa.text(f"INSERT INTO {t} VALUES (1, '0000-00-00 00:00:00'), (2, '2024-01-01 00:00:00')"))
+    table = SqlSource("ds", SourceConfig(url=mysql_url, table=t)).read()
+    assert sorted(table.to_pylist(), key=lambda r: r["id"]) == [
+        {"id": 1, "d": None}, {"id": 2, "d": dt.datetime(2024, 1, 1)}]
+
+
+def test_unreachable_database_is_transient_and_bad_sql_terminal(mysql_url: str) -> None:
+    from refstream.broker import free_port
+
+    down = SqlSource("ds", SourceConfig(url=f"mysql+pymysql://root@127.0.0.1:{free_port()}/x", table="t"))
+    with pytest.raises(TransientError, match="dataset ds: query on .* failed"):
+        down.read()
+    with pytest.raises(TransientError):
+        down.now()
+    missing = SqlSource("ds", SourceConfig(url=mysql_url, table="no_such_table"))
+    with pytest.raises(TerminalError, match="no_such_table") as info:
+        missing.read()
+    assert not isinstance(info.value, TransientError)
+
+
+def test_sqlite_source(tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'ref.db'}"
+    engine = sa.create_engine(url)
+    execute(engine, "CREATE TABLE devices (id INTEGER PRIMARY KEY, name TEXT, w REAL, note TEXT, b BLOB)",
+            "INSERT INTO devices VALUES (1, 'ä', 1.5, NULL, x'01'), (2, 'b', 2, NULL, NULL), (3, 'c', NULL, 'n', NULL)")
+    src = SqlSource("ds", SourceConfig(url=url, table="devices", chunk_rows=2))
+    table = normalize(src.read())
+    assert table.schema.field("w").type == pa.float64()
+    assert table.schema.field("note").type == pa.string()
+    assert table.to_pylist()[0] == {"id": 1, "name": "ä", "w": 1.5, "note": None, "b": b"\x01"}
+    assert isinstance(src.now(), dt.datetime)
+    with pytest.raises(TerminalError, match="no such table") as info:
+        SqlSource("ds", SourceConfig(url=url, table="nope")).read()
+    assert not isinstance(info.value, TransientError)
+
+
+def test_postgresql_source(unique) -> None:
+    t = unique("pg")
+    engine = sa.create_engine(PG_URL)
+    execute(engine, f"CREATE TABLE {t} (id INT PRIMARY KEY, price NUMERIC(12,4), at TIMESTAMP, "
+                    f"atz TIMESTAMPTZ, b BYTEA, j JSONB, name TEXT, ok BOOLEAN, free NUMERIC)",
+            f"INSERT INTO {t} VALUES (1, 1.5, '2024-05-01 12:00', '2024-05-01 12:00+02', '\\x00ff', "
+            f"'{{\"a\": 1}}', 'ü', true, 3.25), (2, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL)")
+    try:
+        src = SqlSource("ds", SourceConfig(url=PG_URL, table=t, chunk_rows=1))
+        table = normalize(src.read())
+        assert table.schema.field("price").type == pa.decimal128(12, 4)
+        assert table.schema.field("atz").type == pa.timestamp("us", tz="UTC")
+        r = sorted(table.to_pylist(), key=lambda r: r["id"])[0]
+        assert r["price"] == Decimal("1.5000") and r["b"] == b"\x00\xff" and r["ok"] is True
+        assert r["at"] == dt.datetime(2024, 5, 1, 12)
+        assert r["atz"] == dt.datetime(2024, 5, 1, 10, tzinfo=dt.UTC)
+        assert r["j"] == '{"a": 1}' and r["name"] == "ü" and r["free"] == Decimal("3.25")
+        assert sorted(src.read_since("id", 2).column("id").to_pylist()) == [2]
+        assert isinstance(src.now(), dt.datetime)
+    finally:
+        execute(engine, f"DROP TABLE {t}")
+        engine.dispose()
+
+
+def test_value_that_does_not_fit_its_column_type_names_the_column() -> None:
+    from refresh.sources.sql import _TextConverter
+
+    with pytest.raises(DataError, match="dataset ds: column c: value 'x' does not fit int64"):
+        _TextConverter("ds", "c", pa.int64())(["1", "x"])
+
+
+def test_mysql_row_parser_handles_every_length_encoding(mysql_url: str, mysql_engine: sa.Engine, unique) -> None:
+    t = unique("lengths")
+    execute(mysql_engine, f"CREATE TABLE {t} (id INT PRIMARY KEY, txt MEDIUMTEXT, b MEDIUMBLOB)")
+    sizes = [0, 1, 250, 251, 252, 300, 65535, 65536, 70000]
+    execute(mysql_engine, f"INSERT INTO {t} VALUES (:id, :txt, :b)",
+            params=[{"id": i, "txt": "é" * n, "b": bytes([i % 256]) * n} for i, n in enumerate(sizes)]
+            + [{"id": 99, "txt": None, "b": None}])
+    src = SqlSource("ds", SourceConfig(url=mysql_url, table=t, chunk_rows=4))
+    rows = {r["id"]: r for r in src.read().to_pylist()}
+    for i, n in enumerate(sizes):
+        assert rows[i]["txt"] == "é" * n and rows[i]["b"] == bytes([i % 256]) * n, n
+    assert rows[99] == {"id": 99, "txt": None, "b": None}

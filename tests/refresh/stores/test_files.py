@@ -1,0 +1,98 @@
+"""The file state store: atomic commits, snapshot files, locks across threads and processes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from refresh.errors import DatasetBusy, Stopped
+from refresh.stores.abc import CommittedState
+from refresh.stores.files import FileStateStore
+from refstream.contract import DatasetSchema
+
+
+def test_commit_round_trip_and_old_snapshots_removed(tmp_path: Path) -> None:
+    store = FileStateStore(tmp_path)
+    assert store.load("d") == CommittedState()
+    schema = DatasetSchema.from_arrow("d", ["id"], pa.schema([("id", pa.int64())]), 1)
+    s1 = store.commit("d", CommittedState(version=1, schema=schema, rows=2, watermark="2024-01-01T00:00:00",
+                                          watermark_type="timestamp"), pa.table({"id": [1, 2]}))
+    assert s1.snapshot == "snapshot-0000000001.parquet"
+    loaded = store.load("d")
+    assert loaded == s1 and store.load_snapshot("d", loaded).column("id").to_pylist() == [1, 2]
+    # A commit without a new snapshot keeps pointing at the last one.
+    s2 = store.commit("d", CommittedState(version=2, schema=schema, snapshot=s1.snapshot, rows=2), None)
+    assert s2.snapshot == s1.snapshot and (tmp_path / "d" / s1.snapshot).exists()
+    s3 = store.commit("d", CommittedState(version=3, schema=schema, rows=1), pa.table({"id": [3]}))
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["snapshot-0000000003.parquet", "state.json"]
+    assert store.load_snapshot("d", s3).column("id").to_pylist() == [3]
+
+
+def test_a_failed_commit_leaves_the_previous_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    store = FileStateStore(tmp_path)
+    store.commit("d", CommittedState(version=1, rows=1), pa.table({"id": [1]}))
+    import refresh.stores.files as files
+
+    def broken(table, where, **kw):
+        where.write(b"partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(files.pq, "write_table", broken)
+    with pytest.raises(OSError, match="disk full"):
+        store.commit("d", CommittedState(version=2, rows=5), pa.table({"id": [1, 2, 3, 4, 5]}))
+    state = store.load("d")
+    assert state.version == 1 and store.load_snapshot("d", state).num_rows == 1
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["snapshot-0000000001.parquet", "state.json"]
+
+
+def test_lock_excludes_threads_and_waits_or_refuses(tmp_path: Path) -> None:
+    store = FileStateStore(tmp_path)
+    order: list[str] = []
+    with store.lock("d"):
+        with pytest.raises(DatasetBusy):
+            with store.lock("d", wait=False):
+                pass
+        stop = threading.Event()
+        stop.set()
+        with pytest.raises(Stopped):
+            with store.lock("d", stop=stop):
+                pass
+
+        def second() -> None:
+            with store.lock("d"):
+                order.append("second")
+
+        th = threading.Thread(target=second)
+        th.start()
+        time.sleep(0.3)
+        order.append("first done")
+    th.join(10)
+    assert order == ["first done", "second"]
+    with store.lock("other", wait=False):  # datasets are independent
+        with store.lock("d", wait=False):
+            pass
+
+
+def test_lock_excludes_other_processes(tmp_path: Path) -> None:
+    store = FileStateStore(tmp_path)
+    code = ("import sys, time; from refresh.stores.files import FileStateStore\n"
+            f"s = FileStateStore({str(tmp_path)!r})\n"
+            "with s.lock('d'):\n    print('locked', flush=True); time.sleep(30)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True,
+                            cwd=Path(__file__).resolve().parents[3])
+    try:
+        assert proc.stdout.readline().strip() == "locked"
+        with pytest.raises(DatasetBusy):
+            with store.lock("d", wait=False):
+                pass
+    finally:
+        proc.kill()
+        proc.wait()
+    with store.lock("d", wait=False):  # the lock died with its process
+        pass

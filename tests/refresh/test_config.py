@@ -1,0 +1,88 @@
+"""conf/refresh.yaml parsing: defaults, paths, and errors that name the key."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from refresh.config import load_config
+from refstream.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def write(tmp_path: Path, datasets: str, top: str = "") -> Path:
+    p = tmp_path / "refresh.yaml"
+    p.write_text(f"kafka:\n  bootstrap_servers: 127.0.0.1:9\n  security.protocol: PLAINTEXT\n{top}datasets:\n{datasets}")
+    return p
+
+
+def test_full_example_and_defaults(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("REF_DB_URL", "mysql+pymysql://u:secret@db/ref")
+    p = write(tmp_path, """\
+  devices:
+    source: {url: "mysql+pymysql://root@127.0.0.1:3306/refdata", table: devices}
+    key: [device_id]
+    schedule: {every: 6h}
+    topic: ref.devices
+  models:
+    source: {url: "${REF_DB_URL}", query: "SELECT * FROM device_models"}
+    key: [model_id, rev]
+    mode: incremental
+    incremental: {column: last_update, lag: 30s, reconcile: {every: 24h}}
+    schedule: {cron: "0 */6 * * *"}
+  sites:
+    source: {path: data/sites.csv}
+    key: site_id
+    watch: true
+    allow_empty: true
+""", "state_dir: var/refresh\n")
+    cfg = load_config(p)
+    assert cfg.kafka == {"bootstrap.servers": "127.0.0.1:9", "security.protocol": "PLAINTEXT"}
+    assert cfg.state_dir == tmp_path / "var" / "refresh"
+    d, m, s = cfg.datasets["devices"], cfg.datasets["models"], cfg.datasets["sites"]
+    assert (d.mode, d.key, d.topic, d.schedule.every, d.schedule.cron) == ("diff", ("device_id",), "ref.devices",
+                                                                          timedelta(hours=6), None)
+    assert d.source.kind == "sql" and d.source.table == "devices" and not d.watch and not d.allow_empty
+    assert m.topic == "ref.models" and m.key == ("model_id", "rev") and m.schedule.cron == "0 */6 * * *"
+    assert (m.incremental.column, m.incremental.lag, m.incremental.reconcile_every) == (
+        "last_update", timedelta(seconds=30), timedelta(hours=24))
+    assert m.source.query == "SELECT * FROM device_models" and "secret" not in m.source.describe()
+    assert s.source.kind == "files" and s.source.format == "csv" and s.watch and s.allow_empty
+    assert s.source.path == str(tmp_path / "data" / "sites.csv")  # relative to the working directory
+    assert s.schedule.every is None and s.schedule.cron is None
+
+
+@pytest.mark.parametrize(("datasets", "error"), [
+    ("  d:\n    source: {path: a.csv}\n    key: [id]\n    mode: incremental\n",
+     "datasets.d.mode: incremental mode needs a SQL source"),
+    ("  d:\n    source: {url: 'sqlite://', table: t}\n    key: [id]\n    mode: incremental\n",
+     "datasets.d.incremental.column: is required in incremental mode"),
+    ("  d:\n    source: {url: 'sqlite://', table: t}\n    key: [id]\n    watch: true\n",
+     "datasets.d.watch: only file sources can be watched"),
+    ("  d:\n    source: {url: 'sqlite://', table: t, query: 'SELECT 1'}\n    key: [id]\n",
+     "datasets.d.source: give exactly one of table or query"),
+    ("  d:\n    source: {path: a.txt}\n    key: [id]\n", "datasets.d.source.path: cannot tell the format"),
+    ("  d:\n    source: {path: a.csv}\n    key: [id]\n    schedule: {every: 6x}\n",
+     "datasets.d.schedule.every: '6x' is not a duration"),
+    ("  d:\n    source: {path: a.csv}\n    key: [id]\n    schedule: {every: 1h, cron: '* * * * *'}\n",
+     "datasets.d.schedule: give either every or cron"),
+    ("  d:\n    source: {path: a.csv}\n    key: [id]\n    schedul: {every: 1h}\n",
+     "datasets.d: unknown key\\(s\\): schedul"),
+    ("  d:\n    source: {path: a.csv}\n", "datasets.d.key: is required"),
+    ("  d:\n    source: {path: a.csv, types: {id: int32}}\n    key: [id]\n",
+     "datasets.d.source.types.id: unknown column type 'int32'"),
+    ("  _x:\n    source: {path: a.csv}\n    key: [id]\n", "bad dataset name '_x'"),
+])
+def test_errors_name_the_key(tmp_path: Path, datasets: str, error: str) -> None:
+    with pytest.raises(ConfigError, match=error):
+        load_config(write(tmp_path, datasets))
+
+
+def test_shipped_example_loads() -> None:
+    cfg = load_config(ROOT / "conf" / "refresh.yaml")
+    assert set(cfg.datasets) >= {"devices", "models", "sites"}
+    assert cfg.datasets["models"].mode == "incremental"

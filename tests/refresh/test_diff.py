@@ -1,0 +1,126 @@
+"""Pure logic of change detection (Arrow tables built in the test; no services needed)."""
+
+from __future__ import annotations
+
+import math
+from decimal import Decimal
+
+import pyarrow as pa
+import pytest
+
+from refresh.diff import check_keys, diff, normalize, upsert_into, within
+from refresh.errors import DuplicateKey
+from refstream.errors import DataError
+
+
+def t(rows: list[dict], schema: pa.Schema | None = None) -> pa.Table:
+    return normalize(pa.Table.from_pylist(rows, schema=schema))
+
+
+def keyset(table: pa.Table, key: list[str]) -> set[tuple]:
+    return {tuple(r[k] for k in key) for r in table.select(key).to_pylist()}
+
+
+def test_inserts_updates_deletes_and_unchanged_rows_are_not_sent() -> None:
+    old = t([{"id": 1, "v": "a"}, {"id": 2, "v": "b"}, {"id": 3, "v": "c"}])
+    new = t([{"id": 2, "v": "b"}, {"id": 3, "v": "C"}, {"id": 4, "v": "d"}])
+    ch = diff("ds", old, new, ["id"])
+    assert (ch.inserts, ch.updates, ch.delete_count) == (1, 1, 1)
+    assert sorted(ch.upserts.to_pylist(), key=lambda r: r["id"]) == [{"id": 3, "v": "C"}, {"id": 4, "v": "d"}]
+    assert ch.deletes.to_pylist() == [{"id": 1}]
+
+
+def test_composite_key_and_key_change_is_delete_plus_insert() -> None:
+    old = t([{"a": "x", "b": 1, "v": 1.0}, {"a": "x", "b": 2, "v": 2.0}])
+    new = t([{"a": "x", "b": 1, "v": 1.0}, {"a": "y", "b": 2, "v": 2.0}])  # key of the second row changed
+    ch = diff("ds", old, new, ["a", "b"])
+    assert ch.deletes.to_pylist() == [{"a": "x", "b": 2}]
+    assert ch.upserts.to_pylist() == [{"a": "y", "b": 2, "v": 2.0}]
+    assert (ch.inserts, ch.updates) == (1, 0)
+
+
+def test_nulls_and_nans_compare_equal_to_themselves_but_not_to_values() -> None:
+    old = t([{"id": 1, "f": None, "g": math.nan}, {"id": 2, "f": 1.0, "g": 1.0}, {"id": 3, "f": None, "g": 0.0}])
+    new = t([{"id": 1, "f": None, "g": math.nan}, {"id": 2, "f": None, "g": 1.0}, {"id": 3, "f": 2.0, "g": 0.0}])
+    ch = diff("ds", old, new, ["id"])
+    assert sorted(r["id"] for r in ch.upserts.to_pylist()) == [2, 3]
+
+
+def test_every_column_type_is_compared() -> None:
+    import datetime as dt
+
+    schema = pa.schema([("id", pa.int32()), ("d", pa.decimal128(12, 4)), ("day", pa.date32()),
+                        ("ts", pa.timestamp("s")), ("b", pa.binary()), ("s", pa.large_string())])
+    base = {"id": 1, "d": Decimal("1.2345"), "day": dt.date(2024, 5, 1),
+            "ts": dt.datetime(2024, 5, 1, 12), "b": b"\x00\x01", "s": "ü"}
+    old = t([base], schema)
+    assert old.schema.field("id").type == pa.int64() and old.schema.field("s").type == pa.string()
+    assert not diff("ds", old, t([base], schema), ["id"])
+    for col, value in [("d", Decimal("1.2346")), ("day", dt.date(2024, 5, 2)),
+                       ("ts", dt.datetime(2024, 5, 1, 12, 0, 1)), ("b", b"\x00"), ("s", "u")]:
+        ch = diff("ds", old, t([{**base, col: value}], schema), ["id"])
+        assert ch.updates == 1, col
+
+
+def test_first_run_sends_everything_and_full_republishes_unchanged_rows() -> None:
+    rows = t([{"id": 1, "v": "a"}, {"id": 2, "v": "b"}])
+    first = diff("ds", None, rows, ["id"])
+    assert (first.inserts, first.messages) == (2, 2)
+    full = diff("ds", rows, rows, ["id"], republish_all=True)
+    assert (full.inserts, full.updates, full.delete_count, full.upserts.num_rows) == (0, 0, 0, 2)
+
+
+def test_schema_change_republishes_matched_rows() -> None:
+    old = t([{"id": 1, "v": "a"}, {"id": 2, "v": "b"}])
+    new = t([{"id": 1, "v": "a", "extra": 5}, {"id": 3, "v": "c", "extra": 6}])
+    ch = diff("ds", old, new, ["id"])
+    assert (ch.inserts, ch.updates, ch.delete_count) == (1, 1, 1)
+    assert keyset(ch.upserts, ["id"]) == {(1,), (3,)}
+
+
+def test_retyped_key_column_deletes_every_old_key() -> None:
+    old = t([{"id": 1, "v": "a"}])
+    new = t([{"id": "1", "v": "a"}])
+    ch = diff("ds", old, new, ["id"])
+    assert ch.deletes.to_pylist() == [{"id": 1}]
+    assert ch.upserts.to_pylist() == [{"id": "1", "v": "a"}]
+
+
+def test_duplicate_keys_are_refused_naming_the_key() -> None:
+    rows = t([{"a": "x", "b": 1}, {"a": "x", "b": 2}, {"a": "x", "b": 1}])
+    with pytest.raises(DuplicateKey, match=r'dataset ds: duplicate key \{"a":"x","b":1\} \(2 rows'):
+        check_keys("ds", rows, ["a", "b"])
+    with pytest.raises(DataError, match="key column id is NULL in 1 row"):
+        check_keys("ds", t([{"id": 1}, {"id": None}]), ["id"])
+    with pytest.raises(DataError, match=r"key column\(s\) \['nope'\] not in the data"):
+        check_keys("ds", rows, ["nope"])
+
+
+def test_window_and_upsert_into_build_the_incremental_snapshot() -> None:
+    snap = t([{"id": i, "v": str(i)} for i in range(5)])
+    window = t([{"id": 3, "v": "3"}, {"id": 4, "v": "four"}, {"id": 9, "v": "9"}])
+    old = within(snap, window, ["id"])
+    assert keyset(old, ["id"]) == {(3,), (4,)}
+    ch = diff("ds", old, window, ["id"])
+    assert ch.delete_count == 0 and keyset(ch.upserts, ["id"]) == {(4,), (9,)}
+    merged = upsert_into(snap, ch.upserts, ["id"])
+    assert sorted((r["id"], r["v"]) for r in merged.to_pylist()) == \
+        [(0, "0"), (1, "1"), (2, "2"), (3, "3"), (4, "four"), (9, "9")]
+
+
+def test_lazy_parquet_snapshot_and_sliced_comparison_give_the_same_changes(tmp_path, monkeypatch) -> None:
+    import pyarrow.parquet as pq
+
+    import refresh.diff as d
+    from refresh.stores.files import ParquetSnapshot
+
+    old = t([{"id": i, "v": str(i), "w": float(i)} for i in range(100)])
+    new = t([{"id": i, "v": str(i) if i % 7 else "x", "w": float(i) if i % 11 else -1.0} for i in range(5, 120)])
+    expected = diff("ds", old, new, ["id"])
+    pq.write_table(old, tmp_path / "s.parquet")
+    monkeypatch.setattr(d, "COMPARE_SLICE", 8)
+    lazy = diff("ds", ParquetSnapshot(tmp_path / "s.parquet"), new, ["id"])
+    assert (lazy.inserts, lazy.updates, lazy.delete_count) == (expected.inserts, expected.updates, expected.delete_count)
+    assert sorted(lazy.upserts.column("id").to_pylist()) == sorted(expected.upserts.column("id").to_pylist())
+    assert expected.updates == len([i for i in range(5, 100) if i % 7 == 0 or i % 11 == 0])
+    assert sorted(lazy.deletes.column("id").to_pylist()) == [0, 1, 2, 3, 4]

@@ -1,0 +1,207 @@
+"""File watching: debounce, temp-file-then-rename, slow writers, globs, reads that must not trigger."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from refresh.watch import FileWatcher, snapshot, split_pattern
+
+DEBOUNCE = 0.4
+
+
+class Recorder:
+    """Collects callbacks with the target's size at callback time (to prove the write had settled)."""
+
+    def __init__(self, target: Path | None = None) -> None:
+        self.calls: list[tuple[str, float, int]] = []
+        self.target = target
+        self._event = threading.Condition()
+
+    def __call__(self, name: str) -> None:
+        size = self.target.stat().st_size if self.target and self.target.exists() else -1
+        with self._event:
+            self.calls.append((name, time.monotonic(), size))
+            self._event.notify_all()
+
+    def wait(self, n: int, timeout: float = 10.0) -> list[tuple[str, float, int]]:
+        with self._event:
+            self._event.wait_for(lambda: len(self.calls) >= n, timeout)
+            return list(self.calls)
+
+
+@pytest.fixture
+def watched(tmp_path: Path):
+    started: list[FileWatcher] = []
+
+    def make(pattern: str | Path, target: Path | None = None, name: str = "ds") -> Recorder:
+        rec = Recorder(target)
+        w = FileWatcher(rec, debounce=DEBOUNCE)
+        w.add(name, pattern)
+        started.append(w.start())
+        return rec
+
+    yield make
+    for w in started:
+        w.stop()
+
+
+def settle() -> None:
+    """Longer than a debounce window: anything that was going to fire has fired."""
+    time.sleep(DEBOUNCE * 4)
+
+
+def test_split_pattern() -> None:
+    assert split_pattern("/d/sites.csv") == (Path("/d"), False)
+    assert split_pattern("/d/sites-*.csv") == (Path("/d"), False)
+    assert split_pattern("/d/*/part.parquet") == (Path("/d"), True)
+    assert split_pattern("/d/x/**/p-*.parquet") == (Path("/d/x"), True)
+
+
+def test_edit_triggers_once_after_debounce(tmp_path: Path, watched) -> None:
+    f = tmp_path / "sites.csv"
+    f.write_text("site_id,name\n1,a\n")
+    rec = watched(f)
+    settle()
+    assert rec.calls == []  # starting to watch is not a change
+    t0 = time.monotonic()
+    for i in range(5):  # a burst of writes: one refresh
+        with f.open("a") as fh:
+            fh.write(f"{i + 2},b\n")
+        time.sleep(0.05)
+    calls = rec.wait(1)
+    settle()
+    assert len(rec.calls) == 1, rec.calls
+    assert calls[0][0] == "ds"
+    assert calls[0][1] - t0 >= DEBOUNCE
+
+
+def test_write_temp_then_rename(tmp_path: Path, watched) -> None:
+    f = tmp_path / "sites.csv"
+    f.write_text("site_id\n1\n")
+    rec = watched(f, target=f)
+    settle()
+    tmp = tmp_path / ".sites.csv.swp"
+    tmp.write_text("site_id\n1\n2\n3\n")
+    time.sleep(DEBOUNCE * 2)
+    assert rec.calls == []  # the editor's temp file is not the dataset
+    os.replace(tmp, f)
+    calls = rec.wait(1)
+    assert len(calls) == 1 and calls[0][2] == len("site_id\n1\n2\n3\n")
+
+
+def test_slowly_written_file_fires_after_the_writer_stops(tmp_path: Path, watched) -> None:
+    f = tmp_path / "big.csv"
+    rec = watched(f, target=f)
+    chunks = 8
+    with f.open("w") as fh:  # created in place and written over ~2 s, gaps shorter than the debounce
+        for i in range(chunks):
+            fh.write(f"{i},{'x' * 100}\n")
+            fh.flush()
+            time.sleep(DEBOUNCE * 0.6)
+        final = fh.tell()
+        done = time.monotonic()
+    calls = rec.wait(1)
+    settle()
+    assert len(rec.calls) == 1, rec.calls
+    name, at, size = calls[0]
+    assert size == final  # never fired on a half-written file
+    assert at >= done
+
+
+def test_stat_changes_without_events_extend_the_window(tmp_path: Path) -> None:
+    """A writer whose events were coalesced away: the stat check alone keeps waiting."""
+    f = tmp_path / "quiet.csv"
+    f.write_text("a\n")
+    rec = Recorder(f)
+    w = FileWatcher(rec, debounce=DEBOUNCE)
+    w.add("ds", f)
+    w._observer = type(w._observer)()  # an observer with nothing scheduled: no events at all
+    w.start()
+    try:
+        w._event(type("E", (), {"event_type": "modified", "is_directory": False, "src_path": str(f),
+                                "dest_path": ""})())
+        end = time.monotonic() + DEBOUNCE * 3
+        while time.monotonic() < end:  # keep changing the file, silently
+            with f.open("a") as fh:
+                fh.write("b\n")
+            time.sleep(DEBOUNCE / 3)
+        final = f.stat().st_size
+        calls = rec.wait(1)
+    finally:
+        w.stop()
+    assert len(calls) == 1 and calls[0][2] == final
+
+
+def test_reading_or_touching_nothing_does_not_trigger(tmp_path: Path, watched) -> None:
+    f = tmp_path / "sites.csv"
+    f.write_text("site_id\n1\n")
+    rec = watched(f)
+    for _ in range(3):
+        f.read_text()  # the refresher reading its source
+        time.sleep(0.05)
+    os.utime(f, ns=(f.stat().st_atime_ns, f.stat().st_mtime_ns))  # attrib event, same stat
+    settle()
+    assert rec.calls == []
+
+
+def test_glob_new_matching_file_triggers_others_do_not(tmp_path: Path, watched) -> None:
+    d = tmp_path / "parts"
+    d.mkdir()
+    (d / "p-1.csv").write_text("id\n1\n")
+    rec = watched(d / "p-*.csv")
+    (d / "notes.txt").write_text("x")
+    (d / "q-1.csv").write_text("id\n9\n")
+    settle()
+    assert rec.calls == []
+    (d / "p-2.csv").write_text("id\n2\n")
+    assert len(rec.wait(1)) == 1
+    (d / "p-1.csv").unlink()  # a part removed is a change too
+    assert len(rec.wait(2)) == 2
+
+
+def test_recursive_glob_and_two_datasets(tmp_path: Path) -> None:
+    root = tmp_path / "lake"
+    (root / "a").mkdir(parents=True)
+    rec = Recorder()
+    w = FileWatcher(rec, debounce=DEBOUNCE)
+    w.add("lake", root / "*" / "part-*.csv")
+    w.add("sites", tmp_path / "sites.csv")
+    with w:
+        (root / "a" / "part-0.csv").write_text("id\n1\n")
+        assert [c[0] for c in rec.wait(1)] == ["lake"]
+        (tmp_path / "sites.csv").write_text("site_id\n1\n")
+        rec.wait(2)
+        settle()
+    assert sorted(c[0] for c in rec.calls) == ["lake", "sites"]
+
+
+def test_file_removed_then_recreated(tmp_path: Path, watched) -> None:
+    """A vanished file is not reported (the source would read as missing); its return is."""
+    f = tmp_path / "sites.csv"
+    f.write_text("site_id\n1\n")
+    rec = watched(f, target=f)
+    f.unlink()
+    settle()
+    assert rec.calls == []
+    f.write_text("site_id\n1\n2\n")
+    calls = rec.wait(1)
+    assert len(calls) == 1 and calls[0][2] == len("site_id\n1\n2\n")
+
+
+def test_missing_directory_is_an_error(tmp_path: Path) -> None:
+    w = FileWatcher(lambda _n: None, debounce=DEBOUNCE)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        w.add("ds", tmp_path / "nope" / "x.csv")
+
+
+def test_snapshot_skips_hidden_and_directories(tmp_path: Path) -> None:
+    (tmp_path / "a.csv").write_text("1")
+    (tmp_path / ".a.csv.tmp").write_text("1")
+    (tmp_path / "d.csv").mkdir()
+    snap = snapshot(str(tmp_path / "*.csv"))
+    assert [os.path.basename(s[0]) for s in snap] == ["a.csv"]
