@@ -1,0 +1,453 @@
+"""End-to-end benchmark of the enrichment job, side by side with its two baselines, in one run.
+
+    .venv/bin/python -m bench.enrich_bench --events 3000000 --dimension-rows 1000000 --repeat 3
+
+Against an embedded broker (or ``--bootstrap``), Kafka in and Kafka out, ~150-byte JSON events and a
+``devices`` dimension of ``--dimension-rows`` rows published with the changelog codec:
+
+1. **job**: refstream's ``EnrichJob`` (``--available-now``, ``max_events_per_batch=--batch``) on a
+   backlog of ``--events`` events; the steady-state rate counts every batch after the first two, from
+   the end of batch 1 to the end of the last batch. Query start, dimension bootstrap and the two
+   warm-up batches are reported on their own: batch 0 ships the base, and in batches 0 and 1 every
+   Python worker that runs the join for the first time fetches it and builds its index (a task
+   runs two workers, the source's reader and the join, and they swap roles between batches);
+2. **plain**: confluent-kafka consume-then-produce of the same events in one process, no Spark (the
+   broker-bound limit);
+3. **naive**: ``foreachBatch`` that rebuilds the dimension from the whole changelog every batch and
+   broadcast-joins it (``bench.enrich_naive``), same batches, same output writer; ``--naive-batches``
+   batches after the same two warm-up batches are timed.
+
+Then the dimension update latency at a 1 s trigger (``--changes`` upserts published while events
+flow at ``--latency-rate``/s, each timed until the first enriched event that shows it), and the
+peak memory of the driver JVM, the Python driver and the Python workers during the job runs.
+
+Data preparation and the plain copy run in their own processes, so the Python driver's memory is
+the job's alone. Medians over ``--repeat`` rounds; each round runs plain, job and naive in turn.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor
+from contextlib import ExitStack
+from datetime import datetime
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+import psutil
+from confluent_kafka import KafkaError, Producer, TopicPartition
+
+from bench import enrich_data as data
+from bench.common import broker_settings
+from refstream import kafka as rkafka
+
+log = logging.getLogger("bench.enrich_bench")
+
+
+def _in_process(fn: Callable[..., Any], *args: Any) -> Any:
+    """Run ``fn(*args)`` in a fresh process (keeps the Python driver's memory the job's alone)."""
+    with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as ex:
+        return ex.submit(fn, *args).result()
+
+
+# ------------------------------------------------------------------------------------------ memory
+
+class MemorySampler(threading.Thread):
+    """Samples the process tree every ``interval`` s and keeps, per phase, the peak of:
+    ``driver_python`` (this process, RSS), ``jvm`` (the JVM child of this process: in local mode the
+    driver and the executor are that one JVM; RSS) and ``python_workers`` (every Python process under
+    the JVM: ``pyspark.daemon`` and the workers it forks; sum of PSS, so pages shared by the fork
+    are counted once)."""
+
+    def __init__(self, interval: float = 0.25) -> None:
+        super().__init__(name="memory-sampler", daemon=True)
+        self.interval = interval
+        self.phase: str | None = None
+        self.peaks: dict[str, dict[str, float]] = {}
+        self._stop_evt = threading.Event()
+        self._me = psutil.Process()
+
+    def sample(self) -> dict[str, float]:
+        out = {"driver_python": float(self._me.memory_info().rss), "jvm": 0.0, "python_workers": 0.0,
+               "workers": 0.0}
+        for child in self._me.children():
+            try:
+                if child.name() != "java":
+                    continue
+                out["jvm"] += child.memory_info().rss
+                for d in child.children(recursive=True):
+                    if "python" in d.name():
+                        out["python_workers"] += d.memory_full_info().pss
+                        out["workers"] += 1
+            except (psutil.NoSuchProcess, psutil.AccessDenied):
+                continue
+        return out
+
+    def run(self) -> None:
+        while not self._stop_evt.wait(self.interval):
+            phase = self.phase
+            if phase is None:
+                continue
+            s = self.sample()
+            peak = self.peaks.setdefault(phase, {})
+            for k, v in s.items():
+                peak[k] = max(peak.get(k, 0.0), v)
+
+    def stop(self) -> None:
+        self._stop_evt.set()
+        self.join(5)
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+def _ts(p: dict[str, Any]) -> float:
+    return datetime.fromisoformat(p["timestamp"].replace("Z", "+00:00")).timestamp()
+
+
+def steady(progress: list[dict[str, Any]], skip: int = 2) -> dict[str, float]:
+    """Rows/s from the end of batch ``skip - 1`` to the end of the last batch (idle triggers ignored).
+
+    The first two batches are warm-up: Python workers start, and each worker that runs the join for
+    the first time fetches the broadcast base and builds its index (see the module docstring)."""
+    batches = [p for p in progress if p["numInputRows"] > 0]
+    ends = [_ts(p) + p["durationMs"].get("triggerExecution", 0) / 1000.0 for p in batches]
+    first = batches[0]["durationMs"].get("triggerExecution", 0) / 1000.0 if batches else 0.0
+    second = batches[1]["durationMs"].get("triggerExecution", 0) / 1000.0 if len(batches) > 1 else 0.0
+    if len(batches) <= skip:
+        return {"rate": 0.0, "rows": 0, "batches": 0, "first_batch_s": first, "second_batch_s": second}
+    rows = sum(p["numInputRows"] for p in batches[skip:])
+    span = ends[-1] - ends[skip - 1]
+    per_batch = [p["durationMs"].get("triggerExecution", 0) / 1000.0 for p in batches[skip:]]
+    parts = {k: statistics.median(p["durationMs"].get(k, 0) / 1000.0 for p in batches[skip:])
+             for k in ("latestOffset", "queryPlanning", "addBatch", "walCommit", "commitOffsets")}
+    log.info("median seconds per batch: %s", parts)
+    return {"parts": parts, "rate": rows / span if span > 0 else 0.0, "rows": rows, "batches": len(batches) - skip,
+            "first_batch_s": first, "second_batch_s": second, "batch_s_median": statistics.median(per_batch),
+            "total_rows": sum(p["numInputRows"] for p in batches)}
+
+
+def _job_config(settings: dict[str, str], events_topic: str, devices_topic: str, workdir: Path, *,
+                batch: int | None, trigger: str, starting: str) -> Any:
+    from enrich import config
+
+    tag = uuid.uuid4().hex[:8]
+    return config.parse({
+        "kafka": {"bootstrap_servers": settings["bootstrap.servers"]},
+        "events": {"topic": events_topic, "schema": data.EVENT_DDL, "starting_offsets": starting},
+        "joins": [{"dataset": "devices", "topic": devices_topic, "on": "device_id",
+                   "columns": list(data.JOIN_COLUMNS)}],
+        "output": {"kafka": {"topic": f"bench-enriched-{tag}"}},
+        "dead_letter_topic": f"bench-dlq-{tag}",
+        "checkpoint": str(workdir / f"checkpoint-{tag}"),
+        "trigger": trigger,
+        **({"max_events_per_batch": batch} if batch else {}),
+    }, "bench")
+
+
+def _check_output(settings: dict[str, str], topic: str, sample: int = 2000) -> float:
+    """Share of the first ``sample`` output records that carry a device's owner (sanity check)."""
+    c = rkafka.consumer(settings)
+    c.assign([TopicPartition(topic, p, 0) for p in rkafka.partitions_of(settings, topic)])
+    seen = matched = 0
+    deadline = time.monotonic() + 20
+    while seen < sample and time.monotonic() < deadline:
+        for m in c.consume(1000, timeout=0.5):
+            if m.error() is None:
+                seen += 1
+                matched += json.loads(m.value()).get("owner") is not None
+    c.close()
+    if not seen:
+        raise RuntimeError(f"no enriched events on {topic}")
+    return matched / seen
+
+
+# ------------------------------------------------------------------------------------------ phases
+
+def run_job(spark: Any, settings: dict[str, str], events_topic: str, devices_topic: str, workdir: Path,
+            batch: int, n: int) -> dict[str, float]:
+    from enrich.job import EnrichJob
+
+    cfg = _job_config(settings, events_topic, devices_topic, workdir, batch=batch, trigger="1s",
+                      starting="earliest")
+    job = EnrichJob(cfg, spark, available_now=True)
+    t0 = time.monotonic()
+    try:
+        q = job.start()
+        start_s = time.monotonic() - t0
+        q.awaitTermination()
+        wall = time.monotonic() - t0
+        progress = list(q.recentProgress)
+        exc = q.exception()
+    finally:
+        job.close()
+    if exc is not None:
+        raise RuntimeError(f"job failed: {exc}")
+    res = steady(progress)
+    if res.get("total_rows") != n:
+        raise RuntimeError(f"job read {res.get('total_rows')} events, expected {n}")
+    res.update(start_s=start_s, wall_s=wall, matched=_check_output(settings, cfg.output.topic))
+    return res
+
+
+def run_naive(spark: Any, settings: dict[str, str], events_topic: str, devices_topic: str, workdir: Path,
+              batch: int, batches: int) -> dict[str, float]:
+    from bench import enrich_naive as naive
+    from enrich.kafka import TransactionalBatchWriter, read_stream
+
+    naive.register(spark)
+    out = f"bench-naive-{uuid.uuid4().hex[:8]}"
+    rkafka.ensure_topic(settings, out, partitions=2)
+    writer = TransactionalBatchWriter(settings, out, f"bench-naive-{uuid.uuid4().hex[:8]}")
+    fn = naive.NaiveBatch(settings, devices_topic, writer)
+    df = read_stream(spark, settings, [events_topic], starting_offsets="earliest", max_offsets_per_trigger=batch)
+    cp = workdir / f"naive-{uuid.uuid4().hex[:8]}"
+    t0 = time.monotonic()
+    q = (df.writeStream.foreachBatch(fn).option("checkpointLocation", str(cp))
+         .trigger(availableNow=True).start())
+    try:
+        while q.isActive:
+            if sum(1 for p in q.recentProgress if p["numInputRows"] > 0) >= batches + 2:
+                q.stop()
+                break
+            q.awaitTermination(0.2)
+        progress = list(q.recentProgress)
+        exc = q.exception()
+    finally:
+        if q.isActive:
+            q.stop()
+        writer.close()
+    if exc is not None:
+        raise RuntimeError(f"naive job failed: {exc}")
+    res = steady(progress)
+    res.update(wall_s=time.monotonic() - t0, matched=_check_output(settings, out))
+    return res
+
+
+def run_latency(spark: Any, settings: dict[str, str], devices_topic: str, workdir: Path, *, changes: int,
+                rate: float, devices: int, partitions: int) -> dict[str, Any]:
+    """Upsert ``changes`` devices one after another while events flow; time each until it shows."""
+    from enrich.job import EnrichJob
+
+    events_topic = f"bench-live-{uuid.uuid4().hex[:8]}"
+    rkafka.ensure_topic(settings, events_topic, partitions=partitions)
+    cfg = _job_config(settings, events_topic, devices_topic, workdir, batch=None, trigger="1s",
+                      starting="latest")
+    job = EnrichJob(cfg, spark)
+    flow = data.SteadyEvents(settings, events_topic, rate, devices)
+    seen: dict[str, float] = {}
+    first_output = threading.Event()
+    stop = threading.Event()
+
+    def watch() -> None:
+        c = rkafka.consumer(settings, **{"fetch.wait.max.ms": 10})
+        while not rkafka.partitions_of(settings, cfg.output.topic) and not stop.is_set():
+            time.sleep(0.1)
+        c.assign([TopicPartition(cfg.output.topic, p, 0) for p in rkafka.partitions_of(settings, cfg.output.topic)])
+        while not stop.is_set():
+            for m in c.consume(10_000, timeout=0.05):
+                if m.error() is not None:
+                    if m.error().code() != KafkaError._PARTITION_EOF:
+                        log.warning("latency watcher: %s", m.error())
+                    continue
+                first_output.set()
+                v = m.value()
+                if b'"owner":"chg-' in v:
+                    owner = json.loads(v)["owner"]
+                    seen.setdefault(owner, time.monotonic())
+        c.close()
+
+    watcher = threading.Thread(target=watch, name="latency-watcher", daemon=True)
+    lat: list[float] = []
+    missing: list[str] = []
+    p = Producer({**settings, "linger.ms": 0, "enable.idempotence": True})
+    try:
+        q = job.start()
+        watcher.start()
+        flow.start()
+        t0 = time.monotonic()
+        if not first_output.wait(120):
+            raise RuntimeError("latency: no enriched output within 120 s")
+        log.info("latency: first enriched event %.1fs after the flow started", time.monotonic() - t0)
+        time.sleep(5)  # a few batches at the steady rate first
+        for i in range(changes):
+            owner, dev = f"chg-{i}", 1 + (i * 7919) % devices
+            flow.probe = data.device_id(dev)
+            published = time.monotonic()
+            data.publish_change(p, devices_topic, dev, owner, version=2 + i)
+            deadline = published + 20
+            while owner not in seen and time.monotonic() < deadline:
+                if not q.isActive:
+                    raise RuntimeError(f"latency: job stopped: {q.exception()}")
+                time.sleep(0.01)
+            if owner in seen:
+                lat.append(seen[owner] - published)
+            else:
+                missing.append(owner)
+            # Desynchronise the next change from the trigger clock.
+            time.sleep(0.3 + (i * 0.37) % 1.0)
+        batch_s = [pp["durationMs"].get("triggerExecution", 0) / 1000.0 for pp in q.recentProgress
+                   if pp["numInputRows"] > 0]
+        produced = flow.produced
+    finally:
+        flow.stop()
+        stop.set()
+        job.close()
+        watcher.join(5)
+    lat.sort()
+    return {"n": len(lat), "missing": missing, "p50": _pct(lat, 50), "p95": _pct(lat, 95), "max": max(lat or [0]),
+            "rate": rate, "produced": produced,
+            "batch_s_median": statistics.median(batch_s) if batch_s else 0.0}
+
+
+def _pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    k = (len(xs) - 1) * q / 100.0
+    lo = int(k)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+# ------------------------------------------------------------------------------------------ main
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.enrich_bench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--events", type=int, default=2_000_000, help="backlog of events (default %(default)s)")
+    ap.add_argument("--dimension-rows", type=int, default=1_000_000, help="devices rows (default %(default)s)")
+    ap.add_argument("--repeat", type=int, default=3, help="rounds of plain, job, naive (default %(default)s)")
+    ap.add_argument("--batch", type=int, default=250_000, help="events per micro-batch (default %(default)s)")
+    ap.add_argument("--naive-batches", type=int, default=2,
+                    help="naive batches timed after the two warm-up ones (default %(default)s)")
+    ap.add_argument("--partitions", type=int, default=2, help="event topic partitions (default %(default)s)")
+    ap.add_argument("--master", default="local[2]")
+    ap.add_argument("--driver-memory", default="3g")
+    ap.add_argument("--changes", type=int, default=25, help="latency probes (default %(default)s)")
+    ap.add_argument("--latency-rate", type=float, default=5000.0, help="events/s while measuring latency")
+    ap.add_argument("--bootstrap", help="an existing broker instead of an embedded one")
+    ap.add_argument("--skip", default="", help="comma list of: plain,job,naive,latency")
+    ap.add_argument("--json", help="write the results to this file as well")
+    ap.add_argument("--verbose", action="store_true")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    for noisy in ("py4j", "urllib3"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    skip = set(filter(None, args.skip.split(",")))
+    wall0 = time.monotonic()
+    results: dict[str, Any] = {"args": vars(args), "machine": _machine()}
+    with ExitStack() as stack:
+        settings = broker_settings(stack, args.bootstrap)
+        workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="enrich-bench-")))
+        tag = uuid.uuid4().hex[:8]
+        devices_topic, events_topic = f"ref.devices-{tag}", f"bench-events-{tag}"
+        pub_s = _in_process(data.publish_devices, settings, devices_topic, args.dimension_rows)
+        fill_s, size = _in_process(data.fill_events, settings, events_topic, args.events, args.partitions,
+                                   args.dimension_rows)
+        results["prep"] = {"publish_dimension_s": pub_s, "fill_events_s": fill_s, "event_bytes": size}
+        print(f"published {args.dimension_rows:,} devices in {pub_s:.1f}s; {args.events:,} events "
+              f"of {size:.0f} B in {fill_s:.1f}s", flush=True)
+
+        sampler = MemorySampler()
+        sampler.start()
+        stack.callback(sampler.stop)
+        from enrich.session import build_session
+
+        t0 = time.monotonic()
+        spark = build_session(args.master, "refstream-enrich-bench",
+                              {"spark.driver.memory": args.driver_memory})
+        stack.callback(spark.stop)
+        results["spark_startup_s"] = time.monotonic() - t0
+        print(f"Spark session ({args.master}) up in {results['spark_startup_s']:.1f}s", flush=True)
+
+        rounds: dict[str, list[dict[str, Any]]] = {"plain": [], "job": [], "naive": []}
+        for r in range(args.repeat):
+            if "plain" not in skip:
+                rate = _in_process(data.plain_copy, settings, events_topic, f"bench-copy-{uuid.uuid4().hex[:8]}",
+                                   args.events, args.partitions)
+                rounds["plain"].append({"rate": rate})
+                print(f"[{r + 1}/{args.repeat}] plain copy: {rate:,.0f} events/s", flush=True)
+            if "job" not in skip:
+                sampler.phase = f"job round {r + 1}"
+                res = run_job(spark, settings, events_topic, devices_topic, workdir, args.batch, args.events)
+                sampler.phase = None
+                rounds["job"].append(res)
+                print(f"[{r + 1}/{args.repeat}] job: {res['rate']:,.0f} events/s steady over {res['batches']} "
+                      f"batches (median batch {res['batch_s_median']:.2f}s); start {res['start_s']:.1f}s, "
+                      f"first batches {res['first_batch_s']:.1f}s + {res['second_batch_s']:.1f}s, wall {res['wall_s']:.1f}s, "
+                      f"{res['matched']:.0%} matched", flush=True)
+            if "naive" not in skip:
+                sampler.phase = f"naive round {r + 1}"
+                res = run_naive(spark, settings, events_topic, devices_topic, workdir, args.batch,
+                                args.naive_batches)
+                sampler.phase = None
+                rounds["naive"].append(res)
+                print(f"[{r + 1}/{args.repeat}] naive: {res['rate']:,.0f} events/s over {res['batches']} "
+                      f"batches (median batch {res['batch_s_median']:.2f}s; first two {res['first_batch_s']:.1f}s + {res['second_batch_s']:.1f}s), "
+                      f"{res['matched']:.0%} matched", flush=True)
+        results["rounds"] = rounds
+        if "latency" not in skip:
+            sampler.phase = "latency"
+            lat = run_latency(spark, settings, devices_topic, workdir, changes=args.changes,
+                              rate=args.latency_rate, devices=args.dimension_rows, partitions=args.partitions)
+            sampler.phase = None
+            results["latency"] = lat
+            print(f"latency over {lat['n']} changes at {lat['rate']:.0f} events/s, 1s trigger: "
+                  f"p50 {lat['p50']:.2f}s, p95 {lat['p95']:.2f}s, max {lat['max']:.2f}s "
+                  f"(missing {lat['missing']}; median batch {lat['batch_s_median']:.2f}s)", flush=True)
+        results["memory"] = sampler.peaks
+    results["wall_s"] = time.monotonic() - wall0
+    _summary(results)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=2, default=str), encoding="utf-8")
+    return 0
+
+
+def _machine() -> str:
+    return (f"{psutil.cpu_count()} cores, {psutil.virtual_memory().total / 2**30:.0f} GiB, "
+            f"{platform.system()} {platform.release()}, Python {platform.python_version()}")
+
+
+def _med(rows: list[dict[str, Any]], key: str) -> float:
+    vals = [r[key] for r in rows if key in r]
+    return statistics.median(vals) if vals else float("nan")
+
+
+def _summary(res: dict[str, Any]) -> None:
+    rounds = res["rounds"]
+    plain, job, naive = (_med(rounds[k], "rate") for k in ("plain", "job", "naive"))
+    print("\n== summary (medians of", res["args"]["repeat"], "rounds) ==")
+    print(f"machine: {res['machine']}")
+    print(f"plain copy (broker-bound): {plain:,.0f} events/s")
+    print(f"refstream job:             {job:,.0f} events/s  ({job / plain:.0%} of plain, target >= 50%: "
+          f"{'met' if job >= 0.5 * plain else 'MISSED'})")
+    print(f"naive foreachBatch:        {naive:,.0f} events/s  (job / naive = {job / naive:.1f}x, target >= 3x: "
+          f"{'met' if job >= 3 * naive else 'MISSED'})")
+    if rounds["job"]:
+        print(f"job start (bootstrap {res['args']['dimension_rows']:,} rows + sinks + query start): "
+              f"{_med(rounds['job'], 'start_s'):.1f}s; warm-up batches: {_med(rounds['job'], 'first_batch_s'):.1f}s + "
+              f"{_med(rounds['job'], 'second_batch_s'):.1f}s; "
+              f"Spark session: {res['spark_startup_s']:.1f}s")
+    for phase, peak in res.get("memory", {}).items():
+        print(f"peak memory during {phase}: JVM {peak.get('jvm', 0) / 2**20:,.0f} MiB, Python driver "
+              f"{peak.get('driver_python', 0) / 2**20:,.0f} MiB, Python workers {peak.get('python_workers', 0) / 2**20:,.0f} "
+              f"MiB ({peak.get('workers', 0):.0f} processes)")
+    print(f"total wall time: {res['wall_s']:.0f}s")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

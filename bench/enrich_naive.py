@@ -1,0 +1,100 @@
+"""The naive Spark enrichment people write first, as the benchmark's baseline.
+
+``foreachBatch`` that, every micro-batch, reads the WHOLE changelog topic (with the project's own
+Kafka reader, exposed here as a batch source), keeps the latest value per key, drops tombstones and
+the schema record, parses the rows and broadcast-joins them with the parsed events. The output is
+written exactly like the job's (same JSON, same transactional writer), so the only difference is
+how the dimension reaches the join.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import pyarrow as pa
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+from pyspark.sql.datasource import DataSourceReader, InputPartition
+from pyspark.sql.types import StructType, _parse_datatype_string
+
+from bench.enrich_data import DEVICES, EVENT_DDL, JOIN_COLUMNS
+from enrich import events
+from enrich.kafka.fetch import OffsetRange, read_range
+from enrich.kafka.offsets import EndOffsetProbe
+from enrich.kafka.options import SourceOptions
+from enrich.kafka.source import KafkaDataSource
+from enrich.sinks.abc import JSON_OPTIONS
+from refstream.contract import SCHEMA_KEY
+
+log = logging.getLogger(__name__)
+
+FORMAT = "refstream-kafka-all"
+
+
+class WholeTopicSource(KafkaDataSource):
+    """``spark.read.format("refstream-kafka-all")``: every record of the subscribed topics, read by
+    the same executor code as the streaming source (``read_range``), ``splits`` tasks per partition."""
+
+    @classmethod
+    def name(cls) -> str:
+        return FORMAT
+
+    def reader(self, schema: StructType) -> DataSourceReader:
+        return _WholeTopicReader(SourceOptions.parse(self.options), int(self.options.get("splits", "2")))
+
+
+class _WholeTopicReader(DataSourceReader):
+    def __init__(self, options: SourceOptions, splits: int) -> None:
+        self.options, self.splits = options, max(1, splits)
+
+    def partitions(self) -> Sequence[InputPartition]:
+        probe = EndOffsetProbe(self.options.settings)
+        try:
+            res = probe.probe(probe.partitions(self.options.topics))
+        finally:
+            probe.close()
+        out: list[InputPartition] = []
+        for (topic, part), end in sorted(res.end.items()):
+            lo = max(res.low.get((topic, part), 0), 0)
+            step = max(1, -(-(end - lo) // self.splits))
+            out.extend(OffsetRange(topic, part, a, min(a + step, end)) for a in range(lo, end, step))
+        return out
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        assert isinstance(partition, OffsetRange)
+        return read_range(self.options.settings, partition, poll_timeout_s=self.options.poll_timeout_s)
+
+
+def dimension(spark: SparkSession, settings: Mapping[str, str], topic: str) -> DataFrame:
+    """The current devices table rebuilt from its whole changelog: latest value per key, no tombstones."""
+    raw = (spark.read.format(FORMAT).options(**{f"kafka.{k}": str(v) for k, v in settings.items()})
+           .option("subscribe", topic).load())
+    latest = (raw.where(F.col("key") != F.lit(SCHEMA_KEY))
+              .groupBy("key").agg(F.max_by("value", "offset").alias("value"))
+              .where(F.col("value").isNotNull()))
+    schema = _parse_datatype_string(DEVICES.spark_ddl())
+    return (latest.select(F.from_json(F.col("value").cast("string"), schema).alias("d"))
+            .select(*[F.col(f"d.{c}") for c in ("device_id", *JOIN_COLUMNS)]))
+
+
+class NaiveBatch:
+    """The ``foreachBatch`` function of the naive job."""
+
+    def __init__(self, settings: Mapping[str, str], devices_topic: str, writer: Any) -> None:
+        self.settings, self.devices_topic, self.writer = dict(settings), devices_topic, writer
+        self.schema = events.event_schema(EVENT_DDL)
+
+    def __call__(self, batch_df: DataFrame, batch_id: int) -> None:
+        dim = dimension(batch_df.sparkSession, self.settings, self.devices_topic)
+        parsed = events.parse(batch_df, self.schema).where(F.col(events.ERROR).isNull())
+        joined = parsed.join(F.broadcast(dim), "device_id", "left")
+        cols = [*self.schema.fieldNames(), *JOIN_COLUMNS]
+        out = joined.select(F.col("_key").alias("key"),
+                            F.to_json(F.struct(*[F.col(c) for c in cols]), JSON_OPTIONS).cast("binary").alias("value"))
+        self.writer.write(batch_id, out.toArrow())
+
+
+def register(spark: SparkSession) -> None:
+    spark.dataSource.register(WholeTopicSource)

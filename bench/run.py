@@ -1,0 +1,53 @@
+"""Benchmark entry point (``make bench ARGS="refresh --rows 1000000"``).
+
+    python -m bench.run refresh [options of bench.refresh_bench]
+    python -m bench.run enrich  [options of bench.enrich_bench]
+
+Each benchmark is a module with a ``main(argv) -> int``; it is imported only when chosen, so one
+benchmark's missing or broken module does not stop the other.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+BENCHMARKS = {
+    "refresh": ("bench.refresh_bench", "refresher: full diff-mode `refresh run` vs. reading the table"),
+    "enrich": ("bench.enrich_bench", "enrichment job: throughput, latency and memory"),
+}
+
+
+def usage() -> str:
+    lines = ["usage: python -m bench.run {" + ",".join(BENCHMARKS) + "} [options]", ""]
+    lines += [f"  {name:<8} {what}" for name, (_, what) in BENCHMARKS.items()]
+    lines += ["", "`python -m bench.run NAME --help` lists a benchmark's options."]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(usage())
+        return 0 if args else 2
+    name, rest = args[0], args[1:]
+    if name not in BENCHMARKS:
+        print(f"unknown benchmark {name!r}\n\n{usage()}", file=sys.stderr)
+        return 2
+    module_name = BENCHMARKS[name][0]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name != module_name:
+            raise  # a dependency of the benchmark is missing: show the real error
+        print(f"benchmark {name!r}: module {module_name} is not available ({exc})", file=sys.stderr)
+        return 2
+    main_fn = getattr(module, "main", None)
+    if main_fn is None:
+        print(f"benchmark {name!r}: {module_name} has no main(argv)", file=sys.stderr)
+        return 2
+    return int(main_fn(rest) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
