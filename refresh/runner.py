@@ -57,6 +57,7 @@ class RunResult:
     watermark: Any = None
     schema_changed: bool = False
     phases: dict[str, float] = field(default_factory=dict)   # seconds per step: load, read, diff, ...
+    interrupted: bool = False     # cut short by a stop request: nothing committed, not a failure
 
     def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -123,11 +124,16 @@ class Refresher:
             try:
                 result = self._run_locked(ds, full=full, reconcile=reconcile, stop=stop, t0=t0)
             except BaseException as exc:
+                # A shutdown that cuts a run short commits nothing and is not the dataset's fault:
+                # it is recorded as interrupted, without counting as a failure.
+                stopped = isinstance(exc, Stopped)
                 self._record(ds, started, RunResult(
                     ds.name, False, self.store.load(ds.name).version, 0, 0, 0, 0, 0,
-                    round(time.monotonic() - t0, 3), _one_line(exc), "full" if full else ds.mode))
-                log.error("dataset %s: refresh failed after %.1fs: %s", ds.name,
-                          time.monotonic() - t0, _one_line(exc))
+                    round(time.monotonic() - t0, 3), _one_line(exc), "full" if full else ds.mode,
+                    interrupted=stopped))
+                (log.warning if stopped else log.error)(
+                    "dataset %s: refresh %s after %.1fs: %s", ds.name, "interrupted" if stopped else "failed",
+                    time.monotonic() - t0, _one_line(exc))
                 raise
             self._record(ds, started, result)
             return result
@@ -319,7 +325,8 @@ class Refresher:
         status = {
             "dataset": ds.name, "last_run": run,
             "last_success": run if result.ok else prev.get("last_success"),
-            "consecutive_failures": 0 if result.ok else int(prev.get("consecutive_failures", 0)) + 1,
+            "consecutive_failures": 0 if result.ok else int(prev.get("consecutive_failures", 0))
+            + (0 if result.interrupted else 1),
         }
         try:
             self.store.write_status(ds.name, status)

@@ -44,7 +44,8 @@ def read_status(config: RefreshConfig) -> list[dict[str, Any]]:
             "watch": ds.watch,
             "version": state.version, "rows": state.rows,
             "watermark": state.watermark, "last_reconcile": state.last_reconcile,
-            "last_run": last.get("finished"), "last_result": ("ok" if last.get("ok") else "failed")
+            "last_run": last.get("finished"), "last_result": ("ok" if last.get("ok") else
+                                                               "interrupted" if last.get("interrupted") else "failed")
             if last else None,
             "last_error": last.get("error"), "last_kind": last.get("kind"),
             "last_seconds": last.get("seconds"),

@@ -279,7 +279,9 @@ def test_interval_runs_reach_the_topic(mysql_url: str, kafka: dict[str, str], it
     changed = [(c.op, decode_key(c.key)["id"]) for _, c in recs if c.version > 1 and c.op != OP_SCHEMA]
     assert sorted(changed) == [(OP_DELETE, 1), (OP_UPSERT, 2), (OP_UPSERT, 4)]  # only what changed
     status = read_status(cfg)[0]
-    assert status["last_result"] == "ok" and status["version"] >= 2
+    # The daemon's stop may cut a scheduled run short: recorded as interrupted, never as failed.
+    assert status["last_result"] in ("ok", "interrupted"), status
+    assert status["version"] >= 2 and status["last_success"] and status["consecutive_failures"] == 0
 
 
 def test_file_watch_edit_rename_and_slow_write(kafka: dict[str, str], tmp_path: Path,

@@ -343,7 +343,8 @@ def test_stop_during_a_read_commits_nothing(make_config, mysql_engine, mysql_url
     with pytest.raises(Stopped, match="dataset s: stopped while reading"):
         Refresher(cfg).run("s", stop=stop)
     assert FileStateStore(cfg.state_dir).load("s").version == 0
-    assert read_status(cfg)[0]["last_result"] == "failed"
+    status = read_status(cfg)[0]
+    assert (status["last_result"], status["consecutive_failures"]) == ("interrupted", 0)
     assert Refresher(cfg).run("s").published == 51
 
 
