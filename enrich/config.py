@@ -14,6 +14,7 @@ from refstream.contract import default_topic
 STARTING_OFFSETS = ("latest", "earliest")
 HOW = ("left", "inner")
 SOURCES = ("python", "builtin")
+PARSERS = ("auto", "spark")
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,7 @@ class EventsConfig:
     starting_offsets: str = "latest"
     required: tuple[str, ...] = ()      # event fields that must not be null (else: dead letter)
     source: str = "python"              # "builtin": Spark's own Kafka connector, when its jar is present
+    parser: str = "auto"                # "auto": pyarrow where exact (enrich.fastparse), else from_json; "spark"
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,7 @@ def parse(data: dict[str, Any], source: str = "config") -> EnrichConfig:
         starting_offsets=ev.choice("starting_offsets", STARTING_OFFSETS, "latest"),
         required=tuple(ev.str_list("required", [])),
         source=ev.choice("source", SOURCES, "python"),
+        parser=ev.choice("parser", PARSERS, "auto"),
     )
     ev.done()
 

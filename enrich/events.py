@@ -11,15 +11,17 @@ from collections.abc import Sequence
 
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
-from pyspark.sql.types import StringType, StructField, StructType, _parse_datatype_string
+from pyspark.sql.types import BooleanType, StringType, StructField, StructType, _parse_datatype_string
 
 from refstream.errors import ConfigError
 
 ERROR = "_error"
 CORRUPT = "_corrupt_record"
+#: Set by the fast parser (``enrich.fastparse``) on events it leaves to Spark's ``from_json``.
+SLOW = "_slow"
 #: Kafka columns carried along for the dead-letter topic and the output key.
 SOURCE = {"_key": "key", "_value": "value", "_topic": "topic", "_partition": "partition", "_offset": "offset"}
-INTERNAL = (ERROR, *SOURCE)
+INTERNAL = (ERROR, *SOURCE, SLOW)
 
 
 def event_schema(ddl: str, required: Sequence[str] = (), source: str = "config") -> StructType:
@@ -39,11 +41,13 @@ def event_schema(ddl: str, required: Sequence[str] = (), source: str = "config")
     return schema
 
 
-def parse(raw: DataFrame, schema: StructType, required: Sequence[str] = ()) -> DataFrame:
+def parse(raw: DataFrame, schema: StructType, required: Sequence[str] = (), *,
+          keep_source: bool = False) -> DataFrame:
     """Event fields, then ``_error`` (null for a good event), then the Kafka ``_key``, ``_value``, ...
 
     ``_key`` is kept in every row (the output key); ``_value``, ``_topic``, ``_partition`` and
-    ``_offset`` only in rows with ``_error`` set (the dead letters), null otherwise."""
+    ``_offset`` only in rows with ``_error`` set (the dead letters), null otherwise, unless
+    ``keep_source``."""
     with_corrupt = StructType([*schema.fields, StructField(CORRUPT, StringType(), True)])
     parsed = raw.select(
         *[F.col(src).alias(dst) for dst, src in SOURCE.items()],
@@ -60,6 +64,18 @@ def parse(raw: DataFrame, schema: StructType, required: Sequence[str] = ()) -> D
                             error.alias(ERROR), *SOURCE)
     # Only dead letters need the original bytes and position: null them in good rows so that they do
     # not travel through the join's Arrow round trip (about half of every row's bytes).
+    if keep_source:
+        return checked.select(*[F.col(f"`{n}`") for n in schema.fieldNames()], ERROR, *SOURCE)
     bad = F.col(ERROR).isNotNull()
     return checked.select(*[F.col(f"`{n}`") for n in schema.fieldNames()], ERROR, "_key",
                           *[F.when(bad, F.col(c)).alias(c) for c in SOURCE if c != "_key"])
+
+
+def source_columns(raw: DataFrame) -> DataFrame:
+    """The Kafka columns under their internal names: the input of the fast path's ``mapInArrow``."""
+    return raw.select(*[F.col(src).alias(dst) for dst, src in SOURCE.items()])
+
+
+def fast_schema(parsed: StructType) -> StructType:
+    """The schema the fast path's parse step gives: :func:`parse`'s, plus the ``_slow`` flag."""
+    return StructType([*parsed.fields, StructField(SLOW, BooleanType(), False)])

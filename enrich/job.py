@@ -17,8 +17,10 @@ import uuid
 from contextlib import ExitStack
 from pathlib import Path
 
+import pyarrow as pa
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.streaming import StreamingQuery
+from pyspark.sql.types import StructType
 
 from enrich import events, join
 from enrich.config import EnrichConfig
@@ -27,6 +29,7 @@ from enrich.dimension.changelog import ChangelogFollower
 from enrich.dimension.manager import Dimensions
 from enrich.dimension.ship import Shipper
 from enrich.dimension.versions import FileVersionLog
+from enrich.fastparse import FastParser
 from enrich.sinks import EnrichedBatch, Sink, make_sink
 from refstream import kafka as rkafka
 from refstream.contract import DatasetSchema
@@ -48,7 +51,9 @@ class EnrichJob:
         self._stack = ExitStack()
         self._stop = threading.Event()
         self.query: StreamingQuery | None = None
-        self._plan: tuple[dict[str, DatasetSchema], list[join.JoinSpec], tuple[str, ...], object] | None = None
+        self._plan: tuple[dict[str, DatasetSchema], list[join.JoinSpec], tuple[str, ...], StructType,
+                          StructType] | None = None
+        self.fast: FastParser | None = None
         self.batches = 0
 
     @property
@@ -79,6 +84,9 @@ class EnrichJob:
         self._stack.callback(self.sink.close)
         self.dead = DeadLetters(cfg.kafka, cfg.dead_letter_topic, self._dlq_transactional_id(), scope)
         self._stack.callback(self.dead.close)
+        if cfg.events.parser == "auto" and self.sink.reparses:
+            self.fast = FastParser.for_schema(self.event_schema, cfg.events.required, self._timezone())
+        log.info("events parsed by %s", "pyarrow, with from_json for what it leaves" if self.fast else "from_json")
 
         from enrich.kafka import read_stream
 
@@ -151,9 +159,20 @@ class EnrichJob:
         shipped = call_with_retry(lambda: self.dims.pin(batch_id), what=f"batch {batch_id}: pinning dimensions",
                                   policy=self.retry, stop=self._stop)
         parsed = events.parse(batch_df, self.event_schema, self.cfg.events.required)
-        specs, out_cols, out_schema = self._planned(parsed)
-        enriched = join.enrich(parsed, specs, out_schema, shipped, events.ERROR)  # type: ignore[arg-type]
-        batch = EnrichedBatch(enriched, out_cols)
+        specs, out_cols, out_schema, fast_schema = self._planned(parsed)
+        if self.fast is not None:
+            enriched = join.enrich(events.source_columns(batch_df), specs, fast_schema, shipped, events.ERROR,
+                                   parser=self.fast, parsed_schema=events.fast_schema(parsed.schema))
+
+            def redo(raw: pa.Table) -> EnrichedBatch:  # the events the fast parser left to from_json
+                df = self.spark.createDataFrame(raw.rename_columns([events.SOURCE[c] for c in raw.column_names]))
+                exact = events.parse(df, self.event_schema, self.cfg.events.required, keep_source=True)
+                return EnrichedBatch(join.enrich(exact, specs, out_schema, shipped, events.ERROR), out_cols)
+
+            batch = EnrichedBatch(enriched, out_cols, redo)
+        else:
+            enriched = join.enrich(parsed, specs, out_schema, shipped, events.ERROR)
+            batch = EnrichedBatch(enriched, out_cols)
         dead = call_with_retry(lambda: self.sink.write(batch_id, batch), what=f"batch {batch_id}: writing output",
                                policy=self.retry, stop=self._stop)
         call_with_retry(lambda: self.dead.write(batch_id, dead), what=f"batch {batch_id}: writing dead letters",
@@ -162,17 +181,24 @@ class EnrichJob:
         log.info("batch %d done in %.2fs (dimensions pinned in %.3fs, %d dead letter(s))", batch_id,
                  time.monotonic() - t0, self.dims.last_pin_seconds, dead.num_rows)
 
-    def _planned(self, parsed: DataFrame) -> tuple[list[join.JoinSpec], tuple[str, ...], object]:
+    def _timezone(self) -> str:
+        return self.spark.conf.get("spark.sql.session.timeZone") or "UTC"
+
+    def _planned(self, parsed: DataFrame) -> tuple[list[join.JoinSpec], tuple[str, ...], StructType, StructType]:
+        """The joins resolved against the current published schemas: specs, output columns, and the
+        output schemas of the join pass after ``from_json`` and after the fast parser."""
         schemas = {ds: self.dims.schema(ds) for ds in self.cfg.datasets}
         if self._plan is None or self._plan[0] != schemas:
-            tz = self.spark.conf.get("spark.sql.session.timeZone") or "UTC"
+            tz = self._timezone()
             specs, out_schema = join.plan(self.cfg.joins, schemas, parsed.schema, timezone=tz,
                                           source=self.cfg.source)
+            _, fast_schema = join.plan(self.cfg.joins, schemas, events.fast_schema(parsed.schema), timezone=tz,
+                                       source=self.cfg.source)
             out_cols = tuple(f.name for f in out_schema.fields if f.name not in events.INTERNAL)
-            self._plan = (schemas, specs, out_cols, out_schema)
+            self._plan = (schemas, specs, out_cols, out_schema, fast_schema)
             log.info("output columns: %s", ", ".join(out_cols))
-        _, specs, out_cols, out_schema = self._plan
-        return specs, out_cols, out_schema
+        _, specs, out_cols, out_schema, fast_schema = self._plan
+        return specs, out_cols, out_schema, fast_schema
 
 
 def _first_line(text: str) -> str:

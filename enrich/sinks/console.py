@@ -8,6 +8,8 @@ from enrich.sinks.abc import EnrichedBatch
 
 
 class ConsoleSink:
+    reparses = False  # writes through Spark: events are parsed by from_json
+
     def __init__(self, rows: int = 20) -> None:
         self.rows = rows
 

@@ -10,18 +10,21 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.sql import functions as F
 
 from enrich.deadletter import COLUMNS as DEAD_COLUMNS
-from enrich.events import ERROR
+from enrich.events import ERROR, SLOW
 from enrich.sinks.abc import EnrichedBatch
 
 log = logging.getLogger(__name__)
 
 
 class KafkaSink:
+    reparses = True
+
     def __init__(self, settings: Mapping[str, str], topic: str, transactional_id: str,
                  scope: str | None = None) -> None:
         from enrich.kafka import TransactionalBatchWriter
@@ -30,11 +33,7 @@ class KafkaSink:
         self._writer = TransactionalBatchWriter(dict(settings), topic, transactional_id, scope=scope)
 
     def write(self, batch_id: int, batch: EnrichedBatch) -> pa.Table:
-        df = batch.df.select(
-            F.col("_key").alias("key"),
-            F.when(F.col(ERROR).isNull(), batch.json_value()).cast("binary").alias("value"),
-            *[F.when(F.col(ERROR).isNotNull(), F.col(c)).alias(c) for c in DEAD_COLUMNS])
-        table = df.toArrow()
+        table = collect(batch)
         failed = pc.is_valid(table.column(ERROR))
         good = table.filter(pc.invert(failed)).select(["key", "value"])
         self._writer.write(batch_id, good)
@@ -44,3 +43,42 @@ class KafkaSink:
         close = getattr(self._writer, "close", None)
         if close is not None:
             close()
+
+
+def collect(batch: EnrichedBatch, *, keep_position: bool = False) -> pa.Table:
+    """The batch as Arrow: ``key``, ``value`` (the JSON of a good event) and the dead-letter columns,
+    in event order. Rows the fast parser left to Spark are redone through ``batch.redo`` and put back
+    where their events were, so that the order of events within a Kafka partition is kept."""
+    has_slow = SLOW in batch.df.columns
+    raw = F.col(ERROR).isNotNull() | F.col(SLOW) if has_slow else F.col(ERROR).isNotNull()
+    good = F.col(ERROR).isNull() & ~F.col(SLOW) if has_slow else F.col(ERROR).isNull()
+    position = ("_partition", "_offset") if keep_position else ()
+    table = batch.df.select(
+        F.col("_key").alias("key"),
+        F.when(good, batch.json_value()).cast("binary").alias("value"),
+        *[F.col(c) if c in position else F.when(raw, F.col(c)).alias(c) for c in DEAD_COLUMNS],
+        *([F.col(SLOW)] if has_slow else [])).toArrow()
+    if not has_slow:
+        return table
+    slow = table.column(SLOW).to_numpy(zero_copy_only=False)
+    table = table.drop_columns([SLOW])
+    if not slow.any():
+        return table
+    assert batch.redo is not None, "a batch with slow rows needs redo"
+    at = np.flatnonzero(slow)
+    raw_rows = table.take(pa.array(at)).select(["_key", "_value", "_topic", "_partition", "_offset"])
+    redone = collect(batch.redo(raw_rows), keep_position=True)
+    where = {(p, o): int(i) for p, o, i in zip(raw_rows.column("_partition").to_pylist(),
+                                              raw_rows.column("_offset").to_pylist(), at, strict=True)}
+    redone_at = [where[(p, o)] for p, o in zip(redone.column("_partition").to_pylist(),
+                                                redone.column("_offset").to_pylist(), strict=True)]
+    log.debug("%d of %d events parsed by Spark", len(at), len(slow))
+    dead = pc.is_valid(redone.column(ERROR))
+    for name in ("_partition", "_offset"):  # positions were kept for placing; dead letters only from here
+        col = redone.column(name)
+        redone = redone.set_column(redone.schema.get_field_index(name), name,
+                                   pc.if_else(dead, col, pa.nulls(len(col), col.type)))
+    keep = np.flatnonzero(~slow)
+    merged = pa.concat_tables([table.take(pa.array(keep)), redone.cast(table.schema)])
+    order = np.argsort(np.concatenate([keep, np.asarray(redone_at, dtype=np.int64)]), kind="stable")
+    return merged.take(pa.array(order))

@@ -23,6 +23,8 @@ log = logging.getLogger(__name__)
 
 
 class ParquetSink:
+    reparses = False  # writes through Spark: events are parsed by from_json
+
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path).resolve()
         self.staging = self.path / "_staging"
