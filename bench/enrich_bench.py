@@ -139,13 +139,14 @@ def steady(progress: list[dict[str, Any]], skip: int = 2) -> dict[str, float]:
 
 
 def _job_config(settings: dict[str, str], events_topic: str, devices_topic: str, workdir: Path, *,
-                batch: int | None, trigger: str, starting: str) -> Any:
+                batch: int | None, trigger: str, starting: str, parser: str = "auto") -> Any:
     from enrich import config
 
     tag = uuid.uuid4().hex[:8]
     return config.parse({
         "kafka": {"bootstrap_servers": settings["bootstrap.servers"]},
-        "events": {"topic": events_topic, "schema": data.EVENT_DDL, "starting_offsets": starting},
+        "events": {"topic": events_topic, "schema": data.EVENT_DDL, "starting_offsets": starting,
+                   "parser": parser},
         "joins": [{"dataset": "devices", "topic": devices_topic, "on": "device_id",
                    "columns": list(data.JOIN_COLUMNS)}],
         "output": {"kafka": {"topic": f"bench-enriched-{tag}"}},
@@ -176,11 +177,11 @@ def _check_output(settings: dict[str, str], topic: str, sample: int = 2000) -> f
 # ------------------------------------------------------------------------------------------ phases
 
 def run_job(spark: Any, settings: dict[str, str], events_topic: str, devices_topic: str, workdir: Path,
-            batch: int, n: int) -> dict[str, float]:
+            batch: int, n: int, parser: str = "auto") -> dict[str, float]:
     from enrich.job import EnrichJob
 
     cfg = _job_config(settings, events_topic, devices_topic, workdir, batch=batch, trigger="1s",
-                      starting="earliest")
+                      starting="earliest", parser=parser)
     job = EnrichJob(cfg, spark, available_now=True)
     t0 = time.monotonic()
     try:
@@ -338,6 +339,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--changes", type=int, default=25, help="latency probes (default %(default)s)")
     ap.add_argument("--latency-rate", type=float, default=5000.0, help="events/s while measuring latency")
     ap.add_argument("--bootstrap", help="an existing broker instead of an embedded one")
+    ap.add_argument("--job-from-json", action="store_true",
+                    help="also run the job with events.parser: spark in every round (A/B of the fast parser)")
     ap.add_argument("--skip", default="", help="comma list of: plain,job,naive,latency")
     ap.add_argument("--json", help="write the results to this file as well")
     ap.add_argument("--verbose", action="store_true")
@@ -374,7 +377,7 @@ def main(argv: list[str] | None = None) -> int:
         results["spark_startup_s"] = time.monotonic() - t0
         print(f"Spark session ({args.master}) up in {results['spark_startup_s']:.1f}s", flush=True)
 
-        rounds: dict[str, list[dict[str, Any]]] = {"plain": [], "job": [], "naive": []}
+        rounds: dict[str, list[dict[str, Any]]] = {"plain": [], "job": [], "naive": [], "job_from_json": []}
         for r in range(args.repeat):
             if "plain" not in skip:
                 rate = _in_process(data.plain_copy, settings, events_topic, f"bench-copy-{uuid.uuid4().hex[:8]}",
@@ -390,6 +393,14 @@ def main(argv: list[str] | None = None) -> int:
                       f"batches (median batch {res['batch_s_median']:.2f}s); start {res['start_s']:.1f}s, "
                       f"first batches {res['first_batch_s']:.1f}s + {res['second_batch_s']:.1f}s, wall {res['wall_s']:.1f}s, "
                       f"{res['matched']:.0%} matched", flush=True)
+            if args.job_from_json:
+                sampler.phase = f"job (from_json) round {r + 1}"
+                res = run_job(spark, settings, events_topic, devices_topic, workdir, args.batch, args.events,
+                              parser="spark")
+                sampler.phase = None
+                rounds["job_from_json"].append(res)
+                print(f"[{r + 1}/{args.repeat}] job, parser spark: {res['rate']:,.0f} events/s steady over "
+                      f"{res['batches']} batches (median batch {res['batch_s_median']:.2f}s)", flush=True)
             if "naive" not in skip:
                 sampler.phase = f"naive round {r + 1}"
                 res = run_naive(spark, settings, events_topic, devices_topic, workdir, args.batch,
@@ -437,6 +448,10 @@ def _summary(res: dict[str, Any]) -> None:
           f"{'met' if job >= 0.5 * plain else 'MISSED'})")
     print(f"naive foreachBatch:        {naive:,.0f} events/s  (job / naive = {job / naive:.1f}x, target >= 3x: "
           f"{'met' if job >= 3 * naive else 'MISSED'})")
+    if rounds["job_from_json"]:
+        jf = _med(rounds["job_from_json"], "rate")
+        print(f"job, from_json only:       {jf:,.0f} events/s  ({jf / plain:.0%} of plain; fast parser gain "
+              f"{job / jf:.2f}x)")
     if rounds["job"]:
         print(f"job start (bootstrap {res['args']['dimension_rows']:,} rows + sinks + query start): "
               f"{_med(rounds['job'], 'start_s'):.1f}s; warm-up batches: {_med(rounds['job'], 'first_batch_s'):.1f}s + "

@@ -94,7 +94,8 @@ class EnrichJob:
                           max_offsets_per_trigger=cfg.max_events_per_batch, builtin=cfg.events.source == "builtin")
         # The published schemas are known now: a join naming a missing column fails here, as a config
         # error, instead of failing the first micro-batch.
-        self._planned(events.parse(raw, self.event_schema, cfg.events.required))
+        self._parsed_schema = events.parse(raw, self.event_schema, cfg.events.required).schema
+        self._planned(self._parsed_schema)
         writer = (raw.writeStream.foreachBatch(self._process)
                   .option("checkpointLocation", str((cfg.checkpoint / "spark").resolve()))
                   .queryName(f"enrich-{cfg.events.topic}"))
@@ -158,11 +159,10 @@ class EnrichJob:
         t0 = time.monotonic()
         shipped = call_with_retry(lambda: self.dims.pin(batch_id), what=f"batch {batch_id}: pinning dimensions",
                                   policy=self.retry, stop=self._stop)
-        parsed = events.parse(batch_df, self.event_schema, self.cfg.events.required)
-        specs, out_cols, out_schema, fast_schema = self._planned(parsed)
+        specs, out_cols, out_schema, fast_schema = self._planned(self._parsed_schema)
         if self.fast is not None:
             enriched = join.enrich(events.source_columns(batch_df), specs, fast_schema, shipped, events.ERROR,
-                                   parser=self.fast, parsed_schema=events.fast_schema(parsed.schema))
+                                   parser=self.fast, parsed_schema=events.fast_schema(self._parsed_schema))
 
             def redo(raw: pa.Table) -> EnrichedBatch:  # the events the fast parser left to from_json
                 df = self.spark.createDataFrame(raw.rename_columns([events.SOURCE[c] for c in raw.column_names]))
@@ -171,6 +171,7 @@ class EnrichJob:
 
             batch = EnrichedBatch(enriched, out_cols, redo)
         else:
+            parsed = events.parse(batch_df, self.event_schema, self.cfg.events.required)
             enriched = join.enrich(parsed, specs, out_schema, shipped, events.ERROR)
             batch = EnrichedBatch(enriched, out_cols)
         dead = call_with_retry(lambda: self.sink.write(batch_id, batch), what=f"batch {batch_id}: writing output",
@@ -184,15 +185,14 @@ class EnrichJob:
     def _timezone(self) -> str:
         return self.spark.conf.get("spark.sql.session.timeZone") or "UTC"
 
-    def _planned(self, parsed: DataFrame) -> tuple[list[join.JoinSpec], tuple[str, ...], StructType, StructType]:
+    def _planned(self, parsed: StructType) -> tuple[list[join.JoinSpec], tuple[str, ...], StructType, StructType]:
         """The joins resolved against the current published schemas: specs, output columns, and the
         output schemas of the join pass after ``from_json`` and after the fast parser."""
         schemas = {ds: self.dims.schema(ds) for ds in self.cfg.datasets}
         if self._plan is None or self._plan[0] != schemas:
             tz = self._timezone()
-            specs, out_schema = join.plan(self.cfg.joins, schemas, parsed.schema, timezone=tz,
-                                          source=self.cfg.source)
-            _, fast_schema = join.plan(self.cfg.joins, schemas, events.fast_schema(parsed.schema), timezone=tz,
+            specs, out_schema = join.plan(self.cfg.joins, schemas, parsed, timezone=tz, source=self.cfg.source)
+            _, fast_schema = join.plan(self.cfg.joins, schemas, events.fast_schema(parsed), timezone=tz,
                                        source=self.cfg.source)
             out_cols = tuple(f.name for f in out_schema.fields if f.name not in events.INTERNAL)
             self._plan = (schemas, specs, out_cols, out_schema, fast_schema)

@@ -8,6 +8,7 @@ skips a batch id it has committed before: exactly-once effect for ``read_committ
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping
 
 import numpy as np
@@ -33,10 +34,14 @@ class KafkaSink:
         self._writer = TransactionalBatchWriter(dict(settings), topic, transactional_id, scope=scope)
 
     def write(self, batch_id: int, batch: EnrichedBatch) -> pa.Table:
+        t0 = time.monotonic()
         table = collect(batch)
+        t1 = time.monotonic()
         failed = pc.is_valid(table.column(ERROR))
         good = table.filter(pc.invert(failed)).select(["key", "value"])
         self._writer.write(batch_id, good)
+        log.info("batch %d: %d events computed and collected in %.2fs, written in %.2fs", batch_id,
+                 table.num_rows, t1 - t0, time.monotonic() - t1)
         return table.filter(failed).select(list(DEAD_COLUMNS))
 
     def close(self) -> None:
