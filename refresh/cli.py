@@ -1,4 +1,4 @@
-"""``refresh`` command line: ``daemon``, ``run [DATASET ...] [--full]``, ``status [--json]``."""
+"""``refresh`` command line: ``daemon``, ``run [DATASET ...] [--full]``, ``status [--json] [--check]``."""
 
 from __future__ import annotations
 
@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fail instead of waiting when a dataset is being refreshed elsewhere")
     s = sub.add_parser("status", parents=[common], help="show each dataset's state and last run")
     s.add_argument("--json", action="store_true", help="machine-readable output")
+    s.add_argument("--check", action="store_true",
+                   help="exit 1 unless every dataset has been published and its last run did not fail "
+                        "(for healthchecks and monitoring)")
     return p
 
 
@@ -64,7 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return run_daemon(config)
         if args.verb == "status":
-            return _status(config, args.json)
+            return _status(config, args.json, check=args.check)
         return _run(config, args.datasets, full=args.full, reconcile=args.reconcile, wait=not args.no_wait)
     except KeyboardInterrupt:
         print("refresh: interrupted", file=sys.stderr)
@@ -83,14 +86,18 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-def _status(config: object, as_json: bool) -> int:
-    from refresh.status import format_status, read_status
+def _status(config: object, as_json: bool, *, check: bool = False) -> int:
+    from refresh.status import format_status, read_status, unhealthy
 
     rows = read_status(config)  # type: ignore[arg-type]
     if as_json:
         print(json.dumps(rows, indent=2, default=str))
     else:
         print(format_status(rows))
+    problems = unhealthy(rows) if check else []
+    if problems:
+        print(f"refresh: not healthy: {'; '.join(problems)}", file=sys.stderr)
+        return 1
     return 0
 
 

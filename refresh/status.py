@@ -58,6 +58,18 @@ def read_status(config: RefreshConfig) -> list[dict[str, Any]]:
     return out
 
 
+def unhealthy(rows: list[dict[str, Any]]) -> list[str]:
+    """What ``refresh status --check`` reports: datasets never published, or whose last run failed
+    (an interrupted run is not a failure)."""
+    out = []
+    for r in rows:
+        if r["last_result"] == "failed":
+            out.append(f"dataset {r['dataset']}: last run failed: {r['last_error']}")
+        elif not r["version"]:
+            out.append(f"dataset {r['dataset']}: never published")
+    return out
+
+
 def format_status(rows: list[dict[str, Any]]) -> str:
     """A human table of :func:`read_status`."""
     head = ["DATASET", "MODE", "VERSION", "ROWS", "LAST RUN", "RESULT", "CHANGES +/~/-", "PUBLISHED",

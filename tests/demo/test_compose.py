@@ -265,11 +265,11 @@ def test_service_command_is_a_real_cli_verb_with_a_config_that_loads(
         # The refresher's healthcheck is a real verb too, and says "not yet" before the first publish.
         hc = svc["healthcheck"]["test"]
         assert hc[0] == "CMD-SHELL"
-        _, hargs = parse_cli(shlex.split(hc[1].split("|")[0]))
-        assert hargs.verb == "status" and hargs.config == args.config and hargs.json
+        _, hargs = parse_cli(shlex.split(hc[1]))
+        assert hargs.verb == "status" and hargs.config == args.config and hargs.check
         res = run_healthcheck(svc, {"REFSTREAM_STATE_DIR": str(tmp_path / "state")})
         assert res.returncode == 1, res.stdout + res.stderr
-        assert not res.stderr, res.stderr
+        assert res.stderr.startswith("refresh: not healthy: dataset ") and "never published" in res.stderr, res.stderr
         return
 
     assert args.command == "run"

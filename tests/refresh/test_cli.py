@@ -44,6 +44,8 @@ def test_run_and_status(cli_config, mysql_engine, kafka, capsys):
     assert good["next_run"] == "2030-01-01T00:00:00+00:00" and good["schedule"] == {"every": 3600.0}
     assert status["bad"]["last_result"] is None and status["bad"]["version"] == 0
 
+    assert main(["--config", str(cfg.path), "status", "--check"]) == 1  # bad was never published
+    assert capsys.readouterr().err.strip() == "refresh: not healthy: dataset bad: never published"
     assert main(["status", "--config", str(cfg.path)]) == 0  # options also after the verb
     text = capsys.readouterr().out
     assert text.splitlines()[0].split()[:4] == ["DATASET", "MODE", "VERSION", "ROWS"]
@@ -61,6 +63,9 @@ def test_failed_dataset_is_one_line_and_non_zero_but_others_still_run(cli_config
     assert "Traceback" not in captured.err
     assert main(["--config", str(cfg.path), "status"]) == 0
     assert "bad: last error: dataset bad:" in capsys.readouterr().out
+    assert main(["--config", str(cfg.path), "status", "--check"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("refresh: not healthy: dataset bad: last run failed: dataset bad:") and "good" not in err
 
 
 def test_full_republishes(cli_config, kafka, capsys):
