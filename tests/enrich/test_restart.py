@@ -89,3 +89,47 @@ def test_sigkill_then_restart_gives_each_event_once(kafka: dict[str, str], uniqu
     assert [n for n, c in got.items() if c > 1] == [], "duplicates after the restart"
     rows = {json.loads(m.value())["n"]: json.loads(m.value()) for m in read_all(kafka, out_topic)}
     assert rows[5]["owner"] == "o5" and rows[11]["_devices_matched"] is False
+
+
+def test_sigkill_then_restart_parquet_output_has_each_event_once(kafka: dict[str, str],
+                                                                  unique: Callable[[str], str],
+                                                                  tmp_path: Path) -> None:
+    import pyarrow.parquet as pq
+
+    out = tmp_path / "out"
+    config = tmp_path / "enrich.yaml"
+    cfg = write_config(config, kafka, unique, output={"parquet": {"path": str(out)}})
+    publish(kafka, cfg["joins"][0]["topic"], changelog(SCHEMA, [{"device_id": f"d{i}", "owner": f"o{i}"}
+                                                                for i in range(10)]))
+    total = 4000
+    produce_events(kafka, cfg["events"]["topic"], [{"device_id": f"d{i % 12}", "n": i} for i in range(total)],
+                   partitions=2)
+    log = tmp_path / "job.log"
+    proc = start_job(config, log)
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            if proc.poll() is not None:
+                raise AssertionError(f"job exited early ({proc.returncode}): {log.read_text()[-3000:]}")
+            if len(list(out.glob("batch_id=*"))) >= 1:
+                break
+            time.sleep(0.2)
+        else:
+            raise AssertionError(f"no output within 240s: {log.read_text()[-3000:]}")
+        os.killpg(proc.pid, signal.SIGKILL)  # driver, JVM and workers: a crash mid-stream
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+    done_before = len(list(out.glob("batch_id=*")))
+    assert done_before * 1000 < total, "the job should have been killed mid-stream"
+
+    proc = start_job(config, log, "--available-now")
+    assert proc.wait(300) == 0, log.read_text()[-3000:]
+    # Readers see whole batches only: the batch directories, never the staging area.
+    ns: Counter[int] = Counter()
+    for d in sorted(out.glob("batch_id=*")):
+        ns.update(pq.read_table(d).column("n").to_pylist())
+    assert set(ns) == set(range(total)), f"lost: {sorted(set(range(total)) - set(ns))[:20]}"
+    assert [n for n, c in ns.items() if c > 1] == [], "duplicates after the restart"
