@@ -149,7 +149,7 @@ class FastParser:
                 pa.array(slow), pa.scalar(b"{}", pa.binary()), values)
             lines = pc.binary_join_element_wise(framed, pa.scalar(b"", pa.binary()), b"\n")
             offsets = np.frombuffer(lines.buffers()[1], dtype=np.int32)[lines.offset:lines.offset + len(lines) + 1]
-            self._parse_span(lines.buffers()[2], offsets, np.arange(len(values)), 0, len(values), slow, pieces)
+            self._parse_span(lines.buffers()[2], offsets, 0, len(values), slow, pieces)
         if not pieces:
             return pa.table([pa.nulls(len(values), f.type) for f in self.read_schema], schema=self.read_schema)
         if len(pieces) == 1 and len(pieces[0][0]) == len(values):
@@ -163,20 +163,22 @@ class FastParser:
                                                     schema=self.read_schema)])
         return padded.take(pa.array(pos))
 
-    def _parse_span(self, data: pa.Buffer, offsets: np.ndarray, rows: np.ndarray, lo: int, hi: int,
-                    slow: np.ndarray, out: list[tuple[np.ndarray, pa.Table]]) -> None:
+    def _parse_span(self, data: pa.Buffer, offsets: np.ndarray, lo: int, hi: int, slow: np.ndarray,
+                    out: list[tuple[np.ndarray, pa.Table]]) -> None:
+        """Parse values ``[lo, hi)``: appends (their positions, their rows) to ``out`` when the reader
+        takes them all, else bisects; a single value it refuses is marked slow."""
         if hi <= lo:
             return
         start, end = int(offsets[lo]), int(offsets[hi])
         table = self._try_read(data.slice(start, end - start), hi - lo)
         if table is not None:
-            out.append((rows[lo:hi], table))
+            out.append((np.arange(lo, hi), table))
         elif hi - lo == 1:
-            slow[rows[lo]] = True
+            slow[lo] = True
         else:  # bisect down to the values pyarrow refuses: O(bad * log n) reads
             mid = (lo + hi) // 2
-            self._parse_span(data, offsets, rows, lo, mid, slow, out)
-            self._parse_span(data, offsets, rows, mid, hi, slow, out)
+            self._parse_span(data, offsets, lo, mid, slow, out)
+            self._parse_span(data, offsets, mid, hi, slow, out)
 
     def _try_read(self, data: pa.Buffer, expected: int) -> pa.Table | None:
         try:

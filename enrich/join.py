@@ -29,7 +29,7 @@ from pyspark.sql.types import BooleanType, StructField, StructType, _parse_datat
 from enrich.config import JoinConfig
 from enrich.dimension.ship import Shipped, from_ipc
 from enrich.dimension.store import DELETED
-from enrich.events import SLOW
+from enrich.events import SLOW, SOURCE
 from enrich.fastparse import FastParser
 from refstream.contract import DatasetSchema
 from refstream.errors import ConfigError
@@ -262,7 +262,7 @@ class FastEvents:
         n = b.num_rows
         mask = pa.array(slow)
         cols = [*fields.columns, pa.nulls(n, pa.string()), b.column("_key")]
-        for name in ("_value", "_topic", "_partition", "_offset"):  # kept for the slow rows only
+        for name in [c for c in SOURCE if c != "_key"]:  # kept for the slow rows only
             col = b.column(name)
             cols.append(pc.if_else(mask, col, pa.nulls(n, col.type)) if slow.any() else pa.nulls(n, col.type))
         cols.append(mask)

@@ -17,7 +17,7 @@ import pyarrow.compute as pc
 from pyspark.sql import functions as F
 
 from enrich.deadletter import COLUMNS as DEAD_COLUMNS
-from enrich.events import ERROR, SLOW
+from enrich.events import ERROR, SLOW, SOURCE
 from enrich.sinks.abc import EnrichedBatch
 
 log = logging.getLogger(__name__)
@@ -71,7 +71,7 @@ def collect(batch: EnrichedBatch, *, keep_position: bool = False) -> pa.Table:
         return table
     assert batch.redo is not None, "a batch with slow rows needs redo"
     at = np.flatnonzero(slow)
-    raw_rows = table.take(pa.array(at)).select(["_key", "_value", "_topic", "_partition", "_offset"])
+    raw_rows = table.take(pa.array(at)).select(list(SOURCE))
     redone = collect(batch.redo(raw_rows), keep_position=True)
     where = {(p, o): int(i) for p, o, i in zip(raw_rows.column("_partition").to_pylist(),
                                               raw_rows.column("_offset").to_pylist(), at, strict=True)}
