@@ -51,34 +51,45 @@ def committed_count(kafka: dict[str, str], topic: str) -> int:
     return len(read_all(kafka, topic))
 
 
-def test_sigkill_then_restart_gives_each_event_once(kafka: dict[str, str], unique: Callable[[str], str],
-                                                     tmp_path: Path) -> None:
-    config = tmp_path / "enrich.yaml"
-    cfg = write_config(config, kafka, unique)
+def seed(kafka: dict[str, str], cfg: dict, total: int) -> None:
+    """Ten devices on the changelog, then ``total`` events over twelve device ids (two unmatched)."""
     publish(kafka, cfg["joins"][0]["topic"], changelog(SCHEMA, [{"device_id": f"d{i}", "owner": f"o{i}"}
                                                                 for i in range(10)]))
-    total = 4000
     produce_events(kafka, cfg["events"]["topic"], [{"device_id": f"d{i % 12}", "n": i} for i in range(total)],
                    partitions=2)
-    out_topic = cfg["output"]["kafka"]["topic"]
-    log = tmp_path / "job.log"
+
+
+def run_then_kill(config: Path, log: Path, ready: Callable[[], bool], *, poll: float = 0.5,
+                  timeout: float = 240) -> None:
+    """Start the job, wait until ``ready()``, then SIGKILL its whole process group: a crash mid-stream."""
     proc = start_job(config, log)
     try:
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise AssertionError(f"job exited early ({proc.returncode}): {log.read_text()[-3000:]}")
-            if committed_count(kafka, out_topic) >= 1000:
+            if ready():
                 break
-            time.sleep(0.5)
+            time.sleep(poll)
         else:
-            raise AssertionError(f"no output within 240s: {log.read_text()[-3000:]}")
-        os.killpg(proc.pid, signal.SIGKILL)  # driver, JVM and workers: a crash mid-stream
+            raise AssertionError(f"no output within {timeout:.0f}s: {log.read_text()[-3000:]}")
+        os.killpg(proc.pid, signal.SIGKILL)  # driver, JVM and workers
         proc.wait(30)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(30)
+
+
+def test_sigkill_then_restart_gives_each_event_once(kafka: dict[str, str], unique: Callable[[str], str],
+                                                     tmp_path: Path) -> None:
+    config = tmp_path / "enrich.yaml"
+    cfg = write_config(config, kafka, unique)
+    total = 4000
+    seed(kafka, cfg, total)
+    out_topic = cfg["output"]["kafka"]["topic"]
+    log = tmp_path / "job.log"
+    run_then_kill(config, log, lambda: committed_count(kafka, out_topic) >= 1000)
     before = committed_count(kafka, out_topic)
     assert before < total, "the job should have been killed mid-stream"
 
@@ -99,29 +110,10 @@ def test_sigkill_then_restart_parquet_output_has_each_event_once(kafka: dict[str
     out = tmp_path / "out"
     config = tmp_path / "enrich.yaml"
     cfg = write_config(config, kafka, unique, output={"parquet": {"path": str(out)}})
-    publish(kafka, cfg["joins"][0]["topic"], changelog(SCHEMA, [{"device_id": f"d{i}", "owner": f"o{i}"}
-                                                                for i in range(10)]))
     total = 4000
-    produce_events(kafka, cfg["events"]["topic"], [{"device_id": f"d{i % 12}", "n": i} for i in range(total)],
-                   partitions=2)
+    seed(kafka, cfg, total)
     log = tmp_path / "job.log"
-    proc = start_job(config, log)
-    try:
-        deadline = time.monotonic() + 240
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                raise AssertionError(f"job exited early ({proc.returncode}): {log.read_text()[-3000:]}")
-            if len(list(out.glob("batch_id=*"))) >= 1:
-                break
-            time.sleep(0.2)
-        else:
-            raise AssertionError(f"no output within 240s: {log.read_text()[-3000:]}")
-        os.killpg(proc.pid, signal.SIGKILL)  # driver, JVM and workers: a crash mid-stream
-        proc.wait(30)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
+    run_then_kill(config, log, lambda: len(list(out.glob("batch_id=*"))) >= 1, poll=0.2)
     done_before = len(list(out.glob("batch_id=*")))
     assert done_before * 1000 < total, "the job should have been killed mid-stream"
 
