@@ -196,7 +196,8 @@ class Refresher:
         source = open_source(ds)
         log.info("dataset %s: refresh from %s (version %d%s)", ds.name, source.describe(),
                  state.version, ", full republish" if full else "")
-        version = state.version + 1
+        # Above any version a run published without committing (a crash after the acknowledgements).
+        version = max(state.version, self.store.reserved(ds.name)) + 1
 
         step: _Step | None = None
         if ds.mode == "incremental" and not full and not reconcile and snapshot is not None \
@@ -217,6 +218,7 @@ class Refresher:
 
         published = 0
         if changes or with_schema:
+            self.store.reserve(ds.name, version)
             published = self._publish(ds, schema, changes, version, with_schema=with_schema, stop=stop)
         timer.mark("publish")
         # Every message is acknowledged: commit even if a stop was requested meanwhile (it is quick,

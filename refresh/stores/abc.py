@@ -84,6 +84,15 @@ class StateStore(ABC):
         as stored. Either the whole commit is visible afterwards or none of it."""
 
     @abstractmethod
+    def reserve(self, dataset: str, version: int) -> None:
+        """Durably record that messages of ``version`` are about to be published, so that no later
+        run reuses the number even if this one never commits (versions seen by consumers grow)."""
+
+    @abstractmethod
+    def reserved(self, dataset: str) -> int:
+        """The highest version ever reserved (0 if none)."""
+
+    @abstractmethod
     def write_status(self, dataset: str, status: dict[str, Any]) -> None:
         """Replace the dataset's run status."""
 

@@ -134,6 +134,21 @@ class FileStateStore(StateStore):
                 p.unlink()
         return state
 
+    # --------------------------------------------------------------------------------- versions
+    def reserve(self, dataset: str, version: int) -> None:
+        d = self.dir(dataset)
+        d.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(d / "reserved.json", {"version": version})
+
+    def reserved(self, dataset: str) -> int:
+        p = self.dir(dataset) / "reserved.json"
+        try:
+            return int(json.loads(p.read_text(encoding="utf-8"))["version"])
+        except FileNotFoundError:
+            return 0
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise TerminalError(f"dataset {dataset}: unreadable version reservation {p}: {exc}") from None
+
     # ----------------------------------------------------------------------------------- status
     def write_status(self, dataset: str, status: dict[str, Any]) -> None:
         write_json_atomic(self.dir(dataset) / "status.json", status)

@@ -203,13 +203,14 @@ def test_broker_down_during_publish_commits_nothing_and_the_next_run_publishes(
             Refresher(cfg, publisher_factory=BrokerDiesAfterPrepare).run("d")
         store = FileStateStore(cfg.state_dir)
         assert store.load("d").version == 1
+        assert store.reserved("d") == 2   # the failed run's number is not reused
         assert store.load_snapshot("d", store.load("d")).num_rows == 2
         st = read_status(cfg)[0]
         assert st["last_result"] == "failed" and st["consecutive_failures"] == 1
 
         broker = EmbeddedBroker(port).start()  # a new (empty, in-memory) broker on the same address
         r = Refresher(cfg).run("d")
-        assert (r.version, r.inserts, r.updates) == (2, 1, 1)
+        assert (r.version, r.inserts, r.updates) == (3, 1, 1)
         assert changes(read_topic({"bootstrap.servers": broker.bootstrap}, topic)) == {
             '{"id":2}': {"id": 2, "v": 20}, '{"id":3}': {"id": 3, "v": 3}}
         assert read_status(cfg)[0]["last_result"] == "ok"
@@ -429,10 +430,13 @@ def test_crash_between_publish_and_commit_republishes_harmlessly(make_config, my
     first_try = changes(read_topic(kafka, topic), 2)
     assert first_try == {'{"id":1}': None, '{"id":2}': {"id": 2, "v": 20}}  # acknowledged, not committed
     assert FileStateStore(cfg.state_dir).load("c").version == 1
-    r = Refresher(cfg).run("c")  # the next run sends the same changes again
-    assert (r.version, r.updates, r.deletes) == (2, 1, 1)
+    r = Refresher(cfg).run("c")  # the next run sends the same changes again, under a new version
+    assert (r.version, r.updates, r.deletes) == (3, 1, 1)
     records = read_topic(kafka, topic)
-    assert len([x for x in records if x.version == 2]) == 4
+    for part in {x.partition for x in records}:  # versions never go back in a partition
+        seen = [x.version for x in records if x.partition == part]
+        assert seen == sorted(seen)
+    assert len([x for x in records if x.version == 2]) == 2 and len([x for x in records if x.version == 3]) == 2
     assert table_view(records) == {'{"id":2}': {"id": 2, "v": 20}}
     assert Refresher(cfg).run("c").published == 0
 
