@@ -6,6 +6,7 @@ import json
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from confluent_kafka import Producer
@@ -58,3 +59,19 @@ def wait_for(predicate: Callable[[], bool], what: str, runner: threading.Thread,
             return
         time.sleep(0.2)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+def parquet_job_config(settings: Mapping[str, str], unique: Callable[[str], str], out: Path,
+                       checkpoint: Path) -> Any:
+    """A job config: events ``device_id STRING, n INT`` joined with ``devices``, Parquet output."""
+    from enrich import config
+
+    return config.parse({
+        "kafka": {"bootstrap_servers": settings["bootstrap.servers"]},
+        "events": {"topic": unique("events"), "schema": "device_id STRING, n INT", "starting_offsets": "earliest"},
+        "joins": [{"dataset": "devices", "topic": unique("ref.devices"), "on": "device_id"}],
+        "output": {"parquet": {"path": str(out)}},
+        "dead_letter_topic": unique("dlq"),
+        "checkpoint": str(checkpoint),
+        "trigger": "200ms",
+    }, "test.yaml")

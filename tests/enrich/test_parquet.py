@@ -13,10 +13,9 @@ import pyarrow.parquet as pq
 import pytest
 from pyspark.sql import SparkSession
 
-from enrich import config
 from enrich.job import EnrichJob
 from refstream.contract import Column, DatasetSchema
-from tests.enrich.helpers import changelog, produce_events, publish, wait_for
+from tests.enrich.helpers import changelog, parquet_job_config, produce_events, publish, wait_for
 
 SCHEMA = DatasetSchema("devices", ("device_id",), (Column("device_id", "string"), Column("owner", "string"),
                                                    Column("price", "decimal(8,3)")))
@@ -31,15 +30,7 @@ def test_update_while_running_and_idempotent_replay(spark: SparkSession, kafka: 
                                                     unique: Callable[[str], str], tmp_path: Path,
                                                     caplog: pytest.LogCaptureFixture) -> None:
     out = tmp_path / "out"
-    cfg = config.parse({
-        "kafka": {"bootstrap_servers": kafka["bootstrap.servers"]},
-        "events": {"topic": unique("events"), "schema": "device_id STRING, n INT", "starting_offsets": "earliest"},
-        "joins": [{"dataset": "devices", "topic": unique("ref.devices"), "on": "device_id"}],
-        "output": {"parquet": {"path": str(out)}},
-        "dead_letter_topic": unique("dlq"),
-        "checkpoint": str(tmp_path / "checkpoint"),
-        "trigger": "200ms",
-    }, "test.yaml")
+    cfg = parquet_job_config(kafka, unique, out, tmp_path / "checkpoint")
     ref = cfg.joins[0].topic
     publish(kafka, ref, changelog(SCHEMA, [{"device_id": "d1", "owner": "old", "price": "1.125"}]))
     produce_events(kafka, cfg.events.topic, [{"device_id": "d1", "n": i} for i in range(5)])

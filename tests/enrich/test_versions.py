@@ -25,12 +25,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pyspark.sql import SparkSession
 
-from enrich import config
 from enrich.dimension.versions import FileVersionLog
 from enrich.job import EnrichJob
 from refstream import contract
 from refstream.contract import Column, DatasetSchema
-from tests.enrich.helpers import changelog, produce_events, publish, read_all, wait_for
+from tests.enrich.helpers import changelog, parquet_job_config, produce_events, publish, read_all, wait_for
 
 SCHEMA = DatasetSchema("devices", ("device_id",), (
     Column("device_id", "string"), Column("owner", "string"), Column("price", "decimal(10,2)"),
@@ -72,15 +71,7 @@ def owners_at(kafka: dict[str, str], topic: str, positions: dict[int, int]) -> d
 def test_batches_use_their_recorded_versions_and_unchanged_batches_ship_nothing(
         spark: SparkSession, kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path) -> None:
     out, checkpoint = tmp_path / "out", tmp_path / "checkpoint"
-    cfg = config.parse({
-        "kafka": {"bootstrap_servers": kafka["bootstrap.servers"]},
-        "events": {"topic": unique("events"), "schema": "device_id STRING, n INT", "starting_offsets": "earliest"},
-        "joins": [{"dataset": "devices", "topic": unique("ref.devices"), "on": "device_id"}],
-        "output": {"parquet": {"path": str(out)}},
-        "dead_letter_topic": unique("dlq"),
-        "checkpoint": str(checkpoint),
-        "trigger": "200ms",
-    }, "test.yaml")
+    cfg = parquet_job_config(kafka, unique, out, checkpoint)
     ref, events_topic = cfg.joins[0].topic, cfg.events.topic
     publish(kafka, ref, changelog(SCHEMA, [row(i, "v0") for i in range(ROWS)]))
     sent = 0
