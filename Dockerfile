@@ -1,5 +1,5 @@
 # The refstream image: the refresher (`refresh`), the enrichment job (`enrich`, PySpark needs a JRE)
-# and the simulator (`python -m enrich.simulate`). Used by docker-compose.yml.
+# and the simulator (`python -m demo.simulate`). Used by docker-compose.yml.
 FROM python:3.11-slim-bookworm
 
 # Spark 4 runs on Java 17; procps gives Spark's scripts `ps`.
@@ -18,6 +18,7 @@ COPY pyproject.toml README.md ./
 COPY refstream ./refstream
 COPY refresh ./refresh
 COPY enrich ./enrich
+COPY demo ./demo
 # cryptography: PyMySQL needs it for MySQL 8's default caching_sha2_password authentication.
 RUN pip install . cryptography
 COPY conf ./conf

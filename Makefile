@@ -14,7 +14,7 @@ $(VENV)/.installed: pyproject.toml
 venv: $(VENV)/.installed
 
 demo: venv
-	$(VPY) -m refstream.demo $(ARGS)
+	$(VPY) -m demo $(ARGS)
 
 test: venv
 	$(VPY) -m ruff check .

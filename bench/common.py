@@ -9,7 +9,7 @@ def broker_settings(stack: ExitStack, bootstrap: str | None) -> dict[str, str]:
     """Client settings for ``bootstrap``, or for an embedded broker that ``stack`` stops at exit."""
     if bootstrap:
         return {"bootstrap.servers": bootstrap}
-    from refstream.broker import EmbeddedBroker
+    from demo.broker import EmbeddedBroker
 
     broker = stack.enter_context(EmbeddedBroker())
     return {"bootstrap.servers": broker.bootstrap}

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 
 from confluent_kafka import KafkaError, Producer, TopicPartition
 
-from enrich.simulate import device_id, now_iso
+from demo.simulate import device_id, now_iso
 from refstream import contract
 from refstream import kafka as rkafka
 from refstream.contract import Column, DatasetSchema
@@ -81,7 +81,7 @@ def publish_change(p: Producer, topic: str, n: int, owner: str, version: int) ->
 
 
 class EventMaker:
-    """~150-byte events in the simulator's format (``enrich.simulate``), rendered cheaply."""
+    """~150-byte events in the simulator's format (``demo.simulate``), rendered cheaply."""
 
     def __init__(self, devices: int, seed: int = 7) -> None:
         self.devices = devices

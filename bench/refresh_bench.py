@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    from refstream.broker import EmbeddedBroker
+    from demo.broker import EmbeddedBroker
 
     table = f"bench_items_{args.rows}"
     server = connect(args.mysql + "/", database=None)

@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from refstream.broker import EmbeddedBroker
+from demo.broker import EmbeddedBroker
 
 # Spark's Python workers must run this interpreter (the venv), not the first python3 on PATH.
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)

@@ -20,9 +20,9 @@ import sqlalchemy as sa
 import yaml
 from sqlalchemy.engine import make_url
 
+from demo.seed import MODELS, SITE_COLUMNS, SITES, device
 from enrich.config import load as load_enrich_config
 from refresh.config import load_config as load_refresh_config
-from refstream.demo.seed import MODELS, SITE_COLUMNS, SITES, device
 from tests.demo.conftest import INIT_SQL, ROOT
 
 COMPOSE = ROOT / "docker-compose.yml"
@@ -101,8 +101,8 @@ def scripts() -> dict[str, str]:
 
 def parse_cli(argv: list[str]) -> tuple[str, Any]:
     """Parse a service command with the project's real CLI parser: ('refresh'|'enrich'|'simulate', args)."""
-    if argv[:3] == ["python", "-m", "enrich.simulate"]:
-        from enrich.simulate import build_parser
+    if argv[:3] == ["python", "-m", "demo.simulate"]:
+        from demo.simulate import build_parser
 
         return "simulate", build_parser().parse_args(argv[3:])
     assert argv[0] in scripts(), f"{argv[0]} is not a console script of this project"

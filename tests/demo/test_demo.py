@@ -1,4 +1,4 @@
-"""`python -m refstream.demo` end to end: a bounded run whose every scripted change must be seen in
+"""`python -m demo` end to end: a bounded run whose every scripted change must be seen in
 the enriched output; Ctrl-C (SIGINT) then stops it cleanly, leaving no process behind."""
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def test_demo_shows_every_change_in_the_enriched_output_and_stops_cleanly(tmp_pa
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("REF_DB_URL", None)  # the SQLite default
     proc = subprocess.Popen(
-        [sys.executable, "-m", "refstream.demo", "--duration", str(LIMIT), "--workdir", str(workdir),
+        [sys.executable, "-m", "demo", "--duration", str(LIMIT), "--workdir", str(workdir),
          "--devices", "2000", "--rate", "200", "--timeout", "60"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines: list[str] = []

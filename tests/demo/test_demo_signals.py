@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from refstream.demo.cli import _signals
+from demo.cli import _signals
 
 
 def _interrupt() -> None:

@@ -19,10 +19,10 @@ import pytest
 import sqlalchemy as sa
 from confluent_kafka import Producer
 
-from enrich.simulate import make_event, now_iso
-from refstream.demo.processes import Child
-from refstream.demo.seed import MODELS, SITES, device
-from refstream.demo.tail import EnrichedTail
+from demo.processes import Child
+from demo.seed import MODELS, SITES, device
+from demo.simulate import make_event, now_iso
+from demo.tail import EnrichedTail
 from refstream.kafka import read_to_end
 from tests.demo.conftest import ROOT
 from tests.demo.test_compose import load_compose, run_healthcheck, service_env

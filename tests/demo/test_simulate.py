@@ -16,7 +16,7 @@ EVENT_FIELDS = {"device_id": str, "ts": str, "temperature": float, "battery": in
 
 
 def _simulate(kafka: dict[str, str], *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "enrich.simulate", "--bootstrap", kafka["bootstrap.servers"],
+    return subprocess.run([sys.executable, "-m", "demo.simulate", "--bootstrap", kafka["bootstrap.servers"],
                            "--json", *args], capture_output=True, text=True, timeout=timeout)
 
 
@@ -78,7 +78,7 @@ def test_rate_and_duration_bound_the_stream(kafka: dict[str, str], unique: Calla
 
 def test_sigterm_stops_cleanly_after_flushing(kafka: dict[str, str], unique: Callable[[str], str]) -> None:
     topic = unique("events")
-    proc = subprocess.Popen([sys.executable, "-m", "enrich.simulate", "--bootstrap", kafka["bootstrap.servers"],
+    proc = subprocess.Popen([sys.executable, "-m", "demo.simulate", "--bootstrap", kafka["bootstrap.servers"],
                              "--topic", topic, "--rate", "300", "--json"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     time.sleep(3)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pyspark
 import pytest
 
-from refstream.broker import free_port
+from demo.broker import free_port
 from refstream.contract import Column, DatasetSchema
 from tests.enrich.helpers import changelog, produce_events, publish, read_all
 from tests.enrich.test_restart import start_job, write_config

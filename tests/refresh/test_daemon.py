@@ -26,10 +26,10 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 
+from demo.broker import EmbeddedBroker, free_port
 from refresh.config import RefreshConfig, load_config
 from refresh.daemon import NEXT_RUNS, Daemon, DaemonOptions, daemon_dir, run_daemon
 from refresh.status import read_status
-from refstream.broker import EmbeddedBroker, free_port
 from refstream.contract import OP_DELETE, OP_SCHEMA, OP_UPSERT, decode, decode_key
 from refstream.errors import DataError, TerminalError, TransientError
 from refstream.kafka import read_to_end

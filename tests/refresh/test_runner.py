@@ -11,13 +11,13 @@ from pathlib import Path
 import pytest
 import sqlalchemy as sa
 
+from demo.broker import EmbeddedBroker, free_port
 from refresh.errors import DatasetBusy, DuplicateKey, EmptySnapshot, PublishError
 from refresh.publish import Publisher
 from refresh.runner import Refresher
 from refresh.status import read_status
 from refresh.stores.files import FileStateStore
 from refstream import contract
-from refstream.broker import EmbeddedBroker, free_port
 from refstream.errors import DataError, TerminalError, TransientError
 from tests.refresh.conftest import changes, execute, read_topic, schemas, table_view
 

@@ -1,6 +1,6 @@
 -- Reference tables of the docker-compose stack. The MySQL image runs this file once, on an empty
 -- data volume, inside the database named by MYSQL_DATABASE (refdata). Same tables as the demo seed
--- (refstream/demo/seed.py).
+-- (demo/seed.py).
 
 CREATE TABLE models (
   model_id    VARCHAR(16)  NOT NULL PRIMARY KEY,

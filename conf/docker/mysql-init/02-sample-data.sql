@@ -1,5 +1,5 @@
 -- Sample reference data: 12 models and 5000 devices d-1..d-5000, the ids the simulator sends.
--- Device d-N has model m-((7N mod 12)+1) and site s-((13N mod 20)+1), as in refstream/demo/seed.py.
+-- Device d-N has model m-((7N mod 12)+1) and site s-((13N mod 20)+1), as in demo/seed.py.
 -- Portable SQL (MySQL 8 and MariaDB): numbers from a cross join of digits, no recursive CTE limits.
 
 INSERT INTO models (model_id, model_name, vendor, max_temp) VALUES

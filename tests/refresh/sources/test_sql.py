@@ -92,7 +92,7 @@ def test_mysql_zero_dates_read_as_null(mysql_url: str, mysql_engine: sa.Engine, 
 
 
 def test_unreachable_database_is_transient_and_bad_sql_terminal(mysql_url: str) -> None:
-    from refstream.broker import free_port
+    from demo.broker import free_port
 
     down = SqlSource("ds", SourceConfig(url=f"mysql+pymysql://root@127.0.0.1:{free_port()}/x", table="t"))
     with pytest.raises(TransientError, match="dataset ds: query on .* failed"):

@@ -1,9 +1,9 @@
-"""``python -m refstream.demo`` (``make demo``): the whole pipeline on one machine, then an operator
+"""``python -m demo`` (``make demo``): the whole pipeline on one machine, then an operator
 changing reference data and the time each change takes to reach the enriched output.
 
 Starts, each in its own process group and stopped in reverse order on Ctrl-C, SIGTERM or
 ``--duration``: an embedded Kafka-protocol broker, the refresher daemon (``python -m refresh``), the
-enrichment job (``python -m enrich run``) and the device simulator (``python -m enrich.simulate``).
+enrichment job (``python -m enrich run``) and the device simulator (``python -m demo.simulate``).
 ``--duration`` stops the run that many seconds after its start, but only once the scripted changes
 are through (each bounded by ``--timeout``, the start by ``--startup-timeout``). The reference
 database is a SQLite file under the work directory, or the database at ``REF_DB_URL``
@@ -28,18 +28,18 @@ from typing import Any
 
 from confluent_kafka import Producer
 
-from refstream.broker import EmbeddedBroker
+from demo.broker import EmbeddedBroker
+from demo.processes import Child, ChildExited
+from demo.scenario import ChangeNotSeen, Operator, Stopped, matched, say, stamp
+from demo.seed import MODELS, SITES, seed_database, write_sites
+from demo.tail import EnrichedTail
 from refstream.contract import OP_UPSERT, decode, default_topic
-from refstream.demo.processes import Child, ChildExited
-from refstream.demo.scenario import ChangeNotSeen, Operator, Stopped, matched, say, stamp
-from refstream.demo.seed import MODELS, SITES, seed_database, write_sites
-from refstream.demo.tail import EnrichedTail
 from refstream.errors import RefstreamError
 from refstream.kafka import read_to_end
 
-log = logging.getLogger("refstream.demo")
+log = logging.getLogger("demo")
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 CONF = ROOT / "conf" / "demo"
 MARKER = ".refstream-demo"
 EVENTS_TOPIC = "device-events"
@@ -52,7 +52,7 @@ class DemoError(RuntimeError):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m refstream.demo", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--duration", type=float, default=None,
                    help="stop this many seconds after the start, once the operator's changes are "
                         "through (default: run until Ctrl-C)")
@@ -105,7 +105,7 @@ class Demo:
             self._wait_for_changelogs(settings)
             self._start(stack, "enrichment job", [sys.executable, "-m", "enrich", "run", "--config",
                                                   str(CONF / "enrich.yaml"), "--master", self.args.master])
-            self._start(stack, "simulator", [sys.executable, "-m", "enrich.simulate", "--bootstrap",
+            self._start(stack, "simulator", [sys.executable, "-m", "demo.simulate", "--bootstrap",
                                              broker.bootstrap, "--topic", EVENTS_TOPIC, "--rate",
                                              f"{self.args.rate:g}", "--devices", str(self.args.devices),
                                              "--malformed", "0.01"])
@@ -138,7 +138,7 @@ class Demo:
             shutil.rmtree(w)  # the broker keeps topics in memory: old state would not match them
         (w / "data").mkdir(parents=True, exist_ok=True)
         self.logs.mkdir(parents=True, exist_ok=True)
-        (w / MARKER).write_text("work directory of `python -m refstream.demo`, wiped at each start\n")
+        (w / MARKER).write_text("work directory of `python -m demo`, wiped at each start\n")
         logging.basicConfig(filename=self.logs / "demo.log",
                             level=logging.DEBUG if self.args.debug else logging.INFO,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)

@@ -3,7 +3,7 @@
 Used by the demo and the test suite so that neither needs a Kafka installation. Storage is in
 memory: a restart of this broker loses every topic. Production runs point at real Kafka instead.
 
-``python -m refstream.broker --port 9092`` runs one in the foreground.
+``python -m demo.broker --port 9092`` runs one in the foreground.
 """
 
 from __future__ import annotations
@@ -98,7 +98,7 @@ class EmbeddedBroker:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m refstream.broker", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m demo.broker", description=__doc__)
     parser.add_argument("--port", type=int, default=9092)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")

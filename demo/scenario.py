@@ -21,9 +21,9 @@ from typing import Any
 import sqlalchemy as sa
 from confluent_kafka import Producer
 
-from enrich.simulate import make_event, now_iso
-from refstream.demo.seed import DEVICES_TABLE, MODELS_TABLE, SITES, device, read_csv, write_sites
-from refstream.demo.tail import EnrichedTail, Event, Expectation
+from demo.seed import DEVICES_TABLE, MODELS_TABLE, SITES, device, read_csv, write_sites
+from demo.simulate import make_event, now_iso
+from demo.tail import EnrichedTail, Event, Expectation
 
 
 class ChangeNotSeen(RuntimeError):

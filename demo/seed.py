@@ -3,7 +3,7 @@ column (the refresher's incremental mode) and a ``sites`` CSV file (``watch: tru
 
 Works on any SQLAlchemy URL the refresher reads; SQLite and MySQL/MariaDB are what the demo uses.
 The data is deterministic: device ``d-N`` always has the same model, site and owner, and its id is
-the one the simulator (:func:`enrich.simulate.device_id`) sends.
+the one the simulator (:func:`demo.simulate.device_id`) sends.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import sqlalchemy as sa
 
-from enrich.simulate import device_id
+from demo.simulate import device_id
 
 DEVICES_TABLE = "devices"
 MODELS_TABLE = "models"

@@ -1,7 +1,7 @@
 """Device simulator: produces JSON device events to Kafka at a chosen rate (the demo's and the
 benchmarks' event stream).
 
-``python -m enrich.simulate --bootstrap 127.0.0.1:9092 --topic device-events --rate 500 --devices 5000
+``python -m demo.simulate --bootstrap 127.0.0.1:9092 --topic device-events --rate 500 --devices 5000
 --malformed 0.01 [--duration S] [--count N]``
 
 An event, keyed by its ``device_id`` (the shape of ``events.schema`` in ``conf/enrich.yaml``, plus a
@@ -258,7 +258,7 @@ def _parse_x(values: list[str]) -> dict[str, str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m enrich.simulate",
+    p = argparse.ArgumentParser(prog="python -m demo.simulate",
                                 description="Produce simulated device events to Kafka.")
     p.add_argument("--bootstrap", default="127.0.0.1:9092", help="Kafka bootstrap servers")
     p.add_argument("--topic", default="device-events")

@@ -1,3 +1,0 @@
-from refstream.demo.cli import main
-
-raise SystemExit(main())
