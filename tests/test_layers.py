@@ -1,0 +1,93 @@
+"""Imports point down only (docs/architecture.md, "Where things live"): demo -> refresh, enrich ->
+refstream, and refresh and enrich never import each other.
+
+Every import counts, at any depth: a late import inside a function couples the layers as much as
+one at the top of the module.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# package -> the project packages it may import (besides itself)
+ALLOWED: dict[str, frozenset[str]] = {
+    "refstream": frozenset(),
+    "refresh": frozenset({"refstream"}),
+    "enrich": frozenset({"refstream"}),
+    "demo": frozenset({"refresh", "enrich", "refstream"}),
+}
+PROJECT = frozenset(ALLOWED) | {"bench", "tests"}
+
+
+def _package_of(path: Path, root: Path) -> list[str]:
+    """Dotted package of a module file as parts: refresh/sources/sql.py -> [refresh, sources]."""
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return parts[:-1]  # a package's __init__ and its modules resolve relative imports alike
+
+
+def _imported(tree: ast.AST, package: list[str]) -> Iterator[tuple[int, str]]:
+    """(line, absolute module name) of every import in the tree, relative ones resolved."""
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package[: len(package) - node.level + 1]
+                yield node.lineno, ".".join([*base, node.module] if node.module else base)
+            elif node.module:
+                yield node.lineno, node.module
+        elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+              and isinstance(node.args[0].value, str)
+              and ((isinstance(node.func, ast.Attribute) and node.func.attr == "import_module")
+                   or (isinstance(node.func, ast.Name) and node.func.id in {"__import__", "import_module"}))):
+            yield node.lineno, node.args[0].value
+
+
+def layer_violations(root: Path) -> list[str]:
+    """One line per import that points up or across, as ``file:line: package imports module``."""
+    found = []
+    for package, allowed in ALLOWED.items():
+        for path in sorted((root / package).rglob("*.py")):
+            tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+            for line, module in _imported(tree, _package_of(path, root)):
+                top = module.split(".")[0]
+                if top in PROJECT and top != package and top not in allowed:
+                    found.append(f"{path.relative_to(root).as_posix()}:{line}: {package} imports {module}")
+    return found
+
+
+def test_imports_point_down_only() -> None:
+    violations = layer_violations(ROOT)
+    assert not violations, "imports against the layering (docs/architecture.md):\n" + "\n".join(violations)
+
+
+def test_every_layer_is_checked() -> None:
+    assert all((ROOT / package / "__init__.py").is_file() for package in ALLOWED)
+
+
+def test_the_check_finds_upward_and_sideways_imports(tmp_path: Path) -> None:
+    files = {
+        "refstream/__init__.py": "",
+        "refstream/codec.py": "import json\n\ndef late():\n    from enrich.job import run\n",
+        "refresh/__init__.py": "from refstream import contract\n",
+        "refresh/sources/__init__.py": "from ...demo import cli\n",
+        "refresh/sources/sql.py": "from .. import diff\nfrom refstream.kafka import admin\nimport enrich.config\n",
+        "enrich/__init__.py": "import importlib\nimportlib.import_module('refresh.cli')\n",
+        "demo/__init__.py": "import refresh, enrich, refstream\nimport tests.conftest\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+
+    assert layer_violations(tmp_path) == [
+        "refstream/codec.py:4: refstream imports enrich.job",
+        "refresh/sources/__init__.py:1: refresh imports demo",
+        "refresh/sources/sql.py:3: refresh imports enrich.config",
+        "enrich/__init__.py:2: enrich imports refresh.cli",
+        "demo/__init__.py:2: demo imports tests.conftest",
+    ]
