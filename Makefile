@@ -1,9 +1,10 @@
-# refstream: `make demo` runs everything on embedded defaults; `make test` runs the test suite.
+# refstream: `make demo` runs everything on embedded defaults; `make test` runs the test suite,
+# `make test-fast` its fast tier.
 PY ?= python3
 VENV ?= .venv
 VPY := $(VENV)/bin/python
 
-.PHONY: venv demo test lint bench clean
+.PHONY: venv demo test test-fast lint bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(VPY) || $(PY) -m venv $(VENV)
@@ -19,6 +20,11 @@ demo: venv
 test: venv
 	$(VPY) -m ruff check .
 	$(VPY) -m pytest -q
+
+# Pure-logic tests only: no Spark, MariaDB or broker (tests/conftest.py marks the rest `integration`).
+test-fast: venv
+	$(VPY) -m ruff check .
+	$(VPY) -m pytest -q -m "not integration"
 
 lint: venv
 	$(VPY) -m ruff check .

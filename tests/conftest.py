@@ -5,6 +5,12 @@
 - ``mysql_url``: SQLAlchemy URL of a database created for this session on the MariaDB at
   ``REFSTREAM_TEST_MYSQL`` (default ``mysql+pymysql://root@127.0.0.1:3306``), dropped at the end.
 - ``unique``: ``unique("topic")`` -> ``topic-<random>`` so tests never share topics, tables or dirs.
+
+Tests come in two tiers. A test that needs a service - a fixture in ``SERVICE_FIXTURES``, directly or
+through another fixture - is marked ``integration`` here; modules that start Spark, a broker or
+child processes themselves carry the mark explicitly, as do the few tests that run the daemon's
+scheduler or the file watcher for seconds of wall-clock time. The rest is the fast tier:
+``pytest -m "not integration"`` (``make test-fast``).
 """
 
 from __future__ import annotations
@@ -22,6 +28,28 @@ from demo.broker import EmbeddedBroker
 # Spark's Python workers must run this interpreter (the venv), not the first python3 on PATH.
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+
+# Fixtures that start or reach a real service: the broker, MariaDB, a Spark session or cluster, the
+# services run as processes.
+SERVICE_FIXTURES = frozenset({
+    "kafka",                                              # tests/conftest.py: the broker
+    "mysql_server_url", "mysql_url",                      # tests/conftest.py: MariaDB
+    "mysql_engine",                                       # tests/refresh/conftest.py
+    "init_db",                                            # tests/demo/conftest.py
+    "spark",                                              # tests/enrich/conftest.py
+    "cluster",                                            # tests/enrich/test_cluster.py
+    "stack",                                              # tests/demo/test_native_topology.py
+    # Not a service, but the OS file watcher on wall-clock debounce windows: seconds per test.
+    "watched",                                            # tests/refresh/test_watch.py
+})
+
+
+@pytest.hookimpl(tryfirst=True)  # before the -m filter deselects by marker
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        # fixturenames is the closure: fixtures requested through other fixtures count too.
+        if SERVICE_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.integration)
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,7 @@ import pytest
 
 from tests.demo.conftest import ROOT
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.integration]  # starts the whole demo
 
 LIMIT = 420.0  # the whole run, Spark start included, on a busy 2-core machine (typically 3-4 min)
 SEEN = re.compile(r"^\[(?P<t0>\d\d:\d\d:\d\d)\] (?P<what>(UPDATE|EDIT|DELETE|INSERT|refresh run) .*?) \.\.\. .*"

@@ -27,7 +27,7 @@ from refstream.kafka import read_to_end
 from tests.demo.conftest import ROOT
 from tests.demo.test_compose import load_compose, run_healthcheck, service_env
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.integration]  # starts the services as processes
 
 STARTUP = 240.0  # Spark's first start on a busy 2-core machine
 CHANGE = 60.0

@@ -24,6 +24,8 @@ from tests.enrich.test_restart import start_job, write_config
 SCHEMA = DatasetSchema("devices", ("device_id",), (Column("device_id", "string"), Column("owner", "string")))
 SPARK_HOME = Path(pyspark.__file__).parent
 
+pytestmark = pytest.mark.integration  # starts a Spark master and workers itself
+
 
 def _spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
     env = {**os.environ, "SPARK_HOME": str(SPARK_HOME), "SPARK_LOCAL_IP": "127.0.0.1",

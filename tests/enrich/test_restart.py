@@ -14,6 +14,7 @@ from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import yaml
 
 from refstream.contract import Column, DatasetSchema
@@ -21,6 +22,8 @@ from tests.enrich.helpers import changelog, produce_events, publish, read_all
 
 SCHEMA = DatasetSchema("devices", ("device_id",), (Column("device_id", "string"), Column("owner", "string")))
 ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = pytest.mark.integration  # starts `python -m enrich run` (Spark) itself
 
 
 def write_config(path: Path, kafka: dict[str, str], unique: Callable[[str], str], **extra: object) -> dict:

@@ -194,6 +194,7 @@ def test_jobs_next_runs_and_startup_runs(tmp_path: Path) -> None:
     assert not path.exists()  # no daemon, no next runs
 
 
+@pytest.mark.integration  # the real scheduler on wall-clock time: seconds
 def test_requests_while_running_are_queued_never_overlapped(tmp_path: Path) -> None:
     cfg = fake_config(tmp_path, f"""
         fast:
@@ -212,6 +213,7 @@ def test_requests_while_running_are_queued_never_overlapped(tmp_path: Path) -> N
     assert all(b - a >= 0.45 for a, b in zip(starts, starts[1:], strict=False))  # back to back, not overlapped
 
 
+@pytest.mark.integration  # the real scheduler on wall-clock time: seconds
 def test_transient_failure_retried_with_backoff_terminal_not(tmp_path: Path) -> None:
     cfg = fake_config(tmp_path, f"""
         flaky:
@@ -423,6 +425,7 @@ def quick_publisher(cfg: RefreshConfig) -> Any:
     return Refresher(cfg, publisher_factory=lambda s: Publisher(s, topic_timeout=2.0))
 
 
+@pytest.mark.integration  # starts a broker of its own
 def test_broker_down_daemon_stays_up_and_publishes_when_it_returns(
         mysql_url: str, items: str, tmp_path: Path, unique: Callable[[str], str]) -> None:
     port = free_port()
@@ -473,6 +476,7 @@ def test_run_daemon_returns_zero_when_stopped(tmp_path: Path) -> None:
     assert run_daemon(cfg, stop, FAST) == 0
 
 
+@pytest.mark.integration  # the real scheduler on wall-clock time: seconds
 def test_misfires_after_a_suspension_are_coalesced_into_one_run(tmp_path: Path) -> None:
     cfg = fake_config(tmp_path, f"""
         m:

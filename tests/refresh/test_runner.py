@@ -21,6 +21,8 @@ from refstream import contract
 from refstream.errors import DataError, TerminalError, TransientError
 from tests.refresh.conftest import changes, execute, read_topic, schemas, table_view
 
+pytestmark = pytest.mark.integration  # starts embedded brokers of its own besides the fixtures
+
 
 def db_rows(engine: sa.Engine, sql: str) -> list[dict]:
     with engine.connect() as conn:

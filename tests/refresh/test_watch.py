@@ -113,6 +113,7 @@ def test_slowly_written_file_fires_after_the_writer_stops(tmp_path: Path, watche
     assert at >= done
 
 
+@pytest.mark.integration  # the OS file watcher on wall-clock debounce windows: seconds
 def test_stat_changes_without_events_extend_the_window(tmp_path: Path) -> None:
     """A writer whose events were coalesced away: the stat check alone keeps waiting."""
     f = tmp_path / "quiet.csv"
@@ -164,6 +165,7 @@ def test_glob_new_matching_file_triggers_others_do_not(tmp_path: Path, watched) 
     assert len(rec.wait(2)) == 2
 
 
+@pytest.mark.integration  # the OS file watcher on wall-clock debounce windows: seconds
 def test_recursive_glob_and_two_datasets(tmp_path: Path) -> None:
     root = tmp_path / "lake"
     (root / "a").mkdir(parents=True)

@@ -121,6 +121,7 @@ def test_sqlite_source(tmp_path: Path) -> None:
     assert not isinstance(info.value, TransientError)
 
 
+@pytest.mark.integration  # reaches the PostgreSQL at PG_URL without a fixture
 def test_postgresql_source(unique) -> None:
     t = unique("pg")
     engine = sa.create_engine(PG_URL)
