@@ -242,7 +242,8 @@ class Refresher:
                      source: IncrementalSource, stop: threading.Event | None, timer: _Phases) -> _Step | None:
         """Rows from the watermark (minus the lag) on, compared with the published ones; None when the
         columns changed and a full read must decide instead."""
-        col = ds.incremental.column or ""
+        assert ds.incremental is not None  # only incremental datasets come here
+        col = ds.incremental.column
         snapshot = published.read() if isinstance(published, SnapshotRows) else published
         old_wm = inc.from_json(state.watermark, state.watermark_type)
         low = inc.window_start(old_wm, ds.incremental.lag)
@@ -271,9 +272,9 @@ class Refresher:
                    source: Source,
                    stop: threading.Event | None, timer: _Phases, *, kind: str) -> _Step:
         """Every row, diffed with the published snapshot (``kind`` full also republishes every row)."""
-        incremental = ds.mode == "incremental"
+        cursor = ds.incremental
         db_now = self._retry(source.now, f"dataset {ds.name}: database clock", stop) \
-            if incremental and isinstance(source, IncrementalSource) else None
+            if cursor is not None and isinstance(source, IncrementalSource) else None
         rows = self._read(ds, "snapshot", source.read, state.schema, stop)
         timer.mark("read")
         if rows.num_rows == 0 and not ds.allow_empty:
@@ -289,8 +290,8 @@ class Refresher:
         schema = DatasetSchema.from_arrow(ds.name, ds.key, rows.schema)
         changes = diff(ds.name, snapshot, rows, ds.key, republish_all=kind == "full")
         watermark, wm_type, last_reconcile = state.watermark, state.watermark_type, state.last_reconcile
-        if incremental:
-            col = ds.incremental.column or ""
+        if cursor is not None:
+            col = cursor.column
             watermark = inc.to_json(inc.advance(inc.from_json(state.watermark, state.watermark_type), rows,
                                                 col, db_now))
             wm_type = inc.column_type(rows, col)
@@ -299,7 +300,7 @@ class Refresher:
         return _Step(kind, rows.num_rows, schema, changes, rows, rows.num_rows, watermark, wm_type, last_reconcile)
 
     def _reconcile_due(self, ds: DatasetConfig, state: CommittedState) -> bool:
-        every = ds.incremental.reconcile_every
+        every = ds.incremental.reconcile_every if ds.incremental is not None else None
         if every is None:
             return False
         if not state.last_reconcile:
