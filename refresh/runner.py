@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -30,7 +30,7 @@ from refresh.errors import DatasetBusy, EmptySnapshot, Stopped
 from refresh.publish import Publisher
 from refresh.sources import open_source
 from refresh.sources.abc import IncrementalSource, Source
-from refresh.stores.abc import CommittedState, SnapshotRows, StateStore
+from refresh.stores.abc import CommittedState, RunKind, RunRecord, RunResult, SnapshotRows, StateStore
 from refresh.stores.files import FileStateStore
 from refstream.contract import DatasetSchema, delete_messages, schema_message, upsert_messages
 from refstream.errors import RefstreamError
@@ -39,39 +39,15 @@ from refstream.retry import call_with_retry
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class RunResult:
-    """Outcome of one run. ``published`` counts messages acknowledged (schema records included)."""
-
-    dataset: str
-    ok: bool
-    version: int
-    rows: int
-    inserts: int
-    updates: int
-    deletes: int
-    published: int
-    seconds: float
-    error: str | None = None
-    kind: str = "diff"            # diff | incremental | reconcile | full
-    watermark: Any = None
-    schema_changed: bool = False
-    phases: dict[str, float] = field(default_factory=dict)   # seconds per step: load, read, diff, ...
-    interrupted: bool = False     # cut short by a stop request: nothing committed, not a failure
-
-    def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
 def _utcnow() -> datetime:
     return datetime.now(UTC)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class _Step:
     """What a read computed: the change set and the state to commit once it is published."""
 
-    kind: str
+    kind: RunKind
     rows_read: int
     schema: DatasetSchema
     changes: ChangeSet
@@ -128,9 +104,9 @@ class Refresher:
                 # it is recorded as interrupted, without counting as a failure.
                 stopped = isinstance(exc, Stopped)
                 self._record(ds, started, RunResult(
-                    ds.name, False, self.store.load(ds.name).version, 0, 0, 0, 0, 0,
-                    round(time.monotonic() - t0, 3), _one_line(exc), "full" if full else ds.mode,
-                    interrupted=stopped))
+                    dataset=ds.name, ok=False, version=self.store.load(ds.name).version, rows=0, inserts=0,
+                    updates=0, deletes=0, published=0, seconds=round(time.monotonic() - t0, 3),
+                    error=_one_line(exc), kind="full" if full else ds.mode, interrupted=stopped))
                 (log.warning if stopped else log.error)(
                     "dataset %s: refresh %s after %.1fs: %s", ds.name, "interrupted" if stopped else "failed",
                     time.monotonic() - t0, _one_line(exc))
@@ -230,9 +206,10 @@ class Refresher:
             last_reconcile=step.last_reconcile, topic=ds.topic), None if keep_snapshot else step.snapshot)
         timer.mark("commit")
         seconds = round(time.monotonic() - t0, 3)
-        result = RunResult(ds.name, True, version, step.rows_read, changes.inserts, changes.updates,
-                           changes.delete_count, published, seconds, None, step.kind, step.watermark,
-                           schema_changed, timer.phases)
+        result = RunResult(dataset=ds.name, ok=True, version=version, rows=step.rows_read,
+                           inserts=changes.inserts, updates=changes.updates, deletes=changes.delete_count,
+                           published=published, seconds=seconds, kind=step.kind, watermark=step.watermark,
+                           schema_changed=schema_changed, phases=timer.phases)
         log.info("dataset %s: version %d (%s): read %d rows, %d inserts, %d updates, %d deletes, "
                  "%d messages published in %.2fs (%s)", ds.name, version, step.kind, result.rows,
                  result.inserts, result.updates, result.deletes, published, seconds, timer)
@@ -265,12 +242,13 @@ class Refresher:
         timer.mark("diff")
         schema = state.schema or DatasetSchema.from_arrow(ds.name, ds.key, rows.schema)
         total = new_snapshot.num_rows if new_snapshot is not None else snapshot.num_rows
-        return _Step("incremental", rows.num_rows, schema, changes, new_snapshot, total, watermark, wm_type,
-                     state.last_reconcile)
+        return _Step(kind="incremental", rows_read=rows.num_rows, schema=schema, changes=changes,
+                     snapshot=new_snapshot, total=total, watermark=watermark, watermark_type=wm_type,
+                     last_reconcile=state.last_reconcile)
 
     def _full_read(self, ds: DatasetConfig, state: CommittedState, snapshot: SnapshotRows | pa.Table | None,
                    source: Source,
-                   stop: threading.Event | None, timer: _Phases, *, kind: str) -> _Step:
+                   stop: threading.Event | None, timer: _Phases, *, kind: RunKind) -> _Step:
         """Every row, diffed with the published snapshot (``kind`` full also republishes every row)."""
         cursor = ds.incremental
         db_now = self._retry(source.now, f"dataset {ds.name}: database clock", stop) \
@@ -297,7 +275,8 @@ class Refresher:
             wm_type = inc.column_type(rows, col)
             last_reconcile = _utcnow().isoformat()
         timer.mark("diff")
-        return _Step(kind, rows.num_rows, schema, changes, rows, rows.num_rows, watermark, wm_type, last_reconcile)
+        return _Step(kind=kind, rows_read=rows.num_rows, schema=schema, changes=changes, snapshot=rows,
+                     total=rows.num_rows, watermark=watermark, watermark_type=wm_type, last_reconcile=last_reconcile)
 
     def _reconcile_due(self, ds: DatasetConfig, state: CommittedState) -> bool:
         every = ds.incremental.reconcile_every if ds.incremental is not None else None
@@ -323,16 +302,9 @@ class Refresher:
         return self._retry(attempt, f"dataset {ds.name}: publish to {ds.topic}", stop)
 
     def _record(self, ds: DatasetConfig, started: datetime, result: RunResult) -> None:
-        prev = self.store.read_status(ds.name)
-        run = {"started": started.isoformat(), "finished": _utcnow().isoformat(), **result.as_dict()}
-        status = {
-            "dataset": ds.name, "last_run": run,
-            "last_success": run if result.ok else prev.get("last_success"),
-            "consecutive_failures": 0 if result.ok else int(prev.get("consecutive_failures", 0))
-            + (0 if result.interrupted else 1),
-        }
+        run = RunRecord(started=started.isoformat(), finished=_utcnow().isoformat(), result=result)
         try:
-            self.store.write_status(ds.name, status)
+            self.store.write_status(ds.name, self.store.read_status(ds.name).after(run))
         except OSError as exc:  # the run's outcome stands; only its report is lost
             log.error("dataset %s: cannot write status: %s", ds.name, exc)
 
