@@ -35,7 +35,6 @@ class CommittedState:
     watermark_type: str | None = None     # contract type of the cursor column
     last_reconcile: str | None = None     # ISO time of the last full read (incremental mode)
     topic: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
 
 
 #: What a run did: ``diff`` / ``incremental`` (the dataset's mode), ``reconcile`` (an incremental dataset

@@ -84,7 +84,6 @@ class FileStateStore(StateStore):
             snapshot=obj.get("snapshot"), rows=int(obj.get("rows", 0)),
             watermark=obj.get("watermark"), watermark_type=obj.get("watermark_type"),
             last_reconcile=obj.get("last_reconcile"), topic=obj.get("topic"),
-            extra=obj.get("extra") or {},
         )
 
     def load_snapshot(self, dataset: str, state: CommittedState) -> pa.Table | None:
@@ -120,7 +119,7 @@ class FileStateStore(StateStore):
             "schema": json.loads(state.schema.to_json()) if state.schema else None,
             "snapshot": state.snapshot, "rows": state.rows, "watermark": state.watermark,
             "watermark_type": state.watermark_type, "last_reconcile": state.last_reconcile,
-            "topic": state.topic, "extra": state.extra,
+            "topic": state.topic,
         }
         write_json_atomic(d / "state.json", obj)
         # Only now is the new snapshot the committed one: remove what nothing points at any more.
