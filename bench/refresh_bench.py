@@ -89,7 +89,9 @@ def last_run(cfg: Path) -> dict[str, Any]:
     from refresh.stores.files import FileStateStore
 
     c = load_config(cfg)
-    return FileStateStore(c.state_dir).read_status("items")["last_run"]
+    run = FileStateStore(c.state_dir).read_status("items").last_run
+    assert run is not None, "the dataset never ran"
+    return run.to_json()
 
 
 def verify_topic(kafka: dict[str, str], topic: str, runs: list[dict[str, Any]]) -> dict[int, int]:

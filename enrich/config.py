@@ -6,30 +6,38 @@ import os
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
 from refstream.config import Section, kafka_settings, load_yaml
 from refstream.contract import default_topic
 
-STARTING_OFFSETS = ("latest", "earliest")
-HOW = ("left", "inner")
-SOURCES = ("python", "builtin")
-PARSERS = ("auto", "spark")
+#: Where a new query starts reading the events.
+StartingOffsets = Literal["latest", "earliest"]
+#: Which Kafka connector reads the events: this package's Python data source, or Spark's own
+#: (``builtin``, when its jar is on the classpath).
+EventSource = Literal["python", "builtin"]
+#: How event JSON is parsed: ``auto`` with pyarrow where that is exact (:mod:`enrich.fastparse`), else
+#: Spark's ``from_json``; ``spark`` always with ``from_json``.
+Parser = Literal["auto", "spark"]
+#: ``left`` keeps events without a match (nulls in the looked-up columns); ``inner`` drops them.
+JoinHow = Literal["left", "inner"]
+#: Where enriched events go; the key of the ``output:`` section.
+OutputKind = Literal["kafka", "parquet", "console"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EventsConfig:
     """The device event stream: one topic of JSON values described by a Spark DDL schema."""
 
     topic: str
     schema: str
-    starting_offsets: str = "latest"
+    starting_offsets: StartingOffsets = "latest"
     required: tuple[str, ...] = ()      # event fields that must not be null (else: dead letter)
-    source: str = "python"              # "builtin": Spark's own Kafka connector, when its jar is present
-    parser: str = "auto"                # "auto": pyarrow where exact (enrich.fastparse), else from_json; "spark"
+    source: EventSource = "python"
+    parser: Parser = "auto"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class JoinConfig:
     """One lookup of a reference dataset; ``on`` pairs event columns with the dataset's key columns.
 
@@ -41,7 +49,7 @@ class JoinConfig:
     topic: str
     on: tuple[tuple[str, str | None], ...]
     columns: tuple[str, ...] | None = None     # None: every non-key column
-    how: str = "left"
+    how: JoinHow = "left"
     prefix: str = ""
 
     @property
@@ -49,16 +57,18 @@ class JoinConfig:
         return f"_{self.prefix}{self.dataset}_matched"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class OutputConfig:
-    kind: str                    # kafka | parquet | console
+    """The sink: ``topic`` and ``transactional_id`` are Kafka's, ``path`` Parquet's, ``rows`` the console's."""
+
+    kind: OutputKind
     topic: str | None = None
     path: Path | None = None
     transactional_id: str | None = None
     rows: int = 20               # console: rows shown per batch
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class EnrichConfig:
     kafka: dict[str, str]
     events: EventsConfig
@@ -93,10 +103,10 @@ def parse(data: dict[str, Any], source: str = "config") -> EnrichConfig:
     events = EventsConfig(
         topic=ev.get("topic", str),
         schema=ev.get("schema", str),
-        starting_offsets=ev.choice("starting_offsets", STARTING_OFFSETS, "latest"),
+        starting_offsets=ev.choice("starting_offsets", StartingOffsets, "latest"),
         required=tuple(ev.str_list("required", [])),
-        source=ev.choice("source", SOURCES, "python"),
-        parser=ev.choice("parser", PARSERS, "auto"),
+        source=ev.choice("source", EventSource, "python"),
+        parser=ev.choice("parser", Parser, "auto"),
     )
     ev.done()
 
@@ -163,7 +173,7 @@ def _join(sec: Section) -> JoinConfig:
         topic=sec.get("topic", str, default_topic(dataset)),
         on=tuple(on),
         columns=tuple(columns) if columns is not None else None,
-        how=sec.choice("how", HOW, "left"),
+        how=sec.choice("how", JoinHow, "left"),
         prefix=sec.get("prefix", str, ""),
     )
     sec.done()
@@ -171,18 +181,18 @@ def _join(sec: Section) -> JoinConfig:
 
 
 def _output(sec: Section) -> OutputConfig:
-    kinds = [k for k in ("kafka", "parquet", "console") if sec.has(k)]
+    kinds: list[OutputKind] = [k for k in get_args(OutputKind) if sec.has(k)]
     if len(kinds) != 1:
-        raise sec.error("needs exactly one of kafka:, parquet:, console:")
+        raise sec.error(f"needs exactly one of {', '.join(k + ':' for k in get_args(OutputKind))}")
     kind = kinds[0]
     sub = sec.section(kind, {})
     if kind == "kafka":
-        out = OutputConfig(kind, topic=sub.get("topic", str),
+        out = OutputConfig(kind=kind, topic=sub.get("topic", str),
                            transactional_id=sub.get("transactional_id", str, None))
     elif kind == "parquet":
-        out = OutputConfig(kind, path=Path(sub.get("path", str)))
+        out = OutputConfig(kind=kind, path=Path(sub.get("path", str)))
     else:
-        out = OutputConfig(kind, rows=sub.get("rows", int, 20))
+        out = OutputConfig(kind=kind, rows=sub.get("rows", int, 20))
     sub.done()
     sec.done()
     return out

@@ -11,19 +11,23 @@ import os
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
+from typing import ClassVar, Literal, get_args
 
 from refstream.config import Section, kafka_settings, load_yaml
 from refstream.contract import check_type, default_topic
 from refstream.errors import ConfigError, ContractError
 from refstream.retry import RetryPolicy
 
-MODES = ("diff", "incremental")
-FILE_FORMATS = ("csv", "jsonl", "parquet")
-_EXT_FORMATS = {".csv": "csv", ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl",
-                ".parquet": "parquet", ".pq": "parquet"}
+#: How a dataset is refreshed: diff every row against the published snapshot, or read from a cursor.
+Mode = Literal["diff", "incremental"]
+#: What a source reads: a SQL table or query, or files.
+SourceKind = Literal["sql", "files"]
+FileFormat = Literal["csv", "jsonl", "parquet"]
+_EXT_FORMATS: dict[str, FileFormat] = {".csv": "csv", ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl",
+                                       ".parquet": "parquet", ".pq": "parquet"}
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Schedule:
     """When the daemon runs a dataset: a fixed interval or a cron expression (or neither: on demand)."""
 
@@ -31,53 +35,64 @@ class Schedule:
     cron: str | None = None
 
 
-@dataclass(frozen=True)
-class SourceConfig:
-    """Where a dataset comes from: a SQL table or query (``url`` + ``table``/``query``) or files
-    (``path``, a file or a glob; ``format`` from the extension unless given)."""
+@dataclass(frozen=True, kw_only=True)
+class SqlSourceConfig:
+    """A SQL table or query (exactly one of ``table`` and ``query``) at a SQLAlchemy ``url``."""
 
-    path: str | None = None
-    format: str | None = None
-    url: str | None = None
+    kind: ClassVar[SourceKind] = "sql"
+
+    url: str
     table: str | None = None
     query: str | None = None
     chunk_rows: int = 50_000
-    types: tuple[tuple[str, str], ...] = ()   # files: column -> contract type, overriding inference
-
-    @property
-    def kind(self) -> str:
-        return "sql" if self.url else "files"
 
     def describe(self) -> str:
-        if self.kind == "files":
-            return str(self.path)
-        return f"{_redact(self.url or '')} {'table ' + self.table if self.table else 'query'}"
+        return f"{_redact(self.url)} {'table ' + self.table if self.table else 'query'}"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
+class FileSourceConfig:
+    """Files: ``path`` is a file or a glob (absolute once loaded), ``format`` from the extension unless given."""
+
+    kind: ClassVar[SourceKind] = "files"
+
+    path: str
+    format: FileFormat
+    chunk_rows: int = 50_000
+    types: tuple[tuple[str, str], ...] = ()   # column -> contract type, overriding inference
+
+    def describe(self) -> str:
+        return self.path
+
+
+#: Where a dataset comes from.
+SourceConfig = SqlSourceConfig | FileSourceConfig
+
+
+@dataclass(frozen=True, kw_only=True)
 class IncrementalConfig:
     """Cursor settings of ``mode: incremental``."""
 
-    column: str | None = None
+    column: str
     lag: timedelta = timedelta(seconds=30)
     reconcile_every: timedelta | None = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class DatasetConfig:
     name: str
     topic: str
     key: tuple[str, ...]
-    mode: str
+    mode: Mode
     schedule: Schedule
     watch: bool
     source: SourceConfig
-    incremental: IncrementalConfig
+    incremental: IncrementalConfig | None = None   # set exactly when mode is incremental
     allow_empty: bool = False
     partitions: int = 1
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class RefreshConfig:
     path: Path
     kafka: dict[str, str]
@@ -127,7 +142,7 @@ def load_config(path: str | os.PathLike[str]) -> RefreshConfig:
         dsec.raw(name)
     dsec.done()
     root.done()
-    return RefreshConfig(p, kafka, state_dir, datasets, retry)
+    return RefreshConfig(path=p, kafka=kafka, state_dir=state_dir, datasets=datasets, retry=retry)
 
 
 def _retry(sec: Section) -> RetryPolicy:
@@ -146,18 +161,20 @@ def _dataset(name: str, sec: Section) -> DatasetConfig:
     key = tuple(sec.str_list("key"))
     if len(set(key)) != len(key):
         raise sec.error(f"repeats a column: {list(key)}", "key")
-    mode = sec.choice("mode", MODES, "diff")
+    mode: Mode = sec.choice("mode", Mode, "diff")
     schedule = _schedule(sec.section("schedule", {}))
-    inc = _incremental(sec.section("incremental", {}))
+    column, lag, reconcile_every = _incremental(sec.section("incremental", {}))
+    incremental = None
     if mode == "incremental":
-        if source.kind != "sql":
+        if not isinstance(source, SqlSourceConfig):
             raise sec.error("incremental mode needs a SQL source (files are always diffed)", "mode")
-        if inc.column is None:
+        if column is None:
             raise sec.error("is required in incremental mode", "incremental.column")
+        incremental = IncrementalConfig(column=column, lag=lag, reconcile_every=reconcile_every)
     elif sec.has("incremental"):
         raise sec.error("only valid with mode: incremental", "incremental")
     watch = sec.get("watch", bool, False)
-    if watch and source.kind != "files":
+    if watch and not isinstance(source, FileSourceConfig):
         raise sec.error("only file sources can be watched", "watch")
     topic = sec.get("topic", str, default_topic(name))
     allow_empty = sec.get("allow_empty", bool, False)
@@ -165,7 +182,8 @@ def _dataset(name: str, sec: Section) -> DatasetConfig:
     if partitions < 1:
         raise sec.error("must be at least 1", "partitions")
     sec.done()
-    return DatasetConfig(name, topic, key, mode, schedule, watch, source, inc, allow_empty, partitions)
+    return DatasetConfig(name=name, topic=topic, key=key, mode=mode, schedule=schedule, watch=watch,
+                         source=source, incremental=incremental, allow_empty=allow_empty, partitions=partitions)
 
 
 def _source(sec: Section) -> SourceConfig:
@@ -178,10 +196,10 @@ def _source(sec: Section) -> SourceConfig:
         if (table is None) == (query is None):
             raise sec.error("give exactly one of table or query")
         sec.done()
-        return SourceConfig(url=url, table=table, query=query, chunk_rows=chunk)
+        return SqlSourceConfig(url=url, table=table, query=query, chunk_rows=chunk)
     if sec.has("path"):
         path = sec.get("path", str)
-        fmt = sec.get("format", str, None)
+        fmt: FileFormat | None = sec.choice("format", FileFormat, None)
         types_sec = sec.section("types", {})
         types = []
         for col in list(types_sec.data):
@@ -196,11 +214,9 @@ def _source(sec: Section) -> SourceConfig:
             fmt = _EXT_FORMATS.get(os.path.splitext(path)[1].lower())
             if fmt is None:
                 raise sec.error(f"cannot tell the format of {path!r} from its extension; "
-                                f"set format: {' | '.join(FILE_FORMATS)}", "path")
-        elif fmt not in FILE_FORMATS:
-            raise sec.error(f"{fmt!r} is not one of {', '.join(FILE_FORMATS)}", "format")
+                                f"set format: {' | '.join(get_args(FileFormat))}", "path")
         sec.done()
-        return SourceConfig(path=_abs(path), format=fmt, chunk_rows=chunk, types=tuple(types))
+        return FileSourceConfig(path=_abs(path), format=fmt, chunk_rows=chunk, types=tuple(types))
     raise sec.error("needs url (with table or query) or path")
 
 
@@ -214,10 +230,11 @@ def _schedule(sec: Section) -> Schedule:
     if cron is not None and len(cron.split()) != 5:
         raise sec.error(f"{cron!r} is not a 5-field cron expression", "cron")
     sec.done()
-    return Schedule(every, cron)
+    return Schedule(every=every, cron=cron)
 
 
-def _incremental(sec: Section) -> IncrementalConfig:
+def _incremental(sec: Section) -> tuple[str | None, timedelta, timedelta | None]:
+    """``column`` (None when absent), ``lag`` and ``reconcile.every`` of an ``incremental:`` section."""
     column = sec.get("column", str, None)
     lag = sec.duration("lag", timedelta(seconds=30))
     reconcile_every = None
@@ -229,4 +246,4 @@ def _incremental(sec: Section) -> IncrementalConfig:
         reconcile_every = sec.duration("reconcile_every")
     sec.raw("reconcile_every", None)
     sec.done()
-    return IncrementalConfig(column, lag, reconcile_every)
+    return column, lag, reconcile_every

@@ -63,6 +63,7 @@ from apscheduler.triggers.cron import CronTrigger
 from apscheduler.triggers.date import DateTrigger
 from apscheduler.triggers.interval import IntervalTrigger
 
+from refresh.config import FileSourceConfig
 from refstream.atomic import write_bytes_atomic
 from refstream.errors import ConfigError, TerminalError
 from refstream.retry import RetryPolicy
@@ -232,12 +233,11 @@ class Daemon:
 
         watcher = FileWatcher(self._on_file_change, debounce=self.options.debounce)
         for name, ds in watched.items():
-            path = getattr(ds.source, "path", None)
-            if not path:
+            if not isinstance(ds.source, FileSourceConfig):
                 log.warning("dataset %s: watch is set but its source is not a file; not watching", name)
                 continue
             try:
-                watcher.add(name, _resolve(self.config, path))
+                watcher.add(name, ds.source.path)  # absolute since the config was loaded
             except OSError as exc:
                 log.error("dataset %s: %s; refreshed on its schedule only", name, exc)
         with watcher:
@@ -296,10 +296,7 @@ class Daemon:
 
     @staticmethod
     def _reconcile_every(ds: DatasetConfig) -> timedelta | None:
-        if ds.mode != "incremental":
-            return None
-        inc = getattr(ds, "incremental", None)
-        return getattr(inc, "reconcile_every", None) if inc is not None else None
+        return ds.incremental.reconcile_every if ds.incremental is not None else None
 
     def _once(self, kind: str, name: str, when: datetime, reason: str, reconcile: bool = False) -> None:
         """A one-off run; never dropped as misfired however long it waits for a worker."""
@@ -452,8 +449,3 @@ def _is_expected(exc: BaseException) -> bool:
     from refstream.errors import RefstreamError
 
     return isinstance(exc, RefstreamError)
-
-
-def _resolve(config: RefreshConfig, path: str) -> str:
-    """A source path as the runner reads it: relative paths are taken from the current directory."""
-    return os.path.abspath(path)

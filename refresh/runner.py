@@ -15,9 +15,9 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -26,11 +26,11 @@ import pyarrow as pa
 from refresh import incremental as inc
 from refresh.config import DatasetConfig, RefreshConfig
 from refresh.diff import ChangeSet, canonical_schema, check_keys, diff, normalize, upsert_into, within
-from refresh.errors import DatasetBusy, EmptySnapshot, Stopped
+from refresh.errors import EmptySnapshot, Stopped
 from refresh.publish import Publisher
 from refresh.sources import open_source
 from refresh.sources.abc import IncrementalSource, Source
-from refresh.stores.abc import CommittedState, SnapshotRows, StateStore
+from refresh.stores.abc import CommittedState, RunKind, RunRecord, RunResult, SnapshotRows, StateStore
 from refresh.stores.files import FileStateStore
 from refstream.contract import DatasetSchema, delete_messages, schema_message, upsert_messages
 from refstream.errors import RefstreamError
@@ -39,39 +39,15 @@ from refstream.retry import call_with_retry
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class RunResult:
-    """Outcome of one run. ``published`` counts messages acknowledged (schema records included)."""
-
-    dataset: str
-    ok: bool
-    version: int
-    rows: int
-    inserts: int
-    updates: int
-    deletes: int
-    published: int
-    seconds: float
-    error: str | None = None
-    kind: str = "diff"            # diff | incremental | reconcile | full
-    watermark: Any = None
-    schema_changed: bool = False
-    phases: dict[str, float] = field(default_factory=dict)   # seconds per step: load, read, diff, ...
-    interrupted: bool = False     # cut short by a stop request: nothing committed, not a failure
-
-    def as_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
 def _utcnow() -> datetime:
     return datetime.now(UTC)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class _Step:
     """What a read computed: the change set and the state to commit once it is published."""
 
-    kind: str
+    kind: RunKind
     rows_read: int
     schema: DatasetSchema
     changes: ChangeSet
@@ -128,30 +104,15 @@ class Refresher:
                 # it is recorded as interrupted, without counting as a failure.
                 stopped = isinstance(exc, Stopped)
                 self._record(ds, started, RunResult(
-                    ds.name, False, self.store.load(ds.name).version, 0, 0, 0, 0, 0,
-                    round(time.monotonic() - t0, 3), _one_line(exc), "full" if full else ds.mode,
-                    interrupted=stopped))
+                    dataset=ds.name, ok=False, version=self.store.load(ds.name).version, rows=0, inserts=0,
+                    updates=0, deletes=0, published=0, seconds=round(time.monotonic() - t0, 3),
+                    error=_one_line(exc), kind="full" if full else ds.mode, interrupted=stopped))
                 (log.warning if stopped else log.error)(
                     "dataset %s: refresh %s after %.1fs: %s", ds.name, "interrupted" if stopped else "failed",
                     time.monotonic() - t0, _one_line(exc))
                 raise
             self._record(ds, started, result)
             return result
-
-    def run_many(self, datasets: Iterable[str] | None = None, *, full: bool = False,
-                 stop: threading.Event | None = None) -> list[RunResult | BaseException]:
-        """Run datasets one after the other; a failure does not stop the others (returned instead)."""
-        out: list[RunResult | BaseException] = []
-        for name in datasets or list(self.config.datasets):
-            if stop is not None and stop.is_set():
-                break
-            try:
-                out.append(self.run(name, full=full, stop=stop))
-            except DatasetBusy:
-                raise
-            except Exception as exc:  # noqa: BLE001 - reported per dataset by the caller
-                out.append(exc)
-        return out
 
     # ------------------------------------------------------------------------------- internals
     def _retry(self, fn: Callable[[], Any], what: str, stop: threading.Event | None) -> Any:
@@ -230,9 +191,10 @@ class Refresher:
             last_reconcile=step.last_reconcile, topic=ds.topic), None if keep_snapshot else step.snapshot)
         timer.mark("commit")
         seconds = round(time.monotonic() - t0, 3)
-        result = RunResult(ds.name, True, version, step.rows_read, changes.inserts, changes.updates,
-                           changes.delete_count, published, seconds, None, step.kind, step.watermark,
-                           schema_changed, timer.phases)
+        result = RunResult(dataset=ds.name, ok=True, version=version, rows=step.rows_read,
+                           inserts=changes.inserts, updates=changes.updates, deletes=changes.delete_count,
+                           published=published, seconds=seconds, kind=step.kind, watermark=step.watermark,
+                           schema_changed=schema_changed, phases=timer.phases)
         log.info("dataset %s: version %d (%s): read %d rows, %d inserts, %d updates, %d deletes, "
                  "%d messages published in %.2fs (%s)", ds.name, version, step.kind, result.rows,
                  result.inserts, result.updates, result.deletes, published, seconds, timer)
@@ -242,7 +204,8 @@ class Refresher:
                      source: IncrementalSource, stop: threading.Event | None, timer: _Phases) -> _Step | None:
         """Rows from the watermark (minus the lag) on, compared with the published ones; None when the
         columns changed and a full read must decide instead."""
-        col = ds.incremental.column or ""
+        assert ds.incremental is not None  # only incremental datasets come here
+        col = ds.incremental.column
         snapshot = published.read() if isinstance(published, SnapshotRows) else published
         old_wm = inc.from_json(state.watermark, state.watermark_type)
         low = inc.window_start(old_wm, ds.incremental.lag)
@@ -264,16 +227,17 @@ class Refresher:
         timer.mark("diff")
         schema = state.schema or DatasetSchema.from_arrow(ds.name, ds.key, rows.schema)
         total = new_snapshot.num_rows if new_snapshot is not None else snapshot.num_rows
-        return _Step("incremental", rows.num_rows, schema, changes, new_snapshot, total, watermark, wm_type,
-                     state.last_reconcile)
+        return _Step(kind="incremental", rows_read=rows.num_rows, schema=schema, changes=changes,
+                     snapshot=new_snapshot, total=total, watermark=watermark, watermark_type=wm_type,
+                     last_reconcile=state.last_reconcile)
 
     def _full_read(self, ds: DatasetConfig, state: CommittedState, snapshot: SnapshotRows | pa.Table | None,
                    source: Source,
-                   stop: threading.Event | None, timer: _Phases, *, kind: str) -> _Step:
+                   stop: threading.Event | None, timer: _Phases, *, kind: RunKind) -> _Step:
         """Every row, diffed with the published snapshot (``kind`` full also republishes every row)."""
-        incremental = ds.mode == "incremental"
+        cursor = ds.incremental
         db_now = self._retry(source.now, f"dataset {ds.name}: database clock", stop) \
-            if incremental and isinstance(source, IncrementalSource) else None
+            if cursor is not None and isinstance(source, IncrementalSource) else None
         rows = self._read(ds, "snapshot", source.read, state.schema, stop)
         timer.mark("read")
         if rows.num_rows == 0 and not ds.allow_empty:
@@ -289,17 +253,18 @@ class Refresher:
         schema = DatasetSchema.from_arrow(ds.name, ds.key, rows.schema)
         changes = diff(ds.name, snapshot, rows, ds.key, republish_all=kind == "full")
         watermark, wm_type, last_reconcile = state.watermark, state.watermark_type, state.last_reconcile
-        if incremental:
-            col = ds.incremental.column or ""
+        if cursor is not None:
+            col = cursor.column
             watermark = inc.to_json(inc.advance(inc.from_json(state.watermark, state.watermark_type), rows,
                                                 col, db_now))
             wm_type = inc.column_type(rows, col)
             last_reconcile = _utcnow().isoformat()
         timer.mark("diff")
-        return _Step(kind, rows.num_rows, schema, changes, rows, rows.num_rows, watermark, wm_type, last_reconcile)
+        return _Step(kind=kind, rows_read=rows.num_rows, schema=schema, changes=changes, snapshot=rows,
+                     total=rows.num_rows, watermark=watermark, watermark_type=wm_type, last_reconcile=last_reconcile)
 
     def _reconcile_due(self, ds: DatasetConfig, state: CommittedState) -> bool:
-        every = ds.incremental.reconcile_every
+        every = ds.incremental.reconcile_every if ds.incremental is not None else None
         if every is None:
             return False
         if not state.last_reconcile:
@@ -322,16 +287,9 @@ class Refresher:
         return self._retry(attempt, f"dataset {ds.name}: publish to {ds.topic}", stop)
 
     def _record(self, ds: DatasetConfig, started: datetime, result: RunResult) -> None:
-        prev = self.store.read_status(ds.name)
-        run = {"started": started.isoformat(), "finished": _utcnow().isoformat(), **result.as_dict()}
-        status = {
-            "dataset": ds.name, "last_run": run,
-            "last_success": run if result.ok else prev.get("last_success"),
-            "consecutive_failures": 0 if result.ok else int(prev.get("consecutive_failures", 0))
-            + (0 if result.interrupted else 1),
-        }
+        run = RunRecord(started=started.isoformat(), finished=_utcnow().isoformat(), result=result)
         try:
-            self.store.write_status(ds.name, status)
+            self.store.write_status(ds.name, self.store.read_status(ds.name).after(run))
         except OSError as exc:  # the run's outcome stands; only its report is lost
             log.error("dataset %s: cannot write status: %s", ds.name, exc)
 

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any
+from typing import Any, TypedDict
 
-from refresh.config import RefreshConfig
+from refresh.config import Mode, RefreshConfig
+from refresh.stores.abc import RunKind, RunOutcome
 from refresh.stores.files import FileStateStore
 
 log = logging.getLogger(__name__)
@@ -26,16 +27,40 @@ def read_next_runs(config: RefreshConfig) -> dict[str, str]:
     return {str(k): str(v) for k, v in obj.items()} if isinstance(obj, dict) else {}
 
 
-def read_status(config: RefreshConfig) -> list[dict[str, Any]]:
-    """One JSON-serialisable dict per configured dataset, in config order."""
+class StatusRow(TypedDict):
+    """One dataset in ``refresh status --json``."""
+
+    dataset: str
+    topic: str
+    mode: Mode
+    source: str
+    schedule: dict[str, Any] | None
+    watch: bool
+    version: int
+    rows: int
+    watermark: Any
+    last_reconcile: str | None
+    last_run: str | None
+    last_result: RunOutcome | None
+    last_error: str | None
+    last_kind: RunKind | None
+    last_seconds: float | None
+    last_changes: dict[str, int] | None
+    last_published: int | None
+    last_success: str | None
+    consecutive_failures: int
+    next_run: str | None
+
+
+def read_status(config: RefreshConfig) -> list[StatusRow]:
+    """One JSON-serialisable row per configured dataset, in config order."""
     store = FileStateStore(config.state_dir)
     next_runs = read_next_runs(config)
-    out = []
+    out: list[StatusRow] = []
     for name, ds in config.datasets.items():
         state = store.load(name)
         st = store.read_status(name)
-        last = st.get("last_run") or {}
-        success = st.get("last_success") or {}
+        last = st.last_run.result if st.last_run else None
         out.append({
             "dataset": name, "topic": ds.topic, "mode": ds.mode,
             "source": ds.source.describe(),
@@ -44,21 +69,21 @@ def read_status(config: RefreshConfig) -> list[dict[str, Any]]:
             "watch": ds.watch,
             "version": state.version, "rows": state.rows,
             "watermark": state.watermark, "last_reconcile": state.last_reconcile,
-            "last_run": last.get("finished"), "last_result": ("ok" if last.get("ok") else
-                                                               "interrupted" if last.get("interrupted") else "failed")
+            "last_run": st.last_run.finished if st.last_run else None,
+            "last_result": last.outcome if last else None,
+            "last_error": last.error if last else None, "last_kind": last.kind if last else None,
+            "last_seconds": last.seconds if last else None,
+            "last_changes": {"inserts": last.inserts, "updates": last.updates, "deletes": last.deletes}
             if last else None,
-            "last_error": last.get("error"), "last_kind": last.get("kind"),
-            "last_seconds": last.get("seconds"),
-            "last_changes": {k: last.get(k, 0) for k in ("inserts", "updates", "deletes")} if last else None,
-            "last_published": last.get("published") if last else None,
-            "last_success": success.get("finished"),
-            "consecutive_failures": st.get("consecutive_failures", 0),
+            "last_published": last.published if last else None,
+            "last_success": st.last_success.finished if st.last_success else None,
+            "consecutive_failures": st.consecutive_failures,
             "next_run": next_runs.get(name),
         })
     return out
 
 
-def unhealthy(rows: list[dict[str, Any]]) -> list[str]:
+def unhealthy(rows: list[StatusRow]) -> list[str]:
     """What ``refresh status --check`` reports: datasets never published, or whose last run failed
     (an interrupted run is not a failure)."""
     out = []
@@ -70,7 +95,7 @@ def unhealthy(rows: list[dict[str, Any]]) -> list[str]:
     return out
 
 
-def format_status(rows: list[dict[str, Any]]) -> str:
+def format_status(rows: list[StatusRow]) -> str:
     """A human table of :func:`read_status`."""
     head = ["DATASET", "MODE", "VERSION", "ROWS", "LAST RUN", "RESULT", "CHANGES +/~/-", "PUBLISHED",
             "WATERMARK", "NEXT RUN"]

@@ -11,7 +11,7 @@ import re
 from collections.abc import Mapping
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import yaml
 
@@ -61,7 +61,8 @@ def load_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
 class Section:
     """A mapping read from YAML that remembers where it sits, so every error names the key path.
 
-    ``Section(data, "datasets.devices", source="conf/refresh.yaml")``; ``sec.get("mode", str, "diff")``;
+    ``Section(data, "datasets.devices", source="conf/refresh.yaml")``; ``sec.get("topic", str, None)``;
+    ``sec.choice("mode", Mode, "diff")`` with ``Mode = Literal["diff", "incremental"]``;
     ``sec.section("schedule")``; ``sec.done()`` rejects keys nobody read (typos).
     """
 
@@ -103,10 +104,15 @@ class Section:
             raise self.error(f"expected {names}, got {value!r}", name)
         return value
 
-    def choice(self, name: str, choices: tuple[str, ...], default: Any = ...) -> str:
+    def choice(self, name: str, choices: Any, default: Any = ...) -> Any:
+        """A string among ``choices``: a ``Literal[...]`` type (the vocabulary is declared once, as the
+        type the config field has) or a tuple of strings. An absent key gives ``default``."""
+        allowed = allowed_values(choices)
         value = self.get(name, str, default)
-        if value not in choices:
-            raise self.error(f"{value!r} is not one of {', '.join(choices)}", name)
+        if value is default and default is not ...:
+            return value
+        if value not in allowed:
+            raise self.error(f"{value!r} is not one of {', '.join(allowed)}", name)
         return value
 
     def duration(self, name: str, default: Any = ...) -> timedelta:
@@ -133,6 +139,11 @@ class Section:
         extra = sorted(set(self.data) - self._seen)
         if extra:
             raise self.error(f"unknown key(s): {', '.join(map(str, extra))}")
+
+
+def allowed_values(choices: Any) -> tuple[str, ...]:
+    """The strings of a ``Literal[...]`` type (or of a tuple, returned as is)."""
+    return get_args(choices) or tuple(choices)
 
 
 def parse_duration(value: Any) -> timedelta:

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from refresh.config import DatasetConfig
+from refresh.config import DatasetConfig, SqlSourceConfig
 from refresh.sources.abc import Source
 
 
 def open_source(ds: DatasetConfig) -> Source:
     """The source of ``ds`` (imports the implementation it needs only)."""
-    if ds.source.kind == "sql":
+    if isinstance(ds.source, SqlSourceConfig):
         from refresh.sources.sql import SqlSource
 
         return SqlSource(ds.name, ds.source)

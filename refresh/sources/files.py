@@ -25,7 +25,7 @@ import pyarrow.csv as pacsv
 import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
-from refresh.config import SourceConfig
+from refresh.config import FileSourceConfig
 from refresh.errors import EmptySnapshot
 from refresh.sources.abc import Source
 from refstream.contract import type_to_arrow
@@ -37,10 +37,10 @@ _BLOCK = 16 << 20
 
 
 class FileSource(Source):
-    def __init__(self, dataset: str, cfg: SourceConfig) -> None:
+    def __init__(self, dataset: str, cfg: FileSourceConfig) -> None:
         self.dataset = dataset
         self.cfg = cfg
-        self.pattern = str(cfg.path)
+        self.pattern = cfg.path
         self.types = {name: type_to_arrow(t) for name, t in cfg.types}
 
     def describe(self) -> str:

@@ -31,7 +31,7 @@ import pymysql.protocol
 import sqlalchemy as sa
 from sqlalchemy.pool import NullPool
 
-from refresh.config import SourceConfig
+from refresh.config import SqlSourceConfig
 from refresh.sources.abc import IncrementalSource
 from refstream.errors import DataError, TerminalError, TransientError
 
@@ -63,7 +63,7 @@ _PG_NUMERIC = 1700
 class SqlSource(IncrementalSource):
     """A table (``SELECT *``) or a query of any SQLAlchemy URL."""
 
-    def __init__(self, dataset: str, cfg: SourceConfig) -> None:
+    def __init__(self, dataset: str, cfg: SqlSourceConfig) -> None:
         self.dataset = dataset
         self.cfg = cfg
         if not cfg.url:

@@ -5,16 +5,18 @@ Layout under ``state_dir/<dataset>/`` (the file store, :mod:`refresh.stores.file
 - ``state.json``     the committed state (:class:`CommittedState`), replaced atomically;
 - ``snapshot-<version>.parquet``  the published rows the state points at (older ones are removed
   after the state that replaced them is durable);
-- ``status.json``    the last run and the last success, written after every run, failed or not;
+- ``status.json``    the last run and the last success (:class:`DatasetStatus`), written after every
+  run, failed or not;
 - ``lock``           ``flock``-ed while a run holds the dataset.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import pyarrow as pa
 
@@ -33,7 +35,89 @@ class CommittedState:
     watermark_type: str | None = None     # contract type of the cursor column
     last_reconcile: str | None = None     # ISO time of the last full read (incremental mode)
     topic: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+
+
+#: What a run did: ``diff`` / ``incremental`` (the dataset's mode), ``reconcile`` (an incremental dataset
+#: read whole to find hard deletes), ``full`` (every row republished).
+RunKind = Literal["diff", "incremental", "reconcile", "full"]
+#: How a run ended, as ``refresh status`` shows it; an interrupted run is not a failure.
+RunOutcome = Literal["ok", "interrupted", "failed"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunResult:
+    """Outcome of one run. ``published`` counts messages acknowledged (schema records included)."""
+
+    dataset: str
+    ok: bool
+    version: int
+    rows: int
+    inserts: int
+    updates: int
+    deletes: int
+    published: int
+    seconds: float
+    error: str | None = None
+    kind: RunKind = "diff"
+    watermark: Any = None
+    schema_changed: bool = False
+    phases: dict[str, float] = field(default_factory=dict)   # seconds per step: load, read, diff, ...
+    interrupted: bool = False     # cut short by a stop request: nothing committed, not a failure
+
+    @property
+    def outcome(self) -> RunOutcome:
+        return "ok" if self.ok else "interrupted" if self.interrupted else "failed"
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunRecord:
+    """A run as ``status.json`` keeps it: its result and when it started and finished (ISO, UTC).
+    In JSON the result's fields sit beside ``started`` and ``finished``."""
+
+    started: str
+    finished: str
+    result: RunResult
+
+    def to_json(self) -> dict[str, Any]:
+        return {"started": self.started, "finished": self.finished, **dataclasses.asdict(self.result)}
+
+    @classmethod
+    def from_json(cls, obj: dict[str, Any]) -> RunRecord:
+        """Raises KeyError or TypeError on a record that is not one."""
+        names = {f.name for f in dataclasses.fields(RunResult)}
+        result = RunResult(**{k: v for k, v in obj.items() if k in names})
+        return cls(started=obj["started"], finished=obj["finished"], result=result)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DatasetStatus:
+    """A dataset's run status: its last run, its last successful run, the failures since that one."""
+
+    dataset: str
+    last_run: RunRecord | None = None
+    last_success: RunRecord | None = None
+    consecutive_failures: int = 0        # interrupted runs do not count
+
+    def after(self, run: RunRecord) -> DatasetStatus:
+        """The status once ``run`` is recorded."""
+        ok, interrupted = run.result.ok, run.result.interrupted
+        return DatasetStatus(
+            dataset=self.dataset, last_run=run, last_success=run if ok else self.last_success,
+            consecutive_failures=0 if ok else self.consecutive_failures + (0 if interrupted else 1))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"dataset": self.dataset,
+                "last_run": self.last_run.to_json() if self.last_run else None,
+                "last_success": self.last_success.to_json() if self.last_success else None,
+                "consecutive_failures": self.consecutive_failures}
+
+    @classmethod
+    def from_json(cls, dataset: str, obj: dict[str, Any]) -> DatasetStatus:
+        """Raises KeyError, TypeError or ValueError on a document that is not a status."""
+        last, success = obj.get("last_run"), obj.get("last_success")
+        return cls(dataset=dataset, last_run=RunRecord.from_json(last) if last else None,
+                   last_success=RunRecord.from_json(success) if success else None,
+                   consecutive_failures=int(obj.get("consecutive_failures", 0)))
 
 
 class SnapshotRows(ABC):
@@ -93,9 +177,9 @@ class StateStore(ABC):
         """The highest version ever reserved (0 if none)."""
 
     @abstractmethod
-    def write_status(self, dataset: str, status: dict[str, Any]) -> None:
+    def write_status(self, dataset: str, status: DatasetStatus) -> None:
         """Replace the dataset's run status."""
 
     @abstractmethod
-    def read_status(self, dataset: str) -> dict[str, Any]:
-        """The dataset's run status ({} if it never ran)."""
+    def read_status(self, dataset: str) -> DatasetStatus:
+        """The dataset's run status (one without runs if it never ran)."""

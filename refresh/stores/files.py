@@ -11,13 +11,12 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from refresh.errors import DatasetBusy, Stopped
-from refresh.stores.abc import CommittedState, SnapshotRows, StateStore
+from refresh.stores.abc import CommittedState, DatasetStatus, SnapshotRows, StateStore
 from refstream.atomic import write_atomic, write_json_atomic
 from refstream.contract import DatasetSchema
 from refstream.errors import TerminalError
@@ -85,7 +84,6 @@ class FileStateStore(StateStore):
             snapshot=obj.get("snapshot"), rows=int(obj.get("rows", 0)),
             watermark=obj.get("watermark"), watermark_type=obj.get("watermark_type"),
             last_reconcile=obj.get("last_reconcile"), topic=obj.get("topic"),
-            extra=obj.get("extra") or {},
         )
 
     def load_snapshot(self, dataset: str, state: CommittedState) -> pa.Table | None:
@@ -121,7 +119,7 @@ class FileStateStore(StateStore):
             "schema": json.loads(state.schema.to_json()) if state.schema else None,
             "snapshot": state.snapshot, "rows": state.rows, "watermark": state.watermark,
             "watermark_type": state.watermark_type, "last_reconcile": state.last_reconcile,
-            "topic": state.topic, "extra": state.extra,
+            "topic": state.topic,
         }
         write_json_atomic(d / "state.json", obj)
         # Only now is the new snapshot the committed one: remove what nothing points at any more.
@@ -150,17 +148,18 @@ class FileStateStore(StateStore):
             raise TerminalError(f"dataset {dataset}: unreadable version reservation {p}: {exc}") from None
 
     # ----------------------------------------------------------------------------------- status
-    def write_status(self, dataset: str, status: dict[str, Any]) -> None:
-        write_json_atomic(self.dir(dataset) / "status.json", status)
+    def write_status(self, dataset: str, status: DatasetStatus) -> None:
+        write_json_atomic(self.dir(dataset) / "status.json", status.to_json())
 
-    def read_status(self, dataset: str) -> dict[str, Any]:
+    def read_status(self, dataset: str) -> DatasetStatus:
         try:
-            return json.loads((self.dir(dataset) / "status.json").read_text(encoding="utf-8"))
+            obj = json.loads((self.dir(dataset) / "status.json").read_text(encoding="utf-8"))
+            return DatasetStatus.from_json(dataset, obj)
         except FileNotFoundError:
-            return {}
-        except (OSError, ValueError) as exc:
+            return DatasetStatus(dataset=dataset)
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             log.warning("dataset %s: unreadable status file: %s", dataset, exc)
-            return {}
+            return DatasetStatus(dataset=dataset)
 
 
 class ParquetSnapshot(SnapshotRows):

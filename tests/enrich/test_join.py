@@ -9,7 +9,7 @@ import pyarrow as pa
 import pytest
 from pyspark.sql import SparkSession
 
-from enrich.config import JoinConfig
+from enrich.config import JoinConfig, JoinHow
 from enrich.dimension.abc import Record
 from enrich.dimension.ship import Shipper
 from enrich.dimension.store import DimensionState
@@ -32,9 +32,10 @@ def state(schema: DatasetSchema, msgs: list[contract.Message], offset: int = 0,
     return s
 
 
-def join_cfg(dataset: str, on: dict[str, str | None], columns: list[str] | None = None, how: str = "left",
+def join_cfg(dataset: str, on: dict[str, str | None], columns: list[str] | None = None, how: JoinHow = "left",
              prefix: str = "") -> JoinConfig:
-    return JoinConfig(dataset, f"ref.{dataset}", tuple(on.items()), tuple(columns) if columns else None, how, prefix)
+    return JoinConfig(dataset=dataset, topic=f"ref.{dataset}", on=tuple(on.items()),
+                      columns=tuple(columns) if columns else None, how=how, prefix=prefix)
 
 
 @pytest.fixture

@@ -9,14 +9,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from refresh.config import SourceConfig
+from refresh.config import FileSourceConfig
 from refresh.errors import EmptySnapshot
 from refresh.sources.files import FileSource
 from refstream.errors import DataError
 
 
 def src(path: Path | str, fmt: str, **kw) -> FileSource:
-    return FileSource("sites", SourceConfig(path=str(path), format=fmt, **kw))
+    return FileSource("sites", FileSourceConfig(path=str(path), format=fmt, **kw))
 
 
 def test_csv_with_types_unicode_and_quoted_newlines(tmp_path: Path) -> None:

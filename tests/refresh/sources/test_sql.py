@@ -11,7 +11,7 @@ import pyarrow as pa
 import pytest
 import sqlalchemy as sa
 
-from refresh.config import SourceConfig
+from refresh.config import SqlSourceConfig
 from refresh.diff import normalize
 from refresh.sources.sql import SqlSource
 from refstream.errors import DataError, TerminalError, TransientError
@@ -39,7 +39,7 @@ def typed_table(mysql_engine: sa.Engine, unique) -> Iterator[str]:
 
 
 def test_mysql_types_map_to_exact_arrow_types(mysql_url: str, typed_table: str) -> None:
-    table = normalize(SqlSource("ds", SourceConfig(url=mysql_url, table=typed_table)).read())
+    table = normalize(SqlSource("ds", SqlSourceConfig(url=mysql_url, table=typed_table)).read())
     types = {f.name: f.type for f in table.schema}
     assert types["price"] == pa.decimal128(30, 10)
     assert types["small"] == pa.decimal128(5, 2)
@@ -68,7 +68,7 @@ def test_mysql_reads_in_chunks_and_queries_with_a_cursor(mysql_url: str, mysql_e
     execute(mysql_engine, f"INSERT INTO {t} VALUES (:id, :at, :note)",
             params=[{"id": i, "at": dt.datetime(2024, 1, 1) + dt.timedelta(minutes=i), "note": "50%"}
                     for i in range(10)])
-    src = SqlSource("ds", SourceConfig(url=mysql_url, query=f"SELECT id, at, note FROM {t} WHERE note LIKE '50%'",
+    src = SqlSource("ds", SqlSourceConfig(url=mysql_url, query=f"SELECT id, at, note FROM {t} WHERE note LIKE '50%'",
                                        chunk_rows=3))
     batches = list(src.batches())
     assert [b.num_rows for b in batches] == [3, 3, 3, 1]
@@ -76,7 +76,7 @@ def test_mysql_reads_in_chunks_and_queries_with_a_cursor(mysql_url: str, mysql_e
     assert sorted(since.column("id").to_pylist()) == [7, 8, 9]
     now = src.now()
     assert isinstance(now, dt.datetime) and abs((now - dt.datetime.now()).total_seconds()) < 3600 * 24
-    empty = SqlSource("ds", SourceConfig(url=mysql_url, query=f"SELECT * FROM {t} WHERE id < 0")).read()
+    empty = SqlSource("ds", SqlSourceConfig(url=mysql_url, query=f"SELECT * FROM {t} WHERE id < 0")).read()
     assert empty.num_rows == 0 and empty.schema.field("at").type == pa.timestamp("us")
 
 
@@ -86,7 +86,7 @@ def test_mysql_zero_dates_read_as_null(mysql_url: str, mysql_engine: sa.Engine, 
         conn.execute(sa.text("SET SESSION sql_mode=''"))
         conn.execute(sa.text(f"CREATE TABLE {t} (id INT PRIMARY KEY, d DATETIME)"))
         conn.execute(sa.text(f"INSERT INTO {t} VALUES (1, '0000-00-00 00:00:00'), (2, '2024-01-01 00:00:00')"))
-    table = SqlSource("ds", SourceConfig(url=mysql_url, table=t)).read()
+    table = SqlSource("ds", SqlSourceConfig(url=mysql_url, table=t)).read()
     assert sorted(table.to_pylist(), key=lambda r: r["id"]) == [
         {"id": 1, "d": None}, {"id": 2, "d": dt.datetime(2024, 1, 1)}]
 
@@ -94,12 +94,12 @@ def test_mysql_zero_dates_read_as_null(mysql_url: str, mysql_engine: sa.Engine, 
 def test_unreachable_database_is_transient_and_bad_sql_terminal(mysql_url: str) -> None:
     from demo.broker import free_port
 
-    down = SqlSource("ds", SourceConfig(url=f"mysql+pymysql://root@127.0.0.1:{free_port()}/x", table="t"))
+    down = SqlSource("ds", SqlSourceConfig(url=f"mysql+pymysql://root@127.0.0.1:{free_port()}/x", table="t"))
     with pytest.raises(TransientError, match="dataset ds: query on .* failed"):
         down.read()
     with pytest.raises(TransientError):
         down.now()
-    missing = SqlSource("ds", SourceConfig(url=mysql_url, table="no_such_table"))
+    missing = SqlSource("ds", SqlSourceConfig(url=mysql_url, table="no_such_table"))
     with pytest.raises(TerminalError, match="no_such_table") as info:
         missing.read()
     assert not isinstance(info.value, TransientError)
@@ -110,14 +110,14 @@ def test_sqlite_source(tmp_path: Path) -> None:
     engine = sa.create_engine(url)
     execute(engine, "CREATE TABLE devices (id INTEGER PRIMARY KEY, name TEXT, w REAL, note TEXT, b BLOB)",
             "INSERT INTO devices VALUES (1, 'ä', 1.5, NULL, x'01'), (2, 'b', 2, NULL, NULL), (3, 'c', NULL, 'n', NULL)")
-    src = SqlSource("ds", SourceConfig(url=url, table="devices", chunk_rows=2))
+    src = SqlSource("ds", SqlSourceConfig(url=url, table="devices", chunk_rows=2))
     table = normalize(src.read())
     assert table.schema.field("w").type == pa.float64()
     assert table.schema.field("note").type == pa.string()
     assert table.to_pylist()[0] == {"id": 1, "name": "ä", "w": 1.5, "note": None, "b": b"\x01"}
     assert isinstance(src.now(), dt.datetime)
     with pytest.raises(TerminalError, match="no such table") as info:
-        SqlSource("ds", SourceConfig(url=url, table="nope")).read()
+        SqlSource("ds", SqlSourceConfig(url=url, table="nope")).read()
     assert not isinstance(info.value, TransientError)
 
 
@@ -130,7 +130,7 @@ def test_postgresql_source(unique) -> None:
             f"INSERT INTO {t} VALUES (1, 1.5, '2024-05-01 12:00', '2024-05-01 12:00+02', '\\x00ff', "
             f"'{{\"a\": 1}}', 'ü', true, 3.25), (2, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL)")
     try:
-        src = SqlSource("ds", SourceConfig(url=PG_URL, table=t, chunk_rows=1))
+        src = SqlSource("ds", SqlSourceConfig(url=PG_URL, table=t, chunk_rows=1))
         table = normalize(src.read())
         assert table.schema.field("price").type == pa.decimal128(12, 4)
         assert table.schema.field("atz").type == pa.timestamp("us", tz="UTC")
@@ -160,7 +160,7 @@ def test_mysql_row_parser_handles_every_length_encoding(mysql_url: str, mysql_en
     execute(mysql_engine, f"INSERT INTO {t} VALUES (:id, :txt, :b)",
             params=[{"id": i, "txt": "é" * n, "b": bytes([i % 256]) * n} for i, n in enumerate(sizes)]
             + [{"id": 99, "txt": None, "b": None}])
-    src = SqlSource("ds", SourceConfig(url=mysql_url, table=t, chunk_rows=4))
+    src = SqlSource("ds", SqlSourceConfig(url=mysql_url, table=t, chunk_rows=4))
     rows = {r["id"]: r for r in src.read().to_pylist()}
     for i, n in enumerate(sizes):
         assert rows[i]["txt"] == "é" * n and rows[i]["b"] == bytes([i % 256]) * n, n

@@ -9,7 +9,7 @@ import pyarrow as pa
 import pytest
 import sqlalchemy as sa
 
-from refresh.config import SourceConfig
+from refresh.config import SqlSourceConfig
 from refresh.sources import sql
 from refresh.sources.sql import SqlSource
 from refstream.errors import TransientError
@@ -27,7 +27,7 @@ def _read(url: str, *, fast: bool, monkeypatch: pytest.MonkeyPatch, **cfg: objec
 
     with monkeypatch.context() as m:
         m.setattr(sql._PyMySQLColumns, "attach", staticmethod(attach))
-        table = SqlSource("ds", SourceConfig(url=url, **cfg)).read()  # type: ignore[arg-type]
+        table = SqlSource("ds", SqlSourceConfig(url=url, **cfg)).read()  # type: ignore[arg-type]
     assert attached == [fast]
     return table
 
@@ -83,7 +83,7 @@ def test_rows_over_16_mb_span_several_packets(mysql_url: str, unique, big_packet
 
 def test_query_killed_mid_stream_is_transient(mysql_url: str, mysql_engine: sa.Engine) -> None:
     marker = "refresh_kill_me"
-    src = SqlSource("ds", SourceConfig(
+    src = SqlSource("ds", SqlSourceConfig(
         url=mysql_url, query=f"SELECT seq, REPEAT('x', 60) AS pad, '{marker}' AS m FROM seq_1_to_3000000",
         chunk_rows=1000))
     batches = src.batches()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import threading
@@ -12,7 +13,7 @@ import pyarrow as pa
 import pytest
 
 from refresh.errors import DatasetBusy, Stopped
-from refresh.stores.abc import CommittedState
+from refresh.stores.abc import CommittedState, DatasetStatus, RunRecord, RunResult
 from refresh.stores.files import FileStateStore
 from refstream.contract import DatasetSchema
 
@@ -32,6 +33,36 @@ def test_commit_round_trip_and_old_snapshots_removed(tmp_path: Path) -> None:
     s3 = store.commit("d", CommittedState(version=3, schema=schema, rows=1), pa.table({"id": [3]}))
     assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["snapshot-0000000003.parquet", "state.json"]
     assert store.load_snapshot("d", s3).column("id").to_pylist() == [3]
+
+
+# status.json as earlier releases wrote it (a failed run after a successful one).
+_RUN = {"dataset": "d", "ok": True, "version": 2, "rows": 5, "inserts": 1, "updates": 2, "deletes": 0,
+        "published": 3, "seconds": 0.25, "error": None, "kind": "incremental", "watermark": "2024-01-01T00:00:00",
+        "schema_changed": False, "phases": {"load": 0.01, "read": 0.2}, "interrupted": False,
+        "started": "2024-01-01T00:00:00+00:00", "finished": "2024-01-01T00:00:01+00:00"}
+_STATUS = {"dataset": "d", "consecutive_failures": 1, "last_success": _RUN,
+           "last_run": {**_RUN, "ok": False, "error": "database down", "published": 0, "phases": {}}}
+
+
+def test_status_reads_and_writes_the_same_json(tmp_path: Path) -> None:
+    store = FileStateStore(tmp_path)
+    assert store.read_status("d") == DatasetStatus(dataset="d")
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "status.json").write_text(json.dumps(_STATUS))
+    st = store.read_status("d")
+    assert st.last_run is not None and st.last_run.result.outcome == "failed" and st.consecutive_failures == 1
+    store.write_status("d", st)
+    assert json.loads((tmp_path / "d" / "status.json").read_text()) == _STATUS
+    # A success resets the failures; an interrupted run keeps them and is not one more.
+    ok = RunRecord(started="s", finished="f", result=RunResult(
+        dataset="d", ok=True, version=3, rows=1, inserts=0, updates=0, deletes=0, published=0, seconds=0.1))
+    stopped = RunRecord(started="s", finished="f", result=RunResult(
+        dataset="d", ok=False, version=2, rows=0, inserts=0, updates=0, deletes=0, published=0, seconds=0.1,
+        interrupted=True))
+    assert (st.after(ok).consecutive_failures, st.after(ok).last_success) == (0, ok)
+    assert (st.after(stopped).consecutive_failures, st.after(stopped).last_success) == (1, st.last_success)
+    (tmp_path / "d" / "status.json").write_text('{"last_run": {"ok": true}}')
+    assert store.read_status("d") == DatasetStatus(dataset="d")  # unreadable: as if it never ran
 
 
 def test_a_failed_commit_leaves_the_previous_state(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
