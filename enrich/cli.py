@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 from types import FrameType
 
-from refstream.errors import ConfigError, RefstreamError
+from refstream.errors import ConfigError, RefstreamError, one_line
 
 log = logging.getLogger("enrich")
 
@@ -57,8 +57,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _fail(args: argparse.Namespace, exc: BaseException) -> None:
     if args.debug:
         log.error("enrich failed", exc_info=exc)
-    text = str(exc).strip().splitlines()
-    print(f"enrich: error: {text[0] if text else type(exc).__name__}", file=sys.stderr)
+    print(f"enrich: error: {one_line(exc)}", file=sys.stderr)
 
 
 def run(args: argparse.Namespace) -> int:

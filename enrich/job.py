@@ -33,7 +33,7 @@ from enrich.fastparse import FastParser
 from enrich.sinks import EnrichedBatch, Sink, make_sink
 from refstream import kafka as rkafka
 from refstream.contract import DatasetSchema
-from refstream.errors import TerminalError
+from refstream.errors import TerminalError, one_line
 from refstream.retry import RetryPolicy, call_with_retry
 
 log = logging.getLogger(__name__)
@@ -141,7 +141,7 @@ class EnrichJob:
                 log.info("stopping the enrichment query")
             exc = query.exception()
             if exc is not None:
-                raise TerminalError(f"enrichment query failed: {_first_line(str(exc))}") from exc
+                raise TerminalError(f"enrichment query failed: {one_line(exc)}") from exc
 
     def stop(self) -> None:
         self._stop.set()
@@ -199,11 +199,4 @@ class EnrichJob:
             log.info("output columns: %s", ", ".join(out_cols))
         _, specs, out_cols, out_schema, fast_schema = self._plan
         return specs, out_cols, out_schema, fast_schema
-
-
-def _first_line(text: str) -> str:
-    for line in text.splitlines():
-        if line.strip():
-            return line.strip()
-    return text
 

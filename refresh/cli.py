@@ -13,7 +13,7 @@ from types import FrameType
 
 from refresh.config import load_config
 from refresh.errors import DatasetBusy
-from refstream.errors import ConfigError, RefstreamError
+from refstream.errors import ConfigError, one_line
 
 log = logging.getLogger(__name__)
 
@@ -75,15 +75,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - the CLI's one place that reports any error
         if args.debug:
             log.exception("refresh %s failed", args.verb)
-        print(f"refresh: {_describe(exc)}", file=sys.stderr)
+        print(f"refresh: {one_line(exc)}", file=sys.stderr)
         return 2 if isinstance(exc, ConfigError) else 1
-
-
-def _describe(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    if isinstance(exc, RefstreamError) and text:
-        return text
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def _status(config: object, as_json: bool, *, check: bool = False) -> int:
@@ -132,7 +125,7 @@ def _run(config: object, names: list[str], *, full: bool, reconcile: bool, wait:
             except Exception as exc:  # noqa: BLE001 - one line per failed dataset, then go on
                 failed += 1
                 log.debug("dataset %s failed", name, exc_info=True)
-                print(f"refresh: {name}: {_describe(exc)}", file=sys.stderr)
+                print(f"refresh: {name}: {one_line(exc)}", file=sys.stderr)
                 continue
             print(f"{r.dataset}: version {r.version} ({r.kind}): {r.rows} rows read, {r.inserts} inserts, "
                   f"{r.updates} updates, {r.deletes} deletes, {r.published} messages acknowledged "

@@ -33,7 +33,7 @@ from refresh.sources.abc import IncrementalSource, Source
 from refresh.stores.abc import CommittedState, SnapshotRows, StateStore
 from refresh.stores.files import FileStateStore
 from refstream.contract import DatasetSchema, delete_messages, schema_message, upsert_messages
-from refstream.errors import RefstreamError
+from refstream.errors import one_line
 from refstream.retry import call_with_retry
 
 log = logging.getLogger(__name__)
@@ -129,11 +129,11 @@ class Refresher:
                 stopped = isinstance(exc, Stopped)
                 self._record(ds, started, RunResult(
                     ds.name, False, self.store.load(ds.name).version, 0, 0, 0, 0, 0,
-                    round(time.monotonic() - t0, 3), _one_line(exc), "full" if full else ds.mode,
+                    round(time.monotonic() - t0, 3), one_line(exc), "full" if full else ds.mode,
                     interrupted=stopped))
                 (log.warning if stopped else log.error)(
                     "dataset %s: refresh %s after %.1fs: %s", ds.name, "interrupted" if stopped else "failed",
-                    time.monotonic() - t0, _one_line(exc))
+                    time.monotonic() - t0, one_line(exc))
                 raise
             self._record(ds, started, result)
             return result
@@ -359,11 +359,3 @@ def _fill_null_types(table: pa.Table, prior: DatasetSchema | None) -> pa.Table:
             table = table.set_column(i, pa.field(f.name, t), pa.nulls(table.num_rows, t))
     return table
 
-
-def _one_line(exc: BaseException) -> str:
-    """An error as one line: our own errors by message, anything else prefixed with its type."""
-    text = str(exc).strip()
-    msg = text.splitlines()[0] if text else ""
-    if isinstance(exc, RefstreamError) and msg:
-        return msg
-    return f"{type(exc).__name__}: {msg}" if msg else type(exc).__name__
