@@ -35,7 +35,6 @@ import json
 import logging
 import os
 import queue
-import random
 import signal
 import threading
 import time
@@ -64,7 +63,7 @@ from apscheduler.triggers.date import DateTrigger
 from apscheduler.triggers.interval import IntervalTrigger
 
 from refstream.atomic import write_bytes_atomic
-from refstream.errors import ConfigError, TerminalError
+from refstream.errors import ConfigError, TerminalError, one_line
 from refstream.retry import RetryPolicy
 
 if TYPE_CHECKING:
@@ -369,9 +368,9 @@ class Daemon:
                 log.info("%s of %s aborted by shutdown: %s", what, name, exc)
                 return
             st.failures += 1
-            delay = self._backoff(st.failures)
-            log.warning("%s of %s failed after %.1fs (%s: %s); retry #%d in %.0fs", what, name,
-                        time.monotonic() - started, type(exc).__name__, exc, st.failures, delay,
+            delay = self.options.retry.backoff(st.failures)
+            log.warning("%s of %s failed after %.1fs (%s); retry #%d in %.0fs", what, name,
+                        time.monotonic() - started, one_line(exc), st.failures, delay,
                         exc_info=not _is_expected(exc))
             failures = st.failures
             self._defer(lambda: self._schedule_retry(name, delay, reconcile, failures))
@@ -385,11 +384,6 @@ class Daemon:
         log.debug("%s %s: %s rows read, %s inserts, %s updates, %s deletes, %s published, version %s, "
                  "%.1fs", what, name, result.rows, result.inserts, result.updates, result.deletes,
                  result.published, result.version, result.seconds)
-
-    def _backoff(self, failures: int) -> float:
-        p = self.options.retry
-        delay = min(p.maximum, p.initial * p.multiplier ** (failures - 1))
-        return delay * (0.8 + 0.4 * random.random())
 
     def _schedule_retry(self, name: str, delay: float, reconcile: bool, failures: int) -> None:
         when = datetime.now(UTC) + timedelta(seconds=delay)
