@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from confluent_kafka import KafkaError, Producer, TopicPartition
+from confluent_kafka import KafkaError, TopicPartition
 
 from bench import enrich_data as data
 from bench.common import broker_settings
@@ -272,7 +272,7 @@ def run_latency(spark: Any, settings: dict[str, str], devices_topic: str, workdi
     watcher = threading.Thread(target=watch, name="latency-watcher", daemon=True)
     lat: list[float] = []
     missing: list[str] = []
-    p = Producer({**settings, "linger.ms": 0, "enable.idempotence": True})
+    p = rkafka.producer(settings, **{"linger.ms": 0, "enable.idempotence": True})
     try:
         q = job.start()
         watcher.start()

@@ -21,17 +21,15 @@ import uuid
 from contextlib import ExitStack
 
 import pyarrow as pa
-from confluent_kafka import Producer
 
 from bench.common import broker_settings
-from refstream.kafka import consumer, ensure_topic
+from refstream.kafka import consumer, ensure_topic, producer
 
 log = logging.getLogger(__name__)
 
 
 def fill(settings: dict[str, str], topic: str, n: int, partitions: int, size: int) -> float:
-    p = Producer({**settings, "linger.ms": 50, "batch.size": 1 << 20, "compression.type": "lz4",
-                  "queue.buffering.max.messages": 1_000_000})
+    p = producer(settings, role="bulk", **{"linger.ms": 50})
     pad = b"x" * max(0, size - 40)
     started = time.monotonic()
     for i in range(n):

@@ -26,8 +26,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from confluent_kafka import Producer
-
+from refstream import kafka
 from refstream.broker import EmbeddedBroker
 from refstream.contract import OP_UPSERT, decode, default_topic
 from refstream.demo.processes import Child, ChildExited
@@ -111,7 +110,7 @@ class Demo:
                                              "--malformed", "0.01"])
             tail = EnrichedTail(settings, ENRICHED_TOPIC).start()
             stack.callback(tail.stop)
-            producer = Producer({**settings, "linger.ms": "5", "logger": log})
+            producer = kafka.producer(settings, **{"linger.ms": "5", "logger": log})
             stack.callback(producer.flush, 5)
 
             self._wait_for_first_event(tail)
