@@ -24,6 +24,7 @@ import pyarrow as pa
 
 from bench.common import broker_settings
 from refstream.kafka import consumer, ensure_topic, producer
+from refstream.logs import setup_logging
 
 log = logging.getLogger(__name__)
 
@@ -122,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--verbose", action="store_true")
     ap.add_argument("--skip", default="", help="comma list of: plain,source,writer")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(logging.INFO if args.verbose else logging.WARNING)
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     skip = set(filter(None, args.skip.split(",")))
     with ExitStack() as stack:

@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from types import FrameType
 
 from refstream.errors import ConfigError, RefstreamError, one_line
+from refstream.logs import setup_logging
 
 log = logging.getLogger("enrich")
 
@@ -35,10 +36,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    for noisy in ("py4j", "urllib3"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    setup_logging(debug=args.debug)
     try:
         return run(args)
     except KeyboardInterrupt:

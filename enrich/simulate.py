@@ -36,6 +36,7 @@ from confluent_kafka import KafkaException
 from refstream import kafka
 from refstream.errors import RefstreamError, TransientError
 from refstream.kafka import ensure_topic
+from refstream.logs import setup_logging
 
 log = logging.getLogger(__name__)
 
@@ -272,8 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(debug=args.debug)
     try:
         rate = args.rate if args.rate is not None else (0.0 if args.count is not None else 500.0)
         cfg = SimulatorConfig(topic=args.topic, rate=rate, devices=args.devices, malformed=args.malformed,

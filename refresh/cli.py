@@ -14,6 +14,7 @@ from types import FrameType
 from refresh.config import load_config
 from refresh.errors import DatasetBusy
 from refstream.errors import ConfigError, one_line
+from refstream.logs import setup_logging
 
 log = logging.getLogger(__name__)
 
@@ -46,11 +47,6 @@ def build_parser() -> argparse.ArgumentParser:
                    help="exit 1 unless every dataset has been published and its last run did not fail "
                         "(for healthchecks and monitoring)")
     return p
-
-
-def setup_logging(level: str) -> None:
-    logging.basicConfig(level=level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from refstream.errors import TransientError
 from refstream.kafka import admin
+from refstream.logs import setup_logging
 from refstream.retry import RetryPolicy
 
 log = logging.getLogger(__name__)
@@ -98,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m refstream.broker", description=__doc__)
     parser.add_argument("--port", type=int, default=9092)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging()
     broker = EmbeddedBroker(args.port).start()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:

@@ -35,6 +35,7 @@ from refstream.demo.seed import MODELS, SITES, seed_database, write_sites
 from refstream.demo.tail import EnrichedTail
 from refstream.errors import RefstreamError
 from refstream.kafka import read_to_end
+from refstream.logs import setup_logging
 
 log = logging.getLogger("refstream.demo")
 
@@ -138,9 +139,7 @@ class Demo:
         (w / "data").mkdir(parents=True, exist_ok=True)
         self.logs.mkdir(parents=True, exist_ok=True)
         (w / MARKER).write_text("work directory of `python -m refstream.demo`, wiped at each start\n")
-        logging.basicConfig(filename=self.logs / "demo.log",
-                            level=logging.DEBUG if self.args.debug else logging.INFO,
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+        setup_logging(debug=self.args.debug, file=self.logs / "demo.log", force=True)
 
     def _seed(self) -> str:
         db_url = os.environ.get("REF_DB_URL") or f"sqlite:///{self.workdir / 'refdata.db'}"
