@@ -42,7 +42,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol
 
 from apscheduler.events import (
     EVENT_JOB_ADDED,
@@ -53,6 +53,7 @@ from apscheduler.events import (
     EVENT_JOB_REMOVED,
     EVENT_JOB_SUBMITTED,
     JobEvent,
+    JobExecutionEvent,
 )
 from apscheduler.executors.pool import ThreadPoolExecutor
 from apscheduler.jobstores.base import JobLookupError
@@ -63,11 +64,12 @@ from apscheduler.triggers.date import DateTrigger
 from apscheduler.triggers.interval import IntervalTrigger
 
 from refstream.atomic import write_bytes_atomic
-from refstream.errors import ConfigError, TerminalError, one_line
+from refstream.errors import ConfigError, RefstreamError, TerminalError, one_line
 from refstream.retry import RetryPolicy
 
 if TYPE_CHECKING:
     from refresh.config import DatasetConfig, RefreshConfig
+    from refresh.runner import RunResult
 
 log = logging.getLogger(__name__)
 
@@ -107,20 +109,28 @@ def run_daemon(config: RefreshConfig, stop: threading.Event | None = None,
     return Daemon(config, options).run(stop)
 
 
+class DatasetRunner(Protocol):
+    """What the daemon needs of :class:`refresh.runner.Refresher`: a run that returns its result
+    on success and raises on failure (after recording it)."""
+
+    def run(self, dataset: str, *, reconcile: bool = False, wait: bool = True,
+            stop: threading.Event | None = None) -> RunResult: ...
+
+
 class Daemon:
     """The scheduler, the file watcher and the bookkeeping around :meth:`Refresher.run`.
 
-    ``refresher`` defaults to :class:`refresh.runner.Refresher` of ``config``; anything with the same
-    ``run(dataset, *, reconcile, wait, stop)`` works.
+    ``refresher`` defaults to :class:`refresh.runner.Refresher` of ``config``; any
+    :class:`DatasetRunner` works.
     """
 
     def __init__(self, config: RefreshConfig, options: DaemonOptions | None = None,
-                 refresher: Any = None) -> None:
+                 refresher: DatasetRunner | None = None) -> None:
         self.config = config
         self.options = options or DaemonOptions()
         self.stop = threading.Event()
         self._states = {name: _DatasetState() for name in config.datasets}
-        self._refresher: Any = refresher
+        self._refresher = refresher
         self._scheduler: BackgroundScheduler | None = None
         self._jobs_changed = threading.Event()
         # Scheduler changes asked for by job and watcher threads, applied by the main loop: a job
@@ -143,8 +153,6 @@ class Daemon:
                 from refresh.runner import Refresher  # late: keeps `refresh --help` fast
 
                 self._refresher = Refresher(self.config)
-                if hasattr(self._refresher, "close"):
-                    stack.callback(self._refresher.close)
 
             self._scheduler = BackgroundScheduler(
                 executors={"default": ThreadPoolExecutor(max(1, self.options.workers))},
@@ -236,7 +244,8 @@ class Daemon:
                 log.warning("dataset %s: watch is set but its source is not a file; not watching", name)
                 continue
             try:
-                watcher.add(name, _resolve(self.config, path))
+                # As the runner reads it: a relative path is taken from the current directory.
+                watcher.add(name, os.path.abspath(path))
             except OSError as exc:
                 log.error("dataset %s: %s; refreshed on its schedule only", name, exc)
         with watcher:
@@ -297,8 +306,7 @@ class Daemon:
     def _reconcile_every(ds: DatasetConfig) -> timedelta | None:
         if ds.mode != "incremental":
             return None
-        inc = getattr(ds, "incremental", None)
-        return getattr(inc, "reconcile_every", None) if inc is not None else None
+        return ds.incremental.reconcile_every
 
     def _once(self, kind: str, name: str, when: datetime, reason: str, reconcile: bool = False) -> None:
         """A one-off run; never dropped as misfired however long it waits for a worker."""
@@ -356,6 +364,7 @@ class Daemon:
         what = "reconcile" if reconcile else "refresh"
         log.info("%s %s (%s)", what, name, reason)
         started = time.monotonic()
+        assert self._refresher is not None  # set by run()
         try:
             result = self._refresher.run(name, reconcile=reconcile, wait=True, stop=self.stop)
         except TerminalError as exc:
@@ -377,9 +386,6 @@ class Daemon:
             return
         st.failures = 0
         self._defer(lambda: self._cancel("retry", name))
-        if not getattr(result, "ok", True):
-            log.error("%s of %s did not succeed: %s", what, name, getattr(result, "error", "?"))
-            return
         # The runner logs the run's figures at INFO; this line only ties them to the daemon's trigger.
         log.debug("%s %s: %s rows read, %s inserts, %s updates, %s deletes, %s published, version %s, "
                  "%.1fs", what, name, result.rows, result.inserts, result.updates, result.deletes,
@@ -402,8 +408,8 @@ class Daemon:
 
     def _on_job_event(self, event: JobEvent) -> None:
         # Never touch the scheduler here (it may hold its lock): wake the main loop instead.
-        if event.code == EVENT_JOB_ERROR:
-            log.error("job %s crashed: %s", event.job_id, getattr(event, "exception", None))
+        if isinstance(event, JobExecutionEvent) and event.code == EVENT_JOB_ERROR:
+            log.error("job %s crashed: %s", event.job_id, event.exception)
         self._jobs_changed.set()
 
     def _next_run(self, name: str, exclude: tuple[str, ...] = ()) -> datetime | None:
@@ -443,11 +449,5 @@ class Daemon:
 
 
 def _is_expected(exc: BaseException) -> bool:
-    from refstream.errors import RefstreamError
-
     return isinstance(exc, RefstreamError)
 
-
-def _resolve(config: RefreshConfig, path: str) -> str:
-    """A source path as the runner reads it: relative paths are taken from the current directory."""
-    return os.path.abspath(path)

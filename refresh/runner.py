@@ -185,9 +185,7 @@ class Refresher:
     def _run_locked(self, ds: DatasetConfig, *, full: bool, reconcile: bool,
                     stop: threading.Event | None, t0: float) -> RunResult:
         timer = _Phases()
-        warm_up = getattr(self.publisher_factory, "warm_up", None)
-        if warm_up is not None:
-            warm_up(self.config.kafka)  # the producer gets ready while the source is read
+        Publisher.warm_up(self.config.kafka)  # the producer gets ready while the source is read
         state = self.store.load(ds.name)
         snapshot = self.store.open_snapshot(ds.name, state)
         if snapshot is not None and canonical_schema(snapshot.schema, ds.name) != snapshot.schema:
