@@ -15,7 +15,7 @@ import logging
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -26,7 +26,7 @@ import pyarrow as pa
 from refresh import incremental as inc
 from refresh.config import DatasetConfig, RefreshConfig
 from refresh.diff import ChangeSet, canonical_schema, check_keys, diff, normalize, upsert_into, within
-from refresh.errors import DatasetBusy, EmptySnapshot, Stopped
+from refresh.errors import EmptySnapshot, Stopped
 from refresh.publish import Publisher
 from refresh.sources import open_source
 from refresh.sources.abc import IncrementalSource, Source
@@ -137,21 +137,6 @@ class Refresher:
                 raise
             self._record(ds, started, result)
             return result
-
-    def run_many(self, datasets: Iterable[str] | None = None, *, full: bool = False,
-                 stop: threading.Event | None = None) -> list[RunResult | BaseException]:
-        """Run datasets one after the other; a failure does not stop the others (returned instead)."""
-        out: list[RunResult | BaseException] = []
-        for name in datasets or list(self.config.datasets):
-            if stop is not None and stop.is_set():
-                break
-            try:
-                out.append(self.run(name, full=full, stop=stop))
-            except DatasetBusy:
-                raise
-            except Exception as exc:  # noqa: BLE001 - reported per dataset by the caller
-                out.append(exc)
-        return out
 
     # ------------------------------------------------------------------------------- internals
     def _retry(self, fn: Callable[[], Any], what: str, stop: threading.Event | None) -> Any:
