@@ -47,11 +47,12 @@ from pathlib import Path
 from typing import Any
 
 import psutil
-from confluent_kafka import KafkaError, Producer, TopicPartition
+from confluent_kafka import KafkaError, TopicPartition
 
 from bench import enrich_data as data
 from bench.common import broker_settings
 from refstream import kafka as rkafka
+from refstream.logs import setup_logging
 
 log = logging.getLogger("bench.enrich_bench")
 
@@ -272,7 +273,7 @@ def run_latency(spark: Any, settings: dict[str, str], devices_topic: str, workdi
     watcher = threading.Thread(target=watch, name="latency-watcher", daemon=True)
     lat: list[float] = []
     missing: list[str] = []
-    p = Producer({**settings, "linger.ms": 0, "enable.idempotence": True})
+    p = rkafka.producer(settings, **{"linger.ms": 0, "enable.idempotence": True})
     try:
         q = job.start()
         watcher.start()
@@ -345,10 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write the results to this file as well")
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    for noisy in ("py4j", "urllib3"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    setup_logging(logging.INFO if args.verbose else logging.WARNING)
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     skip = set(filter(None, args.skip.split(",")))
     wall0 = time.monotonic()

@@ -30,10 +30,6 @@ EVENT_DDL = ("device_id STRING, ts TIMESTAMP, temperature DOUBLE, battery INT, s
              "firmware STRING, status STRING")
 JOIN_COLUMNS = ["model_id", "site_id", "owner"]
 
-#: Producer settings for bulk loads and for the output of every contender (same for all of them).
-PRODUCER = {"linger.ms": 20, "batch.size": 1 << 20, "compression.type": "lz4",
-            "queue.buffering.max.messages": 1_000_000, "queue.buffering.max.kbytes": 1 << 20}
-
 _FIRMWARE = ("fw-2.4.1", "fw-2.4.2", "fw-2.5.0", "fw-3.0.0-rc1")
 
 
@@ -59,7 +55,7 @@ def _produce(p: Producer, topic: str, value: bytes | None, key: bytes | None,
 def publish_devices(settings: Mapping[str, str], topic: str, rows: int) -> float:
     """Publish the schema record and ``rows`` upserts to ``topic``; returns seconds taken."""
     rkafka.ensure_topic(settings, topic, config=contract.TOPIC_CONFIG)
-    p = Producer({**settings, **PRODUCER, "enable.idempotence": True})
+    p = rkafka.producer(settings, role="bulk", **{"enable.idempotence": True})
     started = time.monotonic()
     m = contract.schema_message(DEVICES)
     _produce(p, topic, m.value, m.key, m.headers)
@@ -107,7 +103,7 @@ def fill_events(settings: Mapping[str, str], topic: str, n: int, partitions: int
                 ) -> tuple[float, float]:
     """Produce ``n`` events keyed by device id; returns (seconds, mean value bytes)."""
     rkafka.ensure_topic(settings, topic, partitions=partitions)
-    p = Producer({**settings, **PRODUCER})
+    p = rkafka.producer(settings, role="bulk")
     maker = EventMaker(devices)
     started = time.monotonic()
     total = 0
@@ -131,7 +127,7 @@ def plain_copy(settings: Mapping[str, str], src: str, dst: str, n: int, partitio
     c = rkafka.consumer(settings, **{"fetch.wait.max.ms": 100, "max.partition.fetch.bytes": 8 << 20,
                                      "fetch.max.bytes": 64 << 20})
     c.assign([TopicPartition(src, p, 0) for p in rkafka.partitions_of(settings, src)])
-    p = Producer({**settings, **PRODUCER})
+    p = rkafka.producer(settings, role="bulk")
     produce, poll = p.produce, p.poll
     got = 0
     started = time.monotonic()
@@ -174,7 +170,7 @@ class SteadyEvents(threading.Thread):
         self._stop_evt = threading.Event()
 
     def run(self) -> None:
-        p = Producer({**self.settings, "linger.ms": 5, "compression.type": "lz4"})
+        p = rkafka.producer(self.settings, **{"linger.ms": 5, "compression.type": "lz4"})
         maker = EventMaker(self.devices, seed=11)
         started = time.monotonic()
         while not self._stop_evt.is_set():

@@ -21,17 +21,16 @@ import uuid
 from contextlib import ExitStack
 
 import pyarrow as pa
-from confluent_kafka import Producer
 
 from bench.common import broker_settings
-from refstream.kafka import consumer, ensure_topic
+from refstream.kafka import consumer, ensure_topic, producer
+from refstream.logs import setup_logging
 
 log = logging.getLogger(__name__)
 
 
 def fill(settings: dict[str, str], topic: str, n: int, partitions: int, size: int) -> float:
-    p = Producer({**settings, "linger.ms": 50, "batch.size": 1 << 20, "compression.type": "lz4",
-                  "queue.buffering.max.messages": 1_000_000})
+    p = producer(settings, role="bulk", **{"linger.ms": 50})
     pad = b"x" * max(0, size - 40)
     started = time.monotonic()
     for i in range(n):
@@ -124,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--verbose", action="store_true")
     ap.add_argument("--skip", default="", help="comma list of: plain,source,writer")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(logging.INFO if args.verbose else logging.WARNING)
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     skip = set(filter(None, args.skip.split(",")))
     with ExitStack() as stack:

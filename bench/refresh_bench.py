@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.refresh_data import Mutation, connect, load, mutate
+from refstream.logs import setup_logging
 
 log = logging.getLogger("bench.refresh")
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="first run: publish every row, or only commit the state (large tables)")
     ap.add_argument("--json", type=Path, help="write raw figures here")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging()
 
     from demo.broker import EmbeddedBroker
 

@@ -15,10 +15,12 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from refstream.errors import TransientError
+from refstream.kafka import admin
+from refstream.logs import setup_logging
+from refstream.retry import RetryPolicy
 
 log = logging.getLogger(__name__)
 
@@ -57,25 +59,21 @@ class EmbeddedBroker:
             env={**os.environ, "RUST_LOG": os.environ.get("RUST_LOG", "warn")},
             start_new_session=True,
         )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        for _ in RetryPolicy.every(0.2).until(timeout):
             if self.proc.poll() is not None:
                 raise TransientError(f"embedded broker exited with code {self.proc.returncode} "
                                      f"(port {self.port} in use?)")
             if self._ready():
                 log.info("embedded broker up on %s (pid %d)", self.bootstrap, self.proc.pid)
                 return self
-            time.sleep(0.2)
         self.stop()
         raise TransientError(f"embedded broker on {self.bootstrap} not ready after {timeout:.0f}s")
 
     def _ready(self) -> bool:
-        from confluent_kafka.admin import AdminClient
-
         try:
             with socket.create_connection(("127.0.0.1", self.port), timeout=0.5):
                 pass
-            AdminClient({"bootstrap.servers": self.bootstrap}).list_topics(timeout=2)
+            admin({"bootstrap.servers": self.bootstrap}, cached=False).list_topics(timeout=2)
             return True
         except Exception:  # noqa: BLE001 - any failure means "not yet"
             return False
@@ -101,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m demo.broker", description=__doc__)
     parser.add_argument("--port", type=int, default=9092)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging()
     broker = EmbeddedBroker(args.port).start()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     try:

@@ -26,16 +26,16 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from confluent_kafka import Producer
-
 from demo.broker import EmbeddedBroker
 from demo.processes import Child, ChildExited
 from demo.scenario import ChangeNotSeen, Operator, Stopped, matched, say, stamp
 from demo.seed import MODELS, SITES, seed_database, write_sites
 from demo.tail import EnrichedTail
+from refstream import kafka
 from refstream.contract import OP_UPSERT, decode, default_topic
 from refstream.errors import RefstreamError
 from refstream.kafka import read_to_end
+from refstream.logs import setup_logging
 
 log = logging.getLogger("demo")
 
@@ -111,7 +111,7 @@ class Demo:
                                              "--malformed", "0.01"])
             tail = EnrichedTail(settings, ENRICHED_TOPIC).start()
             stack.callback(tail.stop)
-            producer = Producer({**settings, "linger.ms": "5", "logger": log})
+            producer = kafka.producer(settings, **{"linger.ms": "5", "logger": log})
             stack.callback(producer.flush, 5)
 
             self._wait_for_first_event(tail)
@@ -139,9 +139,7 @@ class Demo:
         (w / "data").mkdir(parents=True, exist_ok=True)
         self.logs.mkdir(parents=True, exist_ok=True)
         (w / MARKER).write_text("work directory of `python -m demo`, wiped at each start\n")
-        logging.basicConfig(filename=self.logs / "demo.log",
-                            level=logging.DEBUG if self.args.debug else logging.INFO,
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s", force=True)
+        setup_logging(debug=self.args.debug, file=self.logs / "demo.log", force=True)
 
     def _seed(self) -> str:
         db_url = os.environ.get("REF_DB_URL") or f"sqlite:///{self.workdir / 'refdata.db'}"

@@ -9,8 +9,8 @@ the one the simulator (:func:`demo.simulate.device_id`) sends.
 from __future__ import annotations
 
 import csv
+import io
 import os
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import date, timedelta
@@ -19,6 +19,7 @@ from pathlib import Path
 import sqlalchemy as sa
 
 from demo.simulate import device_id
+from refstream.atomic import write_bytes_atomic
 
 DEVICES_TABLE = "devices"
 MODELS_TABLE = "models"
@@ -101,20 +102,11 @@ def seed_database(url: str, devices: int = 5000) -> None:
 def write_csv_atomic(path: str | os.PathLike[str], header: Sequence[str],
                      rows: Sequence[Sequence[str]]) -> None:
     """Write a CSV file the way editors save: a temp file beside it, fsync, rename over."""
-    p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", dir=p.parent)
-    try:
-        with os.fdopen(fd, "w", newline="", encoding="utf-8") as f:
-            w = csv.writer(f, lineterminator="\n")
-            w.writerow(header)
-            w.writerows(rows)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, p)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    buf = io.StringIO()
+    w = csv.writer(buf, lineterminator="\n")
+    w.writerow(header)
+    w.writerows(rows)
+    write_bytes_atomic(Path(path), buf.getvalue().encode("utf-8"))
 
 
 def read_csv(path: str | os.PathLike[str]) -> list[list[str]]:

@@ -31,10 +31,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
-from confluent_kafka import KafkaException, Producer
+from confluent_kafka import KafkaException
 
+from refstream import kafka
 from refstream.errors import RefstreamError, TransientError
 from refstream.kafka import ensure_topic
+from refstream.logs import setup_logging
 
 log = logging.getLogger(__name__)
 
@@ -129,15 +131,6 @@ class SimulatorConfig:
 
 
 # librdkafka settings tuned for throughput; callers' settings win.
-_PRODUCER_DEFAULTS = {
-    "linger.ms": "20",
-    "batch.num.messages": "10000",
-    "queue.buffering.max.messages": "1000000",
-    "queue.buffering.max.kbytes": "1048576",
-    "enable.idempotence": "true",
-    "acks": "all",
-}
-
 
 class Simulator:
     """Produces events until ``count`` is reached, ``duration`` elapses or :meth:`stop` is called."""
@@ -175,7 +168,7 @@ class Simulator:
         """Produce; returns when done, after every produced event is acknowledged (or timed out)."""
         cfg = self.config
         ensure_topic(self.settings, cfg.topic, partitions=cfg.partitions)
-        producer = Producer({**_PRODUCER_DEFAULTS, **self.settings})
+        producer = kafka.producer(self.settings, role="bulk", **{"enable.idempotence": True})
         rng, stats = self._rng, self.stats
         # Pre-rendered pieces: formatting floats and drawing five random numbers per event would cost
         # more than producing it. Prime pool sizes so that the pieces combine in ever new ways.
@@ -280,8 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    setup_logging(debug=args.debug)
     try:
         rate = args.rate if args.rate is not None else (0.0 if args.count is not None else 500.0)
         cfg = SimulatorConfig(topic=args.topic, rate=rate, devices=args.devices, malformed=args.malformed,

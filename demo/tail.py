@@ -60,7 +60,6 @@ class EnrichedTail:
     def __init__(self, settings: Mapping[str, str], topic: str) -> None:
         self.settings, self.topic = dict(settings), topic
         self.count = 0
-        self.unmatched = 0
         self.last: Event | None = None
         self._expect: list[Expectation] = []
         self._lock = threading.Lock()

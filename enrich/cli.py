@@ -14,7 +14,8 @@ import sys
 from collections.abc import Sequence
 from types import FrameType
 
-from refstream.errors import ConfigError, RefstreamError
+from refstream.errors import ConfigError, RefstreamError, one_line
+from refstream.logs import setup_logging
 
 log = logging.getLogger("enrich")
 
@@ -35,10 +36,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    for noisy in ("py4j", "urllib3"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    setup_logging(debug=args.debug)
     try:
         return run(args)
     except KeyboardInterrupt:
@@ -57,8 +55,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _fail(args: argparse.Namespace, exc: BaseException) -> None:
     if args.debug:
         log.error("enrich failed", exc_info=exc)
-    text = str(exc).strip().splitlines()
-    print(f"enrich: error: {text[0] if text else type(exc).__name__}", file=sys.stderr)
+    print(f"enrich: error: {one_line(exc)}", file=sys.stderr)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -52,6 +52,4 @@ class DeadLetters:
                     self.topic, bad.column("_error")[0].as_py())
 
     def close(self) -> None:
-        close = getattr(self._writer, "close", None)
-        if close is not None:
-            close()
+        self._writer.close()

@@ -10,7 +10,6 @@ One ``foreachBatch`` per micro-batch, on the driver:
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 import uuid
@@ -32,8 +31,9 @@ from enrich.dimension.versions import FileVersionLog
 from enrich.fastparse import FastParser
 from enrich.sinks import EnrichedBatch, Sink, make_sink
 from refstream import kafka as rkafka
+from refstream.atomic import write_bytes_atomic
 from refstream.contract import DatasetSchema
-from refstream.errors import TerminalError
+from refstream.errors import TerminalError, one_line
 from refstream.retry import RetryPolicy, call_with_retry
 
 log = logging.getLogger(__name__)
@@ -123,12 +123,7 @@ class EnrichJob:
         if path.exists():
             return path.read_text(encoding="utf-8").strip()
         scope = uuid.uuid4().hex
-        tmp = path.with_suffix(".tmp")
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.write(scope)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        write_bytes_atomic(path, scope.encode("utf-8"))
         return scope
 
     def run(self) -> None:
@@ -141,7 +136,7 @@ class EnrichJob:
                 log.info("stopping the enrichment query")
             exc = query.exception()
             if exc is not None:
-                raise TerminalError(f"enrichment query failed: {_first_line(str(exc))}") from exc
+                raise TerminalError(f"enrichment query failed: {one_line(exc)}") from exc
 
     def stop(self) -> None:
         self._stop.set()
@@ -199,11 +194,4 @@ class EnrichJob:
             log.info("output columns: %s", ", ".join(out_cols))
         _, specs, out_cols, out_schema, fast_schema = self._plan
         return specs, out_cols, out_schema, fast_schema
-
-
-def _first_line(text: str) -> str:
-    for line in text.splitlines():
-        if line.strip():
-            return line.strip()
-    return text
 

@@ -13,7 +13,8 @@ from types import FrameType
 
 from refresh.config import load_config
 from refresh.errors import DatasetBusy
-from refstream.errors import ConfigError, RefstreamError
+from refstream.errors import ConfigError, one_line
+from refstream.logs import setup_logging
 
 log = logging.getLogger(__name__)
 
@@ -48,11 +49,6 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def setup_logging(level: str) -> None:
-    logging.basicConfig(level=level, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     level = (args.log_level or ("DEBUG" if args.debug else "INFO")).upper()
@@ -75,15 +71,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:  # noqa: BLE001 - the CLI's one place that reports any error
         if args.debug:
             log.exception("refresh %s failed", args.verb)
-        print(f"refresh: {_describe(exc)}", file=sys.stderr)
+        print(f"refresh: {one_line(exc)}", file=sys.stderr)
         return 2 if isinstance(exc, ConfigError) else 1
-
-
-def _describe(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-    if isinstance(exc, RefstreamError) and text:
-        return text
-    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 def _status(config: object, as_json: bool, *, check: bool = False) -> int:
@@ -132,7 +121,7 @@ def _run(config: object, names: list[str], *, full: bool, reconcile: bool, wait:
             except Exception as exc:  # noqa: BLE001 - one line per failed dataset, then go on
                 failed += 1
                 log.debug("dataset %s failed", name, exc_info=True)
-                print(f"refresh: {name}: {_describe(exc)}", file=sys.stderr)
+                print(f"refresh: {name}: {one_line(exc)}", file=sys.stderr)
                 continue
             print(f"{r.dataset}: version {r.version} ({r.kind}): {r.rows} rows read, {r.inserts} inserts, "
                   f"{r.updates} updates, {r.deletes} deletes, {r.published} messages acknowledged "

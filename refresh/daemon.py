@@ -35,7 +35,6 @@ import json
 import logging
 import os
 import queue
-import random
 import signal
 import threading
 import time
@@ -43,7 +42,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol
 
 from apscheduler.events import (
     EVENT_JOB_ADDED,
@@ -54,6 +53,7 @@ from apscheduler.events import (
     EVENT_JOB_REMOVED,
     EVENT_JOB_SUBMITTED,
     JobEvent,
+    JobExecutionEvent,
 )
 from apscheduler.executors.pool import ThreadPoolExecutor
 from apscheduler.jobstores.base import JobLookupError
@@ -65,11 +65,12 @@ from apscheduler.triggers.interval import IntervalTrigger
 
 from refresh.config import FileSourceConfig
 from refstream.atomic import write_bytes_atomic
-from refstream.errors import ConfigError, TerminalError
+from refstream.errors import ConfigError, RefstreamError, TerminalError, one_line
 from refstream.retry import RetryPolicy
 
 if TYPE_CHECKING:
     from refresh.config import DatasetConfig, RefreshConfig
+    from refresh.runner import RunResult
 
 log = logging.getLogger(__name__)
 
@@ -109,20 +110,28 @@ def run_daemon(config: RefreshConfig, stop: threading.Event | None = None,
     return Daemon(config, options).run(stop)
 
 
+class DatasetRunner(Protocol):
+    """What the daemon needs of :class:`refresh.runner.Refresher`: a run that returns its result
+    on success and raises on failure (after recording it)."""
+
+    def run(self, dataset: str, *, reconcile: bool = False, wait: bool = True,
+            stop: threading.Event | None = None) -> RunResult: ...
+
+
 class Daemon:
     """The scheduler, the file watcher and the bookkeeping around :meth:`Refresher.run`.
 
-    ``refresher`` defaults to :class:`refresh.runner.Refresher` of ``config``; anything with the same
-    ``run(dataset, *, reconcile, wait, stop)`` works.
+    ``refresher`` defaults to :class:`refresh.runner.Refresher` of ``config``; any
+    :class:`DatasetRunner` works.
     """
 
     def __init__(self, config: RefreshConfig, options: DaemonOptions | None = None,
-                 refresher: Any = None) -> None:
+                 refresher: DatasetRunner | None = None) -> None:
         self.config = config
         self.options = options or DaemonOptions()
         self.stop = threading.Event()
         self._states = {name: _DatasetState() for name in config.datasets}
-        self._refresher: Any = refresher
+        self._refresher = refresher
         self._scheduler: BackgroundScheduler | None = None
         self._jobs_changed = threading.Event()
         # Scheduler changes asked for by job and watcher threads, applied by the main loop: a job
@@ -145,8 +154,6 @@ class Daemon:
                 from refresh.runner import Refresher  # late: keeps `refresh --help` fast
 
                 self._refresher = Refresher(self.config)
-                if hasattr(self._refresher, "close"):
-                    stack.callback(self._refresher.close)
 
             self._scheduler = BackgroundScheduler(
                 executors={"default": ThreadPoolExecutor(max(1, self.options.workers))},
@@ -354,6 +361,7 @@ class Daemon:
         what = "reconcile" if reconcile else "refresh"
         log.info("%s %s (%s)", what, name, reason)
         started = time.monotonic()
+        assert self._refresher is not None  # set by run()
         try:
             result = self._refresher.run(name, reconcile=reconcile, wait=True, stop=self.stop)
         except TerminalError as exc:
@@ -366,27 +374,19 @@ class Daemon:
                 log.info("%s of %s aborted by shutdown: %s", what, name, exc)
                 return
             st.failures += 1
-            delay = self._backoff(st.failures)
-            log.warning("%s of %s failed after %.1fs (%s: %s); retry #%d in %.0fs", what, name,
-                        time.monotonic() - started, type(exc).__name__, exc, st.failures, delay,
+            delay = self.options.retry.backoff(st.failures)
+            log.warning("%s of %s failed after %.1fs (%s); retry #%d in %.0fs", what, name,
+                        time.monotonic() - started, one_line(exc), st.failures, delay,
                         exc_info=not _is_expected(exc))
             failures = st.failures
             self._defer(lambda: self._schedule_retry(name, delay, reconcile, failures))
             return
         st.failures = 0
         self._defer(lambda: self._cancel("retry", name))
-        if not getattr(result, "ok", True):
-            log.error("%s of %s did not succeed: %s", what, name, getattr(result, "error", "?"))
-            return
         # The runner logs the run's figures at INFO; this line only ties them to the daemon's trigger.
         log.debug("%s %s: %s rows read, %s inserts, %s updates, %s deletes, %s published, version %s, "
                  "%.1fs", what, name, result.rows, result.inserts, result.updates, result.deletes,
                  result.published, result.version, result.seconds)
-
-    def _backoff(self, failures: int) -> float:
-        p = self.options.retry
-        delay = min(p.maximum, p.initial * p.multiplier ** (failures - 1))
-        return delay * (0.8 + 0.4 * random.random())
 
     def _schedule_retry(self, name: str, delay: float, reconcile: bool, failures: int) -> None:
         when = datetime.now(UTC) + timedelta(seconds=delay)
@@ -405,8 +405,8 @@ class Daemon:
 
     def _on_job_event(self, event: JobEvent) -> None:
         # Never touch the scheduler here (it may hold its lock): wake the main loop instead.
-        if event.code == EVENT_JOB_ERROR:
-            log.error("job %s crashed: %s", event.job_id, getattr(event, "exception", None))
+        if isinstance(event, JobExecutionEvent) and event.code == EVENT_JOB_ERROR:
+            log.error("job %s crashed: %s", event.job_id, event.exception)
         self._jobs_changed.set()
 
     def _next_run(self, name: str, exclude: tuple[str, ...] = ()) -> datetime | None:
@@ -446,6 +446,4 @@ class Daemon:
 
 
 def _is_expected(exc: BaseException) -> bool:
-    from refstream.errors import RefstreamError
-
     return isinstance(exc, RefstreamError)

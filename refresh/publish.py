@@ -16,22 +16,11 @@ from typing import Any
 from confluent_kafka import KafkaException, Producer
 
 from refresh.errors import PublishError, Stopped
+from refstream import kafka
 from refstream.contract import TOPIC_CONFIG, Message
 from refstream.kafka import ensure_topic, partitions_of
 
 log = logging.getLogger(__name__)
-
-PRODUCER_DEFAULTS = {
-    "enable.idempotence": "true",
-    "acks": "all",
-    "linger.ms": "20",
-    "compression.type": "lz4",
-    # Same partition for the same key as Java clients (murmur2), so any producer of a key agrees.
-    "partitioner": "murmur2_random",
-    # Bounded: a broker that stays away fails the run instead of blocking it forever.
-    "message.timeout.ms": "60000",
-    "queue.buffering.max.messages": "200000",
-}
 
 # Producers created ahead of a publish (see Publisher.warm_up), by settings.
 _warm: dict[tuple[tuple[str, str], ...], Producer] = {}
@@ -44,9 +33,7 @@ def _settings_key(settings: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
 
 def _new_producer(settings: Mapping[str, str]) -> Producer:
     # librdkafka's own log lines (e.g. "connection refused") go through logging, not stderr.
-    conf: dict[str, Any] = {**PRODUCER_DEFAULTS, **settings, "logger": logging.getLogger("refresh.kafka")}
-    conf["enable.idempotence"] = "true"  # never overridable: retries must not duplicate
-    return Producer(conf)
+    return kafka.producer(settings, role="publisher", logger=logging.getLogger("refresh.kafka"))
 
 
 class Publisher:

@@ -33,7 +33,7 @@ from refresh.sources.abc import IncrementalSource, Source
 from refresh.stores.abc import CommittedState, RunKind, RunRecord, RunResult, SnapshotRows, StateStore
 from refresh.stores.files import FileStateStore
 from refstream.contract import DatasetSchema, delete_messages, schema_message, upsert_messages
-from refstream.errors import RefstreamError
+from refstream.errors import one_line
 from refstream.retry import call_with_retry
 
 log = logging.getLogger(__name__)
@@ -106,10 +106,10 @@ class Refresher:
                 self._record(ds, started, RunResult(
                     dataset=ds.name, ok=False, version=self.store.load(ds.name).version, rows=0, inserts=0,
                     updates=0, deletes=0, published=0, seconds=round(time.monotonic() - t0, 3),
-                    error=_one_line(exc), kind="full" if full else ds.mode, interrupted=stopped))
+                    error=one_line(exc), kind="full" if full else ds.mode, interrupted=stopped))
                 (log.warning if stopped else log.error)(
                     "dataset %s: refresh %s after %.1fs: %s", ds.name, "interrupted" if stopped else "failed",
-                    time.monotonic() - t0, _one_line(exc))
+                    time.monotonic() - t0, one_line(exc))
                 raise
             self._record(ds, started, result)
             return result
@@ -146,9 +146,7 @@ class Refresher:
     def _run_locked(self, ds: DatasetConfig, *, full: bool, reconcile: bool,
                     stop: threading.Event | None, t0: float) -> RunResult:
         timer = _Phases()
-        warm_up = getattr(self.publisher_factory, "warm_up", None)
-        if warm_up is not None:
-            warm_up(self.config.kafka)  # the producer gets ready while the source is read
+        Publisher.warm_up(self.config.kafka)  # the producer gets ready while the source is read
         state = self.store.load(ds.name)
         snapshot = self.store.open_snapshot(ds.name, state)
         if snapshot is not None and canonical_schema(snapshot.schema, ds.name) != snapshot.schema:
@@ -317,11 +315,3 @@ def _fill_null_types(table: pa.Table, prior: DatasetSchema | None) -> pa.Table:
             table = table.set_column(i, pa.field(f.name, t), pa.nulls(table.num_rows, t))
     return table
 
-
-def _one_line(exc: BaseException) -> str:
-    """An error as one line: our own errors by message, anything else prefixed with its type."""
-    text = str(exc).strip()
-    msg = text.splitlines()[0] if text else ""
-    if isinstance(exc, RefstreamError) and msg:
-        return msg
-    return f"{type(exc).__name__}: {msg}" if msg else type(exc).__name__

@@ -329,16 +329,6 @@ def decode(key: bytes | None, value: bytes | None, hdrs: Any) -> Change:
     return Change(op, h.get(H_DATASET, ""), version, key, value)
 
 
-def decode_key(key: bytes) -> dict[str, Any]:
-    try:
-        obj = json.loads(key)
-    except ValueError:
-        raise ContractError(f"key {key!r} is not JSON") from None
-    if not isinstance(obj, dict):
-        raise ContractError(f"key {key!r} is not a JSON object")
-    return obj
-
-
 def decode_values(schema: DatasetSchema, values: Sequence[bytes]) -> pa.Table:
     """Decode upsert values into an Arrow table typed by ``schema`` (columns absent from a value are null).
 
@@ -424,9 +414,3 @@ def _from_json(t: str, v: Any) -> Any:
     if t == "binary":
         return base64.b64decode(v)
     return v if isinstance(v, str) else json.dumps(v)
-
-
-def decode_row(schema: DatasetSchema, value: bytes) -> dict[str, Any]:
-    """One upsert value as a dict of Python values typed by ``schema``."""
-    obj = json.loads(value)
-    return {c.name: _from_json(c.type, obj.get(c.name)) for c in schema.columns}

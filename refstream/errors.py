@@ -30,3 +30,13 @@ class DataError(TerminalError):
 
 class ContractError(TerminalError):
     """A changelog record does not follow the topic contract."""
+
+
+def one_line(exc: BaseException) -> str:
+    """``exc`` as one line for a person (CLI output, status files, logs): the first non-blank line of
+    its message (Spark's and drivers' messages may carry whole stack traces), prefixed with the
+    exception's type unless it is one of ours (whose messages are written to stand alone)."""
+    text = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+    if isinstance(exc, RefstreamError) and text:
+        return text
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

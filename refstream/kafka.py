@@ -1,4 +1,6 @@
-"""Kafka helpers shared by both parts: topic creation and reading a topic to its end.
+"""Kafka clients and helpers shared by both parts: one place builds every producer, consumer and
+admin client (the tuning of each role lives in :data:`PRODUCERS` and :data:`CONSUMERS`), topic
+creation, and reading a topic to its end.
 
 Reading "to the end" never trusts ListOffsets alone: some Kafka-protocol brokers report the base
 offset of the last record batch + 1 as the end. We consume with ``enable.partition.eof`` and stop at
@@ -7,22 +9,186 @@ the EOF event, which comes from the high watermark in Fetch responses (right on 
 
 from __future__ import annotations
 
+import atexit
 import logging
+import os
+import threading
 import time
 import uuid
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Generic, Literal, TypeVar
 
-from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, Message, TopicPartition
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    Consumer,
+    KafkaError,
+    KafkaException,
+    Message,
+    Producer,
+    TopicPartition,
+)
 from confluent_kafka.admin import AdminClient, NewTopic
 
 from refstream.errors import TransientError
+from refstream.retry import RetryPolicy
 
 log = logging.getLogger(__name__)
 
 
-def admin(settings: Mapping[str, str]) -> AdminClient:
-    return AdminClient(dict(settings))
+@dataclass(frozen=True)
+class Preset:
+    """librdkafka settings of one client role: ``defaults`` give way to the caller's settings,
+    ``forced`` do not (the role's correctness depends on them)."""
+
+    defaults: Mapping[str, Any]
+    forced: Mapping[str, Any] = field(default_factory=dict)
+
+    def conf(self, settings: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+        return {**self.defaults, **settings, **overrides, **self.forced}
+
+
+ProducerRole = Literal["plain", "publisher", "transactional", "bulk"]
+ConsumerRole = Literal["reader", "probe", "fetch"]
+
+PRODUCERS: dict[str, Preset] = {
+    # Settings as given (small one-off producers).
+    "plain": Preset({}),
+    # The refresher's publisher: every change acknowledged by all replicas, never duplicated.
+    "publisher": Preset({
+        "acks": "all",
+        "linger.ms": "20",
+        "compression.type": "lz4",
+        # Same partition for the same key as Java clients (murmur2), so any producer of a key agrees.
+        "partitioner": "murmur2_random",
+        # Bounded: a broker that stays away fails the run instead of blocking it forever.
+        "message.timeout.ms": "60000",
+        "queue.buffering.max.messages": "200000",
+    }, forced={"enable.idempotence": "true"}),  # retries must not duplicate
+    # The job's exactly-once micro-batch writer (``transactional.id`` comes from the caller).
+    "transactional": Preset({
+        "linger.ms": 20, "batch.size": 1 << 20, "compression.type": "lz4",
+        # Room for a whole micro-batch in the local queue: no stalls on a full queue mid-batch.
+        "queue.buffering.max.messages": 1_000_000,
+        # Java clients' partitioner: a key lands where Spark's Kafka sink would put it.
+        "partitioner": "murmur2_random",
+    }, forced={"enable.idempotence": True}),
+    # Loading many records as fast as the broker takes them (simulator, benchmarks).
+    "bulk": Preset({
+        "linger.ms": 20, "batch.size": 1 << 20, "compression.type": "lz4",
+        "queue.buffering.max.messages": 1_000_000, "queue.buffering.max.kbytes": 1 << 20,
+    }),
+}
+
+# Every consumer here assigns partitions itself and tracks offsets itself: it never joins its
+# (random) group nor commits, reads only committed records and needs the EOF event to see an end.
+_NO_GROUP = {"enable.auto.commit": False, "enable.partition.eof": True}
+_COMMITTED = {"isolation.level": "read_committed", "auto.offset.reset": "earliest"}
+
+CONSUMERS: dict[str, Preset] = {
+    # Reading a topic (to its end, or tailing it).
+    "reader": Preset({**_NO_GROUP, **_COMMITTED}),
+    # The driver's end-offset probe: one small fetch per partition and an early EOF.
+    "probe": Preset({**_NO_GROUP, **_COMMITTED}, forced={
+        "enable.partition.eof": True, "fetch.wait.max.ms": 20, "fetch.queue.backoff.ms": 0,
+        "fetch.max.bytes": 4 << 20}),
+    # Executors reading offset ranges: large fetches, short waits.
+    "fetch": Preset({**_COMMITTED, "fetch.wait.max.ms": 100, "fetch.queue.backoff.ms": 10,
+                     "max.partition.fetch.bytes": 8 << 20, "fetch.max.bytes": 64 << 20},
+                    forced=_NO_GROUP),
+}
+
+_GROUP_PREFIX = {"reader": "refstream", "probe": "refstream-probe", "fetch": "refstream-source"}
+
+
+def producer(settings: Mapping[str, Any], *, role: ProducerRole = "plain", **overrides: Any) -> Producer:
+    """A new producer for ``role`` (see :data:`PRODUCERS`); ``overrides`` (librdkafka names, pass
+    dotted ones as ``**{"linger.ms": 5}``) win over ``settings``, the role's forced settings win over both."""
+    return Producer(PRODUCERS[role].conf(settings, overrides))
+
+
+def consumer(settings: Mapping[str, Any], *, role: ConsumerRole = "reader", **overrides: Any) -> Consumer:
+    """A new consumer for ``role`` (see :data:`CONSUMERS`) that never joins its group: the caller
+    assigns partitions and tracks offsets."""
+    conf = {"group.id": f"{_GROUP_PREFIX[role]}-{uuid.uuid4().hex[:12]}", **CONSUMERS[role].conf(settings, overrides)}
+    return Consumer(conf)
+
+
+C = TypeVar("C")
+
+
+class ClientCache(Generic[C]):
+    """At most ``size`` long-lived clients keyed by their settings, per process (a librdkafka client
+    does not survive a fork); the least recently used one is let go when a new one is needed."""
+
+    def __init__(self, make: Callable[[Mapping[str, Any]], C], *, size: int = 4,
+                 close: Callable[[C], None] | None = None) -> None:
+        self._make = make
+        self._size = size
+        self._close = close
+        self._clients: OrderedDict[tuple[Any, ...], C] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, settings: Mapping[str, Any]) -> C:
+        key = (os.getpid(), *sorted((str(k), str(v)) for k, v in settings.items()))
+        with self._lock:
+            client = self._clients.get(key)
+            if client is not None:
+                self._clients.move_to_end(key)
+                return client
+        client = self._make(settings)
+        with self._lock:
+            if key in self._clients:  # another thread was quicker
+                return self._clients[key]
+            self._clients[key] = client
+            stale = [self._clients.popitem(last=False)[1] for _ in range(len(self._clients) - self._size)]
+        for c in stale:
+            self._release(c)
+        return client
+
+    def _release(self, client: C) -> None:
+        if self._close is not None:
+            try:
+                self._close(client)
+            except Exception:  # noqa: BLE001 - letting go of a client, nothing left to report to
+                pass
+
+    def clear(self) -> None:
+        """Let go of every client (at exit, or in tests)."""
+        with self._lock:
+            clients = list(self._clients.values())
+            self._clients.clear()
+        for c in clients:
+            self._release(c)
+
+
+_ADMINS: ClientCache[AdminClient] = ClientCache(lambda s: AdminClient(dict(s)))
+
+
+def admin(settings: Mapping[str, Any], *, cached: bool = True) -> AdminClient:
+    """An admin client for ``settings``; cached ones are shared (admin clients are thread-safe), so
+    checking a topic does not open new broker connections each time. ``cached=False`` for a
+    throw-away client, e.g. probing a broker that is still starting."""
+    return _ADMINS.get(settings) if cached else AdminClient(dict(settings))
+
+
+_SHARED: dict[str, ClientCache[Consumer]] = {}
+
+
+def shared_consumer(settings: Mapping[str, Any], *, role: ConsumerRole) -> Consumer:
+    """A long-lived consumer for ``role`` and ``settings``, reused by every caller in this process
+    (e.g. one per Spark Python worker, re-assigned per task); closed at exit."""
+    cache = _SHARED.get(role)
+    if cache is None:
+        cache = _SHARED.setdefault(role, ClientCache(lambda s: consumer(s, role=role), close=Consumer.close))
+    return cache.get(settings)
+
+
+@atexit.register
+def _close_shared() -> None:
+    for cache in list(_SHARED.values()):
+        cache.clear()
 
 
 def ensure_topic(settings: Mapping[str, str], topic: str, *, partitions: int = 1,
@@ -50,13 +216,11 @@ def ensure_topic(settings: Mapping[str, str], topic: str, *, partitions: int = 1
 
 
 def _wait_for_metadata(client: AdminClient, topic: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    for _ in RetryPolicy.every(0.1).until(timeout):
         md = client.list_topics(topic, timeout=timeout)
         t = md.topics.get(topic)
         if t is not None and t.error is None and t.partitions:
             return
-        time.sleep(0.1)
 
 
 def partitions_of(settings: Mapping[str, str], topic: str, timeout: float = 10.0) -> list[int]:
@@ -71,14 +235,6 @@ def partitions_of(settings: Mapping[str, str], topic: str, timeout: float = 10.0
     if t is None or t.error is not None:
         return []
     return sorted(t.partitions)
-
-
-def consumer(settings: Mapping[str, str], **extra: Any) -> Consumer:
-    """A consumer that never joins a group (offsets are tracked by the caller)."""
-    conf = {"group.id": f"refstream-{uuid.uuid4().hex[:12]}", "enable.auto.commit": False,
-            "enable.partition.eof": True, "isolation.level": "read_committed",
-            "auto.offset.reset": "earliest", **settings, **extra}
-    return Consumer(conf)
 
 
 def read_to_end(settings: Mapping[str, str], topic: str, start: Mapping[int, int] | None = None,

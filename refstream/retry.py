@@ -1,4 +1,11 @@
-"""Retry with exponential backoff for transient errors only."""
+"""Retry and backoff: one policy object for every wait-and-try-again loop.
+
+- :func:`call_with_retry`: call a function, retrying transient errors a bounded number of times.
+- :meth:`RetryPolicy.backoff`: the wait before retry number ``n`` (for loops that schedule the
+  retry themselves, e.g. the refresher daemon).
+- :meth:`RetryPolicy.until`: the attempts of a loop bounded by a deadline instead of a count
+  (waiting for a topic, a schema record, a broker that is starting).
+"""
 
 from __future__ import annotations
 
@@ -6,7 +13,7 @@ import logging
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -19,19 +26,63 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class RetryPolicy:
-    """How often and how long to retry a transient failure."""
+    """How often and how long to retry a transient failure.
+
+    The n-th wait is ``initial * multiplier ** (n - 1)``, capped at ``maximum``; :meth:`backoff` and
+    :func:`call_with_retry` spread it by ``jitter`` (0.2: +-20 %) so that clients that failed
+    together do not retry together."""
 
     attempts: int = 5
     initial: float = 1.0
     maximum: float = 60.0
     multiplier: float = 2.0
+    jitter: float = 0.2
+
+    @classmethod
+    def every(cls, seconds: float) -> RetryPolicy:
+        """A fixed wait (polling), for :meth:`until`."""
+        return cls(initial=seconds, maximum=seconds, multiplier=1.0, jitter=0.0)
+
+    def delay(self, failures: int) -> float:
+        """The wait after ``failures`` consecutive failures (1 = the first), without jitter."""
+        return min(self.maximum, self.initial * self.multiplier ** max(0, failures - 1))
 
     def delays(self) -> list[float]:
-        d, out = self.initial, []
-        for _ in range(max(0, self.attempts - 1)):
-            out.append(min(d, self.maximum))
-            d *= self.multiplier
-        return out
+        """The waits between the ``attempts`` tries, without jitter."""
+        return [self.delay(n) for n in range(1, self.attempts)]
+
+    def backoff(self, failures: int) -> float:
+        """:meth:`delay` with jitter."""
+        return self.spread(self.delay(failures))
+
+    def spread(self, delay: float) -> float:
+        return delay * (1.0 - self.jitter + 2 * self.jitter * random.random())
+
+    def until(self, timeout: float, *, stop: threading.Event | None = None) -> Iterator[int]:
+        """Attempt numbers 1, 2, ... of a loop bounded by ``timeout`` seconds rather than by
+        ``attempts``: the first at once, each next one after the next :meth:`delay` (no jitter). Ends
+        once the deadline has passed after an attempt, or when ``stop`` is set while waiting; the
+        caller breaks out on success, so code after the loop is where it gives up::
+
+            for _ in RetryPolicy.every(0.2).until(30):
+                if ready():
+                    break
+            else:
+                raise TimeoutError(...)
+        """
+        deadline = time.monotonic() + timeout
+        attempt = 1
+        while True:
+            yield attempt
+            if time.monotonic() > deadline:
+                return
+            wait = self.delay(attempt)
+            if stop is not None:
+                if stop.wait(wait):
+                    return
+            else:
+                time.sleep(wait)
+            attempt += 1
 
 
 def call_with_retry(
@@ -57,7 +108,7 @@ def call_with_retry(
             if attempt > len(delays):
                 log.error("%s failed after %d attempts: %s", what, attempt, exc)
                 raise
-            delay = delays[attempt - 1] * (0.8 + 0.4 * random.random())
+            delay = policy.spread(delays[attempt - 1])
             log.warning("%s failed (attempt %d/%d): %s; retrying in %.1fs", what, attempt,
                         policy.attempts, exc, delay)
             if stop is not None:

@@ -17,8 +17,13 @@ from enrich.dimension.ship import Shipped, Shipper
 from enrich.dimension.store import DimensionState
 from refstream import contract
 from refstream.errors import ContractError, TransientError
+from refstream.retry import RetryPolicy
 
 log = logging.getLogger(__name__)
+
+# Waiting (up to the manager's timeout) for a changelog topic to exist and for its schema record.
+_OPEN_RETRY = RetryPolicy.every(1.0)
+_SCHEMA_POLL = RetryPolicy.every(0.2)
 
 
 @dataclass
@@ -47,17 +52,16 @@ class Dimensions:
         self.last_pin_seconds = 0.0
 
     def _open(self, dataset: str) -> _Dim:
-        deadline = time.monotonic() + self._timeout
-        while True:
+        error: TransientError | None = None
+        for _ in _OPEN_RETRY.until(self._timeout):
             try:
                 feed = self._factory(self._topics[dataset])
-                break
+                return _Dim(dataset, self._columns.get(dataset), feed, DimensionState(dataset))
             except TransientError as exc:
-                if time.monotonic() > deadline:
-                    raise
+                error = exc
                 log.info("dataset %s: %s; waiting", dataset, exc)
-                time.sleep(1.0)
-        return _Dim(dataset, self._columns.get(dataset), feed, DimensionState(dataset))
+        assert error is not None
+        raise error
 
     def bootstrap(self) -> None:
         """Build every dimension before the first batch: to the positions of the last recorded batch
@@ -72,20 +76,19 @@ class Dimensions:
                 dim.state.apply(dim.feed.read_until(latest[1][ds], self._timeout))
                 self._require_schema(dim)
             else:
-                dim.state.apply(dim.feed.read_to_end(self._timeout))
-                self._wait_for_schema(dim)
+                self._read_until_schema(dim)
             dim.state.compact()
             log.info("dataset %s: bootstrapped %d rows from %s in %.1fs (positions %s)", ds,
                      len(dim.state), dim.feed.topic, time.monotonic() - t0, dim.feed.positions())
 
-    def _wait_for_schema(self, dim: _Dim) -> None:
-        deadline = time.monotonic() + self._timeout
-        while dim.state.schema is None:
-            if time.monotonic() > deadline:
-                raise ContractError(f"dataset {dim.dataset}: no schema record on {dim.feed.topic} after "
-                                    f"{self._timeout:.0f}s; is the refresher publishing it?")
-            time.sleep(0.2)
+    def _read_until_schema(self, dim: _Dim) -> None:
+        """Read the changelog to its end, again and again until its schema record has arrived."""
+        for _ in _SCHEMA_POLL.until(self._timeout):
             dim.state.apply(dim.feed.read_to_end(self._timeout))
+            if dim.state.schema is not None:
+                return
+        raise ContractError(f"dataset {dim.dataset}: no schema record on {dim.feed.topic} after "
+                            f"{self._timeout:.0f}s; is the refresher publishing it?")
 
     @staticmethod
     def _require_schema(dim: _Dim) -> None:

@@ -48,7 +48,6 @@ class DimensionState:
         self.base_gen = 0
         self.overlay_gen = 0
         self.compact_min, self.compact_fraction = compact_min, compact_fraction
-        self.applied = 0
 
     def __len__(self) -> int:
         return (self.base.num_rows if self.base is not None else 0) + len(self.overlay)
@@ -76,7 +75,6 @@ class DimensionState:
             n += 1
         if n:
             self.overlay_gen += 1
-            self.applied += n
         return n
 
     def _set_schema(self, schema: contract.DatasetSchema) -> None:

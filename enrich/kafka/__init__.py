@@ -3,7 +3,6 @@ confluent-kafka (Spark's own Kafka connector jar is optional; ``builtin=True`` s
 
 - :func:`read_stream`: the streaming DataFrame of one or more topics (columns of Spark's Kafka source).
 - :class:`TransactionalBatchWriter`: exactly-once output of ``foreachBatch`` micro-batches.
-- ``df.writeStream.format("refstream-kafka")``: an at-least-once streaming sink.
 
 See docs/kafka-source.md for how offsets, end offsets, admission control and transactions work.
 """

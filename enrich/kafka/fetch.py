@@ -12,10 +12,8 @@ Consumers are kept per Python worker process (Spark reuses workers) and re-assig
 
 from __future__ import annotations
 
-import atexit
 import logging
 import time
-import uuid
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
@@ -25,6 +23,7 @@ from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
 from pyspark.sql.datasource import InputPartition
 
 from refstream.errors import DataError, TransientError
+from refstream.kafka import shared_consumer
 
 log = logging.getLogger(__name__)
 
@@ -51,36 +50,6 @@ class OffsetRange(InputPartition):
     partition: int
     start: int
     end: int
-
-
-_CONSUMERS: dict[tuple[tuple[str, str], ...], Consumer] = {}
-
-
-def _close_consumers() -> None:
-    for c in _CONSUMERS.values():
-        try:
-            c.close()
-        except Exception:  # noqa: BLE001 - closing at exit, nothing left to report to
-            pass
-    _CONSUMERS.clear()
-
-
-atexit.register(_close_consumers)
-
-
-def _consumer(settings: Mapping[str, str]) -> Consumer:
-    key = tuple(sorted(settings.items()))
-    c = _CONSUMERS.get(key)
-    if c is None:
-        conf = {"group.id": f"refstream-source-{uuid.uuid4().hex[:12]}", "isolation.level": "read_committed",
-                "auto.offset.reset": "earliest", "fetch.wait.max.ms": 100, "fetch.queue.backoff.ms": 10,
-                "max.partition.fetch.bytes": 8 << 20, "fetch.max.bytes": 64 << 20,
-                **settings,
-                # The reader tracks offsets itself and needs the EOF event to see a range's end.
-                "enable.auto.commit": False, "enable.partition.eof": True}
-        c = Consumer(conf)
-        _CONSUMERS[key] = c
-    return c
 
 
 def _to_batch(msgs: list[Message], topic: str, partition: int) -> pa.RecordBatch:
@@ -117,7 +86,7 @@ def read_range(settings: Mapping[str, str], rng: OffsetRange, *, poll_timeout_s:
     """
     if rng.end <= rng.start:
         return
-    c = _consumer(settings)
+    c = shared_consumer(settings, role="fetch")
     tp = TopicPartition(rng.topic, rng.partition, rng.start)
     c.assign([tp])
     try:

@@ -19,13 +19,13 @@ from __future__ import annotations
 import json
 import logging
 import time
-import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
 
 from refstream.errors import ConfigError, TransientError
+from refstream.kafka import consumer
 
 log = logging.getLogger(__name__)
 
@@ -115,13 +115,7 @@ class EndOffsetProbe:
 
     def _client(self) -> Consumer:
         if self._consumer is None:
-            conf = {"group.id": f"refstream-probe-{uuid.uuid4().hex[:12]}", "enable.auto.commit": False,
-                    "isolation.level": "read_committed", "auto.offset.reset": "earliest",
-                    **self._settings,
-                    # A probe wants one small fetch per partition and an early EOF.
-                    "enable.partition.eof": True, "fetch.wait.max.ms": 20,
-                    "fetch.queue.backoff.ms": 0, "fetch.max.bytes": 4 << 20}
-            self._consumer = Consumer(conf)
+            self._consumer = consumer(self._settings, role="probe")
         return self._consumer
 
     def partitions(self, topics: Iterable[str], timeout: float = 10.0) -> list[TP]:

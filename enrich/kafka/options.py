@@ -1,4 +1,4 @@
-"""Options of the ``refstream-kafka`` source and sink, named as in Spark's built-in Kafka connector.
+"""Options of the ``refstream-kafka`` source, named as in Spark's built-in Kafka connector.
 
 Spark hands a Python data source its options lower-cased; every error names the option at fault.
 """
@@ -79,17 +79,3 @@ class SourceOptions:
             fail_on_data_loss=_bool(opts, "failOnDataLoss", True),
             poll_timeout_s=(timeout_ms or 120_000) / 1000.0,
         )
-
-
-@dataclass(frozen=True)
-class SinkOptions:
-    """Parsed options of the streaming sink."""
-
-    settings: dict[str, str]
-    topic: str | None
-
-    @classmethod
-    def parse(cls, options: Mapping[str, str]) -> SinkOptions:
-        opts = {k.lower(): v for k, v in options.items()}
-        topic = str(opts.get("topic", "")).strip() or None
-        return cls(settings=kafka_settings(opts), topic=topic)

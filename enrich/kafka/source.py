@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pyarrow as pa
-from pyspark.sql.datasource import DataSource, DataSourceStreamReader, DataSourceStreamWriter, InputPartition
+from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
 from pyspark.sql.streaming.datasource import (
     ReadAllAvailable,
     ReadLimit,
@@ -41,7 +41,7 @@ FORMAT = "refstream-kafka"
 
 
 class KafkaDataSource(DataSource):
-    """``spark.readStream.format("refstream-kafka")`` and ``df.writeStream.format("refstream-kafka")``."""
+    """``spark.readStream.format("refstream-kafka")``."""
 
     @classmethod
     def name(cls) -> str:
@@ -52,11 +52,6 @@ class KafkaDataSource(DataSource):
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
         return KafkaStreamReader(SourceOptions.parse(self.options))
-
-    def streamWriter(self, schema: StructType, overwrite: bool) -> DataSourceStreamWriter:
-        from enrich.kafka.sink import KafkaStreamWriter  # the sink is optional for readers
-
-        return KafkaStreamWriter(self.options, schema)
 
 
 class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):

@@ -25,12 +25,12 @@ from datetime import UTC, datetime
 from types import TracebackType
 
 import pyarrow as pa
-from confluent_kafka import KafkaError, KafkaException, Producer
+from confluent_kafka import KafkaError, KafkaException
 
 from enrich.kafka.fetch import OffsetRange, read_range
 from enrich.kafka.offsets import EndOffsetProbe
 from refstream.errors import TerminalError, TransientError
-from refstream.kafka import ensure_topic
+from refstream.kafka import ensure_topic, producer
 
 log = logging.getLogger(__name__)
 
@@ -73,14 +73,7 @@ class TransactionalBatchWriter:
         self._timeout = timeout
         ensure_topic(self._settings, self.marker_topic, partitions=1,
                      config={"cleanup.policy": "compact"})  # one marker per transactional id is enough
-        conf = {"linger.ms": 20, "batch.size": 1 << 20, "compression.type": "lz4",
-                # Room for a whole micro-batch in the local queue: no stalls on a full queue mid-batch.
-                "queue.buffering.max.messages": 1_000_000,
-                # Java clients' partitioner: a key lands where Spark's Kafka sink would put it.
-                "partitioner": "murmur2_random",
-                **self._settings,
-                "transactional.id": transactional_id, "enable.idempotence": True}
-        self._producer = Producer(conf)
+        self._producer = producer(self._settings, role="transactional", **{"transactional.id": transactional_id})
         before = self._visible_ends()
         try:
             # Fences an older producer with this id and completes or aborts its open transaction.

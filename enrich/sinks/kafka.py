@@ -45,9 +45,7 @@ class KafkaSink:
         return table.filter(failed).select(list(DEAD_COLUMNS))
 
     def close(self) -> None:
-        close = getattr(self._writer, "close", None)
-        if close is not None:
-            close()
+        self._writer.close()
 
 
 def collect(batch: EnrichedBatch, *, keep_position: bool = False) -> pa.Table:

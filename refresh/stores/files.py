@@ -6,9 +6,9 @@ import contextlib
 import fcntl
 import json
 import logging
+import math
 import os
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,10 +20,12 @@ from refresh.stores.abc import CommittedState, DatasetStatus, SnapshotRows, Stat
 from refstream.atomic import write_atomic, write_json_atomic
 from refstream.contract import DatasetSchema
 from refstream.errors import TerminalError
+from refstream.retry import RetryPolicy
 
 log = logging.getLogger(__name__)
 
 STATE_FORMAT = 1
+_LOCK_POLL = RetryPolicy.every(0.1)  # waiting for another run of a dataset to release its lock
 
 
 class FileStateStore(StateStore):
@@ -43,22 +45,17 @@ class FileStateStore(StateStore):
         # with the first just like another process does, so threads are excluded too.
         fd = os.open(d / "lock", os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            announced = False
-            while True:
+            for attempt in _LOCK_POLL.until(math.inf, stop=stop):
                 try:
                     fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                     break
                 except BlockingIOError:
                     if not wait:
                         raise DatasetBusy(dataset) from None
-                    if not announced:
+                    if attempt == 1:
                         log.info("dataset %s: waiting for the refresh already running", dataset)
-                        announced = True
-                    if stop is not None:
-                        if stop.wait(0.1):
-                            raise Stopped(f"dataset {dataset}: stopped while waiting for the lock") from None
-                    else:
-                        time.sleep(0.1)
+            else:
+                raise Stopped(f"dataset {dataset}: stopped while waiting for the lock")
             os.ftruncate(fd, 0)
             os.write(fd, f"{os.getpid()} {threading.current_thread().name}\n".encode())
             try:

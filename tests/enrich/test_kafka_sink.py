@@ -1,4 +1,4 @@
-"""Kafka output: the transactional micro-batch writer (exactly-once) and the streaming sink."""
+"""Kafka output: the transactional micro-batch writer (exactly-once)."""
 
 from __future__ import annotations
 
@@ -143,35 +143,3 @@ def test_foreach_batch_failure_after_commit_and_restart_writes_each_event_once(s
     assert run() is None  # replays batch 1 (skipped), then batch 2
     got = values(kafka, out)
     assert len(got) == 600 and sorted(got) == sorted(b"e%d" % i for i in range(600))
-
-
-def test_streaming_sink_writes_every_row_with_key_and_headers(spark, kafka, unique, tmp_path):
-    src, out = unique("sink-in"), unique("sink-out")
-    ensure_topic(kafka, src, partitions=2)
-    ensure_topic(kafka, out, partitions=3)
-    p = Producer(kafka)
-    for i in range(400):
-        p.produce(src, b"e%d" % i, key=b"k%d" % (i % 7), partition=i % 2,
-                  headers=[("n", b"%d" % i)] if i % 3 == 0 else None)
-    p.flush(10)
-    df = read_stream(spark, kafka, [src], starting_offsets="earliest")
-    upper = df.selectExpr("key", "upper(cast(value AS STRING)) AS value", "headers")
-    q = (upper.writeStream.format("refstream-kafka").option("kafka.bootstrap.servers", kafka["bootstrap.servers"])
-         .option("topic", out).option("checkpointLocation", str(tmp_path / "cp")).trigger(availableNow=True).start())
-    assert q.awaitTermination(180) and q.exception() is None
-    msgs = list(read_to_end(kafka, out))
-    assert sorted(m.value() for m in msgs) == sorted(b"E%d" % i for i in range(400))
-    by_value = {m.value(): m for m in msgs}
-    assert by_value[b"E9"].key() == b"k2" and by_value[b"E9"].headers() == [("n", b"9")]
-    assert by_value[b"E10"].headers() is None
-
-
-def test_streaming_sink_rejects_a_frame_without_value(spark, kafka, unique, tmp_path):
-    src = unique("sink-bad")
-    ensure_topic(kafka, src, partitions=1)
-    df = read_stream(spark, kafka, [src], starting_offsets="earliest").selectExpr("key AS payload")
-    with pytest.raises(Exception, match="'value' column"):
-        q = (df.writeStream.format("refstream-kafka").option("kafka.bootstrap.servers", kafka["bootstrap.servers"])
-             .option("topic", "x").option("checkpointLocation", str(tmp_path / "cp")).start())
-        q.awaitTermination(60)
-        raise AssertionError(q.exception())

@@ -60,7 +60,7 @@ def owners_at(kafka: dict[str, str], topic: str, positions: dict[int, int]) -> d
         ch = contract.decode(m.key(), m.value(), m.headers())
         if ch.op == contract.OP_SCHEMA:
             continue
-        device = contract.decode_key(ch.key)["device_id"]
+        device = json.loads(ch.key)["device_id"]
         if ch.value is None:
             dim.pop(device, None)
         else:

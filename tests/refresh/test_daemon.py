@@ -30,7 +30,7 @@ from demo.broker import EmbeddedBroker, free_port
 from refresh.config import RefreshConfig, load_config
 from refresh.daemon import NEXT_RUNS, Daemon, DaemonOptions, daemon_dir, run_daemon
 from refresh.status import read_status
-from refstream.contract import OP_DELETE, OP_SCHEMA, OP_UPSERT, decode, decode_key
+from refstream.contract import OP_DELETE, OP_SCHEMA, OP_UPSERT, decode
 from refstream.errors import DataError, TerminalError, TransientError
 from refstream.kafka import read_to_end
 from refstream.retry import RetryPolicy
@@ -85,9 +85,9 @@ def replay(changes: list[tuple[int, Any]]) -> dict[str, dict[str, Any]]:
     state: dict[str, dict[str, Any]] = {}
     for _, c in changes:
         if c.op == OP_UPSERT:
-            state[json.dumps(decode_key(c.key), sort_keys=True)] = json.loads(c.value)
+            state[json.dumps(json.loads(c.key), sort_keys=True)] = json.loads(c.value)
         elif c.op == OP_DELETE:
-            state.pop(json.dumps(decode_key(c.key), sort_keys=True), None)
+            state.pop(json.dumps(json.loads(c.key), sort_keys=True), None)
     return state
 
 
@@ -278,7 +278,7 @@ def test_interval_runs_reach_the_topic(mysql_url: str, kafka: dict[str, str], it
         runs = json.loads((daemon_dir(cfg) / NEXT_RUNS).read_text())
         assert datetime.fromisoformat(runs["items"]) <= datetime.now(UTC) + timedelta(seconds=2)
     recs = records(kafka, topic)
-    changed = [(c.op, decode_key(c.key)["id"]) for _, c in recs if c.version > 1 and c.op != OP_SCHEMA]
+    changed = [(c.op, json.loads(c.key)["id"]) for _, c in recs if c.version > 1 and c.op != OP_SCHEMA]
     assert sorted(changed) == [(OP_DELETE, 1), (OP_UPSERT, 2), (OP_UPSERT, 4)]  # only what changed
     status = read_status(cfg)[0]
     # The daemon's stop may cut a scheduled run short: recorded as interrupted, never as failed.
@@ -305,7 +305,7 @@ def test_file_watch_edit_rename_and_slow_write(kafka: dict[str, str], tmp_path: 
         out: dict[int, list[tuple[str, int]]] = {}
         for _, c in records(kafka, topic):
             if c.op != OP_SCHEMA:
-                out.setdefault(c.version, []).append((c.op, decode_key(c.key)["site_id"]))
+                out.setdefault(c.version, []).append((c.op, json.loads(c.key)["site_id"]))
         return out
 
     with daemon_thread(cfg):
@@ -405,7 +405,7 @@ def test_forced_run_while_the_daemon_runs(mysql_url: str, kafka: dict[str, str],
     for _, c in recs:
         if c.op == OP_SCHEMA:
             continue
-        k = json.dumps(decode_key(c.key), sort_keys=True)
+        k = json.dumps(json.loads(c.key), sort_keys=True)
         new = json.loads(c.value) if c.op == OP_UPSERT else None
         assert state.get(k) != new, f"version {c.version} republished {k} unchanged"
         if new is None:
@@ -457,7 +457,7 @@ def test_broker_down_daemon_stays_up_and_publishes_when_it_returns(
         # first success publishes the change made while the broker was down under a version above
         # theirs. (Runs every 1 s: by the time the status is read, later no-change runs may have
         # committed further versions.)
-        published = [(c.op, decode_key(c.key)["id"], c.version) for _, c in recs if c.op != OP_SCHEMA]
+        published = [(c.op, json.loads(c.key)["id"], c.version) for _, c in recs if c.op != OP_SCHEMA]
         assert [(op, key) for op, key, _ in published] == [(OP_UPSERT, 3)]
         assert published[0][2] >= st["version"] + 2 and ok["version"] >= published[0][2]
         assert json.loads(recs[-1][1].value)["name"] == "down"
