@@ -13,7 +13,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import ClassVar, Literal, get_args
 
-from refstream.config import Section, kafka_settings, load_yaml
+from refstream.config import Section, kafka_settings, load_yaml, redact_url
 from refstream.contract import check_type, default_topic
 from refstream.errors import ConfigError, ContractError
 from refstream.retry import RetryPolicy
@@ -47,7 +47,7 @@ class SqlSourceConfig:
     chunk_rows: int = 50_000
 
     def describe(self) -> str:
-        return f"{_redact(self.url)} {'table ' + self.table if self.table else 'query'}"
+        return f"{redact_url(self.url)} {'table ' + self.table if self.table else 'query'}"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,16 +109,6 @@ class RefreshConfig:
 
     def __hash__(self) -> int:  # dict fields: hash by identity of the file loaded
         return hash((self.path, tuple(self.datasets)))
-
-
-def _redact(url: str) -> str:
-    """A URL safe to log: the password replaced by ***."""
-    try:
-        from sqlalchemy.engine import make_url
-
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:  # noqa: BLE001 - logging helper, never fails the caller
-        return url.split("@")[-1]
 
 
 def _abs(p: str) -> str:

@@ -22,24 +22,42 @@ _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, None: 1}
 
 
-def substitute_env(text: str, source: str) -> str:
-    """Replace ``${VAR}`` and ``${VAR:-default}``; an unset variable without default is an error."""
+def substitute_env(text: str, source: str, line: int | None = None) -> str:
+    """Replace ``${VAR}`` and ``${VAR:-default}`` in one value; an unset variable without default is an
+    error naming ``source`` and, when given, the line the value sits on."""
 
     def repl(m: re.Match[str]) -> str:
         name, default = m.group(1), m.group(2)
         value = os.environ.get(name)
         if value is None or (value == "" and default is not None):
             if default is None:
-                line = text.count("\n", 0, m.start()) + 1
-                raise ConfigError(f"{source}:{line}: environment variable {name} is not set")
+                where = f"{source}:{line}" if line is not None else source
+                raise ConfigError(f"{where}: environment variable {name} is not set")
             return default
         return value
 
     return _ENV.sub(repl, text)
 
 
+def _substitute_nodes(node: yaml.Node, source: str) -> None:
+    """Substitute environment variables into the string scalars of a composed YAML tree.
+
+    Substitution happens after parsing, so a value (a password with ``#``, ``: ``, a newline or a
+    leading zero) comes through exactly as set and can never add keys or change the document's shape.
+    """
+    if isinstance(node, yaml.ScalarNode):
+        if node.tag == "tag:yaml.org,2002:str" and "${" in node.value:
+            node.value = substitute_env(node.value, source, node.start_mark.line + 1)
+    elif isinstance(node, yaml.SequenceNode):
+        for item in node.value:
+            _substitute_nodes(item, source)
+    elif isinstance(node, yaml.MappingNode):
+        for _key, value in node.value:
+            _substitute_nodes(value, source)
+
+
 def load_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read a YAML mapping from ``path`` with environment variables substituted."""
+    """Read a YAML mapping from ``path`` with environment variables substituted into its values."""
     p = Path(path)
     try:
         text = p.read_text(encoding="utf-8")
@@ -47,15 +65,38 @@ def load_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise ConfigError(f"config file {p} not found") from None
     except OSError as exc:
         raise ConfigError(f"cannot read config file {p}: {exc}") from None
+    loader = yaml.SafeLoader(text)
     try:
-        data = yaml.safe_load(substitute_env(text, str(p)))
+        node = loader.get_single_node()
+        if node is None:
+            data: Any = {}
+        else:
+            _substitute_nodes(node, str(p))
+            data = loader.construct_document(node)
     except yaml.YAMLError as exc:
         raise ConfigError(f"{p}: invalid YAML: {exc}") from None
+    finally:
+        loader.dispose()
     if data is None:
         data = {}
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: top level must be a mapping, got {type(data).__name__}")
     return data
+
+
+_SECRET_PARAM = re.compile(r"(?i)([?&;](?:[^=&;#]*(?:password|passwd|pwd|secret|token)[^=&;#]*)=)[^&;#]*")
+
+
+def redact_url(url: str) -> str:
+    """A URL safe to log, show or put in an error: the password of ``user:password@`` and the values
+    of query parameters named like a secret (``?password=``, ``&ssl_key_password=``...) become ``***``."""
+    try:
+        from sqlalchemy.engine import make_url
+
+        shown = make_url(url).render_as_string(hide_password=True)
+    except Exception:  # noqa: BLE001 - not a SQLAlchemy URL: drop anything before the host
+        shown = url.split("@")[-1]
+    return _SECRET_PARAM.sub(r"\1***", shown)
 
 
 class Section:
@@ -99,6 +140,13 @@ class Section:
             return value
         if typ is float and isinstance(value, int) and not isinstance(value, bool):
             return float(value)
+        if typ in (int, float) and isinstance(value, str):
+            # Environment variables are substituted as strings (``port: ${PORT}``); a number-typed key
+            # takes the number they spell.
+            try:
+                return typ(value.strip())
+            except ValueError:
+                pass
         if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
             names = typ.__name__ if isinstance(typ, type) else " or ".join(t.__name__ for t in typ)
             raise self.error(f"expected {names}, got {value!r}", name)

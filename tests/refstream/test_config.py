@@ -60,3 +60,44 @@ def test_read_to_end_on_real_broker(kafka: dict[str, str], unique) -> None:
     p.flush()
     got = sorted(int(m.value()) for m in read_to_end(kafka, topic))
     assert got == list(range(1000))
+
+
+@pytest.mark.parametrize("secret", [
+    "pa#ss word",          # a comment marker inside the value
+    "a: b\nc: d",          # what would be a key in the YAML text
+    "0123",                # a leading zero: stays a string, exactly
+    "${NOT_EXPANDED_TWICE}",
+    "x'\"}{[]&*!|>%@`",
+])
+def test_env_values_are_substituted_after_parsing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 secret: str) -> None:
+    monkeypatch.setenv("REF_SECRET", secret)
+    p = tmp_path / "c.yaml"
+    p.write_text("db:\n  password: ${REF_SECRET}\n  quoted: \"pre-${REF_SECRET}\"\n"
+                 "  list:\n    - ${REF_SECRET}\n# ${UNSET_IN_A_COMMENT}\nafter: 1\n")
+    assert load_yaml(p) == {"db": {"password": secret, "quoted": f"pre-{secret}", "list": [secret]},
+                            "after": 1}
+
+
+def test_env_number_feeds_a_number_key(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("REF_PORT", "9092")
+    p = tmp_path / "c.yaml"
+    p.write_text("port: ${REF_PORT}\nratio: ${REF_RATIO:-0.5}\n")
+    sec = Section(load_yaml(p), "", str(p))
+    assert sec.get("port", int) == 9092
+    assert sec.get("ratio", float) == 0.5
+    with pytest.raises(ConfigError, match=r"port: expected int, got 'x'"):
+        Section({"port": "x"}).get("port", int)
+
+
+@pytest.mark.parametrize(("url", "shown"), [
+    ("mysql+pymysql://app:s3cret@db:3306/ref", "mysql+pymysql://app:***@db:3306/ref"),
+    ("mysql+pymysql://app@db/ref?password=s3cret&charset=utf8mb4",
+     "mysql+pymysql://app@db/ref?charset=utf8mb4&password=***"),
+    ("postgresql://db/ref?sslmode=require&sslpassword=s3cret", "postgresql://db/ref?sslmode=require&sslpassword=***"),
+])
+def test_redact_url_hides_user_and_query_passwords(url: str, shown: str) -> None:
+    from refstream.config import redact_url
+
+    assert redact_url(url) == shown
+    assert "s3cret" not in redact_url(url)
