@@ -26,6 +26,7 @@ from refresh.config import load_config as load_refresh_config
 from tests.demo.conftest import INIT_SQL, ROOT
 
 COMPOSE = ROOT / "docker-compose.yml"
+HOST_KAFKA = ROOT / "docker-compose.host-kafka.yml"
 SECRETS = {"MYSQL_ROOT_PASSWORD": "root-secret", "MYSQL_PASSWORD": "app-secret"}
 PROJECT_SERVICES = ("refresher", "enrich", "simulator")
 
@@ -52,6 +53,24 @@ def interpolate(text: str, env: dict[str, str]) -> str:
 
 def load_compose(env: dict[str, str] | None = None) -> dict[str, Any]:
     return yaml.safe_load(interpolate(COMPOSE.read_text(), SECRETS if env is None else env))
+
+
+def merge(base: Any, override: Any) -> Any:
+    """Compose's merge of ``-f a.yml -f b.yml``: mappings merge key by key, ``ports`` lists append,
+    anything else is replaced."""
+    if isinstance(base, dict) and isinstance(override, dict):
+        out = dict(base)
+        for k, v in override.items():
+            if k == "ports" and isinstance(v, list):
+                out[k] = list(base.get(k, [])) + v
+            else:
+                out[k] = merge(base.get(k), v) if k in base else v
+        return out
+    return override
+
+
+def load_with_host_kafka() -> dict[str, Any]:
+    return merge(load_compose(), yaml.safe_load(interpolate(HOST_KAFKA.read_text(), SECRETS)))
 
 
 @pytest.fixture(scope="module")
@@ -164,18 +183,41 @@ def test_kafka_is_single_node_kraft(compose: dict[str, Any]) -> None:
     # Every advertised listener is one the broker listens on, on the same port.
     for addr, name in kafka_listeners(compose).items():
         assert f":{addr.rsplit(':', 1)[1]}" in listeners and listeners[f":{addr.rsplit(':', 1)[1]}"] == name
-    # The host listener is published on its own port (README: localhost:29092), and the broker's
-    # healthcheck asks an address it advertises to the other services.
-    published = {p.split(":")[-1]: p.split(":")[0] for p in compose["services"]["kafka"]["ports"]}
-    for addr in kafka_listeners(compose):
-        host, port = addr.rsplit(":", 1)
-        if host == "localhost":
-            assert published.get(port) == port, f"{addr} is advertised but port {port} is not published"
+    # No host listener by default; the opt-in override advertises localhost:29092 and publishes exactly
+    # that port, on loopback (README).
+    assert all(not a.startswith("localhost:") for a in kafka_listeners(compose))
+    assert "ports" not in compose["services"]["kafka"]
+    with_host = load_with_host_kafka()
+    host_env = service_env(with_host["services"]["kafka"])
+    host_listeners = dict(reversed(x.split("://")) for x in host_env["KAFKA_LISTENERS"].split(","))
+    published = {p.rsplit(":", 1)[-1]: p for p in with_host["services"]["kafka"]["ports"]}
+    host_addrs = [a for a in kafka_listeners(with_host) if a.startswith("localhost:")]
+    assert host_addrs == ["localhost:29092"]
+    for addr in host_addrs:
+        port = addr.rsplit(":", 1)[1]
+        assert published.get(port) == f"127.0.0.1:{port}:{port}", f"{addr} is advertised but not published"
+        assert f":{port}" in host_listeners
     hc = " ".join(compose["services"]["kafka"]["healthcheck"]["test"])
     assert re.search(r"--bootstrap-server (\S+)", hc).group(1) in kafka_listeners(compose)
     assert int(env["KAFKA_OFFSETS_TOPIC_REPLICATION_FACTOR"]) == 1  # one node
     assert int(env["KAFKA_TRANSACTION_STATE_LOG_REPLICATION_FACTOR"]) == 1  # the job's transactions
     assert re.fullmatch(r"[A-Za-z0-9_-]{22}", env["CLUSTER_ID"])  # a base64 UUID, as kafka-storage wants
+
+
+def test_ports_bind_loopback_and_no_password_on_a_command_line(compose: dict[str, Any]) -> None:
+    for doc in (compose, load_with_host_kafka()):
+        for name, svc in doc["services"].items():
+            for port in svc.get("ports", []):
+                assert str(port).startswith("127.0.0.1:"), f"{name} publishes {port} beyond loopback"
+    # Command lines (commands, entrypoints, healthchecks) are visible to every process on the host:
+    # no secret may reach one, neither as a value nor through a variable.
+    for name, svc in compose["services"].items():
+        argv = [*svc.get("command", []), *svc.get("entrypoint", []),
+                *svc.get("healthcheck", {}).get("test", [])]
+        text = " ".join(map(str, argv))
+        for secret_name, value in SECRETS.items():
+            assert value not in text and secret_name not in text, f"{name}: {secret_name} on a command line"
+        assert not re.search(r"(^|\s)(-p\S|--password)", text), f"{name}: a password flag on a command line"
 
 
 def test_depends_on_waits_for_healthchecks(compose: dict[str, Any]) -> None:
