@@ -111,7 +111,8 @@ class Demo:
                                              "--malformed", "0.01"])
             tail = EnrichedTail(settings, ENRICHED_TOPIC).start()
             stack.callback(tail.stop)
-            producer = kafka.producer(settings, **{"linger.ms": "5", "logger": log})
+            overrides: dict[str, Any] = {"linger.ms": "5", "logger": log}
+            producer = kafka.producer(settings, **overrides)
             stack.callback(producer.flush, 5)
 
             self._wait_for_first_event(tail)
@@ -200,7 +201,7 @@ class Demo:
     def _wait_for_first_event(self, tail: EnrichedTail) -> None:
         t0 = time.monotonic()
         say(f"[{stamp()}] waiting for the first enriched event (Spark's first start takes a minute or two) ...", end=" ")
-        exp = tail.expect("first", lambda e: matched(e, "devices", "model_id") and e.get("site_name"))
+        exp = tail.expect("first", lambda e: matched(e, "devices", "model_id") and bool(e.get("site_name")))
         exp.mark_started()
         while time.monotonic() - t0 < self.args.startup_timeout:
             latency = exp.wait(1.0, self.stop)

@@ -97,16 +97,18 @@ class EnrichedTail:
             if not parts:
                 self._stop.wait(0.5)
         # librdkafka's own log lines go to the demo's log file, not over the story on the terminal.
-        c = consumer(self.settings, **{"enable.partition.eof": False, "logger": log})
+        overrides: dict[str, Any] = {"enable.partition.eof": False, "logger": log}
+        c = consumer(self.settings, **overrides)
         try:
             c.assign([TopicPartition(self.topic, p, OFFSET_BEGINNING) for p in parts])
             while not self._stop.is_set():
                 msgs = c.consume(1000, timeout=0.2)
                 now = time.monotonic()
                 for m in msgs:
-                    if m.error() is not None:
-                        if m.error().code() != KafkaError._PARTITION_EOF:
-                            log.warning("reading %s: %s", self.topic, m.error())
+                    err = m.error()
+                    if err is not None:
+                        if err.code() != KafkaError._PARTITION_EOF:
+                            log.warning("reading %s: %s", self.topic, err)
                         continue
                     self._offer(m.value(), now)
         finally:

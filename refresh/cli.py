@@ -11,7 +11,7 @@ import threading
 from collections.abc import Sequence
 from types import FrameType
 
-from refresh.config import load_config
+from refresh.config import RefreshConfig, load_config
 from refresh.errors import DatasetBusy
 from refstream.errors import ConfigError, one_line
 from refstream.logs import setup_logging
@@ -90,13 +90,13 @@ def _status(config: object, as_json: bool, *, check: bool = False) -> int:
     return 0
 
 
-def _run(config: object, names: list[str], *, full: bool, reconcile: bool, wait: bool) -> int:
+def _run(config: RefreshConfig, names: list[str], *, full: bool, reconcile: bool, wait: bool) -> int:
     from refresh.runner import Refresher
 
-    refresher = Refresher(config)  # type: ignore[arg-type]
-    datasets = names or list(config.datasets)  # type: ignore[attr-defined]
+    refresher = Refresher(config)
+    datasets = names or list(config.datasets)
     for n in datasets:
-        config.dataset(n)  # type: ignore[attr-defined] - unknown names fail before any run
+        config.dataset(n)  # unknown names fail before any run
     stop = threading.Event()
 
     def on_signal(signum: int, frame: FrameType | None) -> None:

@@ -40,9 +40,11 @@ def write_atomic(path: Path, write: Callable[[BinaryIO], None]) -> None:
 
 
 def write_bytes_atomic(path: Path, data: bytes) -> None:
-    write_atomic(path, lambda f: f.write(data))
+    def write(f: BinaryIO) -> None:
+        f.write(data)
+
+    write_atomic(path, write)
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
-    data = (json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n").encode("utf-8")
-    write_atomic(path, lambda f: f.write(data))
+    write_bytes_atomic(path, (json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n").encode("utf-8"))

@@ -259,13 +259,20 @@ def read_to_end(settings: Mapping[str, str], topic: str, start: Mapping[int, int
                 err = m.error()
                 if err is not None:
                     if err.code() == KafkaError._PARTITION_EOF:
-                        pending.discard(m.partition())
+                        pending.discard(_partition(m))
                         continue
                     if err.retriable() or err.code() == KafkaError._TRANSPORT:
                         raise TransientError(f"reading {topic}: {err}")
                     raise KafkaException(err)
                 last_progress = time.monotonic()
-                pending.add(m.partition())  # EOF then more data (a producer is writing): keep going
+                pending.add(_partition(m))  # EOF then more data (a producer is writing): keep going
                 yield m
     finally:
         c.close()
+
+
+def _partition(m: Message) -> int:
+    """The partition of a consumed message (typed ``int | None`` for messages not yet produced)."""
+    p = m.partition()
+    assert p is not None
+    return p
