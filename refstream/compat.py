@@ -42,9 +42,10 @@ class CompatError(TerminalError):
     """An installed library lacks a private API this code needs and there is no fallback."""
 
 
+@functools.cache
 def version(dist: str) -> tuple[int, ...] | None:
     """The installed version of distribution ``dist`` as numbers (``"2.2.8rc1"`` -> (2, 2, 8)), None
-    when it is not installed."""
+    when it is not installed. Cached: every read asks, and the metadata lookup walks sys.path."""
     try:
         text = importlib.metadata.version(dist)
     except importlib.metadata.PackageNotFoundError:
@@ -269,7 +270,7 @@ def _pandas_hashtable() -> Any | None:
     if not supported("pandas", "pandas", what, PANDAS_SUPPORTED, fallback):
         return None
     try:
-        from pandas._libs import hashtable as ht
+        from pandas._libs import hashtable as ht  # type: ignore[attr-defined]  # private, untyped
     except ImportError:
         _missing("pandas", "pandas", what, ["pandas._libs.hashtable"], fallback, PANDAS_SUPPORTED)
         return None

@@ -13,7 +13,7 @@ import datetime as dt
 import logging
 import sqlite3
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import pyarrow as pa
 import sqlalchemy as sa
@@ -98,14 +98,15 @@ class SqlSource(IncrementalSource):
         try:
             with self._errors("query"):
                 cur, text = self._cursor(raw)
+                driver = raw.driver_connection
                 if compiled is not None:
                     p = compiled.construct_params()
-                    args: Any = tuple(p[n] for n in compiled.positiontup) if compiled.positional else p
+                    args: Any = tuple(p[n] for n in compiled.positiontup or ()) if compiled.positional else p
                     cur.execute(compiled.string, args)
                 else:
                     cur.execute(sql)  # no parameters: drivers do no %-interpolation
                 fetch = cur.fetchmany
-                if text and raw.driver_connection.encoding in _UTF8:
+                if text and driver is not None and driver.encoding in _UTF8:
                     fetch = ColumnReader.attach(cur) or fetch
                 first = fetch(chunk)
                 columns = [d[0] for d in cur.description]
@@ -200,7 +201,7 @@ class _ErrorMap:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, et: Any, exc: BaseException | None, tb: Any) -> bool:
+    def __exit__(self, et: Any, exc: BaseException | None, tb: Any) -> Literal[False]:
         if exc is None or not isinstance(exc, Exception) or isinstance(exc, TerminalError | TransientError):
             return False
         src = self.src

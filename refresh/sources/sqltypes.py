@@ -100,6 +100,7 @@ class TextConverter:
 
     def __call__(self, values: Sequence[Any] | pa.Array) -> pa.Array:
         t = self.type
+        first: Any
         if isinstance(values, pa.Array):  # the fast reader hands out a binary array per column
             if pa.types.is_large_binary(values.type):
                 raise DataError(f"dataset {self.dataset}: column {self.column}: over 2 GB of values in "
