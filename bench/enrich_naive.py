@@ -17,7 +17,7 @@ import pyarrow as pa
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.datasource import DataSourceReader, InputPartition
-from pyspark.sql.types import StructType, _parse_datatype_string
+from pyspark.sql.types import StructType
 
 from bench.enrich_data import DEVICES, EVENT_DDL, JOIN_COLUMNS
 from enrich import events
@@ -26,6 +26,7 @@ from enrich.kafka.offsets import EndOffsetProbe
 from enrich.kafka.options import SourceOptions
 from enrich.kafka.source import KafkaDataSource
 from enrich.sinks.abc import JSON_OPTIONS
+from refstream.compat import spark_schema
 from refstream.contract import SCHEMA_KEY
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ def dimension(spark: SparkSession, settings: Mapping[str, str], topic: str) -> D
     latest = (raw.where(F.col("key") != F.lit(SCHEMA_KEY))
               .groupBy("key").agg(F.max_by("value", "offset").alias("value"))
               .where(F.col("value").isNotNull()))
-    schema = _parse_datatype_string(DEVICES.spark_ddl())
+    schema = spark_schema(DEVICES.spark_ddl())
     return (latest.select(F.from_json(F.col("value").cast("string"), schema).alias("d"))
             .select(*[F.col(f"d.{c}") for c in ("device_id", *JOIN_COLUMNS)]))
 

@@ -11,8 +11,9 @@ from collections.abc import Sequence
 
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
-from pyspark.sql.types import BooleanType, StringType, StructField, StructType, _parse_datatype_string
+from pyspark.sql.types import BooleanType, StringType, StructField, StructType
 
+from refstream.compat import CompatError, spark_ddl_type
 from refstream.errors import ConfigError
 
 ERROR = "_error"
@@ -26,7 +27,9 @@ INTERNAL = (ERROR, *SOURCE, SLOW)
 
 def event_schema(ddl: str, required: Sequence[str] = (), source: str = "config") -> StructType:
     try:
-        schema = _parse_datatype_string(ddl)
+        schema = spark_ddl_type(ddl)
+    except CompatError:
+        raise
     except Exception as exc:  # Spark raises its ParseException family; report the key at fault
         raise ConfigError(f"{source}: events.schema: {ddl!r} is not a Spark DDL schema: "
                           f"{str(exc).splitlines()[0]}") from None

@@ -3,8 +3,8 @@
 Driver side: :func:`plan` resolves the configured joins against the published schemas (names the
 join and column at fault) and :func:`enrich` adds the ``mapInArrow`` step. Executor side:
 :class:`Enricher` looks every event key up in the overlay (latest changes) and then the base of a
-dimension through a hash table (pandas' ``PyObjectHashTable`` / ``Int64HashTable``) built once per
-Python worker and version, then ``take``s the dimension columns. No per-row Python on the hot path.
+dimension through a hash index (:func:`refstream.compat.key_index`: pandas' hash tables) built once
+per Python worker and version, then ``take``s the dimension columns. No per-row Python on the hot path.
 
 Every join adds its (prefixed) dimension columns and ``_<prefix><dataset>_matched`` (false: no
 reference row - its columns are null). ``how: inner`` drops unmatched events, except dead-letter
@@ -19,27 +19,22 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
-import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.sql import DataFrame
 from pyspark.sql.pandas.types import to_arrow_schema
-from pyspark.sql.types import BooleanType, StructField, StructType, _parse_datatype_string
+from pyspark.sql.types import BooleanType, StructField, StructType
 
 from enrich.config import JoinConfig
 from enrich.dimension.ship import Shipped, from_ipc
 from enrich.dimension.store import DELETED
 from enrich.events import SLOW, SOURCE
 from enrich.fastparse import FastParser
+from refstream.compat import key_index, spark_schema
 from refstream.contract import DatasetSchema
 from refstream.errors import ConfigError
 
 log = logging.getLogger(__name__)
-
-try:  # pandas' hash tables: the fast way to probe a fixed set of keys many times
-    from pandas._libs import hashtable as _ht
-except ImportError:  # pragma: no cover
-    _ht = None
 
 
 @dataclass(frozen=True)
@@ -83,7 +78,7 @@ def plan(joins: Sequence[JoinConfig], schemas: Mapping[str, DatasetSchema], inpu
         unknown = [c for c in wanted if c not in schema.names]
         if unknown:
             raise ConfigError(f"{where}: columns: {unknown} not in the published schema {schema.names}")
-        dim_struct = _parse_datatype_string(schema.spark_ddl(wanted)) if wanted else StructType([])
+        dim_struct = spark_schema(schema.spark_ddl(wanted)) if wanted else StructType([])
         out_fields = []
         for f in dim_struct.fields:
             name = j.prefix + f.name
@@ -130,32 +125,19 @@ def enrich(df: DataFrame, specs: Sequence[JoinSpec], out_schema: StructType, shi
 class _Lookup:
     """A dimension version as executors use it: the table and a hash index over its key.
 
-    The index is one of pandas' hash tables, built once and probed per batch: ``pandas.Index.
-    get_indexer`` costs 50-250 ms per 10,000 probes of a 1M-string index (pandas 3), the table ~1 ms.
+    The index is built once and probed per batch (:func:`refstream.compat.key_index`).
     """
 
     def __init__(self, table: pa.Table, key: Sequence[str]) -> None:
         self.table = table.combine_chunks()
         values, _ = _key_values([self.table.column(k).combine_chunks() for k in key])
-        self.index = _hash_index(values)
+        self.index = key_index(values)
         self.deleted = (self.table.column(DELETED).to_numpy(zero_copy_only=False)
                         if DELETED in self.table.column_names else None)
 
     def find(self, values: np.ndarray) -> np.ndarray:
         """Row position of every value in the table, -1 where it has none."""
-        if isinstance(self.index, pd.Index):
-            return self.index.get_indexer(values)
-        # Both sides come from _key_values over the same key type: int64, or objects.
-        dtype = np.int64 if isinstance(self.index, _ht.Int64HashTable) else object
-        return self.index.lookup(np.ascontiguousarray(values, dtype=dtype)).astype(np.int64, copy=False)
-
-
-def _hash_index(values: np.ndarray) -> object:
-    if _ht is None:  # pragma: no cover - pandas without its hash tables
-        return pd.Index(values)
-    table = _ht.Int64HashTable(len(values)) if values.dtype == np.int64 else _ht.PyObjectHashTable(len(values))
-    table.map_locations(np.ascontiguousarray(values))
-    return table
+        return self.index.find(values)
 
 
 # Reused Python workers keep these across micro-batches: an unchanged version costs a dict lookup.

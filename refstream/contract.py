@@ -49,6 +49,10 @@ TOPIC_CONFIG = {"cleanup.policy": "compact"}
 #: Contract column types. ``decimal(p,s)`` is parametric; everything else is a plain name.
 SIMPLE_TYPES = ("bool", "int64", "float64", "string", "binary", "date", "time", "timestamp", "timestamp_tz")
 _DECIMAL = re.compile(r"^decimal\((\d+),\s*(\d+)\)$")
+#: Digits of Arrow's decimal128, which is also the widest decimal Spark holds (wider: decimal256, STRING).
+DECIMAL128_DIGITS = 38
+#: Digits of Arrow's decimal256, the widest decimal a column can have; wider sources are capped.
+DECIMAL256_DIGITS = 76
 
 
 def default_topic(dataset: str) -> str:
@@ -61,6 +65,15 @@ def check_type(t: str) -> str:
     if t in SIMPLE_TYPES or _DECIMAL.match(t):
         return t
     raise ContractError(f"unknown column type {t!r}")
+
+
+def decimal_type(precision: int, scale: int) -> pa.DataType:
+    """The Arrow type of a DECIMAL(precision, scale), for sources and the contract alike: decimal128 up
+    to 38 digits, decimal256 beyond, capped at its 76 digits (PostgreSQL's numeric allows 1000)."""
+    precision = min(precision, DECIMAL256_DIGITS)
+    if precision <= DECIMAL128_DIGITS:
+        return pa.decimal128(precision, scale)
+    return pa.decimal256(precision, scale)
 
 
 def type_from_arrow(t: pa.DataType) -> str:
@@ -93,8 +106,7 @@ def type_from_arrow(t: pa.DataType) -> str:
 def type_to_arrow(t: str) -> pa.DataType:
     m = _DECIMAL.match(t)
     if m:
-        p, s = int(m.group(1)), int(m.group(2))
-        return pa.decimal128(p, s) if p <= 38 else pa.decimal256(p, s)
+        return decimal_type(int(m.group(1)), int(m.group(2)))
     try:
         return {
             "bool": pa.bool_(), "int64": pa.int64(), "float64": pa.float64(), "string": pa.string(),
@@ -109,7 +121,7 @@ def type_to_spark(t: str) -> str:
     """Spark SQL DDL type of a contract type."""
     m = _DECIMAL.match(t)
     if m:
-        return f"DECIMAL({m.group(1)},{m.group(2)})" if int(m.group(1)) <= 38 else "STRING"
+        return f"DECIMAL({m.group(1)},{m.group(2)})" if int(m.group(1)) <= DECIMAL128_DIGITS else "STRING"
     try:
         return {
             "bool": "BOOLEAN", "int64": "BIGINT", "float64": "DOUBLE", "string": "STRING",

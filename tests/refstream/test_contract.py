@@ -81,3 +81,12 @@ def test_contract_errors_name_the_problem() -> None:
     schema = c.DatasetSchema("d", ("k",), (c.Column("k", "int64"),))
     with pytest.raises(ContractError, match="value #1"):
         c.decode_values(schema, [b'{"k":1}', b'{"k":"not-a-number"}'])
+
+
+def test_one_rule_for_decimal_widths() -> None:
+    assert c.decimal_type(38, 4) == pa.decimal128(38, 4)
+    assert c.decimal_type(39, 4) == pa.decimal256(39, 4)
+    assert c.decimal_type(1000, 4) == pa.decimal256(76, 4)  # PostgreSQL numeric: capped
+    assert c.type_to_arrow("decimal(12,2)") == c.decimal_type(12, 2)
+    assert c.type_to_arrow("decimal(40,2)") == c.decimal_type(40, 2)
+    assert (c.type_to_spark("decimal(38,2)"), c.type_to_spark("decimal(39,2)")) == ("DECIMAL(38,2)", "STRING")

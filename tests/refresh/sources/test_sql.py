@@ -14,7 +14,7 @@ import sqlalchemy as sa
 from refresh.config import SqlSourceConfig
 from refresh.diff import normalize
 from refresh.sources.sql import SqlSource
-from refstream.errors import DataError, TerminalError, TransientError
+from refstream.errors import TerminalError, TransientError
 from tests.refresh.conftest import execute
 
 PG_URL = "postgresql+psycopg2://postgres@127.0.0.1:5432/test"
@@ -144,24 +144,3 @@ def test_postgresql_source(unique) -> None:
     finally:
         execute(engine, f"DROP TABLE {t}")
         engine.dispose()
-
-
-def test_value_that_does_not_fit_its_column_type_names_the_column() -> None:
-    from refresh.sources.sql import _TextConverter
-
-    with pytest.raises(DataError, match="dataset ds: column c: value 'x' does not fit int64"):
-        _TextConverter("ds", "c", pa.int64())(["1", "x"])
-
-
-def test_mysql_row_parser_handles_every_length_encoding(mysql_url: str, mysql_engine: sa.Engine, unique) -> None:
-    t = unique("lengths")
-    execute(mysql_engine, f"CREATE TABLE {t} (id INT PRIMARY KEY, txt MEDIUMTEXT, b MEDIUMBLOB)")
-    sizes = [0, 1, 250, 251, 252, 300, 65535, 65536, 70000]
-    execute(mysql_engine, f"INSERT INTO {t} VALUES (:id, :txt, :b)",
-            params=[{"id": i, "txt": "é" * n, "b": bytes([i % 256]) * n} for i, n in enumerate(sizes)]
-            + [{"id": 99, "txt": None, "b": None}])
-    src = SqlSource("ds", SqlSourceConfig(url=mysql_url, table=t, chunk_rows=4))
-    rows = {r["id"]: r for r in src.read().to_pylist()}
-    for i, n in enumerate(sizes):
-        assert rows[i]["txt"] == "é" * n and rows[i]["b"] == bytes([i % 256]) * n, n
-    assert rows[99] == {"id": 99, "txt": None, "b": None}

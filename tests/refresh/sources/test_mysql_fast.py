@@ -1,5 +1,6 @@
-"""The vectorised MySQL row reader (``_PyMySQLColumns``) against the real MariaDB: same table as
-PyMySQL's own row decoding, values that need multi-packet rows, a query killed mid-stream."""
+"""The fast MySQL reader (``mysql_fast.ColumnReader``) against the real MariaDB: same table as
+PyMySQL's own row decoding, every length encoding, values that need multi-packet rows, a query
+killed mid-stream, and the fallbacks taken when PyMySQL's internals are not the expected ones."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import pytest
 import sqlalchemy as sa
 
 from refresh.config import SqlSourceConfig
-from refresh.sources import sql
+from refresh.sources import mysql_fast
 from refresh.sources.sql import SqlSource
 from refstream.errors import TransientError
 from tests.refresh.conftest import execute
@@ -18,7 +19,7 @@ from tests.refresh.conftest import execute
 
 def _read(url: str, *, fast: bool, monkeypatch: pytest.MonkeyPatch, **cfg: object) -> pa.Table:
     attached: list[bool] = []
-    real = sql._PyMySQLColumns.attach
+    real = mysql_fast.ColumnReader.attach
 
     def attach(cur: object) -> object:
         fetch = real(cur) if fast else None
@@ -26,7 +27,7 @@ def _read(url: str, *, fast: bool, monkeypatch: pytest.MonkeyPatch, **cfg: objec
         return fetch
 
     with monkeypatch.context() as m:
-        m.setattr(sql._PyMySQLColumns, "attach", staticmethod(attach))
+        m.setattr(mysql_fast.ColumnReader, "attach", staticmethod(attach))
         table = SqlSource("ds", SqlSourceConfig(url=url, **cfg)).read()  # type: ignore[arg-type]
     assert attached == [fast]
     return table
@@ -103,3 +104,63 @@ def test_query_killed_mid_stream_is_transient(mysql_url: str, mysql_engine: sa.E
     with pytest.raises(TransientError, match="dataset ds: read on .* failed: .*interrupted"):
         for _ in batches:
             pass
+
+
+def test_mysql_row_parser_handles_every_length_encoding(mysql_url: str, mysql_engine: sa.Engine, unique) -> None:
+    t = unique("lengths")
+    execute(mysql_engine, f"CREATE TABLE {t} (id INT PRIMARY KEY, txt MEDIUMTEXT, b MEDIUMBLOB)")
+    sizes = [0, 1, 250, 251, 252, 300, 65535, 65536, 70000]
+    execute(mysql_engine, f"INSERT INTO {t} VALUES (:id, :txt, :b)",
+            params=[{"id": i, "txt": "é" * n, "b": bytes([i % 256]) * n} for i, n in enumerate(sizes)]
+            + [{"id": 99, "txt": None, "b": None}])
+    src = SqlSource("ds", SqlSourceConfig(url=mysql_url, table=t, chunk_rows=4))
+    rows = {r["id"]: r for r in src.read().to_pylist()}
+    for i, n in enumerate(sizes):
+        assert rows[i]["txt"] == "é" * n and rows[i]["b"] == bytes([i % 256]) * n, n
+    assert rows[99] == {"id": 99, "txt": None, "b": None}
+
+
+@pytest.fixture
+def mixed_table(mysql_engine: sa.Engine, unique) -> str:
+    t = unique("compat")
+    execute(mysql_engine,
+            f"CREATE TABLE {t} (id INT PRIMARY KEY, name VARCHAR(40), price DECIMAL(12,4), at DATETIME(6), "
+            "d DATE, f DOUBLE, b VARBINARY(40), t TIME, n INT)",
+            f"INSERT INTO {t} SELECT seq, IF(seq % 7 = 0, NULL, CONCAT('é', seq)), seq / 7, "
+            "TIMESTAMP('2024-01-01') + INTERVAL seq SECOND, IF(seq % 13 = 0, NULL, DATE('2000-01-01') + "
+            "INTERVAL seq DAY), seq * 1.5, UNHEX(LPAD(HEX(seq % 256), 2, '0')), "
+            "SEC_TO_TIME(CAST(seq AS SIGNED) - 100), NULL FROM seq_1_to_500")
+    return t
+
+
+def test_without_pymysql_internals_fetchmany_reads_the_same(mysql_url: str, mixed_table: str, caplog,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    import pymysql.connections
+
+    from refstream import compat
+
+    fast = SqlSource("ds", SqlSourceConfig(url=mysql_url, table=mixed_table, chunk_rows=64)).read()
+    monkeypatch.setattr(compat, "_warned", set())
+    monkeypatch.delattr(pymysql.connections.Connection, "_force_close")  # used only on errors by PyMySQL
+    attached: list[bool] = []
+    real = mysql_fast.ColumnReader.attach
+    monkeypatch.setattr(mysql_fast.ColumnReader, "attach",
+                        staticmethod(lambda cur: attached.append(bool(r := real(cur))) or r))
+    slow = SqlSource("ds", SqlSourceConfig(url=mysql_url, table=mixed_table, chunk_rows=64)).read()
+    assert attached == [False]
+    assert slow.schema == fast.schema and slow.equals(fast)
+    assert "PyMySQL" in caplog.text and "Connection._force_close" in caplog.text
+
+
+def test_unchecked_pymysql_version_reads_the_same_values(mysql_url: str, mixed_table: str, caplog,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from refstream import compat
+
+    fast = SqlSource("ds", SqlSourceConfig(url=mysql_url, table=mixed_table, chunk_rows=64)).read()
+    monkeypatch.setattr(compat, "_warned", set())
+    monkeypatch.setattr(compat, "PYMYSQL_SUPPORTED", ((0, 1), (0, 2)))
+    plain = SqlSource("ds", SqlSourceConfig(url=mysql_url, table=mixed_table, chunk_rows=64)).read()
+    # PyMySQL's own conversions: types come from the values, the values are the same.
+    assert plain.column_names == fast.column_names
+    assert plain.sort_by("id").to_pylist() == fast.sort_by("id").to_pylist()
+    assert "outside the versions >=0.1,<0.2" in caplog.text
