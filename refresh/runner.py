@@ -2,7 +2,7 @@
 
 Order of a run (under the dataset's lock):
     load committed state -> read the source (retried while the database is unreachable) -> normalise and
-    check keys -> compute the change set -> publish (schema record first if the columns changed), wait
+    check keys -> compute the change set -> refuse it if it deletes too much (a partial source) -> publish (schema record first if the columns changed), wait
     for every acknowledgement -> commit snapshot + state atomically -> record the run's status.
 Any failure before the commit leaves the committed state as it was: the next run computes the same
 changes again (or more) and republishes them, which is harmless on a compacted, keyed topic.
@@ -26,7 +26,7 @@ import pyarrow as pa
 from refresh import incremental as inc
 from refresh.config import DatasetConfig, RefreshConfig
 from refresh.diff import ChangeSet, canonical_schema, check_keys, diff, normalize, upsert_into, within
-from refresh.errors import EmptySnapshot, Stopped
+from refresh.errors import EmptySnapshot, Refused, Stopped, TooManyDeletes
 from refresh.publish import Publisher
 from refresh.sources import open_source
 from refresh.sources.abc import IncrementalSource, Source
@@ -88,27 +88,33 @@ class Refresher:
 
     # --------------------------------------------------------------------------------- public
     def run(self, dataset: str, *, full: bool = False, reconcile: bool = False, wait: bool = True,
-            stop: threading.Event | None = None) -> RunResult:
+            stop: threading.Event | None = None, allow_deletes: bool = False) -> RunResult:
         """Refresh ``dataset`` now. ``full`` republishes every current row; ``reconcile`` (incremental
-        mode) reads the whole source to find hard deletes. Records the outcome in the dataset's status
-        and re-raises the error of a failed run after recording it. ``wait=False`` raises
-        :class:`DatasetBusy` instead of waiting for a run that holds the dataset."""
+        mode) reads the whole source to find hard deletes; ``allow_deletes`` lifts, for this run, the
+        refusals of a source that reads empty or deletes more than ``max_delete_fraction``. Records the
+        outcome in the dataset's status and re-raises the error of a failed (or refused) run after
+        recording it. ``wait=False`` raises :class:`DatasetBusy` instead of waiting for a run that
+        holds the dataset."""
         ds = self.config.dataset(dataset)
         with self.store.lock(ds.name, wait=wait, stop=stop):
             started = _utcnow()
             t0 = time.monotonic()
             try:
-                result = self._run_locked(ds, full=full, reconcile=reconcile, stop=stop, t0=t0)
+                result = self._run_locked(ds, full=full, reconcile=reconcile, stop=stop, t0=t0,
+                                          allow_deletes=allow_deletes)
             except BaseException as exc:
                 # A shutdown that cuts a run short commits nothing and is not the dataset's fault:
-                # it is recorded as interrupted, without counting as a failure.
-                stopped = isinstance(exc, Stopped)
+                # it is recorded as interrupted, without counting as a failure. A refused change set
+                # (a guard against partial sources) is recorded as refused.
+                stopped, refused = isinstance(exc, Stopped), isinstance(exc, Refused)
                 self._record(ds, started, RunResult(
                     dataset=ds.name, ok=False, version=self.store.load(ds.name).version, rows=0, inserts=0,
                     updates=0, deletes=0, published=0, seconds=round(time.monotonic() - t0, 3),
-                    error=one_line(exc), kind="full" if full else ds.mode, interrupted=stopped))
+                    error=one_line(exc), kind="full" if full else ds.mode, interrupted=stopped,
+                    refused=refused))
                 (log.warning if stopped else log.error)(
-                    "dataset %s: refresh %s after %.1fs: %s", ds.name, "interrupted" if stopped else "failed",
+                    "dataset %s: refresh %s after %.1fs: %s", ds.name,
+                    "interrupted" if stopped else "refused" if refused else "failed",
                     time.monotonic() - t0, one_line(exc))
                 raise
             self._record(ds, started, result)
@@ -144,7 +150,7 @@ class Refresher:
         return self._retry(attempt, f"dataset {ds.name}: read {what}", stop)
 
     def _run_locked(self, ds: DatasetConfig, *, full: bool, reconcile: bool,
-                    stop: threading.Event | None, t0: float) -> RunResult:
+                    stop: threading.Event | None, t0: float, allow_deletes: bool = False) -> RunResult:
         timer = _Phases()
         Publisher.warm_up(self.config.kafka)  # the producer gets ready while the source is read
         state = self.store.load(ds.name)
@@ -165,8 +171,11 @@ class Refresher:
             step = self._incremental(ds, state, snapshot, source, stop, timer)
         if step is None:
             step = self._full_read(ds, state, snapshot, source, stop, timer,
-                                   kind="full" if full else ("reconcile" if ds.mode == "incremental" else "diff"))
+                                   kind="full" if full else ("reconcile" if ds.mode == "incremental" else "diff"),
+                                   allow_empty=ds.allow_empty or allow_deletes)
         del snapshot  # the old rows are not needed any more: free them before publishing
+        if not allow_deletes:
+            check_deletes(ds, state, step.changes.delete_count, step.rows_read)
 
         schema, changes = step.schema, step.changes
         schema_changed = not schema.same_columns(state.schema)
@@ -231,18 +240,21 @@ class Refresher:
 
     def _full_read(self, ds: DatasetConfig, state: CommittedState, snapshot: SnapshotRows | pa.Table | None,
                    source: Source,
-                   stop: threading.Event | None, timer: _Phases, *, kind: RunKind) -> _Step:
-        """Every row, diffed with the published snapshot (``kind`` full also republishes every row)."""
+                   stop: threading.Event | None, timer: _Phases, *, kind: RunKind,
+                   allow_empty: bool = False) -> _Step:
+        """Every row, diffed with the published snapshot (``kind`` full also republishes every row);
+        an empty read is refused unless ``allow_empty``."""
         cursor = ds.incremental
         db_now = self._retry(source.now, f"dataset {ds.name}: database clock", stop) \
             if cursor is not None and isinstance(source, IncrementalSource) else None
         rows = self._read(ds, "snapshot", source.read, state.schema, stop)
         timer.mark("read")
-        if rows.num_rows == 0 and not ds.allow_empty:
+        if rows.num_rows == 0 and not allow_empty:
             raise EmptySnapshot(
                 f"dataset {ds.name}: {source.describe()} read as empty; refusing to delete "
                 f"{snapshot.num_rows if snapshot is not None else 0} published row(s) "
-                f"(set allow_empty: true if an empty dataset is legitimate)")
+                f"(set allow_empty: true if an empty dataset is legitimate, or force this once with "
+                f"`refresh run {ds.name} --allow-deletes`)")
         if rows.num_rows == 0 and rows.num_columns == 0 and snapshot is not None:
             # An allowed empty source without columns (a zero-byte file): empty with the columns last
             # published, so it deletes every row instead of failing on missing key columns.
@@ -290,6 +302,21 @@ class Refresher:
             self.store.write_status(ds.name, self.store.read_status(ds.name).after(run))
         except OSError as exc:  # the run's outcome stands; only its report is lost
             log.error("dataset %s: cannot write status: %s", ds.name, exc)
+
+
+def check_deletes(ds: DatasetConfig, state: CommittedState, deletes: int, rows_read: int) -> None:
+    """Refuse a change set deleting more than ``max_delete_fraction`` of the committed rows: a CSV cut
+    mid-write, a glob missing a file or a table being reloaded reads short, and publishing the
+    difference would tombstone rows that still exist. An empty read of a dataset with ``allow_empty``
+    is declared legitimate and deletes everything; ``--allow-deletes`` skips this check for one run."""
+    if deletes == 0 or (rows_read == 0 and ds.allow_empty):
+        return
+    limit = ds.max_delete_fraction
+    if deletes > limit * state.rows:
+        raise TooManyDeletes(
+            f"dataset {ds.name}: would delete {deletes} of {state.rows} rows (limit {limit:g}, "
+            f"max_delete_fraction); refused, nothing published: a partial source? If the deletes are "
+            f"meant, run `refresh run {ds.name} --allow-deletes`")
 
 
 def describe_schema_change(old: DatasetSchema, new: DatasetSchema) -> str:

@@ -84,12 +84,12 @@ def read_status(config: RefreshConfig) -> list[StatusRow]:
 
 
 def unhealthy(rows: list[StatusRow]) -> list[str]:
-    """What ``refresh status --check`` reports: datasets never published, or whose last run failed
-    (an interrupted run is not a failure)."""
+    """What ``refresh status --check`` reports: datasets never published, or whose last run failed or
+    was refused (an interrupted run is not a failure)."""
     out = []
     for r in rows:
-        if r["last_result"] == "failed":
-            out.append(f"dataset {r['dataset']}: last run failed: {r['last_error']}")
+        if r["last_result"] in ("failed", "refused"):
+            out.append(f"dataset {r['dataset']}: last run {r['last_result']}: {r['last_error']}")
         elif not r["version"]:
             out.append(f"dataset {r['dataset']}: never published")
     return out
@@ -112,7 +112,7 @@ def format_status(rows: list[StatusRow]) -> str:
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in table]
     for r in rows:
-        if r["last_result"] == "failed":
+        if r["last_result"] in ("failed", "refused"):
             lines.append(f"{r['dataset']}: last error: {r['last_error']}")
     return "\n".join(lines)
 

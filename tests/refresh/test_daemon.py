@@ -268,6 +268,7 @@ def test_interval_runs_reach_the_topic(mysql_url: str, kafka: dict[str, str], it
           key: [id]
           schedule: {{every: 1s}}
           topic: {topic}
+          max_delete_fraction: 1
     """))
     with daemon_thread(cfg):
         wait_for(lambda: len(replay(records(kafka, topic))) == 3, 30, "the first snapshot")
@@ -284,6 +285,34 @@ def test_interval_runs_reach_the_topic(mysql_url: str, kafka: dict[str, str], it
     # The daemon's stop may cut a scheduled run short: recorded as interrupted, never as failed.
     assert status["last_result"] in ("ok", "interrupted"), status
     assert status["version"] >= 2 and status["last_success"] and status["consecutive_failures"] == 0
+
+
+def test_a_refused_run_is_logged_and_the_schedule_goes_on(mysql_url: str, kafka: dict[str, str], items: str,
+                                                         tmp_path: Path, unique: Callable[[str], str],
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    topic = unique("ref.items")
+    cfg = load_config(write_config(tmp_path, kafka, f"""
+        items:
+          source: {{url: "{mysql_url}", table: {items}}}
+          key: [id]
+          schedule: {{every: 1s}}
+          topic: {topic}
+          max_delete_fraction: 0.5
+    """))
+    caplog.set_level(logging.ERROR, logger="refresh.daemon")
+    with daemon_thread(cfg):
+        wait_for(lambda: len(replay(records(kafka, topic))) == 3, 30, "the first snapshot")
+        sql(mysql_url, f"DELETE FROM `{items}` WHERE id > 1")  # 2 of 3 rows gone: a partial read
+        st = wait_for(lambda: (s := read_status(cfg)[0])["last_result"] == "refused" and s, 15, "a refused run")
+        assert "would delete 2 of 3 rows (limit 0.5" in st["last_error"] and st["consecutive_failures"] == 0
+        first = st["last_run"]
+        wait_for(lambda: read_status(cfg)[0]["last_run"] != first, 15, "the next scheduled run")
+        assert read_status(cfg)[0]["last_result"] == "refused"
+        assert "refresh of items refused after" in caplog.text
+        sql(mysql_url, f"INSERT INTO `{items}` VALUES (2, 'two'), (3, 'THREE')")  # the reload completes
+        wait_for(lambda: read_status(cfg)[0]["last_result"] == "ok", 15, "a run once the table is whole again")
+    assert all(c.op != OP_DELETE for _, c in records(kafka, topic))
+    assert replay(records(kafka, topic)) == table_rows(mysql_url, items)
 
 
 def test_file_watch_edit_rename_and_slow_write(kafka: dict[str, str], tmp_path: Path,
