@@ -1,9 +1,11 @@
 """One refresh of one dataset: read, check, diff, publish, and only then commit.
 
 Order of a run (under the dataset's lock):
-    load committed state -> read the source (retried while the database is unreachable) -> normalise and
+    load committed state -> check that the topic still holds what the state says was published
+    (otherwise the run republishes everything) -> read the source (retried while the database is unreachable) -> normalise and
     check keys -> compute the change set -> refuse it if it deletes too much (a partial source) -> publish (schema record first if the columns changed), wait
-    for every acknowledgement -> commit snapshot + state atomically -> record the run's status.
+    for every acknowledgement -> note the topic's end offsets -> commit snapshot + state atomically ->
+    record the run's status.
 Any failure before the commit leaves the committed state as it was: the next run computes the same
 changes again (or more) and republishes them, which is harmless on a compacted, keyed topic.
 """
@@ -33,7 +35,8 @@ from refresh.sources.abc import IncrementalSource, Source
 from refresh.stores.abc import CommittedState, RunKind, RunRecord, RunResult, SnapshotRows, StateStore
 from refresh.stores.files import FileStateStore
 from refstream.contract import DatasetSchema, delete_messages, schema_message, upsert_messages
-from refstream.errors import one_line
+from refstream.errors import TransientError, one_line
+from refstream.kafka import end_offsets
 from refstream.retry import call_with_retry
 
 log = logging.getLogger(__name__)
@@ -157,6 +160,8 @@ class Refresher:
         snapshot = self.store.open_snapshot(ds.name, state)
         if snapshot is not None and canonical_schema(snapshot.schema, ds.name) != snapshot.schema:
             snapshot = normalize(snapshot.read(), ds.name)  # written by an older release: convert it whole
+        ends, lost = self._check_topic(ds, state, stop)
+        full = full or lost is not None
         timer.mark("load")
         source = open_source(ds)
         log.info("dataset %s: refresh from %s (version %d%s)", ds.name, source.describe(),
@@ -170,8 +175,9 @@ class Refresher:
             assert isinstance(source, IncrementalSource)
             step = self._incremental(ds, state, snapshot, source, stop, timer)
         if step is None:
-            step = self._full_read(ds, state, snapshot, source, stop, timer,
-                                   kind="full" if full else ("reconcile" if ds.mode == "incremental" else "diff"),
+            kind: RunKind = "republish" if lost is not None else "full" if full else \
+                "reconcile" if ds.mode == "incremental" else "diff"
+            step = self._full_read(ds, state, snapshot, source, stop, timer, kind=kind,
                                    allow_empty=ds.allow_empty or allow_deletes)
         del snapshot  # the old rows are not needed any more: free them before publishing
         if not allow_deletes:
@@ -188,6 +194,7 @@ class Refresher:
         if changes or with_schema:
             self.store.reserve(ds.name, version)
             published = self._publish(ds, schema, changes, version, with_schema=with_schema, stop=stop)
+            ends = self._published_ends(ds, stop)
         timer.mark("publish")
         # Every message is acknowledged: commit even if a stop was requested meanwhile (it is quick,
         # and stopping here would only make the next run publish the same changes again).
@@ -195,13 +202,14 @@ class Refresher:
         self.store.commit(ds.name, CommittedState(
             version=version, schema=schema, snapshot=state.snapshot, rows=step.total,
             watermark=step.watermark, watermark_type=step.watermark_type,
-            last_reconcile=step.last_reconcile, topic=ds.topic), None if keep_snapshot else step.snapshot)
+            last_reconcile=step.last_reconcile, topic=ds.topic, offsets=ends),
+            None if keep_snapshot else step.snapshot)
         timer.mark("commit")
         seconds = round(time.monotonic() - t0, 3)
         result = RunResult(dataset=ds.name, ok=True, version=version, rows=step.rows_read,
                            inserts=changes.inserts, updates=changes.updates, deletes=changes.delete_count,
                            published=published, seconds=seconds, kind=step.kind, watermark=step.watermark,
-                           schema_changed=schema_changed, phases=timer.phases)
+                           schema_changed=schema_changed, phases=timer.phases, reason=lost)
         log.info("dataset %s: version %d (%s): read %d rows, %d inserts, %d updates, %d deletes, "
                  "%d messages published in %.2fs (%s)", ds.name, version, step.kind, result.rows,
                  result.inserts, result.updates, result.deletes, published, seconds, timer)
@@ -261,7 +269,7 @@ class Refresher:
             rows = normalize(snapshot.schema.empty_table(), ds.name)
         check_keys(ds.name, rows, ds.key)
         schema = DatasetSchema.from_arrow(ds.name, ds.key, rows.schema)
-        changes = diff(ds.name, snapshot, rows, ds.key, republish_all=kind == "full")
+        changes = diff(ds.name, snapshot, rows, ds.key, republish_all=kind in ("full", "republish"))
         watermark, wm_type, last_reconcile = state.watermark, state.watermark_type, state.last_reconcile
         if cursor is not None:
             col = cursor.column
@@ -272,6 +280,33 @@ class Refresher:
         timer.mark("diff")
         return _Step(kind=kind, rows_read=rows.num_rows, schema=schema, changes=changes, snapshot=rows,
                      total=rows.num_rows, watermark=watermark, watermark_type=wm_type, last_reconcile=last_reconcile)
+
+    # ---------------------------------------------------------------- the topic as part of the state
+    def _check_topic(self, ds: DatasetConfig, state: CommittedState,
+                     stop: threading.Event | None) -> tuple[dict[int, int] | None, str | None]:
+        """The topic's end offsets now (None: topic missing, or nothing published yet) and why it no
+        longer holds what the committed state says was published (None: it does). One metadata and
+        one ListOffsets request per run."""
+        if not state.version:
+            return None, None  # never published: the first run publishes everything anyway
+        ends = self._retry(lambda: end_offsets(self.config.kafka, ds.topic),
+                           f"dataset {ds.name}: end offsets of {ds.topic}", stop)
+        reason = topic_lost(ds.topic, state, ends)
+        if reason is not None:
+            log.warning("dataset %s: topic %s: %s; republishing the whole dataset with its schema record",
+                        ds.name, ds.topic, reason)
+        return ends, reason
+
+    def _published_ends(self, ds: DatasetConfig, stop: threading.Event | None) -> dict[int, int] | None:
+        """The topic's end offsets right after a publish, for the next run's check; None (the next run
+        records them instead of comparing) if the broker cannot say now: the publish itself stands."""
+        try:
+            return self._retry(lambda: end_offsets(self.config.kafka, ds.topic),
+                               f"dataset {ds.name}: end offsets of {ds.topic}", stop)
+        except TransientError as exc:
+            log.warning("dataset %s: cannot read the end offsets of %s after publishing (%s); the next "
+                        "run records them", ds.name, ds.topic, exc)
+            return None
 
     def _reconcile_due(self, ds: DatasetConfig, state: CommittedState) -> bool:
         every = ds.incremental.reconcile_every if ds.incremental is not None else None
@@ -317,6 +352,25 @@ def check_deletes(ds: DatasetConfig, state: CommittedState, deletes: int, rows_r
             f"dataset {ds.name}: would delete {deletes} of {state.rows} rows (limit {limit:g}, "
             f"max_delete_fraction); refused, nothing published: a partial source? If the deletes are "
             f"meant, run `refresh run {ds.name} --allow-deletes`")
+
+
+def topic_lost(topic: str, state: CommittedState, ends: dict[int, int] | None) -> str | None:
+    """Why ``topic`` (with end offsets ``ends``, None when it does not exist) no longer holds what
+    ``state`` says was published, or None. A topic only grows: an end offset below the one recorded
+    after the last publish means it was deleted and recreated (a new topic starts at offset 0) or
+    emptied."""
+    if state.topic is not None and state.topic != topic:
+        return f"topic changed from {state.topic} to {topic} in the config"
+    if ends is None:
+        return "topic does not exist (deleted?)"
+    for part, recorded in sorted((state.offsets or {}).items()):
+        end = ends.get(part)
+        if end is None:
+            return f"partition {part} is gone (recreated with fewer partitions?)"
+        if end < recorded:
+            return (f"partition {part} ends at offset {end}, below the {recorded} recorded after version "
+                    f"{state.version} (deleted and recreated, or emptied)")
+    return None
 
 
 def describe_schema_change(old: DatasetSchema, new: DatasetSchema) -> str:

@@ -34,12 +34,16 @@ class CommittedState:
     watermark: Any = None                 # incremental: highest cursor value published (JSON form)
     watermark_type: str | None = None     # contract type of the cursor column
     last_reconcile: str | None = None     # ISO time of the last full read (incremental mode)
-    topic: str | None = None
+    topic: str | None = None              # the topic the rows were published to
+    # The topic's end offset per partition, as ListOffsets reported it after the last publish: a topic
+    # whose ends are found below these was deleted, recreated or emptied since (None: not recorded).
+    offsets: dict[int, int] | None = None
 
 
 #: What a run did: ``diff`` / ``incremental`` (the dataset's mode), ``reconcile`` (an incremental dataset
-#: read whole to find hard deletes), ``full`` (every row republished).
-RunKind = Literal["diff", "incremental", "reconcile", "full"]
+#: read whole to find hard deletes), ``full`` (every row republished), ``republish`` (every row
+#: republished because the topic no longer holds what the state says was published; see ``reason``).
+RunKind = Literal["diff", "incremental", "reconcile", "full", "republish"]
 #: How a run ended, as ``refresh status`` shows it; an interrupted run is not a failure, a refused one
 #: (a guard saw what looks like a partial source, :class:`refresh.errors.Refused`) is not one either,
 #: but is not healthy.
@@ -66,6 +70,7 @@ class RunResult:
     phases: dict[str, float] = field(default_factory=dict)   # seconds per step: load, read, diff, ...
     interrupted: bool = False     # cut short by a stop request: nothing committed, not a failure
     refused: bool = False         # a guard refused the change set: nothing published nor committed
+    reason: str | None = None     # why a ``republish`` run republished everything
 
     @property
     def outcome(self) -> RunOutcome:

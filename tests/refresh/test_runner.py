@@ -6,6 +6,7 @@ import base64
 import json
 import logging
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from demo.broker import EmbeddedBroker, free_port
 from refresh.errors import DatasetBusy, DuplicateKey, EmptySnapshot, PublishError, TooManyDeletes
 from refresh.publish import Publisher
 from refresh.runner import Refresher
-from refresh.status import read_status
+from refresh.status import format_status, read_status
 from refresh.stores.files import FileStateStore
 from refstream import contract
 from refstream.errors import DataError, TerminalError, TransientError
@@ -210,11 +211,13 @@ def test_broker_down_during_publish_commits_nothing_and_the_next_run_publishes(
         st = read_status(cfg)[0]
         assert st["last_result"] == "failed" and st["consecutive_failures"] == 1
 
-        broker = EmbeddedBroker(port).start()  # a new (empty, in-memory) broker on the same address
+        # A new (empty, in-memory) broker on the same address: the run finds the topic gone and
+        # republishes the whole table, the changes included.
+        broker = EmbeddedBroker(port).start()
         r = Refresher(cfg).run("d")
-        assert (r.version, r.inserts, r.updates) == (3, 1, 1)
+        assert (r.version, r.inserts, r.updates, r.kind) == (3, 1, 1, "republish")
         assert changes(read_topic({"bootstrap.servers": broker.bootstrap}, topic)) == {
-            '{"id":2}': {"id": 2, "v": 20}, '{"id":3}': {"id": 3, "v": 3}}
+            '{"id":1}': {"id": 1, "v": 1}, '{"id":2}': {"id": 2, "v": 20}, '{"id":3}': {"id": 3, "v": 3}}
         assert read_status(cfg)[0]["last_result"] == "ok"
     finally:
         broker.stop()
@@ -565,3 +568,69 @@ def test_a_glob_missing_one_file_is_refused(make_config, tmp_path: Path, unique,
         Refresher(cfg).run("p")
     assert read_topic(kafka, topic) == published
     assert read_status(cfg)[0]["last_result"] == "refused"
+
+
+# ------------------------------------------------------------------ the topic is part of the state
+
+def delete_topic(kafka: dict[str, str], topic: str) -> None:
+    from refstream.kafka import admin, partitions_of
+
+    admin(kafka).delete_topics([topic], operation_timeout=10)[topic].result(10)
+    deadline = time.monotonic() + 20
+    while partitions_of(kafka, topic):
+        assert time.monotonic() < deadline, f"topic {topic} still listed after its deletion"
+        time.sleep(0.1)
+
+
+def test_a_deleted_or_recreated_topic_gets_the_whole_dataset_again(make_config, mysql_engine, mysql_url,
+                                                                  unique, kafka, caplog):
+    from refstream.kafka import ensure_topic
+
+    t, topic = unique("lost"), unique("ref.lost")
+    execute(mysql_engine, f"CREATE TABLE {t} (id INT PRIMARY KEY, v VARCHAR(5))",
+            f"INSERT INTO {t} VALUES (1,'a'),(2,'b'),(3,'c')")
+    cfg = make_config({"l": mysql_dataset(mysql_url, t, topic)})
+    Refresher(cfg).run("l")
+    execute(mysql_engine, f"UPDATE {t} SET v = 'B' WHERE id = 2")
+    delete_topic(kafka, topic)
+    caplog.set_level(logging.WARNING, logger="refresh.runner")
+    r = Refresher(cfg).run("l")
+    assert (r.kind, r.version, r.published) == ("republish", 2, 4)
+    assert r.reason == "topic does not exist (deleted?)"
+    assert f"dataset l: topic {topic}: topic does not exist (deleted?); republishing the whole dataset" in caplog.text
+    records = read_topic(kafka, topic)
+    assert [x.op for x in records] == ["schema", "upsert", "upsert", "upsert"] and {x.version for x in records} == {2}
+    assert table_view(records) == {'{"id":1}': {"id": 1, "v": "a"}, '{"id":2}': {"id": 2, "v": "B"},
+                                   '{"id":3}': {"id": 3, "v": "c"}}
+    st = read_status(cfg)[0]
+    assert (st["last_kind"], st["last_reason"]) == ("republish", "topic does not exist (deleted?)")
+    assert "l: last run republished everything: topic does not exist (deleted?)" in format_status(read_status(cfg))
+
+    # The topic unchanged: a normal run, nothing republished.
+    again = Refresher(cfg).run("l")
+    assert (again.kind, again.published, again.reason) == ("diff", 0, None)
+    assert len(read_topic(kafka, topic)) == 4
+
+    # Deleted and recreated empty by someone else (a new topic starts again at offset 0).
+    delete_topic(kafka, topic)
+    ensure_topic(kafka, topic, partitions=1)
+    r = Refresher(cfg).run("l")
+    assert r.kind == "republish" and r.published == 4
+    assert r.reason.startswith("partition 0 ends at offset 0, below the ") and "recreated" in r.reason
+    assert len(read_topic(kafka, topic)) == 4
+    assert Refresher(cfg).run("l").kind == "diff"
+
+
+def test_a_renamed_topic_gets_the_whole_dataset(make_config, mysql_engine, mysql_url, unique, kafka):
+    t, old, new = unique("moved"), unique("ref.old"), unique("ref.new")
+    execute(mysql_engine, f"CREATE TABLE {t} (id INT PRIMARY KEY, v VARCHAR(5))", f"INSERT INTO {t} VALUES (1,'a'),(2,'b')")
+    Refresher(make_config({"m": mysql_dataset(mysql_url, t, old)})).run("m")
+    cfg = make_config({"m": mysql_dataset(mysql_url, t, new)}, name="renamed.yaml")  # same state_dir
+    r = Refresher(cfg).run("m")
+    assert (r.kind, r.published, r.reason) == ("republish", 3, f"topic changed from {old} to {new} in the config")
+    records = read_topic(kafka, new)
+    assert records[0].op == "schema" and schemas(records)[0].key == ("id",)
+    assert table_view(records) == {'{"id":1}': {"id": 1, "v": "a"}, '{"id":2}': {"id": 2, "v": "b"}}
+    assert len(read_topic(kafka, old)) == 3  # the old topic is left as it was
+    assert FileStateStore(cfg.state_dir).load("m").topic == new
+    assert Refresher(cfg).run("m").kind == "diff"
