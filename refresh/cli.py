@@ -1,4 +1,5 @@
-"""``refresh`` command line: ``daemon``, ``run [DATASET ...] [--full]``, ``status [--json] [--check]``."""
+"""``refresh`` command line: ``daemon``, ``run [DATASET ...] [--full] [--allow-deletes]``,
+``status [--json] [--check]``."""
 
 from __future__ import annotations
 
@@ -39,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--full", action="store_true", help="republish every current row")
     r.add_argument("--reconcile", action="store_true",
                    help="incremental datasets: read the whole table to find hard deletes")
+    r.add_argument("--allow-deletes", action="store_true",
+                   help="the named datasets only, this run only: publish deletes beyond max_delete_fraction "
+                        "(and of a source that reads empty) instead of refusing them")
     r.add_argument("--no-wait", action="store_true",
                    help="fail instead of waiting when a dataset is being refreshed elsewhere")
     s = sub.add_parser("status", parents=[common], help="show each dataset's state and last run")
@@ -64,7 +68,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_daemon(config)
         if args.verb == "status":
             return _status(config, args.json, check=args.check)
-        return _run(config, args.datasets, full=args.full, reconcile=args.reconcile, wait=not args.no_wait)
+        if args.allow_deletes and not args.datasets:
+            # Forcing deletes is a decision about one dataset's data, never a blanket one.
+            raise ConfigError("--allow-deletes needs the datasets named: refresh run DATASET --allow-deletes")
+        return _run(config, args.datasets, full=args.full, reconcile=args.reconcile, wait=not args.no_wait,
+                    allow_deletes=args.allow_deletes)
     except KeyboardInterrupt:
         print("refresh: interrupted", file=sys.stderr)
         return 130
@@ -90,7 +98,8 @@ def _status(config: object, as_json: bool, *, check: bool = False) -> int:
     return 0
 
 
-def _run(config: RefreshConfig, names: list[str], *, full: bool, reconcile: bool, wait: bool) -> int:
+def _run(config: RefreshConfig, names: list[str], *, full: bool, reconcile: bool, wait: bool,
+         allow_deletes: bool = False) -> int:
     from refresh.runner import Refresher
 
     refresher = Refresher(config)
@@ -113,7 +122,8 @@ def _run(config: RefreshConfig, names: list[str], *, full: bool, reconcile: bool
                 print(f"refresh: {name}: not run (stopped)", file=sys.stderr)
                 continue
             try:
-                r = refresher.run(name, full=full, reconcile=reconcile, wait=wait, stop=stop)
+                r = refresher.run(name, full=full, reconcile=reconcile, wait=wait, stop=stop,
+                                  allow_deletes=allow_deletes)
             except DatasetBusy as exc:
                 failed += 1
                 print(f"refresh: {exc}", file=sys.stderr)

@@ -60,6 +60,10 @@ class FileSourceConfig:
     format: FileFormat
     chunk_rows: int = 50_000
     types: tuple[tuple[str, str], ...] = ()   # column -> contract type, overriding inference
+    # Read only once every matching file's size and mtime stayed the same this long (a writer may
+    # still be at work), waiting at most ``stable_timeout`` for it.
+    stable_for: timedelta = timedelta(seconds=1)
+    stable_timeout: timedelta = timedelta(seconds=60)
 
     def describe(self) -> str:
         return self.path
@@ -90,6 +94,8 @@ class DatasetConfig:
     incremental: IncrementalConfig | None = None   # set exactly when mode is incremental
     allow_empty: bool = False
     partitions: int = 1
+    # A run deleting more than this share of the committed rows is refused (a partial source).
+    max_delete_fraction: float = 0.1
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -171,9 +177,13 @@ def _dataset(name: str, sec: Section) -> DatasetConfig:
     partitions = sec.get("partitions", int, 1)
     if partitions < 1:
         raise sec.error("must be at least 1", "partitions")
+    max_delete_fraction = sec.get("max_delete_fraction", float, 0.1)
+    if not 0.0 <= max_delete_fraction <= 1.0:
+        raise sec.error(f"must be between 0 and 1, got {max_delete_fraction}", "max_delete_fraction")
     sec.done()
     return DatasetConfig(name=name, topic=topic, key=key, mode=mode, schedule=schedule, watch=watch,
-                         source=source, incremental=incremental, allow_empty=allow_empty, partitions=partitions)
+                         source=source, incremental=incremental, allow_empty=allow_empty, partitions=partitions,
+                         max_delete_fraction=max_delete_fraction)
 
 
 def _source(sec: Section) -> SourceConfig:
@@ -200,13 +210,18 @@ def _source(sec: Section) -> SourceConfig:
                 raise types_sec.error(str(exc), col) from None
             types.append((str(col), t))
         types_sec.done()
+        stable_for = sec.duration("stable_for", timedelta(seconds=1))
+        stable_timeout = sec.duration("stable_timeout", timedelta(seconds=60))
+        if stable_timeout < stable_for:
+            raise sec.error(f"must be at least stable_for ({stable_for.total_seconds():g}s)", "stable_timeout")
         if fmt is None:
             fmt = _EXT_FORMATS.get(os.path.splitext(path)[1].lower())
             if fmt is None:
                 raise sec.error(f"cannot tell the format of {path!r} from its extension; "
                                 f"set format: {' | '.join(get_args(FileFormat))}", "path")
         sec.done()
-        return FileSourceConfig(path=_abs(path), format=fmt, chunk_rows=chunk, types=tuple(types))
+        return FileSourceConfig(path=_abs(path), format=fmt, chunk_rows=chunk, types=tuple(types),
+                                stable_for=stable_for, stable_timeout=stable_timeout)
     raise sec.error("needs url (with table or query) or path")
 
 

@@ -18,7 +18,8 @@ runner's per-dataset file lock serialises the runs.
 
 Failures never stop the daemon: a failed run commits nothing (the runner guarantees it) and records
 its error in the status; transient ones are retried with backoff, terminal ones (bad data, bad
-config) wait for the next schedule or file change. SIGTERM/SIGINT set ``stop``: no new runs start, a
+config) and refused ones (a change set that looks like a partial source) wait for the next schedule
+or file change. SIGTERM/SIGINT set ``stop``: no new runs start, a
 running refresh finishes or aborts before its commit, everything is released through an ExitStack,
 and the process exits 0. A second signal exits at once (safe: nothing is committed before the broker
 acknowledged it, and the next run republishes).
@@ -64,6 +65,7 @@ from apscheduler.triggers.date import DateTrigger
 from apscheduler.triggers.interval import IntervalTrigger
 
 from refresh.config import FileSourceConfig
+from refresh.errors import Refused
 from refstream.atomic import write_bytes_atomic
 from refstream.errors import ConfigError, RefstreamError, TerminalError, one_line
 from refstream.retry import RetryPolicy
@@ -364,6 +366,12 @@ class Daemon:
         assert self._refresher is not None  # set by run()
         try:
             result = self._refresher.run(name, reconcile=reconcile, wait=True, stop=self.stop)
+        except Refused as exc:
+            # A guard against a partial source: the next run (schedule, file change) reads again.
+            st.failures = 0
+            log.error("%s of %s refused after %.1fs: %s (nothing published; the dataset keeps its "
+                      "schedule)", what, name, time.monotonic() - started, exc)
+            return
         except TerminalError as exc:
             st.failures = 0
             log.error("%s of %s failed after %.1fs: %s (not retried until its next schedule or file "

@@ -13,8 +13,21 @@ class DatasetBusy(RefstreamError):
         self.dataset = dataset
 
 
-class EmptySnapshot(DataError):
+class Refused(DataError):
+    """A guard refused the run's change set (it looks like a partial source); nothing was published.
+    Recorded as the run's own outcome, ``refused``, rather than as a failure."""
+
+
+class EmptySnapshot(Refused):
     """A full read returned no rows and the dataset does not allow empty snapshots."""
+
+
+class TooManyDeletes(Refused):
+    """The run would delete more than ``max_delete_fraction`` of the committed rows."""
+
+
+class FileNotStable(TransientError):
+    """A source file kept changing (size or mtime) for longer than the source waits for it to settle."""
 
 
 class DuplicateKey(DataError):

@@ -1,9 +1,11 @@
 """One refresh of one dataset: read, check, diff, publish, and only then commit.
 
 Order of a run (under the dataset's lock):
-    load committed state -> read the source (retried while the database is unreachable) -> normalise and
-    check keys -> compute the change set -> publish (schema record first if the columns changed), wait
-    for every acknowledgement -> commit snapshot + state atomically -> record the run's status.
+    load committed state -> check that the topic still holds what the state says was published
+    (otherwise the run republishes everything) -> read the source (retried while the database is unreachable) -> normalise and
+    check keys -> compute the change set -> refuse it if it deletes too much (a partial source) -> publish (schema record first if the columns changed), wait
+    for every acknowledgement -> note the topic's end offsets -> commit snapshot + state atomically ->
+    record the run's status.
 Any failure before the commit leaves the committed state as it was: the next run computes the same
 changes again (or more) and republishes them, which is harmless on a compacted, keyed topic.
 """
@@ -26,14 +28,15 @@ import pyarrow as pa
 from refresh import incremental as inc
 from refresh.config import DatasetConfig, RefreshConfig
 from refresh.diff import ChangeSet, canonical_schema, check_keys, diff, normalize, upsert_into, within
-from refresh.errors import EmptySnapshot, Stopped
+from refresh.errors import EmptySnapshot, Refused, Stopped, TooManyDeletes
 from refresh.publish import Publisher
 from refresh.sources import open_source
 from refresh.sources.abc import IncrementalSource, Source
 from refresh.stores.abc import CommittedState, RunKind, RunRecord, RunResult, SnapshotRows, StateStore
 from refresh.stores.files import FileStateStore
 from refstream.contract import DatasetSchema, delete_messages, schema_message, upsert_messages
-from refstream.errors import one_line
+from refstream.errors import TransientError, one_line
+from refstream.kafka import end_offsets
 from refstream.retry import call_with_retry
 
 log = logging.getLogger(__name__)
@@ -88,27 +91,33 @@ class Refresher:
 
     # --------------------------------------------------------------------------------- public
     def run(self, dataset: str, *, full: bool = False, reconcile: bool = False, wait: bool = True,
-            stop: threading.Event | None = None) -> RunResult:
+            stop: threading.Event | None = None, allow_deletes: bool = False) -> RunResult:
         """Refresh ``dataset`` now. ``full`` republishes every current row; ``reconcile`` (incremental
-        mode) reads the whole source to find hard deletes. Records the outcome in the dataset's status
-        and re-raises the error of a failed run after recording it. ``wait=False`` raises
-        :class:`DatasetBusy` instead of waiting for a run that holds the dataset."""
+        mode) reads the whole source to find hard deletes; ``allow_deletes`` lifts, for this run, the
+        refusals of a source that reads empty or deletes more than ``max_delete_fraction``. Records the
+        outcome in the dataset's status and re-raises the error of a failed (or refused) run after
+        recording it. ``wait=False`` raises :class:`DatasetBusy` instead of waiting for a run that
+        holds the dataset."""
         ds = self.config.dataset(dataset)
         with self.store.lock(ds.name, wait=wait, stop=stop):
             started = _utcnow()
             t0 = time.monotonic()
             try:
-                result = self._run_locked(ds, full=full, reconcile=reconcile, stop=stop, t0=t0)
+                result = self._run_locked(ds, full=full, reconcile=reconcile, stop=stop, t0=t0,
+                                          allow_deletes=allow_deletes)
             except BaseException as exc:
                 # A shutdown that cuts a run short commits nothing and is not the dataset's fault:
-                # it is recorded as interrupted, without counting as a failure.
-                stopped = isinstance(exc, Stopped)
+                # it is recorded as interrupted, without counting as a failure. A refused change set
+                # (a guard against partial sources) is recorded as refused.
+                stopped, refused = isinstance(exc, Stopped), isinstance(exc, Refused)
                 self._record(ds, started, RunResult(
                     dataset=ds.name, ok=False, version=self.store.load(ds.name).version, rows=0, inserts=0,
                     updates=0, deletes=0, published=0, seconds=round(time.monotonic() - t0, 3),
-                    error=one_line(exc), kind="full" if full else ds.mode, interrupted=stopped))
+                    error=one_line(exc), kind="full" if full else ds.mode, interrupted=stopped,
+                    refused=refused))
                 (log.warning if stopped else log.error)(
-                    "dataset %s: refresh %s after %.1fs: %s", ds.name, "interrupted" if stopped else "failed",
+                    "dataset %s: refresh %s after %.1fs: %s", ds.name,
+                    "interrupted" if stopped else "refused" if refused else "failed",
                     time.monotonic() - t0, one_line(exc))
                 raise
             self._record(ds, started, result)
@@ -144,13 +153,15 @@ class Refresher:
         return self._retry(attempt, f"dataset {ds.name}: read {what}", stop)
 
     def _run_locked(self, ds: DatasetConfig, *, full: bool, reconcile: bool,
-                    stop: threading.Event | None, t0: float) -> RunResult:
+                    stop: threading.Event | None, t0: float, allow_deletes: bool = False) -> RunResult:
         timer = _Phases()
         Publisher.warm_up(self.config.kafka)  # the producer gets ready while the source is read
         state = self.store.load(ds.name)
         snapshot = self.store.open_snapshot(ds.name, state)
         if snapshot is not None and canonical_schema(snapshot.schema, ds.name) != snapshot.schema:
             snapshot = normalize(snapshot.read(), ds.name)  # written by an older release: convert it whole
+        ends, lost = self._check_topic(ds, state, stop)
+        full = full or lost is not None
         timer.mark("load")
         source = open_source(ds)
         log.info("dataset %s: refresh from %s (version %d%s)", ds.name, source.describe(),
@@ -164,9 +175,13 @@ class Refresher:
             assert isinstance(source, IncrementalSource)
             step = self._incremental(ds, state, snapshot, source, stop, timer)
         if step is None:
-            step = self._full_read(ds, state, snapshot, source, stop, timer,
-                                   kind="full" if full else ("reconcile" if ds.mode == "incremental" else "diff"))
+            kind: RunKind = "republish" if lost is not None else "full" if full else \
+                "reconcile" if ds.mode == "incremental" else "diff"
+            step = self._full_read(ds, state, snapshot, source, stop, timer, kind=kind,
+                                   allow_empty=ds.allow_empty or allow_deletes)
         del snapshot  # the old rows are not needed any more: free them before publishing
+        if not allow_deletes:
+            check_deletes(ds, state, step.changes.delete_count, step.rows_read)
 
         schema, changes = step.schema, step.changes
         schema_changed = not schema.same_columns(state.schema)
@@ -179,6 +194,7 @@ class Refresher:
         if changes or with_schema:
             self.store.reserve(ds.name, version)
             published = self._publish(ds, schema, changes, version, with_schema=with_schema, stop=stop)
+            ends = self._published_ends(ds, stop)
         timer.mark("publish")
         # Every message is acknowledged: commit even if a stop was requested meanwhile (it is quick,
         # and stopping here would only make the next run publish the same changes again).
@@ -186,13 +202,14 @@ class Refresher:
         self.store.commit(ds.name, CommittedState(
             version=version, schema=schema, snapshot=state.snapshot, rows=step.total,
             watermark=step.watermark, watermark_type=step.watermark_type,
-            last_reconcile=step.last_reconcile, topic=ds.topic), None if keep_snapshot else step.snapshot)
+            last_reconcile=step.last_reconcile, topic=ds.topic, offsets=ends),
+            None if keep_snapshot else step.snapshot)
         timer.mark("commit")
         seconds = round(time.monotonic() - t0, 3)
         result = RunResult(dataset=ds.name, ok=True, version=version, rows=step.rows_read,
                            inserts=changes.inserts, updates=changes.updates, deletes=changes.delete_count,
                            published=published, seconds=seconds, kind=step.kind, watermark=step.watermark,
-                           schema_changed=schema_changed, phases=timer.phases)
+                           schema_changed=schema_changed, phases=timer.phases, reason=lost)
         log.info("dataset %s: version %d (%s): read %d rows, %d inserts, %d updates, %d deletes, "
                  "%d messages published in %.2fs (%s)", ds.name, version, step.kind, result.rows,
                  result.inserts, result.updates, result.deletes, published, seconds, timer)
@@ -231,25 +248,28 @@ class Refresher:
 
     def _full_read(self, ds: DatasetConfig, state: CommittedState, snapshot: SnapshotRows | pa.Table | None,
                    source: Source,
-                   stop: threading.Event | None, timer: _Phases, *, kind: RunKind) -> _Step:
-        """Every row, diffed with the published snapshot (``kind`` full also republishes every row)."""
+                   stop: threading.Event | None, timer: _Phases, *, kind: RunKind,
+                   allow_empty: bool = False) -> _Step:
+        """Every row, diffed with the published snapshot (``kind`` full also republishes every row);
+        an empty read is refused unless ``allow_empty``."""
         cursor = ds.incremental
         db_now = self._retry(source.now, f"dataset {ds.name}: database clock", stop) \
             if cursor is not None and isinstance(source, IncrementalSource) else None
         rows = self._read(ds, "snapshot", source.read, state.schema, stop)
         timer.mark("read")
-        if rows.num_rows == 0 and not ds.allow_empty:
+        if rows.num_rows == 0 and not allow_empty:
             raise EmptySnapshot(
                 f"dataset {ds.name}: {source.describe()} read as empty; refusing to delete "
                 f"{snapshot.num_rows if snapshot is not None else 0} published row(s) "
-                f"(set allow_empty: true if an empty dataset is legitimate)")
+                f"(set allow_empty: true if an empty dataset is legitimate, or force this once with "
+                f"`refresh run {ds.name} --allow-deletes`)")
         if rows.num_rows == 0 and rows.num_columns == 0 and snapshot is not None:
             # An allowed empty source without columns (a zero-byte file): empty with the columns last
             # published, so it deletes every row instead of failing on missing key columns.
             rows = normalize(snapshot.schema.empty_table(), ds.name)
         check_keys(ds.name, rows, ds.key)
         schema = DatasetSchema.from_arrow(ds.name, ds.key, rows.schema)
-        changes = diff(ds.name, snapshot, rows, ds.key, republish_all=kind == "full")
+        changes = diff(ds.name, snapshot, rows, ds.key, republish_all=kind in ("full", "republish"))
         watermark, wm_type, last_reconcile = state.watermark, state.watermark_type, state.last_reconcile
         if cursor is not None:
             col = cursor.column
@@ -260,6 +280,33 @@ class Refresher:
         timer.mark("diff")
         return _Step(kind=kind, rows_read=rows.num_rows, schema=schema, changes=changes, snapshot=rows,
                      total=rows.num_rows, watermark=watermark, watermark_type=wm_type, last_reconcile=last_reconcile)
+
+    # ---------------------------------------------------------------- the topic as part of the state
+    def _check_topic(self, ds: DatasetConfig, state: CommittedState,
+                     stop: threading.Event | None) -> tuple[dict[int, int] | None, str | None]:
+        """The topic's end offsets now (None: topic missing, or nothing published yet) and why it no
+        longer holds what the committed state says was published (None: it does). One metadata and
+        one ListOffsets request per run."""
+        if not state.version:
+            return None, None  # never published: the first run publishes everything anyway
+        ends = self._retry(lambda: end_offsets(self.config.kafka, ds.topic),
+                           f"dataset {ds.name}: end offsets of {ds.topic}", stop)
+        reason = topic_lost(ds.topic, state, ends)
+        if reason is not None:
+            log.warning("dataset %s: topic %s: %s; republishing the whole dataset with its schema record",
+                        ds.name, ds.topic, reason)
+        return ends, reason
+
+    def _published_ends(self, ds: DatasetConfig, stop: threading.Event | None) -> dict[int, int] | None:
+        """The topic's end offsets right after a publish, for the next run's check; None (the next run
+        records them instead of comparing) if the broker cannot say now: the publish itself stands."""
+        try:
+            return self._retry(lambda: end_offsets(self.config.kafka, ds.topic),
+                               f"dataset {ds.name}: end offsets of {ds.topic}", stop)
+        except TransientError as exc:
+            log.warning("dataset %s: cannot read the end offsets of %s after publishing (%s); the next "
+                        "run records them", ds.name, ds.topic, exc)
+            return None
 
     def _reconcile_due(self, ds: DatasetConfig, state: CommittedState) -> bool:
         every = ds.incremental.reconcile_every if ds.incremental is not None else None
@@ -290,6 +337,40 @@ class Refresher:
             self.store.write_status(ds.name, self.store.read_status(ds.name).after(run))
         except OSError as exc:  # the run's outcome stands; only its report is lost
             log.error("dataset %s: cannot write status: %s", ds.name, exc)
+
+
+def check_deletes(ds: DatasetConfig, state: CommittedState, deletes: int, rows_read: int) -> None:
+    """Refuse a change set deleting more than ``max_delete_fraction`` of the committed rows: a CSV cut
+    mid-write, a glob missing a file or a table being reloaded reads short, and publishing the
+    difference would tombstone rows that still exist. An empty read of a dataset with ``allow_empty``
+    is declared legitimate and deletes everything; ``--allow-deletes`` skips this check for one run."""
+    if deletes == 0 or (rows_read == 0 and ds.allow_empty):
+        return
+    limit = ds.max_delete_fraction
+    if deletes > limit * state.rows:
+        raise TooManyDeletes(
+            f"dataset {ds.name}: would delete {deletes} of {state.rows} rows (limit {limit:g}, "
+            f"max_delete_fraction); refused, nothing published: a partial source? If the deletes are "
+            f"meant, run `refresh run {ds.name} --allow-deletes`")
+
+
+def topic_lost(topic: str, state: CommittedState, ends: dict[int, int] | None) -> str | None:
+    """Why ``topic`` (with end offsets ``ends``, None when it does not exist) no longer holds what
+    ``state`` says was published, or None. A topic only grows: an end offset below the one recorded
+    after the last publish means it was deleted and recreated (a new topic starts at offset 0) or
+    emptied."""
+    if state.topic is not None and state.topic != topic:
+        return f"topic changed from {state.topic} to {topic} in the config"
+    if ends is None:
+        return "topic does not exist (deleted?)"
+    for part, recorded in sorted((state.offsets or {}).items()):
+        end = ends.get(part)
+        if end is None:
+            return f"partition {part} is gone (recreated with fewer partitions?)"
+        if end < recorded:
+            return (f"partition {part} ends at offset {end}, below the {recorded} recorded after version "
+                    f"{state.version} (deleted and recreated, or emptied)")
+    return None
 
 
 def describe_schema_change(old: DatasetSchema, new: DatasetSchema) -> str:

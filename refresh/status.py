@@ -44,6 +44,7 @@ class StatusRow(TypedDict):
     last_result: RunOutcome | None
     last_error: str | None
     last_kind: RunKind | None
+    last_reason: str | None        # why the last run was a republish
     last_seconds: float | None
     last_changes: dict[str, int] | None
     last_published: int | None
@@ -72,6 +73,7 @@ def read_status(config: RefreshConfig) -> list[StatusRow]:
             "last_run": st.last_run.finished if st.last_run else None,
             "last_result": last.outcome if last else None,
             "last_error": last.error if last else None, "last_kind": last.kind if last else None,
+            "last_reason": last.reason if last else None,
             "last_seconds": last.seconds if last else None,
             "last_changes": {"inserts": last.inserts, "updates": last.updates, "deletes": last.deletes}
             if last else None,
@@ -84,12 +86,12 @@ def read_status(config: RefreshConfig) -> list[StatusRow]:
 
 
 def unhealthy(rows: list[StatusRow]) -> list[str]:
-    """What ``refresh status --check`` reports: datasets never published, or whose last run failed
-    (an interrupted run is not a failure)."""
+    """What ``refresh status --check`` reports: datasets never published, or whose last run failed or
+    was refused (an interrupted run is not a failure)."""
     out = []
     for r in rows:
-        if r["last_result"] == "failed":
-            out.append(f"dataset {r['dataset']}: last run failed: {r['last_error']}")
+        if r["last_result"] in ("failed", "refused"):
+            out.append(f"dataset {r['dataset']}: last run {r['last_result']}: {r['last_error']}")
         elif not r["version"]:
             out.append(f"dataset {r['dataset']}: never published")
     return out
@@ -112,8 +114,10 @@ def format_status(rows: list[StatusRow]) -> str:
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in table]
     for r in rows:
-        if r["last_result"] == "failed":
+        if r["last_result"] in ("failed", "refused"):
             lines.append(f"{r['dataset']}: last error: {r['last_error']}")
+        elif r["last_kind"] == "republish":
+            lines.append(f"{r['dataset']}: last run republished everything: {r['last_reason']}")
     return "\n".join(lines)
 
 

@@ -1,15 +1,18 @@
-"""Watch source files and call back once a change has settled.
+"""Watch source files and call back once the events about them have stopped.
 
 A change is reported for a dataset when, after a relevant filesystem event, no further event arrived
-for ``debounce`` seconds AND the matching files' (inode, size, mtime) did not change across that
-window. That covers:
+for ``debounce`` seconds and the matching files' (inode, size, mtime) differ from what was last
+reported. That covers:
 
 - bursts of writes (one callback, not one per write);
 - editors that write a temp file and rename it over the target (the rename's destination matches);
-- a file still being written (every write pushes the deadline; the stat check catches writers whose
-  events were coalesced or missed);
-- reads of the file by the refresher itself (open/close-without-write events are ignored, and a
-  settled state identical to the last reported one is not reported again).
+- a file still being written (every write pushes the deadline);
+- reads of the file by the refresher itself (open/close-without-write events are ignored, and files
+  identical to the last reported ones are not reported again).
+
+Whether the files are complete when they are read is not decided here: every read of a file source,
+whatever triggered it, waits until the files hold still (:meth:`refresh.sources.files.FileSource.wait_stable`),
+which also covers writers whose events were coalesced or missed.
 
 Paths may be globs (``data/sites-*.csv``, ``data/**/part-*.parquet``): the static directory prefix is
 watched, recursively when the glob spans directories.
@@ -17,13 +20,12 @@ watched, recursively when the glob spans directories.
 
 from __future__ import annotations
 
-import glob
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from fnmatch import fnmatchcase
 from pathlib import Path
 
@@ -39,6 +41,8 @@ from watchdog.events import (
 )
 from watchdog.observers import Observer
 
+from refresh.sources.files import FileStats, stat_files
+
 log = logging.getLogger(__name__)
 
 # Events that can change a file's content or presence. "opened" and "closed_no_write" are not here:
@@ -46,9 +50,6 @@ log = logging.getLogger(__name__)
 _RELEVANT = frozenset({EVENT_TYPE_CREATED, EVENT_TYPE_MODIFIED, EVENT_TYPE_MOVED, EVENT_TYPE_DELETED,
                        EVENT_TYPE_CLOSED, EVENT_TYPE_ATTRIB})
 _MAGIC = frozenset("*?[")
-
-#: A settled view of the files a pattern matches: sorted (path, inode, size, mtime_ns).
-Snapshot = tuple[tuple[str, int, int, int], ...]
 
 
 def split_pattern(pattern: str) -> tuple[Path, bool]:
@@ -65,30 +66,14 @@ def split_pattern(pattern: str) -> tuple[Path, bool]:
     return base, recursive
 
 
-def snapshot(pattern: str) -> Snapshot:
-    """Stat every file ``pattern`` matches now (hidden files only when the pattern names them)."""
-    names = glob.glob(pattern, recursive=True) if _MAGIC & set(pattern) else [pattern]
-    out = []
-    for name in names:
-        try:
-            st = os.stat(name)
-        except OSError:  # vanished between glob and stat, or missing
-            continue
-        if os.path.isfile(name):
-            out.append((os.path.abspath(name), st.st_ino, st.st_size, st.st_mtime_ns))
-    return tuple(sorted(out))
-
-
 @dataclass
 class _Watch:
     name: str
     pattern: str  # absolute
     hidden_ok: bool
-    last_reported: Snapshot
-    deadline: float | None = None  # monotonic time at which to check for stability
-    window: Snapshot | None = None  # stat taken right after the latest event
-    dirty: bool = False  # an event arrived since ``window`` was taken
-    waiting_logged: bool = field(default=False)
+    last_reported: FileStats
+    deadline: float | None = None  # monotonic time at which the events are over unless more come
+    waiting_logged: bool = False
 
     def matches(self, path: str) -> bool:
         if not self.hidden_ok and os.path.basename(path).startswith("."):
@@ -121,7 +106,7 @@ class FileWatcher:
         base, recursive = split_pattern(pattern)
         if not base.is_dir():
             raise FileNotFoundError(f"cannot watch {pattern}: directory {base} does not exist")
-        watch = _Watch(name, pattern, os.path.basename(pattern).startswith("."), snapshot(pattern))
+        watch = _Watch(name, pattern, os.path.basename(pattern).startswith("."), stat_files(pattern))
         with self._cond:
             self._watches[name] = watch
         # One watch per (directory, recursive); events are dispatched to every pattern that matches.
@@ -167,7 +152,6 @@ class FileWatcher:
             for w in self._watches.values():
                 if any(w.matches(p) for p in paths):
                     w.deadline = now + self.debounce
-                    w.dirty = True
                     hit = True
                     log.debug("%s: %s %s", w.name, event.event_type, paths[-1])
             if hit:
@@ -175,45 +159,22 @@ class FileWatcher:
 
     def _loop(self) -> None:
         while True:
-            due: list[_Watch] = []
-            stale: list[_Watch] = []
             with self._cond:
                 if self._stopping:
                     return
                 now = time.monotonic()
-                deadlines = [w.deadline for w in self._watches.values() if w.deadline is not None]
-                if not any(w.dirty for w in self._watches.values()):
-                    timeout = max(0.0, min(deadlines) - now) if deadlines else None
-                    if timeout is None or timeout > 0:
-                        self._cond.wait(timeout)
-                        if self._stopping:
-                            return
-                        now = time.monotonic()
-                for w in self._watches.values():
-                    if w.dirty:
-                        w.dirty = False
-                        stale.append(w)
-                    elif w.deadline is not None and w.deadline <= now:
-                        due.append(w)
-            # stat outside the lock: a large glob must not block the event thread
-            for w in stale:
-                w.window = snapshot(w.pattern)
-            for w in due:
+                due = [w for w in self._watches.values() if w.deadline is not None and w.deadline <= now]
+                if not due:
+                    deadlines = [w.deadline for w in self._watches.values() if w.deadline is not None]
+                    self._cond.wait(min(deadlines) - now if deadlines else None)
+                    continue
+                for w in due:
+                    w.deadline = None
+            for w in due:  # stat outside the lock: a large glob must not block the event thread
                 self._check(w)
-            if stale:
-                time.sleep(min(0.05, self.debounce / 10))  # bound stat passes during write bursts
 
     def _check(self, w: _Watch) -> None:
-        current = snapshot(w.pattern)
-        with self._cond:
-            if w.dirty:  # an event raced in: its own window decides
-                return
-            if current != w.window:
-                # Still changing without events (coalesced, or a polling filesystem): wait again.
-                w.window = current
-                w.deadline = time.monotonic() + self.debounce
-                return
-            w.deadline = None
+        current = stat_files(w.pattern)
         if not current:
             if not w.waiting_logged:
                 log.warning("dataset %s: no file matches %s; waiting for one to appear", w.name, w.pattern)
@@ -225,7 +186,7 @@ class FileWatcher:
             log.debug("dataset %s: files unchanged after events; not refreshing", w.name)
             return
         w.last_reported = current
-        log.info("dataset %s: %s changed (%d file(s) settled for %.1fs)", w.name, w.pattern,
+        log.info("dataset %s: %s changed (%d file(s), no event for %.1fs)", w.name, w.pattern,
                  len(current), self.debounce)
         try:
             self._on_change(w.name)

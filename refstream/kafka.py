@@ -29,7 +29,7 @@ from confluent_kafka import (
     Producer,
     TopicPartition,
 )
-from confluent_kafka.admin import AdminClient, NewTopic
+from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec
 
 from refstream.errors import TransientError
 from refstream.retry import RetryPolicy
@@ -276,3 +276,20 @@ def _partition(m: Message) -> int:
     p = m.partition()
     assert p is not None
     return p
+
+
+def end_offsets(settings: Mapping[str, str], topic: str, *, timeout: float = 10.0) -> dict[int, int] | None:
+    """The end offset of each partition of ``topic`` as the broker's ListOffsets reports it, None when
+    the topic does not exist: one metadata and one ListOffsets request. Some brokers report the base
+    offset of the last record batch + 1 rather than the true end (see the module docstring), so compare
+    the result only with what this same call returned earlier, never with produced offsets."""
+    parts = partitions_of(settings, topic, timeout=timeout)
+    if not parts:
+        return None
+    client = admin(settings)
+    try:
+        futures = client.list_offsets({TopicPartition(topic, p): OffsetSpec.latest() for p in parts},
+                                      request_timeout=timeout)
+        return {tp.partition: f.result().offset for tp, f in futures.items()}
+    except KafkaException as exc:
+        raise TransientError(f"cannot read the end offsets of {topic}: {exc}") from None

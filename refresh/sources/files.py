@@ -7,6 +7,12 @@ the file is scanned again line by line only to name the line at fault, so errors
 An empty file (no bytes, or a header without rows) counts as a source that reads empty: the runner
 refuses it unless the dataset allows empty snapshots, and in a glob it is refused on its own, since
 one empty file among many is what a half-written export looks like.
+
+Files are read only once they are stable, whatever triggered the run (schedule, file watcher, CLI):
+every file the pattern matches must keep its size and mtime (and the set of matching files must stay
+the same) for ``stable_for``; files whose last change (ctime) is already older than that are read at
+once. After the read the files are looked at again, and read again once settled if a writer touched
+them meanwhile. A file that never settles within ``stable_timeout`` fails the read, naming it.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import json
 import logging
 import os
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -26,14 +33,48 @@ import pyarrow.json as pajson
 import pyarrow.parquet as pq
 
 from refresh.config import FileSourceConfig
-from refresh.errors import EmptySnapshot
-from refresh.sources.abc import Source
+from refresh.errors import EmptySnapshot, FileNotStable
+from refresh.sources.abc import Progress, Source, collect
 from refstream.contract import type_to_arrow
 from refstream.errors import DataError
 
 log = logging.getLogger(__name__)
 
 _BLOCK = 16 << 20
+_MAGIC = frozenset("*?[")
+_POLL = 0.1  # seconds between looks at a settling file (and between stop checks)
+
+#: The files a pattern matches at one moment: sorted (path, inode, size, mtime_ns).
+FileStats = tuple[tuple[str, int, int, int], ...]
+
+
+def _stat(pattern: str) -> dict[str, os.stat_result]:
+    names = glob.glob(pattern, recursive=True) if _MAGIC & set(pattern) else [pattern]
+    out = {}
+    for name in names:
+        try:
+            st = os.stat(name)
+        except OSError:  # vanished between glob and stat, or missing
+            continue
+        if os.path.isfile(name):
+            out[os.path.abspath(name)] = st
+    return out
+
+
+def _stats(found: dict[str, os.stat_result]) -> FileStats:
+    return tuple(sorted((p, st.st_ino, st.st_size, st.st_mtime_ns) for p, st in found.items()))
+
+
+def stat_files(pattern: str) -> FileStats:
+    """Stat every file ``pattern`` (a path or a glob) matches now; hidden files only when the pattern
+    names them."""
+    return _stats(_stat(pattern))
+
+
+def _changed(old: FileStats, new: FileStats) -> list[str]:
+    """The paths that appeared, vanished or changed between two looks."""
+    a, b = {s[0]: s for s in old}, {s[0]: s for s in new}
+    return sorted(p for p in a.keys() | b.keys() if a.get(p) != b.get(p))
 
 
 class FileSource(Source):
@@ -58,13 +99,73 @@ class FileSource(Source):
             raise DataError(f"dataset {self.dataset}: file {p} not found")
         return [p]
 
+    def read(self, progress: Progress | None = None) -> pa.Table:
+        return collect(self._batches(progress), progress)
+
     def batches(self) -> Iterator[pa.RecordBatch]:
-        files = self.files()
+        return self._batches(None)
+
+    def wait_stable(self, deadline: float, progress: Progress | None = None) -> FileStats:
+        """The matching files once none changed for ``stable_for``; :class:`FileNotStable` naming the
+        files still changing at monotonic time ``deadline``. ``progress(0)`` is called while waiting
+        (the runner's stop check)."""
+        interval = self.cfg.stable_for.total_seconds()
+        found = _stat(self.pattern)
+        now = time.time_ns()
+        # ctime moves with every write and cannot be set back (unlike mtime, which tools copy):
+        # files untouched for the whole interval already are settled without waiting.
+        if interval <= 0 or all(now - st.st_ctime_ns >= interval * 1e9 for st in found.values()):
+            return _stats(found)
+        prev = _stats(found)
+        moving = sorted(p for p, st in found.items() if now - st.st_ctime_ns < interval * 1e9)
+        log.info("dataset %s: %s changed in the last %gs; waiting for it to settle", self.dataset,
+                 ", ".join(moving), interval)
+        while True:
+            end = time.monotonic() + interval
+            while (left := end - time.monotonic()) > 0:
+                if progress is not None:
+                    progress(0)
+                time.sleep(min(_POLL, left))
+            cur = stat_files(self.pattern)
+            if cur == prev:
+                return cur
+            moving, prev = _changed(prev, cur), cur
+            if time.monotonic() > deadline:
+                raise FileNotStable(
+                    f"dataset {self.dataset}: {', '.join(moving)} still changing after "
+                    f"{self.cfg.stable_timeout.total_seconds():g}s (size or mtime not stable for "
+                    f"{interval:g}s); not read")
+            log.debug("dataset %s: still changing: %s", self.dataset, ", ".join(moving))
+
+    def _read_stable(self, progress: Progress | None) -> tuple[list[Path], list[pa.Table]]:
+        """Every file read while it held still: settled before the read and unchanged after it."""
+        deadline = time.monotonic() + self.cfg.stable_timeout.total_seconds()
+        while True:
+            before = self.wait_stable(deadline, progress)
+            files = self.files()
+            tables: list[pa.Table] | None
+            try:
+                tables = [self.read_file(f) for f in files]
+            except DataError:
+                if stat_files(self.pattern) == before:
+                    raise
+                tables = None  # a writer came back during the read: read again once settled
+            after = stat_files(self.pattern)
+            if tables is not None and after == before:
+                return files, tables
+            moved = _changed(before, after) or [self.pattern]
+            if time.monotonic() > deadline:
+                raise FileNotStable(f"dataset {self.dataset}: {', '.join(moved)} changed while being read "
+                                    f"for {self.cfg.stable_timeout.total_seconds():g}s; not read")
+            log.info("dataset %s: %s changed while being read; reading again once settled", self.dataset,
+                     ", ".join(moved))
+
+    def _batches(self, progress: Progress | None) -> Iterator[pa.RecordBatch]:
+        files, read = self._read_stable(progress)
         schema: pa.Schema | None = None
         first: Path | None = None
         tables: list[pa.Table] = []
-        for f in files:
-            t = self.read_file(f)
+        for f, t in zip(files, read, strict=True):
             if t.num_rows == 0 and len(files) > 1:
                 raise EmptySnapshot(f"dataset {self.dataset}: {f} is empty (one of {len(files)} files "
                                     f"matching {self.pattern}); refusing a partial snapshot")

@@ -34,14 +34,20 @@ class CommittedState:
     watermark: Any = None                 # incremental: highest cursor value published (JSON form)
     watermark_type: str | None = None     # contract type of the cursor column
     last_reconcile: str | None = None     # ISO time of the last full read (incremental mode)
-    topic: str | None = None
+    topic: str | None = None              # the topic the rows were published to
+    # The topic's end offset per partition, as ListOffsets reported it after the last publish: a topic
+    # whose ends are found below these was deleted, recreated or emptied since (None: not recorded).
+    offsets: dict[int, int] | None = None
 
 
 #: What a run did: ``diff`` / ``incremental`` (the dataset's mode), ``reconcile`` (an incremental dataset
-#: read whole to find hard deletes), ``full`` (every row republished).
-RunKind = Literal["diff", "incremental", "reconcile", "full"]
-#: How a run ended, as ``refresh status`` shows it; an interrupted run is not a failure.
-RunOutcome = Literal["ok", "interrupted", "failed"]
+#: read whole to find hard deletes), ``full`` (every row republished), ``republish`` (every row
+#: republished because the topic no longer holds what the state says was published; see ``reason``).
+RunKind = Literal["diff", "incremental", "reconcile", "full", "republish"]
+#: How a run ended, as ``refresh status`` shows it; an interrupted run is not a failure, a refused one
+#: (a guard saw what looks like a partial source, :class:`refresh.errors.Refused`) is not one either,
+#: but is not healthy.
+RunOutcome = Literal["ok", "interrupted", "refused", "failed"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -63,10 +69,14 @@ class RunResult:
     schema_changed: bool = False
     phases: dict[str, float] = field(default_factory=dict)   # seconds per step: load, read, diff, ...
     interrupted: bool = False     # cut short by a stop request: nothing committed, not a failure
+    refused: bool = False         # a guard refused the change set: nothing published nor committed
+    reason: str | None = None     # why a ``republish`` run republished everything
 
     @property
     def outcome(self) -> RunOutcome:
-        return "ok" if self.ok else "interrupted" if self.interrupted else "failed"
+        if self.ok:
+            return "ok"
+        return "interrupted" if self.interrupted else "refused" if self.refused else "failed"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,14 +106,14 @@ class DatasetStatus:
     dataset: str
     last_run: RunRecord | None = None
     last_success: RunRecord | None = None
-    consecutive_failures: int = 0        # interrupted runs do not count
+    consecutive_failures: int = 0        # interrupted and refused runs do not count
 
     def after(self, run: RunRecord) -> DatasetStatus:
         """The status once ``run`` is recorded."""
-        ok, interrupted = run.result.ok, run.result.interrupted
+        ok, failed = run.result.ok, run.result.outcome == "failed"
         return DatasetStatus(
             dataset=self.dataset, last_run=run, last_success=run if ok else self.last_success,
-            consecutive_failures=0 if ok else self.consecutive_failures + (0 if interrupted else 1))
+            consecutive_failures=0 if ok else self.consecutive_failures + (1 if failed else 0))
 
     def to_json(self) -> dict[str, Any]:
         return {"dataset": self.dataset,

@@ -81,6 +81,7 @@ class FileStateStore(StateStore):
             snapshot=obj.get("snapshot"), rows=int(obj.get("rows", 0)),
             watermark=obj.get("watermark"), watermark_type=obj.get("watermark_type"),
             last_reconcile=obj.get("last_reconcile"), topic=obj.get("topic"),
+            offsets=_offsets(dataset, p, obj.get("offsets")),
         )
 
     def load_snapshot(self, dataset: str, state: CommittedState) -> pa.Table | None:
@@ -117,6 +118,7 @@ class FileStateStore(StateStore):
             "snapshot": state.snapshot, "rows": state.rows, "watermark": state.watermark,
             "watermark_type": state.watermark_type, "last_reconcile": state.last_reconcile,
             "topic": state.topic,
+            "offsets": {str(p): o for p, o in sorted(state.offsets.items())} if state.offsets else None,
         }
         write_json_atomic(d / "state.json", obj)
         # Only now is the new snapshot the committed one: remove what nothing points at any more.
@@ -157,6 +159,16 @@ class FileStateStore(StateStore):
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             log.warning("dataset %s: unreadable status file: %s", dataset, exc)
             return DatasetStatus(dataset=dataset)
+
+
+def _offsets(dataset: str, path: Path, obj: object) -> dict[int, int] | None:
+    if not obj:
+        return None
+    try:
+        return {int(p): int(o) for p, o in obj.items()}  # type: ignore[attr-defined]
+    except (AttributeError, TypeError, ValueError):
+        raise TerminalError(f"dataset {dataset}: state file {path}: offsets {obj!r} are not "
+                            f"{{partition: offset}}") from None
 
 
 class ParquetSnapshot(SnapshotRows):

@@ -18,7 +18,7 @@ import yaml
 
 from enrich.config import EnrichConfig
 from enrich.config import load as load_enrich
-from refresh.config import RefreshConfig, load_config
+from refresh.config import FileSourceConfig, RefreshConfig, load_config
 from refstream.config import Section, parse_duration
 from tests.demo.conftest import ROOT
 
@@ -41,6 +41,7 @@ datasets:
     topic: t.inc
     partitions: 2
     allow_empty: true
+    max_delete_fraction: 0.5
   inc2:
     source: {url: "sqlite://", table: t}
     key: id
@@ -48,7 +49,7 @@ datasets:
     incremental: {column: u, reconcile_every: 2h}
     schedule: {every: 10s}
   file:
-    source: {path: data/x.csv, format: csv, types: {id: string}}
+    source: {path: data/x.csv, format: csv, types: {id: string}, stable_for: 2s, stable_timeout: 30s}
     key: id
     watch: true
 """
@@ -163,6 +164,8 @@ def matches(cell: str, actual: Any) -> bool:
         return text == str(actual).lower()
     if isinstance(actual, timedelta):
         return parse_duration(text) == actual
+    if isinstance(actual, float):
+        return float(text) == actual
     if isinstance(actual, int):
         return text.replace(",", "").isdigit() and int(text.replace(",", "")) == actual
     if isinstance(actual, Path):
@@ -178,9 +181,11 @@ def test_readme_defaults_are_the_loaders_defaults(tmp_path: Path, monkeypatch: p
     p.write_text('kafka: {bootstrap_servers: "127.0.0.1:9"}\n'
                  'datasets:\n  dd:\n    source: {url: "sqlite://", table: t}\n    key: id\n'
                  '  ii:\n    source: {url: "sqlite://", table: t}\n    key: id\n    mode: incremental\n'
-                 '    incremental: {column: u}\n')
+                 '    incremental: {column: u}\n'
+                 '  ff:\n    source: {path: x.csv}\n    key: id\n')
     r = load_config(p)
-    d, i = r.datasets["dd"], r.datasets["ii"]
+    d, i, f = r.datasets["dd"], r.datasets["ii"], r.datasets["ff"].source
+    assert isinstance(f, FileSourceConfig)
     refresh_actual: dict[str, Any] = {
         "state_dir": r.state_dir, "retry.attempts": r.retry.attempts,
         "retry.initial": timedelta(seconds=r.retry.initial), "retry.maximum": timedelta(seconds=r.retry.maximum),
@@ -188,6 +193,8 @@ def test_readme_defaults_are_the_loaders_defaults(tmp_path: Path, monkeypatch: p
         ".incremental.reconcile.every": i.incremental.reconcile_every, ".watch": d.watch,
         ".schedule.every": d.schedule.every, ".schedule.cron": d.schedule.cron,
         ".topic": d.topic.replace("dd", "<name>"), ".partitions": d.partitions, ".allow_empty": d.allow_empty,
+        ".max_delete_fraction": d.max_delete_fraction, ".source.stable_for": f.stable_for,
+        ".source.stable_timeout": f.stable_timeout,
     }
     e = tmp_path / "enrich.yaml"
     e.write_text('kafka: {bootstrap_servers: "127.0.0.1:9"}\nevents: {topic: ev, schema: "a STRING"}\n'

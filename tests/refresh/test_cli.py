@@ -181,3 +181,66 @@ def test_status_shows_the_watermark_of_an_incremental_dataset(make_config, tmp_p
     row = capsys.readouterr().out.splitlines()[1].split()
     assert row[:3] == ["m", "incremental", "2"] and row[-2:] == ["9", "-"]  # watermark, next run
     engine.dispose()
+
+
+def test_refused_deletes_are_one_line_unhealthy_and_forced_per_dataset(make_config, mysql_engine, mysql_url,
+                                                                         unique, kafka, capsys):
+    t, topic = unique("cli_del"), unique("ref.cli_del")
+    execute(mysql_engine, f"CREATE TABLE {t} (id INT PRIMARY KEY)", f"INSERT INTO {t} SELECT seq FROM seq_1_to_10")
+    cfg = make_config({"d": {"source": {"url": mysql_url, "table": t}, "key": ["id"], "topic": topic}})
+    assert main(["--config", str(cfg.path), "run", "d"]) == 0
+    execute(mysql_engine, f"DELETE FROM {t} WHERE id > 5")
+    capsys.readouterr()
+    assert main(["--config", str(cfg.path), "run", "d"]) == 1
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("refresh:")]
+    assert err == ["refresh: d: dataset d: would delete 5 of 10 rows (limit 0.1, max_delete_fraction); refused, "
+                   "nothing published: a partial source? If the deletes are meant, run "
+                   "`refresh run d --allow-deletes`"]
+    assert main(["--config", str(cfg.path), "status", "--check"]) == 1
+    assert capsys.readouterr().err.startswith("refresh: not healthy: dataset d: last run refused: dataset d: "
+                                              "would delete 5 of 10 rows")
+    assert main(["--config", str(cfg.path), "status"]) == 0
+    table = capsys.readouterr().out.splitlines()
+    assert table[1].split()[:4] == ["d", "diff", "1", "10"] and table[1].split()[6] == "refused"
+    assert table[2].startswith("d: last error: dataset d: would delete 5 of 10 rows")
+    # Forcing is per named dataset: a blanket `run --allow-deletes` is a usage error.
+    assert main(["--config", str(cfg.path), "run", "--allow-deletes"]) == 2
+    assert "--allow-deletes needs the datasets named" in capsys.readouterr().err
+    assert main(["--config", str(cfg.path), "run", "d", "--allow-deletes"]) == 0
+    assert "d: version 2 (diff): 5 rows read, 0 inserts, 0 updates, 5 deletes" in capsys.readouterr().out
+    assert changes(read_topic(kafka, topic), 2) == {f'{{"id":{i}}}': None for i in range(6, 11)}
+    assert main(["--config", str(cfg.path), "status", "--check"]) == 0
+
+
+def test_refresh_run_waits_for_a_file_being_appended_to(make_config, tmp_path, unique, kafka):
+    import logging
+    import threading
+
+    p, topic = tmp_path / "growing.csv", unique("ref.growing")
+    p.write_text("id,v\n1,a\n")
+    cfg = make_config({"g": {"source": {"path": str(p), "stable_for": "1s"}, "key": ["id"], "topic": topic}})
+    waiting = threading.Event()
+
+    class OnWait(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "waiting for it to settle" in record.getMessage():
+                waiting.set()
+
+    logger, handler = logging.getLogger("refresh.sources.files"), OnWait()
+    old_level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    rc: list[int] = []
+    cli = threading.Thread(target=lambda: rc.append(main(["--config", str(cfg.path), "run", "g"])))
+    cli.start()
+    try:
+        assert waiting.wait(30), "refresh run read the file without waiting for it to settle"
+        with p.open("a") as f:  # the writer goes on while the run waits
+            f.write("2,b\n3,c\n")
+    finally:
+        cli.join(60)
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+    assert rc == [0]
+    assert changes(read_topic(kafka, topic)) == {'{"id":1}': {"id": 1, "v": "a"}, '{"id":2}': {"id": 2, "v": "b"},
+                                                 '{"id":3}': {"id": 3, "v": "c"}}

@@ -268,6 +268,7 @@ def test_interval_runs_reach_the_topic(mysql_url: str, kafka: dict[str, str], it
           key: [id]
           schedule: {{every: 1s}}
           topic: {topic}
+          max_delete_fraction: 1
     """))
     with daemon_thread(cfg):
         wait_for(lambda: len(replay(records(kafka, topic))) == 3, 30, "the first snapshot")
@@ -284,6 +285,34 @@ def test_interval_runs_reach_the_topic(mysql_url: str, kafka: dict[str, str], it
     # The daemon's stop may cut a scheduled run short: recorded as interrupted, never as failed.
     assert status["last_result"] in ("ok", "interrupted"), status
     assert status["version"] >= 2 and status["last_success"] and status["consecutive_failures"] == 0
+
+
+def test_a_refused_run_is_logged_and_the_schedule_goes_on(mysql_url: str, kafka: dict[str, str], items: str,
+                                                         tmp_path: Path, unique: Callable[[str], str],
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    topic = unique("ref.items")
+    cfg = load_config(write_config(tmp_path, kafka, f"""
+        items:
+          source: {{url: "{mysql_url}", table: {items}}}
+          key: [id]
+          schedule: {{every: 1s}}
+          topic: {topic}
+          max_delete_fraction: 0.5
+    """))
+    caplog.set_level(logging.ERROR, logger="refresh.daemon")
+    with daemon_thread(cfg):
+        wait_for(lambda: len(replay(records(kafka, topic))) == 3, 30, "the first snapshot")
+        sql(mysql_url, f"DELETE FROM `{items}` WHERE id > 1")  # 2 of 3 rows gone: a partial read
+        st = wait_for(lambda: (s := read_status(cfg)[0])["last_result"] == "refused" and s, 15, "a refused run")
+        assert "would delete 2 of 3 rows (limit 0.5" in st["last_error"] and st["consecutive_failures"] == 0
+        first = st["last_run"]
+        wait_for(lambda: read_status(cfg)[0]["last_run"] != first, 15, "the next scheduled run")
+        assert read_status(cfg)[0]["last_result"] == "refused"
+        assert "refresh of items refused after" in caplog.text
+        sql(mysql_url, f"INSERT INTO `{items}` VALUES (2, 'two'), (3, 'THREE')")  # the reload completes
+        wait_for(lambda: read_status(cfg)[0]["last_result"] == "ok", 15, "a run once the table is whole again")
+    assert all(c.op != OP_DELETE for _, c in records(kafka, topic))
+    assert replay(records(kafka, topic)) == table_rows(mysql_url, items)
 
 
 def test_file_watch_edit_rename_and_slow_write(kafka: dict[str, str], tmp_path: Path,
@@ -453,14 +482,16 @@ def test_broker_down_daemon_stays_up_and_publishes_when_it_returns(
             ok = wait_for(lambda: (s := read_status(cfg)[0])["last_result"] == "ok" and s, 60,
                           "a run after the broker returned")
             recs = records(kafka, topic)
-        # The failed runs committed nothing, but each reserved the version it tried to publish: the
-        # first success publishes the change made while the broker was down under a version above
-        # theirs. (Runs every 1 s: by the time the status is read, later no-change runs may have
+        # The failed runs committed nothing (they stopped at the topic check, before publishing). The
+        # returning broker is empty (memory storage): the first success finds the topic gone and
+        # republishes the whole table, with the change made while the broker was down, under a new
+        # version. (Runs every 1 s: by the time the status is read, later no-change runs may have
         # committed further versions.)
         published = [(c.op, json.loads(c.key)["id"], c.version) for _, c in recs if c.op != OP_SCHEMA]
-        assert [(op, key) for op, key, _ in published] == [(OP_UPSERT, 3)]
-        assert published[0][2] >= st["version"] + 2 and ok["version"] >= published[0][2]
-        assert json.loads(recs[-1][1].value)["name"] == "down"
+        assert [(op, key) for op, key, _ in published] == [(OP_UPSERT, 1), (OP_UPSERT, 2), (OP_UPSERT, 3)]
+        assert recs[0][1].op == OP_SCHEMA and len({v for _, _, v in published}) == 1
+        assert published[0][2] > st["version"] and ok["version"] >= published[0][2]
+        assert replay(recs) == table_rows(mysql_url, items)
     finally:
         broker.stop()
 

@@ -6,16 +6,17 @@ import base64
 import json
 import logging
 import threading
+import time
 from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
 
 from demo.broker import EmbeddedBroker, free_port
-from refresh.errors import DatasetBusy, DuplicateKey, EmptySnapshot, PublishError
+from refresh.errors import DatasetBusy, DuplicateKey, EmptySnapshot, PublishError, TooManyDeletes
 from refresh.publish import Publisher
 from refresh.runner import Refresher
-from refresh.status import read_status
+from refresh.status import format_status, read_status
 from refresh.stores.files import FileStateStore
 from refstream import contract
 from refstream.errors import DataError, TerminalError, TransientError
@@ -72,7 +73,7 @@ def test_diff_mode_publishes_only_changes(make_config, mysql_engine, mysql_url, 
     t, topic = unique("devices"), unique("ref.devices")
     execute(mysql_engine, f"CREATE TABLE {t} (id INT PRIMARY KEY, name VARCHAR(20), w DECIMAL(6,2))",
             f"INSERT INTO {t} VALUES (1,'a',1.00),(2,'b',2.00),(3,'c',3.00),(4,'d',4.00),(5,'e',5.00),(6,'f',6)")
-    cfg = make_config({"devices": mysql_dataset(mysql_url, t, topic)})
+    cfg = make_config({"devices": mysql_dataset(mysql_url, t, topic, max_delete_fraction=1)})
     refresher = Refresher(cfg)
     refresher.run("devices")
     execute(mysql_engine,
@@ -210,11 +211,13 @@ def test_broker_down_during_publish_commits_nothing_and_the_next_run_publishes(
         st = read_status(cfg)[0]
         assert st["last_result"] == "failed" and st["consecutive_failures"] == 1
 
-        broker = EmbeddedBroker(port).start()  # a new (empty, in-memory) broker on the same address
+        # A new (empty, in-memory) broker on the same address: the run finds the topic gone and
+        # republishes the whole table, the changes included.
+        broker = EmbeddedBroker(port).start()
         r = Refresher(cfg).run("d")
-        assert (r.version, r.inserts, r.updates) == (3, 1, 1)
+        assert (r.version, r.inserts, r.updates, r.kind) == (3, 1, 1, "republish")
         assert changes(read_topic({"bootstrap.servers": broker.bootstrap}, topic)) == {
-            '{"id":2}': {"id": 2, "v": 20}, '{"id":3}': {"id": 3, "v": 3}}
+            '{"id":1}': {"id": 1, "v": 1}, '{"id":2}': {"id": 2, "v": 20}, '{"id":3}': {"id": 3, "v": 3}}
         assert read_status(cfg)[0]["last_result"] == "ok"
     finally:
         broker.stop()
@@ -282,7 +285,7 @@ def test_file_dataset_end_to_end(make_config, tmp_path: Path, unique, kafka):
     p = tmp_path / "sites.csv"
     p.write_text("site_id,name\n007,Zürich\n008,Basel\n")
     cfg = make_config({"sites": {"source": {"path": str(p), "types": {"site_id": "string"}}, "key": ["site_id"],
-                                 "topic": topic, "watch": True}})
+                                 "topic": topic, "watch": True, "max_delete_fraction": 1}})
     Refresher(cfg).run("sites")
     p.write_text("site_id,name\n007,Zürich HB\n009,Bern\n")
     r = Refresher(cfg).run("sites")
@@ -318,7 +321,8 @@ def test_postgresql_end_to_end(make_config, unique, kafka):
     execute(engine, f"CREATE TABLE {t} (id INT PRIMARY KEY, price NUMERIC(10,2), at TIMESTAMPTZ)",
             f"INSERT INTO {t} VALUES (1, 9.99, '2024-05-01 12:00+02'), (2, NULL, NULL)")
     try:
-        cfg = make_config({"pg": {"source": {"url": url, "table": t}, "key": ["id"], "topic": topic}})
+        cfg = make_config({"pg": {"source": {"url": url, "table": t}, "key": ["id"], "topic": topic,
+                                  "max_delete_fraction": 1}})
         Refresher(cfg).run("pg")
         assert changes(read_topic(kafka, topic)) == {
             '{"id":1}': {"id": 1, "price": "9.99", "at": "2024-05-01T10:00:00+00:00"},
@@ -365,7 +369,8 @@ def test_topic_is_created_compacted_and_keys_follow_the_declared_order(make_conf
     execute(mysql_engine, f"CREATE TABLE {t} (code VARCHAR(5), region VARCHAR(5), v INT, PRIMARY KEY (code, region))",
             f"INSERT INTO {t} VALUES ('a','eu',1),('a','us',2)")
     # Declared key order differs from the table's column order: the key bytes follow the declaration.
-    cfg = make_config({"o": {"source": {"url": mysql_url, "table": t}, "key": ["region", "code"], "topic": topic}})
+    cfg = make_config({"o": {"source": {"url": mysql_url, "table": t}, "key": ["region", "code"], "topic": topic,
+                             "max_delete_fraction": 1}})
     caplog.set_level(logging.INFO, logger="refresh.runner")
     r = Refresher(cfg).run("o")
     assert topic_config(kafka, topic)["cleanup.policy"] == "compact"
@@ -419,7 +424,7 @@ def test_crash_between_publish_and_commit_republishes_harmlessly(make_config, my
                                                                   kafka):
     t, topic = unique("crash"), unique("ref.crash")
     execute(mysql_engine, f"CREATE TABLE {t} (id INT PRIMARY KEY, v INT)", f"INSERT INTO {t} VALUES (1,1),(2,2)")
-    cfg = make_config({"c": mysql_dataset(mysql_url, t, topic)})
+    cfg = make_config({"c": mysql_dataset(mysql_url, t, topic, max_delete_fraction=1)})
     Refresher(cfg).run("c")
     execute(mysql_engine, f"UPDATE {t} SET v = 20 WHERE id = 2", f"DELETE FROM {t} WHERE id = 1")
 
@@ -459,7 +464,8 @@ def test_jsonl_glob_and_parquet_files_end_to_end(make_config, tmp_path: Path, un
                              "at": pa.array([at, None], pa.timestamp("us", tz="Europe/Paris")),
                              "b": [b"\x01\x02", None], "p": pa.array([None, None], pa.decimal128(5, 2))}), pth)
     jt, pt = unique("ref.jl"), unique("ref.pq")
-    cfg = make_config({"jl": {"source": {"path": str(parts / "*.jsonl")}, "key": ["id"], "topic": jt},
+    cfg = make_config({"jl": {"source": {"path": str(parts / "*.jsonl")}, "key": ["id"], "topic": jt,
+                              "max_delete_fraction": 1},
                        "pq": {"source": {"path": str(pth)}, "key": ["id"], "topic": pt}})
     assert (Refresher(cfg).run("jl").rows, Refresher(cfg).run("pq").rows) == (3, 2)
     assert changes(read_topic(kafka, jt)) == {
@@ -488,3 +494,143 @@ def test_allowed_empty_file_deletes_every_row(make_config, tmp_path: Path, uniqu
     assert changes(read_topic(kafka, topic), 2) == {'{"id":1}': None, '{"id":2}': None}
     p.write_text("id,v\n3,c\n")
     assert Refresher(cfg).run("s").inserts == 1
+
+
+# ------------------------------------------------------------------ partial sources (max_delete_fraction)
+
+def test_a_table_losing_half_its_rows_is_refused_until_deletes_are_allowed(
+        make_config, mysql_engine, mysql_url, unique, kafka):
+    t, topic = unique("half_gone"), unique("ref.half_gone")
+    execute(mysql_engine, f"CREATE TABLE {t} (id INT PRIMARY KEY, v VARCHAR(5))",
+            f"INSERT INTO {t} SELECT seq, 'a' FROM seq_1_to_10")
+    cfg = make_config({"h": mysql_dataset(mysql_url, t, topic)})
+    Refresher(cfg).run("h")
+    store = FileStateStore(cfg.state_dir)
+    before, published = store.load("h"), len(read_topic(kafka, topic))
+    # A table being reloaded (or a query cut short) reads half of it, and one row changed meanwhile.
+    execute(mysql_engine, f"DELETE FROM {t} WHERE id > 5", f"UPDATE {t} SET v = 'b' WHERE id = 1")
+    with pytest.raises(TooManyDeletes) as err:
+        Refresher(cfg).run("h")
+    assert str(err.value) == (
+        "dataset h: would delete 5 of 10 rows (limit 0.1, max_delete_fraction); refused, nothing published: "
+        "a partial source? If the deletes are meant, run `refresh run h --allow-deletes`")
+    assert len(read_topic(kafka, topic)) == published  # not even the update
+    assert store.load("h") == before
+    st = read_status(cfg)[0]
+    assert (st["last_result"], st["consecutive_failures"], st["version"]) == ("refused", 0, 1)
+    assert st["last_error"] == str(err.value)
+
+    r = Refresher(cfg).run("h", allow_deletes=True)
+    assert (r.ok, r.deletes, r.updates, r.version) == (True, 5, 1, 2)
+    assert changes(read_topic(kafka, topic), 2) == {
+        **{f'{{"id":{i}}}': None for i in range(6, 11)}, '{"id":1}': {"id": 1, "v": "b"}}
+    # Allowed for that run only: the next loss is refused again; a loss within the limit is not.
+    execute(mysql_engine, f"DELETE FROM {t} WHERE id > 3")
+    with pytest.raises(TooManyDeletes, match="would delete 2 of 5 rows"):
+        Refresher(cfg).run("h")
+    execute(mysql_engine, f"INSERT INTO {t} SELECT seq, 'c' FROM seq_4_to_10", f"DELETE FROM {t} WHERE id = 10")
+    assert Refresher(cfg).run("h").deletes == 0
+    execute(mysql_engine, f"DELETE FROM {t} WHERE id = 9")  # 1 of 9 is more than 0.1 of them
+    with pytest.raises(TooManyDeletes, match="would delete 1 of 9 rows"):
+        Refresher(cfg).run("h")
+    execute(mysql_engine, f"INSERT INTO {t} VALUES (9, 'c'), (10, 'c')")
+    assert Refresher(cfg).run("h").inserts == 1
+    execute(mysql_engine, f"DELETE FROM {t} WHERE id = 10")  # 1 of 10: at the limit, published
+    assert Refresher(cfg).run("h").deletes == 1
+
+
+def test_a_csv_cut_mid_write_is_refused(make_config, tmp_path: Path, unique, kafka):
+    p, topic = tmp_path / "sites.csv", unique("ref.cut")
+    full = "site_id,name\n" + "".join(f"s{i:02d},Site number {i}\n" for i in range(20))
+    p.write_text(full)
+    cfg = make_config({"sites": {"source": {"path": str(p), "stable_for": "100ms"}, "key": ["site_id"],
+                                 "topic": topic}})
+    Refresher(cfg).run("sites")
+    published = read_topic(kafka, topic)
+    p.write_text(full[: len(full) * 2 // 5])  # the writer died mid-line: 7 rows and a cut one
+    with pytest.raises(TooManyDeletes, match=r"dataset sites: would delete 12 of 20 rows \(limit 0.1"):
+        Refresher(cfg).run("sites")
+    assert read_topic(kafka, topic) == published
+    assert FileStateStore(cfg.state_dir).load("sites").version == 1
+
+
+def test_a_glob_missing_one_file_is_refused(make_config, tmp_path: Path, unique, kafka):
+    parts, topic = tmp_path / "parts", unique("ref.parts")
+    parts.mkdir()
+    for n in range(3):
+        (parts / f"part-{n}.csv").write_text("id,v\n" + "".join(f"{n * 10 + i},x\n" for i in range(5)))
+    cfg = make_config({"p": {"source": {"path": str(parts / "part-*.csv"), "stable_for": "100ms"}, "key": ["id"],
+                             "topic": topic}})
+    assert Refresher(cfg).run("p").inserts == 15
+    published = read_topic(kafka, topic)
+    (parts / "part-1.csv").unlink()  # an export replacing its files one by one
+    with pytest.raises(TooManyDeletes, match="dataset p: would delete 5 of 15 rows"):
+        Refresher(cfg).run("p")
+    assert read_topic(kafka, topic) == published
+    assert read_status(cfg)[0]["last_result"] == "refused"
+
+
+# ------------------------------------------------------------------ the topic is part of the state
+
+def delete_topic(kafka: dict[str, str], topic: str) -> None:
+    from refstream.kafka import admin, partitions_of
+
+    admin(kafka).delete_topics([topic], operation_timeout=10)[topic].result(10)
+    deadline = time.monotonic() + 20
+    while partitions_of(kafka, topic):
+        assert time.monotonic() < deadline, f"topic {topic} still listed after its deletion"
+        time.sleep(0.1)
+
+
+def test_a_deleted_or_recreated_topic_gets_the_whole_dataset_again(make_config, mysql_engine, mysql_url,
+                                                                  unique, kafka, caplog):
+    from refstream.kafka import ensure_topic
+
+    t, topic = unique("lost"), unique("ref.lost")
+    execute(mysql_engine, f"CREATE TABLE {t} (id INT PRIMARY KEY, v VARCHAR(5))",
+            f"INSERT INTO {t} VALUES (1,'a'),(2,'b'),(3,'c')")
+    cfg = make_config({"l": mysql_dataset(mysql_url, t, topic)})
+    Refresher(cfg).run("l")
+    execute(mysql_engine, f"UPDATE {t} SET v = 'B' WHERE id = 2")
+    delete_topic(kafka, topic)
+    caplog.set_level(logging.WARNING, logger="refresh.runner")
+    r = Refresher(cfg).run("l")
+    assert (r.kind, r.version, r.published) == ("republish", 2, 4)
+    assert r.reason == "topic does not exist (deleted?)"
+    assert f"dataset l: topic {topic}: topic does not exist (deleted?); republishing the whole dataset" in caplog.text
+    records = read_topic(kafka, topic)
+    assert [x.op for x in records] == ["schema", "upsert", "upsert", "upsert"] and {x.version for x in records} == {2}
+    assert table_view(records) == {'{"id":1}': {"id": 1, "v": "a"}, '{"id":2}': {"id": 2, "v": "B"},
+                                   '{"id":3}': {"id": 3, "v": "c"}}
+    st = read_status(cfg)[0]
+    assert (st["last_kind"], st["last_reason"]) == ("republish", "topic does not exist (deleted?)")
+    assert "l: last run republished everything: topic does not exist (deleted?)" in format_status(read_status(cfg))
+
+    # The topic unchanged: a normal run, nothing republished.
+    again = Refresher(cfg).run("l")
+    assert (again.kind, again.published, again.reason) == ("diff", 0, None)
+    assert len(read_topic(kafka, topic)) == 4
+
+    # Deleted and recreated empty by someone else (a new topic starts again at offset 0).
+    delete_topic(kafka, topic)
+    ensure_topic(kafka, topic, partitions=1)
+    r = Refresher(cfg).run("l")
+    assert r.kind == "republish" and r.published == 4
+    assert r.reason.startswith("partition 0 ends at offset 0, below the ") and "recreated" in r.reason
+    assert len(read_topic(kafka, topic)) == 4
+    assert Refresher(cfg).run("l").kind == "diff"
+
+
+def test_a_renamed_topic_gets_the_whole_dataset(make_config, mysql_engine, mysql_url, unique, kafka):
+    t, old, new = unique("moved"), unique("ref.old"), unique("ref.new")
+    execute(mysql_engine, f"CREATE TABLE {t} (id INT PRIMARY KEY, v VARCHAR(5))", f"INSERT INTO {t} VALUES (1,'a'),(2,'b')")
+    Refresher(make_config({"m": mysql_dataset(mysql_url, t, old)})).run("m")
+    cfg = make_config({"m": mysql_dataset(mysql_url, t, new)}, name="renamed.yaml")  # same state_dir
+    r = Refresher(cfg).run("m")
+    assert (r.kind, r.published, r.reason) == ("republish", 3, f"topic changed from {old} to {new} in the config")
+    records = read_topic(kafka, new)
+    assert records[0].op == "schema" and schemas(records)[0].key == ("id",)
+    assert table_view(records) == {'{"id":1}': {"id": 1, "v": "a"}, '{"id":2}': {"id": 2, "v": "b"}}
+    assert len(read_topic(kafka, old)) == 3  # the old topic is left as it was
+    assert FileStateStore(cfg.state_dir).load("m").topic == new
+    assert Refresher(cfg).run("m").kind == "diff"

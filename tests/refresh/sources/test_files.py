@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import datetime as dt
+import logging
+import os
+import threading
+import time
 from pathlib import Path
 
 import pyarrow as pa
@@ -10,12 +14,15 @@ import pyarrow.parquet as pq
 import pytest
 
 from refresh.config import FileSourceConfig
-from refresh.errors import EmptySnapshot
-from refresh.sources.files import FileSource
+from refresh.errors import EmptySnapshot, FileNotStable
+from refresh.sources.files import FileSource, stat_files
 from refstream.errors import DataError
 
 
 def src(path: Path | str, fmt: str, **kw) -> FileSource:
+    # Files written a moment ago would be waited for (stable_for, 1s by default): the format tests
+    # read at once; the stability tests below set it.
+    kw.setdefault("stable_for", dt.timedelta(0))
     return FileSource("sites", FileSourceConfig(path=str(path), format=fmt, **kw))
 
 
@@ -106,3 +113,111 @@ def test_nested_json_is_refused_naming_the_column(tmp_path: Path) -> None:
     p.write_text('{"id": 1, "tags": ["a", "b"]}\n')
     with pytest.raises(DataError, match="dataset sites: column tags: Arrow type list<item: string> has no changelog"):
         normalize(src(p, "jsonl").read(), "sites")
+
+
+# ------------------------------------------------------------------------------ stable files
+
+class LogWaiter(logging.Handler):
+    """Lets a test wait until a log line containing ``text`` was emitted (from any thread)."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(logging.DEBUG)
+        self.text = text
+        self.seen = threading.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.text in record.getMessage():
+            self.seen.set()
+
+
+@pytest.fixture
+def settle_log():
+    logger = logging.getLogger("refresh.sources.files")
+    waiter = LogWaiter("waiting for it to settle")
+    old = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(waiter)
+    yield waiter
+    logger.removeHandler(waiter)
+    logger.setLevel(old)
+
+
+def test_stat_files_skips_hidden_and_directories(tmp_path: Path) -> None:
+    (tmp_path / "a.csv").write_text("1")
+    (tmp_path / ".a.csv.tmp").write_text("1")
+    (tmp_path / "d.csv").mkdir()
+    assert [os.path.basename(s[0]) for s in stat_files(str(tmp_path / "*.csv"))] == ["a.csv"]
+
+
+def test_a_file_being_appended_to_is_read_once_it_settles(tmp_path: Path, settle_log) -> None:
+    p = tmp_path / "sites.csv"
+    p.write_text("id,v\n1,a\n")
+    result: list[pa.Table] = []
+    reader = threading.Thread(target=lambda: result.append(
+        src(p, "csv", stable_for=dt.timedelta(seconds=0.5)).read()))
+    reader.start()
+    try:
+        # The file was written just now: the read waits; rows appended meanwhile are read too.
+        assert settle_log.seen.wait(10), "the read did not wait for the file to settle"
+        with p.open("a") as f:
+            f.write("2,b\n3,c\n")
+    finally:
+        reader.join(10)
+    assert result and result[0].column("id").to_pylist() == [1, 2, 3]
+
+
+def test_a_file_that_never_settles_fails_naming_it(tmp_path: Path) -> None:
+    p = tmp_path / "sites.csv"
+    p.write_text("id\n0\n")
+    stop = threading.Event()
+
+    def append() -> None:
+        n = 0
+        while not stop.wait(0.03):
+            n += 1
+            with p.open("a") as f:
+                f.write(f"{n}\n")
+
+    writer = threading.Thread(target=append)
+    writer.start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(FileNotStable, match=rf"dataset sites: {p} still changing after 0.6s"):
+            src(p, "csv", stable_for=dt.timedelta(seconds=0.2), stable_timeout=dt.timedelta(seconds=0.6)).read()
+    finally:
+        stop.set()
+        writer.join()
+    assert time.monotonic() - t0 < 5  # bounded by stable_timeout (plus one interval)
+
+
+def test_a_file_changed_during_the_read_is_read_again(tmp_path: Path) -> None:
+    p = tmp_path / "sites.csv"
+    p.write_text("id\n1\n")
+
+    class WriterComesBack(FileSource):
+        reads = 0
+
+        def read_file(self, path: Path) -> pa.Table:
+            t = super().read_file(path)
+            self.reads += 1
+            if self.reads == 1:  # a writer appends while the first read is under way
+                with p.open("a") as f:
+                    f.write("2\n")
+            return t
+
+    s = WriterComesBack("sites", FileSourceConfig(path=str(p), format="csv", stable_for=dt.timedelta(0)))
+    assert s.read().column("id").to_pylist() == [1, 2] and s.reads == 2
+
+
+def test_a_file_appearing_in_the_glob_is_waited_for(tmp_path: Path, settle_log) -> None:
+    (tmp_path / "a.csv").write_text("id\n1\n")
+    result: list[pa.Table] = []
+    reader = threading.Thread(target=lambda: result.append(
+        src(tmp_path / "*.csv", "csv", stable_for=dt.timedelta(seconds=0.5)).read()))
+    reader.start()
+    try:
+        assert settle_log.seen.wait(10), "the read did not wait for the files to settle"
+        (tmp_path / "b.csv").write_text("id\n2\n")  # the export's second file lands meanwhile
+    finally:
+        reader.join(10)
+    assert result and sorted(result[0].column("id").to_pylist()) == [1, 2]

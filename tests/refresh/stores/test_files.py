@@ -27,6 +27,11 @@ def test_commit_round_trip_and_old_snapshots_removed(tmp_path: Path) -> None:
     assert s1.snapshot == "snapshot-0000000001.parquet"
     loaded = store.load("d")
     assert loaded == s1 and store.load_snapshot("d", loaded).column("id").to_pylist() == [1, 2]
+    assert loaded.offsets is None
+    # The topic and its end offsets after the publish (partition numbers are JSON object keys).
+    with_offsets = store.commit("d", CommittedState(version=1, schema=schema, snapshot=s1.snapshot, rows=2,
+                                                    topic="ref.d", offsets={0: 7, 1: 3}), None)
+    assert store.load("d") == with_offsets and store.load("d").offsets == {0: 7, 1: 3}
     # A commit without a new snapshot keeps pointing at the last one.
     s2 = store.commit("d", CommittedState(version=2, schema=schema, snapshot=s1.snapshot, rows=2), None)
     assert s2.snapshot == s1.snapshot and (tmp_path / "d" / s1.snapshot).exists()
@@ -52,8 +57,11 @@ def test_status_reads_and_writes_the_same_json(tmp_path: Path) -> None:
     st = store.read_status("d")
     assert st.last_run is not None and st.last_run.result.outcome == "failed" and st.consecutive_failures == 1
     store.write_status("d", st)
-    assert json.loads((tmp_path / "d" / "status.json").read_text()) == _STATUS
-    # A success resets the failures; an interrupted run keeps them and is not one more.
+    # Read back the same, with the fields later releases added at their defaults.
+    newer = {"refused": False, "reason": None}
+    assert json.loads((tmp_path / "d" / "status.json").read_text()) == {
+        **_STATUS, "last_success": {**_RUN, **newer}, "last_run": {**_STATUS["last_run"], **newer}}
+    # A success resets the failures; an interrupted or refused run keeps them and is not one more.
     ok = RunRecord(started="s", finished="f", result=RunResult(
         dataset="d", ok=True, version=3, rows=1, inserts=0, updates=0, deletes=0, published=0, seconds=0.1))
     stopped = RunRecord(started="s", finished="f", result=RunResult(
@@ -61,6 +69,11 @@ def test_status_reads_and_writes_the_same_json(tmp_path: Path) -> None:
         interrupted=True))
     assert (st.after(ok).consecutive_failures, st.after(ok).last_success) == (0, ok)
     assert (st.after(stopped).consecutive_failures, st.after(stopped).last_success) == (1, st.last_success)
+    refused = RunRecord(started="s", finished="f", result=RunResult(
+        dataset="d", ok=False, version=2, rows=0, inserts=0, updates=0, deletes=0, published=0, seconds=0.1,
+        error="dataset d: would delete 5 of 10 rows", refused=True))
+    assert refused.result.outcome == "refused"
+    assert (st.after(refused).consecutive_failures, st.after(refused).last_run) == (1, refused)
     (tmp_path / "d" / "status.json").write_text('{"last_run": {"ok": true}}')
     assert store.read_status("d") == DatasetStatus(dataset="d")  # unreadable: as if it never ran
 
