@@ -24,6 +24,9 @@ JoinHow = Literal["left", "inner"]
 #: Where enriched events go; the key of the ``output:`` section.
 OutputKind = Literal["kafka", "parquet", "console"]
 
+#: Admission control when ``max_events_per_batch`` is not set: a micro-batch's memory stays bounded.
+DEFAULT_MAX_EVENTS_PER_BATCH = 100_000
+
 
 @dataclass(frozen=True, kw_only=True)
 class EventsConfig:
@@ -77,7 +80,7 @@ class EnrichConfig:
     dead_letter_topic: str
     checkpoint: Path
     trigger: timedelta = timedelta(seconds=1)
-    max_events_per_batch: int | None = None
+    max_events_per_batch: int = DEFAULT_MAX_EVENTS_PER_BATCH
     bootstrap_timeout: timedelta = timedelta(seconds=60)
     spark_conf: dict[str, str] = field(default_factory=dict)
     source: str = "config"
@@ -122,8 +125,9 @@ def parse(data: dict[str, Any], source: str = "config") -> EnrichConfig:
         seen.add((j.dataset, j.prefix))
 
     output = _output(top.section("output"))
-    max_events = top.get("max_events_per_batch", int, None)
-    if max_events is not None and max_events <= 0:
+    # Always bounded: after downtime the backlog is read in batches of this size, not in one.
+    max_events = top.get("max_events_per_batch", int, DEFAULT_MAX_EVENTS_PER_BATCH)
+    if max_events <= 0:
         raise top.error("must be positive", "max_events_per_batch")
     trigger = top.duration("trigger", timedelta(seconds=1))
     spark_sec = top.section("spark", {})

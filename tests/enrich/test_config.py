@@ -33,6 +33,8 @@ def test_parse_full_shape() -> None:
     assert cfg.output.kind == "kafka" and cfg.output.topic == "out"
     assert cfg.trigger == timedelta(milliseconds=500) and cfg.max_events_per_batch == 1000
     assert cfg.checkpoint == Path("var/cp")
+    # Bounded memory without any setting: admission control is on by default.
+    assert config.parse({k: v for k, v in BASE.items() if k != "max_events_per_batch"}).max_events_per_batch == 100_000
 
 
 @pytest.mark.parametrize(("patch", "message"), [

@@ -1,0 +1,91 @@
+"""The job under operational faults, on real Spark (local) and the real broker: a backlog after
+downtime, a deleted or recreated events topic, deleted events, an oversized record, a moved
+checkpoint, a compacted changelog."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from confluent_kafka import Producer
+from pyspark.sql import SparkSession
+
+from enrich import config
+from enrich.job import EnrichJob
+from refstream.contract import Column, DatasetSchema
+from tests.enrich.helpers import changelog, produce_events, publish
+
+DEVICES = DatasetSchema("devices", ("device_id",), (Column("device_id", "string"), Column("owner", "string")))
+
+
+def make_config(kafka: dict[str, str], unique: Callable[[str], str], checkpoint: Path,
+                **extra: Any) -> config.EnrichConfig:
+    data: dict[str, Any] = {
+        "kafka": {"bootstrap_servers": kafka["bootstrap.servers"]},
+        "events": {"topic": unique("events"), "schema": "device_id STRING, n INT", "starting_offsets": "earliest"},
+        "joins": [{"dataset": "devices", "topic": unique("ref.devices"), "on": "device_id"}],
+        "output": {"kafka": {"topic": unique("enriched")}},
+        "dead_letter_topic": unique("dlq"),
+        "checkpoint": str(checkpoint),
+        "trigger": "200ms",
+    }
+    for key, value in extra.items():
+        if isinstance(value, dict) and isinstance(data.get(key), dict):
+            data[key] = {**data[key], **value}
+        else:
+            data[key] = value
+    return config.parse(data, "test.yaml")
+
+
+def seed_devices(kafka: dict[str, str], cfg: config.EnrichConfig) -> None:
+    publish(kafka, cfg.joins[0].topic, changelog(DEVICES, [{"device_id": f"d{i}", "owner": f"o{i}"}
+                                                           for i in range(10)]))
+
+
+def run_available_now(spark: SparkSession, cfg: config.EnrichConfig) -> EnrichJob:
+    job = EnrichJob(cfg, spark, available_now=True)
+    job.run()
+    return job
+
+
+def batch_offsets(checkpoint: Path) -> dict[int, dict[str, dict[str, int]]]:
+    """Spark's offset log of the job: batch id -> the events source's end offsets."""
+    out = {}
+    for f in (checkpoint / "spark" / "offsets").iterdir():
+        if f.name.isdigit():
+            lines = f.read_text().splitlines()
+            out[int(f.name)] = json.loads(lines[2])  # version, metadata, then one line per source
+    return out
+
+
+def produce_fast(kafka: dict[str, str], topic: str, n: int, start: int = 0) -> None:
+    p = Producer({**kafka, "linger.ms": 20, "batch.num.messages": 10000})
+    for i in range(start, start + n):
+        while True:
+            try:
+                p.produce(topic, b'{"device_id":"d%d","n":%d}' % (i % 10, i), key=b"d%d" % (i % 10))
+                break
+            except BufferError:
+                p.poll(0.05)
+    assert p.flush(60) == 0
+
+
+def test_first_batch_after_downtime_is_bounded_by_default(spark: SparkSession, kafka: dict[str, str],
+                                                          unique: Callable[[str], str], tmp_path: Path) -> None:
+    cfg = make_config(kafka, unique, tmp_path / "cp")
+    assert cfg.max_events_per_batch == config.DEFAULT_MAX_EVENTS_PER_BATCH == 100_000
+    seed_devices(kafka, cfg)
+    produce_events(kafka, cfg.events.topic, [{"device_id": "d1", "n": i} for i in range(5)])
+    run_available_now(spark, cfg)
+    before = batch_offsets(cfg.checkpoint)
+    last = max(before)
+    # Downtime: a backlog larger than one batch builds up.
+    produce_fast(kafka, cfg.events.topic, 100_050, start=5)
+    run_available_now(spark, cfg)
+    after = batch_offsets(cfg.checkpoint)
+    ends = [sum(after[b][cfg.events.topic].values()) for b in sorted(after)]
+    assert ends[0] == 5 and ends[-1] == 100_055
+    first_after = after[last + 1][cfg.events.topic]
+    assert sum(first_after.values()) - 5 == 100_000
