@@ -13,6 +13,9 @@ from refstream.contract import default_topic
 
 #: Where a new query starts reading the events.
 StartingOffsets = Literal["latest", "earliest"]
+#: What the job does when the events topic was deleted and recreated or its offsets went backwards:
+#: stop with an error, re-read the partition from its start, or skip to its end.
+OnOffsetReset = Literal["fail", "earliest", "latest"]
 #: Which Kafka connector reads the events: this package's Python data source, or Spark's own
 #: (``builtin``, when its jar is on the classpath).
 EventSource = Literal["python", "builtin"]
@@ -38,6 +41,8 @@ class EventsConfig:
     required: tuple[str, ...] = ()      # event fields that must not be null (else: dead letter)
     source: EventSource = "python"
     parser: Parser = "auto"
+    on_offset_reset: OnOffsetReset = "fail"
+    fail_on_data_loss: bool = True      # events deleted (retention) before they were read: stop
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -110,6 +115,8 @@ def parse(data: dict[str, Any], source: str = "config") -> EnrichConfig:
         required=tuple(ev.str_list("required", [])),
         source=ev.choice("source", EventSource, "python"),
         parser=ev.choice("parser", Parser, "auto"),
+        on_offset_reset=ev.choice("on_offset_reset", OnOffsetReset, "fail"),
+        fail_on_data_loss=ev.get("fail_on_data_loss", bool, True),
     )
     ev.done()
 

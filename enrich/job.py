@@ -10,6 +10,7 @@ One ``foreachBatch`` per micro-batch, on the driver:
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 import uuid
@@ -17,6 +18,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import pyarrow as pa
+from pyspark.errors import StreamingQueryException
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.streaming import StreamingQuery
 from pyspark.sql.types import StructType
@@ -39,6 +41,16 @@ from refstream.retry import RetryPolicy, call_with_retry
 log = logging.getLogger(__name__)
 
 DEFAULT_RETRY = RetryPolicy(attempts=5, initial=1.0, maximum=15.0)
+
+
+_OUR_ERROR = re.compile(r"refstream\.errors\.\w+: (.+)")
+
+
+def root_cause(exc: BaseException) -> str:
+    """One line for a failed query: the message of the refstream error that failed it, when Spark's
+    exception carries one (a Python traceback inside a JVM error), else the exception's first line."""
+    found = _OUR_ERROR.findall(str(exc))
+    return found[-1].strip() if found else one_line(exc)
 
 
 class EnrichJob:
@@ -91,7 +103,9 @@ class EnrichJob:
         from enrich.kafka import read_stream
 
         raw = read_stream(self.spark, cfg.kafka, [cfg.events.topic], starting_offsets=cfg.events.starting_offsets,
-                          max_offsets_per_trigger=cfg.max_events_per_batch, builtin=cfg.events.source == "builtin")
+                          max_offsets_per_trigger=cfg.max_events_per_batch,
+                          fail_on_data_loss=cfg.events.fail_on_data_loss, on_offset_reset=cfg.events.on_offset_reset,
+                          builtin=cfg.events.source == "builtin")
         # The published schemas are known now: a join naming a missing column fails here, as a config
         # error, instead of failing the first micro-batch.
         self._parsed_schema = events.parse(raw, self.event_schema, cfg.events.required).schema
@@ -130,13 +144,16 @@ class EnrichJob:
         """Start, then wait until the query ends (available-now) or :meth:`stop` is called."""
         with self._stack:
             query = self.start()
-            while not self._stop.is_set() and query.isActive:
-                query.awaitTermination(0.5)
+            try:
+                while not self._stop.is_set() and query.isActive:
+                    query.awaitTermination(0.5)
+            except StreamingQueryException as failed:
+                raise TerminalError(f"enrichment query failed: {root_cause(failed)}") from failed
             if self._stop.is_set():
                 log.info("stopping the enrichment query")
             exc = query.exception()
             if exc is not None:
-                raise TerminalError(f"enrichment query failed: {one_line(exc)}") from exc
+                raise TerminalError(f"enrichment query failed: {root_cause(exc)}") from exc
 
     def stop(self) -> None:
         self._stop.set()
