@@ -76,6 +76,27 @@ def starts_of(offsets: Mapping[str, Any]) -> dict[TP, int]:
     return {(t, int(p)): int(o) for t, parts in (offsets.get(STARTS) or {}).items() for p, o in parts.items()}
 
 
+def check_retention(begin: Mapping[TP, int], low: Mapping[TP, int], *, fail_on_data_loss: bool
+                    ) -> tuple[dict[TP, int], dict[TP, int]]:
+    """Find the partitions of ``begin`` (checkpointed positions) whose log start (``low``) moved
+    past their position: ``[position, log start)`` was deleted (retention) before it was read, also
+    when nothing is left at all. With ``fail_on_data_loss`` a :class:`DataError` names topic,
+    partition and offsets; otherwise they are skipped with a warning. Returns ``(starts, lost)``:
+    where the next range of such partitions begins, and how many offsets each one skipped."""
+    starts: dict[TP, int] = {}
+    lost: dict[TP, int] = {}
+    for tp, pos in sorted(begin.items()):
+        lo = low.get(tp)
+        if lo is None or lo <= pos:
+            continue
+        gone = f"topic {tp[0]} partition {tp[1]}: offsets [{pos}, {lo}) were deleted (retention) before they were read"
+        if fail_on_data_loss:
+            raise DataError(f"{gone}; set failOnDataLoss (events.fail_on_data_loss) to false to skip them")
+        starts[tp], lost[tp] = lo, lo - pos
+        log.warning("%s: %d offsets skipped (fail_on_data_loss is false)", gone, lo - pos)
+    return starts, lost
+
+
 def check_reset(begin: Mapping[TP, int], *, low: Mapping[TP, int], high: Mapping[TP, int],
                 old_ids: Mapping[str, str], ids: Mapping[str, str], on_reset: str) -> dict[TP, int]:
     """Find the partitions of ``begin`` (checkpointed positions) that were *reset*: their topic id
@@ -289,6 +310,6 @@ class EndOffsetProbe:
             self._consumer = None
 
 
-__all__ = ["EARLIEST", "LATEST", "STARTS", "TOPIC_IDS", "TP", "EndOffsetProbe", "ProbeResult", "check_reset",
+__all__ = ["EARLIEST", "LATEST", "STARTS", "TOPIC_IDS", "TP", "EndOffsetProbe", "ProbeResult", "check_reset", "check_retention",
            "from_json_offsets", "parse_starting_offsets", "rate_limit", "starts_of", "to_json_offsets",
            "topic_ids_of"]

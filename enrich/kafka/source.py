@@ -32,6 +32,7 @@ from enrich.kafka.offsets import (
     EndOffsetProbe,
     ProbeResult,
     check_reset,
+    check_retention,
     from_json_offsets,
     rate_limit,
     starts_of,
@@ -70,9 +71,10 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._probe: EndOffsetProbe | None = None
         self._available_now: dict[TP, int] | None = None
         self._latest: dict[TP, int] | None = None
+        self.lost: dict[TP, int] = {}  # offsets skipped as deleted (failOnDataLoss=false), per partition
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"options": self.options, "_probe": None, "_available_now": None, "_latest": None}
+        return {"options": self.options, "_probe": None, "_available_now": None, "_latest": None, "lost": {}}
 
     # -- driver side -------------------------------------------------------------------------------
 
@@ -138,6 +140,14 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         present = {tp: off for tp, off in begin.items() if tp in res.end}
         starts = check_reset(present, low=res.low, high=res.high, old_ids=old_ids, ids=ids,
                              on_reset=self.options.on_offset_reset)
+        skipped, lost = check_retention({tp: off for tp, off in present.items() if tp not in starts}, res.low,
+                                        fail_on_data_loss=self.options.fail_on_data_loss)
+        starts.update(skipped)
+        for tp, n in lost.items():
+            self.lost[tp] = self.lost.get(tp, 0) + n
+        if lost:
+            log.warning("offsets lost to retention and skipped since the query started: %d (%s)",
+                        sum(self.lost.values()), {f"{t}/{p}": n for (t, p), n in sorted(self.lost.items())})
         first = {**begin, **starts}  # where this batch's range of each partition begins
         end = res.end
         if self._available_now is not None:

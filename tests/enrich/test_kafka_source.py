@@ -11,9 +11,12 @@ from pyspark.sql import SparkSession
 from pyspark.sql.streaming.datasource import ReadAllAvailable
 
 from enrich.kafka import read_stream, source_options
+from enrich.kafka.fetch import OffsetRange, lost_offsets
 from enrich.kafka.offsets import (
     TOPIC_IDS,
     EndOffsetProbe,
+    ProbeResult,
+    check_retention,
     from_json_offsets,
     parse_starting_offsets,
     rate_limit,
@@ -294,3 +297,40 @@ def test_recreated_or_truncated_topic_is_detected_and_handled_by_on_offset_reset
     assert ranges == [] and from_json_offsets(skipped) == {tp: 50}
     produce(kafka, topic, [(None, b"tail%d" % i, 0) for i in range(5)])
     assert trigger("fail", skipped)[1] == [(50, 55)]
+
+
+def test_offsets_deleted_before_they_were_read_stop_the_query_or_are_skipped_and_counted():
+    """Retention cannot be produced on the test broker (no deletion of records, a recreated topic
+    starts at 0 again): the decisions are checked on what the probe and a fetch report."""
+    tp = ("ev", 0)
+    with pytest.raises(DataError, match=r"^topic ev partition 0: offsets \[5, 20\) were deleted \(retention\)"):
+        check_retention({tp: 5}, {tp: 20}, fail_on_data_loss=True)
+    assert check_retention({tp: 5}, {tp: 20}, fail_on_data_loss=False) == ({tp: 20}, {tp: 15})
+    assert check_retention({tp: 20}, {tp: 20}, fail_on_data_loss=True) == ({}, {})
+
+    def reader(fail: bool, end: int, low: int) -> KafkaStreamReader:
+        opts = SourceOptions.parse({"kafka.bootstrap.servers": "unused:1", "subscribe": "ev",
+                                    "failOnDataLoss": str(fail).lower()})
+        r = KafkaStreamReader(opts)
+        r._ends = lambda known: ProbeResult({tp: end}, {tp: low}, {tp: end})  # type: ignore[method-assign]
+        r._topic_ids = dict  # type: ignore[method-assign]
+        return r
+
+    start = {"ev": {"0": 5}}
+    with pytest.raises(DataError, match=r"offsets \[5, 20\) were deleted"):
+        reader(True, 30, 20).latestOffset(start, ReadAllAvailable())
+    r = reader(False, 30, 20)
+    end = r.latestOffset(start, ReadAllAvailable())
+    assert [(p.start, p.end) for p in r.partitions(start, end)] == [(20, 30)] and r.lost == {tp: 15}
+    # A partition whose whole range is gone (empty now) is detected too.
+    with pytest.raises(DataError, match=r"offsets \[5, 20\) were deleted"):
+        reader(True, 20, 20).latestOffset(start, ReadAllAvailable())
+    r = reader(False, 20, 20)
+    end = r.latestOffset(start, ReadAllAvailable())
+    assert r.partitions(start, end) == [] and from_json_offsets(end) == {tp: 20} and r.lost == {tp: 15}
+    # Executors: records deleted between planning and reading, a range with nothing left included.
+    rng = OffsetRange("ev", 0, 5, 10)
+    assert lost_offsets(rng, None, 12) == (5, 10)   # empty: the whole range is gone
+    assert lost_offsets(rng, 7, 7) == (5, 7)
+    assert lost_offsets(rng, 7, 5) is None          # transaction markers or aborted records, not loss
+    assert lost_offsets(rng, None, 0) is None
