@@ -15,15 +15,15 @@ from pyspark.sql import SparkSession
 from enrich import config
 from enrich.job import EnrichJob
 from refstream.contract import Column, DatasetSchema
-from tests.enrich.helpers import changelog, produce_events, publish
+from tests.enrich.helpers import changelog, produce_events, publish, read_all
 
 DEVICES = DatasetSchema("devices", ("device_id",), (Column("device_id", "string"), Column("owner", "string")))
 
 
-def make_config(kafka: dict[str, str], unique: Callable[[str], str], checkpoint: Path,
+def make_config(settings: dict[str, str], unique: Callable[[str], str], checkpoint: Path,
                 **extra: Any) -> config.EnrichConfig:
     data: dict[str, Any] = {
-        "kafka": {"bootstrap_servers": kafka["bootstrap.servers"]},
+        "kafka": {"bootstrap_servers": settings["bootstrap.servers"]},
         "events": {"topic": unique("events"), "schema": "device_id STRING, n INT", "starting_offsets": "earliest"},
         "joins": [{"dataset": "devices", "topic": unique("ref.devices"), "on": "device_id"}],
         "output": {"kafka": {"topic": unique("enriched")}},
@@ -89,3 +89,34 @@ def test_first_batch_after_downtime_is_bounded_by_default(spark: SparkSession, k
     assert ends[0] == 5 and ends[-1] == 100_055
     first_after = after[last + 1][cfg.events.topic]
     assert sum(first_after.values()) - 5 == 100_000
+
+
+def test_a_record_too_large_for_the_producer_is_dead_lettered_and_the_batch_commits(
+        spark: SparkSession, kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path) -> None:
+    limit = 20_000
+    cfg = make_config(kafka, unique, tmp_path / "cp", kafka={"message.max.bytes": limit},
+                      events={"schema": "device_id STRING, n INT, note STRING"})
+    seed_devices(kafka, cfg)
+    huge_note = "x" * 30_000
+    produce_events(kafka, cfg.events.topic, [
+        {"device_id": "d1", "n": 1, "note": "small"},
+        {"device_id": "d2", "n": 2, "note": huge_note},           # enriched: larger than a record may be
+        {"device_id": "d3", "n": 3, "note": "small"},
+        b"{not json" + b"y" * 30_000,                               # a dead letter larger than a record may be
+        {"device_id": "d4", "n": 4, "note": "small"},
+    ])
+    run_available_now(spark, cfg)
+    out = [json.loads(m.value()) for m in read_all(kafka, cfg.output.topic)]
+    assert sorted(r["n"] for r in out) == [1, 3, 4]
+    dead = {dict(m.headers())["source.offset"]: m for m in read_all(kafka, cfg.dead_letter_topic)}
+    assert sorted(dead) == [b"1", b"3"]
+    enriched, bad = dead[b"1"], dead[b"3"]
+    for m in (enriched, bad):
+        headers = dict(m.headers())
+        assert headers["reason"] == b"too_large" and headers["error"].startswith(b"too_large: ")
+        assert headers["source.topic"] == cfg.events.topic.encode() and headers["source.partition"] == b"0"
+        assert len(m.value()) + len(m.key() or b"") < limit
+    assert dict(enriched.headers())["error"].startswith(b"too_large: enriched event of ")
+    assert enriched.key() == b"d2" and enriched.value().startswith(b'{"device_id":"d2","n":2,"note":"xxx')
+    assert bad.value().startswith(b"{not json") and int(dict(bad.headers())["original.size"]) == 30_009
+    assert b"malformed" in dict(bad.headers())["error"].lower() or b"json" in dict(bad.headers())["error"].lower()
