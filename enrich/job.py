@@ -9,6 +9,7 @@ One ``foreachBatch`` per micro-batch, on the driver:
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 import threading
@@ -33,7 +34,7 @@ from enrich.dimension.versions import FileVersionLog
 from enrich.fastparse import FastParser
 from enrich.sinks import EnrichedBatch, Sink, make_sink
 from refstream import kafka as rkafka
-from refstream.atomic import write_bytes_atomic
+from refstream.atomic import write_bytes_atomic, write_json_atomic
 from refstream.contract import DatasetSchema
 from refstream.errors import TerminalError, one_line
 from refstream.retry import RetryPolicy, call_with_retry
@@ -41,6 +42,8 @@ from refstream.retry import RetryPolicy, call_with_retry
 log = logging.getLogger(__name__)
 
 DEFAULT_RETRY = RetryPolicy(attempts=5, initial=1.0, maximum=15.0)
+#: The Kafka writers' transactional ids, relative to the checkpoint (see ``EnrichJob._transactional_id``).
+SINK_IDENTITY = Path("refstream") / "sink.json"
 
 
 _OUR_ERROR = re.compile(r"refstream\.errors\.\w+: (.+)")
@@ -92,7 +95,7 @@ class EnrichJob:
         self._stack.callback(self.dims.close)
         call_with_retry(self.dims.bootstrap, what="bootstrapping dimensions", policy=self.retry, stop=self._stop)
         scope = self._scope()
-        self.sink: Sink = make_sink(cfg, scope)
+        self.sink: Sink = make_sink(cfg, scope, self._transactional_id(cfg.output.topic) if cfg.output.topic else None)
         self._stack.callback(self.sink.close)
         self.dead = DeadLetters(cfg.kafka, cfg.dead_letter_topic, self._dlq_transactional_id(), scope)
         self._stack.callback(self.dead.close)
@@ -124,11 +127,29 @@ class EnrichJob:
         return self.query
 
     def _dlq_transactional_id(self) -> str:
-        from enrich.kafka import transactional_id_for
-
         if self.cfg.output.transactional_id:
             return self.cfg.output.transactional_id + "-dlq"
-        return transactional_id_for(self.cfg.checkpoint, self.cfg.dead_letter_topic)
+        return self._transactional_id(self.cfg.dead_letter_topic)
+
+    def _transactional_id(self, topic: str) -> str:
+        """The transactional id of this checkpoint's writer to ``topic``, created at first use and kept
+        in ``<checkpoint>/refstream/sink.json``: a checkpoint moved to another path keeps its identity,
+        so the restarted writer still fences its predecessor and finds its batch markers."""
+        from enrich.kafka import transactional_id_for
+
+        path = self.cfg.checkpoint / SINK_IDENTITY
+        ids: dict[str, str] = {}
+        if path.exists():
+            try:
+                ids = dict(json.loads(path.read_text(encoding="utf-8"))["transactional_ids"])
+            except (ValueError, KeyError, TypeError) as exc:
+                raise TerminalError(f"{path}: not a sink identity file ({exc}); restore it from a backup of the "
+                                    "checkpoint, or reset the checkpoint") from None
+        if topic not in ids:
+            # Derived from the path once (what checkpoints written before this file used), then kept.
+            ids[topic] = transactional_id_for(self.cfg.checkpoint, topic)
+            write_json_atomic(path, {"transactional_ids": ids})
+        return ids[topic]
 
     def _scope(self) -> str:
         """Identity of this checkpoint's query: output markers of an earlier query that used the same

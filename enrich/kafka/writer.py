@@ -7,8 +7,8 @@ are the same fact. After a crash Spark replays the last uncommitted batch with t
 the writer reads the last marker of its transactional id and skips every batch id at or below it.
 A read_committed consumer therefore sees each event once.
 
-The transactional id must be stable for one query (same checkpoint -> same id, see
-:func:`transactional_id_for`): ``init_transactions`` then fences a zombie instance of the previous
+The transactional id must be stable for one query (same checkpoint -> same id: see
+:func:`transactional_id_for`; the job keeps the id it derived in the checkpoint itself): ``init_transactions`` then fences a zombie instance of the previous
 run and aborts whatever it left open.
 """
 

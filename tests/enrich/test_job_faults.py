@@ -120,3 +120,35 @@ def test_a_record_too_large_for_the_producer_is_dead_lettered_and_the_batch_comm
     assert enriched.key() == b"d2" and enriched.value().startswith(b'{"device_id":"d2","n":2,"note":"xxx')
     assert bad.value().startswith(b"{not json") and int(dict(bad.headers())["original.size"]) == 30_009
     assert b"malformed" in dict(bad.headers())["error"].lower() or b"json" in dict(bad.headers())["error"].lower()
+
+
+def test_a_moved_checkpoint_keeps_the_sinks_identity(spark: SparkSession, kafka: dict[str, str],
+                                                     unique: Callable[[str], str], tmp_path: Path) -> None:
+    import shutil
+
+    from enrich.job import SINK_IDENTITY
+
+    old_cp, new_cp = tmp_path / "old" / "cp", tmp_path / "new" / "cp"
+    cfg = make_config(kafka, unique, old_cp, max_events_per_batch=10)
+    seed_devices(kafka, cfg)
+    produce_events(kafka, cfg.events.topic, [{"device_id": f"d{i % 10}", "n": i} for i in range(30)])
+    job = run_available_now(spark, cfg)
+    tid = job.sink._writer.transactional_id  # type: ignore[attr-defined]
+    assert json.loads((old_cp / SINK_IDENTITY).read_text())["transactional_ids"][cfg.output.topic] == tid
+    # The last batch reached Kafka but its commit never reached Spark's checkpoint (a crash between
+    # the two): a restart replays it, and only the batch marker of its transactional id says it is written.
+    commits = old_cp / "spark" / "commits"
+    last = max(int(f.name) for f in commits.iterdir() if f.name.isdigit())
+    for f in (commits / str(last), commits / f".{last}.crc"):
+        f.unlink(missing_ok=True)
+    new_cp.parent.mkdir()
+    shutil.move(old_cp, new_cp)
+    produce_events(kafka, cfg.events.topic, [{"device_id": "d1", "n": 30 + i} for i in range(5)])
+    moved = make_config(kafka, unique, new_cp, max_events_per_batch=10,
+                        events={"topic": cfg.events.topic}, joins=[{"dataset": "devices", "topic": cfg.joins[0].topic,
+                                                                    "on": "device_id"}],
+                        output={"kafka": {"topic": cfg.output.topic}}, dead_letter_topic=cfg.dead_letter_topic)
+    job = run_available_now(spark, moved)
+    assert job.sink._writer.transactional_id == tid  # type: ignore[attr-defined]
+    got = sorted(json.loads(m.value())["n"] for m in read_all(kafka, cfg.output.topic))
+    assert got == list(range(35)), "each event once after the move"
