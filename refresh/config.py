@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import ClassVar, Literal, get_args
 
 from refstream.config import Section, kafka_settings, load_yaml
-from refstream.contract import check_type, default_topic
+from refstream.contract import TOPIC_CONFIG, check_type, default_topic
 from refstream.errors import ConfigError, ContractError
 from refstream.retry import RetryPolicy
 
@@ -90,6 +90,13 @@ class DatasetConfig:
     incremental: IncrementalConfig | None = None   # set exactly when mode is incremental
     allow_empty: bool = False
     partitions: int = 1
+    # A record stays uncompacted this long, so a restarted job finds what its checkpoint recorded.
+    min_compaction_lag: timedelta = timedelta(hours=24)
+
+    @property
+    def topic_config(self) -> dict[str, str]:
+        """Configuration of the changelog topic when the refresher creates it."""
+        return {**TOPIC_CONFIG, "min.compaction.lag.ms": str(int(self.min_compaction_lag.total_seconds() * 1000))}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -181,9 +188,11 @@ def _dataset(name: str, sec: Section) -> DatasetConfig:
     partitions = sec.get("partitions", int, 1)
     if partitions < 1:
         raise sec.error("must be at least 1", "partitions")
+    min_compaction_lag = sec.duration("min_compaction_lag", timedelta(hours=24))
     sec.done()
     return DatasetConfig(name=name, topic=topic, key=key, mode=mode, schedule=schedule, watch=watch,
-                         source=source, incremental=incremental, allow_empty=allow_empty, partitions=partitions)
+                         source=source, incremental=incremental, allow_empty=allow_empty, partitions=partitions,
+                         min_compaction_lag=min_compaction_lag)
 
 
 def _source(sec: Section) -> SourceConfig:

@@ -5,15 +5,18 @@ checkpoint, a compacted changelog."""
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 from confluent_kafka import Producer
 from pyspark.sql import SparkSession
 
 from enrich import config
 from enrich.job import EnrichJob
+from refstream import contract
 from refstream.contract import Column, DatasetSchema
 from tests.enrich.helpers import changelog, produce_events, publish, read_all
 
@@ -152,3 +155,34 @@ def test_a_moved_checkpoint_keeps_the_sinks_identity(spark: SparkSession, kafka:
     assert job.sink._writer.transactional_id == tid  # type: ignore[attr-defined]
     got = sorted(json.loads(m.value())["n"] for m in read_all(kafka, cfg.output.topic))
     assert got == list(range(35)), "each event once after the move"
+
+
+def test_restart_after_compaction_below_the_recorded_positions_rebuilds_and_says_so(
+        spark: SparkSession, kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The test broker does not compact: the changelog is deleted and recreated holding less below
+    the positions the checkpoint recorded, as compaction would leave it."""
+    from tests.enrich.test_kafka_source import recreate
+
+    cfg = make_config(kafka, unique, tmp_path / "cp", bootstrap_timeout="5s")
+    topic = cfg.joins[0].topic
+    publish(kafka, topic, changelog(DEVICES, [{"device_id": "d1", "owner": "o1"}, {"device_id": "d2", "owner": "o2"}]))
+    produce_events(kafka, cfg.events.topic, [{"device_id": "d1", "n": 0}])
+    run_available_now(spark, cfg)  # records positions {0: 3}: schema record and two rows
+    # Compacted: the schema record below the recorded positions is gone (a later one is kept).
+    recreate(kafka, topic)
+    publish(kafka, topic, changelog(DEVICES, [{"device_id": f"d{i}", "owner": f"new{i}"} for i in range(1, 6)],
+                                    with_schema=False) + [contract.schema_message(DEVICES)])
+    produce_events(kafka, cfg.events.topic, [{"device_id": "d1", "n": 1}])
+    caplog.set_level(logging.WARNING, logger="enrich.dimension.manager")
+    run_available_now(spark, cfg)
+    assert "no schema record on" in caplog.text and "the replayed batch may differ" in caplog.text
+    # Emptier still: the topic ends below the recorded positions.
+    recreate(kafka, topic)
+    publish(kafka, topic, changelog(DEVICES, [{"device_id": "d1", "owner": "last"}]))
+    produce_events(kafka, cfg.events.topic, [{"device_id": "d1", "n": 2}])
+    caplog.clear()
+    run_available_now(spark, cfg)
+    assert "ends below the recorded positions" in caplog.text and "the replayed batch may differ" in caplog.text
+    owners = {json.loads(m.value())["n"]: json.loads(m.value())["owner"] for m in read_all(kafka, cfg.output.topic)}
+    assert owners == {0: "o1", 1: "new1", 2: "last"}
