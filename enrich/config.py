@@ -13,6 +13,9 @@ from refstream.contract import default_topic
 
 #: Where a new query starts reading the events.
 StartingOffsets = Literal["latest", "earliest"]
+#: What the job does when the events topic was deleted and recreated or its offsets went backwards:
+#: stop with an error, re-read the partition from its start, or skip to its end.
+OnOffsetReset = Literal["fail", "earliest", "latest"]
 #: Which Kafka connector reads the events: this package's Python data source, or Spark's own
 #: (``builtin``, when its jar is on the classpath).
 EventSource = Literal["python", "builtin"]
@@ -23,6 +26,9 @@ Parser = Literal["auto", "spark"]
 JoinHow = Literal["left", "inner"]
 #: Where enriched events go; the key of the ``output:`` section.
 OutputKind = Literal["kafka", "parquet", "console"]
+
+#: Admission control when ``max_events_per_batch`` is not set: a micro-batch's memory stays bounded.
+DEFAULT_MAX_EVENTS_PER_BATCH = 100_000
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,6 +41,8 @@ class EventsConfig:
     required: tuple[str, ...] = ()      # event fields that must not be null (else: dead letter)
     source: EventSource = "python"
     parser: Parser = "auto"
+    on_offset_reset: OnOffsetReset = "fail"
+    fail_on_data_loss: bool = True      # events deleted (retention) before they were read: stop
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,7 +85,7 @@ class EnrichConfig:
     dead_letter_topic: str
     checkpoint: Path
     trigger: timedelta = timedelta(seconds=1)
-    max_events_per_batch: int | None = None
+    max_events_per_batch: int = DEFAULT_MAX_EVENTS_PER_BATCH
     bootstrap_timeout: timedelta = timedelta(seconds=60)
     spark_conf: dict[str, str] = field(default_factory=dict)
     source: str = "config"
@@ -107,6 +115,8 @@ def parse(data: dict[str, Any], source: str = "config") -> EnrichConfig:
         required=tuple(ev.str_list("required", [])),
         source=ev.choice("source", EventSource, "python"),
         parser=ev.choice("parser", Parser, "auto"),
+        on_offset_reset=ev.choice("on_offset_reset", OnOffsetReset, "fail"),
+        fail_on_data_loss=ev.get("fail_on_data_loss", bool, True),
     )
     ev.done()
 
@@ -122,8 +132,9 @@ def parse(data: dict[str, Any], source: str = "config") -> EnrichConfig:
         seen.add((j.dataset, j.prefix))
 
     output = _output(top.section("output"))
-    max_events = top.get("max_events_per_batch", int, None)
-    if max_events is not None and max_events <= 0:
+    # Always bounded: after downtime the backlog is read in batches of this size, not in one.
+    max_events = top.get("max_events_per_batch", int, DEFAULT_MAX_EVENTS_PER_BATCH)
+    if max_events <= 0:
         raise top.error("must be positive", "max_events_per_batch")
     trigger = top.duration("trigger", timedelta(seconds=1))
     spark_sec = top.section("spark", {})

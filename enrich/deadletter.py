@@ -2,6 +2,9 @@
 
 Record: key and value are the original event's key and value, byte for byte; headers ``error``,
 ``source.topic``, ``source.partition``, ``source.offset`` say what went wrong and where it came from.
+A record larger than the producer's ``message.max.bytes`` (an enriched event, or a dead letter
+itself) gets ``reason: too_large`` and ``original.size`` headers and its value cut to fit: it never
+fails the batch. For an enriched event the value is the enriched JSON (cut), its key the output key.
 Written per micro-batch in one Kafka transaction that is skipped when the batch id was committed
 already, so a replayed batch does not duplicate dead letters.
 """
@@ -20,15 +23,40 @@ COLUMNS = ("_error", "_key", "_value", "_topic", "_partition", "_offset")
 HEADERS_TYPE = pa.list_(pa.struct([pa.field("key", pa.string()), pa.field("value", pa.binary())]))
 
 
-def to_records(bad: pa.Table) -> pa.Table:
-    """Dead-letter rows as ``key``, ``value``, ``headers`` for the transactional writer."""
+#: Reason of a record too large for the producer: it is dead-lettered with its value cut to fit.
+TOO_LARGE = "too_large"
+
+
+def too_large_error(what: str, size: int, limit: int) -> str:
+    return f"{TOO_LARGE}: {what} of {size} bytes is larger than the {limit} bytes a record may have (message.max.bytes)"
+
+
+def to_records(bad: pa.Table, limit: int | None = None) -> pa.Table:
+    """Dead-letter rows as ``key``, ``value``, ``headers`` for the transactional writer. A record
+    larger than ``limit`` bytes (key + value + headers) keeps its key and headers; its value is cut
+    to fit and its headers say so (``reason: too_large``, ``original.size``)."""
     rows = bad.select(list(COLUMNS)).to_pylist()
-    headers = [[{"key": "error", "value": (r["_error"] or "").encode()},
-                {"key": "source.topic", "value": str(r["_topic"]).encode()},
-                {"key": "source.partition", "value": str(r["_partition"]).encode()},
-                {"key": "source.offset", "value": str(r["_offset"]).encode()}] for r in rows]
-    return pa.table({"key": pa.array([r["_key"] for r in rows], pa.binary()),
-                     "value": pa.array([r["_value"] for r in rows], pa.binary()),
+    keys, values, headers = [], [], []
+    for r in rows:
+        key, value = r["_key"], r["_value"]
+        hdr = [{"key": "error", "value": (r["_error"] or "").encode()},
+               {"key": "source.topic", "value": str(r["_topic"]).encode()},
+               {"key": "source.partition", "value": str(r["_partition"]).encode()},
+               {"key": "source.offset", "value": str(r["_offset"]).encode()}]
+        size = len(key or b"") + len(value or b"") + sum(len(h["key"]) + len(h["value"]) for h in hdr)
+        if limit is not None and size > limit:
+            if not (r["_error"] or "").startswith(TOO_LARGE):
+                hdr[0]["value"] = (too_large_error("dead letter", size, limit) + "; " + (r["_error"] or "")).encode()
+            hdr += [{"key": "reason", "value": TOO_LARGE.encode()},
+                    {"key": "original.size", "value": str(len(value or b"")).encode()}]
+            hdr[0]["value"] = hdr[0]["value"][:1024]
+            key = None if key is not None and len(key) > limit // 4 else key  # a key that large cannot be kept
+            room = limit - len(key or b"") - sum(len(h["key"]) + len(h["value"]) for h in hdr)
+            value = None if value is None else value[:max(room, 0)]
+        keys.append(key)
+        values.append(value)
+        headers.append(hdr)
+    return pa.table({"key": pa.array(keys, pa.binary()), "value": pa.array(values, pa.binary()),
                      "headers": pa.array(headers, HEADERS_TYPE)})
 
 
@@ -46,7 +74,7 @@ class DeadLetters:
         if bad.num_rows == 0:
             return
         # Per-row Python is fine here: dead letters are the exception, not the hot path.
-        self._writer.write(batch_id, to_records(bad))
+        self._writer.write(batch_id, to_records(bad, self._writer.record_limit))
         self.total += bad.num_rows
         log.warning("batch %d: %d event(s) to dead-letter topic %s (first: %s)", batch_id, bad.num_rows,
                     self.topic, bad.column("_error")[0].as_py())

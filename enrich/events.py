@@ -48,9 +48,9 @@ def parse(raw: DataFrame, schema: StructType, required: Sequence[str] = (), *,
           keep_source: bool = False) -> DataFrame:
     """Event fields, then ``_error`` (null for a good event), then the Kafka ``_key``, ``_value``, ...
 
-    ``_key`` is kept in every row (the output key); ``_value``, ``_topic``, ``_partition`` and
-    ``_offset`` only in rows with ``_error`` set (the dead letters), null otherwise, unless
-    ``keep_source``."""
+    ``_key`` (the output key), ``_topic``, ``_partition`` and ``_offset`` (where a dead letter made
+    by the sink comes from) are kept in every row; ``_value`` only in rows with ``_error`` set (the
+    dead letters), null otherwise, unless ``keep_source``."""
     with_corrupt = StructType([*schema.fields, StructField(CORRUPT, StringType(), True)])
     parsed = raw.select(
         *[F.col(src).alias(dst) for dst, src in SOURCE.items()],
@@ -65,13 +65,13 @@ def parse(raw: DataFrame, schema: StructType, required: Sequence[str] = (), *,
         error = error.when(F.col(f"_e.`{name}`").isNull(), F.lit(f"required field {name} is null"))
     checked = parsed.select(*[F.col(f"_e.`{n}`").alias(n) for n in schema.fieldNames()],
                             error.alias(ERROR), *SOURCE)
-    # Only dead letters need the original bytes and position: null them in good rows so that they do
-    # not travel through the join's Arrow round trip (about half of every row's bytes).
+    # Only dead letters need the original bytes: null them in good rows so that they do not travel
+    # through the join's Arrow round trip (about half of every row's bytes).
     if keep_source:
         return checked.select(*[F.col(f"`{n}`") for n in schema.fieldNames()], ERROR, *SOURCE)
     bad = F.col(ERROR).isNotNull()
-    return checked.select(*[F.col(f"`{n}`") for n in schema.fieldNames()], ERROR, "_key",
-                          *[F.when(bad, F.col(c)).alias(c) for c in SOURCE if c != "_key"])
+    return checked.select(*[F.col(f"`{n}`") for n in schema.fieldNames()], ERROR,
+                          *[F.when(bad, F.col(c)).alias(c) if c == "_value" else F.col(c) for c in SOURCE])
 
 
 def source_columns(raw: DataFrame) -> DataFrame:

@@ -9,7 +9,9 @@ One ``foreachBatch`` per micro-batch, on the driver:
 
 from __future__ import annotations
 
+import json
 import logging
+import re
 import threading
 import time
 import uuid
@@ -17,6 +19,7 @@ from contextlib import ExitStack
 from pathlib import Path
 
 import pyarrow as pa
+from pyspark.errors import StreamingQueryException
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.streaming import StreamingQuery
 from pyspark.sql.types import StructType
@@ -31,7 +34,7 @@ from enrich.dimension.versions import FileVersionLog
 from enrich.fastparse import FastParser
 from enrich.sinks import EnrichedBatch, Sink, make_sink
 from refstream import kafka as rkafka
-from refstream.atomic import write_bytes_atomic
+from refstream.atomic import write_bytes_atomic, write_json_atomic
 from refstream.contract import DatasetSchema
 from refstream.errors import TerminalError, one_line
 from refstream.retry import RetryPolicy, call_with_retry
@@ -39,6 +42,18 @@ from refstream.retry import RetryPolicy, call_with_retry
 log = logging.getLogger(__name__)
 
 DEFAULT_RETRY = RetryPolicy(attempts=5, initial=1.0, maximum=15.0)
+#: The Kafka writers' transactional ids, relative to the checkpoint (see ``EnrichJob._transactional_id``).
+SINK_IDENTITY = Path("refstream") / "sink.json"
+
+
+_OUR_ERROR = re.compile(r"refstream\.errors\.\w+: (.+)")
+
+
+def root_cause(exc: BaseException) -> str:
+    """One line for a failed query: the message of the refstream error that failed it, when Spark's
+    exception carries one (a Python traceback inside a JVM error), else the exception's first line."""
+    found = _OUR_ERROR.findall(str(exc))
+    return found[-1].strip() if found else one_line(exc)
 
 
 class EnrichJob:
@@ -80,7 +95,7 @@ class EnrichJob:
         self._stack.callback(self.dims.close)
         call_with_retry(self.dims.bootstrap, what="bootstrapping dimensions", policy=self.retry, stop=self._stop)
         scope = self._scope()
-        self.sink: Sink = make_sink(cfg, scope)
+        self.sink: Sink = make_sink(cfg, scope, self._transactional_id(cfg.output.topic) if cfg.output.topic else None)
         self._stack.callback(self.sink.close)
         self.dead = DeadLetters(cfg.kafka, cfg.dead_letter_topic, self._dlq_transactional_id(), scope)
         self._stack.callback(self.dead.close)
@@ -91,7 +106,9 @@ class EnrichJob:
         from enrich.kafka import read_stream
 
         raw = read_stream(self.spark, cfg.kafka, [cfg.events.topic], starting_offsets=cfg.events.starting_offsets,
-                          max_offsets_per_trigger=cfg.max_events_per_batch, builtin=cfg.events.source == "builtin")
+                          max_offsets_per_trigger=cfg.max_events_per_batch,
+                          fail_on_data_loss=cfg.events.fail_on_data_loss, on_offset_reset=cfg.events.on_offset_reset,
+                          builtin=cfg.events.source == "builtin")
         # The published schemas are known now: a join naming a missing column fails here, as a config
         # error, instead of failing the first micro-batch.
         self._parsed_schema = events.parse(raw, self.event_schema, cfg.events.required).schema
@@ -110,11 +127,29 @@ class EnrichJob:
         return self.query
 
     def _dlq_transactional_id(self) -> str:
-        from enrich.kafka import transactional_id_for
-
         if self.cfg.output.transactional_id:
             return self.cfg.output.transactional_id + "-dlq"
-        return transactional_id_for(self.cfg.checkpoint, self.cfg.dead_letter_topic)
+        return self._transactional_id(self.cfg.dead_letter_topic)
+
+    def _transactional_id(self, topic: str) -> str:
+        """The transactional id of this checkpoint's writer to ``topic``, created at first use and kept
+        in ``<checkpoint>/refstream/sink.json``: a checkpoint moved to another path keeps its identity,
+        so the restarted writer still fences its predecessor and finds its batch markers."""
+        from enrich.kafka import transactional_id_for
+
+        path = self.cfg.checkpoint / SINK_IDENTITY
+        ids: dict[str, str] = {}
+        if path.exists():
+            try:
+                ids = dict(json.loads(path.read_text(encoding="utf-8"))["transactional_ids"])
+            except (ValueError, KeyError, TypeError) as exc:
+                raise TerminalError(f"{path}: not a sink identity file ({exc}); restore it from a backup of the "
+                                    "checkpoint, or reset the checkpoint") from None
+        if topic not in ids:
+            # Derived from the path once (what checkpoints written before this file used), then kept.
+            ids[topic] = transactional_id_for(self.cfg.checkpoint, topic)
+            write_json_atomic(path, {"transactional_ids": ids})
+        return ids[topic]
 
     def _scope(self) -> str:
         """Identity of this checkpoint's query: output markers of an earlier query that used the same
@@ -130,13 +165,16 @@ class EnrichJob:
         """Start, then wait until the query ends (available-now) or :meth:`stop` is called."""
         with self._stack:
             query = self.start()
-            while not self._stop.is_set() and query.isActive:
-                query.awaitTermination(0.5)
+            try:
+                while not self._stop.is_set() and query.isActive:
+                    query.awaitTermination(0.5)
+            except StreamingQueryException as failed:
+                raise TerminalError(f"enrichment query failed: {root_cause(failed)}") from failed
             if self._stop.is_set():
                 log.info("stopping the enrichment query")
             exc = query.exception()
             if exc is not None:
-                raise TerminalError(f"enrichment query failed: {one_line(exc)}") from exc
+                raise TerminalError(f"enrichment query failed: {root_cause(exc)}") from exc
 
     def stop(self) -> None:
         self._stop.set()

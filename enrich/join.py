@@ -244,9 +244,12 @@ class FastEvents:
         n = b.num_rows
         mask = pa.array(slow)
         cols = [*fields.columns, pa.nulls(n, pa.string()), b.column("_key")]
-        for name in [c for c in SOURCE if c != "_key"]:  # kept for the slow rows only
+        for name in [c for c in SOURCE if c != "_key"]:
             col = b.column(name)
-            cols.append(pc.if_else(mask, col, pa.nulls(n, col.type)) if slow.any() else pa.nulls(n, col.type))
+            if name != "_value":  # positions are small: kept, a too-large event's dead letter names them
+                cols.append(col)
+            else:  # the raw event is kept for the slow rows only
+                cols.append(pc.if_else(mask, col, pa.nulls(n, col.type)) if slow.any() else pa.nulls(n, col.type))
         cols.append(mask)
         return pa.Table.from_arrays(cols, schema=pa.schema(
             [pa.field(f.name, c.type) for f, c in zip(self.schema, cols, strict=True)])).cast(self.schema)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import ClassVar, Literal, get_args
 
 from refstream.config import Section, kafka_settings, load_yaml, redact_url
-from refstream.contract import check_type, default_topic
+from refstream.contract import TOPIC_CONFIG, check_type, default_topic
 from refstream.errors import ConfigError, ContractError
 from refstream.retry import RetryPolicy
 
@@ -96,6 +96,13 @@ class DatasetConfig:
     partitions: int = 1
     # A run deleting more than this share of the committed rows is refused (a partial source).
     max_delete_fraction: float = 0.1
+    # A record stays uncompacted this long, so a restarted job finds what its checkpoint recorded.
+    min_compaction_lag: timedelta = timedelta(hours=24)
+
+    @property
+    def topic_config(self) -> dict[str, str]:
+        """Configuration of the changelog topic when the refresher creates it."""
+        return {**TOPIC_CONFIG, "min.compaction.lag.ms": str(int(self.min_compaction_lag.total_seconds() * 1000))}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -180,10 +187,11 @@ def _dataset(name: str, sec: Section) -> DatasetConfig:
     max_delete_fraction = sec.get("max_delete_fraction", float, 0.1)
     if not 0.0 <= max_delete_fraction <= 1.0:
         raise sec.error(f"must be between 0 and 1, got {max_delete_fraction}", "max_delete_fraction")
+    min_compaction_lag = sec.duration("min_compaction_lag", timedelta(hours=24))
     sec.done()
     return DatasetConfig(name=name, topic=topic, key=key, mode=mode, schedule=schedule, watch=watch,
                          source=source, incremental=incremental, allow_empty=allow_empty, partitions=partitions,
-                         max_delete_fraction=max_delete_fraction)
+                         max_delete_fraction=max_delete_fraction, min_compaction_lag=min_compaction_lag)
 
 
 def _source(sec: Section) -> SourceConfig:

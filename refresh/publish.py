@@ -91,9 +91,10 @@ class Publisher:
                 raise PublishError(f"cannot create a Kafka producer: {exc}") from None
         return self._producer
 
-    def prepare(self, topic: str, partitions: int = 1) -> list[int]:
-        """Create ``topic`` if missing; returns its partitions. Unreachable broker -> TransientError."""
-        ensure_topic(self.settings, topic, partitions=partitions, config=TOPIC_CONFIG,
+    def prepare(self, topic: str, partitions: int = 1, config: Mapping[str, str] | None = None) -> list[int]:
+        """Create ``topic`` if missing (with ``config``, default :data:`TOPIC_CONFIG`); returns its
+        partitions. Unreachable broker -> TransientError."""
+        ensure_topic(self.settings, topic, partitions=partitions, config=config or TOPIC_CONFIG,
                      timeout=self.topic_timeout)
         parts = partitions_of(self.settings, topic, timeout=self.topic_timeout)
         if not parts:

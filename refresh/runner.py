@@ -324,7 +324,7 @@ class Refresher:
 
         def attempt() -> int:
             with self.publisher_factory(self.config.kafka) as pub:
-                parts = pub.prepare(ds.topic, ds.partitions)
+                parts = pub.prepare(ds.topic, ds.partitions, ds.topic_config)
                 return pub.publish(ds.topic, messages(),
                                    to_every_partition=[schema_message(schema)] if with_schema else [],
                                    partitions=parts, stop=stop)

@@ -84,6 +84,34 @@ class ChangelogFollower:
                     f"{ {p: target.get(p, 0) for p in pending} } for {timeout:.0f}s "
                     f"(at {self.positions()})")
 
+    def read_until_available(self, target: Mapping[int, int], timeout: float, *, grace: float = 2.0
+                             ) -> tuple[list[Record], Positions]:
+        """:meth:`read_until`, except that a partition that ends below its target (records removed
+        since the target was recorded: the topic was recreated or emptied) stops at its end instead
+        of failing after ``timeout``. At its end means: partition EOF at the current position and
+        no record fetched for ``grace`` seconds. Returns the records and ``{partition: end}`` of the
+        partitions that ended short."""
+        out: list[Record] = []
+        short: Positions = {}
+        last_progress = time.monotonic()
+        while True:
+            pending = [p for p in self.partitions
+                       if p not in short and not self._take(p, target.get(p, 0), out)]
+            if not pending:
+                return out, short
+            if self._fetch(0.1):
+                last_progress = time.monotonic()
+                continue
+            idle = time.monotonic() - last_progress
+            if idle > grace:
+                for p in pending:
+                    if not self._buf[p] and 0 <= self._eof[p] <= self._pos[p]:
+                        short[p] = self._pos[p]
+            if idle > timeout:
+                raise TransientError(f"changelog {self.topic}: no progress towards offsets "
+                                     f"{ {p: target.get(p, 0) for p in pending} } for {timeout:.0f}s "
+                                     f"(at {self.positions()})")
+
     def _take(self, p: int, upto: int, out: list[Record]) -> bool:
         """Move buffered records of ``p`` below ``upto`` to ``out``; True when ``p`` reached ``upto``."""
         buf = self._buf[p]

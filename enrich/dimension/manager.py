@@ -73,8 +73,7 @@ class Dimensions:
             t0 = time.monotonic()
             dim = self._dims[ds] = self._open(ds)
             if latest is not None and ds in latest[1]:
-                dim.state.apply(dim.feed.read_until(latest[1][ds], self._timeout))
-                self._require_schema(dim)
+                self._read_recorded(dim, latest[1][ds])
             else:
                 self._read_until_schema(dim)
             dim.state.compact()
@@ -89,12 +88,6 @@ class Dimensions:
                 return
         raise ContractError(f"dataset {dim.dataset}: no schema record on {dim.feed.topic} after "
                             f"{self._timeout:.0f}s; is the refresher publishing it?")
-
-    @staticmethod
-    def _require_schema(dim: _Dim) -> None:
-        if dim.state.schema is None:
-            raise ContractError(f"dataset {dim.dataset}: no schema record on {dim.feed.topic} below the "
-                                f"recorded positions {dim.feed.positions()}")
 
     @property
     def shipper(self) -> Shipper:
@@ -117,7 +110,7 @@ class Dimensions:
         positions: dict[str, Positions] = {}
         for ds, dim in self._dims.items():
             if recorded is not None and ds in recorded:
-                dim.state.apply(dim.feed.read_until(recorded[ds], self._timeout))
+                self._read_recorded(dim, recorded[ds])
             else:
                 dim.state.apply(dim.feed.read_to_end(self._timeout))
             positions[ds] = dim.feed.positions()
@@ -137,9 +130,34 @@ class Dimensions:
     def bootstrap_to(self, positions: Mapping[str, Positions]) -> None:
         for ds in self._topics:
             dim = self._dims[ds] = self._open(ds)
-            dim.state.apply(dim.feed.read_until(positions.get(ds, {}), self._timeout))
-            self._require_schema(dim)
+            self._read_recorded(dim, positions.get(ds, {}))
             dim.state.compact()
+
+    def _read_recorded(self, dim: _Dim, target: Positions) -> None:
+        """Rebuild ``dim`` from the beginning of its changelog to the recorded positions ``target``.
+
+        The changelog may no longer hold what was below them: compaction removes records (an older
+        schema record included), and a recreated topic may end below them. The dimension is then
+        rebuilt from what the topic holds - to its end where it ends short, on to the next schema
+        record where none is left below - and a warning says that the replayed batch may differ
+        from its first run; a restart never fails on it."""
+        feed = dim.feed
+        read = getattr(feed, "read_until_available", None)
+        if read is None:
+            dim.state.apply(feed.read_until(target, self._timeout))
+            short: Positions = {}
+        else:
+            records, short = read(target, self._timeout)
+            dim.state.apply(records)
+        if short:
+            log.warning("dataset %s: changelog %s ends below the recorded positions (partition: end %s, recorded "
+                        "%s): rebuilt from what the topic holds; the replayed batch may differ from its first run",
+                        dim.dataset, feed.topic, short, {p: target.get(p) for p in short})
+        if dim.state.schema is None:
+            log.warning("dataset %s: no schema record on %s below the recorded positions %s (compacted away); "
+                        "reading on to the next one: the replayed batch may differ from its first run",
+                        dim.dataset, feed.topic, target)
+            self._read_until_schema(dim)
 
     def _ship(self, dim: _Dim) -> Shipped:
         gens = (dim.state.base_gen, dim.state.overlay_gen)

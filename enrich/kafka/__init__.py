@@ -26,31 +26,37 @@ def register(spark: SparkSession) -> None:
 
 
 def source_options(settings: Mapping[str, str], topics: Sequence[str], *, starting_offsets: str = "latest",
-                   max_offsets_per_trigger: int | None = None) -> dict[str, str]:
+                   max_offsets_per_trigger: int | None = None, fail_on_data_loss: bool = True
+                   ) -> dict[str, str]:
     """Reader options, valid for both ``refstream-kafka`` and Spark's built-in ``kafka`` format."""
     opts = {f"kafka.{k}": str(v) for k, v in settings.items()}
     opts["subscribe"] = ",".join(topics)
     opts["startingOffsets"] = starting_offsets
     if max_offsets_per_trigger:
         opts["maxOffsetsPerTrigger"] = str(int(max_offsets_per_trigger))
+    if not fail_on_data_loss:
+        opts["failOnDataLoss"] = "false"
     return opts
 
 
 def read_stream(spark: SparkSession, settings: Mapping[str, str], topics: Sequence[str], *,
                 starting_offsets: str = "latest", max_offsets_per_trigger: int | None = None,
-                builtin: bool = False) -> DataFrame:
+                fail_on_data_loss: bool = True, on_offset_reset: str = "fail", builtin: bool = False) -> DataFrame:
     """The streaming DataFrame of ``topics`` with the columns of Spark's Kafka source: ``key``,
     ``value`` (binary), ``topic``, ``partition``, ``offset``, ``timestamp``, ``timestampType``,
     ``headers``. ``settings`` are librdkafka settings (``bootstrap.servers``...), ``starting_offsets``
     is ``earliest``, ``latest`` or Spark's per-partition JSON. ``builtin=True`` uses Spark's own
     ``kafka`` format (needs the spark-sql-kafka connector on the classpath) with the same options,
-    read_committed isolation and headers."""
+    read_committed isolation and headers. ``on_offset_reset`` (``fail``, ``earliest``, ``latest``):
+    what ``refstream-kafka`` does with a partition whose topic was recreated or whose offsets went
+    backwards (Spark's format has no such option)."""
     opts = source_options(settings, topics, starting_offsets=starting_offsets,
-                          max_offsets_per_trigger=max_offsets_per_trigger)
+                          max_offsets_per_trigger=max_offsets_per_trigger, fail_on_data_loss=fail_on_data_loss)
     if builtin:
         opts.setdefault("kafka.isolation.level", "read_committed")
         opts["includeHeaders"] = "true"
         return spark.readStream.format("kafka").options(**opts).load()
     register(spark)
+    opts["onOffsetReset"] = on_offset_reset
     return spark.readStream.format(FORMAT).options(**opts).load()
 

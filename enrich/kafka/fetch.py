@@ -130,17 +130,32 @@ def read_range(settings: Mapping[str, str], rng: OffsetRange, *, poll_timeout_s:
                     next_offset = max(next_offset, records[-1].offset() + 1)
                     yield _to_batch(records, rng.topic, rng.partition)
             last_progress = time.monotonic()
+        if first:
+            # Not one record: the range may be all transaction markers and aborted records, or
+            # entirely deleted (the consumer was moved to the log start, at or past its end).
+            _check_data_loss(c, rng, None, fail_on_data_loss)
     finally:
         c.unassign()
 
 
-def _check_data_loss(c: Consumer, rng: OffsetRange, first: int, fail: bool) -> None:
-    if first <= rng.start:
+def lost_offsets(rng: OffsetRange, first: int | None, low: int | None) -> tuple[int, int] | None:
+    """The offsets of ``rng`` deleted before they were read, given the first offset read (None:
+    no record) and the partition's log start ``low`` (None: unknown); None when nothing is lost.
+    A first record past the start alone is no loss (transaction markers, aborted records)."""
+    if low is None or low < 0 or low <= rng.start or (first is not None and first <= rng.start):
+        return None
+    return rng.start, min(low, rng.end)
+
+
+def _check_data_loss(c: Consumer, rng: OffsetRange, first: int | None, fail: bool) -> None:
+    if first is not None and first <= rng.start:
         return
     low, _ = c.get_watermark_offsets(TopicPartition(rng.topic, rng.partition), cached=True)
-    if low is not None and low > rng.start:
-        msg = (f"{rng.topic}/{rng.partition}: offsets [{rng.start}, {low}) were deleted before they were "
-               f"read (retention); set failOnDataLoss=false to skip them")
-        if fail:
-            raise DataError(msg)
-        log.warning("%s", msg)
+    gone = lost_offsets(rng, first, low)
+    if gone is None:
+        return
+    msg = (f"topic {rng.topic} partition {rng.partition}: offsets [{gone[0]}, {gone[1]}) were deleted (retention) "
+           "before they were read")
+    if fail:
+        raise DataError(f"{msg}; set failOnDataLoss (events.fail_on_data_loss) to false to skip them")
+    log.warning("%s: skipped (failOnDataLoss=false)", msg)

@@ -20,11 +20,12 @@ import json
 import logging
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
 
-from refstream.errors import ConfigError, TransientError
+from refstream.errors import ConfigError, DataError, TransientError
 from refstream.kafka import consumer
 
 log = logging.getLogger(__name__)
@@ -36,17 +37,98 @@ EARLIEST = -2
 LATEST = -1
 
 
-def to_json_offsets(positions: Mapping[TP, int]) -> dict[str, dict[str, int]]:
-    """``{(topic, p): offset}`` -> Spark offset dict, in canonical (sorted) order."""
-    out: dict[str, dict[str, int]] = {}
+#: Keys of the offset JSON that are not topics (Kafka topic names cannot contain ``@``).
+TOPIC_IDS = "@topic_ids"
+"""``{topic: id}``: the broker's id of each topic when its offsets were taken (a recreated topic has a new one)."""
+STARTS = "@starts"
+"""``{topic: {partition: offset}}`` in a batch's end: partitions whose range in that batch starts
+there instead of at the previous batch's end (a reset topic, or skipped lost offsets)."""
+
+
+def to_json_offsets(positions: Mapping[TP, int], *, topic_ids: Mapping[str, str] | None = None,
+                    starts: Mapping[TP, int] | None = None) -> dict[str, Any]:
+    """``{(topic, p): offset}`` -> Spark offset dict, in canonical (sorted) order, with the optional
+    :data:`TOPIC_IDS` and :data:`STARTS` entries."""
+    out: dict[str, Any] = {}
     for topic, part in sorted(positions):
         out.setdefault(topic, {})[str(part)] = int(positions[(topic, part)])
+    if topic_ids:
+        out[TOPIC_IDS] = {t: topic_ids[t] for t in sorted(topic_ids)}
+    if starts:
+        out[STARTS] = {t: {str(p): int(o) for (tt, p), o in sorted(starts.items()) if tt == t}
+                       for t in sorted({t for t, _ in starts})}
     return out
 
 
-def from_json_offsets(offsets: Mapping[str, Mapping[str, int]]) -> dict[TP, int]:
-    """Spark offset dict -> ``{(topic, p): offset}``."""
-    return {(topic, int(part)): int(off) for topic, parts in offsets.items() for part, off in parts.items()}
+def from_json_offsets(offsets: Mapping[str, Any]) -> dict[TP, int]:
+    """Spark offset dict -> ``{(topic, p): offset}`` (the ``@`` entries left out)."""
+    return {(topic, int(part)): int(off) for topic, parts in offsets.items() if not topic.startswith("@")
+            for part, off in parts.items()}
+
+
+def topic_ids_of(offsets: Mapping[str, Any]) -> dict[str, str]:
+    """The :data:`TOPIC_IDS` entry of an offset dict (empty for offsets written without it)."""
+    return dict(offsets.get(TOPIC_IDS) or {})
+
+
+def starts_of(offsets: Mapping[str, Any]) -> dict[TP, int]:
+    """The :data:`STARTS` entry of an offset dict."""
+    return {(t, int(p)): int(o) for t, parts in (offsets.get(STARTS) or {}).items() for p, o in parts.items()}
+
+
+def check_retention(begin: Mapping[TP, int], low: Mapping[TP, int], *, fail_on_data_loss: bool
+                    ) -> tuple[dict[TP, int], dict[TP, int]]:
+    """Find the partitions of ``begin`` (checkpointed positions) whose log start (``low``) moved
+    past their position: ``[position, log start)`` was deleted (retention) before it was read, also
+    when nothing is left at all. With ``fail_on_data_loss`` a :class:`DataError` names topic,
+    partition and offsets; otherwise they are skipped with a warning. Returns ``(starts, lost)``:
+    where the next range of such partitions begins, and how many offsets each one skipped."""
+    starts: dict[TP, int] = {}
+    lost: dict[TP, int] = {}
+    for tp, pos in sorted(begin.items()):
+        lo = low.get(tp)
+        if lo is None or lo <= pos:
+            continue
+        gone = f"topic {tp[0]} partition {tp[1]}: offsets [{pos}, {lo}) were deleted (retention) before they were read"
+        if fail_on_data_loss:
+            raise DataError(f"{gone}; set failOnDataLoss (events.fail_on_data_loss) to false to skip them")
+        starts[tp], lost[tp] = lo, lo - pos
+        log.warning("%s: %d offsets skipped (fail_on_data_loss is false)", gone, lo - pos)
+    return starts, lost
+
+
+def check_reset(begin: Mapping[TP, int], *, low: Mapping[TP, int], high: Mapping[TP, int],
+                old_ids: Mapping[str, str], ids: Mapping[str, str], on_reset: str) -> dict[TP, int]:
+    """Find the partitions of ``begin`` (checkpointed positions) that were *reset*: their topic id
+    changed (``old_ids`` then, ``ids`` now), or their high watermark (``high``, absent when unknown)
+    is below their position - the topic was deleted and recreated, or its offsets went backwards.
+    ``on_reset``: ``fail`` raises a :class:`DataError` naming topic and partition, ``earliest``
+    restarts the partition at its log start (``low``), ``latest`` at its end. Returns where the next
+    range of each reset partition begins.
+
+    Without a topic id (a broker that gives none), a topic recreated with at least as many records
+    as the old position cannot be told apart from the old one."""
+    starts: dict[TP, int] = {}
+    for tp, pos in sorted(begin.items()):
+        topic, part = tp
+        hi, lo = high.get(tp), low.get(tp)
+        old, new = old_ids.get(topic), ids.get(topic)
+        if old and new and old != new:
+            reason = f"was deleted and recreated (topic id {old} -> {new})"
+        elif hi is not None and hi < pos:
+            reason = (f"ends at offset {hi} now, below the checkpointed position {pos} (offsets went backwards: "
+                      "the topic was deleted and recreated, or truncated)")
+        else:
+            continue
+        where = f"topic {topic} partition {part} {reason}"
+        if on_reset == "fail":
+            raise DataError(f"{where}; the job stops rather than skip or re-read events: set onOffsetReset "
+                            "(events.on_offset_reset) to earliest or latest to go on")
+        first, last = max(lo or 0, 0), max(hi or 0, 0)
+        starts[tp] = first if on_reset == "earliest" else last
+        log.warning("%s; on_offset_reset=%s: reading it from offset %d (its offsets now are [%d, %d))", where,
+                    on_reset, starts[tp], first, last)
+    return starts
 
 
 def parse_starting_offsets(value: str, topics: Iterable[str], option: str = "startingOffsets"
@@ -96,10 +178,12 @@ def rate_limit(start: Mapping[TP, int], end: Mapping[TP, int], max_offsets: int)
 
 @dataclass(frozen=True)
 class ProbeResult:
-    """Per partition: the end for a read_committed reader, and the log start offset when known."""
+    """Per partition: the end for a read_committed reader, the log start offset, and the high
+    watermark seen in Fetch responses (absent when no fetch answered)."""
 
     end: dict[TP, int]
     low: dict[TP, int]
+    high: dict[TP, int] = field(default_factory=dict)
 
 
 class EndOffsetProbe:
@@ -181,6 +265,16 @@ class EndOffsetProbe:
                         raise TransientError(f"probing end of {tp[0]}/{tp[1]}: {err}")
                 if len(msgs) == 1000:
                     continue  # more fetched records are queued: a record batch may be half delivered
+                if not msgs:
+                    for tp in tps:
+                        if tp in ends or tp in seen:
+                            continue
+                        _, hw = c.get_watermark_offsets(TopicPartition(*tp), cached=True)
+                        if hw is not None and 0 <= hw < asked[tp]:
+                            # Asked past the high watermark: the partition went backwards (recreated
+                            # topic); some brokers answer such a fetch with nothing, not an error.
+                            ends[tp] = hw
+                            c.pause([TopicPartition(*tp)])
                 # A record past the asked-for end means what existed when we asked has been read
                 # (whole record batches: the queue is drained). While producers write continuously,
                 # EOF may not come before the deadline (every fetch brings new records); every
@@ -189,10 +283,12 @@ class EndOffsetProbe:
                     if tp not in ends and off > asked[tp]:
                         ends[tp] = off
                         c.pause([TopicPartition(*tp)])
-            lows = {}
+            lows, highs = {}, {}
             for tp in tps:
-                low, _ = c.get_watermark_offsets(TopicPartition(*tp), cached=True)
+                low, high = c.get_watermark_offsets(TopicPartition(*tp), cached=True)
                 lows[tp] = low if low is not None and low >= 0 else listed[tp][0]
+                if high is not None and high >= 0:
+                    highs[tp] = high  # from Fetch: right on every broker (ListOffsets may not be)
         finally:
             # Pause state outlives the assignment in librdkafka: undo it before the next probe.
             c.resume(assignment)
@@ -206,7 +302,7 @@ class EndOffsetProbe:
         if missing:
             log.warning("no end-of-partition answer within %.1fs for %s; using %s", self._deadline,
                         missing, {tp: ends[tp] for tp in missing})
-        return ProbeResult(ends, lows)
+        return ProbeResult(ends, lows, highs)
 
     def close(self) -> None:
         if self._consumer is not None:
@@ -214,5 +310,6 @@ class EndOffsetProbe:
             self._consumer = None
 
 
-__all__ = ["EARLIEST", "LATEST", "TP", "EndOffsetProbe", "ProbeResult", "from_json_offsets",
-           "parse_starting_offsets", "rate_limit", "to_json_offsets"]
+__all__ = ["EARLIEST", "LATEST", "STARTS", "TOPIC_IDS", "TP", "EndOffsetProbe", "ProbeResult", "check_reset", "check_retention",
+           "from_json_offsets", "parse_starting_offsets", "rate_limit", "starts_of", "to_json_offsets",
+           "topic_ids_of"]

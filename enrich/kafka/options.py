@@ -7,7 +7,9 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any, get_args
 
+from enrich.config import OnOffsetReset
 from enrich.kafka.offsets import TP, parse_starting_offsets
 from refstream.errors import ConfigError
 
@@ -45,6 +47,16 @@ def _bool(options: Mapping[str, str], name: str, default: bool) -> bool:
     return v == "true"
 
 
+def _choice(options: Mapping[str, str], name: str, choices: Any, default: str) -> Any:
+    raw = options.get(name.lower())
+    if raw is None:
+        return default
+    v = str(raw).strip().lower()
+    if v not in get_args(choices):
+        raise ConfigError(f"option {name}: expected one of {', '.join(get_args(choices))}, got {raw!r}")
+    return v
+
+
 @dataclass(frozen=True)
 class SourceOptions:
     """Parsed options of the streaming source."""
@@ -56,6 +68,7 @@ class SourceOptions:
     max_records_per_partition: int | None
     fail_on_data_loss: bool
     poll_timeout_s: float
+    on_offset_reset: OnOffsetReset = "fail"
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> SourceOptions:
@@ -78,4 +91,5 @@ class SourceOptions:
             max_records_per_partition=_int(opts, "maxRecordsPerPartition", None),
             fail_on_data_loss=_bool(opts, "failOnDataLoss", True),
             poll_timeout_s=(timeout_ms or 120_000) / 1000.0,
+            on_offset_reset=_choice(opts, "onOffsetReset", OnOffsetReset, "fail"),
         )

@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import pyarrow as pa
+from confluent_kafka import KafkaException, TopicCollection
 from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
 from pyspark.sql.streaming.datasource import (
     ReadAllAvailable,
@@ -29,15 +30,22 @@ from enrich.kafka.offsets import (
     LATEST,
     TP,
     EndOffsetProbe,
+    ProbeResult,
+    check_reset,
+    check_retention,
     from_json_offsets,
     rate_limit,
+    starts_of,
     to_json_offsets,
+    topic_ids_of,
 )
 from enrich.kafka.options import SourceOptions
+from refstream.kafka import admin
 
 log = logging.getLogger(__name__)
 
 FORMAT = "refstream-kafka"
+_ZERO_TOPIC_ID = "AAAAAAAAAAAAAAAAAAAAAA"  # the null Uuid: a broker that gives topics no id
 
 
 class KafkaDataSource(DataSource):
@@ -63,9 +71,10 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._probe: EndOffsetProbe | None = None
         self._available_now: dict[TP, int] | None = None
         self._latest: dict[TP, int] | None = None
+        self.lost: dict[TP, int] = {}  # offsets skipped as deleted (failOnDataLoss=false), per partition
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"options": self.options, "_probe": None, "_available_now": None, "_latest": None}
+        return {"options": self.options, "_probe": None, "_available_now": None, "_latest": None, "lost": {}}
 
     # -- driver side -------------------------------------------------------------------------------
 
@@ -74,12 +83,28 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             self._probe = EndOffsetProbe(self.options.settings)
         return self._probe
 
-    def _ends(self, known: dict[TP, int]) -> tuple[dict[TP, int], dict[TP, int]]:
-        """(end, low) of every current partition of the subscribed topics."""
+    def _ends(self, known: dict[TP, int]) -> ProbeResult:
+        """End, log start and high watermark of every current partition of the subscribed topics."""
         probe = self._prober()
-        tps = probe.partitions(self.options.topics)
-        res = probe.probe(tps, known)
-        return res.end, res.low
+        return probe.probe(probe.partitions(self.options.topics), known)
+
+    def _topic_ids(self) -> dict[str, str]:
+        """The broker's id of each subscribed topic that has one (a recreated topic gets a new id)."""
+        client = admin(self.options.settings)
+        out: dict[str, str] = {}
+        try:
+            futures = client.describe_topics(TopicCollection(list(self.options.topics)), request_timeout=10)
+        except KafkaException as exc:
+            log.debug("describe_topics failed: %s", exc)
+            return out
+        for topic, fut in futures.items():
+            try:
+                tid = fut.result().topic_id
+            except KafkaException:  # missing topic, or a broker without the API: unknown
+                continue
+            if tid is not None and str(tid) != _ZERO_TOPIC_ID:
+                out[topic] = str(tid)
+        return out
 
     def initialOffset(self) -> dict:
         start = self.options.starting
@@ -95,11 +120,11 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             ends = probe.probe([tp for tp, o in want.items() if o == LATEST]).end
             offsets = {tp: (ends[tp] if o == LATEST else max(o, 0)) for tp, o in want.items()}
         log.info("initial offsets of %s: %s", ",".join(self.options.topics), offsets)
-        return to_json_offsets(offsets)
+        return to_json_offsets(offsets, topic_ids=self._topic_ids())
 
     def prepareForTriggerAvailableNow(self) -> None:
         # Trigger.AvailableNow: stop at what exists now, however many batches admission control needs.
-        self._available_now, _ = self._ends({})
+        self._available_now = self._ends({}).end
         log.info("available-now target offsets: %s", self._available_now)
 
     def getDefaultReadLimit(self) -> ReadLimit:
@@ -108,24 +133,44 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
         begin = from_json_offsets(start)
-        end, _ = self._ends(begin)
+        old_ids = topic_ids_of(start)
+        # A topic whose id cannot be read now keeps the one recorded (a deleted topic has none).
+        ids = {**old_ids, **self._topic_ids()}
+        res = self._ends(begin)
+        present = {tp: off for tp, off in begin.items() if tp in res.end}
+        starts = check_reset(present, low=res.low, high=res.high, old_ids=old_ids, ids=ids,
+                             on_reset=self.options.on_offset_reset)
+        skipped, lost = check_retention({tp: off for tp, off in present.items() if tp not in starts}, res.low,
+                                        fail_on_data_loss=self.options.fail_on_data_loss)
+        starts.update(skipped)
+        for tp, n in lost.items():
+            self.lost[tp] = self.lost.get(tp, 0) + n
+        if lost:
+            log.warning("offsets lost to retention and skipped since the query started: %d (%s)",
+                        sum(self.lost.values()), {f"{t}/{p}": n for (t, p), n in sorted(self.lost.items())})
+        first = {**begin, **starts}  # where this batch's range of each partition begins
+        end = res.end
         if self._available_now is not None:
             # Partitions created after the target was taken start at 0 and wait for the next run.
             end = {tp: min(off, self._available_now.get(tp, 0)) for tp, off in end.items()}
-        # New partitions start at their beginning; a partition never moves backwards.
-        end = {tp: max(off, begin.get(tp, 0)) for tp, off in end.items()}
+        # New partitions start at their beginning; a partition never moves backwards (a reset one
+        # moves through ``starts``, recorded in the end offsets for :meth:`partitions`).
+        end = {tp: max(off, first.get(tp, 0)) for tp, off in end.items()}
+        for tp in starts:
+            if tp in res.high:  # a reset partition ends at its high watermark at most, whatever was known
+                end[tp] = max(min(end[tp], res.high[tp]), starts[tp])
         for tp, off in begin.items():
             end.setdefault(tp, off)  # a partition that vanished from metadata keeps its position
         self._latest = dict(end)
         if isinstance(limit, ReadMaxRows):
-            end = rate_limit({tp: begin.get(tp, 0) for tp in end}, end, limit.max_rows)
-        return to_json_offsets(end)
+            end = rate_limit({tp: first.get(tp, 0) for tp in end}, end, limit.max_rows)
+        return to_json_offsets(end, topic_ids=ids, starts=starts)
 
     def reportLatestOffset(self) -> dict | None:
         return to_json_offsets(self._latest) if self._latest is not None else None
 
     def partitions(self, start: dict, end: dict) -> Sequence[InputPartition]:
-        begin = from_json_offsets(start)
+        begin = {**from_json_offsets(start), **starts_of(end)}
         out: list[InputPartition] = []
         split = self.options.max_records_per_partition
         for (topic, part), stop in sorted(from_json_offsets(end).items()):

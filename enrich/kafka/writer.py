@@ -7,8 +7,8 @@ are the same fact. After a crash Spark replays the last uncommitted batch with t
 the writer reads the last marker of its transactional id and skips every batch id at or below it.
 A read_committed consumer therefore sees each event once.
 
-The transactional id must be stable for one query (same checkpoint -> same id, see
-:func:`transactional_id_for`): ``init_transactions`` then fences a zombie instance of the previous
+The transactional id must be stable for one query (same checkpoint -> same id: see
+:func:`transactional_id_for`; the job keeps the id it derived in the checkpoint itself): ``init_transactions`` then fences a zombie instance of the previous
 run and aborts whatever it left open.
 """
 
@@ -36,6 +36,15 @@ log = logging.getLogger(__name__)
 
 MARKER_SUFFIX = ".refstream-commits"
 _MARKER_WINDOW = 1000  # offsets read back per step when looking for the last marker
+#: Bytes a record costs besides its key, value and headers when librdkafka checks it against
+#: ``message.max.bytes`` (record framing; generous: a record near the limit is refused, never the batch).
+RECORD_OVERHEAD = 1024
+DEFAULT_MESSAGE_MAX_BYTES = 1_000_000  # librdkafka's
+
+
+def record_limit(settings: Mapping[str, object]) -> int:
+    """The largest key + value + headers size a producer with ``settings`` accepts in one record."""
+    return int(str(settings.get("message.max.bytes", DEFAULT_MESSAGE_MAX_BYTES))) - RECORD_OVERHEAD
 
 
 def transactional_id_for(checkpoint: str | os.PathLike[str], topic: str) -> str:
@@ -71,6 +80,7 @@ class TransactionalBatchWriter:
         self.marker_topic = marker_topic or topic + MARKER_SUFFIX
         self._settings = dict(settings)
         self._timeout = timeout
+        self.record_limit = record_limit(self._settings)
         ensure_topic(self._settings, self.marker_topic, partitions=1,
                      config={"cleanup.policy": "compact"})  # one marker per transactional id is enough
         self._producer = producer(self._settings, role="transactional", **{"transactional.id": transactional_id})

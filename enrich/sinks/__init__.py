@@ -8,16 +8,18 @@ from enrich.sinks.abc import EnrichedBatch, Sink
 __all__ = ["EnrichedBatch", "Sink", "make_sink"]
 
 
-def make_sink(cfg: EnrichConfig, scope: str | None = None) -> Sink:
-    """The configured sink; ``scope`` identifies the query (see TransactionalBatchWriter)."""
+def make_sink(cfg: EnrichConfig, scope: str | None = None, transactional_id: str | None = None) -> Sink:
+    """The configured sink; ``scope`` identifies the query and ``transactional_id`` is the Kafka
+    sink's (see TransactionalBatchWriter; default: ``output.transactional_id``, else derived from
+    the checkpoint path)."""
     out = cfg.output
     if out.kind == "kafka":
         from enrich.kafka import transactional_id_for
         from enrich.sinks.kafka import KafkaSink
 
         assert out.topic is not None
-        return KafkaSink(cfg.kafka, out.topic, out.transactional_id or transactional_id_for(cfg.checkpoint, out.topic),
-                         scope)
+        tid = out.transactional_id or transactional_id or transactional_id_for(cfg.checkpoint, out.topic)
+        return KafkaSink(cfg.kafka, out.topic, tid, scope)
     if out.kind == "parquet":
         from enrich.sinks.parquet import ParquetSink
 

@@ -17,6 +17,7 @@ import pyarrow.compute as pc
 from pyspark.sql import functions as F
 
 from enrich.deadletter import COLUMNS as DEAD_COLUMNS
+from enrich.deadletter import too_large_error
 from enrich.events import ERROR, SLOW, SOURCE
 from enrich.sinks.abc import EnrichedBatch
 
@@ -35,7 +36,7 @@ class KafkaSink:
 
     def write(self, batch_id: int, batch: EnrichedBatch) -> pa.Table:
         t0 = time.monotonic()
-        table = collect(batch)
+        table = self._too_large_to_dead_letters(collect(batch))
         t1 = time.monotonic()
         failed = pc.is_valid(table.column(ERROR))
         good = table.filter(pc.invert(failed)).select(["key", "value"])
@@ -44,18 +45,54 @@ class KafkaSink:
                  table.num_rows, t1 - t0, time.monotonic() - t1)
         return table.filter(failed).select(list(DEAD_COLUMNS))
 
+    def _too_large_to_dead_letters(self, table: pa.Table) -> pa.Table:
+        """Enriched events too large for the producer become dead letters (reason ``too_large``,
+        the enriched value as the dead letter's value, cut to fit there): one such event must
+        not fail the batch again on every restart."""
+        limit = self._writer.record_limit
+        size = pc.add(pc.fill_null(pc.binary_length(table.column("value")), 0),
+                      pc.fill_null(pc.binary_length(table.column("key")), 0))
+        over = pc.and_(pc.is_null(table.column(ERROR)), pc.greater(size, limit))
+        if not pc.any(over).as_py():
+            return table
+        sizes = size.to_pylist()
+        at = np.flatnonzero(over.to_numpy(zero_copy_only=False))
+        errors = table.column(ERROR).to_pylist()
+        values = table.column("_value").to_pylist()
+        for i in at:
+            errors[i] = too_large_error("enriched event", sizes[i], limit)
+            log.warning("event at %s/%s offset %s: %s; sent to the dead-letter topic", table.column("_topic")[i],
+                        table.column("_partition")[i], table.column("_offset")[i], errors[i])
+        enriched = table.column("value").to_pylist()
+        for i in at:
+            values[i] = enriched[i]
+        table = table.set_column(table.schema.get_field_index(ERROR), ERROR,
+                                 pa.array(errors, table.schema.field(ERROR).type))
+        table = table.set_column(table.schema.get_field_index("_value"), "_value",
+                                 pa.array(values, table.schema.field("_value").type))
+        key_col = table.column("key")
+        if "_key" in table.column_names:
+            keys = table.column("_key").to_pylist()
+            src = key_col.to_pylist()
+            for i in at:
+                keys[i] = src[i]
+            table = table.set_column(table.schema.get_field_index("_key"), "_key",
+                                     pa.array(keys, table.schema.field("_key").type))
+        return table
+
     def close(self) -> None:
         self._writer.close()
 
 
-def collect(batch: EnrichedBatch, *, keep_position: bool = False) -> pa.Table:
+def collect(batch: EnrichedBatch) -> pa.Table:
     """The batch as Arrow: ``key``, ``value`` (the JSON of a good event) and the dead-letter columns,
     in event order. Rows the fast parser left to Spark are redone through ``batch.redo`` and put back
     where their events were, so that the order of events within a Kafka partition is kept."""
     has_slow = SLOW in batch.df.columns
     raw = F.col(ERROR).isNotNull() | F.col(SLOW) if has_slow else F.col(ERROR).isNotNull()
     good = F.col(ERROR).isNull() & ~F.col(SLOW) if has_slow else F.col(ERROR).isNull()
-    position = ("_partition", "_offset") if keep_position else ()
+    # Positions are kept for every row: a dead letter made later (too_large) names its source.
+    position = ("_topic", "_partition", "_offset")
     table = batch.df.select(
         F.col("_key").alias("key"),
         F.when(good, batch.json_value()).cast("binary").alias("value"),
@@ -70,17 +107,12 @@ def collect(batch: EnrichedBatch, *, keep_position: bool = False) -> pa.Table:
     assert batch.redo is not None, "a batch with slow rows needs redo"
     at = np.flatnonzero(slow)
     raw_rows = table.take(pa.array(at)).select(list(SOURCE))
-    redone = collect(batch.redo(raw_rows), keep_position=True)
+    redone = collect(batch.redo(raw_rows))
     where = {(p, o): int(i) for p, o, i in zip(raw_rows.column("_partition").to_pylist(),
                                               raw_rows.column("_offset").to_pylist(), at, strict=True)}
     redone_at = [where[(p, o)] for p, o in zip(redone.column("_partition").to_pylist(),
                                                 redone.column("_offset").to_pylist(), strict=True)]
     log.debug("%d of %d events parsed by Spark", len(at), len(slow))
-    dead = pc.is_valid(redone.column(ERROR))
-    for name in ("_partition", "_offset"):  # positions were kept for placing; dead letters only from here
-        col = redone.column(name)
-        redone = redone.set_column(redone.schema.get_field_index(name), name,
-                                   pc.if_else(dead, col, pa.nulls(len(col), col.type)))
     keep = np.flatnonzero(~slow)
     merged = pa.concat_tables([table.take(pa.array(keep)), redone.cast(table.schema)])
     order = np.argsort(np.concatenate([keep, np.asarray(redone_at, dtype=np.int64)]), kind="stable")

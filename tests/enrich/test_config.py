@@ -33,6 +33,8 @@ def test_parse_full_shape() -> None:
     assert cfg.output.kind == "kafka" and cfg.output.topic == "out"
     assert cfg.trigger == timedelta(milliseconds=500) and cfg.max_events_per_batch == 1000
     assert cfg.checkpoint == Path("var/cp")
+    # Bounded memory without any setting: admission control is on by default.
+    assert config.parse({k: v for k, v in BASE.items() if k != "max_events_per_batch"}).max_events_per_batch == 100_000
 
 
 @pytest.mark.parametrize(("patch", "message"), [
@@ -47,6 +49,8 @@ def test_parse_full_shape() -> None:
     ({"joins": [{"dataset": "d", "on": "x"}, {"dataset": "d", "on": "y"}]}, "joined twice"),
     ({"kafka": {"security.protocol": "SSL"}}, "kafka.bootstrap_servers: is required"),
     ({"events": {"topic": "e", "schema": "x INT", "source": "jar"}}, "events.source: 'jar' is not one of"),
+    ({"events": {"topic": "e", "schema": "x INT", "on_offset_reset": "skip"}},
+     "events.on_offset_reset: 'skip' is not one of fail, earliest, latest"),
     ({"events": {"schema": "x INT"}}, "events.topic: is required"),
     ({"joins": {"dataset": "d"}}, "joins: expected a list of joins"),
     ({"joins": [{"dataset": "d", "on": "x", "colums": ["a"]}]}, "joins[0]: unknown key(s): colums"),

@@ -8,11 +8,25 @@ from collections.abc import Callable
 import pytest
 from confluent_kafka import Producer
 from pyspark.sql import SparkSession
+from pyspark.sql.streaming.datasource import ReadAllAvailable
 
-from enrich.kafka import read_stream
-from enrich.kafka.offsets import EndOffsetProbe, parse_starting_offsets, rate_limit, to_json_offsets
-from refstream.errors import ConfigError
-from refstream.kafka import ensure_topic, read_to_end
+from enrich.kafka import read_stream, source_options
+from enrich.kafka.fetch import OffsetRange, lost_offsets
+from enrich.kafka.offsets import (
+    TOPIC_IDS,
+    EndOffsetProbe,
+    ProbeResult,
+    check_retention,
+    from_json_offsets,
+    parse_starting_offsets,
+    rate_limit,
+    to_json_offsets,
+    topic_ids_of,
+)
+from enrich.kafka.options import SourceOptions
+from enrich.kafka.source import KafkaStreamReader
+from refstream.errors import ConfigError, DataError
+from refstream.kafka import admin, ensure_topic, read_to_end
 
 
 def produce(settings: dict[str, str], topic: str, rows: list[tuple[bytes | None, bytes, int]],
@@ -228,3 +242,95 @@ def test_builtin_switch_uses_sparks_kafka_format_with_the_same_options(spark, ka
     # This machine has no spark-sql-kafka connector: the switch must reach Spark's "kafka" format.
     with pytest.raises(Exception, match=r"(?i)find (the )?data source: kafka"):
         read_stream(spark, kafka, ["a"], builtin=True)
+
+
+def recreate(settings: dict[str, str], topic: str, partitions: int = 1) -> None:
+    """Delete ``topic`` and create it again (empty, offsets from 0, a new topic id)."""
+    client = admin(settings)
+    client.delete_topics([topic])[topic].result()
+    deadline = time.monotonic() + 30
+    while topic in client.list_topics(timeout=10).topics:
+        assert time.monotonic() < deadline, f"{topic} still listed after its deletion"
+        time.sleep(0.1)
+    ensure_topic(settings, topic, partitions=partitions)
+
+
+def test_recreated_or_truncated_topic_is_detected_and_handled_by_on_offset_reset(kafka, unique):
+    """The driver side of the source, one trigger at a time, against a topic deleted and recreated
+    (the Spark query over it is exercised by the job's test; librdkafka clients that knew a topic
+    may crash when it is recreated on the test broker, so no long-lived client sees it here)."""
+    topic = unique("src-reset")
+    ensure_topic(kafka, topic, partitions=1)
+    produce(kafka, topic, [(None, b"old%d" % i, 0) for i in range(30)])
+    tp = (topic, 0)
+
+    def trigger(policy: str, start: dict) -> tuple[dict, list[tuple[int, int]]]:
+        opts = source_options(kafka, [topic], starting_offsets="earliest")
+        reader = KafkaStreamReader(SourceOptions.parse({**opts, "onOffsetReset": policy}))
+        try:
+            start = start or reader.initialOffset()
+            end = reader.latestOffset(start, ReadAllAvailable())
+            return end, [(r.start, r.end) for r in reader.partitions(start, end)]
+        finally:
+            reader.stop()
+
+    end, ranges = trigger("fail", {})
+    assert ranges == [(0, 30)] and topic_ids_of(end).get(topic)
+    # Recreated with fewer records than the checkpointed position.
+    recreate(kafka, topic)
+    produce(kafka, topic, [(None, b"new%d" % i, 0) for i in range(10)])
+    with pytest.raises(DataError, match=rf"^topic {topic} partition 0 was deleted and recreated \(topic id"):
+        trigger("fail", end)
+    no_ids = {k: v for k, v in end.items() if k != TOPIC_IDS}  # a checkpoint from a broker without topic ids
+    with pytest.raises(DataError, match=rf"^topic {topic} partition 0 ends at offset 10 now, below the "
+                                        r"checkpointed position 30 \(offsets went backwards"):
+        trigger("fail", no_ids)
+    again, ranges = trigger("earliest", end)  # re-read the new topic from its start
+    assert ranges == [(0, 10)] and from_json_offsets(again) == {tp: 10}
+    assert trigger("fail", again)[1] == []  # and go on from there
+    # Recreated with more records than the position: only the topic id tells.
+    recreate(kafka, topic)
+    produce(kafka, topic, [(None, b"newer%d" % i, 0) for i in range(50)])
+    with pytest.raises(DataError, match=rf"^topic {topic} partition 0 was deleted and recreated"):
+        trigger("fail", again)
+    skipped, ranges = trigger("latest", again)  # skip to its end
+    assert ranges == [] and from_json_offsets(skipped) == {tp: 50}
+    produce(kafka, topic, [(None, b"tail%d" % i, 0) for i in range(5)])
+    assert trigger("fail", skipped)[1] == [(50, 55)]
+
+
+def test_offsets_deleted_before_they_were_read_stop_the_query_or_are_skipped_and_counted():
+    """Retention cannot be produced on the test broker (no deletion of records, a recreated topic
+    starts at 0 again): the decisions are checked on what the probe and a fetch report."""
+    tp = ("ev", 0)
+    with pytest.raises(DataError, match=r"^topic ev partition 0: offsets \[5, 20\) were deleted \(retention\)"):
+        check_retention({tp: 5}, {tp: 20}, fail_on_data_loss=True)
+    assert check_retention({tp: 5}, {tp: 20}, fail_on_data_loss=False) == ({tp: 20}, {tp: 15})
+    assert check_retention({tp: 20}, {tp: 20}, fail_on_data_loss=True) == ({}, {})
+
+    def reader(fail: bool, end: int, low: int) -> KafkaStreamReader:
+        opts = SourceOptions.parse({"kafka.bootstrap.servers": "unused:1", "subscribe": "ev",
+                                    "failOnDataLoss": str(fail).lower()})
+        r = KafkaStreamReader(opts)
+        r._ends = lambda known: ProbeResult({tp: end}, {tp: low}, {tp: end})  # type: ignore[method-assign]
+        r._topic_ids = dict  # type: ignore[method-assign]
+        return r
+
+    start = {"ev": {"0": 5}}
+    with pytest.raises(DataError, match=r"offsets \[5, 20\) were deleted"):
+        reader(True, 30, 20).latestOffset(start, ReadAllAvailable())
+    r = reader(False, 30, 20)
+    end = r.latestOffset(start, ReadAllAvailable())
+    assert [(p.start, p.end) for p in r.partitions(start, end)] == [(20, 30)] and r.lost == {tp: 15}
+    # A partition whose whole range is gone (empty now) is detected too.
+    with pytest.raises(DataError, match=r"offsets \[5, 20\) were deleted"):
+        reader(True, 20, 20).latestOffset(start, ReadAllAvailable())
+    r = reader(False, 20, 20)
+    end = r.latestOffset(start, ReadAllAvailable())
+    assert r.partitions(start, end) == [] and from_json_offsets(end) == {tp: 20} and r.lost == {tp: 15}
+    # Executors: records deleted between planning and reading, a range with nothing left included.
+    rng = OffsetRange("ev", 0, 5, 10)
+    assert lost_offsets(rng, None, 12) == (5, 10)   # empty: the whole range is gone
+    assert lost_offsets(rng, 7, 7) == (5, 7)
+    assert lost_offsets(rng, 7, 5) is None          # transaction markers or aborted records, not loss
+    assert lost_offsets(rng, None, 0) is None

@@ -128,3 +128,33 @@ def test_sigkill_then_restart_parquet_output_has_each_event_once(kafka: dict[str
         ns.update(pq.read_table(d).column("n").to_pylist())
     assert set(ns) == set(range(total)), f"lost: {sorted(set(range(total)) - set(ns))[:20]}"
     assert [n for n, c in ns.items() if c > 1] == [], "duplicates after the restart"
+
+
+def run_job(config: Path, log: Path) -> int:
+    proc = start_job(config, log, "--available-now")
+    return proc.wait(300)
+
+
+def test_recreated_events_topic_stops_the_job_until_on_offset_reset_says_what_to_do(
+        kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path) -> None:
+    from tests.enrich.test_kafka_source import recreate
+
+    config = tmp_path / "enrich.yaml"
+    cfg = write_config(config, kafka, unique)
+    events, out_topic = cfg["events"]["topic"], cfg["output"]["kafka"]["topic"]
+    seed(kafka, cfg, 20)
+    log = tmp_path / "job.log"
+    assert run_job(config, log) == 0, log.read_text()[-3000:]
+    assert committed_count(kafka, out_topic) == 20
+    # While the job is stopped the events topic is deleted and recreated (offsets from 0 again).
+    recreate(kafka, events, partitions=2)
+    produce_events(kafka, events, [{"device_id": "d1", "n": 100 + i} for i in range(5)], partitions=2)
+    assert run_job(config, log) == 1
+    errors = [line for line in log.read_text().splitlines() if line.startswith("enrich: error: ")]
+    assert errors and f"enrichment query failed: topic {events} partition " in errors[-1], errors
+    assert committed_count(kafka, out_topic) == 20  # nothing skipped, nothing re-read
+    cfg["events"]["on_offset_reset"] = "earliest"
+    config.write_text(yaml.safe_dump(cfg))
+    assert run_job(config, log) == 0, log.read_text()[-3000:]
+    got = sorted(json.loads(m.value())["n"] for m in read_all(kafka, out_topic))
+    assert got == list(range(20)) + [100 + i for i in range(5)]

@@ -197,8 +197,8 @@ def test_broker_down_during_publish_commits_nothing_and_the_next_run_publishes(
         execute(mysql_engine, f"UPDATE {t} SET v = 20 WHERE id = 2", f"INSERT INTO {t} VALUES (3,3)")
 
         class BrokerDiesAfterPrepare(Publisher):
-            def prepare(self, topic: str, partitions: int = 1) -> list[int]:
-                parts = super().prepare(topic, partitions)
+            def prepare(self, topic: str, partitions: int = 1, config: dict[str, str] | None = None) -> list[int]:
+                parts = super().prepare(topic, partitions, config)
                 broker.stop()
                 return parts
 
@@ -374,6 +374,8 @@ def test_topic_is_created_compacted_and_keys_follow_the_declared_order(make_conf
     caplog.set_level(logging.INFO, logger="refresh.runner")
     r = Refresher(cfg).run("o")
     assert topic_config(kafka, topic)["cleanup.policy"] == "compact"
+    # Records stay a day before compaction may remove them: a restarted job finds its recorded positions.
+    assert topic_config(kafka, topic)["min.compaction.lag.ms"] == str(24 * 3600 * 1000)
     assert set(changes(read_topic(kafka, topic))) == {'{"region":"eu","code":"a"}', '{"region":"us","code":"a"}'}
     assert schemas(read_topic(kafka, topic))[0].key == ("region", "code")
     # The per-run log line: dataset, version, rows read, inserts/updates/deletes, messages, time.
