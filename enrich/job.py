@@ -9,6 +9,7 @@ One ``foreachBatch`` per micro-batch, on the driver:
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -80,8 +81,8 @@ class EnrichJob:
     def start(self) -> StreamingQuery:
         cfg = self.cfg
         for topic in [cfg.dead_letter_topic] + ([cfg.output.topic] if cfg.output.topic else []):
-            call_with_retry(lambda t=topic: rkafka.ensure_topic(cfg.kafka, t), what=f"creating topic {topic}",
-                            policy=self.retry)
+            call_with_retry(functools.partial(rkafka.ensure_topic, cfg.kafka, topic),
+                            what=f"creating topic {topic}", policy=self.retry)
         self.cfg.checkpoint.mkdir(parents=True, exist_ok=True)
         columns: dict[str, list[str] | None] = {}
         for j in cfg.joins:  # ship only the columns some join uses (plus the key)
@@ -167,7 +168,7 @@ class EnrichJob:
             query = self.start()
             try:
                 while not self._stop.is_set() and query.isActive:
-                    query.awaitTermination(0.5)
+                    query.awaitTermination(0.5)  # type: ignore[arg-type]  # takes float seconds; typed int
             except StreamingQueryException as failed:
                 raise TerminalError(f"enrichment query failed: {root_cause(failed)}") from failed
             if self._stop.is_set():

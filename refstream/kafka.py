@@ -259,23 +259,38 @@ def read_to_end(settings: Mapping[str, str], topic: str, start: Mapping[int, int
                 err = m.error()
                 if err is not None:
                     if err.code() == KafkaError._PARTITION_EOF:
-                        pending.discard(_partition(m))
+                        pending.discard(partition_of(m))
                         continue
                     if err.retriable() or err.code() == KafkaError._TRANSPORT:
                         raise TransientError(f"reading {topic}: {err}")
                     raise KafkaException(err)
                 last_progress = time.monotonic()
-                pending.add(_partition(m))  # EOF then more data (a producer is writing): keep going
+                pending.add(partition_of(m))  # EOF then more data (a producer is writing): keep going
                 yield m
     finally:
         c.close()
 
 
-def _partition(m: Message) -> int:
-    """The partition of a consumed message (typed ``int | None`` for messages not yet produced)."""
+def partition_of(m: Message) -> int:
+    """The partition of a consumed message (librdkafka types it ``int | None`` for messages not yet
+    produced; a consumed one always has it)."""
     p = m.partition()
     assert p is not None
     return p
+
+
+def offset_of(m: Message) -> int:
+    """The offset of a consumed message (see :func:`partition_of`)."""
+    o = m.offset()
+    assert o is not None
+    return o
+
+
+def topic_of(m: Message) -> str:
+    """The topic of a consumed message (see :func:`partition_of`)."""
+    t = m.topic()
+    assert t is not None
+    return t
 
 
 def end_offsets(settings: Mapping[str, str], topic: str, *, timeout: float = 10.0) -> dict[int, int] | None:

@@ -23,7 +23,7 @@ from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
 from pyspark.sql.datasource import InputPartition
 
 from refstream.errors import DataError, TransientError
-from refstream.kafka import shared_consumer
+from refstream.kafka import offset_of, shared_consumer
 
 log = logging.getLogger(__name__)
 
@@ -110,8 +110,8 @@ def read_range(settings: Mapping[str, str], rng: OffsetRange, *, poll_timeout_s:
                     if err is None:
                         records.append(m)
                     elif err.code() == KafkaError._PARTITION_EOF:
-                        if m.offset() >= rng.end and m.partition() == rng.partition and m.topic() == rng.topic:
-                            next_offset = max(next_offset, m.offset())
+                        if offset_of(m) >= rng.end and m.partition() == rng.partition and m.topic() == rng.topic:
+                            next_offset = max(next_offset, offset_of(m))
                     elif err.fatal() or not (err.retriable() or err.code() == KafkaError._TRANSPORT):
                         raise TransientError(f"reading {rng.topic}/{rng.partition}: {err}")
                     else:
@@ -119,15 +119,15 @@ def read_range(settings: Mapping[str, str], rng: OffsetRange, *, poll_timeout_s:
             if records:
                 if first:
                     first = False
-                    _check_data_loss(c, rng, records[0].offset(), fail_on_data_loss)
-                if records[-1].offset() >= rng.end:
+                    _check_data_loss(c, rng, offset_of(records[0]), fail_on_data_loss)
+                if offset_of(records[-1]) >= rng.end:
                     cut = 0
-                    while cut < len(records) and records[cut].offset() < rng.end:
+                    while cut < len(records) and offset_of(records[cut]) < rng.end:
                         cut += 1
                     records = records[:cut]
                     next_offset = rng.end
                 if records:
-                    next_offset = max(next_offset, records[-1].offset() + 1)
+                    next_offset = max(next_offset, offset_of(records[-1]) + 1)
                     yield _to_batch(records, rng.topic, rng.partition)
             last_progress = time.monotonic()
         if first:

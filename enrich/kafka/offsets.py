@@ -26,7 +26,7 @@ from typing import Any
 from confluent_kafka import OFFSET_BEGINNING, Consumer, KafkaError, KafkaException, TopicPartition
 
 from refstream.errors import ConfigError, DataError, TransientError
-from refstream.kafka import consumer
+from refstream.kafka import consumer, offset_of, partition_of, topic_of
 
 log = logging.getLogger(__name__)
 
@@ -253,12 +253,12 @@ class EndOffsetProbe:
             while len(ends) < len(tps) and time.monotonic() < deadline:
                 msgs = c.consume(1000, timeout=0.02)
                 for m in msgs:
-                    tp = (m.topic(), m.partition())
+                    tp = (topic_of(m), partition_of(m))
                     err = m.error()
                     if err is None:
-                        seen[tp] = max(seen.get(tp, 0), m.offset() + 1)
+                        seen[tp] = max(seen.get(tp, 0), offset_of(m) + 1)
                     elif err.code() == KafkaError._PARTITION_EOF:
-                        ends[tp] = max(m.offset(), ends.get(tp, 0))
+                        ends[tp] = max(offset_of(m), ends.get(tp, 0))
                         # Paused partitions stop prefetching data nobody reads.
                         c.pause([TopicPartition(*tp)])
                     elif err.fatal() or not (err.retriable() or err.code() == KafkaError._TRANSPORT):
