@@ -112,6 +112,8 @@ class RefreshConfig:
     state_dir: Path
     datasets: dict[str, DatasetConfig]
     retry: RetryPolicy = field(default_factory=RetryPolicy)
+    # Names this refresher on the broker: dataset D publishes as transactional.id "<refresher_id>.D".
+    refresher_id: str = "refstream-refresh"
 
     def dataset(self, name: str) -> DatasetConfig:
         try:
@@ -136,6 +138,9 @@ def load_config(path: str | os.PathLike[str]) -> RefreshConfig:
     kafka = kafka_settings(root.section("kafka"))
     state_dir = Path(_abs(root.get("state_dir", str, "var/refresh")))
     retry = _retry(root.section("retry", {}))
+    refresher_id = root.get("refresher_id", str, RefreshConfig.refresher_id)
+    if not refresher_id.strip():
+        raise root.error("must not be empty", "refresher_id")
     dsec = root.section("datasets")
     datasets: dict[str, DatasetConfig] = {}
     for name in dsec.data:
@@ -145,7 +150,8 @@ def load_config(path: str | os.PathLike[str]) -> RefreshConfig:
         dsec.raw(name)
     dsec.done()
     root.done()
-    return RefreshConfig(path=p, kafka=kafka, state_dir=state_dir, datasets=datasets, retry=retry)
+    return RefreshConfig(path=p, kafka=kafka, state_dir=state_dir, datasets=datasets, retry=retry,
+                        refresher_id=refresher_id)
 
 
 def _retry(sec: Section) -> RetryPolicy:

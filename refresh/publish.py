@@ -1,8 +1,13 @@
-"""Publishing a change set: idempotent producer, every delivery report checked before returning.
+"""Publishing a change set: one Kafka transaction per run, every delivery report checked.
 
-:meth:`Publisher.publish` returns only when the broker acknowledged every message; otherwise it raises
+:meth:`Publisher.publish` returns only when the broker acknowledged every message and the
+transaction committed; otherwise it aborts the transaction and raises
 :class:`refresh.errors.PublishError` (transient), and the caller commits nothing, so the next run
-publishes the same changes again (harmless: same keys, same values, compacted topic).
+publishes the same changes again. Readers that read ``read_committed`` (every refstream consumer)
+see a run's records all at once or not at all: never a change set half applied.
+
+The ``transactional.id`` is stable per dataset (see :func:`transactional_id`): a restarted refresher
+initialising it fences a predecessor that may still be writing and aborts its open transaction.
 """
 
 from __future__ import annotations
@@ -13,7 +18,7 @@ import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from confluent_kafka import KafkaException, Producer
+from confluent_kafka import KafkaError, KafkaException, Producer
 
 from refresh.errors import PublishError, Stopped
 from refstream import kafka
@@ -27,6 +32,11 @@ _warm: dict[tuple[tuple[str, str], ...], Producer] = {}
 _warm_lock = threading.Lock()
 
 
+def transactional_id(refresher_id: str, dataset: str) -> str:
+    """The ``transactional.id`` a refresher publishes ``dataset`` with: the same across restarts."""
+    return f"{refresher_id}.{dataset}"
+
+
 def _settings_key(settings: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
     return tuple(sorted((str(k), str(v)) for k, v in settings.items()))
 
@@ -37,11 +47,19 @@ def _new_producer(settings: Mapping[str, str]) -> Producer:
 
 
 class Publisher:
-    """Produces change sets to dataset topics. One per run; not shared between threads."""
+    """Produces change sets to dataset topics. One per run; not shared between threads.
 
-    def __init__(self, settings: Mapping[str, str], *, topic_timeout: float = 10.0) -> None:
+    With ``transactional.id`` in ``settings`` each :meth:`publish` is one transaction; without it
+    (tools that load topics) messages are only acknowledged one by one."""
+
+    def __init__(self, settings: Mapping[str, str], *, topic_timeout: float = 10.0,
+                 txn_timeout: float = 60.0) -> None:
         self.settings = dict(settings)
+        # Admin clients (topic checks) get the settings without the producer-only transactional.id.
+        self.transactional_id: str | None = self.settings.pop("transactional.id", None)
         self.topic_timeout = topic_timeout
+        self.txn_timeout = txn_timeout
+        self._txn_ready = False
         self._producer: Producer | None = None
         self._errors: list[str] = []
         self._acked = 0
@@ -80,13 +98,18 @@ class Publisher:
                 _warm[key] = p
         del stale  # released outside the lock (destroying a producer may take a moment)
 
+    def _producer_settings(self) -> dict[str, str]:
+        if self.transactional_id is None:
+            return self.settings
+        return {**self.settings, "transactional.id": self.transactional_id}
+
     def producer(self) -> Producer:
         if self._producer is None:
             with _warm_lock:
-                self._producer = _warm.pop(_settings_key(self.settings), None)
+                self._producer = _warm.pop(_settings_key(self._producer_settings()), None)
         if self._producer is None:
             try:
-                self._producer = _new_producer(self.settings)
+                self._producer = _new_producer(self._producer_settings())
             except KafkaException as exc:
                 raise PublishError(f"cannot create a Kafka producer: {exc}") from None
         return self._producer
@@ -105,8 +128,23 @@ class Publisher:
                 partitions: list[int] | None = None, flush_timeout: float = 120.0,
                 stop: threading.Event | None = None) -> int:
         """Produce ``to_every_partition`` (schema records) to each partition, then ``messages`` by key;
-        wait for every delivery report. Returns the number of messages acknowledged."""
+        wait for every delivery report and commit the transaction. Returns the number of messages
+        published. On any failure (or ``stop``) the transaction is aborted: nothing becomes visible."""
         p = self.producer()
+        if self.transactional_id is None:
+            return self._produce_all(p, topic, messages, to_every_partition, partitions, flush_timeout, stop)
+        self._begin(p, topic)
+        try:
+            sent = self._produce_all(p, topic, messages, to_every_partition, partitions, flush_timeout, stop)
+            self._commit(p, topic, sent)
+        except BaseException:
+            self._abort(p, topic)
+            raise
+        return sent
+
+    def _produce_all(self, p: Producer, topic: str, messages: Iterable[Message],
+                     to_every_partition: Iterable[Message], partitions: list[int] | None,
+                     flush_timeout: float, stop: threading.Event | None) -> int:
         self._errors.clear()
         self._acked = 0
         sent = 0
@@ -137,6 +175,43 @@ class Publisher:
                                f"({len(self._errors)} failed, {pending} pending); first error: {first}")
         return sent
 
+    # ---------------------------------------------------------------------------- transactions
+
+    def _begin(self, p: Producer, topic: str) -> None:
+        try:
+            if not self._txn_ready:
+                # Fences any earlier producer of this transactional.id and aborts its open transaction.
+                p.init_transactions(self.topic_timeout)  # a round trip, like the topic checks
+                self._txn_ready = True
+            p.begin_transaction()
+        except KafkaException as exc:
+            raise PublishError(f"topic {topic}: cannot start a transaction as {self.transactional_id}: "
+                               f"{exc.args[0] if exc.args else exc}") from None
+
+    def _commit(self, p: Producer, topic: str, sent: int) -> None:
+        deadline = time.monotonic() + self.txn_timeout
+        while True:
+            try:
+                p.commit_transaction(max(1.0, deadline - time.monotonic()))
+                return
+            except KafkaException as exc:
+                err = exc.args[0] if exc.args else None
+                if isinstance(err, KafkaError) and err.retriable() and time.monotonic() < deadline:
+                    continue  # the commit's outcome is unknown: committing again is what resolves it
+                raise PublishError(f"topic {topic}: transaction of {sent} messages not committed: "
+                                   f"{err if err is not None else exc}") from None
+
+    def _abort(self, p: Producer, topic: str) -> None:
+        try:
+            p.abort_transaction(self.txn_timeout)
+            log.info("topic %s: transaction aborted; nothing of this run is visible", topic)
+        except KafkaException as exc:
+            # Still invisible to read_committed readers: the broker aborts it after
+            # transaction.timeout.ms, or the next run's init_transactions does at once.
+            log.warning("topic %s: aborting the transaction failed (%s); the next run fences it", topic,
+                        exc.args[0] if exc.args else exc)
+        self._producer = None  # a producer in an unknown transaction state is not reused
+
     def _produce(self, p: Producer, topic: str, m: Message, partition: int | None) -> None:
         kwargs: dict[str, Any] = {"key": m.key, "value": m.value, "headers": m.headers,
                                   "on_delivery": self._on_delivery}
@@ -153,7 +228,8 @@ class Publisher:
 
     def close(self) -> None:
         if self._producer is not None:
-            self._producer.flush(5)
+            if self.transactional_id is None:
+                self._producer.flush(5)
             self._producer = None
 
     def __enter__(self) -> Publisher:

@@ -2,12 +2,14 @@
 
 Order of a run (under the dataset's lock):
     load committed state -> check that the topic still holds what the state says was published
-    (otherwise the run republishes everything) -> read the source (retried while the database is unreachable) -> normalise and
-    check keys -> compute the change set -> refuse it if it deletes too much (a partial source) -> publish (schema record first if the columns changed), wait
-    for every acknowledgement -> note the topic's end offsets -> commit snapshot + state atomically ->
-    record the run's status.
-Any failure before the commit leaves the committed state as it was: the next run computes the same
-changes again (or more) and republishes them, which is harmless on a compacted, keyed topic.
+    (otherwise the run republishes everything) -> read the source (retried while the database is
+    unreachable) -> normalise and check keys -> compute the change set (a re-key when `key:` changed) ->
+    refuse it if it deletes too much (a partial source) -> publish (schema record first if the columns
+    changed) in one Kafka transaction, wait for every acknowledgement and the commit -> note the topic's
+    end offsets -> commit snapshot + state atomically -> record the run's status.
+Any failure before the commit leaves the committed state as it was (an unfinished transaction is aborted:
+read_committed readers see nothing of it): the next run computes the same changes again (or more) and
+republishes them.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from refresh import incremental as inc
 from refresh.config import DatasetConfig, RefreshConfig
 from refresh.diff import ChangeSet, canonical_schema, check_keys, diff, normalize, upsert_into, within
 from refresh.errors import EmptySnapshot, Refused, Stopped, TooManyDeletes
-from refresh.publish import Publisher
+from refresh.publish import Publisher, transactional_id
 from refresh.sources import open_source
 from refresh.sources.abc import IncrementalSource, Source
 from refresh.stores.abc import CommittedState, RunKind, RunRecord, RunResult, SnapshotRows, StateStore
@@ -59,6 +61,7 @@ class _Step:
     watermark: Any
     watermark_type: str | None
     last_reconcile: str | None
+    rekey_from: tuple[str, ...] | None = None  # a re-key: every tombstone is of a key published before
 
 
 class _Phases:
@@ -155,8 +158,8 @@ class Refresher:
     def _run_locked(self, ds: DatasetConfig, *, full: bool, reconcile: bool,
                     stop: threading.Event | None, t0: float, allow_deletes: bool = False) -> RunResult:
         timer = _Phases()
-        Publisher.warm_up(self.config.kafka)  # the producer gets ready while the source is read
         state = self.store.load(ds.name)
+        Publisher.warm_up(self._publish_settings(ds))  # the producer gets ready while the source is read
         snapshot = self.store.open_snapshot(ds.name, state)
         if snapshot is not None and canonical_schema(snapshot.schema, ds.name) != snapshot.schema:
             snapshot = normalize(snapshot.read(), ds.name)  # written by an older release: convert it whole
@@ -169,19 +172,25 @@ class Refresher:
         # Above any version a run published without committing (a crash after the acknowledgements).
         version = max(state.version, self.store.reserved(ds.name)) + 1
 
+        old_key = self._rekey_from(ds, state)
         step: _Step | None = None
         if ds.mode == "incremental" and not full and not reconcile and snapshot is not None \
-                and not self._reconcile_due(ds, state):
+                and old_key is None and not self._reconcile_due(ds, state):
             assert isinstance(source, IncrementalSource)
             step = self._incremental(ds, state, snapshot, source, stop, timer)
         if step is None:
             kind: RunKind = "republish" if lost is not None else "full" if full else \
                 "reconcile" if ds.mode == "incremental" else "diff"
             step = self._full_read(ds, state, snapshot, source, stop, timer, kind=kind,
-                                   allow_empty=ds.allow_empty or allow_deletes)
+                                   allow_empty=ds.allow_empty or allow_deletes,
+                                   compare=old_key is None)
+        if old_key is not None:
+            step = self._rekeyed(ds, snapshot, step, old_key)
         del snapshot  # the old rows are not needed any more: free them before publishing
         if not allow_deletes:
-            check_deletes(ds, state, step.changes.delete_count, step.rows_read)
+            # A re-key tombstones every old key by design: what it really deletes is the rows gone.
+            deletes = max(0, state.rows - step.rows_read) if old_key is not None else step.changes.delete_count
+            check_deletes(ds, state, deletes, step.rows_read)
 
         schema, changes = step.schema, step.changes
         schema_changed = not schema.same_columns(state.schema)
@@ -193,10 +202,11 @@ class Refresher:
         published = 0
         if changes or with_schema:
             self.store.reserve(ds.name, version)
-            published = self._publish(ds, schema, changes, version, with_schema=with_schema, stop=stop)
+            published = self._publish(ds, schema, changes, version, with_schema=with_schema, stop=stop,
+                                      tombstones_as=state.schema if old_key is not None else None)
             ends = self._published_ends(ds, stop)
         timer.mark("publish")
-        # Every message is acknowledged: commit even if a stop was requested meanwhile (it is quick,
+        # The transaction committed: commit even if a stop was requested meanwhile (it is quick,
         # and stopping here would only make the next run publish the same changes again).
         keep_snapshot = step.snapshot is None or (not changes and not schema_changed and state.snapshot)
         self.store.commit(ds.name, CommittedState(
@@ -249,9 +259,10 @@ class Refresher:
     def _full_read(self, ds: DatasetConfig, state: CommittedState, snapshot: SnapshotRows | pa.Table | None,
                    source: Source,
                    stop: threading.Event | None, timer: _Phases, *, kind: RunKind,
-                   allow_empty: bool = False) -> _Step:
-        """Every row, diffed with the published snapshot (``kind`` full also republishes every row);
-        an empty read is refused unless ``allow_empty``."""
+                   allow_empty: bool = False, compare: bool = True) -> _Step:
+        """Every row, diffed with the published snapshot (``kind`` full also republishes every row;
+        ``compare=False`` publishes every row as new, for a re-key); an empty read is refused unless
+        ``allow_empty``."""
         cursor = ds.incremental
         db_now = self._retry(source.now, f"dataset {ds.name}: database clock", stop) \
             if cursor is not None and isinstance(source, IncrementalSource) else None
@@ -269,7 +280,8 @@ class Refresher:
             rows = normalize(snapshot.schema.empty_table(), ds.name)
         check_keys(ds.name, rows, ds.key)
         schema = DatasetSchema.from_arrow(ds.name, ds.key, rows.schema)
-        changes = diff(ds.name, snapshot, rows, ds.key, republish_all=kind in ("full", "republish"))
+        changes = diff(ds.name, snapshot if compare else None, rows, ds.key,
+                       republish_all=kind in ("full", "republish"))
         watermark, wm_type, last_reconcile = state.watermark, state.watermark_type, state.last_reconcile
         if cursor is not None:
             col = cursor.column
@@ -316,14 +328,49 @@ class Refresher:
             return True
         return _utcnow() - datetime.fromisoformat(state.last_reconcile) >= every
 
+    # ------------------------------------------------------------------------------- re-keying
+    @staticmethod
+    def _rekey_from(ds: DatasetConfig, state: CommittedState) -> tuple[str, ...] | None:
+        """The key the topic was published with when the configured ``key:`` differs from it."""
+        if state.schema is None or tuple(state.schema.key) == tuple(ds.key):
+            return None
+        return tuple(state.schema.key)
+
+    @staticmethod
+    def _rekeyed(ds: DatasetConfig, published: SnapshotRows | pa.Table | None, step: _Step,
+                 old_key: tuple[str, ...]) -> _Step:
+        """A re-key's change set: a tombstone for every key published under ``old_key`` and every
+        current row under the new key (``step`` read them all as inserts), published in the run's
+        one transaction, so the compacted topic ends with exactly the new-keyed rows."""
+        old_keys = published.select(list(old_key)) if published is not None else None
+        if old_keys is None:
+            # No snapshot of what was published (state written without one): nothing to tombstone.
+            log.warning("dataset %s: re-key without a snapshot of the published rows: old keys stay on "
+                        "the topic", ds.name)
+            old_keys = step.changes.upserts.select(list(ds.key)).slice(0, 0)
+        log.warning("dataset %s: re-key %s -> %s: %d tombstone(s) for the old keys, %d row(s) under the new key",
+                    ds.name, list(old_key), list(ds.key), old_keys.num_rows, step.changes.upserts.num_rows)
+        changes = ChangeSet(step.changes.upserts, old_keys, step.changes.upserts.num_rows, 0)
+        return dataclasses.replace(step, changes=changes, rekey_from=old_key)
+
+    # ------------------------------------------------------------------------------- publishing
+    def _publish_settings(self, ds: DatasetConfig) -> dict[str, str]:
+        """Producer settings of ``ds``: a transactional.id stable across restarts, so a new run fences
+        a crashed predecessor's producer and aborts its unfinished transaction."""
+        return {**self.config.kafka, "transactional.id": transactional_id(self.config.refresher_id, ds.name)}
+
     def _publish(self, ds: DatasetConfig, schema: DatasetSchema, changes: ChangeSet, version: int, *,
-                 with_schema: bool, stop: threading.Event | None) -> int:
+                 with_schema: bool, stop: threading.Event | None,
+                 tombstones_as: DatasetSchema | None = None) -> int:
+        # Tombstones carry the key bytes the rows were published with (the old key on a re-key).
+        tomb_schema = tombstones_as or schema
+
         def messages() -> Iterator[Any]:
-            yield from delete_messages(schema, changes.deletes, version)
+            yield from delete_messages(tomb_schema, changes.deletes, version)
             yield from upsert_messages(schema, changes.upserts, version)
 
         def attempt() -> int:
-            with self.publisher_factory(self.config.kafka) as pub:
+            with self.publisher_factory(self._publish_settings(ds)) as pub:
                 parts = pub.prepare(ds.topic, ds.partitions, ds.topic_config)
                 return pub.publish(ds.topic, messages(),
                                    to_every_partition=[schema_message(schema)] if with_schema else [],

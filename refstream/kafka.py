@@ -55,7 +55,8 @@ ConsumerRole = Literal["reader", "probe", "fetch"]
 PRODUCERS: dict[str, Preset] = {
     # Settings as given (small one-off producers).
     "plain": Preset({}),
-    # The refresher's publisher: every change acknowledged by all replicas, never duplicated.
+    # The refresher's publisher: every change acknowledged by all replicas, never duplicated; each
+    # run's change set is one transaction (``transactional.id`` comes from the caller).
     "publisher": Preset({
         "acks": "all",
         "linger.ms": "20",
@@ -65,6 +66,10 @@ PRODUCERS: dict[str, Preset] = {
         # Bounded: a broker that stays away fails the run instead of blocking it forever.
         "message.timeout.ms": "60000",
         "queue.buffering.max.messages": "200000",
+        # Room for a bootstrap of millions of rows in one transaction; within Kafka's default
+        # transaction.max.timeout.ms (15 min). A crashed run's open transaction is aborted sooner:
+        # the next run's init_transactions (same transactional.id) fences and aborts it.
+        "transaction.timeout.ms": "600000",
     }, forced={"enable.idempotence": "true"}),  # retries must not duplicate
     # The job's exactly-once micro-batch writer (``transactional.id`` comes from the caller).
     "transactional": Preset({

@@ -24,7 +24,7 @@ class Record:
     offset: int
     key: bytes | None
     value: bytes | None
-    headers: list[tuple[str, bytes | None]]
+    headers: list[tuple[str, str | bytes | None]] | dict[str, str | bytes | None]  # as the client gives them
 
 
 class ChangeFeed(Protocol):

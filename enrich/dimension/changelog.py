@@ -1,11 +1,16 @@
 """Following a changelog topic from the driver with one long-lived consumer.
 
-The end of a partition is the larger of what ListOffsets reports and what the last partition-EOF
-event said (EOF comes from the high watermark of a Fetch response, which is right on every broker;
-ListOffsets alone is not: some brokers report the base offset of the last record batch + 1).
-Records fetched beyond a requested position are kept for later, so ``read_until`` never overshoots.
-``read_to_end`` goes on past the reported end until partition EOF (or an empty fetch), so records of
-the last batch beyond an understated end are applied now, not one micro-batch later.
+The refresher publishes each run in one Kafka transaction and this consumer reads ``read_committed``,
+so a partition's end as the consumer sees it (its partition-EOF event: the last stable offset) is
+always a transaction boundary. :meth:`ChangelogFollower.read_to_end` hands over only records below
+the last EOF seen and moves its positions only to EOF offsets: a read cut short (a cap on records
+per fetch, a deadline) never pins a position inside a transaction, so no micro-batch sees part of a
+refresh. Records fetched beyond the last EOF stay buffered until a later EOF covers them.
+
+Where the end is, is asked with ListOffsets (read_committed: the last stable offset) only to know
+that there is more to wait for: some brokers report the base offset of the last record batch + 1
+(or 0 while a transaction is open), so the EOF event decides.
+``read_until`` (a replay to recorded positions, themselves boundaries) never overshoots.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Mapping
+from typing import Any
 
 from confluent_kafka import OFFSET_BEGINNING, KafkaError, KafkaException, TopicPartition
 
@@ -32,7 +38,8 @@ class ChangelogFollower:
         self.partitions = rkafka.partitions_of(settings, topic)
         if not self.partitions:
             raise TransientError(f"changelog topic {topic} does not exist (yet)")
-        self._consumer = rkafka.consumer(settings, **{"fetch.wait.max.ms": "100"})
+        overrides: dict[str, Any] = {"fetch.wait.max.ms": "100"}
+        self._consumer = rkafka.consumer(settings, **overrides)
         self._consumer.assign([TopicPartition(topic, p, OFFSET_BEGINNING) for p in self.partitions])
         self._pos: Positions = {p: 0 for p in self.partitions}
         self._eof: dict[int, int] = {p: -1 for p in self.partitions}
@@ -47,26 +54,50 @@ class ChangelogFollower:
     # ------------------------------------------------------------------------------------ reading
 
     def read_to_end(self, timeout: float) -> list[Record]:
+        """Every committed record up to the current end of each partition; positions move only to
+        transaction boundaries. Returns early (with what is complete) after ``timeout`` seconds."""
         target: Positions = {}
         for p in self.partitions:
             try:
                 _, high = self._consumer.get_watermark_offsets(TopicPartition(self.topic, p),
-                                                               timeout=timeout, cached=False)
+                                                               timeout=max(timeout, 1.0), cached=False)
             except KafkaException as exc:
                 raise TransientError(f"cannot read the end of {self.topic}[{p}]: {exc}") from None
             target[p] = max(high, self._pos[p])
-        out = self.read_until(target, timeout)
-        # ListOffsets may understate the end (the rest of the last record batch is beyond it): read on
-        # until every partition has reported EOF at its position, or a fetch comes back empty (the
-        # fetched data is drained; on a topic written continuously EOF may never come).
         deadline = time.monotonic() + timeout
-        while True:
-            out.extend(self._take_all())
-            if all(self._eof[p] >= self._pos[p] for p in self.partitions):
-                return out
-            if not self._fetch(0.1) or time.monotonic() > deadline:
-                out.extend(self._take_all())
-                return out
+        last_progress = time.monotonic()
+        while not all(self._settled(p, target[p]) for p in self.partitions):
+            got = self._fetch(0.1)
+            now = time.monotonic()
+            if got:
+                last_progress = now
+            elif all(self._eof[p] >= target[p] for p in self.partitions):
+                break  # the end is reached; records beyond it are still arriving: wait for their EOF later
+            elif now - last_progress > max(timeout, 1.0):  # known records that do not come: broker gone?
+                raise TransientError(
+                    f"changelog {self.topic}: no progress towards offsets {target} for {timeout:.0f}s "
+                    f"(at {self.positions()})")
+            if now > deadline:
+                log.debug("changelog %s: end not reached in %.1fs; stopping at %s", self.topic, timeout,
+                          {p: self._eof[p] for p in self.partitions})
+                break
+        return self._take_committed()
+
+    def _settled(self, p: int, target: int) -> bool:
+        """Has ``p`` reported EOF at or beyond ``target`` and beyond every record fetched so far?"""
+        buf = self._buf[p]
+        return self._eof[p] >= target and (not buf or buf[-1].offset < self._eof[p])
+
+    def _take_committed(self) -> list[Record]:
+        """Buffered records below each partition's last EOF; the position moves to that EOF (a
+        transaction boundary). Records beyond it stay buffered."""
+        out: list[Record] = []
+        for p in self.partitions:
+            buf, end = self._buf[p], self._eof[p]
+            while buf and buf[0].offset < end:
+                out.append(buf.popleft())
+            self._pos[p] = max(self._pos[p], end)
+        return out
 
     def read_until(self, target: Mapping[int, int], timeout: float) -> list[Record]:
         out: list[Record] = []
@@ -129,17 +160,6 @@ class ChangelogFollower:
             return True
         return False
 
-    def _take_all(self) -> list[Record]:
-        out: list[Record] = []
-        for p in self.partitions:
-            buf = self._buf[p]
-            while buf:
-                rec = buf.popleft()
-                out.append(rec)
-                self._pos[p] = rec.offset + 1
-            self._pos[p] = max(self._pos[p], self._eof[p])
-        return out
-
     def _fetch(self, timeout: float) -> int:
         msgs = self._consumer.consume(10_000, timeout=timeout)
         n = 0
@@ -147,14 +167,14 @@ class ChangelogFollower:
             err = m.error()
             if err is not None:
                 if err.code() == KafkaError._PARTITION_EOF:
-                    self._eof[m.partition()] = m.offset()
+                    self._eof[rkafka.partition_of(m)] = rkafka.offset_of(m)
                     n += 1
                     continue
                 if err.retriable() or err.code() in (KafkaError._TRANSPORT, KafkaError._ALL_BROKERS_DOWN):
                     log.warning("changelog %s: %s", self.topic, err)
                     continue
                 raise TransientError(f"changelog {self.topic}: {err}")
-            self._buf[m.partition()].append(
-                Record(m.partition(), m.offset(), m.key(), m.value(), m.headers() or []))
+            part = rkafka.partition_of(m)
+            self._buf[part].append(Record(part, rkafka.offset_of(m), m.key(), m.value(), m.headers() or []))
             n += 1
         return n

@@ -99,6 +99,10 @@ class Dimensions:
         assert s is not None
         return s
 
+    def state(self, dataset: str) -> DimensionState:
+        """The driver-side state of ``dataset`` as of the last pin (for checks and tools)."""
+        return self._dims[dataset].state
+
     def pin(self, batch_id: int) -> dict[str, Shipped]:
         t0 = time.monotonic()
         self.bootstrap()

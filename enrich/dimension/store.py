@@ -47,6 +47,7 @@ class DimensionState:
         self.overlay: dict[bytes, bytes | None] = {}
         self.base_gen = 0
         self.overlay_gen = 0
+        self._base_key: tuple[str, ...] | None = None  # the key the base was built under
         self.compact_min, self.compact_fraction = compact_min, compact_fraction
 
     def __len__(self) -> int:
@@ -87,6 +88,10 @@ class DimensionState:
         self.schema = schema
 
     def needs_compaction(self) -> bool:
+        if self.schema is not None and self.base is not None and self._base_key != self.schema.key:
+            # A re-key: executors look rows up by the new key, which the old rows' tombstones (keyed by
+            # the old one) cannot hide in an overlay; only folding them into the base removes them.
+            return True
         base_rows = self.base.num_rows if self.base is not None else 0
         return self.base is None or len(self.overlay) > max(self.compact_min, base_rows * self.compact_fraction)
 
@@ -105,6 +110,7 @@ class DimensionState:
         else:
             base = self.base
         self.base = base.combine_chunks()
+        self._base_key = self.schema.key
         self.overlay = {}
         self.base_gen += 1
         self.overlay_gen += 1

@@ -14,6 +14,7 @@ from enrich.dimension.ship import Shipped, Shipper, from_ipc
 from enrich.dimension.store import DimensionState
 from enrich.dimension.versions import FileVersionLog
 from refstream import contract
+from refstream import kafka as rkafka
 from refstream.contract import Column, DatasetSchema
 from tests.enrich.helpers import changelog, publish
 
@@ -125,3 +126,42 @@ def test_pinned_versions_replay_exactly(spark: SparkSession, kafka: dict[str, st
     assert zero.base_id not in {one.base_id, two.base_id}, "executors cache lookups by id"
     assert owner(again.pin(2)["devices"]) == "v3"
     again.close()
+
+
+def test_a_read_cut_short_never_pins_a_position_inside_a_transaction(kafka: dict[str, str],
+                                                                     unique: Callable[[str], str]) -> None:
+    """A committed refresh larger than one fetch, then one still open. The embedded broker lists the
+    end as 0 while a transaction is open, and every read here stops at its deadline after one fetch:
+    positions may only ever be before the committed transaction or after it, never inside it."""
+    topic = unique("ref.devices")
+    publish(kafka, topic, [contract.schema_message(SCHEMA)])
+    p = rkafka.producer(kafka, role="publisher", **{"transactional.id": unique("tx")})
+    p.init_transactions(10)
+    p.begin_transaction()
+    for m in contract.upsert_messages(SCHEMA, [{"device_id": f"d{i}", "owner": "a"} for i in range(30_000)], 1):
+        p.produce(topic, key=m.key, value=m.value, headers=m.headers)
+    p.commit_transaction(30)
+    end = 30_002  # schema record, 30,000 upserts, the commit marker
+    p.begin_transaction()
+    for m in contract.upsert_messages(SCHEMA, [{"device_id": f"d{i}", "owner": "b"} for i in range(10)], 2):
+        p.produce(topic, key=m.key, value=m.value, headers=m.headers)
+    assert p.flush(10) == 0  # produced, not committed
+    f = ChangelogFollower(kafka, topic)
+    try:
+        s = DimensionState("devices")
+        seen = []
+        for _ in range(200):
+            s.apply(f.read_to_end(0.001))
+            seen.append(f.positions()[0])
+            assert seen[-1] in (0, end), f"pinned inside the transaction: {seen}"
+            if seen[-1] == end:
+                break
+        assert seen[-1] == end
+        assert set(owners(s).values()) == {"a"} and len(owners(s)) == 30_000
+        assert f.read_to_end(0.5) == [] and f.positions() == {0: end}  # the open transaction stays unseen
+        p.commit_transaction(10)
+        s.apply(f.read_to_end(10))
+        assert f.positions() == {0: end + 11}
+        assert sum(o == "b" for o in owners(s).values()) == 10
+    finally:
+        f.close()
