@@ -17,17 +17,17 @@ venv: $(VENV)/.installed
 demo: venv
 	$(VPY) -m demo $(ARGS)
 
-test: venv
-	$(VPY) -m ruff check .
+test: lint
 	$(VPY) -m pytest -q
 
 # Pure-logic tests only: no Spark, MariaDB or broker (tests/conftest.py marks the rest `integration`).
-test-fast: venv
-	$(VPY) -m ruff check .
+test-fast: lint
 	$(VPY) -m pytest -q -m "not integration"
 
+# ruff, then mypy over the four packages (configured in pyproject.toml).
 lint: venv
 	$(VPY) -m ruff check .
+	$(VPY) -m mypy
 
 bench: venv
 	$(VPY) -m bench.run $(ARGS)
