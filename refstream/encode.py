@@ -175,30 +175,26 @@ def _quote(s: pa.Array) -> pa.Array:
     return pc.binary_join_element_wise(q, s, q, pa.scalar("", s.type))
 
 
-# json.dumps escapes exactly these (with ensure_ascii=False): the quote, the backslash and the C0 controls.
+# json.dumps escapes exactly these (with ensure_ascii=False): the backslash (first: the other escapes add
+# backslashes), the quote and the C0 controls, five of them in short form.
 _SHORT_ESCAPES = {"\n": "\\n", "\r": "\\r", "\t": "\\t", "\b": "\\b", "\f": "\\f"}
-_OTHER_CONTROLS = [chr(c) for c in range(0x20) if chr(c) not in _SHORT_ESCAPES]
+_ESCAPES = [("\\", "\\\\"), ('"', '\\"')] + [
+    (chr(c), _SHORT_ESCAPES.get(chr(c), f"\\u{c:04x}")) for c in range(0x20)]
 
 
-def _needs_escape(s: pa.Array) -> bool:
-    # A byte test on the character data: bytes of multi-byte UTF-8 sequences are all >= 0x80, so this is
-    # exact for the characters, and the data past a slice's ends can only cause a needless escape pass.
+def _escapes_present(s: pa.Array) -> list[tuple[str, str]]:
+    # Counted on the bytes of the character data: bytes of multi-byte UTF-8 sequences are all >= 0x80, so
+    # this is exact for the characters; data outside a slice can only cost a needless replace pass.
     data = s.buffers()[2]
     if data is None:
-        return False
-    b = np.frombuffer(data, dtype=np.uint8)
-    return bool(((b < 0x20) | (b == 0x22) | (b == 0x5C)).any())
+        return []
+    counts = np.bincount(np.frombuffer(data, dtype=np.uint8), minlength=256)
+    return [(ch, esc) for ch, esc in _ESCAPES if counts[ord(ch)]]
 
 
 def _json_strings(s: pa.Array) -> pa.Array:
-    if _needs_escape(s):
-        s = pc.replace_substring(s, "\\", "\\\\")  # first: the escapes below add backslashes
-        s = pc.replace_substring(s, '"', '\\"')
-        for ch, esc in _SHORT_ESCAPES.items():
-            s = pc.replace_substring(s, ch, esc)
-        if pc.any(pc.match_substring_regex(s, r"[\x00-\x1f]")).as_py():
-            for ch in _OTHER_CONTROLS:
-                s = pc.replace_substring(s, ch, f"\\u{ord(ch):04x}")
+    for ch, esc in _escapes_present(s):
+        s = pc.replace_substring(s, ch, esc)
     return _quote(s)
 
 
