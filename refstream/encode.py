@@ -183,12 +183,15 @@ _ESCAPES = [("\\", "\\\\"), ('"', '\\"')] + [
 
 
 def _escapes_present(s: pa.Array) -> list[tuple[str, str]]:
-    # Counted on the bytes of the character data: bytes of multi-byte UTF-8 sequences are all >= 0x80, so
-    # this is exact for the characters; data outside a slice can only cost a needless replace pass.
-    data = s.buffers()[2]
-    if data is None:
+    """The escapes ``s`` (a large_string array) needs: counted on the bytes of its characters, which is exact
+    since the bytes of multi-byte UTF-8 sequences are all >= 0x80."""
+    _, offsets, data = s.buffers()
+    if data is None or not len(s):
         return []
-    counts = np.bincount(np.frombuffer(data, dtype=np.uint8), minlength=256)
+    # Only this slice's characters: a batch of a table is a view into the whole column's buffers.
+    ends = np.frombuffer(offsets, dtype=np.int64)[[s.offset, s.offset + len(s)]]
+    chars = np.frombuffer(data, dtype=np.uint8)[ends[0]:ends[1]]
+    counts = np.bincount(chars, minlength=256)
     return [(ch, esc) for ch, esc in _ESCAPES if counts[ord(ch)]]
 
 
