@@ -24,6 +24,7 @@ import argparse
 import gc
 import hashlib
 import json
+import logging
 import statistics
 import time
 from collections.abc import Callable, Iterator
@@ -37,6 +38,11 @@ import pyarrow.compute as pc
 from refstream import contract, encode
 
 Encoded = tuple[list[bytes], list[bytes]]
+
+# The producer of --produce has no broker on purpose: its connection errors are expected.
+_QUIET = logging.getLogger("bench.encode_bench.kafka")
+_QUIET.addHandler(logging.NullHandler())
+_QUIET.propagate = False
 
 
 def devices(n: int, seed: int = 7) -> pa.Table:
@@ -202,12 +208,45 @@ def measure(table: pa.Table, key: list[str], names: list[str], repeat: int) -> I
                "rounds": [round(x, 3) for x in times], "identical": digests == {reference}}
 
 
+def produce_cost(table: pa.Table, repeat: int) -> dict[str, Any]:
+    """Python-side cost of handing the table's upserts to the refresher's producer (Message objects and
+    ``produce()`` with the contract's headers and a delivery callback, as refresh.publish does), with no
+    broker: every message stays queued, so librdkafka's network work is not in it."""
+    from refstream import kafka
+
+    schema = contract.DatasetSchema.from_arrow("bench", [table.column_names[0]], table.schema)
+    overrides = {"queue.buffering.max.messages": 10_000_000, "queue.buffering.max.kbytes": 2**31 - 1,
+                 "message.timeout.ms": 600_000}
+    times = []
+    for _ in range(repeat):
+        p = kafka.producer({"bootstrap.servers": "127.0.0.1:9"}, role="publisher", logger=_QUIET, **overrides)
+        gc.collect()
+        t0 = time.perf_counter()
+        for m in contract.upsert_messages(schema, table, 1):
+            p.produce("bench", key=m.key, value=m.value, headers=m.headers, on_delivery=lambda err, msg: None)
+        times.append(time.perf_counter() - t0)
+        p.purge()
+        p.poll(0)
+        del p
+    med = statistics.median(times)
+    return {"candidate": "encode+produce", "median_s": round(med, 3),
+            "us_per_row": round(med / table.num_rows * 1e6, 2), "rounds": [round(x, 3) for x in times],
+            "identical": True}
+
+
+def _print(r: dict[str, Any]) -> None:
+    print(f"  {r['candidate']:<14} {r['median_s']:>9.3f} {r['us_per_row']:>7.2f}  "
+          f"{'yes' if r['identical'] else 'NO':<9}  {r['rounds']}")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.encode_bench", description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, default=1_000_000)
     ap.add_argument("--repeat", type=int, default=3, help="rounds per candidate (the median is reported)")
     ap.add_argument("--tables", default="devices,every_type")
     ap.add_argument("--candidates", default=",".join(CANDIDATES))
+    ap.add_argument("--produce", action="store_true",
+                    help="also time encoding + producer.produce() of every row with no broker (queued only)")
     ap.add_argument("--json", help="also write the results to this file")
     args = ap.parse_args(argv)
     names = [c for c in args.candidates.split(",") if c]
@@ -223,8 +262,11 @@ def main(argv: list[str] | None = None) -> int:
         for r in measure(table, [table.column_names[0]], names, args.repeat):
             r["table"] = tname
             results.append(r)
-            print(f"  {r['candidate']:<14} {r['median_s']:>9.3f} {r['us_per_row']:>7.2f}  "
-                  f"{'yes' if r['identical'] else 'NO':<9}  {r['rounds']}")
+            _print(r)
+        if args.produce:
+            r = {**produce_cost(table, args.repeat), "table": tname}
+            results.append(r)
+            _print(r)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as f:
             json.dump(results, f, indent=2)
