@@ -29,14 +29,16 @@ import math
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import UTC, date, datetime, time, timedelta
+from datetime import date, datetime
 from decimal import Decimal
+from itertools import repeat
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.json as pajson
 
+from refstream.encode import default, dumps, encode_batches, fix_floats, timedelta_str
 from refstream.errors import ContractError
 
 CONTRACT_VERSION = 1
@@ -206,40 +208,8 @@ class DatasetSchema:
 
 # ---------------------------------------------------------------------------------------- encoding
 
-def _default(v: Any) -> Any:
-    if isinstance(v, Decimal):
-        return format(v, "f") if v.is_finite() else str(v)
-    if isinstance(v, datetime):
-        if v.tzinfo is not None:
-            v = v.astimezone(UTC)
-        return v.isoformat()
-    if isinstance(v, date | time):
-        return v.isoformat()
-    if isinstance(v, timedelta):
-        return _timedelta_str(v)
-    if isinstance(v, bytes | bytearray | memoryview):
-        return base64.b64encode(bytes(v)).decode("ascii")
-    raise TypeError(f"value {v!r} of type {type(v).__name__} has no changelog encoding")
-
-
-def _timedelta_str(v: timedelta) -> str:
-    # MySQL TIME arrives as timedelta (it may exceed 24h or be negative).
-    total = v.days * 86400 + v.seconds
-    sign = "-" if total < 0 else ""
-    total = abs(total)
-    s = f"{sign}{total // 3600:02d}:{total % 3600 // 60:02d}:{total % 60:02d}"
-    return s + (f".{v.microseconds:06d}" if v.microseconds else "")
-
-
-def _fix_floats(v: Any) -> Any:
-    if isinstance(v, float) and not math.isfinite(v):
-        return "NaN" if math.isnan(v) else ("Infinity" if v > 0 else "-Infinity")
-    return v
-
-
-def _dumps(obj: Any) -> bytes:
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False, default=_default,
-                      allow_nan=False).encode("utf-8")
+# The row-wise encoding lives in refstream.encode, next to the bulk encoder that must match it byte for byte.
+_default, _timedelta_str, _fix_floats, _dumps = default, timedelta_str, fix_floats, dumps
 
 
 def encode_key(key: Sequence[str], row: Mapping[str, Any]) -> bytes:
@@ -275,9 +245,14 @@ def schema_message(schema: DatasetSchema) -> Message:
 
 def upsert_messages(schema: DatasetSchema, rows: pa.Table | Iterable[Mapping[str, Any]],
                     version: int) -> Iterator[Message]:
-    """Upsert records for every row of ``rows`` (an Arrow table is converted in chunks)."""
+    """Upsert records for every row of ``rows`` (an Arrow table is encoded in bulk, batch by batch)."""
     h = headers(OP_UPSERT, schema.dataset, version)
-    for row in _iter_rows(rows):
+    if isinstance(rows, pa.Table | pa.RecordBatch):
+        for keys, values in encode_batches(rows, schema.key):
+            assert values is not None
+            yield from map(Message, keys, values, repeat(h))
+        return
+    for row in rows:
         yield Message(encode_key(schema.key, row), encode_row(row), h)
 
 
@@ -285,17 +260,12 @@ def delete_messages(schema: DatasetSchema, keys: pa.Table | Iterable[Mapping[str
                     version: int) -> Iterator[Message]:
     """Tombstones for every key row of ``keys`` (only the key columns are read)."""
     h = headers(OP_DELETE, schema.dataset, version)
-    for row in _iter_rows(keys):
+    if isinstance(keys, pa.Table | pa.RecordBatch):
+        for key_bytes, _ in encode_batches(keys, schema.key, values=False):
+            yield from map(Message, key_bytes, repeat(None), repeat(h))
+        return
+    for row in keys:
         yield Message(encode_key(schema.key, row), None, h)
-
-
-def _iter_rows(rows: pa.Table | Iterable[Mapping[str, Any]]) -> Iterator[Mapping[str, Any]]:
-    if isinstance(rows, pa.Table | pa.RecordBatch):
-        batches = rows.to_batches(max_chunksize=10_000) if isinstance(rows, pa.Table) else [rows]
-        for b in batches:
-            yield from b.to_pylist()
-    else:
-        yield from rows
 
 
 # ---------------------------------------------------------------------------------------- decoding
