@@ -61,7 +61,6 @@ class _Step:
     watermark: Any
     watermark_type: str | None
     last_reconcile: str | None
-    rekey_from: tuple[str, ...] | None = None  # a re-key: every tombstone is of a key published before
 
 
 class _Phases:
@@ -301,8 +300,7 @@ class Refresher:
         one ListOffsets request per run."""
         if not state.version:
             return None, None  # never published: the first run publishes everything anyway
-        ends = self._retry(lambda: end_offsets(self.config.kafka, ds.topic),
-                           f"dataset {ds.name}: end offsets of {ds.topic}", stop)
+        ends = self._end_offsets(ds, stop)
         reason = topic_lost(ds.topic, state, ends)
         if reason is not None:
             log.warning("dataset %s: topic %s: %s; republishing the whole dataset with its schema record",
@@ -313,12 +311,15 @@ class Refresher:
         """The topic's end offsets right after a publish, for the next run's check; None (the next run
         records them instead of comparing) if the broker cannot say now: the publish itself stands."""
         try:
-            return self._retry(lambda: end_offsets(self.config.kafka, ds.topic),
-                               f"dataset {ds.name}: end offsets of {ds.topic}", stop)
+            return self._end_offsets(ds, stop)
         except TransientError as exc:
             log.warning("dataset %s: cannot read the end offsets of %s after publishing (%s); the next "
                         "run records them", ds.name, ds.topic, exc)
             return None
+
+    def _end_offsets(self, ds: DatasetConfig, stop: threading.Event | None) -> dict[int, int] | None:
+        return self._retry(lambda: end_offsets(self.config.kafka, ds.topic),
+                           f"dataset {ds.name}: end offsets of {ds.topic}", stop)
 
     def _reconcile_due(self, ds: DatasetConfig, state: CommittedState) -> bool:
         every = ds.incremental.reconcile_every if ds.incremental is not None else None
@@ -351,7 +352,7 @@ class Refresher:
         log.warning("dataset %s: re-key %s -> %s: %d tombstone(s) for the old keys, %d row(s) under the new key",
                     ds.name, list(old_key), list(ds.key), old_keys.num_rows, step.changes.upserts.num_rows)
         changes = ChangeSet(step.changes.upserts, old_keys, step.changes.upserts.num_rows, 0)
-        return dataclasses.replace(step, changes=changes, rekey_from=old_key)
+        return dataclasses.replace(step, changes=changes)
 
     # ------------------------------------------------------------------------------- publishing
     def _publish_settings(self, ds: DatasetConfig) -> dict[str, str]:
