@@ -20,6 +20,7 @@ watched, recursively when the glob spans directories.
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
 import threading
@@ -49,7 +50,6 @@ log = logging.getLogger(__name__)
 # the refresher reading the file must not trigger another refresh.
 _RELEVANT = frozenset({EVENT_TYPE_CREATED, EVENT_TYPE_MODIFIED, EVENT_TYPE_MOVED, EVENT_TYPE_DELETED,
                        EVENT_TYPE_CLOSED, EVENT_TYPE_ATTRIB})
-_MAGIC = frozenset("*?[")
 
 
 def split_pattern(pattern: str) -> tuple[Path, bool]:
@@ -58,7 +58,7 @@ def split_pattern(pattern: str) -> tuple[Path, bool]:
     parts = Path(pattern).parts
     static: list[str] = []
     for part in parts[:-1]:
-        if _MAGIC & set(part):
+        if glob.has_magic(part):
             break
         static.append(part)
     base = Path(*static) if static else Path(".")

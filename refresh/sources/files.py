@@ -41,7 +41,6 @@ from refstream.errors import DataError
 log = logging.getLogger(__name__)
 
 _BLOCK = 16 << 20
-_MAGIC = frozenset("*?[")
 _POLL = 0.1  # seconds between looks at a settling file (and between stop checks)
 
 #: The files a pattern matches at one moment: sorted (path, inode, size, mtime_ns).
@@ -49,7 +48,7 @@ FileStats = tuple[tuple[str, int, int, int], ...]
 
 
 def _stat(pattern: str) -> dict[str, os.stat_result]:
-    names = glob.glob(pattern, recursive=True) if _MAGIC & set(pattern) else [pattern]
+    names = glob.glob(pattern, recursive=True) if glob.has_magic(pattern) else [pattern]
     out = {}
     for name in names:
         try:
