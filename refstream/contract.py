@@ -38,7 +38,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.json as pajson
 
-from refstream.encode import default, dumps, encode_batches, fix_floats, timedelta_str
+from refstream.encode import dumps, encode_batches, fix_floats
 from refstream.errors import ContractError
 
 CONTRACT_VERSION = 1
@@ -188,7 +188,7 @@ class DatasetSchema:
         return ", ".join(f"`{n}` {type_to_spark(self.type_of(n))}" for n in wanted)
 
     def to_json(self) -> bytes:
-        return _dumps({
+        return dumps({
             "contract": self.contract, "dataset": self.dataset, "version": self.version,
             "key": list(self.key), "columns": [{"name": c.name, "type": c.type} for c in self.columns],
         })
@@ -209,20 +209,19 @@ class DatasetSchema:
 # ---------------------------------------------------------------------------------------- encoding
 
 # The row-wise encoding lives in refstream.encode, next to the bulk encoder that must match it byte for byte.
-_default, _timedelta_str, _fix_floats, _dumps = default, timedelta_str, fix_floats, dumps
 
 
 def encode_key(key: Sequence[str], row: Mapping[str, Any]) -> bytes:
     """Canonical key bytes: a JSON object of the key columns in declared order."""
     try:
-        return _dumps({k: _fix_floats(row[k]) for k in key})
+        return dumps({k: fix_floats(row[k]) for k in key})
     except KeyError as exc:
         raise ContractError(f"row has no key column {exc}") from None
 
 
 def encode_row(row: Mapping[str, Any]) -> bytes:
     """Value bytes of an upsert: the whole row as a JSON object."""
-    return _dumps({k: _fix_floats(v) for k, v in row.items()})
+    return dumps({k: fix_floats(v) for k, v in row.items()})
 
 
 def headers(op: str, dataset: str, version: int) -> list[tuple[str, bytes]]:
