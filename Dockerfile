@@ -14,13 +14,14 @@ ENV PYTHONUNBUFFERED=1 \
     PYSPARK_DRIVER_PYTHON=python3
 
 WORKDIR /app
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md constraints.txt ./
 COPY refstream ./refstream
 COPY refresh ./refresh
 COPY enrich ./enrich
 COPY demo ./demo
-# cryptography: PyMySQL needs it for MySQL 8's default caching_sha2_password authentication.
-RUN pip install . cryptography
+# The refresher and the job (the `enrich` extra: PySpark, pandas), at the versions CI tests
+# (constraints.txt). The simulator needs nothing more; the embedded broker (`demo` extra) is not needed.
+RUN pip install -c constraints.txt '.[enrich]'
 COPY conf ./conf
 
 # Spark writes scratch files under its working directory and home: both must be writable.

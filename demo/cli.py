@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,8 @@ from demo.processes import Child, ChildExited
 from demo.scenario import ChangeNotSeen, Operator, Stopped, matched, say, stamp
 from demo.seed import MODELS, SITES, seed_database, write_sites
 from demo.tail import EnrichedTail
+from enrich import config as enrich_config
+from refresh.config import RefreshConfig, load_config
 from refstream import kafka
 from refstream.contract import OP_UPSERT, decode, default_topic
 from refstream.errors import RefstreamError
@@ -39,8 +42,8 @@ from refstream.logs import setup_logging
 
 log = logging.getLogger("demo")
 
-ROOT = Path(__file__).resolve().parents[1]
-CONF = ROOT / "conf" / "demo"
+#: The directory holding the project's packages: the children import the same code as the demo.
+PACKAGES = Path(__file__).resolve().parents[1]
 MARKER = ".refstream-demo"
 EVENTS_TOPIC = "device-events"
 ENRICHED_TOPIC = "device-events-enriched"
@@ -49,6 +52,27 @@ DATASETS = ("devices", "models", "sites")
 
 class DemoError(RuntimeError):
     """The demo cannot go on; the message is the one line the user sees."""
+
+
+def config_file(name: str) -> contextlib.AbstractContextManager[Path]:
+    """The demo's config ``name`` (``refresh.yaml``, ``enrich.yaml``), shipped inside the package
+    (``demo/conf/``) so that an installed wheel runs the demo as a checkout does, as a file path
+    valid while the context lasts."""
+    return resources.as_file(resources.files("demo") / "conf" / name)
+
+
+def demo_environment(workdir: Path, bootstrap: str, db_url: str) -> dict[str, str]:
+    """The variables the demo's configs read (``${DEMO_...}``) and its children need."""
+    path = os.pathsep.join(p for p in (str(PACKAGES), os.environ.get("PYTHONPATH", "")) if p)
+    return {"DEMO_BOOTSTRAP": bootstrap, "DEMO_DB_URL": db_url, "DEMO_DIR": str(workdir),
+            "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable,
+            "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
+
+
+def load_configs(refresh_yaml: Path, enrich_yaml: Path) -> tuple[RefreshConfig, enrich_config.EnrichConfig]:
+    """Load the demo's two configs as its children will (with :func:`demo_environment` exported): a
+    broken config stops the demo before anything starts, naming the file and key."""
+    return load_config(refresh_yaml), enrich_config.load(enrich_yaml)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -98,13 +122,17 @@ class Demo:
             say(f"[{stamp()}] broker up on {broker.bootstrap} (embedded, in memory)")
 
             db_url = self._seed()
-            self._export_env(broker.bootstrap, db_url)
-            refresh_cmd = [sys.executable, "-m", "refresh", "--config", str(CONF / "refresh.yaml")]
+            # Read by demo/conf/*.yaml in every child and in `refresh run` started by the operator.
+            os.environ.update(demo_environment(self.workdir, broker.bootstrap, db_url))
+            refresh_yaml = stack.enter_context(config_file("refresh.yaml"))
+            enrich_yaml = stack.enter_context(config_file("enrich.yaml"))
+            load_configs(refresh_yaml, enrich_yaml)
+            refresh_cmd = [sys.executable, "-m", "refresh", "--config", str(refresh_yaml)]
 
             self._start(stack, "refresher", [*refresh_cmd, "daemon"])
             self._wait_for_changelogs(settings)
             self._start(stack, "enrichment job", [sys.executable, "-m", "enrich", "run", "--config",
-                                                  str(CONF / "enrich.yaml"), "--master", self.args.master])
+                                                  str(enrich_yaml), "--master", self.args.master])
             self._start(stack, "simulator", [sys.executable, "-m", "demo.simulate", "--bootstrap",
                                              broker.bootstrap, "--topic", EVENTS_TOPIC, "--rate",
                                              f"{self.args.rate:g}", "--devices", str(self.args.devices),
@@ -130,8 +158,6 @@ class Demo:
         return 0
 
     def _prepare_workdir(self) -> None:
-        if not (CONF / "refresh.yaml").exists():
-            raise DemoError(f"{CONF} not found: run the demo from a checkout of refstream (make demo)")
         w = self.workdir
         if w.exists() and any(w.iterdir()):
             if not (w / MARKER).exists():
@@ -151,14 +177,8 @@ class Demo:
             f"{len(SITES)} sites in data/sites.csv")
         return db_url
 
-    def _export_env(self, bootstrap: str, db_url: str) -> None:
-        # Read by conf/demo/*.yaml in every child and in `refresh run` started by the operator.
-        os.environ.update({"DEMO_BOOTSTRAP": bootstrap, "DEMO_DB_URL": db_url, "DEMO_DIR": str(self.workdir),
-                           "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable,
-                           "PYTHONUNBUFFERED": "1"})
-
     def _start(self, stack: contextlib.ExitStack, name: str, argv: list[str]) -> Child:
-        child = Child(name, argv, self.logs / f"{name.split()[0]}.log", cwd=ROOT).start()
+        child = Child(name, argv, self.logs / f"{name.split()[0]}.log", cwd=self.workdir).start()
         self.children.append(child)
         stack.callback(self._stopped, name, child.stop)
         say(f"[{stamp()}] started {name} (pid {child.pid})")

@@ -246,8 +246,17 @@ def _schedule(sec: Section) -> Schedule:
         raise sec.error("give either every or cron, not both")
     if every is not None and every.total_seconds() <= 0:
         raise sec.error("must be positive", "every")
-    if cron is not None and len(cron.split()) != 5:
-        raise sec.error(f"{cron!r} is not a 5-field cron expression", "cron")
+    if cron is not None:
+        if len(cron.split()) != 5:
+            raise sec.error(f"{cron!r} is not a 5-field cron expression", "cron")
+        # Parsed now by the scheduler that will run it, so a bad field fails at load, not at the
+        # daemon's start (imported here: only a config with a cron expression needs it).
+        from apscheduler.triggers.cron import CronTrigger
+
+        try:
+            CronTrigger.from_crontab(cron)
+        except ValueError as exc:
+            raise sec.error(f"{cron!r}: {exc}", "cron") from None
     sec.done()
     return Schedule(every=every, cron=cron)
 

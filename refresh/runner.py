@@ -93,21 +93,29 @@ class Refresher:
 
     # --------------------------------------------------------------------------------- public
     def run(self, dataset: str, *, full: bool = False, reconcile: bool = False, wait: bool = True,
-            stop: threading.Event | None = None, allow_deletes: bool = False) -> RunResult:
+            stop: threading.Event | None = None, allow_deletes: bool = False,
+            dry_run: bool = False) -> RunResult:
         """Refresh ``dataset`` now. ``full`` republishes every current row; ``reconcile`` (incremental
         mode) reads the whole source to find hard deletes; ``allow_deletes`` lifts, for this run, the
         refusals of a source that reads empty or deletes more than ``max_delete_fraction``. Records the
         outcome in the dataset's status and re-raises the error of a failed (or refused) run after
         recording it. ``wait=False`` raises :class:`DatasetBusy` instead of waiting for a run that
-        holds the dataset."""
+        holds the dataset.
+
+        ``dry_run`` reads and diffs as a run would (the topic check and the delete guard included) and
+        returns the counts it would publish (``published``: the messages, schema records included),
+        but publishes, commits and records nothing; the committed state and the topic stay as they
+        were (only the dataset's lock file may be created)."""
         ds = self.config.dataset(dataset)
         with self.store.lock(ds.name, wait=wait, stop=stop):
             started = _utcnow()
             t0 = time.monotonic()
             try:
                 result = self._run_locked(ds, full=full, reconcile=reconcile, stop=stop, t0=t0,
-                                          allow_deletes=allow_deletes)
+                                          allow_deletes=allow_deletes, dry_run=dry_run)
             except BaseException as exc:
+                if dry_run:
+                    raise  # a dry run leaves the status as it was
                 # A shutdown that cuts a run short commits nothing and is not the dataset's fault:
                 # it is recorded as interrupted, without counting as a failure. A refused change set
                 # (a guard against partial sources) is recorded as refused.
@@ -122,7 +130,8 @@ class Refresher:
                     "interrupted" if stopped else "refused" if refused else "failed",
                     time.monotonic() - t0, one_line(exc))
                 raise
-            self._record(ds, started, result)
+            if not dry_run:
+                self._record(ds, started, result)
             return result
 
     # ------------------------------------------------------------------------------- internals
@@ -155,10 +164,12 @@ class Refresher:
         return self._retry(attempt, f"dataset {ds.name}: read {what}", stop)
 
     def _run_locked(self, ds: DatasetConfig, *, full: bool, reconcile: bool,
-                    stop: threading.Event | None, t0: float, allow_deletes: bool = False) -> RunResult:
+                    stop: threading.Event | None, t0: float, allow_deletes: bool = False,
+                    dry_run: bool = False) -> RunResult:
         timer = _Phases()
         state = self.store.load(ds.name)
-        Publisher.warm_up(self._publish_settings(ds))  # the producer gets ready while the source is read
+        if not dry_run:
+            Publisher.warm_up(self._publish_settings(ds))  # the producer gets ready while the source is read
         snapshot = self.store.open_snapshot(ds.name, state)
         if snapshot is not None and canonical_schema(snapshot.schema, ds.name) != snapshot.schema:
             snapshot = normalize(snapshot.read(), ds.name)  # written by an older release: convert it whole
@@ -198,6 +209,9 @@ class Refresher:
         with_schema = schema_changed or full
         schema = dataclasses.replace(schema, version=version) if with_schema else (state.schema or schema)
 
+        if dry_run:
+            return self._dry_result(ds, state, step, version, with_schema, schema_changed, ends, lost,
+                                    timer, t0)
         published = 0
         if changes or with_schema:
             self.store.reserve(ds.name, version)
@@ -223,6 +237,23 @@ class Refresher:
                  "%d messages published in %.2fs (%s)", ds.name, version, step.kind, result.rows,
                  result.inserts, result.updates, result.deletes, published, seconds, timer)
         return result
+
+    def _dry_result(self, ds: DatasetConfig, state: CommittedState, step: _Step, version: int,
+                    with_schema: bool, schema_changed: bool, ends: dict[int, int] | None, lost: str | None,
+                    timer: _Phases, t0: float) -> RunResult:
+        """What a run would publish, as a :class:`RunResult` (``published``: deletes, upserts and one
+        schema record per partition when the schema goes out); nothing is published or committed."""
+        changes = step.changes
+        partitions = len(ends) if ends else ds.partitions
+        would = changes.messages + (partitions if with_schema else 0)
+        seconds = round(time.monotonic() - t0, 3)
+        log.info("dataset %s: dry run (%s): read %d rows; would publish version %d: %d inserts, %d updates, "
+                 "%d deletes, %d messages; nothing published or committed", ds.name, step.kind, step.rows_read,
+                 version, changes.inserts, changes.updates, changes.delete_count, would)
+        return RunResult(dataset=ds.name, ok=True, version=state.version, rows=step.rows_read,
+                         inserts=changes.inserts, updates=changes.updates, deletes=changes.delete_count,
+                         published=would, seconds=seconds, kind=step.kind, watermark=state.watermark,
+                         schema_changed=schema_changed, phases=timer.phases, reason=lost)
 
     def _incremental(self, ds: DatasetConfig, state: CommittedState, published: SnapshotRows | pa.Table,
                      source: IncrementalSource, stop: threading.Event | None, timer: _Phases) -> _Step | None:

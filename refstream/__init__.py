@@ -5,4 +5,16 @@ The ``refstream`` package holds what both long-running parts share: the changelo
 writes. It imports no other package of the project (see docs/architecture.md, "Where things live").
 """
 
-__version__ = "0.1.0"
+import importlib.metadata
+
+
+def version() -> str:
+    """The installed version of the ``refstream`` distribution (pyproject.toml's), as every CLI's
+    ``--version`` prints it."""
+    try:
+        return importlib.metadata.version("refstream")
+    except importlib.metadata.PackageNotFoundError:  # imported from a source tree never installed
+        return "unknown (not installed)"
+
+
+__version__ = version()

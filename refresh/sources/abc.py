@@ -35,6 +35,11 @@ class Source(ABC):
         """Every row as one table (empty table with the right schema when the source is empty)."""
         return collect(self.batches(), progress)
 
+    @abstractmethod
+    def probe(self) -> str:
+        """Check that the source can be read without reading its rows (``refresh validate --connect``):
+        a short description of what was found; raises the error a run would meet."""
+
 
 class IncrementalSource(Source):
     """A source that can be read from a cursor column onwards (SQL)."""

@@ -101,6 +101,12 @@ class FileSource(Source):
     def read(self, progress: Progress | None = None) -> pa.Table:
         return collect(self._batches(progress), progress)
 
+    def probe(self) -> str:
+        """The matching files exist (their contents are checked by a run)."""
+        found = self.files()
+        size = sum(p.stat().st_size for p in found)
+        return f"{len(found)} file(s), {size:,} bytes"
+
     def batches(self) -> Iterator[pa.RecordBatch]:
         return self._batches(None)
 

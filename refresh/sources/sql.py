@@ -82,6 +82,13 @@ class SqlSource(IncrementalSource):
             value = dt.datetime.fromisoformat(value)
         return value
 
+    def probe(self) -> str:
+        """Connect and run the read's query for no rows: the table or query exists and is readable."""
+        with self._errors("probe"), self.engine.connect() as conn:
+            result = conn.exec_driver_sql(f"SELECT * FROM ({self._base()}) AS refresh_src WHERE 1 = 0")
+            columns = list(result.keys())
+        return f"reachable, columns {', '.join(columns)}"
+
     # ---------------------------------------------------------------------------------- errors
     def _errors(self, what: str) -> Any:
         return _ErrorMap(self, what)

@@ -244,3 +244,76 @@ def test_refresh_run_waits_for_a_file_being_appended_to(make_config, tmp_path, u
     assert rc == [0]
     assert changes(read_topic(kafka, topic)) == {'{"id":1}': {"id": 1, "v": "a"}, '{"id":2}': {"id": 2, "v": "b"},
                                                  '{"id":3}': {"id": 3, "v": "c"}}
+
+
+def test_version(capsys):
+    import importlib.metadata
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.strip() == f"refresh {importlib.metadata.version('refstream')}"
+
+
+def _files(state_dir: Path) -> dict[str, bytes]:
+    """Every file of a state directory with its bytes, but the lock files (a dry run takes the lock)."""
+    return {str(p.relative_to(state_dir)): p.read_bytes() for p in sorted(state_dir.rglob("*"))
+            if p.is_file() and p.name != "lock"}
+
+
+def test_dry_run_reports_the_counts_and_publishes_and_commits_nothing(cli_config, mysql_engine, kafka, capsys):
+    cfg, t, topic = cli_config
+    # Never published: every row would go out, with the schema record.
+    assert main(["--config", str(cfg.path), "run", "good", "--dry-run"]) == 0
+    assert capsys.readouterr().out.strip() == ("good: dry run (diff): 1 rows read; would publish 1 inserts, "
+                                               "0 updates, 0 deletes, 2 messages; nothing published")
+    assert read_topic(kafka, topic) == [] and _files(cfg.state_dir) == {}
+    assert main(["--config", str(cfg.path), "run", "good"]) == 0
+    assert "good: version 1 (diff): 1 rows read, 1 inserts, 0 updates, 0 deletes, 2 messages acknowledged" \
+        in capsys.readouterr().out
+
+    execute(mysql_engine, f"UPDATE {t} SET v = 'b' WHERE id = 1", f"INSERT INTO {t} VALUES (2, 'c'), (3, 'd')")
+    records, state = read_topic(kafka, topic), _files(cfg.state_dir)
+    assert main(["--config", str(cfg.path), "run", "good", "--dry-run"]) == 0
+    assert capsys.readouterr().out.strip() == ("good: dry run (diff): 3 rows read; would publish 2 inserts, "
+                                               "1 updates, 0 deletes, 3 messages; nothing published")
+    assert read_topic(kafka, topic) == records       # the topic as it was
+    assert _files(cfg.state_dir) == state            # committed state, snapshot and status as they were
+    # The real run publishes what the dry run announced.
+    assert main(["--config", str(cfg.path), "run", "good"]) == 0
+    assert "good: version 2 (diff): 3 rows read, 2 inserts, 1 updates, 0 deletes, 3 messages acknowledged" \
+        in capsys.readouterr().out
+    assert len(read_topic(kafka, topic)) == len(records) + 3
+
+
+def test_dry_run_of_a_refused_change_set_fails_without_recording_it(make_config, mysql_engine, mysql_url,
+                                                                   unique, kafka, capsys):
+    t = unique("cli_dry")
+    execute(mysql_engine, f"CREATE TABLE {t} (id INT PRIMARY KEY)", f"INSERT INTO {t} SELECT seq FROM seq_1_to_10")
+    cfg = make_config({"d": {"source": {"url": mysql_url, "table": t}, "key": ["id"], "topic": unique("ref.d")}})
+    assert main(["--config", str(cfg.path), "run", "d"]) == 0
+    execute(mysql_engine, f"DELETE FROM {t} WHERE id > 5")
+    state = _files(cfg.state_dir)
+    capsys.readouterr()
+    assert main(["--config", str(cfg.path), "run", "d", "--dry-run"]) == 1
+    assert "refresh: d: dataset d: would delete 5 of 10 rows" in capsys.readouterr().err
+    assert _files(cfg.state_dir) == state  # not recorded as a refused run
+    assert main(["--config", str(cfg.path), "run", "d", "--dry-run", "--allow-deletes"]) == 0
+    assert "would publish 0 inserts, 0 updates, 5 deletes, 5 messages" in capsys.readouterr().out
+
+
+def test_json_log_format(cli_config):
+    cfg, _, _ = cli_config
+    rc, out, err = run_cli("--config", str(cfg.path), "--log-format", "json", "run", "good", "--dry-run")
+    assert rc == 0 and "good: dry run (diff)" in out
+    records = [json.loads(line) for line in err.splitlines()]  # every stderr line is one JSON object
+    assert any(r["logger"] == "refresh.runner" and r["level"] == "INFO"
+               and r["message"].startswith("dataset good: dry run (diff): read 1 rows") for r in records)
+    assert all(set(r) >= {"time", "level", "logger", "message"} for r in records)
+    # With --debug a failure logs its traceback inside the record; the one-line error stays plain text.
+    rc, _, err = run_cli("--config", str(cfg.path.parent / "missing.yaml"), "status", "--log-format", "json", "--debug")
+    assert rc == 2
+    *logged, last = err.splitlines()
+    assert last == f"refresh: config file {cfg.path.parent / 'missing.yaml'} not found"
+    (record,) = [json.loads(line) for line in logged]
+    assert record["message"] == "refresh status failed" and "Traceback" in record["exc"]

@@ -70,6 +70,13 @@ def test_full_example_and_defaults(tmp_path: Path, monkeypatch: pytest.MonkeyPat
      "datasets.d.schedule.every: '6x' is not a duration"),
     ("  d:\n    source: {path: a.csv}\n    key: [id]\n    schedule: {every: 1h, cron: '* * * * *'}\n",
      "datasets.d.schedule: give either every or cron"),
+    # Cron expressions are parsed by APScheduler at load: a bad field fails here, not at the daemon's start.
+    ("  d:\n    source: {path: a.csv}\n    key: [id]\n    schedule: {cron: '61 * * * *'}\n",
+     "datasets.d.schedule.cron: '61 \\* \\* \\* \\*': Error validating expression"),
+    ("  d:\n    source: {path: a.csv}\n    key: [id]\n    schedule: {cron: '0 0 * * mon-fry'}\n",
+     "datasets.d.schedule.cron: '0 0 \\* \\* mon-fry':"),
+    ("  d:\n    source: {path: a.csv}\n    key: [id]\n    schedule: {cron: '0 0 * *'}\n",
+     "datasets.d.schedule.cron: '0 0 \\* \\*' is not a 5-field cron expression"),
     ("  d:\n    source: {path: a.csv}\n    key: [id]\n    schedul: {every: 1h}\n",
      "datasets.d: unknown key\\(s\\): schedul"),
     ("  d:\n    source: {path: a.csv}\n", "datasets.d.key: is required"),

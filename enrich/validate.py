@@ -1,0 +1,84 @@
+"""``enrich validate [--connect]``: what a config would run, checked without running it.
+
+Loading the config checks every key; :func:`check_schema` has Spark parse ``events.schema`` (and checks
+``events.required`` against it) as the job would at start, in a local session; :func:`connect`
+reaches the broker and the topics the job reads, reporting every problem rather than the first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from enrich.config import EnrichConfig
+from refstream import kafka
+from refstream.errors import one_line
+
+#: How long the broker may take to answer a metadata request.
+BROKER_TIMEOUT = 10.0
+
+
+def plan(cfg: EnrichConfig) -> list[str]:
+    """What the job would do: the events it reads, each join in order, where the output goes."""
+    ev = cfg.events
+    out = cfg.output
+    target = {"kafka": f"Kafka topic {out.topic}", "parquet": f"Parquet files in {out.path}",
+              "console": f"the console ({out.rows} rows per batch)"}[out.kind]
+    lines = [f"{cfg.source}: events from {ev.topic} (starting {ev.starting_offsets}, source {ev.source}, "
+             f"parser {ev.parser}), broker {cfg.kafka.get('bootstrap.servers', '?')}",
+             f"  schema: {ev.schema}" + (f"; required: {', '.join(ev.required)}" if ev.required else "")]
+    for j in cfg.joins:
+        on = ", ".join(f"{e} = {k or '<key>'}" for e, k in j.on)
+        cols = ", ".join(j.columns) if j.columns is not None else "every non-key column"
+        lines.append(f"  join {j.dataset} ({j.how}) from {j.topic} on {on}: {cols}"
+                     + (f" as {j.prefix}*" if j.prefix else ""))
+    lines.append(f"  output: {target}; dead letters to {cfg.dead_letter_topic}; checkpoint {cfg.checkpoint}; "
+                 f"trigger {cfg.trigger.total_seconds():g}s, at most {cfg.max_events_per_batch:,} events per batch")
+    return lines
+
+
+def check_schema(cfg: EnrichConfig) -> str:
+    """``events.schema`` parsed by Spark as the job parses it (:class:`ConfigError` naming the key
+    when it is not a field list, or ``events.required`` names a field it lacks); its simple string.
+    Uses the active SparkSession, else starts a local one and stops it."""
+    from pyspark.sql import SparkSession
+
+    from enrich.events import event_schema
+    from enrich.session import build_session
+
+    active = SparkSession.getActiveSession()
+    spark = active or build_session("local[1]", "refstream-enrich-validate")
+    try:
+        return event_schema(cfg.events.schema, cfg.events.required, cfg.source).simpleString()
+    finally:
+        if active is None:
+            spark.stop()
+
+
+def connect(cfg: EnrichConfig, out: Callable[[str], None]) -> list[str]:
+    """Reach the broker and look up the job's topics, writing one line per check to ``out``; the
+    problems found (a broker out of reach, a changelog topic not published yet), [] when none."""
+    servers = cfg.kafka.get("bootstrap.servers", "?")
+    try:
+        # log_level 0: librdkafka's own line per reconnect attempt says nothing the one below does not.
+        client = kafka.admin({**cfg.kafka, "log_level": 0}, cached=False)
+        topics = client.list_topics(timeout=BROKER_TIMEOUT).topics
+    except Exception as exc:  # noqa: BLE001 - KafkaException, or a settings error librdkafka refuses
+        out(f"  broker {servers}: FAILED: cannot reach Kafka: {one_line(exc)}")
+        return [f"broker {servers}: cannot reach Kafka: {one_line(exc)}"]
+    out(f"  broker {servers}: reachable, {len(topics)} topic(s)")
+
+    def found(topic: str) -> str | None:
+        t = topics.get(topic)
+        return f"{len(t.partitions)} partition(s)" if t is not None and t.error is None else None
+
+    problems = []
+    out(f"  events {cfg.events.topic}: {found(cfg.events.topic) or 'missing (the job waits for it)'}")
+    for dataset, topic in cfg.datasets.items():
+        parts = found(topic)
+        if parts is None:
+            problems.append(f"join {dataset}: changelog topic {topic} does not exist: run the refresher "
+                            f"(refresh run {dataset}) before the job")
+        out(f"  join {dataset}: changelog {topic}: {parts or 'MISSING'}")
+    if cfg.output.kind == "kafka" and cfg.output.topic is not None:
+        out(f"  output {cfg.output.topic}: {found(cfg.output.topic) or 'missing (created by the job)'}")
+    return problems
