@@ -61,6 +61,11 @@ def config_file(name: str) -> contextlib.AbstractContextManager[Path]:
     return resources.as_file(resources.files("demo") / "conf" / name)
 
 
+def shown_path(path: Path) -> str:
+    """``path`` as the user would type it: relative to the current directory when it lies inside."""
+    return os.path.relpath(path) if path.is_relative_to(Path.cwd()) else str(path)
+
+
 def demo_environment(workdir: Path, bootstrap: str, db_url: str) -> dict[str, str]:
     """The variables the demo's configs read (``${DEMO_...}``) and its children need."""
     path = os.pathsep.join(p for p in (str(PACKAGES), os.environ.get("PYTHONPATH", "")) if p)
@@ -114,7 +119,8 @@ class Demo:
     def _run(self) -> int:
         with contextlib.ExitStack() as stack:
             self._prepare_workdir()
-            say(f"refstream demo: work directory {self.workdir}, logs in {self.logs}/ (Ctrl-C stops)")
+            say(f"refstream demo: work directory {shown_path(self.workdir)}, logs in {shown_path(self.logs)}/ "
+                f"(Ctrl-C stops)")
             broker = EmbeddedBroker(log_path=self.logs / "broker.log")
             broker.start()
             stack.callback(self._stopped, "broker", broker.stop)
@@ -172,7 +178,8 @@ class Demo:
         db_url = os.environ.get("REF_DB_URL") or f"sqlite:///{self.workdir / 'refdata.db'}"
         seed_database(db_url, self.args.devices)
         write_sites(self.workdir / "data" / "sites.csv")
-        shown = db_url.split("@")[-1] if "@" in db_url else db_url
+        shown = db_url.split("@")[-1] if "@" in db_url else db_url.replace(str(self.workdir),
+                                                                            shown_path(self.workdir))
         say(f"[{stamp()}] seeded {shown}: {self.args.devices:,} devices, {len(MODELS)} models; "
             f"{len(SITES)} sites in data/sites.csv")
         return db_url
