@@ -17,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from refstream import version
 from refstream.errors import TransientError
 from refstream.kafka import admin
 from refstream.logs import setup_logging
@@ -98,6 +99,7 @@ class EmbeddedBroker:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m demo.broker", description=__doc__)
     parser.add_argument("--port", type=int, default=9092)
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     args = parser.parse_args(argv)
     setup_logging()
     broker = EmbeddedBroker(args.port).start()

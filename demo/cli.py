@@ -34,7 +34,7 @@ from demo.seed import MODELS, SITES, seed_database, write_sites
 from demo.tail import EnrichedTail
 from enrich import config as enrich_config
 from refresh.config import RefreshConfig, load_config
-from refstream import kafka
+from refstream import kafka, version
 from refstream.contract import OP_UPSERT, decode, default_topic
 from refstream.errors import RefstreamError
 from refstream.kafka import read_to_end
@@ -95,6 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds the pipeline may take to deliver its first enriched event")
     p.add_argument("--master", default="local[2]", help="Spark master of the enrichment job")
     p.add_argument("--debug", action="store_true", help="tracebacks and debug logs")
+    p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     return p
 
 

@@ -33,7 +33,7 @@ from datetime import UTC, datetime
 
 from confluent_kafka import KafkaException
 
-from refstream import kafka
+from refstream import kafka, version
 from refstream.errors import RefstreamError, TransientError
 from refstream.kafka import ensure_topic
 from refstream.logs import setup_logging
@@ -254,6 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m demo.simulate",
                                 description="Produce simulated device events to Kafka.")
     p.add_argument("--bootstrap", default="127.0.0.1:9092", help="Kafka bootstrap servers")
+    p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
     p.add_argument("--topic", default="device-events")
     p.add_argument("--rate", type=float, default=None,
                    help="events per second (default 500; 0 = as fast as the broker takes, the default "

@@ -72,9 +72,9 @@ def test_the_wheel_installs_the_refresher_and_runs_the_commands_and_the_demo_con
     for script in ("refresh", "enrich", "refstream-demo"):
         helped = run([str(bin_ / script), "--help"], tmp_path)
         assert helped.returncode == 0 and helped.stdout.startswith("usage: "), (script, helped.stderr)
-    for script in ("refresh", "enrich"):
+    for script, prog in (("refresh", "refresh"), ("enrich", "enrich"), ("refstream-demo", "python -m demo")):
         shown = run([str(bin_ / script), "--version"], tmp_path)
-        assert shown.stdout.strip() == f"{script} {version}", shown.stderr
+        assert shown.stdout.strip() == f"{prog} {version}", shown.stderr
     # Without the extra the job says what to install, in one line.
     job = run([str(bin_ / "enrich"), "run", "--config", "enrich.yaml"], tmp_path)
     assert (job.returncode, job.stderr.strip()) == (2, "enrich: error: pyspark is not installed: install refstream "
