@@ -72,7 +72,7 @@ def test_env_substitution_and_shipped_config(tmp_path: Path, monkeypatch: pytest
     monkeypatch.setenv("KAFKA_BOOTSTRAP", "broker:1234")
     cfg = config.load(Path(__file__).parents[2] / "conf" / "enrich.yaml")
     assert cfg.kafka["bootstrap.servers"] == "broker:1234"
-    assert [j.dataset for j in cfg.joins] == ["devices", "sites"]
+    assert [j.dataset for j in cfg.joins] == ["devices", "models", "sites"]  # what conf/refresh.yaml publishes
 
 
 def test_unset_environment_variable_names_file_and_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
