@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from refresh.cli import main
+from refstream.kafka import end_offsets
 from tests.refresh.conftest import changes, execute, read_topic
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -273,10 +274,11 @@ def test_dry_run_reports_the_counts_and_publishes_and_commits_nothing(cli_config
         in capsys.readouterr().out
 
     execute(mysql_engine, f"UPDATE {t} SET v = 'b' WHERE id = 1", f"INSERT INTO {t} VALUES (2, 'c'), (3, 'd')")
-    records, state = read_topic(kafka, topic), _files(cfg.state_dir)
+    records, state, ends = read_topic(kafka, topic), _files(cfg.state_dir), end_offsets(kafka, topic)
     assert main(["--config", str(cfg.path), "run", "good", "--dry-run"]) == 0
     assert capsys.readouterr().out.strip() == ("good: dry run (diff): 3 rows read; would publish 2 inserts, "
                                                "1 updates, 0 deletes, 3 messages; nothing published")
+    assert end_offsets(kafka, topic) == ends         # nothing produced, not even an aborted transaction
     assert read_topic(kafka, topic) == records       # the topic as it was
     assert _files(cfg.state_dir) == state            # committed state, snapshot and status as they were
     # The real run publishes what the dry run announced.
@@ -311,9 +313,32 @@ def test_json_log_format(cli_config):
                and r["message"].startswith("dataset good: dry run (diff): read 1 rows") for r in records)
     assert all(set(r) >= {"time", "level", "logger", "message"} for r in records)
     # With --debug a failure logs its traceback inside the record; the one-line error stays plain text.
-    rc, _, err = run_cli("--config", str(cfg.path.parent / "missing.yaml"), "status", "--log-format", "json", "--debug")
+    rc, _, err = run_cli("--config", str(cfg.path.parent / "missing.yaml"), "status", "--log-format", "json",
+                         "--debug")
     assert rc == 2
     *logged, last = err.splitlines()
     assert last == f"refresh: config file {cfg.path.parent / 'missing.yaml'} not found"
     (record,) = [json.loads(line) for line in logged]
     assert record["message"] == "refresh status failed" and "Traceback" in record["exc"]
+
+
+def test_dry_run_of_an_incremental_dataset_keeps_its_watermark(make_config, tmp_path, unique, kafka, capsys):
+    import sqlalchemy as sa
+
+    url = f"sqlite:///{tmp_path / 'dry.db'}"
+    engine = sa.create_engine(url)
+    execute(engine, "CREATE TABLE m (id INTEGER PRIMARY KEY, v TEXT, seq INTEGER)", "INSERT INTO m VALUES (1, 'a', 5)")
+    topic = unique("ref.m")
+    cfg = make_config({"m": {"source": {"url": url, "table": "m"}, "key": ["id"], "topic": topic,
+                             "mode": "incremental", "incremental": {"column": "seq", "lag": 0}}})
+    assert main(["--config", str(cfg.path), "run"]) == 0
+    execute(engine, "INSERT INTO m VALUES (2, 'b', 7)", "UPDATE m SET v = 'c', seq = 8 WHERE id = 1")
+    state, ends = _files(cfg.state_dir), end_offsets(kafka, topic)
+    capsys.readouterr()
+    assert main(["--config", str(cfg.path), "run", "--dry-run"]) == 0
+    assert capsys.readouterr().out.strip() == ("m: dry run (incremental): 2 rows read; would publish 1 inserts, "
+                                               "1 updates, 0 deletes, 2 messages; nothing published")
+    assert _files(cfg.state_dir) == state and end_offsets(kafka, topic) == ends
+    assert main(["--config", str(cfg.path), "run"]) == 0
+    assert "m: version 2 (incremental): 2 rows read, 1 inserts, 1 updates" in capsys.readouterr().out
+    engine.dispose()
