@@ -18,6 +18,7 @@ import logging
 import os
 import shutil
 import signal
+import site
 import statistics
 import sys
 import threading
@@ -67,11 +68,15 @@ def shown_path(path: Path) -> str:
 
 
 def demo_environment(workdir: Path, bootstrap: str, db_url: str) -> dict[str, str]:
-    """The variables the demo's configs read (``${DEMO_...}``) and its children need."""
-    path = os.pathsep.join(p for p in (str(PACKAGES), os.environ.get("PYTHONPATH", "")) if p)
-    return {"DEMO_BOOTSTRAP": bootstrap, "DEMO_DB_URL": db_url, "DEMO_DIR": str(workdir),
-            "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable,
-            "PYTHONUNBUFFERED": "1", "PYTHONPATH": path}
+    """The variables the demo's configs read (``${DEMO_...}``) and its children need. The children
+    start in the work directory: a source tree the demo runs from without being installed goes on
+    their PYTHONPATH (an installed package is found through the interpreter's site-packages)."""
+    env = {"DEMO_BOOTSTRAP": bootstrap, "DEMO_DB_URL": db_url, "DEMO_DIR": str(workdir),
+           "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable, "PYTHONUNBUFFERED": "1"}
+    installed = {Path(p).resolve() for p in site.getsitepackages()}
+    if PACKAGES not in installed:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(PACKAGES), os.environ.get("PYTHONPATH", "")) if p)
+    return env
 
 
 def load_configs(refresh_yaml: Path, enrich_yaml: Path) -> tuple[RefreshConfig, enrich_config.EnrichConfig]:

