@@ -1,5 +1,6 @@
 """``enrich run --config conf/enrich.yaml [--master local[*]] [--available-now] [--debug]``,
-``enrich validate --config conf/enrich.yaml [--connect]``; ``--version``, ``--log-format text|json``.
+``enrich validate --config conf/enrich.yaml [--connect]``, ``enrich status --config F [--json] [--check
+--max-age 10m]``, ``enrich lookup --config F DATASET KEY [--batch N]``; ``--version``, ``--log-format text|json``.
 
 Also runs under ``spark-submit`` (``spark-submit -m enrich`` is not a thing; submit ``enrich/__main__.py``
 or a one-line script calling :func:`main`): without ``--master`` the master set by spark-submit is kept.
@@ -13,6 +14,7 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from datetime import timedelta
 from types import FrameType
 
 from refstream import version
@@ -41,7 +43,31 @@ def parser() -> argparse.ArgumentParser:
                        help="load and check the config (Spark parses events.schema in a local session), "
                             "print what would run; exit 0 when valid, else 1")
     v.add_argument("--connect", action="store_true", help="also reach the broker and look up the job's topics")
+
+    st = sub.add_parser("status", parents=[common],
+                        help="what the last committed micro-batch used, input lag, dead letters "
+                             "(reads the checkpoint and the topics; the job may run or not)")
+    st.add_argument("--json", action="store_true", help="print JSON")
+    st.add_argument("--check", action="store_true",
+                    help="exit 1 when no batch was committed, or (with --max-age) a dimension is older than "
+                         "that, or events wait while the last batch is older than that")
+    st.add_argument("--max-age", type=_duration, default=None, metavar="DURATION",
+                    help="e.g. 10m: the oldest dimension version and batch --check accepts")
+
+    lk = sub.add_parser("lookup", parents=[common], help="the dimension row a committed micro-batch used for a key")
+    lk.add_argument("dataset", help="a dataset the job joins")
+    lk.add_argument("key", help="the key: its value, col=value,... or a JSON object")
+    lk.add_argument("--batch", type=int, default=None, help="a committed batch id (default: the last one)")
     return p
+
+
+def _duration(text: str) -> timedelta:
+    from refstream.config import parse_duration
+
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -50,6 +76,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "validate":
             return validate(args)
+        if args.command == "status":
+            return status(args)
+        if args.command == "lookup":
+            return lookup(args)
         return run(args)
     except ModuleNotFoundError as exc:
         if exc.name not in ("pyspark", "pandas", "py4j"):
@@ -120,3 +150,34 @@ def run(args: argparse.Namespace) -> int:
     finally:
         spark.stop()
     return 0
+
+
+def status(args: argparse.Namespace) -> int:
+    import json
+
+    from enrich import config
+    from enrich.ops.status import render
+    from enrich.ops.status import status as job_status
+
+    st = job_status(config.load(args.config), max_age=args.max_age)
+    print(json.dumps(st.to_json(), indent=2) if args.json else render(st))
+    if args.check and st.problems:
+        for problem in st.problems:
+            print(f"enrich: check failed: {problem}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def lookup(args: argparse.Namespace) -> int:
+    """Prints the row as JSON; exit 0 when the batch saw the key, 1 when it was absent or deleted."""
+    import json
+
+    from enrich import config
+    from enrich.ops.lookup import lookup as find
+
+    res = find(config.load(args.config), args.dataset, args.key, args.batch)
+    print(json.dumps(res.to_json(), indent=2, default=str))
+    if not res.complete:
+        print(f"enrich: warning: {res.topic} no longer holds every record below the positions of batch "
+              f"{res.batch_id} (compaction or a recreated topic): the row is what it still holds", file=sys.stderr)
+    return 0 if res.found == "present" else 1

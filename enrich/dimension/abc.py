@@ -25,6 +25,7 @@ class Record:
     key: bytes | None
     value: bytes | None
     headers: list[tuple[str, str | bytes | None]] | dict[str, str | bytes | None]  # as the client gives them
+    timestamp_ms: int | None = None  # the record's Kafka timestamp (publish time), when the broker gives one
 
 
 class ChangeFeed(Protocol):
@@ -46,8 +47,10 @@ class VersionLog(Protocol):
     def get(self, batch_id: int) -> dict[str, Positions] | None:
         """Positions recorded for ``batch_id`` (dataset -> positions), or None."""
 
-    def put(self, batch_id: int, positions: Mapping[str, Positions]) -> None:
-        """Record durably (write, fsync, rename) before the batch runs."""
+    def put(self, batch_id: int, positions: Mapping[str, Positions],
+            info: Mapping[str, Mapping[str, object]] | None = None) -> None:
+        """Record durably (write, fsync, rename) before the batch runs; ``info`` (dataset -> facts
+        such as rows, version, publish time of the newest change) is kept for ``enrich status``."""
 
     def latest(self) -> tuple[int, dict[str, Positions]] | None:
         """The highest batch id recorded and its positions."""

@@ -21,7 +21,14 @@ from collections import deque
 from collections.abc import Mapping
 from typing import Any
 
-from confluent_kafka import OFFSET_BEGINNING, KafkaError, KafkaException, TopicPartition
+from confluent_kafka import (
+    OFFSET_BEGINNING,
+    TIMESTAMP_NOT_AVAILABLE,
+    KafkaError,
+    KafkaException,
+    Message,
+    TopicPartition,
+)
 
 from enrich.dimension.abc import Positions, Record
 from refstream import kafka as rkafka
@@ -175,6 +182,12 @@ class ChangelogFollower:
                     continue
                 raise TransientError(f"changelog {self.topic}: {err}")
             part = rkafka.partition_of(m)
-            self._buf[part].append(Record(part, rkafka.offset_of(m), m.key(), m.value(), m.headers() or []))
+            self._buf[part].append(Record(part, rkafka.offset_of(m), m.key(), m.value(), m.headers() or [],
+                                         _timestamp_ms(m)))
             n += 1
         return n
+
+
+def _timestamp_ms(m: Message) -> int | None:
+    kind, ts = m.timestamp()
+    return ts if kind != TIMESTAMP_NOT_AVAILABLE and ts >= 0 else None

@@ -119,7 +119,9 @@ class Dimensions:
                 dim.state.apply(dim.feed.read_to_end(self._timeout))
             positions[ds] = dim.feed.positions()
         if recorded is None:
-            self._versions.put(batch_id, positions)
+            info = {ds: {"rows": dim.state.live_rows(), "version": dim.state.version,
+                         "changed_ms": dim.state.changed_ms} for ds, dim in self._dims.items()}
+            self._versions.put(batch_id, positions, info)
         out = {ds: self._ship(dim) for ds, dim in self._dims.items()}
         self.last_pin_seconds = time.monotonic() - t0
         return out

@@ -49,9 +49,31 @@ class DimensionState:
         self.overlay_gen = 0
         self._base_key: tuple[str, ...] | None = None  # the key the base was built under
         self.compact_min, self.compact_fraction = compact_min, compact_fraction
+        #: The highest ``version`` header among the applied changes, and the publish time (Kafka
+        #: timestamp, ms) of the newest applied record: what ``enrich status`` reports per batch.
+        self.version = 0
+        self.changed_ms: int | None = None
+        self._rows: tuple[tuple[int, int], int] | None = None  # (generations, live rows) cache
 
     def __len__(self) -> int:
         return (self.base.num_rows if self.base is not None else 0) + len(self.overlay)
+
+    def live_rows(self) -> int:
+        """Rows of the dimension now: the base less the keys the overlay deletes, plus the overlay's
+        new keys (computed once per generation)."""
+        gens = (self.base_gen, self.overlay_gen)
+        if self._rows is not None and self._rows[0] == gens:
+            return self._rows[1]
+        base = self.base.num_rows if self.base is not None else 0
+        rows = base
+        if self.overlay:
+            # Each overlay key replaces (or deletes) its base row, if any; each upsert is a row.
+            if self.base is not None and base:
+                keys = pa.array(list(self.overlay), pa.binary())
+                rows -= int(pc.sum(pc.is_in(keys, value_set=self.base.column(KEY))).as_py() or 0)
+            rows += sum(1 for v in self.overlay.values() if v is not None)
+        self._rows = (gens, rows)
+        return rows
 
     # --------------------------------------------------------------------------------- applying
 
@@ -65,6 +87,9 @@ class DimensionState:
                 log.error("dataset %s: skipping changelog record at partition %d offset %d: %s",
                           self.dataset, rec.partition, rec.offset, exc)
                 continue
+            if rec.timestamp_ms is not None:
+                self.changed_ms = max(self.changed_ms or 0, rec.timestamp_ms)
+            self.version = max(self.version, ch.version)
             if ch.op == contract.OP_SCHEMA:
                 assert ch.schema is not None
                 if not ch.schema.same_columns(self.schema):

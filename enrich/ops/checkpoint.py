@@ -1,0 +1,93 @@
+"""Reading a job's checkpoint (never writing it): the micro-batches Spark committed, the event
+offsets each one processed, and the changelog positions and dimension facts the job recorded for it.
+
+Layout (``checkpoint:`` in enrich.yaml): ``spark/`` is Spark's own (``offsets/<n>``: ``v1``, the
+batch metadata JSON, then one line per source with its end offsets; ``commits/<n>`` exists once batch
+``n`` has been written), ``dimensions/<n>.json`` the job's record of the changelog positions batch
+``n`` used (:class:`enrich.dimension.versions.FileVersionLog`).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from enrich.dimension.abc import Positions
+from enrich.dimension.versions import FileVersionLog
+from enrich.kafka.offsets import TP, from_json_offsets
+from refstream.errors import DataError
+
+_BATCH = re.compile(r"^\d+$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class BatchInfo:
+    """What the checkpoint says about one committed micro-batch."""
+
+    batch_id: int
+    committed_at: float                      # when Spark wrote its commit file (epoch seconds)
+    timestamp_ms: int | None                 # the batch's trigger time, as Spark recorded it
+    events_end: dict[TP, int]                # event offsets processed up to (excluding)
+    positions: dict[str, Positions]          # dataset -> changelog positions the batch used
+    dimensions: dict[str, dict[str, object]]  # dataset -> rows, version, changed_ms (when recorded)
+
+
+class Checkpoint:
+    """A read-only view of one job checkpoint directory."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.spark = self.path / "spark"
+        if not (self.spark / "offsets").is_dir():
+            raise DataError(f"{self.path}: not a job checkpoint (no spark/offsets); has the job run with "
+                            "this checkpoint: yet?")
+        self._versions = FileVersionLog(self.path / "dimensions", create=False)
+
+    def committed(self) -> list[int]:
+        """Ids of the committed micro-batches Spark still keeps, ascending."""
+        commits = self.spark / "commits"
+        if not commits.is_dir():
+            return []
+        return sorted(int(p.name) for p in commits.iterdir() if _BATCH.match(p.name))
+
+    def last_committed(self) -> int | None:
+        ids = self.committed()
+        return ids[-1] if ids else None
+
+    def batch(self, batch_id: int | None = None) -> BatchInfo:
+        """The facts of ``batch_id`` (default: the last committed batch)."""
+        ids = self.committed()
+        if batch_id is None:
+            if not ids:
+                raise DataError(f"{self.path}: no micro-batch has been committed yet")
+            batch_id = ids[-1]
+        elif batch_id not in ids:
+            have = f"batches {ids[0]}..{ids[-1]} are kept" if ids else "no batch is committed yet"
+            raise DataError(f"{self.path}: batch {batch_id} is not a committed batch in this checkpoint ({have})")
+        meta, sources = self._offsets(batch_id)
+        events_end: dict[TP, int] = {}
+        for src in sources:
+            events_end.update(from_json_offsets(src))
+        commit = self.spark / "commits" / str(batch_id)
+        positions = self._versions.get(batch_id)
+        if positions is None:
+            kept = self._versions.ids()
+            raise DataError(f"{self.path}: no dimension positions recorded for batch {batch_id} (the job keeps "
+                            f"the last {len(kept)}: {kept[0] if kept else '-'}..{kept[-1] if kept else '-'})")
+        ts = meta.get("batchTimestampMs")
+        return BatchInfo(batch_id=batch_id, committed_at=commit.stat().st_mtime,
+                         timestamp_ms=int(ts) if ts is not None else None, events_end=events_end,
+                         positions=positions, dimensions=self._versions.info(batch_id))
+
+    def _offsets(self, batch_id: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+        path = self.spark / "offsets" / str(batch_id)
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+            meta = json.loads(lines[1]) if len(lines) > 1 else {}
+            sources = [json.loads(line) for line in lines[2:] if line.strip() and line.strip() != "-"]
+        except (OSError, ValueError, IndexError) as exc:
+            raise DataError(f"{path}: unreadable offset log entry ({exc})") from None
+        return meta, [s for s in sources if isinstance(s, dict)]
