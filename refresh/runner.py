@@ -14,6 +14,7 @@ republishes them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import sys
@@ -130,9 +131,10 @@ class Refresher:
         return call_with_retry(fn, what=what, policy=self.config.retry, stop=stop)
 
     def _read(self, ds: DatasetConfig, what: str, read: Callable[[Callable[[int], None] | None], pa.Table],
-              prior: DatasetSchema | None, stop: threading.Event | None) -> pa.Table:
+              prior: DatasetSchema | None, stop: threading.Event | None, source: Source) -> pa.Table:
         def attempt() -> pa.Table:
             with ExitStack() as stack:
+                stack.enter_context(_interrupted_by(stop, source))
                 bar = None
                 if self.progress:
                     from tqdm import tqdm
@@ -147,7 +149,14 @@ class Refresher:
                     if bar is not None:
                         bar.update(n - bar.n)
 
-                table = read(cb)
+                try:
+                    table = read(cb)
+                except Exception as exc:
+                    if stop is not None and stop.is_set() and not isinstance(exc, Stopped):
+                        # The read failed because the stop request interrupted it (or did anyway).
+                        raise Stopped(f"dataset {ds.name}: stopped while reading ({one_line(exc)}); "
+                                      f"nothing published") from exc
+                    raise
             if stop is not None and stop.is_set():
                 raise Stopped(f"dataset {ds.name}: stopped after reading; nothing published")
             return normalize(_fill_null_types(table, prior), ds.name)
@@ -232,10 +241,10 @@ class Refresher:
         col = ds.incremental.column
         snapshot = published.read() if isinstance(published, SnapshotRows) else published
         old_wm = inc.from_json(state.watermark, state.watermark_type)
-        low = inc.window_start(old_wm, ds.incremental.lag)
+        low = inc.window_start(old_wm, ds.incremental.lag, ds.incremental.numeric_lag)
         db_now = self._retry(source.now, f"dataset {ds.name}: database clock", stop)
         rows = self._read(ds, f"rows with {col} >= {low}", lambda cb: source.read_since(col, low, cb),
-                          state.schema, stop)
+                          state.schema, stop, source)
         timer.mark("read")
         if rows.num_rows:
             check_keys(ds.name, rows, ds.key)
@@ -265,7 +274,7 @@ class Refresher:
         cursor = ds.incremental
         db_now = self._retry(source.now, f"dataset {ds.name}: database clock", stop) \
             if cursor is not None and isinstance(source, IncrementalSource) else None
-        rows = self._read(ds, "snapshot", source.read, state.schema, stop)
+        rows = self._read(ds, "snapshot", source.read, state.schema, stop, source)
         timer.mark("read")
         if rows.num_rows == 0 and not allow_empty:
             raise EmptySnapshot(
@@ -288,6 +297,12 @@ class Refresher:
                                                 col, db_now))
             wm_type = inc.column_type(rows, col)
             last_reconcile = _utcnow().isoformat()
+            nulls = inc.null_cursors(rows, col)
+            if nulls:
+                every = cursor.reconcile_every
+                log.warning("dataset %s: %d row(s) with %s NULL: incremental runs cannot see them, only "
+                            "reconciles (%s) do", ds.name, nulls, col,
+                            f"every {every}" if every is not None else "reconcile is off: only on demand")
         timer.mark("diff")
         return _Step(kind=kind, rows_read=rows.num_rows, schema=schema, changes=changes, snapshot=rows,
                      total=rows.num_rows, watermark=watermark, watermark_type=wm_type, last_reconcile=last_reconcile)
@@ -431,6 +446,30 @@ def describe_schema_change(old: DatasetSchema, new: DatasetSchema) -> str:
     if not parts and old.names != new.names:
         parts.append("columns reordered")
     return ", ".join(parts) or "no visible change"
+
+
+@contextlib.contextmanager
+def _interrupted_by(stop: threading.Event | None, source: Source) -> Iterator[None]:
+    """While the body reads ``source``, a stop request interrupts the read: a query blocked on the
+    server (a locked table) never looks at ``stop`` by itself."""
+    if stop is None:
+        yield
+        return
+    done = threading.Event()
+
+    def watch() -> None:
+        while not done.is_set():
+            if stop.wait(0.2):
+                if not done.is_set():
+                    log.info("dataset %s: stop requested; interrupting the read", source.dataset)
+                    source.interrupt()
+                return
+
+    threading.Thread(target=watch, name=f"interrupt-{source.dataset}", daemon=True).start()
+    try:
+        yield
+    finally:
+        done.set()
 
 
 def _fill_null_types(table: pa.Table, prior: DatasetSchema | None) -> pa.Table:
