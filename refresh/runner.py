@@ -455,21 +455,26 @@ def _interrupted_by(stop: threading.Event | None, source: Source) -> Iterator[No
     if stop is None:
         yield
         return
-    done = threading.Event()
+    done, interrupting = threading.Event(), threading.Event()
 
     def watch() -> None:
         while not done.is_set():
             if stop.wait(0.2):
                 if not done.is_set():
+                    interrupting.set()
                     log.info("dataset %s: stop requested; interrupting the read", source.dataset)
                     source.interrupt()
                 return
 
-    threading.Thread(target=watch, name=f"interrupt-{source.dataset}", daemon=True).start()
+    watcher = threading.Thread(target=watch, name=f"interrupt-{source.dataset}", daemon=True)
+    watcher.start()
     try:
         yield
     finally:
         done.set()
+        if interrupting.is_set():
+            # Let the server-side cancel finish before the process may exit (bounded: a stop is due).
+            watcher.join(5)
 
 
 def _fill_null_types(table: pa.Table, prior: DatasetSchema | None) -> pa.Table:
