@@ -458,13 +458,13 @@ def _interrupted_by(stop: threading.Event | None, source: Source) -> Iterator[No
     done, interrupting = threading.Event(), threading.Event()
 
     def watch() -> None:
-        while not done.is_set():
-            if stop.wait(0.2):
-                if not done.is_set():
+        # Again and again until the read ends: a stop may land before the read has its connection.
+        while not done.wait(0.2):
+            if stop.is_set():
+                if not interrupting.is_set():
                     interrupting.set()
                     log.info("dataset %s: stop requested; interrupting the read", source.dataset)
-                    source.interrupt()
-                return
+                source.interrupt()
 
     watcher = threading.Thread(target=watch, name=f"interrupt-{source.dataset}", daemon=True)
     watcher.start()

@@ -315,8 +315,6 @@ def _connect_args(url: sa.URL, cfg: SqlSourceConfig) -> dict[str, Any]:
         given = url.query.get("options")
         args["options"] = " ".join(([given] if isinstance(given, str) else list(given or ())) + options)
         have.discard("options")
-    elif url.get_backend_name() == "sqlite" and statement is not None:
-        args["timeout"] = statement.total_seconds()  # how long to wait for a locked database
     return {k: v for k, v in args.items() if k not in have}
 
 

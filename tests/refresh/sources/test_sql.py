@@ -184,3 +184,15 @@ def test_postgresql_statement_timeout_names_the_dataset() -> None:
     with pytest.raises(TerminalError, match="dataset slow: query on .* timed out after statement_timeout 1s"):
         src.read()
     assert time.monotonic() - t0 < 8
+
+
+def test_mariadb_statement_timeout_bounds_the_whole_streamed_read(mysql_url: str) -> None:
+    # The documented caveat: the limit covers streaming the rows too, so it must exceed the longest full read.
+    src = SqlSource("long", SqlSourceConfig(url=mysql_url, query="SELECT seq AS id FROM seq_1_to_3000000",
+                                            chunk_rows=10_000, statement_timeout=dt.timedelta(seconds=1)))
+    t0, rows = time.monotonic(), 0
+    with pytest.raises(TerminalError, match="dataset long: read on .* timed out after statement_timeout 1s"):
+        for batch in src.batches():
+            rows += batch.num_rows
+            time.sleep(0.05)  # a slow consumer
+    assert 0 < rows < 3_000_000 and time.monotonic() - t0 < 10
