@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as dt
 import socket
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -196,3 +197,16 @@ def test_mariadb_statement_timeout_bounds_the_whole_streamed_read(mysql_url: str
             rows += batch.num_rows
             time.sleep(0.05)  # a slow consumer
     assert 0 < rows < 3_000_000 and time.monotonic() - t0 < 10
+
+
+@pytest.mark.integration  # reaches the PostgreSQL at PG_URL without a fixture
+@pytest.mark.timeout(60)
+def test_postgresql_read_is_interrupted_from_another_thread() -> None:
+    src = SqlSource("pgstop", SqlSourceConfig(url=PG_URL, query="SELECT 1 AS id, pg_sleep(30) AS z"))
+    timer = threading.Timer(1.0, src.interrupt)
+    timer.start()
+    t0 = time.monotonic()
+    with pytest.raises(TransientError, match="dataset pgstop: query on .*canceling statement due to user request"):
+        src.read()
+    assert time.monotonic() - t0 < 5
+    timer.join()
