@@ -37,6 +37,7 @@ from refresh.sources import open_source
 from refresh.sources.abc import IncrementalSource, Source
 from refresh.stores.abc import CommittedState, RunKind, RunRecord, RunResult, SnapshotRows, StateStore
 from refresh.stores.files import FileStateStore
+from refstream.config import format_duration
 from refstream.contract import DatasetSchema, delete_messages, schema_message, upsert_messages
 from refstream.errors import TransientError, one_line
 from refstream.kafka import end_offsets
@@ -302,7 +303,7 @@ class Refresher:
                 every = cursor.reconcile_every
                 log.warning("dataset %s: %d row(s) with %s NULL: incremental runs cannot see them, only "
                             "reconciles (%s) do", ds.name, nulls, col,
-                            f"every {every}" if every is not None else "reconcile is off: only on demand")
+                            f"every {format_duration(every)}" if every is not None else "off: only on demand")
         timer.mark("diff")
         return _Step(kind=kind, rows_read=rows.num_rows, schema=schema, changes=changes, snapshot=rows,
                      total=rows.num_rows, watermark=watermark, watermark_type=wm_type, last_reconcile=last_reconcile)

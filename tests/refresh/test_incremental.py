@@ -206,7 +206,7 @@ def test_null_cursor_rows_are_found_by_reconcile_and_counted(make_config, mysql_
     assert set(changes(read_topic(kafka, topic), rec.version)) == {'{"id":2}', '{"id":3}'}
     warned = [r.getMessage() for r in caplog.records if "NULL" in r.getMessage()]
     assert warned == ["dataset n: 2 row(s) with last_update NULL: incremental runs cannot see them, only "
-                      "reconciles (every 1 day, 0:00:00) do"]
+                      "reconciles (every 1d) do"]
 
 
 def test_integer_cursor_rereads_a_window_below_the_watermark(make_config, mysql_engine, mysql_url, unique, kafka):
