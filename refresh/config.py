@@ -45,6 +45,13 @@ class SqlSourceConfig:
     table: str | None = None
     query: str | None = None
     chunk_rows: int = 50_000
+    # None: no limit. ``connect``: establishing a connection; ``read``: the longest silence while
+    # waiting for the server (PyMySQL); ``statement``: the longest a statement may run on the server
+    # (MariaDB max_statement_time, MySQL max_execution_time, PostgreSQL statement_timeout; also
+    # bounds lock waits).
+    connect_timeout: timedelta | None = timedelta(seconds=10)
+    read_timeout: timedelta | None = timedelta(minutes=10)
+    statement_timeout: timedelta | None = timedelta(hours=1)
 
     def describe(self) -> str:
         return f"{redact_url(self.url)} {'table ' + self.table if self.table else 'query'}"
@@ -79,7 +86,12 @@ class IncrementalConfig:
 
     column: str
     lag: timedelta = timedelta(seconds=30)
-    reconcile_every: timedelta | None = None
+    # How far below the watermark an integer or decimal cursor re-reads, in cursor units (ids):
+    # the ``lag`` of cursors that are not times.
+    numeric_lag: int = 1000
+    # A full diff this often (None: never), the one read that sees hard deletes and rows whose
+    # cursor is NULL.
+    reconcile_every: timedelta | None = timedelta(days=1)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -172,14 +184,14 @@ def _dataset(name: str, sec: Section) -> DatasetConfig:
         raise sec.error(f"repeats a column: {list(key)}", "key")
     mode: Mode = sec.choice("mode", Mode, "diff")
     schedule = _schedule(sec.section("schedule", {}))
-    column, lag, reconcile_every = _incremental(sec.section("incremental", {}))
+    cursor = _incremental(sec.section("incremental", {}))
     incremental = None
     if mode == "incremental":
         if not isinstance(source, SqlSourceConfig):
             raise sec.error("incremental mode needs a SQL source (files are always diffed)", "mode")
-        if column is None:
+        if cursor is None:
             raise sec.error("is required in incremental mode", "incremental.column")
-        incremental = IncrementalConfig(column=column, lag=lag, reconcile_every=reconcile_every)
+        incremental = cursor
     elif sec.has("incremental"):
         raise sec.error("only valid with mode: incremental", "incremental")
     watch = sec.get("watch", bool, False)
@@ -209,8 +221,11 @@ def _source(sec: Section) -> SourceConfig:
         table, query = sec.get("table", str, None), sec.get("query", str, None)
         if (table is None) == (query is None):
             raise sec.error("give exactly one of table or query")
+        d = SqlSourceConfig(url=url)
+        timeouts = {f"{name}_timeout": _optional_duration(sec, f"{name}_timeout", getattr(d, f"{name}_timeout"))
+                    for name in ("connect", "read", "statement")}
         sec.done()
-        return SqlSourceConfig(url=url, table=table, query=query, chunk_rows=chunk)
+        return SqlSourceConfig(url=url, table=table, query=query, chunk_rows=chunk, **timeouts)
     if sec.has("path"):
         path = sec.get("path", str)
         fmt: FileFormat | None = sec.choice("format", FileFormat, None)
@@ -261,17 +276,39 @@ def _schedule(sec: Section) -> Schedule:
     return Schedule(every=every, cron=cron)
 
 
-def _incremental(sec: Section) -> tuple[str | None, timedelta, timedelta | None]:
-    """``column`` (None when absent), ``lag`` and ``reconcile.every`` of an ``incremental:`` section."""
+def _optional_duration(sec: Section, name: str, default: timedelta | None) -> timedelta | None:
+    """A duration that ``off`` (or ``0``) turns off: None."""
+    value = sec.raw(name, default)
+    if value is False or (isinstance(value, str) and value.strip().lower() in _OFF):
+        return None
+    out = sec.duration(name, default)
+    return None if out is not None and out.total_seconds() == 0 else out
+
+
+_OFF = ("off", "none", "never")
+
+
+def _incremental(sec: Section) -> IncrementalConfig | None:
+    """The ``incremental:`` section (None without ``column``). ``reconcile.every`` (or
+    ``reconcile_every``) defaults to daily; ``reconcile: off`` turns it off."""
     column = sec.get("column", str, None)
-    lag = sec.duration("lag", timedelta(seconds=30))
-    reconcile_every = None
-    if sec.has("reconcile"):
-        rec = sec.section("reconcile")
-        reconcile_every = rec.duration("every", None)
-        rec.done()
+    d = IncrementalConfig(column="")
+    lag = sec.duration("lag", d.lag)
+    numeric_lag = sec.get("numeric_lag", int, d.numeric_lag)
+    if numeric_lag < 0:
+        raise sec.error("must not be negative", "numeric_lag")
+    reconcile_every = d.reconcile_every
+    rec = sec.raw("reconcile", None)
+    if rec is False or (isinstance(rec, str) and rec.strip().lower() in _OFF):
+        reconcile_every = None
+    elif rec is not None:
+        rsec = sec.section("reconcile")
+        reconcile_every = _optional_duration(rsec, "every", d.reconcile_every)
+        rsec.done()
     elif sec.has("reconcile_every"):
-        reconcile_every = sec.duration("reconcile_every")
+        reconcile_every = _optional_duration(sec, "reconcile_every", d.reconcile_every)
     sec.raw("reconcile_every", None)
     sec.done()
-    return column, lag, reconcile_every
+    if column is None:
+        return None
+    return IncrementalConfig(column=column, lag=lag, numeric_lag=numeric_lag, reconcile_every=reconcile_every)

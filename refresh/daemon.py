@@ -6,8 +6,9 @@ Scheduling (APScheduler 3, one :class:`BackgroundScheduler`):
   ``max_instances=1`` and ``coalesce=True`` (runs missed while the process was busy or suspended
   collapse into one), misfire grace of one period (a late run is still worth doing, an older one is
   superseded by the next);
-- ``reconcile:<dataset>``: incremental datasets with ``incremental.reconcile.every`` also get a
-  periodic ``run(reconcile=True)`` (the full diff that finds hard deletes);
+- ``reconcile:<dataset>``: incremental datasets also get a periodic ``run(reconcile=True)`` every
+  ``incremental.reconcile.every`` (daily unless turned off: the full diff that finds hard deletes and
+  rows whose cursor is NULL);
 - ``start:<dataset>``, ``watch:<dataset>``, ``retry:<dataset>``: one-off runs at start-up, after a
   settled file change, and after a transient failure (exponential backoff, :class:`RetryPolicy`).
 

@@ -2,16 +2,22 @@
 
 A run reads rows with ``column >= watermark - lag`` (``watermark`` = the highest cursor value already
 published). ``>=`` keeps rows sharing the boundary value; the lag re-reads rows committed late by long
-transactions whose cursor value was assigned before the previous run. Rows read again unchanged are
+transactions whose cursor value was assigned before the previous run: ``lag`` (a duration) for time
+cursors, ``numeric_lag`` (cursor units: ids) for integer and decimal ones, such as an auto-increment
+id taken by a transaction that commits after a later id was read. Rows read again unchanged are
 dropped by comparison with the published snapshot, so the window may overlap freely.
 
 The new watermark is the highest cursor value read, but never beyond the database's own "now" (a row
-stamped in the future by a skewed client clock must not push the window past rows still to come).
+stamped in the future by a skewed client clock must not push the window past rows still to come);
+the clock is read in UTC, and caps ``timestamp_tz`` cursors as well as naive ones.
+
+Rows whose cursor is NULL never match the window: only a reconcile (a full read) sees them, and it
+counts them in a warning.
 """
 
 from __future__ import annotations
 
-from datetime import date, datetime, timedelta
+from datetime import UTC, date, datetime, timedelta
 from decimal import Decimal
 from typing import Any
 
@@ -45,15 +51,23 @@ def from_json(value: Any, ctype: str | None) -> Any:
     return value
 
 
-def window_start(watermark: Any, lag: timedelta) -> Any:
-    """Lowest cursor value to read: ``watermark - lag`` for times, the watermark itself otherwise."""
+def window_start(watermark: Any, lag: timedelta, numeric_lag: int = 0) -> Any:
+    """Lowest cursor value to read: ``watermark - lag`` for times, ``watermark - numeric_lag`` for
+    numbers, the watermark itself otherwise (text)."""
     if watermark is None:
         return None
     if isinstance(watermark, datetime):
         return watermark - lag
     if isinstance(watermark, date):
         return watermark - timedelta(days=max(lag.days, 0))
+    if isinstance(watermark, int | float | Decimal) and not isinstance(watermark, bool):
+        return watermark - numeric_lag
     return watermark
+
+
+def null_cursors(rows: pa.Table, column: str) -> int:
+    """Rows of ``rows`` whose cursor is NULL (invisible to incremental runs)."""
+    return rows.column(column).null_count if column in rows.column_names else 0
 
 
 def advance(old: Any, rows: pa.Table, column: str, db_now: Any) -> Any:
@@ -65,6 +79,9 @@ def advance(old: Any, rows: pa.Table, column: str, db_now: Any) -> Any:
     top = pc.max(rows.column(column)).as_py()
     if top is None:
         return old
+    if isinstance(top, datetime) and isinstance(db_now, datetime) and (top.tzinfo is None) != (db_now.tzinfo is None):
+        # The clock is naive UTC (sessions read in UTC); a timestamp_tz cursor is aware.
+        db_now = db_now.replace(tzinfo=UTC) if db_now.tzinfo is None else db_now.astimezone(UTC).replace(tzinfo=None)
     if db_now is not None and _comparable(top, db_now) and top > db_now:
         top = db_now
     if old is not None and _comparable(top, old) and old > top:

@@ -14,6 +14,7 @@ republishes them.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import sys
@@ -36,6 +37,7 @@ from refresh.sources import open_source
 from refresh.sources.abc import IncrementalSource, Source
 from refresh.stores.abc import CommittedState, RunKind, RunRecord, RunResult, SnapshotRows, StateStore
 from refresh.stores.files import FileStateStore
+from refstream.config import format_duration
 from refstream.contract import DatasetSchema, delete_messages, schema_message, upsert_messages
 from refstream.errors import TransientError, one_line
 from refstream.kafka import end_offsets
@@ -139,9 +141,10 @@ class Refresher:
         return call_with_retry(fn, what=what, policy=self.config.retry, stop=stop)
 
     def _read(self, ds: DatasetConfig, what: str, read: Callable[[Callable[[int], None] | None], pa.Table],
-              prior: DatasetSchema | None, stop: threading.Event | None) -> pa.Table:
+              prior: DatasetSchema | None, stop: threading.Event | None, source: Source) -> pa.Table:
         def attempt() -> pa.Table:
             with ExitStack() as stack:
+                stack.enter_context(_interrupted_by(stop, source))
                 bar = None
                 if self.progress:
                     from tqdm import tqdm
@@ -156,7 +159,14 @@ class Refresher:
                     if bar is not None:
                         bar.update(n - bar.n)
 
-                table = read(cb)
+                try:
+                    table = read(cb)
+                except Exception as exc:
+                    if stop is not None and stop.is_set() and not isinstance(exc, Stopped):
+                        # The read failed because the stop request interrupted it (or did anyway).
+                        raise Stopped(f"dataset {ds.name}: stopped while reading ({one_line(exc)}); "
+                                      f"nothing published") from exc
+                    raise
             if stop is not None and stop.is_set():
                 raise Stopped(f"dataset {ds.name}: stopped after reading; nothing published")
             return normalize(_fill_null_types(table, prior), ds.name)
@@ -263,10 +273,10 @@ class Refresher:
         col = ds.incremental.column
         snapshot = published.read() if isinstance(published, SnapshotRows) else published
         old_wm = inc.from_json(state.watermark, state.watermark_type)
-        low = inc.window_start(old_wm, ds.incremental.lag)
+        low = inc.window_start(old_wm, ds.incremental.lag, ds.incremental.numeric_lag)
         db_now = self._retry(source.now, f"dataset {ds.name}: database clock", stop)
         rows = self._read(ds, f"rows with {col} >= {low}", lambda cb: source.read_since(col, low, cb),
-                          state.schema, stop)
+                          state.schema, stop, source)
         timer.mark("read")
         if rows.num_rows:
             check_keys(ds.name, rows, ds.key)
@@ -296,7 +306,7 @@ class Refresher:
         cursor = ds.incremental
         db_now = self._retry(source.now, f"dataset {ds.name}: database clock", stop) \
             if cursor is not None and isinstance(source, IncrementalSource) else None
-        rows = self._read(ds, "snapshot", source.read, state.schema, stop)
+        rows = self._read(ds, "snapshot", source.read, state.schema, stop, source)
         timer.mark("read")
         if rows.num_rows == 0 and not allow_empty:
             raise EmptySnapshot(
@@ -319,6 +329,12 @@ class Refresher:
                                                 col, db_now))
             wm_type = inc.column_type(rows, col)
             last_reconcile = _utcnow().isoformat()
+            nulls = inc.null_cursors(rows, col)
+            if nulls:
+                every = cursor.reconcile_every
+                log.warning("dataset %s: %d row(s) with %s NULL: incremental runs cannot see them, only "
+                            "reconciles (%s) do", ds.name, nulls, col,
+                            f"every {format_duration(every)}" if every is not None else "off: only on demand")
         timer.mark("diff")
         return _Step(kind=kind, rows_read=rows.num_rows, schema=schema, changes=changes, snapshot=rows,
                      total=rows.num_rows, watermark=watermark, watermark_type=wm_type, last_reconcile=last_reconcile)
@@ -462,6 +478,35 @@ def describe_schema_change(old: DatasetSchema, new: DatasetSchema) -> str:
     if not parts and old.names != new.names:
         parts.append("columns reordered")
     return ", ".join(parts) or "no visible change"
+
+
+@contextlib.contextmanager
+def _interrupted_by(stop: threading.Event | None, source: Source) -> Iterator[None]:
+    """While the body reads ``source``, a stop request interrupts the read: a query blocked on the
+    server (a locked table) never looks at ``stop`` by itself."""
+    if stop is None:
+        yield
+        return
+    done, interrupting = threading.Event(), threading.Event()
+
+    def watch() -> None:
+        # Again and again until the read ends: a stop may land before the read has its connection.
+        while not done.wait(0.2):
+            if stop.is_set():
+                if not interrupting.is_set():
+                    interrupting.set()
+                    log.info("dataset %s: stop requested; interrupting the read", source.dataset)
+                source.interrupt()
+
+    watcher = threading.Thread(target=watch, name=f"interrupt-{source.dataset}", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
+        if interrupting.is_set():
+            # Let the server-side cancel finish before the process may exit (bounded: a stop is due).
+            watcher.join(5)
 
 
 def _fill_null_types(table: pa.Table, prior: DatasetSchema | None) -> pa.Table:

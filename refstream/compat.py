@@ -141,6 +141,21 @@ def pymysql_abandon(cur: Any) -> None:
         result.unbuffered_active = False
 
 
+def pymysql_shutdown(conn: Any) -> bool:
+    """Shut down the socket of PyMySQL connection ``conn`` from another thread, so that a read blocked
+    on it (a query waiting for a lock) fails at once; False when this PyMySQL keeps it elsewhere."""
+    import socket
+
+    sock = getattr(conn, "_sock", None)
+    if sock is None:
+        return False
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        return False  # already closed
+    return True
+
+
 class PyMySQLStream:
     """The packet stream under an unbuffered PyMySQL result, for a reader that parses the row packets
     itself. ``peek``/``read`` are the connection's buffered socket reader (``BufferedReader``), ``seq``

@@ -209,6 +209,16 @@ def parse_duration(value: Any) -> timedelta:
     raise ValueError(f"{value!r} is not a duration (use e.g. 250ms, 30s, 5m, 6h, 1d)")
 
 
+def format_duration(value: timedelta) -> str:
+    """A duration as the config writes it: ``1d``, ``6h``, ``30s``, ``250ms`` (the largest whole unit)."""
+    ms = round(value.total_seconds() * 1000)
+    for unit in ("d", "h", "m", "s"):
+        size = round(_UNITS[unit] * 1000)
+        if ms and ms % size == 0:
+            return f"{ms // size}{unit}"
+    return f"{ms}ms"
+
+
 def kafka_settings(sec: Section) -> dict[str, str]:
     """The ``kafka:`` section as librdkafka settings: ``bootstrap_servers`` -> ``bootstrap.servers``,
     everything else passed through (``security.protocol``, ``sasl.*``...)."""

@@ -31,6 +31,10 @@ class Source(ABC):
     def batches(self) -> Iterator[pa.RecordBatch]:
         """Every row, as record batches sharing one schema."""
 
+    def interrupt(self) -> None:  # noqa: B027 - most sources have nothing to interrupt
+        """Abort a read in progress, from another thread (a stop request): the reading call fails
+        soon after. Sources whose reads cannot block for long do nothing."""
+
     def read(self, progress: Progress | None = None) -> pa.Table:
         """Every row as one table (empty table with the right schema when the source is empty)."""
         return collect(self.batches(), progress)

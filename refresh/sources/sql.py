@@ -5,13 +5,21 @@ converted ``chunk_rows`` at a time into Arrow arrays, so at most one chunk of Py
 once. Column types come from the driver's result metadata (:mod:`refresh.sources.sqltypes`). With
 PyMySQL the values are read as the text MySQL sent and cast per column, by the fast reader
 (:mod:`refresh.sources.mysql_fast`) when the connection speaks UTF-8.
+
+Every session reads in UTC (MySQL/MariaDB ``time_zone``, PostgreSQL ``TimeZone``): ``TIMESTAMP``
+columns and the database clock give the same instants whatever the server's or the URL's time zone
+(and across daylight-saving changes), so a watermark means the same thing from run to run. The
+source config's timeouts bound connecting, waiting for the server and a statement's run time (lock
+waits included); :meth:`SqlSource.interrupt` aborts a read from another thread.
 """
 
 from __future__ import annotations
 
 import datetime as dt
 import logging
+import math
 import sqlite3
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
@@ -40,12 +48,41 @@ class SqlSource(IncrementalSource):
         if not cfg.url:
             raise TerminalError(f"dataset {dataset}: SQL source without url")
         try:
+            url = sa.engine.make_url(cfg.url)
             # NullPool: a daemon running for months must not hold idle connections between runs.
-            self.engine = sa.create_engine(cfg.url, poolclass=NullPool)
+            self.engine = sa.create_engine(url, poolclass=NullPool, connect_args=_connect_args(url, cfg))
         except (sa.exc.ArgumentError, sa.exc.NoSuchModuleError, ImportError) as exc:
             raise TerminalError(f"dataset {dataset}: bad database URL {cfg.describe()}: {exc}") from None
         self.dialect = self.engine.dialect.name
         self._pymysql = self.dialect == "mysql" and self.engine.dialect.driver == "pymysql"
+        if self.dialect == "mysql":
+            sa.event.listen(self.engine, "connect", self._mysql_session)
+        self._lock = threading.Lock()
+        self._active: Any = None  # the DBAPI connection of the read in progress
+
+    def _mysql_session(self, dbapi_conn: Any, _record: Any) -> None:
+        """UTC and the statement timeout for every MySQL/MariaDB session (after the URL's own
+        ``init_command``, which may set another time zone)."""
+        settings = ["time_zone = '+00:00'"]
+        limit = self.cfg.statement_timeout
+        if limit is not None:
+            secs = limit.total_seconds()
+            cur = dbapi_conn.cursor()
+            try:
+                cur.execute("SELECT VERSION()")
+                mariadb = "mariadb" in str(cur.fetchone()[0]).lower()
+            finally:
+                cur.close()
+            # MariaDB bounds any statement, lock waits included; MySQL's limit covers SELECTs only.
+            settings.append(f"SESSION max_statement_time = {secs:.3f}" if mariadb
+                            else f"SESSION max_execution_time = {max(1, round(secs * 1000))}")
+            # Metadata-lock waits (a table under LOCK TABLES or DDL) end just after the statement limit.
+            settings.append(f"SESSION lock_wait_timeout = {math.ceil(secs) + 1}")
+        cur = dbapi_conn.cursor()
+        try:
+            cur.execute("SET " + ", ".join(settings))
+        finally:
+            cur.close()
 
     def describe(self) -> str:
         return self.cfg.describe()
@@ -74,6 +111,7 @@ class SqlSource(IncrementalSource):
         return self._stream(self._since_sql(column), {"low": low})
 
     def now(self) -> Any:
+        """The database's "now" in UTC, naive (every session reads in UTC)."""
         sql = {"postgresql": "SELECT LOCALTIMESTAMP", "mysql": "SELECT CURRENT_TIMESTAMP(6)"}.get(
             self.dialect, "SELECT CURRENT_TIMESTAMP")
         with self._errors("read the database clock"), self.engine.connect() as conn:
@@ -89,6 +127,28 @@ class SqlSource(IncrementalSource):
             columns = list(result.keys())
         return f"reachable, columns {', '.join(columns)}"
 
+    def interrupt(self) -> None:
+        """Abort the read in progress from another thread (a stop request): the blocked call fails
+        at once, and the server stops the statement (MySQL ``KILL``, PostgreSQL cancel)."""
+        with self._lock:
+            conn = self._active
+        if conn is None:
+            return
+        try:
+            if self.dialect == "mysql" and hasattr(conn, "thread_id"):
+                thread_id = int(conn.thread_id())
+                if self._pymysql:
+                    compat.pymysql_shutdown(conn)  # the reading thread goes on at once
+                # Otherwise the statement would wait on the server (for a lock, say) with nobody reading.
+                with self.engine.connect() as killer:
+                    killer.exec_driver_sql(f"KILL {thread_id}")
+            elif self.dialect == "postgresql" and hasattr(conn, "cancel"):
+                conn.cancel()
+            elif isinstance(conn, sqlite3.Connection):
+                conn.interrupt()
+        except Exception as exc:  # noqa: BLE001 - best effort: the connection may be gone already
+            log.debug("dataset %s: interrupting the read: %s", self.dataset, exc)
+
     # ---------------------------------------------------------------------------------- errors
     def _errors(self, what: str) -> Any:
         return _ErrorMap(self, what)
@@ -102,6 +162,8 @@ class SqlSource(IncrementalSource):
             raw = self.engine.raw_connection()
         finished = False
         cur = None
+        with self._lock:
+            self._active = raw.driver_connection
         try:
             with self._errors("query"):
                 cur, text = self._cursor(raw)
@@ -121,6 +183,8 @@ class SqlSource(IncrementalSource):
             yield from self._convert(fetch, first, columns, types, chunk, text)
             finished = True
         finally:
+            with self._lock:
+                self._active = None
             try:
                 if finished:
                     raw.close()
@@ -218,6 +282,11 @@ class _ErrorMap:
         if dbapi is not None:
             transient_types += (dbapi.OperationalError, dbapi.InterfaceError)
         msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        limit = src.cfg.statement_timeout
+        if limit is not None and _statement_timed_out(exc):
+            # Not retried within the run: the next one (schedule, retry) tries again.
+            raise TerminalError(f"dataset {src.dataset}: {self.what} on {src.describe()} timed out after "
+                                f"statement_timeout {limit.total_seconds():g}s (a locked table?): {msg}") from exc
         where = f"dataset {src.dataset}: {self.what} on {src.describe()} failed"
         if isinstance(exc, transient_types) and not _terminal_sqlite(exc):
             raise TransientError(f"{where}: {msg}") from exc
@@ -230,6 +299,40 @@ class _ErrorMap:
 # MySQL server errors worth a retry (too many connections, shutdown, lock timeout, deadlock, query
 # interrupted, connection killed); client errors (2000+: cannot connect, server gone away) always are.
 _MYSQL_TRANSIENT = {1040, 1053, 1205, 1213, 1317, 1927, 3024}
+
+
+def _connect_args(url: sa.URL, cfg: SqlSourceConfig) -> dict[str, Any]:
+    """Driver arguments for the timeouts of ``cfg`` (what the URL's query sets itself wins) and, for
+    PostgreSQL, the UTC session."""
+    driver = url.get_driver_name()
+    have = set(url.query)
+    args: dict[str, Any] = {}
+    connect, read, statement = cfg.connect_timeout, cfg.read_timeout, cfg.statement_timeout
+    if url.get_backend_name() == "mysql" and driver in ("pymysql", "mysqldb"):
+        if connect is not None:
+            args["connect_timeout"] = max(1, math.ceil(connect.total_seconds()))
+        if read is not None:
+            args["read_timeout"] = args["write_timeout"] = max(1, math.ceil(read.total_seconds()))
+    elif url.get_backend_name() == "postgresql" and driver == "psycopg2":
+        if connect is not None:
+            args["connect_timeout"] = max(2, math.ceil(connect.total_seconds()))  # libpq's minimum
+        options = ["-c TimeZone=UTC"]
+        if statement is not None:
+            options.append(f"-c statement_timeout={max(1, round(statement.total_seconds() * 1000))}")
+        given = url.query.get("options")
+        args["options"] = " ".join(([given] if isinstance(given, str) else list(given or ())) + options)
+        have.discard("options")
+    return {k: v for k, v in args.items() if k not in have}
+
+
+def _statement_timed_out(exc: BaseException) -> bool:
+    """Whether the server ended a statement for running past its time limit."""
+    inner = getattr(exc, "orig", exc)
+    if getattr(inner, "pgcode", None) == "57014":  # query_canceled: statement_timeout (or a cancel)
+        return "statement timeout" in str(inner)
+    code = inner.args[0] if inner.args and isinstance(inner.args[0], int) else None
+    # MariaDB max_statement_time exceeded; MySQL max_execution_time exceeded.
+    return code in (1969, 3024) and type(inner).__module__.startswith(("pymysql", "MySQLdb"))
 
 
 def _terminal_sqlite(exc: BaseException) -> bool:

@@ -18,7 +18,7 @@ import yaml
 
 from enrich.config import EnrichConfig
 from enrich.config import load as load_enrich
-from refresh.config import FileSourceConfig, RefreshConfig, load_config
+from refresh.config import FileSourceConfig, RefreshConfig, SqlSourceConfig, load_config
 from refstream.config import Section, parse_duration
 from tests.demo.conftest import ROOT
 
@@ -185,7 +185,7 @@ def test_readme_defaults_are_the_loaders_defaults(tmp_path: Path, monkeypatch: p
                  '  ff:\n    source: {path: x.csv}\n    key: id\n')
     r = load_config(p)
     d, i, f = r.datasets["dd"], r.datasets["ii"], r.datasets["ff"].source
-    assert isinstance(f, FileSourceConfig)
+    assert isinstance(f, FileSourceConfig) and isinstance(d.source, SqlSourceConfig)
     refresh_actual: dict[str, Any] = {
         "state_dir": r.state_dir, "retry.attempts": r.retry.attempts,
         "retry.initial": timedelta(seconds=r.retry.initial), "retry.maximum": timedelta(seconds=r.retry.maximum),
@@ -194,7 +194,9 @@ def test_readme_defaults_are_the_loaders_defaults(tmp_path: Path, monkeypatch: p
         ".schedule.every": d.schedule.every, ".schedule.cron": d.schedule.cron,
         ".topic": d.topic.replace("dd", "<name>"), ".partitions": d.partitions, ".allow_empty": d.allow_empty,
         ".max_delete_fraction": d.max_delete_fraction, ".source.stable_for": f.stable_for,
-        ".source.stable_timeout": f.stable_timeout,
+        ".source.stable_timeout": f.stable_timeout, ".incremental.numeric_lag": i.incremental.numeric_lag,
+        ".source.connect_timeout": d.source.connect_timeout, ".source.read_timeout": d.source.read_timeout,
+        ".source.statement_timeout": d.source.statement_timeout,
     }
     e = tmp_path / "enrich.yaml"
     e.write_text('kafka: {bootstrap_servers: "127.0.0.1:9"}\nevents: {topic: ev, schema: "a STRING"}\n'

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from refresh.config import load_config
+from refresh.config import SqlSourceConfig, load_config
 from refstream.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,6 +56,33 @@ def test_full_example_and_defaults(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert s.schedule.every is None and s.schedule.cron is None
 
 
+@pytest.mark.parametrize(("incremental", "every"), [
+    ("{column: u}", timedelta(days=1)),                        # on by default: daily
+    ("{column: u, reconcile: off}", None),
+    ("{column: u, reconcile: {every: off}}", None),
+    ("{column: u, reconcile_every: 'off'}", None),
+    ("{column: u, reconcile: {every: 6h}}", timedelta(hours=6)),
+    ("{column: u, reconcile_every: 2h}", timedelta(hours=2)),
+])
+def test_reconcile_is_daily_unless_turned_off(tmp_path: Path, incremental: str, every: timedelta | None) -> None:
+    cfg = load_config(write(tmp_path, "  d:\n    source: {url: 'sqlite://', table: t}\n    key: [id]\n"
+                                      f"    mode: incremental\n    incremental: {incremental}\n"))
+    inc = cfg.datasets["d"].incremental
+    assert inc is not None and inc.reconcile_every == every and inc.numeric_lag == 1000
+
+
+def test_sql_timeouts_default_and_turn_off(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, "  a:\n    source: {url: 'sqlite://', table: t}\n    key: [id]\n"
+                                      "  b:\n    source: {url: 'sqlite://', table: t, connect_timeout: 2s, "
+                                      "read_timeout: 90, statement_timeout: off}\n    key: [id]\n"))
+    a, b = cfg.datasets["a"].source, cfg.datasets["b"].source
+    assert isinstance(a, SqlSourceConfig) and isinstance(b, SqlSourceConfig)
+    assert (a.connect_timeout, a.read_timeout, a.statement_timeout) == (
+        timedelta(seconds=10), timedelta(minutes=10), timedelta(hours=1))
+    assert (b.connect_timeout, b.read_timeout, b.statement_timeout) == (
+        timedelta(seconds=2), timedelta(seconds=90), None)
+
+
 @pytest.mark.parametrize(("datasets", "error"), [
     ("  d:\n    source: {path: a.csv}\n    key: [id]\n    mode: incremental\n",
      "datasets.d.mode: incremental mode needs a SQL source"),
@@ -83,6 +110,10 @@ def test_full_example_and_defaults(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     ("  d:\n    source: {path: a.csv, types: {id: int32}}\n    key: [id]\n",
      "datasets.d.source.types.id: unknown column type 'int32'"),
     ("  _x:\n    source: {path: a.csv}\n    key: [id]\n", "bad dataset name '_x'"),
+    ("  d:\n    source: {url: 'sqlite://', table: t, statement_timeout: soon}\n    key: [id]\n",
+     "datasets.d.source.statement_timeout: 'soon' is not a duration"),
+    ("  d:\n    source: {url: 'sqlite://', table: t}\n    key: [id]\n    mode: incremental\n"
+     "    incremental: {column: id, numeric_lag: -1}\n", "datasets.d.incremental.numeric_lag: must not be negative"),
 ])
 def test_errors_name_the_key(tmp_path: Path, datasets: str, error: str) -> None:
     with pytest.raises(ConfigError, match=error):

@@ -30,9 +30,10 @@ from demo.broker import EmbeddedBroker, free_port
 from refresh.config import RefreshConfig, load_config
 from refresh.daemon import NEXT_RUNS, Daemon, DaemonOptions, daemon_dir, run_daemon
 from refresh.status import read_status
+from refresh.stores.files import FileStateStore
 from refstream.contract import OP_DELETE, OP_SCHEMA, OP_UPSERT, decode
 from refstream.errors import DataError, TerminalError, TransientError
-from refstream.kafka import read_to_end
+from refstream.kafka import end_offsets, read_to_end
 from refstream.retry import RetryPolicy
 
 FAST = DaemonOptions(debounce=0.5, retry=RetryPolicy(initial=0.3, maximum=1.0), poll=0.2)
@@ -395,6 +396,53 @@ def test_sigterm_stops_the_daemon_cleanly(mysql_url: str, kafka: dict[str, str],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 0, run.stderr
     assert replay(records(kafka, topic)) == table_rows(mysql_url, items)
+
+
+@pytest.mark.timeout(120)  # without the interruption the stuck read outlives the test
+def test_sigterm_stops_a_daemon_stuck_in_a_read_within_10s(mysql_url: str, kafka: dict[str, str], items: str,
+                                                           tmp_path: Path, unique: Callable[[str], str]) -> None:
+    topic = unique("ref.items")
+    cfgp = write_config(tmp_path, kafka, f"""
+        items:
+          source: {{url: "{mysql_url}", table: {items}}}
+          key: [id]
+          topic: {topic}
+    """)  # default timeouts: the read would wait for the lock for an hour
+    cfg = load_config(cfgp)
+    engine = sa.create_engine(mysql_url)
+    log = (tmp_path / "daemon.log").open("w")
+    proc = None
+    try:
+        with engine.connect() as holder:
+            holder.execute(sa.text(f"LOCK TABLES `{items}` WRITE"))
+            proc = subprocess.Popen([sys.executable, "-m", "refresh", "--config", str(cfgp), "daemon"], cwd=ROOT,
+                                    stdout=log, stderr=subprocess.STDOUT)
+            waiting = ("SELECT COUNT(*) FROM information_schema.processlist WHERE state = "
+                       f"'Waiting for table metadata lock' AND info LIKE '%{items}%'")
+            wait_for(lambda: holder.execute(sa.text(waiting)).scalar(), 60, "the start-up read to block on the lock")
+            t0 = time.monotonic()
+            proc.send_signal(signal.SIGTERM)
+            try:
+                rc = proc.wait(10)
+            except subprocess.TimeoutExpired:
+                rc = None
+            stopped_in = time.monotonic() - t0
+            assert rc == 0, (rc, (tmp_path / "daemon.log").read_text()[-3000:])
+            assert stopped_in < 10
+            # The server dropped the statement as well (KILL): it no longer waits for the lock.
+            wait_for(lambda: holder.execute(sa.text(waiting)).scalar() == 0, 5, "the blocked statement to end")
+            holder.execute(sa.text("UNLOCK TABLES"))
+    finally:
+        if proc is not None and proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        log.close()
+        engine.dispose()
+    text = (tmp_path / "daemon.log").read_text()
+    assert "SIGTERM received" in text and "dataset items: stopped while reading" in text
+    assert read_status(cfg)[0]["last_result"] == "interrupted"
+    assert FileStateStore(cfg.state_dir).load("items").version == 0
+    assert end_offsets(kafka, topic) is None  # nothing was published: the topic was never created
 
 
 def test_forced_run_while_the_daemon_runs(mysql_url: str, kafka: dict[str, str], items: str,

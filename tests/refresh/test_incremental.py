@@ -1,9 +1,13 @@
-"""Incremental mode against the real MariaDB: watermark, lag, boundary timestamps, reconcile."""
+"""Incremental mode against the real MariaDB (and PostgreSQL): watermark, lag, boundary timestamps, reconcile,
+NULL cursors, integer cursors, UTC sessions."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime as dt
+import logging
 
+import pytest
 import sqlalchemy as sa
 
 from refresh.runner import Refresher
@@ -167,3 +171,110 @@ def test_now_comes_from_the_database_clock(make_config, mysql_engine, mysql_url,
     assert abs(wm - (real_now - dt.timedelta(hours=2))) < dt.timedelta(minutes=5), (wm, real_now)
     second = Refresher(cfg).run("c")  # row 1 is read again (>= watermark - lag) but not republished
     assert (second.kind, second.rows, second.published) == ("incremental", 1, 0)
+
+
+def test_reconcile_is_daily_by_default(make_config, mysql_engine, mysql_url, unique, kafka):
+    t, topic = unique("daily"), unique("ref.daily")
+    execute(mysql_engine, f"CREATE TABLE {t} (id INT PRIMARY KEY, v VARCHAR(10), last_update DATETIME(6))")
+    insert(mysql_engine, t, (1, "a", db_now(mysql_engine)), (2, "b", db_now(mysql_engine)))
+    cfg = make_config({"d": inc_dataset(mysql_url, t, topic)})  # no reconcile setting
+    Refresher(cfg).run("d")
+    execute(mysql_engine, f"DELETE FROM {t} WHERE id = 1")
+    assert Refresher(cfg).run("d").kind == "incremental"  # reconciled less than a day ago
+    store = FileStateStore(cfg.state_dir)
+    state = store.load("d")
+    day_ago = dt.datetime.fromisoformat(state.last_reconcile) - dt.timedelta(days=1, minutes=1)
+    store.commit("d", dataclasses.replace(state, last_reconcile=day_ago.isoformat()), None)
+    r = Refresher(cfg).run("d")
+    assert (r.kind, r.deletes) == ("reconcile", 1)
+    assert changes(read_topic(kafka, topic), r.version) == {'{"id":1}': None}
+
+
+def test_null_cursor_rows_are_found_by_reconcile_and_counted(make_config, mysql_engine, mysql_url, unique, kafka,
+                                                             caplog):
+    t, topic = unique("nulls"), unique("ref.nulls")
+    execute(mysql_engine, f"CREATE TABLE {t} (id INT PRIMARY KEY, v VARCHAR(10), last_update DATETIME(6))")
+    insert(mysql_engine, t, (1, "a", db_now(mysql_engine)))
+    cfg = make_config({"n": inc_dataset(mysql_url, t, topic)})
+    Refresher(cfg).run("n")
+    insert(mysql_engine, t, (2, "null", None), (3, "null", None), (4, "d", db_now(mysql_engine)))
+    inc = Refresher(cfg).run("n")
+    assert (inc.kind, inc.inserts) == ("incremental", 1)  # the NULL-cursor rows are outside every window
+    with caplog.at_level(logging.WARNING, logger="refresh.runner"):
+        rec = Refresher(cfg).run("n", reconcile=True)
+    assert (rec.kind, rec.inserts) == ("reconcile", 2)
+    assert set(changes(read_topic(kafka, topic), rec.version)) == {'{"id":2}', '{"id":3}'}
+    warned = [r.getMessage() for r in caplog.records if "NULL" in r.getMessage()]
+    assert warned == ["dataset n: 2 row(s) with last_update NULL: incremental runs cannot see them, only "
+                      "reconciles (every 1d) do"]
+
+
+def test_integer_cursor_rereads_a_window_below_the_watermark(make_config, mysql_engine, mysql_url, unique, kafka):
+    t, topic = unique("intcur"), unique("ref.intcur")
+    execute(mysql_engine, f"CREATE TABLE {t} (id INT AUTO_INCREMENT PRIMARY KEY, v VARCHAR(10))")
+    execute(mysql_engine, f"INSERT INTO {t} (v) VALUES ('a'), ('b')")
+    ds = {"source": {"url": mysql_url, "table": t}, "key": ["id"], "topic": topic, "mode": "incremental",
+          "incremental": {"column": "id"}}
+    cfg = make_config({"i": ds})
+    Refresher(cfg).run("i")
+    with mysql_engine.connect() as slow:
+        tx = slow.begin()  # takes id 3 now, commits after a refresh has read id 4
+        slow.execute(sa.text(f"INSERT INTO {t} (v) VALUES ('late')"))
+        execute(mysql_engine, f"INSERT INTO {t} (v) VALUES ('quick')")
+        second = Refresher(cfg).run("i")
+        assert (second.kind, second.inserts, second.watermark) == ("incremental", 1, 4)
+        tx.commit()
+    third = Refresher(cfg).run("i")
+    assert (third.kind, third.inserts, third.updates) == ("incremental", 1, 0)
+    assert changes(read_topic(kafka, topic), third.version) == {'{"id":3}': {"id": 3, "v": "late"}}
+
+
+def test_sessions_read_in_utc_whatever_the_session_time_zone(make_config, mysql_engine, mysql_url, unique, kafka):
+    from urllib.parse import quote
+
+    t, topic = unique("utc"), unique("ref.utc")
+    execute(mysql_engine, f"CREATE TABLE {t} (id INT PRIMARY KEY, v VARCHAR(10), last_update TIMESTAMP(6) NULL)",
+            "SET time_zone = '+00:00'",
+            f"INSERT INTO {t} VALUES (1, 'a', '2024-05-01 12:00:00'), "
+            f"(2, 'b', UTC_TIMESTAMP(6) - INTERVAL 10 MINUTE)")
+
+    def in_zone(zone: str, name: str) -> object:
+        # A server (or a URL's init_command) whose sessions default to another time zone, as after a
+        # change of the server's zone or a daylight-saving switch between two runs.
+        url = f"{mysql_url}&init_command={quote(f'SET time_zone = {zone!r}')}"
+        return make_config({"z": inc_dataset(url, t, topic)}, name=name)
+
+    first = Refresher(in_zone("+05:00", "east.yaml")).run("z")
+    assert changes(read_topic(kafka, topic), 1)['{"id":1}'] == {"id": 1, "v": "a",
+                                                                "last_update": "2024-05-01T12:00:00"}
+    execute(mysql_engine, "SET time_zone = '+00:00'",
+            f"INSERT INTO {t} VALUES (3, 'c', UTC_TIMESTAMP(6) - INTERVAL 1 SECOND)")
+    second = Refresher(in_zone("-03:00", "west.yaml")).run("z")
+    assert (first.kind, second.kind, second.inserts) == ("reconcile", "incremental", 1)
+    stamp = db_value(mysql_engine, f"SELECT DATE_FORMAT(CONVERT_TZ(last_update, @@session.time_zone, '+00:00'), "
+                                   f"'%Y-%m-%dT%H:%i:%s.%f') FROM {t} WHERE id = 3")
+    assert changes(read_topic(kafka, topic), 2) == {'{"id":3}': {"id": 3, "v": "c", "last_update": stamp}}
+
+
+PG_URL = "postgresql+psycopg2://postgres@127.0.0.1:5432/test"
+
+
+@pytest.mark.integration  # reaches the PostgreSQL at PG_URL without a fixture
+def test_postgresql_timestamptz_watermark_never_passes_the_database_clock(make_config, unique, kafka):
+    t, topic = unique("pgtz"), unique("ref.pgtz")
+    engine = sa.create_engine(PG_URL)
+    execute(engine, f"CREATE TABLE {t} (id INT PRIMARY KEY, v TEXT, last_update TIMESTAMPTZ)",
+            f"INSERT INTO {t} VALUES (1, 'skewed', now() + interval '1 day'), (2, 'b', now() - interval '1 minute')")
+    try:
+        now = db_value(engine, "SELECT now()")
+        cfg = make_config({"p": inc_dataset(PG_URL, t, topic)})
+        r = Refresher(cfg).run("p")
+        wm = dt.datetime.fromisoformat(r.watermark)
+        assert now <= wm < now + dt.timedelta(minutes=5), (wm, now)
+        execute(engine, f"INSERT INTO {t} VALUES (3, 'late', now() - interval '1 second')")
+        r2 = Refresher(cfg).run("p")
+        assert (r2.kind, r2.inserts) == ("incremental", 1)
+        assert set(changes(read_topic(kafka, topic), 2)) == {'{"id":3}'}
+    finally:
+        execute(engine, f"DROP TABLE {t}")
+        engine.dispose()

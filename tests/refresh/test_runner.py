@@ -636,3 +636,60 @@ def test_a_renamed_topic_gets_the_whole_dataset(make_config, mysql_engine, mysql
     assert len(read_topic(kafka, old)) == 3  # the old topic is left as it was
     assert FileStateStore(cfg.state_dir).load("m").topic == new
     assert Refresher(cfg).run("m").kind == "diff"
+
+
+def processlist(engine: sa.Engine, table: str) -> list[str]:
+    """States of the server's sessions running a statement on ``table`` (other than this one)."""
+    return [r["state"] for r in db_rows(engine, "SELECT state, info FROM information_schema.processlist "
+                                                "WHERE id <> CONNECTION_ID()")
+            if r["info"] and table in r["info"]]
+
+
+@pytest.mark.timeout(120)  # without a statement timeout the read waits for the lock (a day by default)
+def test_a_read_stuck_on_a_locked_table_times_out_naming_the_dataset(make_config, mysql_engine, mysql_url, unique,
+                                                                      kafka):
+    t, topic = unique("locked"), unique("ref.locked")
+    execute(mysql_engine, f"CREATE TABLE {t} (id INT PRIMARY KEY, v VARCHAR(10))", f"INSERT INTO {t} VALUES (1, 'a')")
+    ds = {"source": {"url": mysql_url, "table": t, "statement_timeout": "2s"}, "key": ["id"], "topic": topic}
+    cfg = make_config({"L": ds})
+    Refresher(cfg).run("L")
+    execute(mysql_engine, f"INSERT INTO {t} VALUES (2, 'b')")
+    with mysql_engine.connect() as holder:
+        holder.execute(sa.text(f"LOCK TABLES {t} WRITE"))
+        t0 = time.monotonic()
+        with pytest.raises(TerminalError, match=f"dataset L: query on .*table {t} timed out after "
+                                                f"statement_timeout 2s") as info:
+            Refresher(cfg).run("L")
+        assert 1.5 < time.monotonic() - t0 < 10
+        assert not isinstance(info.value, TransientError)  # not retried within the run
+        holder.execute(sa.text("UNLOCK TABLES"))
+    assert FileStateStore(cfg.state_dir).load("L").version == 1
+    assert {r.version for r in read_topic(kafka, topic)} == {1}
+    assert read_status(cfg)[0]["last_result"] == "failed"
+    assert Refresher(cfg).run("L").inserts == 1
+
+
+@pytest.mark.timeout(120)
+def test_a_stop_interrupts_a_read_stuck_on_a_locked_table(make_config, mysql_engine, mysql_url, unique, kafka):
+    from refresh.errors import Stopped
+
+    t, topic = unique("stuck"), unique("ref.stuck")
+    execute(mysql_engine, f"CREATE TABLE {t} (id INT PRIMARY KEY)", f"INSERT INTO {t} VALUES (1)")
+    cfg = make_config({"s": {"source": {"url": mysql_url, "table": t}, "key": ["id"], "topic": topic}})
+    stop = threading.Event()
+    with mysql_engine.connect() as holder:
+        holder.execute(sa.text(f"LOCK TABLES {t} WRITE"))
+        try:
+            threading.Timer(1.5, stop.set).start()
+            t0 = time.monotonic()
+            with pytest.raises(Stopped, match="dataset s: stopped while reading"):
+                Refresher(cfg).run("s", stop=stop)
+            assert time.monotonic() - t0 < 5
+            deadline = time.monotonic() + 5  # the server dropped the statement too (KILL)
+            while processlist(mysql_engine, t) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            assert processlist(mysql_engine, t) == []
+        finally:
+            holder.execute(sa.text("UNLOCK TABLES"))
+    assert FileStateStore(cfg.state_dir).load("s").version == 0
+    assert read_status(cfg)[0]["last_result"] == "interrupted"

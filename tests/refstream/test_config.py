@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from refstream.config import Section, kafka_settings, load_yaml, parse_duration
+from refstream.config import Section, format_duration, kafka_settings, load_yaml, parse_duration
 from refstream.errors import ConfigError
 
 
@@ -26,6 +26,13 @@ def test_durations() -> None:
     assert parse_duration(30) == timedelta(seconds=30)
     with pytest.raises(ValueError):
         parse_duration("6x")
+
+
+@pytest.mark.parametrize(("text", "shown"), [("1d", "1d"), ("24h", "1d"), ("90m", "90m"), ("30s", "30s"),
+                                             ("1.5s", "1500ms"), ("250ms", "250ms"), (0, "0ms")])
+def test_format_duration_writes_what_parse_duration_reads(text: str | int, shown: str) -> None:
+    assert format_duration(parse_duration(text)) == shown
+    assert parse_duration(format_duration(parse_duration(text))) == parse_duration(text)
 
 
 def test_section_errors_name_the_key() -> None:

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import datetime as dt
+import socket
+import threading
+import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from decimal import Decimal
 from pathlib import Path
 
@@ -144,3 +148,65 @@ def test_postgresql_source(unique) -> None:
     finally:
         execute(engine, f"DROP TABLE {t}")
         engine.dispose()
+
+
+@contextmanager
+def silent_server() -> Iterator[int]:
+    """A port that accepts TCP connections and never says a word (a hung database server)."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    try:
+        yield sock.getsockname()[1]
+    finally:
+        sock.close()
+
+
+@pytest.mark.timeout(60)  # without the timeouts these reads wait forever
+@pytest.mark.parametrize(("url", "timeouts"), [
+    ("mysql+pymysql://root@127.0.0.1:{port}/test", {"read_timeout": dt.timedelta(seconds=1)}),
+    ("postgresql+psycopg2://postgres@127.0.0.1:{port}/test", {"connect_timeout": dt.timedelta(seconds=2)}),
+])
+def test_a_silent_server_fails_the_read_after_the_timeout(url: str, timeouts: dict) -> None:
+    with silent_server() as port:
+        src = SqlSource("hung", SqlSourceConfig(url=url.format(port=port), table="t", **timeouts))
+        t0 = time.monotonic()
+        with pytest.raises(TransientError, match="dataset hung: query on"):
+            src.read()
+        assert time.monotonic() - t0 < 8
+
+
+@pytest.mark.integration  # reaches the PostgreSQL at PG_URL without a fixture
+@pytest.mark.timeout(60)
+def test_postgresql_statement_timeout_names_the_dataset() -> None:
+    src = SqlSource("slow", SqlSourceConfig(url=PG_URL, query="SELECT 1 AS id, pg_sleep(30) AS z",
+                                            statement_timeout=dt.timedelta(seconds=1)))
+    t0 = time.monotonic()
+    with pytest.raises(TerminalError, match="dataset slow: query on .* timed out after statement_timeout 1s"):
+        src.read()
+    assert time.monotonic() - t0 < 8
+
+
+def test_mariadb_statement_timeout_bounds_the_whole_streamed_read(mysql_url: str) -> None:
+    # The documented caveat: the limit covers streaming the rows too, so it must exceed the longest full read.
+    src = SqlSource("long", SqlSourceConfig(url=mysql_url, query="SELECT seq AS id FROM seq_1_to_3000000",
+                                            chunk_rows=10_000, statement_timeout=dt.timedelta(seconds=1)))
+    t0, rows = time.monotonic(), 0
+    with pytest.raises(TerminalError, match="dataset long: read on .* timed out after statement_timeout 1s"):
+        for batch in src.batches():
+            rows += batch.num_rows
+            time.sleep(0.05)  # a slow consumer
+    assert 0 < rows < 3_000_000 and time.monotonic() - t0 < 10
+
+
+@pytest.mark.integration  # reaches the PostgreSQL at PG_URL without a fixture
+@pytest.mark.timeout(60)
+def test_postgresql_read_is_interrupted_from_another_thread() -> None:
+    src = SqlSource("pgstop", SqlSourceConfig(url=PG_URL, query="SELECT 1 AS id, pg_sleep(30) AS z"))
+    timer = threading.Timer(1.0, src.interrupt)
+    timer.start()
+    t0 = time.monotonic()
+    with pytest.raises(TransientError, match="dataset pgstop: query on .*canceling statement due to user request"):
+        src.read()
+    assert time.monotonic() - t0 < 5
+    timer.join()
