@@ -430,6 +430,7 @@ class Refresher:
         run = RunRecord(started=started.isoformat(), finished=_utcnow().isoformat(), result=result)
         try:
             self.store.write_status(ds.name, self.store.read_status(ds.name).after(run))
+            self.store.append_run(ds.name, run)
         except OSError as exc:  # the run's outcome stands; only its report is lost
             log.error("dataset %s: cannot write status: %s", ds.name, exc)
 

@@ -39,6 +39,7 @@ SERVICE_FIXTURES = frozenset({
     "spark",                                              # tests/enrich/conftest.py
     "cluster",                                            # tests/enrich/test_cluster.py
     "stack",                                              # tests/demo/test_native_topology.py
+    "chromium",                                           # tests/conftest.py: a headless browser
     # Not a service, but the OS file watcher on wall-clock debounce windows: seconds per test.
     "watched",                                            # tests/refresh/test_watch.py
 })
@@ -95,3 +96,24 @@ def unique() -> Callable[[str], str]:
 @pytest.fixture(autouse=True)
 def _quiet_py4j() -> None:
     logging.getLogger("py4j").setLevel(logging.WARNING)
+
+
+@pytest.fixture(scope="session")
+def chromium() -> Callable[[str], str]:
+    """``render(url)`` -> the DOM headless Chromium built for ``url`` (after layout, as a person's
+    browser would show it). ``.ci/run`` installs Debian's ``chromium`` when it is missing."""
+    import shutil
+    import subprocess
+    import tempfile
+
+    exe = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+    assert exe, "no headless browser: install Debian's chromium package (.ci/run does)"
+    profile = tempfile.mkdtemp(prefix="refstream-chromium-")
+
+    def render(url: str) -> str:
+        out = subprocess.run([exe, "--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                              f"--user-data-dir={profile}", "--virtual-time-budget=2000", "--dump-dom", url],
+                             capture_output=True, text=True, timeout=120, check=True)
+        return out.stdout
+
+    return render

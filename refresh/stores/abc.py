@@ -7,6 +7,8 @@ Layout under ``state_dir/<dataset>/`` (the file store, :mod:`refresh.stores.file
   after the state that replaced them is durable);
 - ``status.json``    the last run and the last success (:class:`DatasetStatus`), written after every
   run, failed or not;
+- ``runs.jsonl``     the last runs (:class:`RunRecord`, one JSON object per line, oldest first; kept
+  to :data:`RUN_HISTORY`), for the status page's history;
 - ``lock``           ``flock``-ed while a run holds the dataset.
 """
 
@@ -21,6 +23,9 @@ from typing import Any, Literal
 import pyarrow as pa
 
 from refstream.contract import DatasetSchema
+
+#: Runs kept per dataset in the run history.
+RUN_HISTORY = 50
 
 
 @dataclass(frozen=True)
@@ -193,3 +198,11 @@ class StateStore(ABC):
     @abstractmethod
     def read_status(self, dataset: str) -> DatasetStatus:
         """The dataset's run status (one without runs if it never ran)."""
+
+    @abstractmethod
+    def append_run(self, dataset: str, run: RunRecord) -> None:
+        """Add ``run`` to the dataset's run history (the oldest beyond :data:`RUN_HISTORY` dropped)."""
+
+    @abstractmethod
+    def read_runs(self, dataset: str) -> list[RunRecord]:
+        """The dataset's last runs, oldest first (empty if it never ran)."""

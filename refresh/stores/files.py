@@ -16,8 +16,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from refresh.errors import DatasetBusy, Stopped
-from refresh.stores.abc import CommittedState, DatasetStatus, SnapshotRows, StateStore
-from refstream.atomic import write_atomic, write_json_atomic
+from refresh.stores.abc import RUN_HISTORY, CommittedState, DatasetStatus, RunRecord, SnapshotRows, StateStore
+from refstream.atomic import write_atomic, write_bytes_atomic, write_json_atomic
 from refstream.contract import DatasetSchema
 from refstream.errors import TerminalError
 from refstream.retry import RetryPolicy
@@ -159,6 +159,29 @@ class FileStateStore(StateStore):
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             log.warning("dataset %s: unreadable status file: %s", dataset, exc)
             return DatasetStatus(dataset=dataset)
+
+    def append_run(self, dataset: str, run: RunRecord) -> None:
+        # Rewritten whole (atomically): the file is small, and a crash never leaves half a line.
+        runs = [r.to_json() for r in self.read_runs(dataset)[-(RUN_HISTORY - 1):]] + [run.to_json()]
+        data = "".join(json.dumps(r, sort_keys=True) + "\n" for r in runs)
+        write_bytes_atomic(self.dir(dataset) / "runs.jsonl", data.encode("utf-8"))
+
+    def read_runs(self, dataset: str) -> list[RunRecord]:
+        path = self.dir(dataset) / "runs.jsonl"
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except FileNotFoundError:
+            return []
+        except OSError as exc:
+            log.warning("dataset %s: unreadable run history %s: %s", dataset, path, exc)
+            return []
+        out = []
+        for n, line in enumerate(lines, 1):
+            try:
+                out.append(RunRecord.from_json(json.loads(line)))
+            except (ValueError, KeyError, TypeError, AttributeError) as exc:
+                log.warning("dataset %s: %s line %d: skipped (%s)", dataset, path, n, exc)
+        return out
 
 
 def _offsets(dataset: str, path: Path, obj: object) -> dict[int, int] | None:
