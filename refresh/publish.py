@@ -22,14 +22,35 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 
 from refresh.errors import PublishError, Stopped
 from refstream import kafka
-from refstream.contract import TOPIC_CONFIG, Message
+from refstream.contract import TOPIC_CONFIG, Message, MessageBatch
 from refstream.kafka import ensure_topic, partitions_of
 
 log = logging.getLogger(__name__)
 
 # Producers created ahead of a publish (see Publisher.warm_up), by settings.
-_warm: dict[tuple[tuple[str, str], ...], Producer] = {}
+_warm: dict[tuple[tuple[str, str], ...], _Client] = {}
 _warm_lock = threading.Lock()
+
+
+class _Client:
+    """A producer and the delivery failures it reported.
+
+    Delivery reports come for failures only (``delivery.report.only.error``), through one callback
+    set at creation: no Python call per acknowledged message. A publish is complete when the queue
+    is empty after ``flush()`` and no failure was reported (every message got a report or an ack),
+    and, with a transaction, when it committed."""
+
+    def __init__(self, settings: Mapping[str, str]) -> None:
+        self.errors: list[str] = []
+        self._lock = threading.Lock()
+        # librdkafka's own log lines (e.g. "connection refused") go through logging, not stderr.
+        self.producer = kafka.producer(settings, role="publisher", logger=logging.getLogger("refresh.kafka"),
+                                       on_delivery=self._on_delivery, **{"delivery.report.only.error": True})
+
+    def _on_delivery(self, err: Any, msg: Any) -> None:
+        if err is not None:
+            with self._lock:
+                self.errors.append(f"{msg.topic()}[{msg.partition()}] key {msg.key()!r}: {err}")
 
 
 def transactional_id(refresher_id: str, dataset: str) -> str:
@@ -41,9 +62,8 @@ def _settings_key(settings: Mapping[str, str]) -> tuple[tuple[str, str], ...]:
     return tuple(sorted((str(k), str(v)) for k, v in settings.items()))
 
 
-def _new_producer(settings: Mapping[str, str]) -> Producer:
-    # librdkafka's own log lines (e.g. "connection refused") go through logging, not stderr.
-    return kafka.producer(settings, role="publisher", logger=logging.getLogger("refresh.kafka"))
+def _new_producer(settings: Mapping[str, str]) -> _Client:
+    return _Client(settings)
 
 
 class Publisher:
@@ -60,17 +80,7 @@ class Publisher:
         self.topic_timeout = topic_timeout
         self.txn_timeout = txn_timeout
         self._txn_ready = False
-        self._producer: Producer | None = None
-        self._errors: list[str] = []
-        self._acked = 0
-        self._lock = threading.Lock()
-
-    def _on_delivery(self, err: Any, msg: Any) -> None:
-        with self._lock:
-            if err is not None:
-                self._errors.append(f"{msg.topic()}[{msg.partition()}] key {msg.key()!r}: {err}")
-            else:
-                self._acked += 1
+        self._client: _Client | None = None
 
     @classmethod
     def warm_up(cls, settings: Mapping[str, str]) -> None:
@@ -104,15 +114,18 @@ class Publisher:
         return {**self.settings, "transactional.id": self.transactional_id}
 
     def producer(self) -> Producer:
-        if self._producer is None:
+        return self._get_client().producer
+
+    def _get_client(self) -> _Client:
+        if self._client is None:
             with _warm_lock:
-                self._producer = _warm.pop(_settings_key(self._producer_settings()), None)
-        if self._producer is None:
+                self._client = _warm.pop(_settings_key(self._producer_settings()), None)
+        if self._client is None:
             try:
-                self._producer = _new_producer(self._producer_settings())
+                self._client = _new_producer(self._producer_settings())
             except KafkaException as exc:
                 raise PublishError(f"cannot create a Kafka producer: {exc}") from None
-        return self._producer
+        return self._client
 
     def prepare(self, topic: str, partitions: int = 1, config: Mapping[str, str] | None = None) -> list[int]:
         """Create ``topic`` if missing (with ``config``, default :data:`TOPIC_CONFIG`); returns its
@@ -124,12 +137,14 @@ class Publisher:
             raise PublishError(f"topic {topic} has no partitions (metadata not available)")
         return parts
 
-    def publish(self, topic: str, messages: Iterable[Message], *, to_every_partition: Iterable[Message] = (),
+    def publish(self, topic: str, messages: Iterable[Message | MessageBatch], *,
+                to_every_partition: Iterable[Message] = (),
                 partitions: list[int] | None = None, flush_timeout: float = 120.0,
                 stop: threading.Event | None = None) -> int:
-        """Produce ``to_every_partition`` (schema records) to each partition, then ``messages`` by key;
-        wait for every delivery report and commit the transaction. Returns the number of messages
-        published. On any failure (or ``stop``) the transaction is aborted: nothing becomes visible."""
+        """Produce ``to_every_partition`` (schema records) to each partition, then ``messages`` (records
+        or batches of records) by key; wait until every one is delivered and commit the transaction.
+        Returns the number of messages published. On any failure (or ``stop``) the transaction is
+        aborted: nothing becomes visible."""
         p = self.producer()
         if self.transactional_id is None:
             return self._produce_all(p, topic, messages, to_every_partition, partitions, flush_timeout, stop)
@@ -142,38 +157,63 @@ class Publisher:
             raise
         return sent
 
-    def _produce_all(self, p: Producer, topic: str, messages: Iterable[Message],
+    def _produce_all(self, p: Producer, topic: str, messages: Iterable[Message | MessageBatch],
                      to_every_partition: Iterable[Message], partitions: list[int] | None,
                      flush_timeout: float, stop: threading.Event | None) -> int:
-        self._errors.clear()
-        self._acked = 0
+        errors = self._get_client().errors
+        errors.clear()
         sent = 0
         for m in to_every_partition:
             for part in partitions or [0]:
-                self._produce(p, topic, m, part)
+                self._produce(p, topic, m.key, m.value, m.headers, part)
                 sent += 1
-        for i, m in enumerate(messages):
-            self._produce(p, topic, m, None)
-            sent += 1
-            if i % 10_000 == 0:
+        since_poll = 0
+        for rec in messages:
+            if isinstance(rec, MessageBatch):
+                sent += self._produce_batch(p, topic, rec)
+                since_poll += len(rec)
+            else:
+                self._produce(p, topic, rec.key, rec.value, rec.headers, None)
+                sent += 1
+                since_poll += 1
+            if since_poll >= 10_000:
+                since_poll = 0
                 p.poll(0)
                 if stop is not None and stop.is_set():
                     p.flush(5)
                     raise Stopped(f"topic {topic}: stopped while publishing ({sent} produced); "
                                   f"nothing committed")
-                if self._errors:
+                if errors:
                     break
         deadline = time.monotonic() + flush_timeout
         while len(p) > 0 and time.monotonic() < deadline:
             p.flush(min(1.0, max(0.0, deadline - time.monotonic())))
-            if stop is not None and stop.is_set() and self._errors:
+            if stop is not None and stop.is_set() and errors:
                 break
         pending = len(p)
-        if self._errors or pending or self._acked != sent:
-            first = self._errors[0] if self._errors else "no delivery report"
-            raise PublishError(f"topic {topic}: {self._acked}/{sent} messages acknowledged "
-                               f"({len(self._errors)} failed, {pending} pending); first error: {first}")
+        if errors or pending:
+            first = errors[0] if errors else "no delivery report"
+            raise PublishError(f"topic {topic}: {sent - len(errors) - pending}/{sent} messages acknowledged "
+                               f"({len(errors)} failed, {pending} pending); first error: {first}")
         return sent
+
+    def _produce_batch(self, p: Producer, topic: str, batch: MessageBatch) -> int:
+        """Produce a batch with one ``produce()`` call per record and nothing else per record (the
+        producer's batch API cannot carry headers); a full local queue waits for the broker."""
+        produce = p.produce
+        h: Any = batch.headers  # the client's stubs want a list of (str, str | bytes | None)
+        keys, values = batch.keys, batch.values
+        i, n = 0, len(keys)
+        while i < n:
+            try:
+                while i < n:
+                    produce(topic, values[i], keys[i], headers=h)
+                    i += 1
+            except BufferError:
+                p.poll(0.05)  # local queue full: let the broker's acknowledgements drain it
+            except KafkaException as exc:
+                raise PublishError(f"topic {topic}: produce failed: {exc}") from None
+        return n
 
     # ---------------------------------------------------------------------------- transactions
 
@@ -210,11 +250,11 @@ class Publisher:
             # transaction.timeout.ms, or the next run's init_transactions does at once.
             log.warning("topic %s: aborting the transaction failed (%s); the next run fences it", topic,
                         exc.args[0] if exc.args else exc)
-        self._producer = None  # a producer in an unknown transaction state is not reused
+        self._client = None  # a producer in an unknown transaction state is not reused
 
-    def _produce(self, p: Producer, topic: str, m: Message, partition: int | None) -> None:
-        kwargs: dict[str, Any] = {"key": m.key, "value": m.value, "headers": m.headers,
-                                  "on_delivery": self._on_delivery}
+    def _produce(self, p: Producer, topic: str, key: bytes, value: bytes | None, headers: list[tuple[str, bytes]],
+                 partition: int | None) -> None:
+        kwargs: dict[str, Any] = {"key": key, "value": value, "headers": headers}
         if partition is not None:
             kwargs["partition"] = partition
         while True:
@@ -227,10 +267,10 @@ class Publisher:
                 raise PublishError(f"topic {topic}: produce failed: {exc}") from None
 
     def close(self) -> None:
-        if self._producer is not None:
+        if self._client is not None:
             if self.transactional_id is None:
-                self._producer.flush(5)
-            self._producer = None
+                self._client.producer.flush(5)
+            self._client = None
 
     def __enter__(self) -> Publisher:
         return self

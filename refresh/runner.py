@@ -38,7 +38,7 @@ from refresh.sources.abc import IncrementalSource, Source
 from refresh.stores.abc import CommittedState, RunKind, RunRecord, RunResult, SnapshotRows, StateStore
 from refresh.stores.files import FileStateStore
 from refstream.config import format_duration
-from refstream.contract import DatasetSchema, delete_messages, schema_message, upsert_messages
+from refstream.contract import DatasetSchema, delete_batches, schema_message, upsert_batches
 from refstream.errors import TransientError, one_line
 from refstream.kafka import end_offsets
 from refstream.retry import call_with_retry
@@ -414,8 +414,8 @@ class Refresher:
         tomb_schema = tombstones_as or schema
 
         def messages() -> Iterator[Any]:
-            yield from delete_messages(tomb_schema, changes.deletes, version)
-            yield from upsert_messages(schema, changes.upserts, version)
+            yield from delete_batches(tomb_schema, changes.deletes, version)
+            yield from upsert_batches(schema, changes.upserts, version)
 
         def attempt() -> int:
             with self.publisher_factory(self._publish_settings(ds)) as pub:

@@ -242,29 +242,61 @@ def schema_message(schema: DatasetSchema) -> Message:
     return Message(SCHEMA_KEY, schema.to_json(), headers(OP_SCHEMA, schema.dataset, schema.version))
 
 
-def upsert_messages(schema: DatasetSchema, rows: pa.Table | Iterable[Mapping[str, Any]],
-                    version: int) -> Iterator[Message]:
-    """Upsert records for every row of ``rows`` (an Arrow table is encoded in bulk, batch by batch)."""
+@dataclass(frozen=True)
+class MessageBatch:
+    """Changelog records sharing one set of headers, as parallel lists: what a publisher produces
+    without a :class:`Message` object per record (``values[i]`` None: a tombstone)."""
+
+    keys: list[bytes]
+    values: Sequence[bytes | None]
+    headers: list[tuple[str, bytes]]
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def messages(self) -> Iterator[Message]:
+        return map(Message, self.keys, self.values, repeat(self.headers))
+
+
+def upsert_batches(schema: DatasetSchema, rows: pa.Table | Iterable[Mapping[str, Any]],
+                   version: int) -> Iterator[MessageBatch]:
+    """Upsert records for every row of ``rows`` in batches (an Arrow table is encoded in bulk)."""
     h = headers(OP_UPSERT, schema.dataset, version)
     if isinstance(rows, pa.Table | pa.RecordBatch):
         for keys, values in encode_batches(rows, schema.key):
             assert values is not None
-            yield from map(Message, keys, values, repeat(h))
+            yield MessageBatch(keys, values, h)
         return
-    for row in rows:
-        yield Message(encode_key(schema.key, row), encode_row(row), h)
+    listed = list(rows)
+    if listed:
+        yield MessageBatch([encode_key(schema.key, r) for r in listed], [encode_row(r) for r in listed], h)
+
+
+def delete_batches(schema: DatasetSchema, keys: pa.Table | Iterable[Mapping[str, Any]],
+                   version: int) -> Iterator[MessageBatch]:
+    """Tombstones for every key row of ``keys`` in batches (only the key columns are read)."""
+    h = headers(OP_DELETE, schema.dataset, version)
+    if isinstance(keys, pa.Table | pa.RecordBatch):
+        for key_bytes, _ in encode_batches(keys, schema.key, values=False):
+            yield MessageBatch(key_bytes, [None] * len(key_bytes), h)
+        return
+    listed = list(keys)
+    if listed:
+        yield MessageBatch([encode_key(schema.key, r) for r in listed], [None] * len(listed), h)
+
+
+def upsert_messages(schema: DatasetSchema, rows: pa.Table | Iterable[Mapping[str, Any]],
+                    version: int) -> Iterator[Message]:
+    """Upsert records for every row of ``rows``, one :class:`Message` each."""
+    for batch in upsert_batches(schema, rows, version):
+        yield from batch.messages()
 
 
 def delete_messages(schema: DatasetSchema, keys: pa.Table | Iterable[Mapping[str, Any]],
                     version: int) -> Iterator[Message]:
-    """Tombstones for every key row of ``keys`` (only the key columns are read)."""
-    h = headers(OP_DELETE, schema.dataset, version)
-    if isinstance(keys, pa.Table | pa.RecordBatch):
-        for key_bytes, _ in encode_batches(keys, schema.key, values=False):
-            yield from map(Message, key_bytes, repeat(None), repeat(h))
-        return
-    for row in keys:
-        yield Message(encode_key(schema.key, row), None, h)
+    """Tombstones for every key row of ``keys``, one :class:`Message` each."""
+    for batch in delete_batches(schema, keys, version):
+        yield from batch.messages()
 
 
 # ---------------------------------------------------------------------------------------- decoding

@@ -28,7 +28,7 @@ from refresh.runner import Refresher
 from refresh.stores.files import FileStateStore
 from refstream import contract
 from refstream import kafka as rkafka
-from refstream.contract import Message
+from refstream.contract import MessageBatch
 from tests.refresh.conftest import execute, read_topic, schemas, table_view
 
 ROWS = 2000
@@ -63,15 +63,14 @@ from refresh.config import load_config
 from refresh.publish import Publisher
 from refresh.runner import Refresher
 
-class Crash(Publisher):
-    produced = 0
+from refstream.contract import MessageBatch
 
-    def _produce(self, p, topic, m, partition):
-        if Crash.produced == int(sys.argv[3]):
-            p.flush(10)
-            os._exit(3)
-        Crash.produced += 1
-        super()._produce(p, topic, m, partition)
+class Crash(Publisher):
+    def _produce_batch(self, p, topic, batch):
+        n = int(sys.argv[3])  # the change set is one batch: produce its first n records, then die
+        super()._produce_batch(p, topic, MessageBatch(batch.keys[:n], batch.values[:n], batch.headers))
+        p.flush(10)
+        os._exit(3)
 
 Refresher(load_config(sys.argv[1]), publisher_factory=Crash, progress=False).run(sys.argv[2])
 """
@@ -111,14 +110,11 @@ def test_a_publish_failing_half_way_commits_nothing(make_config, mysql_engine, m
     execute(mysql_engine, f"UPDATE {t} SET v = 2")
 
     class FailsHalfWay(Publisher):
-        produced = 0
-
-        def _produce(self, p: Any, topic: str, m: Message, partition: int | None) -> None:
-            if FailsHalfWay.produced == ROWS // 2:
-                p.flush(10)
-                raise PublishError(f"topic {topic}: injected failure")
-            FailsHalfWay.produced += 1
-            super()._produce(p, topic, m, partition)
+        def _produce_batch(self, p: Any, topic: str, batch: MessageBatch) -> int:
+            half = ROWS // 2  # the change set is one batch: its first half reaches the broker
+            super()._produce_batch(p, topic, MessageBatch(batch.keys[:half], batch.values[:half], batch.headers))
+            p.flush(10)
+            raise PublishError(f"topic {topic}: injected failure")
 
     with pytest.raises(PublishError, match="injected failure"):
         Refresher(cfg, publisher_factory=FailsHalfWay).run("f")
@@ -168,3 +164,16 @@ def test_changing_the_key_re_keys_the_topic(make_config, mysql_engine, mysql_url
     # The next run under the new key finds nothing to do.
     again = Refresher(cfg).run("r")
     assert (again.published, again.deletes, again.inserts) == (0, 0, 0)
+
+
+def test_delivery_failures_are_reported_without_a_callback_per_acknowledged_message() -> None:
+    """Delivery reports come for failures only; a message that is never delivered fails the publish
+    and is counted, whether it came alone or in a batch."""
+    from refstream.contract import Message as Record
+
+    pub = Publisher({"bootstrap.servers": "127.0.0.1:9", "message.timeout.ms": "1500"})
+    batch = MessageBatch([b"k1", b"k2"], [b"1", None], [("op", b"upsert")])
+    with pytest.raises(PublishError, match=r"topic t: 0/3 messages acknowledged \(3 failed, 0 pending\); "
+                                           r"first error: t\[\w+\] key b'k\d': .*timed out"):
+        pub.publish("t", [batch, Record(b"k3", b"3", [])], flush_timeout=20)
+    pub.close()
