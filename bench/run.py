@@ -3,6 +3,7 @@
     python -m bench.run refresh [options of bench.refresh_bench]
     python -m bench.run enrich  [options of bench.enrich_bench]
     python -m bench.run encode  [options of bench.encode_bench]
+    python -m bench.run soak    [options of bench.soak]
 
 Each benchmark is a module with a ``main(argv) -> int``; it is imported only when chosen, so one
 benchmark's missing or broken module does not stop the other.
@@ -17,6 +18,7 @@ BENCHMARKS = {
     "refresh": ("bench.refresh_bench", "refresher: full diff-mode `refresh run` vs. reading the table"),
     "enrich": ("bench.enrich_bench", "enrichment job: throughput, latency and memory"),
     "encode": ("bench.encode_bench", "refresher: change rows to contract JSON, bulk vs row-wise encoders"),
+    "soak": ("bench.soak", "reliability: the topology under reference churn and SIGKILLs, then an accounting"),
 }
 
 

@@ -10,6 +10,7 @@ import signal
 import sys
 import threading
 from collections.abc import Sequence
+from datetime import timedelta
 from types import FrameType
 
 from refresh.config import RefreshConfig, load_config
@@ -55,8 +56,11 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("status", parents=[common], help="show each dataset's state and last run")
     s.add_argument("--json", action="store_true", help="machine-readable output")
     s.add_argument("--check", action="store_true",
-                   help="exit 1 unless every dataset has been published and its last run did not fail "
-                        "(for healthchecks and monitoring)")
+                   help="exit 1 unless every dataset has been published, its last run did not fail and its "
+                        "last successful run is not older than its max_age (for healthchecks and monitoring)")
+    s.add_argument("--max-age", type=_duration, default=None, metavar="DURATION",
+                   help="with --check: the oldest last successful run accepted, for every dataset (e.g. 2h; "
+                        "default: each dataset's max_age, three schedule intervals)")
     v = sub.add_parser("validate", parents=[common],
                        help="load and check the config, print what would run; exit 0 when valid, else 1")
     v.add_argument("--connect", action="store_true",
@@ -80,7 +84,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             return run_daemon(config)
         if args.verb == "status":
-            return _status(config, args.json, check=args.check)
+            return _status(config, args.json, check=args.check, max_age=args.max_age)
         if args.allow_deletes and not args.datasets:
             # Forcing deletes is a decision about one dataset's data, never a blanket one.
             raise ConfigError("--allow-deletes needs the datasets named: refresh run DATASET --allow-deletes")
@@ -117,7 +121,16 @@ def _validate(path: str, *, connect: bool) -> int:
     return 1 if problems else 0
 
 
-def _status(config: object, as_json: bool, *, check: bool = False) -> int:
+def _duration(text: str) -> timedelta:
+    from refstream.config import parse_duration
+
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _status(config: object, as_json: bool, *, check: bool = False, max_age: timedelta | None = None) -> int:
     from refresh.status import format_status, read_status, unhealthy
 
     rows = read_status(config)  # type: ignore[arg-type]
@@ -125,7 +138,7 @@ def _status(config: object, as_json: bool, *, check: bool = False) -> int:
         print(json.dumps(rows, indent=2, default=str))
     else:
         print(format_status(rows))
-    problems = unhealthy(rows) if check else []
+    problems = unhealthy(rows, max_age=max_age.total_seconds() if max_age else None) if check else []
     if problems:
         print(f"refresh: not healthy: {'; '.join(problems)}", file=sys.stderr)
         return 1

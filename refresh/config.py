@@ -16,6 +16,7 @@ from typing import ClassVar, Literal, get_args
 from refstream.config import Section, kafka_settings, load_yaml, redact_url
 from refstream.contract import TOPIC_CONFIG, check_type, default_topic
 from refstream.errors import ConfigError, ContractError
+from refstream.metrics import MetricsConfig, parse_metrics
 from refstream.retry import RetryPolicy
 
 #: How a dataset is refreshed: diff every row against the published snapshot, or read from a cursor.
@@ -110,6 +111,8 @@ class DatasetConfig:
     max_delete_fraction: float = 0.1
     # A record stays uncompacted this long, so a restarted job finds what its checkpoint recorded.
     min_compaction_lag: timedelta = timedelta(hours=24)
+    # `refresh status --check` fails when the last successful run is older than this (None: no limit).
+    max_age: timedelta | None = None
 
     @property
     def topic_config(self) -> dict[str, str]:
@@ -126,6 +129,8 @@ class RefreshConfig:
     retry: RetryPolicy = field(default_factory=RetryPolicy)
     # Names this refresher on the broker: dataset D publishes as transactional.id "<refresher_id>.D".
     refresher_id: str = "refstream-refresh"
+    # The daemon serves /metrics and its status page here (None: off).
+    metrics: MetricsConfig | None = None
 
     def dataset(self, name: str) -> DatasetConfig:
         try:
@@ -161,9 +166,10 @@ def load_config(path: str | os.PathLike[str]) -> RefreshConfig:
         datasets[name] = _dataset(name, dsec.section(name))
         dsec.raw(name)
     dsec.done()
+    metrics = parse_metrics(root)
     root.done()
     return RefreshConfig(path=p, kafka=kafka, state_dir=state_dir, datasets=datasets, retry=retry,
-                        refresher_id=refresher_id)
+                        refresher_id=refresher_id, metrics=metrics)
 
 
 def _retry(sec: Section) -> RetryPolicy:
@@ -206,10 +212,37 @@ def _dataset(name: str, sec: Section) -> DatasetConfig:
     if not 0.0 <= max_delete_fraction <= 1.0:
         raise sec.error(f"must be between 0 and 1, got {max_delete_fraction}", "max_delete_fraction")
     min_compaction_lag = sec.duration("min_compaction_lag", timedelta(hours=24))
+    max_age = sec.duration("max_age", default_max_age(schedule))
+    if max_age is not None and max_age.total_seconds() <= 0:
+        raise sec.error("must be positive", "max_age")
     sec.done()
     return DatasetConfig(name=name, topic=topic, key=key, mode=mode, schedule=schedule, watch=watch,
                          source=source, incremental=incremental, allow_empty=allow_empty, partitions=partitions,
-                         max_delete_fraction=max_delete_fraction, min_compaction_lag=min_compaction_lag)
+                         max_delete_fraction=max_delete_fraction, min_compaction_lag=min_compaction_lag,
+                         max_age=max_age)
+
+
+def default_max_age(schedule: Schedule) -> timedelta | None:
+    """Three schedule intervals (for a cron expression, three of its longest gaps between two runs
+    over the next ones); None for a dataset without a schedule (on demand or on file changes)."""
+    if schedule.every is not None:
+        return 3 * schedule.every
+    if schedule.cron is not None:
+        from datetime import UTC, datetime
+
+        from apscheduler.triggers.cron import CronTrigger
+
+        trigger = CronTrigger.from_crontab(schedule.cron, timezone=UTC)
+        prev, fires, gap = None, datetime.now(UTC), timedelta(0)
+        for _ in range(50):  # enough to see a daily or weekly pattern's longest gap
+            nxt = trigger.get_next_fire_time(prev, fires)
+            if nxt is None:
+                break
+            if prev is not None:
+                gap = max(gap, nxt - prev)
+            prev, fires = nxt, nxt
+        return 3 * gap if gap else None
+    return None
 
 
 def _source(sec: Section) -> SourceConfig:

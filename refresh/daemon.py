@@ -73,7 +73,9 @@ from refstream.retry import RetryPolicy
 
 if TYPE_CHECKING:
     from refresh.config import DatasetConfig, RefreshConfig
+    from refresh.metrics import RefreshMetrics
     from refresh.runner import RunResult
+    from refstream.metrics import MetricsServer
 
 log = logging.getLogger(__name__)
 
@@ -142,6 +144,7 @@ class Daemon:
         # holding the lock those calls need.
         self._ops: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._written: dict[str, str] | None = None
+        self.metrics_server: MetricsServer | None = None  # with ``metrics:``, once running
 
     # ------------------------------------------------------------------------------------ lifecycle
 
@@ -153,10 +156,11 @@ class Daemon:
             stack.enter_context(self._signals())
             stack.callback(self._remove_next_runs)
 
+            metrics = self._metrics(stack)
             if self._refresher is None:
                 from refresh.runner import Refresher  # late: keeps `refresh --help` fast
 
-                self._refresher = Refresher(self.config)
+                self._refresher = Refresher(self.config, on_run=metrics.observe if metrics else None)
 
             self._scheduler = BackgroundScheduler(
                 executors={"default": ThreadPoolExecutor(max(1, self.options.workers))},
@@ -187,6 +191,27 @@ class Daemon:
             log.info("refresh daemon stopping")
         log.info("refresh daemon stopped")
         return 0
+
+    def _metrics(self, stack: contextlib.ExitStack) -> RefreshMetrics | None:
+        """With ``metrics:`` configured: the metrics, and the server of /metrics and the status page."""
+        if self.config.metrics is None:
+            return None
+        from refresh import page
+        from refresh.metrics import RefreshMetrics
+        from refresh.stores.files import FileStateStore
+        from refstream.metrics import MetricsServer
+
+        store = FileStateStore(self.config.state_dir)
+        metrics = RefreshMetrics()
+        metrics.start_from(store, self.config.datasets)
+
+        def status_page() -> tuple[str, bytes]:
+            rows = [(store.read_status(ds), store.read_runs(ds)) for ds in self.config.datasets]
+            return "text/html; charset=utf-8", page.render(rows).encode("utf-8")
+
+        self.metrics_server = stack.enter_context(
+            MetricsServer(self.config.metrics, metrics.registry, {"/": status_page}))
+        return metrics
 
     @contextlib.contextmanager
     def _daemon_lock(self) -> Iterator[None]:

@@ -87,11 +87,13 @@ class Refresher:
 
     def __init__(self, config: RefreshConfig, *, store: StateStore | None = None,
                  publisher_factory: Callable[[dict[str, str]], Publisher] = Publisher,
-                 progress: bool | None = None) -> None:
+                 progress: bool | None = None, on_run: Callable[[RunRecord], None] | None = None) -> None:
         self.config = config
         self.store = store or FileStateStore(config.state_dir)
         self.publisher_factory = publisher_factory
         self.progress = sys.stderr.isatty() if progress is None else progress
+        #: Called with every recorded run (the daemon's metrics).
+        self.on_run = on_run
 
     # --------------------------------------------------------------------------------- public
     def run(self, dataset: str, *, full: bool = False, reconcile: bool = False, wait: bool = True,
@@ -433,6 +435,11 @@ class Refresher:
             self.store.append_run(ds.name, run)
         except OSError as exc:  # the run's outcome stands; only its report is lost
             log.error("dataset %s: cannot write status: %s", ds.name, exc)
+        if self.on_run is not None:
+            try:
+                self.on_run(run)
+            except Exception:  # metrics must never fail a run
+                log.exception("dataset %s: recording the run's metrics failed", ds.name)
 
 
 def check_deletes(ds: DatasetConfig, state: CommittedState, deletes: int, rows_read: int) -> None:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import logging
+from datetime import UTC, datetime, timedelta
 from typing import Any, TypedDict
 
 from refresh.config import Mode, RefreshConfig
 from refresh.stores.abc import RunKind, RunOutcome
 from refresh.stores.files import FileStateStore
+from refstream.config import format_duration
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +53,7 @@ class StatusRow(TypedDict):
     last_success: str | None
     consecutive_failures: int
     next_run: str | None
+    max_age: float | None          # seconds; `status --check` fails when the last success is older
 
 
 def read_status(config: RefreshConfig) -> list[StatusRow]:
@@ -81,20 +84,38 @@ def read_status(config: RefreshConfig) -> list[StatusRow]:
             "last_success": st.last_success.finished if st.last_success else None,
             "consecutive_failures": st.consecutive_failures,
             "next_run": next_runs.get(name),
+            "max_age": ds.max_age.total_seconds() if ds.max_age is not None else None,
         })
     return out
 
 
-def unhealthy(rows: list[StatusRow]) -> list[str]:
-    """What ``refresh status --check`` reports: datasets never published, or whose last run failed or
-    was refused (an interrupted run is not a failure)."""
+def unhealthy(rows: list[StatusRow], *, max_age: float | None = None, now: datetime | None = None) -> list[str]:
+    """What ``refresh status --check`` reports: datasets never published, whose last run failed or
+    was refused (an interrupted run is not a failure), or whose last successful run is older than
+    ``max_age`` seconds (default: each dataset's ``max_age``)."""
+    now = now or datetime.now(UTC)
     out = []
     for r in rows:
         if r["last_result"] in ("failed", "refused"):
             out.append(f"dataset {r['dataset']}: last run {r['last_result']}: {r['last_error']}")
         elif not r["version"]:
             out.append(f"dataset {r['dataset']}: never published")
+        limit = max_age if max_age is not None else r["max_age"]
+        if limit is None:
+            continue
+        if r["last_success"] is None:
+            if r["version"]:  # never published is reported above
+                out.append(f"dataset {r['dataset']}: no successful run recorded (max age {format_duration(timedelta(seconds=limit))})")
+            continue
+        age = (now - _aware(datetime.fromisoformat(r["last_success"]))).total_seconds()
+        if age > limit:
+            out.append(f"dataset {r['dataset']}: last successful run {format_duration(timedelta(seconds=round(age)))} "
+                       f"ago, older than {format_duration(timedelta(seconds=limit))}")
     return out
+
+
+def _aware(t: datetime) -> datetime:
+    return t if t.tzinfo is not None else t.replace(tzinfo=UTC)
 
 
 def format_status(rows: list[StatusRow]) -> str:

@@ -1,0 +1,405 @@
+"""Kill-everything soak: the real topology under reference churn and SIGKILLs, then a full accounting.
+
+``python -m bench.soak --duration 600 --seed 7`` (or ``make bench ARGS="soak --duration 600 --seed 7"``)
+runs, for ``--duration`` seconds:
+
+- MariaDB with a ``devices`` table, a ``sites.csv`` file, the broker (the embedded one unless
+  ``--bootstrap``), the refresher daemon (``python -m refresh daemon``) and the job
+  (``python -m enrich run``, Kafka output) as separate process groups;
+- an event producer (every event carries a unique ``seq``), and a change driver updating, deleting
+  and inserting device rows and rewriting the CSV;
+- a killer sending SIGKILL to the refresher's and the job's whole process groups at random
+  (seeded) moments and restarting them; the job is killed only once it has committed a batch
+  since its last start, so every kill lands on a running query.
+
+Then, after a quiet period (every process running, one forced ``refresh run``): probe events, one
+per device key ever used, and the checks - every produced event in the ``read_committed`` output
+exactly once; the changelog topics, read through the contract, equal the database and the CSV; the
+probes' enrichment equals the database (deleted keys unmatched); ``refresh status --check`` passes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import sqlalchemy as sa
+import yaml
+from confluent_kafka import Producer
+
+from demo.broker import EmbeddedBroker
+from demo.processes import Child
+from refstream import contract
+from refstream import kafka as rkafka
+from refstream.atomic import write_bytes_atomic
+
+log = logging.getLogger(__name__)
+
+ROOT = Path(__file__).resolve().parents[1]
+DEVICES, SITES = 150, 8
+PROBE_BASE = 10**12  # probe events' seq numbers start here
+
+
+@dataclass
+class Figures:
+    seed: int
+    duration_s: float = 0.0
+    kills_refresher: int = 0
+    kills_job: int = 0
+    events: int = 0
+    probes: int = 0
+    updates: int = 0
+    deletes: int = 0
+    inserts: int = 0
+    csv_edits: int = 0
+    lost: int = -1
+    duplicated: int = -1
+    dimension_mismatches: list[str] = field(default_factory=list)
+    probe_mismatches: list[str] = field(default_factory=list)
+    status_check: int = -1
+
+    @property
+    def changes(self) -> int:
+        return self.updates + self.deletes + self.inserts + self.csv_edits
+
+    def ok(self) -> bool:
+        return (self.lost == 0 and self.duplicated == 0 and not self.dimension_mismatches
+                and not self.probe_mismatches and self.status_check == 0)
+
+
+class Soak:
+    def __init__(self, work: Path, bootstrap: str, mysql_server: str, *, seed: int, duration: float,
+                 min_kills: int = 5) -> None:
+        self.work, self.bootstrap, self.seed, self.duration = work, bootstrap, seed, duration
+        self.min_kills = min_kills
+        self.rng = random.Random(seed)
+        self.kafka = {"bootstrap.servers": bootstrap}
+        tag = uuid.uuid4().hex[:8]
+        self.db_name = f"refstream_soak_{tag}"
+        self.server = mysql_server
+        self.db_url = f"{mysql_server}/{self.db_name}?charset=utf8mb4"
+        self.topics = {"events": f"soak-{tag}.events", "out": f"soak-{tag}.enriched", "dlq": f"soak-{tag}.dlq",
+                       "devices": f"soak-{tag}.ref.devices", "sites": f"soak-{tag}.ref.sites"}
+        self.fig = Figures(seed=seed)
+        self.produced: set[int] = set()
+        self.failed_produce = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.sites = {f"s{i}": f"site-{i}" for i in range(SITES)}
+        self.children: dict[str, Child] = {}
+
+    # ------------------------------------------------------------------------------------ setup
+
+    def _setup(self) -> None:
+        self.work.mkdir(parents=True, exist_ok=True)
+        root = sa.create_engine(self.server + "/", isolation_level="AUTOCOMMIT")
+        with root.connect() as c:
+            c.execute(sa.text(f"CREATE DATABASE `{self.db_name}` CHARACTER SET utf8mb4 COLLATE utf8mb4_bin"))
+        root.dispose()
+        self.engine = sa.create_engine(self.db_url, isolation_level="AUTOCOMMIT")
+        with self.engine.connect() as c:
+            c.execute(sa.text("CREATE TABLE devices (device_id VARCHAR(20) PRIMARY KEY, owner VARCHAR(40) NOT NULL, "
+                              "site_id VARCHAR(10) NOT NULL)"))
+            for i in range(DEVICES):
+                c.execute(sa.text("INSERT INTO devices VALUES (:d, :o, :s)"),
+                          {"d": f"d{i}", "o": f"owner-{i}-0", "s": f"s{i % SITES}"})
+        (self.work / "data").mkdir(exist_ok=True)
+        self._write_sites()
+        refresh = {
+            "kafka": {"bootstrap_servers": self.bootstrap},
+            "state_dir": str(self.work / "state"),
+            "datasets": {
+                "devices": {"source": {"url": self.db_url, "table": "devices"}, "key": ["device_id"],
+                            "mode": "diff", "schedule": {"every": "1s"}, "topic": self.topics["devices"]},
+                "sites": {"source": {"path": str(self.work / "data" / "sites.csv")}, "key": ["site_id"],
+                          "mode": "diff", "watch": True, "schedule": {"every": "3s"}, "topic": self.topics["sites"]},
+            },
+        }
+        enrich = {
+            "kafka": {"bootstrap_servers": self.bootstrap},
+            "events": {"topic": self.topics["events"], "schema": "device_id STRING, seq BIGINT",
+                       "starting_offsets": "earliest"},
+            "joins": [{"dataset": "devices", "topic": self.topics["devices"], "on": "device_id",
+                       "columns": ["owner", "site_id"]},
+                      {"dataset": "sites", "topic": self.topics["sites"], "on": "site_id", "columns": ["name"]}],
+            "output": {"kafka": {"topic": self.topics["out"]}},
+            "dead_letter_topic": self.topics["dlq"],
+            "checkpoint": str(self.work / "checkpoint"),
+            "trigger": "500ms",
+            "max_events_per_batch": 5000,
+            "spark": {"spark.driver.memory": "1g", "spark.sql.shuffle.partitions": "2"},
+        }
+        self.refresh_yaml, self.enrich_yaml = self.work / "refresh.yaml", self.work / "enrich.yaml"
+        self.refresh_yaml.write_text(yaml.safe_dump(refresh), encoding="utf-8")
+        self.enrich_yaml.write_text(yaml.safe_dump(enrich), encoding="utf-8")
+        rkafka.ensure_topic(self.kafka, self.topics["events"], partitions=2)
+        self.env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable,
+                    "PYTHONPATH": str(ROOT), "PYTHONUNBUFFERED": "1"}
+        # The first publish of both datasets before the job starts: it bootstraps from them.
+        self._refresh_cli("run")
+
+    def _write_sites(self) -> None:
+        lines = ["site_id,name"] + [f"{k},{v}" for k, v in sorted(self.sites.items())]
+        write_bytes_atomic(self.work / "data" / "sites.csv", ("\n".join(lines) + "\n").encode())
+
+    def _refresh_cli(self, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "refresh", "--config", str(self.refresh_yaml), *args],
+                              env=self.env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+    def _child(self, name: str) -> Child:
+        if name == "refresher":
+            argv = [sys.executable, "-m", "refresh", "--config", str(self.refresh_yaml), "daemon"]
+        else:
+            argv = [sys.executable, "-m", "enrich", "run", "--config", str(self.enrich_yaml), "--master", "local[2]"]
+        return Child(name, argv, self.work / f"{name}.log", env=self.env, cwd=ROOT).start()
+
+    # -------------------------------------------------------------------------------- drivers
+
+    def _produce_events(self) -> None:
+        p = Producer({**self.kafka, "enable.idempotence": True, "linger.ms": 20})
+
+        def delivered(err: Any, msg: Any) -> None:
+            seq = json.loads(msg.value())["seq"]
+            with self._lock:
+                if err is None:
+                    self.produced.add(seq)
+                else:
+                    self.failed_produce += 1
+
+        seq = 0
+        while not self._stop.is_set():
+            for _ in range(20):
+                dev = f"d{self.rng.randrange(DEVICES + 20)}"
+                p.produce(self.topics["events"], json.dumps({"device_id": dev, "seq": seq}).encode(), dev.encode(),
+                          on_delivery=delivered)
+                seq += 1
+            p.poll(0)
+            time.sleep(0.1)
+        p.flush(30)
+
+    def _change_reference(self) -> None:
+        rng = random.Random(self.seed + 1)
+        n = 0
+        while not self._stop.wait(rng.uniform(0.3, 1.0)):
+            n += 1
+            dev = f"d{rng.randrange(DEVICES + 20)}"
+            op = rng.random()
+            with self.engine.connect() as c:
+                if op < 0.6:
+                    r = c.execute(sa.text("UPDATE devices SET owner = :o, site_id = :s WHERE device_id = :d"),
+                                  {"o": f"owner-{dev}-{n}", "s": f"s{rng.randrange(SITES)}", "d": dev})
+                    self.fig.updates += r.rowcount
+                elif op < 0.8:
+                    r = c.execute(sa.text("DELETE FROM devices WHERE device_id = :d"), {"d": dev})
+                    self.fig.deletes += r.rowcount
+                else:
+                    r = c.execute(sa.text("INSERT IGNORE INTO devices VALUES (:d, :o, :s)"),
+                                  {"d": dev, "o": f"owner-{dev}-{n}", "s": f"s{rng.randrange(SITES)}"})
+                    self.fig.inserts += r.rowcount
+            if n % 12 == 0:
+                site = f"s{rng.randrange(SITES)}"
+                self.sites[site] = f"site-{site}-{n}"
+                self._write_sites()
+                self.fig.csv_edits += 1
+
+    def _job_commits(self) -> int:
+        commits = self.work / "checkpoint" / "spark" / "commits"
+        return sum(1 for p in commits.iterdir() if p.name.isdigit()) if commits.is_dir() else 0
+
+    def _kill(self, name: str) -> None:
+        child = self.children[name]
+        assert child.proc is not None
+        os.killpg(child.proc.pid, signal.SIGKILL)  # the whole group: driver, JVM, Python workers
+        child.proc.wait(30)
+        log.info("SIGKILL %s (pid %d)", name, child.proc.pid)
+        self.children[name] = self._child(name)
+
+    def _killer(self, deadline: float) -> None:
+        rng = random.Random(self.seed + 2)
+        job_started_commits = self._job_commits()
+        refresher_started = time.monotonic()
+        next_refresher_kill = refresher_started + rng.uniform(2, 8)
+        job_extra_wait = rng.uniform(0, 3)
+        job_ready_at: float | None = None
+        limit = deadline + 4 * self.duration  # kills still missing after the duration: keep going, bounded
+        while not self._stop.is_set():
+            now = time.monotonic()
+            enough = (self.fig.kills_refresher >= self.min_kills and self.fig.kills_job >= self.min_kills)
+            if (now >= deadline and enough) or now >= limit:
+                return
+            for c in self.children.values():
+                c.check()
+            if now >= next_refresher_kill and (now < deadline or self.fig.kills_refresher < self.min_kills):
+                self._kill("refresher")
+                self.fig.kills_refresher += 1
+                next_refresher_kill = time.monotonic() + rng.uniform(3, 12)
+            if self._job_commits() > job_started_commits and job_ready_at is None:
+                job_ready_at = now + job_extra_wait
+            if job_ready_at is not None and now >= job_ready_at and (now < deadline or self.fig.kills_job < self.min_kills):
+                self._kill("job")
+                self.fig.kills_job += 1
+                job_started_commits = self._job_commits()
+                job_ready_at, job_extra_wait = None, rng.uniform(0, 3)
+            time.sleep(0.2)
+
+    # ------------------------------------------------------------------------------- checking
+
+    def _read_dimension(self, topic: str) -> dict[str, dict[str, Any]]:
+        """The changelog as a reader applies it through the contract: key -> row (deletes removed)."""
+        rows: dict[bytes, bytes | None] = {}
+        for m in rkafka.read_to_end(self.kafka, topic, timeout=30):
+            ch = contract.decode(m.key(), m.value(), m.headers())
+            if ch.op in (contract.OP_UPSERT, contract.OP_DELETE):
+                rows[ch.key] = ch.value
+        out = {}
+        for k, v in rows.items():
+            if v is not None:
+                key = json.loads(k)
+                out[str(next(iter(key.values())))] = json.loads(v)
+        return out
+
+    def _db_devices(self) -> dict[str, dict[str, Any]]:
+        with self.engine.connect() as c:
+            return {r[0]: {"device_id": r[0], "owner": r[1], "site_id": r[2]}
+                    for r in c.execute(sa.text("SELECT device_id, owner, site_id FROM devices"))}
+
+    def _output(self) -> list[dict[str, Any]]:
+        return [json.loads(m.value()) for m in rkafka.read_to_end(self.kafka, self.topics["out"], timeout=60)]
+
+    def _finish(self) -> None:
+        f = self.fig
+        for name in ("refresher", "job"):
+            self.children[name].check()
+        forced = self._refresh_cli("run")
+        if forced.returncode != 0:
+            raise AssertionError(f"the final refresh run failed: {forced.stderr[-2000:]}")
+        db = self._db_devices()
+        topic_devices = self._read_dimension(self.topics["devices"])
+        topic_sites = {k: v["name"] for k, v in self._read_dimension(self.topics["sites"]).items()}
+        f.dimension_mismatches = [f"devices {k}: topic {topic_devices.get(k)} db {db.get(k)}"
+                                  for k in sorted(set(db) | set(topic_devices)) if topic_devices.get(k) != db.get(k)]
+        f.dimension_mismatches += [f"sites {k}: topic {topic_sites.get(k)} csv {self.sites.get(k)}"
+                                   for k in sorted(set(self.sites) | set(topic_sites))
+                                   if topic_sites.get(k) != self.sites.get(k)]
+        # Probes: one event per key ever used, sent after the final refresh committed.
+        p = Producer({**self.kafka, "enable.idempotence": True})
+        keys = [f"d{i}" for i in range(DEVICES + 20)]
+        for i, dev in enumerate(keys):
+            p.produce(self.topics["events"], json.dumps({"device_id": dev, "seq": PROBE_BASE + i}).encode(),
+                      dev.encode())
+        assert p.flush(30) == 0
+        f.probes = len(keys)
+        expected = self.produced | {PROBE_BASE + i for i in range(len(keys))}
+        deadline = time.monotonic() + 300
+        while True:
+            out = self._output()
+            seqs = Counter(int(e["seq"]) for e in out)
+            if expected <= set(seqs) or time.monotonic() > deadline:
+                break
+            self.children["job"].check()
+            time.sleep(2)
+        f.events = len(self.produced)
+        f.lost = len(expected - set(seqs))
+        f.duplicated = sum(c - 1 for c in seqs.values() if c > 1)
+        probes = {e["device_id"]: e for e in out if int(e["seq"]) >= PROBE_BASE}
+        for dev in keys:
+            e, row = probes.get(dev), db.get(dev)
+            if e is None:
+                f.probe_mismatches.append(f"{dev}: no probe output")
+            elif row is None:
+                if e.get("_devices_matched") or e.get("owner") is not None:
+                    f.probe_mismatches.append(f"{dev}: deleted in the database, enriched with {e}")
+            elif (e.get("owner"), e.get("site_id"), e.get("name")) != (row["owner"], row["site_id"],
+                                                                       self.sites.get(row["site_id"])):
+                f.probe_mismatches.append(f"{dev}: enriched {e.get('owner')}/{e.get('site_id')}/{e.get('name')}, "
+                                          f"database {row['owner']}/{row['site_id']}/{self.sites.get(row['site_id'])}")
+        f.status_check = self._refresh_cli("status", "--check").returncode
+
+    # ------------------------------------------------------------------------------------ run
+
+    def run(self) -> Figures:
+        log.info("soak: seed %d, %.0f s, work directory %s", self.seed, self.duration, self.work)
+        t0 = time.monotonic()
+        with ExitStack() as stack:
+            stack.callback(self._drop_database)
+            self._setup()
+            stack.callback(self._stop_children)
+            self.children = {"refresher": self._child("refresher"), "job": self._child("job")}
+            threads = [threading.Thread(target=self._produce_events, name="events", daemon=True),
+                       threading.Thread(target=self._change_reference, name="changes", daemon=True)]
+            for t in threads:
+                t.start()
+            stack.callback(self._stop.set)
+            try:
+                self._killer(time.monotonic() + self.duration)
+            finally:
+                self._stop.set()
+                for t in threads:
+                    t.join(60)
+            self._finish()
+        self.fig.duration_s = round(time.monotonic() - t0, 1)
+        return self.fig
+
+    def _stop_children(self) -> None:
+        for c in self.children.values():
+            c.stop()
+
+    def _drop_database(self) -> None:
+        engine = sa.create_engine(self.server + "/", isolation_level="AUTOCOMMIT")
+        with engine.connect() as c:
+            c.execute(sa.text(f"DROP DATABASE IF EXISTS `{self.db_name}`"))
+        engine.dispose()
+
+
+@contextmanager
+def _broker(bootstrap: str | None, work: Path) -> Iterator[str]:
+    if bootstrap:
+        yield bootstrap
+        return
+    with EmbeddedBroker(log_path=work / "broker.log") as b:
+        yield b.bootstrap
+
+
+def run(work: Path, *, duration: float, seed: int, bootstrap: str | None = None,
+        mysql_server: str = "mysql+pymysql://root@127.0.0.1:3306", min_kills: int = 5) -> Figures:
+    """One soak; returns its figures (``Figures.ok()`` says whether every check passed)."""
+    work.mkdir(parents=True, exist_ok=True)
+    with _broker(bootstrap, work) as servers:
+        return Soak(work, servers, mysql_server, seed=seed, duration=duration, min_kills=min_kills).run()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n\n")[0])
+    p.add_argument("--duration", type=float, default=180.0, help="seconds of churn and kills (default 180)")
+    p.add_argument("--seed", type=int, default=None, help="random seed (default: from the clock; logged)")
+    p.add_argument("--kills", type=int, default=5, help="at least this many SIGKILLs of each process")
+    p.add_argument("--bootstrap", default=None, help="a broker to use instead of the embedded one")
+    p.add_argument("--mysql", default=os.environ.get("REFSTREAM_TEST_MYSQL", "mysql+pymysql://root@127.0.0.1:3306"))
+    p.add_argument("--work", type=Path, default=None, help="work directory (default: var/soak/<seed>)")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    seed = args.seed if args.seed is not None else int(time.time())
+    work = args.work or Path("var") / "soak" / str(seed)
+    fig = run(work, duration=args.duration, seed=seed, bootstrap=args.bootstrap, mysql_server=args.mysql,
+              min_kills=args.kills)
+    print(json.dumps({**asdict(fig), "changes": fig.changes, "ok": fig.ok()}, indent=2))
+    return 0 if fig.ok() else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,33 @@
+"""The kill-everything soak (bench/soak.py) for three minutes: MariaDB, the broker, the refresher
+daemon and the job as process groups, reference churn, and at least five SIGKILLs of each process.
+Nothing may be lost or duplicated and the final dimensions must equal the database."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+from bench import soak
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # starts the services as processes
+
+
+def test_soak_with_sigkills_loses_and_duplicates_nothing(kafka: dict[str, str], mysql_server_url: str,
+                                                         tmp_path: Path) -> None:
+    seed = int(os.environ.get("REFSTREAM_SOAK_SEED", random.randrange(1 << 30)))
+    duration = float(os.environ.get("REFSTREAM_SOAK_SECONDS", "180"))
+    fig = soak.run(tmp_path / "soak", duration=duration, seed=seed, bootstrap=kafka["bootstrap.servers"],
+                   mysql_server=mysql_server_url)
+    report = json.dumps(asdict(fig), indent=1)
+    print(report)  # the figures, in the test's captured output
+    assert fig.kills_refresher >= 5 and fig.kills_job >= 5, report
+    assert fig.events > 0 and fig.changes > 0, report
+    assert (fig.lost, fig.duplicated) == (0, 0), f"seed {seed}: {report}"
+    assert fig.dimension_mismatches == [], f"seed {seed}: {report}"
+    assert fig.probe_mismatches == [], f"seed {seed}: {report}"
+    assert fig.status_check == 0, f"seed {seed}: refresh status --check failed; logs in {tmp_path}"
