@@ -113,6 +113,9 @@ class DatasetConfig:
     min_compaction_lag: timedelta = timedelta(hours=24)
     # `refresh status --check` fails when the last successful run is older than this (None: no limit).
     max_age: timedelta | None = None
+    # A run without changes publishes a heartbeat record (readers see the dataset is current), at most
+    # once per this interval (None: never).
+    heartbeat: timedelta | None = timedelta(minutes=1)
 
     @property
     def topic_config(self) -> dict[str, str]:
@@ -212,6 +215,7 @@ def _dataset(name: str, sec: Section) -> DatasetConfig:
     if not 0.0 <= max_delete_fraction <= 1.0:
         raise sec.error(f"must be between 0 and 1, got {max_delete_fraction}", "max_delete_fraction")
     min_compaction_lag = sec.duration("min_compaction_lag", timedelta(hours=24))
+    heartbeat = _optional_duration(sec, "heartbeat", timedelta(minutes=1))
     max_age = sec.duration("max_age", default_max_age(schedule))
     if max_age is not None and max_age.total_seconds() <= 0:
         raise sec.error("must be positive", "max_age")
@@ -219,7 +223,7 @@ def _dataset(name: str, sec: Section) -> DatasetConfig:
     return DatasetConfig(name=name, topic=topic, key=key, mode=mode, schedule=schedule, watch=watch,
                          source=source, incremental=incremental, allow_empty=allow_empty, partitions=partitions,
                          max_delete_fraction=max_delete_fraction, min_compaction_lag=min_compaction_lag,
-                         max_age=max_age)
+                         max_age=max_age, heartbeat=heartbeat)
 
 
 def default_max_age(schedule: Schedule) -> timedelta | None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import math
 import sys
 import threading
 import time
@@ -38,7 +39,13 @@ from refresh.sources.abc import IncrementalSource, Source
 from refresh.stores.abc import CommittedState, RunKind, RunRecord, RunResult, SnapshotRows, StateStore
 from refresh.stores.files import FileStateStore
 from refstream.config import format_duration
-from refstream.contract import DatasetSchema, delete_batches, schema_message, upsert_batches
+from refstream.contract import (
+    DatasetSchema,
+    delete_batches,
+    heartbeat_message,
+    schema_message,
+    upsert_batches,
+)
 from refstream.errors import TransientError, one_line
 from refstream.kafka import end_offsets
 from refstream.retry import call_with_retry
@@ -94,6 +101,7 @@ class Refresher:
         self.progress = sys.stderr.isatty() if progress is None else progress
         #: Called with every recorded run (the daemon's metrics).
         self.on_run = on_run
+        self._beat: dict[str, float] = {}  # dataset -> when this process last published to its topic
 
     # --------------------------------------------------------------------------------- public
     def run(self, dataset: str, *, full: bool = False, reconcile: bool = False, wait: bool = True,
@@ -230,6 +238,16 @@ class Refresher:
             published = self._publish(ds, schema, changes, version, with_schema=with_schema, stop=stop,
                                       tombstones_as=state.schema if old_key is not None else None)
             ends = self._published_ends(ds, stop)
+            self._beat[ds.name] = time.monotonic()
+        elif (ds.heartbeat is not None and state.version
+              and time.monotonic() - self._beat.get(ds.name, -math.inf) >= ds.heartbeat.total_seconds()):
+            # Nothing changed: tell readers the dataset is current as of this run (its age is the
+            # refresher's health, not how often the data changes). The topic's new end is committed
+            # below, so the next run's topic check expects it.
+            # ``published`` counts changes; the heartbeat is not one.
+            self._heartbeat(ds, state.version, _utcnow(), stop)
+            ends = self._published_ends(ds, stop)
+            self._beat[ds.name] = time.monotonic()
         timer.mark("publish")
         # The transaction committed: commit even if a stop was requested meanwhile (it is quick,
         # and stopping here would only make the next run publish the same changes again).
@@ -404,6 +422,15 @@ class Refresher:
         return dataclasses.replace(step, changes=changes)
 
     # ------------------------------------------------------------------------------- publishing
+    def _heartbeat(self, ds: DatasetConfig, version: int, at: datetime, stop: threading.Event | None) -> int:
+        def attempt() -> int:
+            with self.publisher_factory(self._publish_settings(ds)) as pub:
+                pub.prepare(ds.topic, ds.partitions, ds.topic_config)
+                return pub.publish(ds.topic, [], to_every_partition=[heartbeat_message(ds.name, version, at)],
+                                   partitions=[0], stop=stop)
+
+        return self._retry(attempt, f"dataset {ds.name}: heartbeat to {ds.topic}", stop)
+
     def _publish_settings(self, ds: DatasetConfig) -> dict[str, str]:
         """Producer settings of ``ds``: a transactional.id stable across restarts, so a new run fences
         a crashed predecessor's producer and aborts its unfinished transaction."""

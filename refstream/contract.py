@@ -10,8 +10,15 @@ Records
               value = :class:`DatasetSchema` as JSON; published to every partition before the changes
                       of any refresh whose columns differ from the last published schema, so a reader
                       that applies records in offset order always knows the types of what follows.
+    *heartbeat* key = ``__heartbeat__`` (never a JSON object either)
+              value = ``{"dataset": ..., "version": n, "at": "<ISO time of the run>"}``; published
+                      (to partition 0, in the run's transaction) by a refresh that found no change,
+                      so a reader knows the dataset is current as of that run even when the data
+                      has not changed for days. It changes no row: readers skip it (a reader that
+                      predates it logs it as an unknown op and skips it), and compaction keeps only
+                      the latest one, since every heartbeat has the same key.
 
-Headers (UTF-8 strings): ``op`` = ``upsert`` | ``delete`` | ``schema``; ``dataset``; ``version`` = a
+Headers (UTF-8 strings): ``op`` = ``upsert`` | ``delete`` | ``schema`` | ``heartbeat``; ``dataset``; ``version`` = a
 decimal integer that grows with every refresh of the dataset; ``contract`` = :data:`CONTRACT_VERSION`.
 
 JSON encoding of values: DECIMAL as a string with its exact digits; DATE ``YYYY-MM-DD``;
@@ -44,8 +51,9 @@ from refstream.errors import ContractError
 CONTRACT_VERSION = 1
 
 H_OP, H_DATASET, H_VERSION, H_CONTRACT = "op", "dataset", "version", "contract"
-OP_UPSERT, OP_DELETE, OP_SCHEMA = "upsert", "delete", "schema"
+OP_UPSERT, OP_DELETE, OP_SCHEMA, OP_HEARTBEAT = "upsert", "delete", "schema", "heartbeat"
 SCHEMA_KEY = b"__schema__"
+HEARTBEAT_KEY = b"__heartbeat__"
 TOPIC_CONFIG = {"cleanup.policy": "compact"}
 
 #: Contract column types. ``decimal(p,s)`` is parametric; everything else is a plain name.
@@ -242,6 +250,12 @@ def schema_message(schema: DatasetSchema) -> Message:
     return Message(SCHEMA_KEY, schema.to_json(), headers(OP_SCHEMA, schema.dataset, schema.version))
 
 
+def heartbeat_message(dataset: str, version: int, at: datetime) -> Message:
+    """The record of a refresh that found no change: the dataset is current as of ``at``."""
+    value = json.dumps({"dataset": dataset, "version": version, "at": at.isoformat()}, separators=(",", ":"))
+    return Message(HEARTBEAT_KEY, value.encode(), headers(OP_HEARTBEAT, dataset, version))
+
+
 @dataclass(frozen=True)
 class MessageBatch:
     """Changelog records sharing one set of headers, as parallel lists: what a publisher produces
@@ -325,7 +339,8 @@ def decode(key: bytes | None, value: bytes | None, hdrs: Any) -> Change:
     h = header_map(hdrs)
     if key is None:
         raise ContractError("changelog record without a key")
-    op = h.get(H_OP) or (OP_SCHEMA if key == SCHEMA_KEY else (OP_DELETE if value is None else OP_UPSERT))
+    op = h.get(H_OP) or (OP_SCHEMA if key == SCHEMA_KEY else OP_HEARTBEAT if key == HEARTBEAT_KEY
+                         else (OP_DELETE if value is None else OP_UPSERT))
     try:
         version = int(h.get(H_VERSION, "0") or 0)
     except ValueError:
@@ -335,6 +350,8 @@ def decode(key: bytes | None, value: bytes | None, hdrs: Any) -> Change:
             raise ContractError("schema record without a value")
         schema = DatasetSchema.from_json(value)
         return Change(op, h.get(H_DATASET, schema.dataset), version, key, value, schema)
+    if op == OP_HEARTBEAT:
+        return Change(op, h.get(H_DATASET, ""), version, key, value)
     if op == OP_DELETE or value is None:
         return Change(OP_DELETE, h.get(H_DATASET, ""), version, key, None)
     if op != OP_UPSERT:

@@ -90,6 +90,8 @@ class DimensionState:
             if rec.timestamp_ms is not None:
                 self.changed_ms = max(self.changed_ms or 0, rec.timestamp_ms)
             self.version = max(self.version, ch.version)
+            if ch.op == contract.OP_HEARTBEAT:
+                continue  # current as of its run (changed_ms above); no row changes
             if ch.op == contract.OP_SCHEMA:
                 assert ch.schema is not None
                 if not ch.schema.same_columns(self.schema):

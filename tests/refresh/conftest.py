@@ -37,9 +37,12 @@ class Record:
         return None if self.value is None else json.loads(self.value)
 
 
-def read_topic(kafka: dict[str, str], topic: str) -> list[Record]:
+def read_topic(kafka: dict[str, str], topic: str, *, heartbeats: bool = False) -> list[Record]:
+    """The topic's records; heartbeats (a run without changes publishes one; they change nothing) only
+    when asked for."""
     return [Record(m.key(), m.value(), contract.header_map(m.headers()), m.partition(), m.offset())
-            for m in read_to_end(kafka, topic, timeout=20)]
+            for m in read_to_end(kafka, topic, timeout=20)
+            if heartbeats or contract.header_map(m.headers()).get("op") != contract.OP_HEARTBEAT]
 
 
 def changes(records: list[Record], version: int | None = None) -> dict[str, dict[str, Any] | None]:

@@ -31,7 +31,7 @@ from refresh.config import RefreshConfig, load_config
 from refresh.daemon import NEXT_RUNS, Daemon, DaemonOptions, daemon_dir, run_daemon
 from refresh.status import read_status
 from refresh.stores.files import FileStateStore
-from refstream.contract import OP_DELETE, OP_SCHEMA, OP_UPSERT, decode
+from refstream.contract import OP_DELETE, OP_HEARTBEAT, OP_SCHEMA, OP_UPSERT, decode
 from refstream.errors import DataError, TerminalError, TransientError
 from refstream.kafka import end_offsets, read_to_end
 from refstream.retry import RetryPolicy
@@ -78,7 +78,8 @@ def daemon_thread(config: RefreshConfig, options: DaemonOptions = FAST, **kw: An
 
 def records(kafka: dict[str, str], topic: str) -> list[tuple[int, Any]]:
     """(offset, Change) of every record on ``topic``, schema records included."""
-    return [(m.offset(), decode(m.key(), m.value(), m.headers())) for m in read_to_end(kafka, topic, timeout=10)]
+    return [(m.offset(), c) for m in read_to_end(kafka, topic, timeout=10)
+            if (c := decode(m.key(), m.value(), m.headers())).op != OP_HEARTBEAT]
 
 
 def replay(changes: list[tuple[int, Any]]) -> dict[str, dict[str, Any]]:
