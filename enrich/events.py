@@ -7,18 +7,24 @@ sends it to the dead-letter topic instead of dropping it or stopping the job.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 
+import pyarrow as pa
+import pyarrow.compute as pc
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
+from pyspark.sql.pandas.types import to_arrow_schema
 from pyspark.sql.types import BooleanType, StringType, StructField, StructType
 
+from enrich.fastparse import FastParser
 from refstream.compat import CompatError, spark_ddl_type
 from refstream.errors import ConfigError
 
 ERROR = "_error"
 CORRUPT = "_corrupt_record"
-#: Set by the fast parser (``enrich.fastparse``) on events it leaves to Spark's ``from_json``.
+#: Set by the fast parser (``enrich.fastparse``) on events it leaves to Spark's ``from_json``; never
+#: leaves :func:`parse`.
 SLOW = "_slow"
 #: Kafka columns carried along for the dead-letter topic and the output key.
 SOURCE = {"_key": "key", "_value": "value", "_topic": "topic", "_partition": "partition", "_offset": "offset"}
@@ -45,17 +51,32 @@ def event_schema(ddl: str, required: Sequence[str] = (), source: str = "config")
 
 
 def parse(raw: DataFrame, schema: StructType, required: Sequence[str] = (), *,
-          keep_source: bool = False) -> DataFrame:
+          fast: FastParser | None = None) -> DataFrame:
     """Event fields, then ``_error`` (null for a good event), then the Kafka ``_key``, ``_value``, ...
 
     ``_key`` (the output key), ``_topic``, ``_partition`` and ``_offset`` (where a dead letter made
     by the sink comes from) are kept in every row; ``_value`` only in rows with ``_error`` set (the
-    dead letters), null otherwise, unless ``keep_source``."""
+    dead letters), null otherwise.
+
+    With ``fast`` (``enrich.fastparse``), pyarrow parses the values it provably parses as Spark does,
+    in a ``mapInArrow`` pass, and ``from_json`` runs in the same plan only on the rows it left
+    (``_slow``): the same rows in the same order as without it, no second query."""
+    if fast is not None:
+        return _parse_fast(raw, schema, required, fast)
+    parsed = raw.select(*[F.col(src).alias(dst) for dst, src in SOURCE.items()], _from_json(schema).alias("_e"))
+    checked = parsed.select(*[F.col(f"_e.`{n}`").alias(n) for n in schema.fieldNames()],
+                            _error(schema, required).alias(ERROR), *SOURCE)
+    return _dead_letter_bytes_only(checked, schema)
+
+
+def _from_json(schema: StructType) -> Column:
     with_corrupt = StructType([*schema.fields, StructField(CORRUPT, StringType(), True)])
-    parsed = raw.select(
-        *[F.col(src).alias(dst) for dst, src in SOURCE.items()],
-        F.from_json(F.col("value").cast("string"), with_corrupt,
-                    {"mode": "PERMISSIVE", "columnNameOfCorruptRecord": CORRUPT}).alias("_e"))
+    return F.from_json(F.col("_value").cast("string"), with_corrupt,
+                       {"mode": "PERMISSIVE", "columnNameOfCorruptRecord": CORRUPT})
+
+
+def _error(schema: StructType, required: Sequence[str]) -> Column:
+    """Why the event in ``_e`` (``from_json`` of ``_value``) is a dead letter, null when it is not."""
     error: Column = (
         F.when(F.col("_value").isNull(), F.lit("event has no value"))
         .when(F.col("_e").isNull(), F.lit("event value is empty"))
@@ -63,15 +84,32 @@ def parse(raw: DataFrame, schema: StructType, required: Sequence[str] = (), *,
               F.lit(f"event is not valid JSON or does not fit the schema: {schema.simpleString()}")))
     for name in required:
         error = error.when(F.col(f"_e.`{name}`").isNull(), F.lit(f"required field {name} is null"))
-    checked = parsed.select(*[F.col(f"_e.`{n}`").alias(n) for n in schema.fieldNames()],
-                            error.alias(ERROR), *SOURCE)
+    return error
+
+
+def _dead_letter_bytes_only(checked: DataFrame, schema: StructType) -> DataFrame:
     # Only dead letters need the original bytes: null them in good rows so that they do not travel
     # through the join's Arrow round trip (about half of every row's bytes).
-    if keep_source:
-        return checked.select(*[F.col(f"`{n}`") for n in schema.fieldNames()], ERROR, *SOURCE)
     bad = F.col(ERROR).isNotNull()
     return checked.select(*[F.col(f"`{n}`") for n in schema.fieldNames()], ERROR,
                           *[F.when(bad, F.col(c)).alias(c) if c == "_value" else F.col(c) for c in SOURCE])
+
+
+def _parse_fast(raw: DataFrame, schema: StructType, required: Sequence[str], fast: FastParser) -> DataFrame:
+    tz = raw.sparkSession.conf.get("spark.sql.session.timeZone") or "UTC"
+    with_slow = StructType([*schema.fields, StructField(ERROR, StringType(), True),
+                            *[StructField(dst, raw.schema[src].dataType, True) for dst, src in SOURCE.items()],
+                            StructField(SLOW, BooleanType(), False)])
+    step = FastEvents(fast, to_arrow_schema(with_slow, timezone=tz))
+    staged = source_columns(raw).mapInArrow(step, with_slow)
+    # A separate projection: Spark does not inline a costly expression used several times, so
+    # from_json runs once per slow row and never for the others.
+    slow = F.col(SLOW)
+    staged = staged.select("*", F.when(slow, _from_json(schema)).alias("_e"))
+    checked = staged.select(
+        *[F.when(slow, F.col(f"_e.`{n}`")).otherwise(F.col(f"`{n}`")).alias(n) for n in schema.fieldNames()],
+        F.when(slow, _error(schema, required)).alias(ERROR), *SOURCE)
+    return _dead_letter_bytes_only(checked, schema)
 
 
 def source_columns(raw: DataFrame) -> DataFrame:
@@ -79,6 +117,27 @@ def source_columns(raw: DataFrame) -> DataFrame:
     return raw.select(*[F.col(src).alias(dst) for dst, src in SOURCE.items()])
 
 
-def fast_schema(parsed: StructType) -> StructType:
-    """The schema the fast path's parse step gives: :func:`parse`'s, plus the ``_slow`` flag."""
-    return StructType([*parsed.fields, StructField(SLOW, BooleanType(), False)])
+@dataclass(frozen=True)
+class FastEvents:
+    """The ``mapInArrow`` step of the fast path: Kafka columns in; the event fields, a null
+    ``_error``, the Kafka columns (``_value`` of the slow rows only) and ``_slow`` out."""
+
+    parser: FastParser
+    schema: pa.Schema
+
+    def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        for b in batches:
+            fields, slow = self.parser.parse(b.column("_value"))
+            n = b.num_rows
+            mask = pa.array(slow)
+            cols = [*fields.columns, pa.nulls(n, pa.string()), b.column("_key")]
+            for name in [c for c in SOURCE if c != "_key"]:
+                col = b.column(name)
+                if name != "_value":
+                    cols.append(col)
+                else:  # the raw event is kept for the slow rows only
+                    cols.append(pc.if_else(mask, col, pa.nulls(n, col.type)) if slow.any() else pa.nulls(n, col.type))
+            cols.append(mask)
+            yield from pa.Table.from_arrays(cols, schema=pa.schema(
+                [pa.field(f.name, c.type) for f, c in zip(self.schema, cols, strict=True)])).cast(
+                    self.schema).to_batches()

@@ -28,8 +28,6 @@ from pyspark.sql.types import BooleanType, StructField, StructType
 from enrich.config import JoinConfig
 from enrich.dimension.ship import Shipped, from_ipc
 from enrich.dimension.store import DELETED
-from enrich.events import SLOW, SOURCE
-from enrich.fastparse import FastParser
 from refstream.compat import key_index, spark_schema
 from refstream.contract import DatasetSchema
 from refstream.errors import ConfigError
@@ -104,17 +102,8 @@ def plan(joins: Sequence[JoinConfig], schemas: Mapping[str, DatasetSchema], inpu
 
 
 def enrich(df: DataFrame, specs: Sequence[JoinSpec], out_schema: StructType, shipped: Mapping[str, Shipped],
-           error_column: str | None = None, parser: FastParser | None = None,
-           parsed_schema: StructType | None = None) -> DataFrame:
-    """``df`` with every join applied, in one ``mapInArrow`` pass.
-
-    With a ``parser``, ``df`` holds the Kafka columns (``events.source_columns``) and the events are
-    parsed in the same pass into ``parsed_schema`` (``events.fast_schema``) before the joins."""
-    if parser is not None:
-        assert parsed_schema is not None and error_column is not None
-        tz = df.sparkSession.conf.get("spark.sql.session.timeZone") or "UTC"
-        step = FastEvents(parser, to_arrow_schema(parsed_schema, timezone=tz), error_column)
-        return df.mapInArrow(Enricher(tuple(specs), dict(shipped), error_column, step), out_schema)
+           error_column: str | None = None) -> DataFrame:
+    """``df`` with every join applied, in one ``mapInArrow`` pass."""
     if not specs:
         return df
     return df.mapInArrow(Enricher(tuple(specs), dict(shipped), error_column), out_schema)
@@ -225,42 +214,15 @@ def join_table(t: pa.Table, spec: JoinSpec, base: _Lookup, overlay: _Lookup | No
         keep = matched
         if error_column is not None:
             keep = keep | t.column(error_column).is_valid().to_numpy(zero_copy_only=False)
-        if SLOW in t.column_names:  # not parsed yet: joined again after Spark parses it
-            keep = keep | t.column(SLOW).to_numpy(zero_copy_only=False)
         t = t.filter(pa.array(keep))
     return t
-
-
-@dataclass(frozen=True)
-class FastEvents:
-    """The parse step of the fast path: Kafka columns in, ``events.fast_schema`` rows out."""
-
-    parser: FastParser
-    schema: pa.Schema           # Arrow form of events.fast_schema(...)
-    error_column: str
-
-    def __call__(self, b: pa.RecordBatch) -> pa.Table:
-        fields, slow = self.parser.parse(b.column("_value"))
-        n = b.num_rows
-        mask = pa.array(slow)
-        cols = [*fields.columns, pa.nulls(n, pa.string()), b.column("_key")]
-        for name in [c for c in SOURCE if c != "_key"]:
-            col = b.column(name)
-            if name != "_value":  # positions are small: kept, a too-large event's dead letter names them
-                cols.append(col)
-            else:  # the raw event is kept for the slow rows only
-                cols.append(pc.if_else(mask, col, pa.nulls(n, col.type)) if slow.any() else pa.nulls(n, col.type))
-        cols.append(mask)
-        return pa.Table.from_arrays(cols, schema=pa.schema(
-            [pa.field(f.name, c.type) for f, c in zip(self.schema, cols, strict=True)])).cast(self.schema)
 
 
 class Enricher:
     """The ``mapInArrow`` function: every join, in order, on every batch of events."""
 
-    def __init__(self, specs: tuple[JoinSpec, ...], shipped: dict[str, Shipped], error_column: str | None,
-                 parse: FastEvents | None = None) -> None:
-        self.specs, self.shipped, self.error_column, self.parse = specs, shipped, error_column, parse
+    def __init__(self, specs: tuple[JoinSpec, ...], shipped: dict[str, Shipped], error_column: str | None) -> None:
+        self.specs, self.shipped, self.error_column = specs, shipped, error_column
 
     def lookups(self) -> dict[str, tuple[_Lookup, _Lookup | None]]:
         out = {}
@@ -274,7 +236,7 @@ class Enricher:
     def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         lookups = self.lookups()
         for b in batches:
-            t = self.parse(b) if self.parse is not None else pa.Table.from_batches([b])
+            t = pa.Table.from_batches([b])
             for spec in self.specs:
                 base, overlay = lookups[spec.dataset]
                 t = join_table(t, spec, base, overlay, self.error_column)

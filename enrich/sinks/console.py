@@ -8,7 +8,7 @@ from enrich.sinks.abc import EnrichedBatch
 
 
 class ConsoleSink:
-    reparses = False  # writes through Spark: events are parsed by from_json
+    writes_dead_letters = False
 
     def __init__(self, rows: int = 20) -> None:
         self.rows = rows

@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 
 class ParquetSink:
-    reparses = False  # writes through Spark: events are parsed by from_json
+    writes_dead_letters = False
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path).resolve()
