@@ -73,7 +73,8 @@ class KafkaSink:
         self.last_results = rows
         records, dead, skipped = summary(rows)
         log.info("batch %d: %d records and %d dead letters written by %d task(s) (%d skipped as committed) "
-                 "in %.2fs", batch_id, records, dead, len(rows), skipped, time.monotonic() - t0)
+                 "in %.2fs; writers: %s", batch_id, records, dead, len(rows), skipped, time.monotonic() - t0,
+                 ", ".join(f"slot {r['slot']} in {r['worker']}" for r in rows))
         for r in rows:
             log.debug("batch %d: %s", batch_id, r)
             if r["leaked"]:
