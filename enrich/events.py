@@ -7,14 +7,13 @@ sends it to the dead-letter topic instead of dropping it or stopping the job.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
-from pyspark.sql.pandas.types import to_arrow_schema
 from pyspark.sql.types import BooleanType, StringType, StructField, StructType
 
 from enrich.fastparse import FastParser
@@ -23,8 +22,7 @@ from refstream.errors import ConfigError
 
 ERROR = "_error"
 CORRUPT = "_corrupt_record"
-#: Set by the fast parser (``enrich.fastparse``) on events it leaves to Spark's ``from_json``; never
-#: leaves :func:`parse`.
+#: Set by the fast parser (``enrich.fastparse``) on events it leaves to Spark's ``from_json``.
 SLOW = "_slow"
 #: Kafka columns carried along for the dead-letter topic and the output key.
 SOURCE = {"_key": "key", "_value": "value", "_topic": "topic", "_partition": "partition", "_offset": "offset"}
@@ -50,19 +48,12 @@ def event_schema(ddl: str, required: Sequence[str] = (), source: str = "config")
     return schema
 
 
-def parse(raw: DataFrame, schema: StructType, required: Sequence[str] = (), *,
-          fast: FastParser | None = None) -> DataFrame:
+def parse(raw: DataFrame, schema: StructType, required: Sequence[str] = ()) -> DataFrame:
     """Event fields, then ``_error`` (null for a good event), then the Kafka ``_key``, ``_value``, ...
 
     ``_key`` (the output key), ``_topic``, ``_partition`` and ``_offset`` (where a dead letter made
     by the sink comes from) are kept in every row; ``_value`` only in rows with ``_error`` set (the
-    dead letters), null otherwise.
-
-    With ``fast`` (``enrich.fastparse``), pyarrow parses the values it provably parses as Spark does,
-    in a ``mapInArrow`` pass, and ``from_json`` runs in the same plan only on the rows it left
-    (``_slow``): the same rows in the same order as without it, no second query."""
-    if fast is not None:
-        return _parse_fast(raw, schema, required, fast)
+    dead letters), null otherwise."""
     parsed = raw.select(*[F.col(src).alias(dst) for dst, src in SOURCE.items()], _from_json(schema).alias("_e"))
     checked = parsed.select(*[F.col(f"_e.`{n}`").alias(n) for n in schema.fieldNames()],
                             _error(schema, required).alias(ERROR), *SOURCE)
@@ -95,49 +86,37 @@ def _dead_letter_bytes_only(checked: DataFrame, schema: StructType) -> DataFrame
                           *[F.when(bad, F.col(c)).alias(c) if c == "_value" else F.col(c) for c in SOURCE])
 
 
-def _parse_fast(raw: DataFrame, schema: StructType, required: Sequence[str], fast: FastParser) -> DataFrame:
-    tz = raw.sparkSession.conf.get("spark.sql.session.timeZone") or "UTC"
-    with_slow = StructType([*schema.fields, StructField(ERROR, StringType(), True),
-                            *[StructField(dst, raw.schema[src].dataType, True) for dst, src in SOURCE.items()],
-                            StructField(SLOW, BooleanType(), False)])
-    step = FastEvents(fast, to_arrow_schema(with_slow, timezone=tz))
-    staged = source_columns(raw).mapInArrow(step, with_slow)
-    # A separate projection: Spark does not inline a costly expression used several times, so
-    # from_json runs once per slow row and never for the others.
-    slow = F.col(SLOW)
-    staged = staged.select("*", F.when(slow, _from_json(schema)).alias("_e"))
-    checked = staged.select(
-        *[F.when(slow, F.col(f"_e.`{n}`")).otherwise(F.col(f"`{n}`")).alias(n) for n in schema.fieldNames()],
-        F.when(slow, _error(schema, required)).alias(ERROR), *SOURCE)
-    return _dead_letter_bytes_only(checked, schema)
-
-
 def source_columns(raw: DataFrame) -> DataFrame:
     """The Kafka columns under their internal names: the input of the fast path's ``mapInArrow``."""
     return raw.select(*[F.col(src).alias(dst) for dst, src in SOURCE.items()])
 
 
+def fast_schema(parsed: StructType) -> StructType:
+    """The schema the fast path's parse step gives: :func:`parse`'s, plus the ``_slow`` flag."""
+    return StructType([*parsed.fields, StructField(SLOW, BooleanType(), False)])
+
+
 @dataclass(frozen=True)
 class FastEvents:
-    """The ``mapInArrow`` step of the fast path: Kafka columns in; the event fields, a null
-    ``_error``, the Kafka columns (``_value`` of the slow rows only) and ``_slow`` out."""
+    """The parse step of the fast path (``enrich.fastparse``), run in the join's ``mapInArrow``:
+    Kafka columns in, :func:`fast_schema` rows out (``schema``, as Arrow): the event fields, a null
+    ``_error``, the Kafka columns (``_value`` of the slow rows only) and ``_slow``. A slow row's
+    fields are null: it must be parsed by :func:`parse` (``from_json``) instead."""
 
     parser: FastParser
     schema: pa.Schema
 
-    def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        for b in batches:
-            fields, slow = self.parser.parse(b.column("_value"))
-            n = b.num_rows
-            mask = pa.array(slow)
-            cols = [*fields.columns, pa.nulls(n, pa.string()), b.column("_key")]
-            for name in [c for c in SOURCE if c != "_key"]:
-                col = b.column(name)
-                if name != "_value":
-                    cols.append(col)
-                else:  # the raw event is kept for the slow rows only
-                    cols.append(pc.if_else(mask, col, pa.nulls(n, col.type)) if slow.any() else pa.nulls(n, col.type))
-            cols.append(mask)
-            yield from pa.Table.from_arrays(cols, schema=pa.schema(
-                [pa.field(f.name, c.type) for f, c in zip(self.schema, cols, strict=True)])).cast(
-                    self.schema).to_batches()
+    def __call__(self, b: pa.RecordBatch) -> pa.Table:
+        fields, slow = self.parser.parse(b.column("_value"))
+        n = b.num_rows
+        mask = pa.array(slow)
+        cols = [*fields.columns, pa.nulls(n, pa.string()), b.column("_key")]
+        for name in [c for c in SOURCE if c != "_key"]:
+            col = b.column(name)
+            if name != "_value":  # positions are small: kept, a too-large event's dead letter names them
+                cols.append(col)
+            else:  # the raw event is kept for the slow rows only
+                cols.append(pc.if_else(mask, col, pa.nulls(n, col.type)) if slow.any() else pa.nulls(n, col.type))
+        cols.append(mask)
+        return pa.Table.from_arrays(cols, schema=pa.schema(
+            [pa.field(f.name, c.type) for f, c in zip(self.schema, cols, strict=True)])).cast(self.schema)

@@ -3,11 +3,12 @@
 One ``foreachBatch`` per micro-batch; the driver only plans it:
 1. pin: fix (or, on a replay, reuse) the changelog positions of every dimension for this batch id,
    bring the dimensions there and ship what changed (docs/dimension.md);
-2. parse the events (bad ones get ``_error``; pyarrow where exact, ``from_json`` for the rest, in
-   the plan), join them in one ``mapInArrow`` pass;
+2. parse the events (bad ones get ``_error``) and join them in one ``mapInArrow`` pass: with the
+   Kafka sink pyarrow parses what it parses exactly (``enrich.fastparse``), else ``from_json``;
 3. the sink writes the good rows at most once per batch id: the Kafka sink in the tasks, each in its
-   own transaction with its dead letters; the other sinks through Spark, their dead letters through
-   a transactional writer on the driver.
+   own transaction with its dead letters (a task that met an event pyarrow left to ``from_json``
+   writes nothing, and its slot is written by a second, ``from_json``, plan of the same input); the
+   other sinks through Spark, their dead letters through a transactional writer on the driver.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from pathlib import Path
 
 from pyspark.errors import StreamingQueryException
 from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
 from pyspark.sql.types import StructType
 
@@ -69,7 +71,8 @@ class EnrichJob:
         self._stack = ExitStack()
         self._stop = threading.Event()
         self.query: StreamingQuery | None = None
-        self._plan: tuple[dict[str, DatasetSchema], list[join.JoinSpec], tuple[str, ...], StructType] | None = None
+        self._plan: tuple[dict[str, DatasetSchema], list[join.JoinSpec], tuple[str, ...], StructType,
+                          StructType] | None = None
         self.fast: FastParser | None = None
         self.batches = 0
 
@@ -103,7 +106,7 @@ class EnrichJob:
         if not self.sink.writes_dead_letters:
             self.dead = DeadLetters(cfg.kafka, cfg.dead_letter_topic, self._dlq_transactional_id(), scope)
             self._stack.callback(self.dead.close)
-        if cfg.events.parser == "auto":
+        if cfg.events.parser == "auto" and self.sink.reparses:
             self.fast = FastParser.for_schema(self.event_schema, cfg.events.required, self._timezone())
         log.info("events parsed by %s", "pyarrow, with from_json for what it leaves" if self.fast else "from_json")
 
@@ -196,31 +199,51 @@ class EnrichJob:
         t0 = time.monotonic()
         shipped = call_with_retry(lambda: self.dims.pin(batch_id), what=f"batch {batch_id}: pinning dimensions",
                                   policy=self.retry, stop=self._stop)
-        specs, out_cols, out_schema = self._planned(self._parsed_schema)
-        parsed = events.parse(batch_df, self.event_schema, self.cfg.events.required, fast=self.fast)
-        batch = EnrichedBatch(join.enrich(parsed, specs, out_schema, shipped, events.ERROR), out_cols)
+        specs, out_cols, out_schema, fast_schema = self._planned(self._parsed_schema)
+
+        def exact(df: DataFrame) -> EnrichedBatch:  # parsed by from_json
+            parsed = events.parse(df, self.event_schema, self.cfg.events.required)
+            return EnrichedBatch(join.enrich(parsed, specs, out_schema, shipped, events.ERROR), out_cols)
+
+        if self.fast is not None:
+            batch = EnrichedBatch(join.enrich(events.source_columns(batch_df), specs, fast_schema, shipped,
+                                              events.ERROR, parser=self.fast,
+                                              parsed_schema=events.fast_schema(self._parsed_schema)), out_cols)
+        else:
+            batch = exact(batch_df)
         dead = call_with_retry(lambda: self.sink.write(batch_id, batch), what=f"batch {batch_id}: writing output",
                                policy=self.retry, stop=self._stop)
+        redone = self.sink.pending
+        if redone:
+            # Tasks that met events the fast parser left to from_json wrote nothing: their input
+            # ranges (same partition indexes, so same slots) are written again from from_json's parse.
+            again = exact(batch_df.where(F.spark_partition_id().isin(list(redone))))
+            call_with_retry(lambda: self.sink.write(batch_id, again), what=f"batch {batch_id}: writing output",
+                            policy=self.retry, stop=self._stop)
         if self.dead is not None:
             dlq = self.dead
             call_with_retry(lambda: dlq.write(batch_id, dead), what=f"batch {batch_id}: writing dead letters",
                             policy=self.retry, stop=self._stop)
         self.batches += 1
-        log.info("batch %d done in %.2fs (dimensions pinned in %.3fs, %d dead letter(s) collected)", batch_id,
-                 time.monotonic() - t0, self.dims.last_pin_seconds, dead.num_rows)
+        log.info("batch %d done in %.2fs (dimensions pinned in %.3fs, %d slot(s) parsed again by from_json, "
+                 "%d dead letter(s) collected)", batch_id, time.monotonic() - t0, self.dims.last_pin_seconds,
+                 len(redone), dead.num_rows)
 
     def _timezone(self) -> str:
         return self.spark.conf.get("spark.sql.session.timeZone") or "UTC"
 
-    def _planned(self, parsed: StructType) -> tuple[list[join.JoinSpec], tuple[str, ...], StructType]:
-        """The joins resolved against the current published schemas: specs, output columns and the
-        output schema of the join pass."""
+    def _planned(self, parsed: StructType) -> tuple[list[join.JoinSpec], tuple[str, ...], StructType, StructType]:
+        """The joins resolved against the current published schemas: specs, output columns, and the
+        output schemas of the join pass after ``from_json`` and after the fast parser."""
         schemas = {ds: self.dims.schema(ds) for ds in self.cfg.datasets}
         if self._plan is None or self._plan[0] != schemas:
-            specs, out_schema = join.plan(self.cfg.joins, schemas, parsed, timezone=self._timezone(),
-                                          source=self.cfg.source)
+            tz = self._timezone()
+            specs, out_schema = join.plan(self.cfg.joins, schemas, parsed, timezone=tz, source=self.cfg.source)
+            _, fast_schema = join.plan(self.cfg.joins, schemas, events.fast_schema(parsed), timezone=tz,
+                                       source=self.cfg.source)
             out_cols = tuple(f.name for f in out_schema.fields if f.name not in events.INTERNAL)
-            self._plan = (schemas, specs, out_cols, out_schema)
+            self._plan = (schemas, specs, out_cols, out_schema, fast_schema)
             log.info("output columns: %s", ", ".join(out_cols))
-        _, specs, out_cols, out_schema = self._plan
-        return specs, out_cols, out_schema
+        _, specs, out_cols, out_schema, fast_schema = self._plan
+        return specs, out_cols, out_schema, fast_schema
+

@@ -28,6 +28,8 @@ from pyspark.sql.types import BooleanType, StructField, StructType
 from enrich.config import JoinConfig
 from enrich.dimension.ship import Shipped, from_ipc
 from enrich.dimension.store import DELETED
+from enrich.events import SLOW, FastEvents
+from enrich.fastparse import FastParser
 from refstream.compat import key_index, spark_schema
 from refstream.contract import DatasetSchema
 from refstream.errors import ConfigError
@@ -102,8 +104,17 @@ def plan(joins: Sequence[JoinConfig], schemas: Mapping[str, DatasetSchema], inpu
 
 
 def enrich(df: DataFrame, specs: Sequence[JoinSpec], out_schema: StructType, shipped: Mapping[str, Shipped],
-           error_column: str | None = None) -> DataFrame:
-    """``df`` with every join applied, in one ``mapInArrow`` pass."""
+           error_column: str | None = None, parser: FastParser | None = None,
+           parsed_schema: StructType | None = None) -> DataFrame:
+    """``df`` with every join applied, in one ``mapInArrow`` pass.
+
+    With a ``parser``, ``df`` holds the Kafka columns (``events.source_columns``) and the events are
+    parsed in the same pass into ``parsed_schema`` (``events.fast_schema``) before the joins."""
+    if parser is not None:
+        assert parsed_schema is not None and error_column is not None
+        tz = df.sparkSession.conf.get("spark.sql.session.timeZone") or "UTC"
+        step = FastEvents(parser, to_arrow_schema(parsed_schema, timezone=tz))
+        return df.mapInArrow(Enricher(tuple(specs), dict(shipped), error_column, step), out_schema)
     if not specs:
         return df
     return df.mapInArrow(Enricher(tuple(specs), dict(shipped), error_column), out_schema)
@@ -214,6 +225,8 @@ def join_table(t: pa.Table, spec: JoinSpec, base: _Lookup, overlay: _Lookup | No
         keep = matched
         if error_column is not None:
             keep = keep | t.column(error_column).is_valid().to_numpy(zero_copy_only=False)
+        if SLOW in t.column_names:  # not parsed: the task leaves its rows to the from_json pass
+            keep = keep | t.column(SLOW).to_numpy(zero_copy_only=False)
         t = t.filter(pa.array(keep))
     return t
 
@@ -221,8 +234,9 @@ def join_table(t: pa.Table, spec: JoinSpec, base: _Lookup, overlay: _Lookup | No
 class Enricher:
     """The ``mapInArrow`` function: every join, in order, on every batch of events."""
 
-    def __init__(self, specs: tuple[JoinSpec, ...], shipped: dict[str, Shipped], error_column: str | None) -> None:
-        self.specs, self.shipped, self.error_column = specs, shipped, error_column
+    def __init__(self, specs: tuple[JoinSpec, ...], shipped: dict[str, Shipped], error_column: str | None,
+                 parse: FastEvents | None = None) -> None:
+        self.specs, self.shipped, self.error_column, self.parse = specs, shipped, error_column, parse
 
     def lookups(self) -> dict[str, tuple[_Lookup, _Lookup | None]]:
         out = {}
@@ -236,7 +250,7 @@ class Enricher:
     def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         lookups = self.lookups()
         for b in batches:
-            t = pa.Table.from_batches([b])
+            t = self.parse(b) if self.parse is not None else pa.Table.from_batches([b])
             for spec in self.specs:
                 base, overlay = lookups[spec.dataset]
                 t = join_table(t, spec, base, overlay, self.error_column)

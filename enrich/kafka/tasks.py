@@ -11,9 +11,13 @@ partition of the output in its own Kafka transaction (docs/architecture.md, "The
    open transaction;
 3. the last marker record of that id in ``<topic>.refstream-commits`` (key: the transactional id)
    says which batch the slot committed last: at or past this batch, the task writes nothing;
-4. else, in one transaction: a ``begin`` record in the marker topic, the task's enriched events to
-   the output topic and its dead letters to the dead-letter topic (in row order: the order of events
-   within an input partition is kept), then the commit marker ``{"batch_id", "slot", ...}``.
+4. else, in one transaction: a ``begin`` record in the marker topic (with the output's visible ends
+   probed before ``init_transactions``), the task's enriched events to the output topic and its dead
+   letters to the dead-letter topic (in row order: the order of events within an input partition is
+   kept), then the commit marker ``{"batch_id", "slot", ...}``.
+
+A row flagged ``_slow`` (an event the fast parser left to ``from_json``) makes the task abort its
+transaction and report ``redo``: the job writes that slot again from the ``from_json`` plan.
 
 One transactional id per slot and batches run one after the other, so one marker per id says it all
 (the marker topic is compacted: its size is bounded by the number of slots). The task returns one
@@ -22,9 +26,8 @@ row of counts; the driver collects only those.
 Some Kafka-protocol brokers (the test broker among them) expose the records of an aborted
 transaction to read_committed readers. The ``begin`` record is how a task sees that this happened to
 its slot's previous attempt at the same batch: it is then the last record of the id, with no commit
-marker after it. Only then are the records that became visible while the producer fenced its
-predecessor read back, and those equal to this task's records (same input, same output) are not
-written again. On Apache Kafka aborted records never show, and this path never runs.
+marker after it. Only then are the records visible since the ends that ``begin`` record names read
+back, and those equal to this task's records (same input, same output) are not written again. On Apache Kafka aborted records never show, and this path never runs.
 """
 
 from __future__ import annotations
@@ -66,9 +69,10 @@ from refstream.kafka import producer
 log = logging.getLogger(__name__)
 
 ERROR = "_error"
+SLOW = "_slow"
 #: What a task returns to the driver: one row of counts, never an event.
 RESULT_DDL = ("slot INT, transactional_id STRING, records BIGINT, dead_letters BIGINT, skipped BOOLEAN, "
-              "leaked BIGINT, worker STRING, seconds DOUBLE")
+              "redo BOOLEAN, leaked BIGINT, worker STRING, seconds DOUBLE")
 #: Environment variable of the test hook that kills a Python worker inside its transaction (read on
 #: the driver): ``<batch id>:<slot>:<flag file>``; the worker kills itself once, and creates the file.
 KILL_HOOK = "REFSTREAM_TEST_KILL_TASK"
@@ -128,7 +132,7 @@ class TaskWriter:
         started = time.monotonic()
         first = next(batches, None)
         if first is None:  # nothing to write: no transaction, no marker (a replay has nothing either)
-            yield self._result(slot, 0, 0, False, 0, started)
+            yield self._result(slot, started)
             return
         tx = _SlotTransaction(self, slot)
         try:
@@ -137,10 +141,17 @@ class TaskWriter:
                     pass
                 log.info("batch %d slot %d: committed before (last %d); skipped", self.batch_id, slot,
                          tx.committed)
-                yield self._result(slot, 0, 0, True, 0, started)
+                yield self._result(slot, started, skipped=True)
                 return
-            tx.begin()
             for b in chain([first], batches):
+                if SLOW in b.schema.names and pc.any(b.column(SLOW)).as_py():
+                    # An event the fast parser left to from_json: this slot is written by the
+                    # from_json pass instead (the job runs it for the slots that ask).
+                    tx.abort()
+                    for _ in batches:
+                        pass
+                    yield self._result(slot, started, redo=True)
+                    return
                 tx.write(b)
                 if self.kill is not None:
                     self.kill.fire(self.batch_id, slot, tx.producer)
@@ -149,18 +160,19 @@ class TaskWriter:
             tx.close()
         log.info("batch %d slot %d (%s): %d records, %d dead letters in %.2fs", self.batch_id, slot, tx.tid,
                  tx.records, tx.dead, time.monotonic() - started)
-        yield self._result(slot, tx.records, tx.dead, False, tx.leaked_total, started)
+        yield self._result(slot, started, records=tx.records, dead=tx.dead, leaked=tx.leaked_total)
 
-    def _result(self, slot: int, records: int, dead: int, skipped: bool, leaked: int, started: float
-                ) -> pa.RecordBatch:
+    def _result(self, slot: int, started: float, *, records: int = 0, dead: int = 0, skipped: bool = False,
+                redo: bool = False, leaked: int = 0) -> pa.RecordBatch:
         return pa.RecordBatch.from_pylist([{
             "slot": slot, "transactional_id": slot_id(self.base_id, slot), "records": records,
-            "dead_letters": dead, "skipped": skipped, "leaked": leaked, "worker": worker_name(),
+            "dead_letters": dead, "skipped": skipped, "redo": redo, "leaked": leaked, "worker": worker_name(),
             "seconds": time.monotonic() - started}], schema=RESULT_SCHEMA)
 
 
 RESULT_SCHEMA = pa.schema([("slot", pa.int32()), ("transactional_id", pa.string()), ("records", pa.int64()),
-                          ("dead_letters", pa.int64()), ("skipped", pa.bool_()), ("leaked", pa.int64()),
+                          ("dead_letters", pa.int64()), ("skipped", pa.bool_()), ("redo", pa.bool_()),
+                          ("leaked", pa.int64()),
                           ("worker", pa.string()), ("seconds", pa.float64())])
 
 
@@ -179,7 +191,8 @@ class _SlotTransaction:
         self.limit = record_limit(w.settings)
         self.records = self.dead = self.leaked_total = 0
         topics = [w.topic, w.dead_letter_topic]
-        before = visible_ends(w.settings, topics)
+        self.before = visible_ends(w.settings, topics)
+        self.open = False
         self.producer = producer(w.settings, role="transactional",
                                  **{"transactional.id": self.tid, "client.id": f"{self.tid}@{worker_name()}"})
         try:
@@ -190,8 +203,10 @@ class _SlotTransaction:
         self.committed = None if marker is None else committed_batch(marker)
         self.leaked: Counter[tuple] = Counter()
         if marker is not None and marker.get("begin") == w.batch_id:
-            # The previous attempt at this batch was aborted, and the broker shows its records.
-            self.leaked = read_identities(w.settings, before, visible_ends(w.settings, topics), w.timeout)
+            # The previous attempt at this batch was aborted, and the broker shows its records: they
+            # lie past the ends that attempt saw before it began.
+            since = {(str(t), int(p)): int(o) for t, p, o in marker.get("ends", [])}
+            self.leaked = read_identities(w.settings, since, visible_ends(w.settings, topics), w.timeout)
             log.warning("batch %d slot %d: %d records of the aborted attempt became visible; they will not "
                         "be written again", w.batch_id, slot, sum(self.leaked.values()))
 
@@ -199,13 +214,23 @@ class _SlotTransaction:
         w = self.w
         try:
             self.producer.begin_transaction()
+            self.open = True
             self.producer.produce(w.marker_topic, json.dumps(
-                {"begin": w.batch_id, "committed": self.committed, "slot": self.slot, "scope": w.scope}).encode(),
+                {"begin": w.batch_id, "committed": self.committed, "slot": self.slot, "scope": w.scope,
+                 "ends": [[t, p, o] for (t, p), o in sorted(self.before.items())]}).encode(),
                 key=self.tid.encode(), partition=0)
         except KafkaException as exc:
             raise self._failed(exc) from None
 
+    def abort(self) -> None:
+        if self.open:
+            self.producer.flush(self.w.timeout)
+            abort(self.producer, self.w.timeout, self.w.topic)
+            self.open = False
+
     def write(self, batch: pa.RecordBatch) -> None:
+        if not self.open:
+            self.begin()
         table = too_large_to_dead_letters(pa.Table.from_batches([batch]), self.limit)
         failed = pc.is_valid(table.column(ERROR))
         good = table.filter(pc.invert(failed))
@@ -230,12 +255,15 @@ class _SlotTransaction:
 
     def commit(self) -> None:
         w = self.w
+        if not self.open:
+            self.begin()
         try:
             self.producer.flush(w.timeout)  # data before marker (see TransactionalBatchWriter.write)
             marker = {"batch_id": w.batch_id, "slot": self.slot, "topic": w.topic, "records": self.records,
                       "dead_letters": self.dead, "scope": w.scope, "committed_at": datetime.now(UTC).isoformat()}
             self.producer.produce(w.marker_topic, json.dumps(marker).encode(), key=self.tid.encode(), partition=0)
             commit(self.producer, w.timeout, w.topic)
+            self.open = False
         except KafkaException as exc:
             raise self._failed(exc) from None
 
@@ -292,6 +320,6 @@ def too_large_to_dead_letters(table: pa.Table, limit: int) -> pa.Table:
 
 
 def summary(rows: Sequence[Mapping[str, object]]) -> tuple[int, int, int]:
-    """(records, dead letters, slots skipped) over the tasks' result rows."""
+    """(records, dead letters, slots skipped as committed) over the tasks' result rows."""
     return (sum(int(str(r["records"])) for r in rows), sum(int(str(r["dead_letters"])) for r in rows),
             sum(1 for r in rows if r["skipped"]))

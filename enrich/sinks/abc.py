@@ -24,7 +24,8 @@ JSON_OPTIONS = {"ignoreNullFields": "false", "timestampFormat": "yyyy-MM-dd'T'HH
 
 @dataclass(frozen=True)
 class EnrichedBatch:
-    """``df`` holds the output ``columns`` plus ``_error`` and the Kafka source columns."""
+    """``df`` holds the output ``columns`` plus ``_error`` and the Kafka source columns, and for a
+    sink that ``reparses``, the fast parser's ``_slow`` flag (such rows hold no parsed fields)."""
 
     df: DataFrame
     columns: tuple[str, ...]
@@ -42,6 +43,12 @@ class EnrichedBatch:
 class Sink(Protocol):
     #: True when :meth:`write` writes the dead letters itself (and returns none).
     writes_dead_letters: bool
+    #: True when :meth:`write` takes the fast parser's rows (``_slow`` set on the events it left to
+    #: ``from_json``) and leaves the slots holding such rows in :attr:`pending`.
+    reparses: bool
+    #: After :meth:`write`: slots (partition indexes of the batch's plan) to be written again, with
+    #: the same batch id, from the batch parsed by ``from_json``.
+    pending: tuple[int, ...]
 
     def write(self, batch_id: int, batch: EnrichedBatch) -> pa.Table:
         """Write the good events of ``batch`` (at most once per batch id); return its dead letters."""

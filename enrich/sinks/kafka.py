@@ -5,6 +5,11 @@ the source columns of dead letters) and runs ``enrich.kafka.tasks.TaskWriter`` o
 ``mapInArrow``: each task commits its own partition of the output and of the dead letters in one
 Kafka transaction with a marker of (query, batch id, slot). The driver collects one row of counts
 per task, never an event.
+
+A task whose rows hold an event the fast parser left to ``from_json`` (``_slow``) writes nothing and
+asks for its slot to be written again from ``from_json``'s parse: :attr:`KafkaSink.pending` after
+:meth:`KafkaSink.write`; the job then writes those slots from the exact plan (same input ranges,
+same slots), with the same batch id.
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
 from enrich.deadletter import COLUMNS as DEAD_COLUMNS
-from enrich.events import ERROR
+from enrich.events import ERROR, SLOW
 from enrich.kafka.tasks import KILL_HOOK, RESULT_DDL, KillPoint, TaskWriter, summary
 from enrich.kafka.writer import MARKER_SUFFIX, committed_batch, last_marker
 from enrich.sinks.abc import EnrichedBatch
@@ -35,6 +40,7 @@ class KafkaSink:
     """``transactional_id`` is the base of the tasks' ids (``<base>-<slot>``)."""
 
     writes_dead_letters = True
+    reparses = True
 
     def __init__(self, settings: Mapping[str, str], topic: str, transactional_id: str, dead_letter_topic: str,
                  scope: str | None = None) -> None:
@@ -51,9 +57,12 @@ class KafkaSink:
         self.kill = KillPoint.from_env(os.environ.get(KILL_HOOK))
         #: The tasks' result rows of the last batch written (``enrich.kafka.tasks.RESULT_DDL``).
         self.last_results: list[dict[str, object]] = []
+        #: Slots of the last batch written that are to be written again from ``from_json``'s parse.
+        self.pending: tuple[int, ...] = ()
 
     def write(self, batch_id: int, batch: EnrichedBatch) -> pa.Table:
         empty = pa.table({c: pa.array([], pa.null()) for c in DEAD_COLUMNS})
+        self.pending = ()
         if self.legacy_committed is not None and batch_id <= self.legacy_committed:
             log.info("batch %d was committed to %s before (last %d): skipped", batch_id, self.topic,
                      self.legacy_committed)
@@ -71,10 +80,12 @@ class KafkaSink:
                 raise TransientError(text[text.rindex(_TRANSIENT) + len(_TRANSIENT):].splitlines()[0]) from exc
             raise
         self.last_results = rows
+        self.pending = tuple(sorted(int(str(r["slot"])) for r in rows if r["redo"]))
         records, dead, skipped = summary(rows)
-        log.info("batch %d: %d records and %d dead letters written by %d task(s) (%d skipped as committed) "
-                 "in %.2fs; writers: %s", batch_id, records, dead, len(rows), skipped, time.monotonic() - t0,
-                 ", ".join(f"slot {r['slot']} in {r['worker']}" for r in rows))
+        log.info("batch %d: %d records and %d dead letters written by %d task(s) (%d skipped as committed, "
+                 "%d left to from_json) in %.2fs; writers: %s", batch_id, records, dead, len(rows), skipped,
+                 len(self.pending), time.monotonic() - t0,
+                 ", ".join(f"slot {r['slot']} in {r['worker']}" for r in rows if not r["redo"]))
         for r in rows:
             log.debug("batch %d: %s", batch_id, r)
             if r["leaked"]:
@@ -89,10 +100,13 @@ class KafkaSink:
 def records_frame(batch: EnrichedBatch) -> DataFrame:
     """The batch's output rows in event order: ``key``, ``value`` (the JSON of a good event, null
     for a dead letter) and the dead-letter columns (``_key`` and ``_value`` of dead letters only;
-    the positions of every row: a dead letter made later, ``too_large``, names its source)."""
-    good = F.col(ERROR).isNull()
+    the positions of every row: a dead letter made later, ``too_large``, names its source), and
+    ``_slow`` from the fast parser (those rows' values are null)."""
+    slow = SLOW in batch.df.columns
+    good = F.col(ERROR).isNull() & ~F.col(SLOW) if slow else F.col(ERROR).isNull()
     position = ("_topic", "_partition", "_offset")
     return batch.df.select(
         F.col("_key").alias("key"),
         F.when(good, batch.json_value()).cast("binary").alias("value"),
-        *[F.col(c) if c in position else F.when(~good, F.col(c)).alias(c) for c in DEAD_COLUMNS])
+        *[F.col(c) if c in position else F.when(F.col(ERROR).isNotNull(), F.col(c)).alias(c) for c in DEAD_COLUMNS],
+        *([F.col(SLOW)] if slow else []))
