@@ -1,10 +1,14 @@
 """The enrichment job: Kafka events -> parse -> lookup joins against pinned dimensions -> sink.
 
-One ``foreachBatch`` per micro-batch, on the driver:
+One ``foreachBatch`` per micro-batch; the driver only plans it:
 1. pin: fix (or, on a replay, reuse) the changelog positions of every dimension for this batch id,
    bring the dimensions there and ship what changed (docs/dimension.md);
-2. parse the events (bad ones get ``_error``), join them in one ``mapInArrow`` pass;
-3. the sink writes the good rows at most once per batch id; dead letters go to their topic the same way.
+2. parse the events (bad ones get ``_error``) and join them in one ``mapInArrow`` pass: with the
+   Kafka sink pyarrow parses what it parses exactly (``enrich.fastparse``), else ``from_json``;
+3. the sink writes the good rows at most once per batch id: the Kafka sink in the tasks, each in its
+   own transaction with its dead letters (a task that met an event pyarrow left to ``from_json``
+   writes nothing, and its slot is written by a second, ``from_json``, plan of the same input); the
+   other sinks through Spark, their dead letters through a transactional writer on the driver.
 """
 
 from __future__ import annotations
@@ -19,9 +23,9 @@ import uuid
 from contextlib import ExitStack
 from pathlib import Path
 
-import pyarrow as pa
 from pyspark.errors import StreamingQueryException
 from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
 from pyspark.sql.streaming import StreamingQuery
 from pyspark.sql.types import StructType
 
@@ -98,8 +102,10 @@ class EnrichJob:
         scope = self._scope()
         self.sink: Sink = make_sink(cfg, scope, self._transactional_id(cfg.output.topic) if cfg.output.topic else None)
         self._stack.callback(self.sink.close)
-        self.dead = DeadLetters(cfg.kafka, cfg.dead_letter_topic, self._dlq_transactional_id(), scope)
-        self._stack.callback(self.dead.close)
+        self.dead: DeadLetters | None = None
+        if not self.sink.writes_dead_letters:
+            self.dead = DeadLetters(cfg.kafka, cfg.dead_letter_topic, self._dlq_transactional_id(), scope)
+            self._stack.callback(self.dead.close)
         if cfg.events.parser == "auto" and self.sink.reparses:
             self.fast = FastParser.for_schema(self.event_schema, cfg.events.required, self._timezone())
         log.info("events parsed by %s", "pyarrow, with from_json for what it leaves" if self.fast else "from_json")
@@ -194,27 +200,34 @@ class EnrichJob:
         shipped = call_with_retry(lambda: self.dims.pin(batch_id), what=f"batch {batch_id}: pinning dimensions",
                                   policy=self.retry, stop=self._stop)
         specs, out_cols, out_schema, fast_schema = self._planned(self._parsed_schema)
+
+        def exact(df: DataFrame) -> EnrichedBatch:  # parsed by from_json
+            parsed = events.parse(df, self.event_schema, self.cfg.events.required)
+            return EnrichedBatch(join.enrich(parsed, specs, out_schema, shipped, events.ERROR), out_cols)
+
         if self.fast is not None:
-            enriched = join.enrich(events.source_columns(batch_df), specs, fast_schema, shipped, events.ERROR,
-                                   parser=self.fast, parsed_schema=events.fast_schema(self._parsed_schema))
-
-            def redo(raw: pa.Table) -> EnrichedBatch:  # the events the fast parser left to from_json
-                df = self.spark.createDataFrame(raw.rename_columns([events.SOURCE[c] for c in raw.column_names]))
-                exact = events.parse(df, self.event_schema, self.cfg.events.required, keep_source=True)
-                return EnrichedBatch(join.enrich(exact, specs, out_schema, shipped, events.ERROR), out_cols)
-
-            batch = EnrichedBatch(enriched, out_cols, redo)
+            batch = EnrichedBatch(join.enrich(events.source_columns(batch_df), specs, fast_schema, shipped,
+                                              events.ERROR, parser=self.fast,
+                                              parsed_schema=events.fast_schema(self._parsed_schema)), out_cols)
         else:
-            parsed = events.parse(batch_df, self.event_schema, self.cfg.events.required)
-            enriched = join.enrich(parsed, specs, out_schema, shipped, events.ERROR)
-            batch = EnrichedBatch(enriched, out_cols)
+            batch = exact(batch_df)
         dead = call_with_retry(lambda: self.sink.write(batch_id, batch), what=f"batch {batch_id}: writing output",
                                policy=self.retry, stop=self._stop)
-        call_with_retry(lambda: self.dead.write(batch_id, dead), what=f"batch {batch_id}: writing dead letters",
-                        policy=self.retry, stop=self._stop)
+        redone = self.sink.pending
+        if redone:
+            # Tasks that met events the fast parser left to from_json wrote nothing: their input
+            # ranges (same partition indexes, so same slots) are written again from from_json's parse.
+            again = exact(batch_df.where(F.spark_partition_id().isin(list(redone))))
+            call_with_retry(lambda: self.sink.write(batch_id, again), what=f"batch {batch_id}: writing output",
+                            policy=self.retry, stop=self._stop)
+        if self.dead is not None:
+            dlq = self.dead
+            call_with_retry(lambda: dlq.write(batch_id, dead), what=f"batch {batch_id}: writing dead letters",
+                            policy=self.retry, stop=self._stop)
         self.batches += 1
-        log.info("batch %d done in %.2fs (dimensions pinned in %.3fs, %d dead letter(s))", batch_id,
-                 time.monotonic() - t0, self.dims.last_pin_seconds, dead.num_rows)
+        log.info("batch %d done in %.2fs (dimensions pinned in %.3fs, %d slot(s) parsed again by from_json, "
+                 "%d dead letter(s) collected)", batch_id, time.monotonic() - t0, self.dims.last_pin_seconds,
+                 len(redone), dead.num_rows)
 
     def _timezone(self) -> str:
         return self.spark.conf.get("spark.sql.session.timeZone") or "UTC"

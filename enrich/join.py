@@ -28,7 +28,7 @@ from pyspark.sql.types import BooleanType, StructField, StructType
 from enrich.config import JoinConfig
 from enrich.dimension.ship import Shipped, from_ipc
 from enrich.dimension.store import DELETED
-from enrich.events import SLOW, SOURCE
+from enrich.events import SLOW, FastEvents
 from enrich.fastparse import FastParser
 from refstream.compat import key_index, spark_schema
 from refstream.contract import DatasetSchema
@@ -113,7 +113,7 @@ def enrich(df: DataFrame, specs: Sequence[JoinSpec], out_schema: StructType, shi
     if parser is not None:
         assert parsed_schema is not None and error_column is not None
         tz = df.sparkSession.conf.get("spark.sql.session.timeZone") or "UTC"
-        step = FastEvents(parser, to_arrow_schema(parsed_schema, timezone=tz), error_column)
+        step = FastEvents(parser, to_arrow_schema(parsed_schema, timezone=tz))
         return df.mapInArrow(Enricher(tuple(specs), dict(shipped), error_column, step), out_schema)
     if not specs:
         return df
@@ -225,34 +225,10 @@ def join_table(t: pa.Table, spec: JoinSpec, base: _Lookup, overlay: _Lookup | No
         keep = matched
         if error_column is not None:
             keep = keep | t.column(error_column).is_valid().to_numpy(zero_copy_only=False)
-        if SLOW in t.column_names:  # not parsed yet: joined again after Spark parses it
+        if SLOW in t.column_names:  # not parsed: the task leaves its rows to the from_json pass
             keep = keep | t.column(SLOW).to_numpy(zero_copy_only=False)
         t = t.filter(pa.array(keep))
     return t
-
-
-@dataclass(frozen=True)
-class FastEvents:
-    """The parse step of the fast path: Kafka columns in, ``events.fast_schema`` rows out."""
-
-    parser: FastParser
-    schema: pa.Schema           # Arrow form of events.fast_schema(...)
-    error_column: str
-
-    def __call__(self, b: pa.RecordBatch) -> pa.Table:
-        fields, slow = self.parser.parse(b.column("_value"))
-        n = b.num_rows
-        mask = pa.array(slow)
-        cols = [*fields.columns, pa.nulls(n, pa.string()), b.column("_key")]
-        for name in [c for c in SOURCE if c != "_key"]:
-            col = b.column(name)
-            if name != "_value":  # positions are small: kept, a too-large event's dead letter names them
-                cols.append(col)
-            else:  # the raw event is kept for the slow rows only
-                cols.append(pc.if_else(mask, col, pa.nulls(n, col.type)) if slow.any() else pa.nulls(n, col.type))
-        cols.append(mask)
-        return pa.Table.from_arrays(cols, schema=pa.schema(
-            [pa.field(f.name, c.type) for f, c in zip(self.schema, cols, strict=True)])).cast(self.schema)
 
 
 class Enricher:

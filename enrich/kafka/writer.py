@@ -25,7 +25,7 @@ from datetime import UTC, datetime
 from types import TracebackType
 
 import pyarrow as pa
-from confluent_kafka import KafkaError, KafkaException
+from confluent_kafka import KafkaError, KafkaException, Producer
 
 from enrich.kafka.fetch import OffsetRange, read_range
 from enrich.kafka.offsets import EndOffsetProbe
@@ -55,7 +55,135 @@ def transactional_id_for(checkpoint: str | os.PathLike[str], topic: str) -> str:
     return f"refstream-enrich-{digest[:20]}"
 
 
-def _identity(key: bytes | None, value: bytes, headers: list | None) -> tuple:
+def last_marker(settings: Mapping[str, str], marker_topic: str, key: str, scope: str | None, *,
+                timeout: float = 60.0) -> dict | None:
+    """The last visible record of ``key`` in ``marker_topic`` (partition 0) whose scope is ``scope``
+    (any scope when None), or None. Read backwards from the end in growing windows: the markers of
+    other ids written since are skipped quickly."""
+    probe = EndOffsetProbe(settings)
+    try:
+        tp = (marker_topic, 0)
+        res = probe.probe([tp])
+        end, low = res.end[tp], max(res.low.get(tp, 0), 0)
+    finally:
+        probe.close()
+    want = key.encode()
+    stop, window = end, _MARKER_WINDOW
+    while stop > low:
+        start = max(low, stop - window)
+        found: dict | None = None
+        for batch in read_range(settings, OffsetRange(marker_topic, 0, start, stop), poll_timeout_s=timeout):
+            keys = batch.column(0).to_pylist()
+            values = batch.column(1).to_pylist()
+            for k, v in zip(keys, values, strict=True):
+                if k == want:
+                    marker = json.loads(v)
+                    if scope is None or marker.get("scope") == scope:
+                        found = marker  # offset order: the last one wins
+        if found is not None:
+            return found
+        stop, window = start, window * 8
+    return None
+
+
+def committed_batch(marker: Mapping[str, object]) -> int | None:
+    """The last batch id committed according to a marker record: its ``batch_id``, or for the
+    record that opens a transaction (``begin``) the batch committed before it."""
+    value = marker.get("batch_id", marker.get("committed"))
+    return None if value is None else int(str(value))
+
+
+def produce_all(producer: Producer, topic: str, values: list, keys: list | None, headers: list | None) -> None:
+    """Produce ``values`` (with ``keys`` and ``headers``, None for none) to ``topic``, in order,
+    waiting for room in the local queue when it is full."""
+    produce, poll = producer.produce, producer.poll
+    if keys is None:
+        keys = [None] * len(values)
+    if headers is not None and any(headers):
+        for i, (value, key, hdr) in enumerate(zip(values, keys, headers, strict=True)):
+            while True:
+                try:
+                    produce(topic, value, key, headers=hdr or None)
+                    break
+                except BufferError:
+                    poll(0.05)  # local queue full: let librdkafka send
+            if i & 0x3FFF == 0:
+                poll(0)
+        return
+    # The hot path (no headers): one produce call per record, delivery reports served in chunks.
+    step = 0x4000
+    for lo in range(0, len(values), step):
+        for value, key in zip(values[lo:lo + step], keys[lo:lo + step], strict=True):
+            try:
+                produce(topic, value, key)
+            except BufferError:
+                while True:
+                    poll(0.05)  # local queue full: let librdkafka send
+                    try:
+                        produce(topic, value, key)
+                        break
+                    except BufferError:
+                        continue
+        poll(0)
+
+
+def commit(producer: Producer, timeout: float, what: str) -> None:
+    """``commit_transaction``, retried while the error is retriable and ``timeout`` lasts."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            producer.commit_transaction(max(1.0, deadline - time.monotonic()))
+            return
+        except KafkaException as exc:
+            err = _kafka_error(exc)
+            if err is not None and err.retriable() and time.monotonic() < deadline:
+                log.warning("commit of transaction on %s failed (%s); retrying", what, err)
+                continue
+            raise
+
+
+def abort(producer: Producer, timeout: float, what: str) -> None:
+    try:
+        producer.abort_transaction(min(timeout, 15.0))
+    except KafkaException as exc:
+        log.warning("abort of transaction on %s failed: %s", what, exc)
+
+
+def classify(exc: KafkaException, what: str, transactional_id: str, topic: str) -> Exception:
+    """A fenced or fatally failed producer is terminal; anything else transient."""
+    err = _kafka_error(exc)
+    if err is not None and (err.fatal() or err.code() in (KafkaError._FENCED, KafkaError.PRODUCER_FENCED,
+                                                          KafkaError.INVALID_PRODUCER_EPOCH)):
+        return TerminalError(f"{what}: transactional id {transactional_id} was fenced or failed "
+                             f"fatally (another instance of this query is running?): {err}")
+    return TransientError(f"{what}: Kafka transaction on {topic} failed: {exc}")
+
+
+def visible_ends(settings: Mapping[str, str], topics: list[str]) -> dict[tuple[str, int], int]:
+    """The read_committed end of every partition of ``topics``."""
+    probe = EndOffsetProbe(settings)
+    try:
+        return probe.probe(probe.partitions(topics)).end
+    finally:
+        probe.close()
+
+
+def read_identities(settings: Mapping[str, str], before: Mapping[tuple[str, int], int],
+                    after: Mapping[tuple[str, int], int], timeout: float = 60.0) -> Counter[tuple]:
+    """The records between ``before`` and ``after`` (per partition), as :func:`identity` counts."""
+    seen: Counter[tuple] = Counter()
+    for (topic, part), end in after.items():
+        start = before.get((topic, part), 0)
+        if end <= start:
+            continue
+        for batch in read_range(settings, OffsetRange(topic, part, start, end), poll_timeout_s=timeout):
+            cols = batch.to_pydict()
+            for k, v, h in zip(cols["key"], cols["value"], cols["headers"], strict=True):
+                seen[identity(k, v, None if h is None else [(e["key"], e["value"]) for e in h])] += 1
+    return seen
+
+
+def identity(key: bytes | None, value: bytes, headers: list | None) -> tuple:
     return (key, value, tuple(map(tuple, headers)) if headers else None)
 
 
@@ -102,38 +230,12 @@ class TransactionalBatchWriter:
         return self._last
 
     def _read_last_marker(self) -> int | None:
-        probe = EndOffsetProbe(self._settings)
-        try:
-            tp = (self.marker_topic, 0)
-            res = probe.probe([tp])
-            end, low = res.end[tp], max(res.low.get(tp, 0), 0)
-        finally:
-            probe.close()
-        key = self.transactional_id.encode()
-        stop, window = end, _MARKER_WINDOW
-        while stop > low:
-            start = max(low, stop - window)
-            found: int | None = None
-            for batch in read_range(self._settings, OffsetRange(self.marker_topic, 0, start, stop),
-                                    poll_timeout_s=self._timeout):
-                keys = batch.column(0).to_pylist()
-                values = batch.column(1).to_pylist()
-                for k, v in zip(keys, values, strict=True):
-                    if k == key:
-                        marker = json.loads(v)
-                        if self.scope is None or marker.get("scope") == self.scope:
-                            found = int(marker["batch_id"])  # offset order: the last one wins
-            if found is not None:
-                return found
-            stop, window = start, window * 8
-        return None
+        marker = last_marker(self._settings, self.marker_topic, self.transactional_id, self.scope,
+                             timeout=self._timeout)
+        return None if marker is None else committed_batch(marker)
 
     def _visible_ends(self) -> dict[tuple[str, int], int]:
-        probe = EndOffsetProbe(self._settings)
-        try:
-            return probe.probe(probe.partitions([self.topic])).end
-        finally:
-            probe.close()
+        return visible_ends(self._settings, [self.topic])
 
     def _read_leaked(self, before: Mapping[tuple[str, int], int], after: Mapping[tuple[str, int], int]
                      ) -> Counter[tuple]:
@@ -144,16 +246,7 @@ class TransactionalBatchWriter:
         died is (partly) visible although its marker never committed. Those records are remembered
         and left out when Spark replays that batch (its content is the same: same input, same
         output), so a read_committed consumer still sees each record once."""
-        leaked: Counter[tuple] = Counter()
-        for (topic, part), end in after.items():
-            start = before.get((topic, part), 0)
-            if end <= start:
-                continue
-            for batch in read_range(self._settings, OffsetRange(topic, part, start, end),
-                                    poll_timeout_s=self._timeout):
-                cols = batch.to_pydict()
-                for k, v, h in zip(cols["key"], cols["value"], cols["headers"], strict=True):
-                    leaked[_identity(k, v, None if h is None else [(e["key"], e["value"]) for e in h])] += 1
+        leaked = read_identities(self._settings, before, after, self._timeout)
         if leaked:
             log.warning("%d records of an unfinished transaction on %s became visible when the previous "
                         "writer was fenced; they will not be written again", sum(leaked.values()), self.topic)
@@ -210,42 +303,14 @@ class TransactionalBatchWriter:
         return len(values)
 
     def _produce_all(self, values: list, keys: list | None, headers: list | None) -> None:
-        produce, poll, topic = self._producer.produce, self._producer.poll, self.topic
-        if keys is None:
-            keys = [None] * len(values)
-        if headers is not None and any(headers):
-            for i, (value, key, hdr) in enumerate(zip(values, keys, headers, strict=True)):
-                while True:
-                    try:
-                        produce(topic, value, key, headers=hdr or None)
-                        break
-                    except BufferError:
-                        poll(0.05)  # local queue full: let librdkafka send
-                if i & 0x3FFF == 0:
-                    poll(0)
-            return
-        # The hot path (no headers): one produce call per record, delivery reports served in chunks.
-        step = 0x4000
-        for lo in range(0, len(values), step):
-            for value, key in zip(values[lo:lo + step], keys[lo:lo + step], strict=True):
-                try:
-                    produce(topic, value, key)
-                except BufferError:
-                    while True:
-                        poll(0.05)  # local queue full: let librdkafka send
-                        try:
-                            produce(topic, value, key)
-                            break
-                        except BufferError:
-                            continue
-            poll(0)
+        produce_all(self._producer, self.topic, values, keys, headers)
 
     def _without_leaked(self, values: list, keys: list | None, headers: list | None
                         ) -> tuple[list, list | None, list | None]:
         left = Counter(self._leaked)
         keep = []
         for i, v in enumerate(values):
-            ident = _identity(keys[i] if keys is not None else None, v, headers[i] if headers is not None else None)
+            ident = identity(keys[i] if keys is not None else None, v, headers[i] if headers is not None else None)
             if left[ident] > 0:
                 left[ident] -= 1
             else:
@@ -256,31 +321,13 @@ class TransactionalBatchWriter:
                 None if headers is None else [headers[i] for i in keep])
 
     def _commit(self) -> None:
-        deadline = time.monotonic() + self._timeout
-        while True:
-            try:
-                self._producer.commit_transaction(max(1.0, deadline - time.monotonic()))
-                return
-            except KafkaException as exc:
-                err = _kafka_error(exc)
-                if err is not None and err.retriable() and time.monotonic() < deadline:
-                    log.warning("commit of transaction on %s failed (%s); retrying", self.topic, err)
-                    continue
-                raise
+        commit(self._producer, self._timeout, self.topic)
 
     def _abort(self) -> None:
-        try:
-            self._producer.abort_transaction(min(self._timeout, 15.0))
-        except KafkaException as exc:
-            log.warning("abort of transaction on %s failed: %s", self.topic, exc)
+        abort(self._producer, self._timeout, self.topic)
 
     def _classify(self, exc: KafkaException, what: str) -> Exception:
-        err = _kafka_error(exc)
-        if err is not None and (err.fatal() or err.code() in (KafkaError._FENCED, KafkaError.PRODUCER_FENCED,
-                                                              KafkaError.INVALID_PRODUCER_EPOCH)):
-            return TerminalError(f"{what}: transactional id {self.transactional_id} was fenced or failed "
-                                 f"fatally (another instance of this query is running?): {err}")
-        return TransientError(f"{what}: Kafka transaction on {self.topic} failed: {exc}")
+        return classify(exc, what, self.transactional_id, self.topic)
 
     # -- lifecycle ---------------------------------------------------------------------------------
 

@@ -9,9 +9,9 @@ __all__ = ["EnrichedBatch", "Sink", "make_sink"]
 
 
 def make_sink(cfg: EnrichConfig, scope: str | None = None, transactional_id: str | None = None) -> Sink:
-    """The configured sink; ``scope`` identifies the query and ``transactional_id`` is the Kafka
-    sink's (see TransactionalBatchWriter; default: ``output.transactional_id``, else derived from
-    the checkpoint path)."""
+    """The configured sink; ``scope`` identifies the query and ``transactional_id`` is the base of
+    the Kafka sink's transactional ids (see ``enrich.kafka.tasks``; default: ``output.transactional_id``,
+    else derived from the checkpoint path)."""
     out = cfg.output
     if out.kind == "kafka":
         from enrich.kafka import transactional_id_for
@@ -19,7 +19,7 @@ def make_sink(cfg: EnrichConfig, scope: str | None = None, transactional_id: str
 
         assert out.topic is not None
         tid = out.transactional_id or transactional_id or transactional_id_for(cfg.checkpoint, out.topic)
-        return KafkaSink(cfg.kafka, out.topic, tid, scope)
+        return KafkaSink(cfg.kafka, out.topic, tid, cfg.dead_letter_topic, scope)
     if out.kind == "parquet":
         from enrich.sinks.parquet import ParquetSink
 

@@ -1,12 +1,12 @@
 """The sink interface: one micro-batch of enriched events in, its dead letters out.
 
 A sink must be idempotent per batch id (a batch replayed after a crash is written at most once)
-and returns the batch's dead-letter rows (``enrich.deadletter.COLUMNS``) for the dead-letter topic.
+and returns the batch's dead-letter rows (``enrich.deadletter.COLUMNS``) for the dead-letter topic,
+unless it writes them itself (``writes_dead_letters``: the Kafka sink, in the tasks' transactions).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -24,17 +24,11 @@ JSON_OPTIONS = {"ignoreNullFields": "false", "timestampFormat": "yyyy-MM-dd'T'HH
 
 @dataclass(frozen=True)
 class EnrichedBatch:
-    """``df`` holds the output ``columns`` plus ``_error`` and the Kafka source columns.
-
-    From the fast parser (``enrich.fastparse``, only for sinks whose ``reparses`` is true) ``df`` also
-    holds ``_slow``: events left to Spark, whose fields are null and whose source columns are kept.
-    ``redo`` turns those rows' source columns (``_key``, ``_value``, ``_topic``, ``_partition``,
-    ``_offset``, as Arrow) into a batch parsed by Spark and joined, with the same dimension versions;
-    its rows keep ``_partition`` and ``_offset`` so that the sink can put them back in place."""
+    """``df`` holds the output ``columns`` plus ``_error`` and the Kafka source columns, and for a
+    sink that ``reparses``, the fast parser's ``_slow`` flag (such rows hold no parsed fields)."""
 
     df: DataFrame
     columns: tuple[str, ...]
-    redo: Callable[[pa.Table], EnrichedBatch] | None = None
 
     def good(self) -> DataFrame:
         return self.df.filter(F.col(ERROR).isNull()).select(*[F.col(f"`{c}`") for c in self.columns])
@@ -47,8 +41,14 @@ class EnrichedBatch:
 
 
 class Sink(Protocol):
-    #: True when :meth:`write` handles ``_slow`` rows through ``EnrichedBatch.redo``.
+    #: True when :meth:`write` writes the dead letters itself (and returns none).
+    writes_dead_letters: bool
+    #: True when :meth:`write` takes the fast parser's rows (``_slow`` set on the events it left to
+    #: ``from_json``) and leaves the slots holding such rows in :attr:`pending`.
     reparses: bool
+    #: After :meth:`write`: slots (partition indexes of the batch's plan) to be written again, with
+    #: the same batch id, from the batch parsed by ``from_json``.
+    pending: tuple[int, ...]
 
     def write(self, batch_id: int, batch: EnrichedBatch) -> pa.Table:
         """Write the good events of ``batch`` (at most once per batch id); return its dead letters."""

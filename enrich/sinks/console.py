@@ -8,7 +8,9 @@ from enrich.sinks.abc import EnrichedBatch
 
 
 class ConsoleSink:
+    writes_dead_letters = False
     reparses = False  # writes through Spark: events are parsed by from_json
+    pending: tuple[int, ...] = ()
 
     def __init__(self, rows: int = 20) -> None:
         self.rows = rows

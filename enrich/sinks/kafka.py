@@ -1,119 +1,112 @@
-"""Kafka output: JSON values, key = the event's key, one transaction per micro-batch.
+"""Kafka output: JSON values, key = the event's key, written by the executors, exactly once.
 
-The batch is computed once (good and dead-letter rows together, collected as Arrow) and handed to
-``enrich.kafka.TransactionalBatchWriter``, which commits the records and a batch marker atomically and
-skips a batch id it has committed before: exactly-once effect for ``read_committed`` consumers.
+The driver builds the batch's output rows (:func:`records_frame`: the enriched JSON of good events,
+the source columns of dead letters) and runs ``enrich.kafka.tasks.TaskWriter`` over them in a
+``mapInArrow``: each task commits its own partition of the output and of the dead letters in one
+Kafka transaction with a marker of (query, batch id, slot). The driver collects one row of counts
+per task, never an event.
+
+A task whose rows hold an event the fast parser left to ``from_json`` (``_slow``) writes nothing and
+asks for its slot to be written again from ``from_json``'s parse: :attr:`KafkaSink.pending` after
+:meth:`KafkaSink.write`; the job then writes those slots from the exact plan (same input ranges,
+same slots), with the same batch id.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Mapping
 
-import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
+from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
 from enrich.deadletter import COLUMNS as DEAD_COLUMNS
-from enrich.deadletter import too_large_error
-from enrich.events import ERROR, SLOW, SOURCE
+from enrich.events import ERROR, SLOW
+from enrich.kafka.tasks import KILL_HOOK, RESULT_DDL, KillPoint, TaskWriter, summary
+from enrich.kafka.writer import MARKER_SUFFIX, committed_batch, last_marker
 from enrich.sinks.abc import EnrichedBatch
+from refstream.errors import TransientError
+from refstream.kafka import ensure_topic
 
 log = logging.getLogger(__name__)
 
+_TRANSIENT = "refstream.errors.TransientError: "
+
 
 class KafkaSink:
+    """``transactional_id`` is the base of the tasks' ids (``<base>-<slot>``)."""
+
+    writes_dead_letters = True
     reparses = True
 
-    def __init__(self, settings: Mapping[str, str], topic: str, transactional_id: str,
+    def __init__(self, settings: Mapping[str, str], topic: str, transactional_id: str, dead_letter_topic: str,
                  scope: str | None = None) -> None:
-        from enrich.kafka import TransactionalBatchWriter
-
-        self.topic = topic
-        self._writer = TransactionalBatchWriter(dict(settings), topic, transactional_id, scope=scope)
+        self.topic, self.dead_letter_topic = topic, dead_letter_topic
+        self.transactional_id, self.scope = transactional_id, scope
+        self.settings = dict(settings)
+        self.marker_topic = topic + MARKER_SUFFIX
+        ensure_topic(self.settings, self.marker_topic, partitions=1,
+                     config={"cleanup.policy": "compact"})  # one marker per transactional id is enough
+        # A checkpoint written before the tasks wrote their own transactions has one marker, of the
+        # base id: batches at or below it are in Kafka already.
+        legacy = last_marker(self.settings, self.marker_topic, transactional_id, scope)
+        self.legacy_committed = None if legacy is None else committed_batch(legacy)
+        self.kill = KillPoint.from_env(os.environ.get(KILL_HOOK))
+        #: The tasks' result rows of the last batch written (``enrich.kafka.tasks.RESULT_DDL``).
+        self.last_results: list[dict[str, object]] = []
+        #: Slots of the last batch written that are to be written again from ``from_json``'s parse.
+        self.pending: tuple[int, ...] = ()
 
     def write(self, batch_id: int, batch: EnrichedBatch) -> pa.Table:
+        empty = pa.table({c: pa.array([], pa.null()) for c in DEAD_COLUMNS})
+        self.pending = ()
+        if self.legacy_committed is not None and batch_id <= self.legacy_committed:
+            log.info("batch %d was committed to %s before (last %d): skipped", batch_id, self.topic,
+                     self.legacy_committed)
+            return empty
         t0 = time.monotonic()
-        table = self._too_large_to_dead_letters(collect(batch))
-        t1 = time.monotonic()
-        failed = pc.is_valid(table.column(ERROR))
-        good = table.filter(pc.invert(failed)).select(["key", "value"])
-        self._writer.write(batch_id, good)
-        log.info("batch %d: %d events computed and collected in %.2fs, written in %.2fs", batch_id,
-                 table.num_rows, t1 - t0, time.monotonic() - t1)
-        return table.filter(failed).select(list(DEAD_COLUMNS))
-
-    def _too_large_to_dead_letters(self, table: pa.Table) -> pa.Table:
-        """Enriched events too large for the producer become dead letters (reason ``too_large``,
-        the enriched value as the dead letter's value, cut to fit there): one such event must
-        not fail the batch again on every restart."""
-        limit = self._writer.record_limit
-        size = pc.add(pc.fill_null(pc.binary_length(table.column("value")), 0),
-                      pc.fill_null(pc.binary_length(table.column("key")), 0))
-        over = pc.and_(pc.is_null(table.column(ERROR)), pc.greater(size, limit))
-        if not pc.any(over).as_py():
-            return table
-        sizes = size.to_pylist()
-        at = np.flatnonzero(over.to_numpy(zero_copy_only=False))
-        errors = table.column(ERROR).to_pylist()
-        values = table.column("_value").to_pylist()
-        for i in at:
-            errors[i] = too_large_error("enriched event", sizes[i], limit)
-            log.warning("event at %s/%s offset %s: %s; sent to the dead-letter topic", table.column("_topic")[i],
-                        table.column("_partition")[i], table.column("_offset")[i], errors[i])
-        enriched = table.column("value").to_pylist()
-        for i in at:
-            values[i] = enriched[i]
-        table = table.set_column(table.schema.get_field_index(ERROR), ERROR,
-                                 pa.array(errors, table.schema.field(ERROR).type))
-        table = table.set_column(table.schema.get_field_index("_value"), "_value",
-                                 pa.array(values, table.schema.field("_value").type))
-        key_col = table.column("key")
-        if "_key" in table.column_names:
-            keys = table.column("_key").to_pylist()
-            src = key_col.to_pylist()
-            for i in at:
-                keys[i] = src[i]
-            table = table.set_column(table.schema.get_field_index("_key"), "_key",
-                                     pa.array(keys, table.schema.field("_key").type))
-        return table
+        writer = TaskWriter(self.settings, self.topic, self.dead_letter_topic, self.marker_topic,
+                            self.transactional_id, self.scope, batch_id, kill=self.kill)
+        try:
+            rows = [r.asDict() for r in records_frame(batch).mapInArrow(writer, RESULT_DDL).collect()]
+        except Exception as exc:
+            # A task that failed transiently (broker away) fails the Spark job: the batch is tried
+            # again, and the tasks that committed skip it by their markers.
+            text = str(exc)
+            if _TRANSIENT in text:
+                raise TransientError(text[text.rindex(_TRANSIENT) + len(_TRANSIENT):].splitlines()[0]) from exc
+            raise
+        self.last_results = rows
+        self.pending = tuple(sorted(int(str(r["slot"])) for r in rows if r["redo"]))
+        records, dead, skipped = summary(rows)
+        log.info("batch %d: %d records and %d dead letters written by %d task(s) (%d skipped as committed, "
+                 "%d left to from_json) in %.2fs; writers: %s", batch_id, records, dead, len(rows), skipped,
+                 len(self.pending), time.monotonic() - t0,
+                 ", ".join(f"slot {r['slot']} in {r['worker']}" for r in rows if not r["redo"]))
+        for r in rows:
+            log.debug("batch %d: %s", batch_id, r)
+            if r["leaked"]:
+                log.warning("batch %d slot %s: %s records of an aborted attempt were visible already (the broker "
+                            "shows aborted transactions) and were not written again", batch_id, r["slot"], r["leaked"])
+        return empty
 
     def close(self) -> None:
-        self._writer.close()
+        pass
 
 
-def collect(batch: EnrichedBatch) -> pa.Table:
-    """The batch as Arrow: ``key``, ``value`` (the JSON of a good event) and the dead-letter columns,
-    in event order. Rows the fast parser left to Spark are redone through ``batch.redo`` and put back
-    where their events were, so that the order of events within a Kafka partition is kept."""
-    has_slow = SLOW in batch.df.columns
-    raw = F.col(ERROR).isNotNull() | F.col(SLOW) if has_slow else F.col(ERROR).isNotNull()
-    good = F.col(ERROR).isNull() & ~F.col(SLOW) if has_slow else F.col(ERROR).isNull()
-    # Positions are kept for every row: a dead letter made later (too_large) names its source.
+def records_frame(batch: EnrichedBatch) -> DataFrame:
+    """The batch's output rows in event order: ``key``, ``value`` (the JSON of a good event, null
+    for a dead letter) and the dead-letter columns (``_key`` and ``_value`` of dead letters only;
+    the positions of every row: a dead letter made later, ``too_large``, names its source), and
+    ``_slow`` from the fast parser (those rows' values are null)."""
+    slow = SLOW in batch.df.columns
+    good = F.col(ERROR).isNull() & ~F.col(SLOW) if slow else F.col(ERROR).isNull()
     position = ("_topic", "_partition", "_offset")
-    table = batch.df.select(
+    return batch.df.select(
         F.col("_key").alias("key"),
         F.when(good, batch.json_value()).cast("binary").alias("value"),
-        *[F.col(c) if c in position else F.when(raw, F.col(c)).alias(c) for c in DEAD_COLUMNS],
-        *([F.col(SLOW)] if has_slow else [])).toArrow()
-    if not has_slow:
-        return table
-    slow = table.column(SLOW).to_numpy(zero_copy_only=False)
-    table = table.drop_columns([SLOW])
-    if not slow.any():
-        return table
-    assert batch.redo is not None, "a batch with slow rows needs redo"
-    at = np.flatnonzero(slow)
-    raw_rows = table.take(pa.array(at)).select(list(SOURCE))
-    redone = collect(batch.redo(raw_rows))
-    where = {(p, o): int(i) for p, o, i in zip(raw_rows.column("_partition").to_pylist(),
-                                              raw_rows.column("_offset").to_pylist(), at, strict=True)}
-    redone_at = [where[(p, o)] for p, o in zip(redone.column("_partition").to_pylist(),
-                                                redone.column("_offset").to_pylist(), strict=True)]
-    log.debug("%d of %d events parsed by Spark", len(at), len(slow))
-    keep = np.flatnonzero(~slow)
-    merged = pa.concat_tables([table.take(pa.array(keep)), redone.cast(table.schema)])
-    order = np.argsort(np.concatenate([keep, np.asarray(redone_at, dtype=np.int64)]), kind="stable")
-    return merged.take(pa.array(order))
+        *[F.col(c) if c in position else F.when(F.col(ERROR).isNotNull(), F.col(c)).alias(c) for c in DEAD_COLUMNS],
+        *([F.col(SLOW)] if slow else []))

@@ -23,7 +23,9 @@ log = logging.getLogger(__name__)
 
 
 class ParquetSink:
+    writes_dead_letters = False
     reparses = False  # writes through Spark: events are parsed by from_json
+    pending: tuple[int, ...] = ()
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path).resolve()

@@ -74,24 +74,50 @@ def cluster(tmp_path: Path) -> Iterator[tuple[str, int]]:
 
 def test_job_on_a_two_worker_standalone_cluster(cluster: tuple[str, int], kafka: dict[str, str],
                                                 unique: Callable[[str], str], tmp_path: Path) -> None:
+    """The output is produced by the executors' Python workers, and no task sends event rows to the
+    driver: every task's result (Spark's event log, ``Result Size``) is a row of counts."""
     master, ui = cluster
     config = tmp_path / "enrich.yaml"
+    events_dir = tmp_path / "events"
+    events_dir.mkdir()
+    total = 4000
     cfg = write_config(config, kafka, unique, spark={"spark.executor.memory": "512m", "spark.cores.max": "2",
                                                      "spark.driver.memory": "1g", "spark.driver.host": "127.0.0.1",
-                                                     "spark.sql.shuffle.partitions": "2"})
+                                                     "spark.sql.shuffle.partitions": "2",
+                                                     "spark.eventLog.enabled": "true",
+                                                     "spark.eventLog.dir": events_dir.as_uri(),
+                                                     "spark.eventLog.compress": "false",
+                                                     "spark.eventLog.rolling.enabled": "false"})
     publish(kafka, cfg["joins"][0]["topic"], changelog(SCHEMA, [{"device_id": f"d{i}", "owner": f"o{i}"}
                                                                 for i in range(5)]))
-    produce_events(kafka, cfg["events"]["topic"], [{"device_id": f"d{i % 6}", "n": i} for i in range(600)],
+    produce_events(kafka, cfg["events"]["topic"], [{"device_id": f"d{i % 6}", "n": i} for i in range(total)],
                    partitions=2)
     log = tmp_path / "job.log"
     proc = start_job(config, log, "--available-now", master=master)
     rc = proc.wait(400)
     assert rc == 0, log.read_text()[-4000:]
     rows = [json.loads(m.value()) for m in read_all(kafka, cfg["output"]["kafka"]["topic"])]
-    assert sorted(r["n"] for r in rows) == list(range(600))
+    assert sorted(r["n"] for r in rows) == list(range(total))
     assert all(r["owner"] == f"o{r['n'] % 6}" for r in rows if r["n"] % 6 < 5)
     assert all(r["_devices_matched"] is False for r in rows if r["n"] % 6 == 5)
     apps = _state(ui)["completedapps"] + _state(ui)["activeapps"]
     assert any(a["name"] == "refstream-enrich" for a in apps), "the job did not run on the cluster"
     for i in range(2):  # each worker launched an executor for the job
         assert list((tmp_path / f"work{i}").glob("app-*/*/stderr")), f"worker {i} ran no executor"
+
+    # Who wrote: every task reports its Python worker (host:pid:working directory); on a cluster the
+    # working directory is its executor's, under a worker's work dir.
+    writers = [w for line in log.read_text().splitlines() if "writers: " in line
+               for w in line.split("writers: ", 1)[1].split(", ")]
+    assert len(writers) >= 4, log.read_text()[-3000:]  # 4 batches of 1000 events, 2 tasks each
+    dirs = {w.split(" in ", 1)[1].split(":", 2)[2] for w in writers}
+    assert all(Path(d).parent.parent.name in ("work0", "work1") for d in dirs), dirs
+    assert {Path(d).parent.parent.name for d in dirs} == {"work0", "work1"}, "both executors write"
+    assert str(proc.pid) not in {w.split(" in ", 1)[1].split(":")[1] for w in writers}
+
+    # What reached the driver: Spark records every task's serialized result size. Event rows of a
+    # 1000-event batch are tens of kilobytes; a row of counts is a few hundred bytes plus metrics.
+    ends = [json.loads(line) for f in events_dir.rglob("*") if f.is_file() for line in f.read_text().splitlines()
+            if '"SparkListenerTaskEnd"' in line]
+    sizes = [e["Task Metrics"]["Result Size"] for e in ends if e.get("Task Metrics")]
+    assert len(sizes) >= 8 and max(sizes) < 8_000, sorted(sizes)[-5:]

@@ -43,8 +43,9 @@ def write_config(path: Path, kafka: dict[str, str], unique: Callable[[str], str]
     return cfg
 
 
-def start_job(config: Path, log: Path, *extra: str, master: str = "local[2]") -> subprocess.Popen[bytes]:
-    env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYTHONPATH": str(ROOT)}
+def start_job(config: Path, log: Path, *extra: str, master: str = "local[2]",
+              env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYTHONPATH": str(ROOT), **(env or {})}
     return subprocess.Popen([sys.executable, "-m", "enrich", "run", "--config", str(config), "--master", master,
                              *extra], cwd=ROOT, env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT,  # noqa: SIM115
                             start_new_session=True)
@@ -128,6 +129,32 @@ def test_sigkill_then_restart_parquet_output_has_each_event_once(kafka: dict[str
         ns.update(pq.read_table(d).column("n").to_pylist())
     assert set(ns) == set(range(total)), f"lost: {sorted(set(range(total)) - set(ns))[:20]}"
     assert [n for n, c in ns.items() if c > 1] == [], "duplicates after the restart"
+
+
+def test_a_python_worker_killed_inside_its_transaction_leaves_each_event_once(
+        kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path) -> None:
+    """The task of slot 0 in batch 1 kills its Python worker after sending its records and before
+    its commit (test hook); Spark runs the task again (local[2,4]: up to 4 attempts), whose producer
+    fences the dead one's transaction."""
+    from enrich.kafka.tasks import KILL_HOOK
+
+    config = tmp_path / "enrich.yaml"
+    cfg = write_config(config, kafka, unique)
+    total = 3000
+    seed(kafka, cfg, total)
+    bad = [b"{broken %d" % i for i in range(40)]
+    produce_events(kafka, cfg["events"]["topic"], bad, partitions=2)
+    flag = tmp_path / "killed"
+    log = tmp_path / "job.log"
+    proc = start_job(config, log, "--available-now", master="local[2,4]", env={KILL_HOOK: f"1:0:{flag}"})
+    assert proc.wait(300) == 0, log.read_text()[-3000:]
+    assert flag.exists(), "the hook did not fire"
+    assert "Python worker exited unexpectedly" in log.read_text() or "crashed" in log.read_text()
+    got = Counter(json.loads(m.value())["n"] for m in read_all(kafka, cfg["output"]["kafka"]["topic"]))
+    assert set(got) == set(range(total)), f"lost: {sorted(set(range(total)) - set(got))[:20]}"
+    assert [n for n, c in got.items() if c > 1] == [], "duplicates after the task was killed"
+    dead = Counter(m.value() for m in read_all(kafka, cfg["dead_letter_topic"]))
+    assert dead == Counter(bad)
 
 
 def run_job(config: Path, log: Path) -> int:

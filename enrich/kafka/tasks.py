@@ -1,0 +1,325 @@
+"""Exactly-once output to Kafka from the executors: every Spark task of a micro-batch writes its own
+partition of the output in its own Kafka transaction (docs/architecture.md, "The Kafka sink's protocol").
+
+:class:`TaskWriter` is the function of a ``mapInArrow`` over the batch's output rows. In each task:
+
+1. *slot* = the task's partition index. The plan has no shuffle, so it is the index of the task's
+   input range (``KafkaStreamReader.partitions``: the same offsets give the same list), and a task
+   re-run, or the whole batch replayed after a crash, gets the same slot;
+2. a transactional producer with the id ``<base>-<slot>``: ``init_transactions`` fences any older
+   producer of that id - a zombie attempt of this task, the task of a killed run - and aborts its
+   open transaction;
+3. the last marker record of that id in ``<topic>.refstream-commits`` (key: the transactional id)
+   says which batch the slot committed last: at or past this batch, the task writes nothing;
+4. else, in one transaction: a ``begin`` record in the marker topic (with the output's visible ends
+   probed before ``init_transactions``), the task's enriched events to the output topic and its dead
+   letters to the dead-letter topic (in row order: the order of events within an input partition is
+   kept), then the commit marker ``{"batch_id", "slot", ...}``.
+
+A row flagged ``_slow`` (an event the fast parser left to ``from_json``) makes the task abort its
+transaction and report ``redo``: the job writes that slot again from the ``from_json`` plan.
+
+One transactional id per slot and batches run one after the other, so one marker per id says it all
+(the marker topic is compacted: its size is bounded by the number of slots). The task returns one
+row of counts; the driver collects only those.
+
+Some Kafka-protocol brokers (the test broker among them) expose the records of an aborted
+transaction to read_committed readers. The ``begin`` record is how a task sees that this happened to
+its slot's previous attempt at the same batch: it is then the last record of the id, with no commit
+marker after it. Only then are the records visible since the ends that ``begin`` record names read
+back, and those equal to this task's records (same input, same output) are not written again. On Apache Kafka aborted records never show, and this path never runs.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import socket
+import time
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from itertools import chain
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+from confluent_kafka import KafkaException
+
+from enrich.deadletter import COLUMNS as DEAD_COLUMNS
+from enrich.deadletter import to_records, too_large_error
+from enrich.kafka.writer import (
+    abort,
+    classify,
+    commit,
+    committed_batch,
+    identity,
+    last_marker,
+    produce_all,
+    read_identities,
+    record_limit,
+    visible_ends,
+)
+from refstream.errors import TerminalError
+from refstream.kafka import producer
+
+log = logging.getLogger(__name__)
+
+ERROR = "_error"
+SLOW = "_slow"
+#: What a task returns to the driver: one row of counts, never an event.
+RESULT_DDL = ("slot INT, transactional_id STRING, records BIGINT, dead_letters BIGINT, skipped BOOLEAN, "
+              "redo BOOLEAN, leaked BIGINT, worker STRING, seconds DOUBLE")
+#: Environment variable of the test hook that kills a Python worker inside its transaction (read on
+#: the driver): ``<batch id>:<slot>:<flag file>``; the worker kills itself once, and creates the file.
+KILL_HOOK = "REFSTREAM_TEST_KILL_TASK"
+
+
+def slot_id(base: str, slot: int) -> str:
+    """The transactional id of ``slot``'s tasks."""
+    return f"{base}-{slot}"
+
+
+@dataclass(frozen=True)
+class KillPoint:
+    """Test hook: the task of ``slot`` in batch ``batch_id`` kills its Python worker after sending
+    its first records inside the transaction, once (``flag`` is created first)."""
+
+    batch_id: int
+    slot: int
+    flag: str
+
+    @classmethod
+    def from_env(cls, value: str | None) -> KillPoint | None:
+        if not value:
+            return None
+        batch, slot, flag = value.split(":", 2)
+        return cls(int(batch), int(slot), flag)
+
+    def fire(self, batch_id: int, slot: int, p: object) -> None:
+        if (batch_id, slot) != (self.batch_id, self.slot) or os.path.exists(self.flag):
+            return
+        with open(self.flag, "w", encoding="utf-8") as f:
+            f.write(f"{os.getpid()}\n")
+        p.flush(30)  # type: ignore[attr-defined]  # the records reach the broker, the commit never does
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+@dataclass(frozen=True)
+class TaskWriter:
+    """The ``mapInArrow`` function that writes a task's rows (``key``, ``value`` - null for a dead
+    letter - and ``enrich.deadletter.COLUMNS``) to Kafka exactly once; yields one row of
+    :data:`RESULT_DDL`. Picklable: built on the driver per batch."""
+
+    settings: dict[str, str]
+    topic: str
+    dead_letter_topic: str
+    marker_topic: str
+    base_id: str
+    scope: str | None
+    batch_id: int
+    timeout: float = 60.0
+    kill: KillPoint | None = None
+
+    def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        from pyspark import TaskContext
+
+        ctx = TaskContext.get()
+        slot = ctx.partitionId() if ctx is not None else 0
+        started = time.monotonic()
+        first = next(batches, None)
+        if first is None:  # nothing to write: no transaction, no marker (a replay has nothing either)
+            yield self._result(slot, started)
+            return
+        tx = _SlotTransaction(self, slot)
+        try:
+            if tx.committed is not None and tx.committed >= self.batch_id:
+                for _ in batches:  # the input is consumed all the same
+                    pass
+                log.info("batch %d slot %d: committed before (last %d); skipped", self.batch_id, slot,
+                         tx.committed)
+                yield self._result(slot, started, skipped=True)
+                return
+            for b in chain([first], batches):
+                if SLOW in b.schema.names and pc.any(b.column(SLOW)).as_py():
+                    # An event the fast parser left to from_json: this slot is written by the
+                    # from_json pass instead (the job runs it for the slots that ask).
+                    tx.abort()
+                    for _ in batches:
+                        pass
+                    yield self._result(slot, started, redo=True)
+                    return
+                tx.write(b)
+                if self.kill is not None:
+                    self.kill.fire(self.batch_id, slot, tx.producer)
+            tx.commit()
+        finally:
+            tx.close()
+        log.info("batch %d slot %d (%s): %d records, %d dead letters in %.2fs", self.batch_id, slot, tx.tid,
+                 tx.records, tx.dead, time.monotonic() - started)
+        yield self._result(slot, started, records=tx.records, dead=tx.dead, leaked=tx.leaked_total)
+
+    def _result(self, slot: int, started: float, *, records: int = 0, dead: int = 0, skipped: bool = False,
+                redo: bool = False, leaked: int = 0) -> pa.RecordBatch:
+        return pa.RecordBatch.from_pylist([{
+            "slot": slot, "transactional_id": slot_id(self.base_id, slot), "records": records,
+            "dead_letters": dead, "skipped": skipped, "redo": redo, "leaked": leaked, "worker": worker_name(),
+            "seconds": time.monotonic() - started}], schema=RESULT_SCHEMA)
+
+
+RESULT_SCHEMA = pa.schema([("slot", pa.int32()), ("transactional_id", pa.string()), ("records", pa.int64()),
+                          ("dead_letters", pa.int64()), ("skipped", pa.bool_()), ("redo", pa.bool_()),
+                          ("leaked", pa.int64()),
+                          ("worker", pa.string()), ("seconds", pa.float64())])
+
+
+def worker_name() -> str:
+    """Where this Python worker runs: host, process id and working directory (an executor's own
+    directory on a cluster)."""
+    return f"{socket.gethostname()}:{os.getpid()}:{os.getcwd()}"
+
+
+class _SlotTransaction:
+    """One task's transaction (see the module docstring)."""
+
+    def __init__(self, w: TaskWriter, slot: int) -> None:
+        self.w, self.slot = w, slot
+        self.tid = slot_id(w.base_id, slot)
+        self.limit = record_limit(w.settings)
+        self.records = self.dead = self.leaked_total = 0
+        topics = [w.topic, w.dead_letter_topic]
+        self.before = visible_ends(w.settings, topics)
+        self.open = False
+        self.producer = producer(w.settings, role="transactional",
+                                 **{"transactional.id": self.tid, "client.id": f"{self.tid}@{worker_name()}"})
+        try:
+            self.producer.init_transactions(w.timeout)
+        except KafkaException as exc:
+            raise classify(exc, f"batch {w.batch_id} slot {slot}: init_transactions", self.tid, w.topic) from None
+        marker = last_marker(w.settings, w.marker_topic, self.tid, w.scope, timeout=w.timeout)
+        self.committed = None if marker is None else committed_batch(marker)
+        self.leaked: Counter[tuple] = Counter()
+        if marker is not None and marker.get("begin") == w.batch_id:
+            # The previous attempt at this batch was aborted, and the broker shows its records: they
+            # lie past the ends that attempt saw before it began.
+            since = {(str(t), int(p)): int(o) for t, p, o in marker.get("ends", [])}
+            self.leaked = read_identities(w.settings, since, visible_ends(w.settings, topics), w.timeout)
+            log.warning("batch %d slot %d: %d records of the aborted attempt became visible; they will not "
+                        "be written again", w.batch_id, slot, sum(self.leaked.values()))
+
+    def begin(self) -> None:
+        w = self.w
+        try:
+            self.producer.begin_transaction()
+            self.open = True
+            self.producer.produce(w.marker_topic, json.dumps(
+                {"begin": w.batch_id, "committed": self.committed, "slot": self.slot, "scope": w.scope,
+                 "ends": [[t, p, o] for (t, p), o in sorted(self.before.items())]}).encode(),
+                key=self.tid.encode(), partition=0)
+        except KafkaException as exc:
+            raise self._failed(exc) from None
+
+    def abort(self) -> None:
+        if self.open:
+            self.producer.flush(self.w.timeout)
+            abort(self.producer, self.w.timeout, self.w.topic)
+            self.open = False
+
+    def write(self, batch: pa.RecordBatch) -> None:
+        if not self.open:
+            self.begin()
+        table = too_large_to_dead_letters(pa.Table.from_batches([batch]), self.limit)
+        failed = pc.is_valid(table.column(ERROR))
+        good = table.filter(pc.invert(failed))
+        bad = table.filter(failed)
+        values = good.column("value").to_pylist()
+        keys = good.column("key").to_pylist()
+        dead = to_records(bad.select(list(DEAD_COLUMNS)), self.limit) if bad.num_rows else None
+        try:
+            if self.leaked:
+                values, keys = self._unleaked(values, keys)
+            produce_all(self.producer, self.w.topic, values, keys, None)
+            if dead is not None:
+                dv, dk, dh = (dead.column("value").to_pylist(), dead.column("key").to_pylist(),
+                              [[(e["key"], e["value"]) for e in h] for h in dead.column("headers").to_pylist()])
+                if self.leaked:
+                    dv, dk, dh = self._unleaked_dead(dv, dk, dh)
+                produce_all(self.producer, self.w.dead_letter_topic, dv, dk, dh)
+                self.dead += len(dv)
+        except KafkaException as exc:
+            raise self._failed(exc) from None
+        self.records += len(values)
+
+    def commit(self) -> None:
+        w = self.w
+        if not self.open:
+            self.begin()
+        try:
+            self.producer.flush(w.timeout)  # data before marker (see TransactionalBatchWriter.write)
+            marker = {"batch_id": w.batch_id, "slot": self.slot, "topic": w.topic, "records": self.records,
+                      "dead_letters": self.dead, "scope": w.scope, "committed_at": datetime.now(UTC).isoformat()}
+            self.producer.produce(w.marker_topic, json.dumps(marker).encode(), key=self.tid.encode(), partition=0)
+            commit(self.producer, w.timeout, w.topic)
+            self.open = False
+        except KafkaException as exc:
+            raise self._failed(exc) from None
+
+    def close(self) -> None:
+        self.producer.flush(min(self.w.timeout, 10.0))
+
+    def _failed(self, exc: KafkaException) -> Exception:
+        err = classify(exc, f"batch {self.w.batch_id} slot {self.slot}", self.tid, self.w.topic)
+        if not isinstance(err, TerminalError):
+            abort(self.producer, self.w.timeout, self.w.topic)
+        return err
+
+    def _unleaked(self, values: list, keys: list) -> tuple[list, list]:
+        keep = [i for i, (v, k) in enumerate(zip(values, keys, strict=True)) if not self._take(identity(k, v, None))]
+        return [values[i] for i in keep], [keys[i] for i in keep]
+
+    def _unleaked_dead(self, values: list, keys: list, headers: list) -> tuple[list, list, list]:
+        keep = [i for i, (v, k, h) in enumerate(zip(values, keys, headers, strict=True))
+                if not self._take(identity(k, v, h))]
+        return [values[i] for i in keep], [keys[i] for i in keep], [headers[i] for i in keep]
+
+    def _take(self, ident: tuple) -> bool:
+        if self.leaked[ident] > 0:
+            self.leaked[ident] -= 1
+            self.leaked_total += 1
+            return True
+        return False
+
+
+def too_large_to_dead_letters(table: pa.Table, limit: int) -> pa.Table:
+    """Enriched events too large for the producer become dead letters (reason ``too_large``, the
+    enriched value as the dead letter's value, cut to fit there): one such event must not fail the
+    batch again on every restart."""
+    size = pc.add(pc.fill_null(pc.binary_length(table.column("value")), 0),
+                  pc.fill_null(pc.binary_length(table.column("key")), 0))
+    over = pc.and_(pc.is_null(table.column(ERROR)), pc.greater(size, limit))
+    if not pc.any(over).as_py():
+        return table
+    sizes = size.to_pylist()
+    at = np.flatnonzero(over.to_numpy(zero_copy_only=False))
+    errors = table.column(ERROR).to_pylist()
+    values = table.column("_value").to_pylist()
+    keys = table.column("_key").to_pylist()
+    enriched, src = table.column("value").to_pylist(), table.column("key").to_pylist()
+    for i in at:
+        errors[i] = too_large_error("enriched event", sizes[i], limit)
+        values[i], keys[i] = enriched[i], src[i]
+        log.warning("event at %s/%s offset %s: %s; sent to the dead-letter topic", table.column("_topic")[i],
+                    table.column("_partition")[i], table.column("_offset")[i], errors[i])
+    for name, col in ((ERROR, errors), ("_value", values), ("_key", keys)):
+        i = table.schema.get_field_index(name)
+        table = table.set_column(i, name, pa.array(col, table.schema.field(name).type))
+    return table
+
+
+def summary(rows: Sequence[Mapping[str, object]]) -> tuple[int, int, int]:
+    """(records, dead letters, slots skipped as committed) over the tasks' result rows."""
+    return (sum(int(str(r["records"])) for r in rows), sum(int(str(r["dead_letters"])) for r in rows),
+            sum(1 for r in rows if r["skipped"]))
