@@ -46,11 +46,11 @@ _PANDAS_TYPES = {pa.int8(): pd.Int8Dtype(), pa.int16(): pd.Int16Dtype(), pa.int3
 class DeviceStateProcessor(StatefulProcessor):
     """One call per bucket and micro-batch: apply its events to its devices' state (see module doc).
 
-    ``spec`` is the engine's spec with ``_ts_us`` as the timestamp; ``columns`` the event columns
-    passed through, in output order."""
+    ``spec`` is the engine's spec with ``_ts_us`` as the timestamp; ``inputs`` the input columns in
+    the plan's order; ``columns`` the event columns passed through, in output order."""
 
-    def __init__(self, spec: StateSpec, columns: tuple[str, ...]) -> None:
-        self.spec, self.columns = spec, columns
+    def __init__(self, spec: StateSpec, inputs: tuple[str, ...], columns: tuple[str, ...]) -> None:
+        self.spec, self.inputs, self.columns = spec, inputs, columns
         self._types = {spec.key: spec.key_type, spec.timestamp: pa.int64(),
                        **{c: t for c, _, t in spec.aggregates}}
 
@@ -61,6 +61,7 @@ class DeviceStateProcessor(StatefulProcessor):
     def handleInputRows(self, key: Any, rows: Iterator[pd.DataFrame],  # type: ignore[override]
                         timerValues: TimerValues) -> Iterator[pd.DataFrame]:
         pdf = pd.concat(list(rows), ignore_index=True)
+        pdf.columns = list(self.inputs)  # Spark renames columns that start with "_" (to _4, _5...)
         # Shuffle order is not stable: rows leave in source order, so a replay gives the same output.
         pdf = pdf.sort_values(["_partition", "_offset"], kind="stable", ignore_index=True)
         ok = np.flatnonzero(pdf[ERROR].isna().to_numpy())
@@ -70,12 +71,11 @@ class DeviceStateProcessor(StatefulProcessor):
         at = np.full(len(pdf), -1, dtype=np.int64)
         at[ok] = np.arange(len(ok))
         pick = pa.array(at, mask=at < 0)
-        out = pdf[list(self.columns)]
-        extra = {}
+        extra = {c: _spark_safe(pdf[c]) for c in self.columns}
         for field, child in zip(applied.column.type, applied.column.flatten(), strict=True):
             extra[FLAT + field.name] = _pandas(child.take(pick))
         extra[LATE] = _pandas(applied.late.take(pick).fill_null(False))
-        yield pd.concat([out, pd.DataFrame(extra)], axis=1)
+        yield pd.DataFrame(extra)
 
     def handleExpiredTimer(self, key: Any, timerValues: TimerValues,
                            expiredTimerInfo: ExpiredTimerInfo) -> Iterator[pd.DataFrame]:
@@ -125,4 +125,14 @@ def _pandas(a: pa.Array) -> pd.Series:
     dtype = _PANDAS_TYPES.get(a.type)
     if dtype is not None:
         return pd.Series(a.to_pandas(types_mapper={a.type: dtype}.get))
-    return pd.Series(a.to_pandas())
+    return _spark_safe(pd.Series(a.to_pandas()))
+
+
+def _spark_safe(s: pd.Series) -> pd.Series:
+    """A passed-through column as PySpark's pandas-to-Arrow conversion takes it. Strings as Python
+    objects: it fails on pandas 3's Arrow-backed strings (it gets a chunked array); a column of
+    nulls only as objects too: pandas infers float64 for it, which the conversion also fails on when
+    the column is a string."""
+    if isinstance(s.dtype, pd.StringDtype | pd.ArrowDtype) or (len(s) and bool(s.isna().all())):
+        return s.astype(object).where(s.notna(), None)
+    return s

@@ -21,8 +21,9 @@ COLUMNS = ("device_id", "temperature", "battery", "_error", "_partition", "_offs
 
 
 def rows(spec: list[tuple], first_offset: int = 0) -> pd.DataFrame:
-    """(device, seconds after T0, temperature, battery[, error]) rows, offsets counting up."""
-    return pd.DataFrame({
+    """(device, seconds after T0, temperature, battery[, error]) rows, offsets counting up; columns
+    named as Spark hands them over (a name starting with "_" becomes "_<position>")."""
+    df = pd.DataFrame({
         "device_id": [r[0] for r in spec],
         "temperature": [r[2] for r in spec],
         "battery": pd.array([r[3] for r in spec], dtype="Int32"),
@@ -32,12 +33,15 @@ def rows(spec: list[tuple], first_offset: int = 0) -> pd.DataFrame:
         "_bucket": [3] * len(spec),
         TS_US: [T0_US + r[1] * 10**6 for r in spec],
     })
+    df.columns = [f"_{i}" if c.startswith("_") else c for i, c in enumerate(df.columns)]
+    return df
 
 
 def make_tester() -> TwsTester:
     # Every row reaches the processor (the plan drops Spark's watermark column before the step): the
     # extractor puts every row past the watermark so that the tester does not filter late rows either.
-    return TwsTester(DeviceStateProcessor(SPEC, COLUMNS), timeMode="EventTime", eventTimeExtractor=lambda _: 2**62)
+    processor = DeviceStateProcessor(SPEC, (*COLUMNS, "_bucket", TS_US), COLUMNS)
+    return TwsTester(processor, timeMode="EventTime", eventTimeExtractor=lambda _: 2**62)
 
 
 def stored(t: TwsTester) -> pa.Table:
@@ -80,3 +84,38 @@ def test_timer_drops_expired_devices_and_late_events_are_flagged() -> None:
     t.setWatermark((T0_US + 3601 * 10**6 + HOUR_US) // 1000)
     assert t.peekValueState(STATE_NAME, 3) is None and list(t.handle.listTimers()) == []
 
+
+
+def test_output_converts_with_pysparks_own_conversion() -> None:
+    # PySpark turns the processor's pandas output into Arrow with this; pandas 3's Arrow-backed
+    # strings, and a string column of nulls only (float64 in pandas), would make it fail.
+    from pyspark.sql.conversion import PandasToArrowConversion
+    from pyspark.sql.pandas.types import from_arrow_type
+    from pyspark.sql.types import (
+        BooleanType,
+        DoubleType,
+        IntegerType,
+        LongType,
+        StringType,
+        StructField,
+        StructType,
+    )
+
+    t = make_tester()
+    no_errors = t.testInPandas(3, rows([("a", 1, 1.0, 1)]).astype({"_3": "float64"}))
+    out = t.testInPandas(3, rows([("a", 10, 20.0, 5), ("b", 5, None, None), ("c", 2, 1.0, 1, "bad")], 1))
+    schema = StructType([StructField("device_id", StringType()), StructField("temperature", DoubleType()),
+                         StructField("battery", IntegerType()), StructField("_error", StringType()),
+                         StructField("_partition", IntegerType()), StructField("_offset", LongType()),
+                         *[StructField(FLAT + f.name, from_arrow_type(f.type)) for f in SPEC.output_type()],
+                         StructField(LATE, BooleanType())])
+    wrapped = StructType([StructField("_0", schema)])  # as the worker calls it
+
+    def convert(df: pd.DataFrame) -> list[dict]:
+        batch = PandasToArrowConversion.convert([df], wrapped, timezone="UTC", arrow_cast=True,
+                                                assign_cols_by_name=True)
+        return [r["_0"] for r in batch.to_pylist()]
+
+    assert [(r["_error"], r[FLAT + "events"]) for r in convert(no_errors)] == [(None, 1)]
+    assert [(r["device_id"], r["_error"], r[FLAT + "events"], r[FLAT + "battery_last"]) for r in convert(out)] == [
+        ("a", None, 2, 5), ("b", None, 1, None), ("c", "bad", None, None)]
