@@ -32,11 +32,10 @@ def check_checkpoint(checkpoint: Path, cfg: StateConfig | None, spec: StateSpec 
     """Record the state settings in a new checkpoint; refuse a start whose settings differ from the
     recorded ones (or that adds or removes ``state:`` against a checkpoint that has run)."""
     path = checkpoint / RECORD
-    started = any((checkpoint / "spark" / "offsets").glob("[0-9]*"))
     if not path.exists():
         if cfg is None:
             return
-        if started:
+        if any((checkpoint / "spark" / "offsets").glob("[0-9]*")):
             raise ConfigError(f"{source}: state: the checkpoint {checkpoint} was written by a query without "
                               "state:; point checkpoint: at a new directory to start one with state (it "
                               "starts from events.starting_offsets)")
