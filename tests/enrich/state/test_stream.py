@@ -175,3 +175,22 @@ def test_sigkill_then_restart_continues_every_device_count(kafka: dict[str, str]
         i = r["n"]
         assert r["state"]["events"] == i // 12 + 1, r
         assert r["state"]["n_max"] == i and r["_late"] is False
+
+
+@pytest.mark.integration
+def test_parquet_output_carries_the_state_struct(spark: SparkSession, kafka: dict[str, str],
+                                                 unique: Callable[[str], str], tmp_path: Path) -> None:
+    import pyarrow.parquet as pq
+
+    out = tmp_path / "out"
+    data = {**make_config(kafka, unique, tmp_path), "output": {"parquet": {"path": str(out)}}}
+    publish(kafka, data["joins"][0]["topic"], changelog(DEVICES, [{"device_id": "a", "owner": "ann"}]))
+    produce_events(kafka, data["events"]["topic"], [
+        {"device_id": "a", "ts": at(0), "temp": 10.0, "n": 1}, {"device_id": "a", "ts": at(1), "temp": 20.0, "n": 2}])
+    run(spark, data)
+    rows = sorted((r for d in sorted(out.glob("batch_id=*")) for r in pq.read_table(d).to_pylist()),
+                  key=lambda r: r["n"])
+    assert [(r["n"], r["owner"], r["_late"]) for r in rows] == [(1, "ann", False), (2, "ann", False)]
+    naive = T0.replace(tzinfo=None)   # Spark writes TIMESTAMP to Parquet as INT96 (UTC, no zone)
+    assert rows[1]["state"] == {"events": 2, "first_seen": naive, "last_seen": naive + timedelta(minutes=1),
+                                "temp_last": 20.0, "temp_max": 20.0, "temp_mean": 15.0}
