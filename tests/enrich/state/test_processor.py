@@ -120,3 +120,11 @@ def test_output_converts_with_pysparks_own_conversion() -> None:
     assert [(r["_error"], r[FLAT + "events"]) for r in convert(no_errors)] == [(None, 1)]
     assert [(r["device_id"], r["_error"], r[FLAT + "events"], r[FLAT + "battery_last"]) for r in convert(out)] == [
         ("a", None, 2, 5), ("b", None, 1, None), ("c", "bad", None, None)]
+
+
+def test_a_bucket_of_dead_letters_only_keeps_no_state() -> None:
+    t = make_tester()
+    out = t.testInPandas(3, rows([(None, 1, 1.0, 1, "state.key device_id is null")]))
+    assert out["_error"].tolist() == ["state.key device_id is null"] and pd.isna(out[FLAT + "events"][0])
+    assert out[LATE].tolist() == [False]
+    assert t.peekValueState(STATE_NAME, 3) is None and list(t.handle.listTimers()) == []
