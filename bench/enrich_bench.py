@@ -60,6 +60,12 @@ from refstream.logs import setup_logging
 log = logging.getLogger("bench.enrich_bench")
 
 
+#: The ``state:`` section of ``--job-with-state``: per device, the count, first/last seen and four
+#: aggregates of two event fields (``enrich_data``'s events).
+STATE_SECTION = {"key": "device_id", "timestamp": "ts", "ttl": "1h", "watermark": "5m",
+                 "aggregates": {"temperature": ["last", "min", "max", "mean"], "battery": ["last"]}}
+
+
 def _in_process(fn: Callable[..., Any], *args: Any) -> Any:
     """Run ``fn(*args)`` in a fresh process (keeps the Python driver's memory the job's alone)."""
     with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as ex:
@@ -143,7 +149,8 @@ def steady(progress: list[dict[str, Any]], skip: int = 2) -> dict[str, float]:
 
 
 def _job_config(settings: dict[str, str], events_topic: str, devices_topic: str, workdir: Path, *,
-                batch: int | None, trigger: str, starting: str, parser: str = "auto") -> Any:
+                batch: int | None, trigger: str, starting: str, parser: str = "auto",
+                state: dict[str, Any] | None = None) -> Any:
     from enrich import config
 
     tag = uuid.uuid4().hex[:8]
@@ -158,6 +165,7 @@ def _job_config(settings: dict[str, str], events_topic: str, devices_topic: str,
         "checkpoint": str(workdir / f"checkpoint-{tag}"),
         "trigger": trigger,
         **({"max_events_per_batch": batch} if batch else {}),
+        **({"state": state} if state else {}),
     }, "bench")
 
 
@@ -181,11 +189,11 @@ def _check_output(settings: dict[str, str], topic: str, sample: int = 2000) -> f
 # ------------------------------------------------------------------------------------------ phases
 
 def run_job(spark: Any, settings: dict[str, str], events_topic: str, devices_topic: str, workdir: Path,
-            batch: int, n: int, parser: str = "auto") -> dict[str, float]:
+            batch: int, n: int, parser: str = "auto", state: dict[str, Any] | None = None) -> dict[str, float]:
     from enrich.job import EnrichJob
 
     cfg = _job_config(settings, events_topic, devices_topic, workdir, batch=batch, trigger="1s",
-                      starting="earliest", parser=parser)
+                      starting="earliest", parser=parser, state=state)
     job = EnrichJob(cfg, spark, available_now=True)
     t0 = time.monotonic()
     try:
@@ -347,6 +355,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bootstrap", help="an existing broker instead of an embedded one")
     ap.add_argument("--job-from-json", action="store_true",
                     help="also run the job with events.parser: spark in every round (A/B of the fast parser)")
+    ap.add_argument("--job-with-state", action="store_true",
+                    help="also run the job with a state: section (STATE_SECTION) in every round")
     ap.add_argument("--skip", default="", help="comma list of: plain,job,naive,careful,latency")
     ap.add_argument("--json", help="write the results to this file as well")
     ap.add_argument("--verbose", action="store_true")
@@ -381,7 +391,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"Spark session ({args.master}) up in {results['spark_startup_s']:.1f}s", flush=True)
 
         rounds: dict[str, list[dict[str, Any]]] = {"plain": [], "job": [], "naive": [], "careful": [],
-                                                   "job_from_json": []}
+                                                   "job_from_json": [], "job_state": []}
         for r in range(args.repeat):
             if "plain" not in skip:
                 rate = _in_process(data.plain_copy, settings, events_topic, f"bench-copy-{uuid.uuid4().hex[:8]}",
@@ -404,6 +414,14 @@ def main(argv: list[str] | None = None) -> int:
                 sampler.phase = None
                 rounds["job_from_json"].append(res)
                 print(f"[{r + 1}/{args.repeat}] job, parser spark: {res['rate']:,.0f} events/s steady over "
+                      f"{res['batches']} batches (median batch {res['batch_s_median']:.2f}s)", flush=True)
+            if args.job_with_state:
+                sampler.phase = f"job (state) round {r + 1}"
+                res = run_job(spark, settings, events_topic, devices_topic, workdir, args.batch, args.events,
+                              state=STATE_SECTION)
+                sampler.phase = None
+                rounds["job_state"].append(res)
+                print(f"[{r + 1}/{args.repeat}] job with state: {res['rate']:,.0f} events/s steady over "
                       f"{res['batches']} batches (median batch {res['batch_s_median']:.2f}s)", flush=True)
             if "naive" not in skip:
                 sampler.phase = f"naive round {r + 1}"
@@ -467,6 +485,10 @@ def _summary(res: dict[str, Any]) -> None:
         jf = _med(rounds["job_from_json"], "rate")
         print(f"job, from_json only:       {jf:,.0f} events/s  ({jf / plain:.0%} of plain; fast parser gain "
               f"{job / jf:.2f}x)")
+    if rounds["job_state"]:
+        js = _med(rounds["job_state"], "rate")
+        print(f"job with state:            {js:,.0f} events/s  (state on / off = {js / job:.2f}, target >= 0.5: "
+              f"{'met' if js >= 0.5 * job else 'MISSED'})")
     if rounds["job"]:
         print(f"job start (bootstrap {res['args']['dimension_rows']:,} rows + sinks + query start): "
               f"{_med(rounds['job'], 'start_s'):.1f}s; warm-up batches: {_med(rounds['job'], 'first_batch_s'):.1f}s + "

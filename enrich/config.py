@@ -8,7 +8,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from refstream.config import Section, kafka_settings, load_yaml
+from refstream.config import Section, allowed_values, kafka_settings, load_yaml
 from refstream.contract import default_topic
 
 #: Where a new query starts reading the events.
@@ -26,6 +26,12 @@ Parser = Literal["auto", "spark"]
 JoinHow = Literal["left", "inner"]
 #: Where enriched events go; the key of the ``output:`` section.
 OutputKind = Literal["kafka", "parquet", "console"]
+#: Where a join's dimension lives: ``broadcast`` ships every pinned version to the executors (the
+#: driver holds it); ``partitioned`` keeps it in the keyed state next to the device state (not yet
+#: supported: refused at load).
+JoinStrategy = Literal["broadcast", "partitioned"]
+#: A per-device aggregate of one column (nulls ignored): the latest value, the least, the greatest, the mean.
+StateAgg = Literal["last", "min", "max", "mean"]
 
 #: Admission control when ``max_events_per_batch`` is not set: a micro-batch's memory stays bounded.
 DEFAULT_MAX_EVENTS_PER_BATCH = 100_000
@@ -59,10 +65,37 @@ class JoinConfig:
     columns: tuple[str, ...] | None = None     # None: every non-key column
     how: JoinHow = "left"
     prefix: str = ""
+    strategy: JoinStrategy = "broadcast"
 
     @property
     def matched_column(self) -> str:
         return f"_{self.prefix}{self.dataset}_matched"
+
+
+@dataclass(frozen=True, kw_only=True)
+class StateConfig:
+    """The ``state:`` section: a running state per device (``key``), kept until the watermark passes
+    its last event time plus ``ttl``; ``aggregates`` pairs a column with the aggregates kept of it.
+
+    Devices are hashed into ``buckets`` groups, each one value in Spark's state store; the count is
+    fixed by a checkpoint's first run (docs/state.md)."""
+
+    key: str
+    timestamp: str
+    ttl: timedelta = timedelta(hours=1)
+    watermark: timedelta = timedelta(minutes=5)
+    aggregates: tuple[tuple[str, tuple[StateAgg, ...]], ...] = ()
+    buckets: int = 64
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        """Every event column the state reads: key, timestamp, then the aggregated columns."""
+        return (self.key, self.timestamp, *[c for c, _ in self.aggregates])
+
+    @property
+    def fields(self) -> tuple[str, ...]:
+        """The aggregate fields of the ``state`` struct, ``<column>_<agg>``, in configured order."""
+        return tuple(f"{c}_{a}" for c, aggs in self.aggregates for a in aggs)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,6 +117,7 @@ class EnrichConfig:
     output: OutputConfig
     dead_letter_topic: str
     checkpoint: Path
+    state: StateConfig | None = None
     trigger: timedelta = timedelta(seconds=1)
     max_events_per_batch: int = DEFAULT_MAX_EVENTS_PER_BATCH
     bootstrap_timeout: timedelta = timedelta(seconds=60)
@@ -132,6 +166,7 @@ def parse(data: dict[str, Any], source: str = "config") -> EnrichConfig:
         seen.add((j.dataset, j.prefix))
 
     output = _output(top.section("output"))
+    state = _state(top.section("state")) if top.has("state") else None
     # Always bounded: after downtime the backlog is read in batches of this size, not in one.
     max_events = top.get("max_events_per_batch", int, DEFAULT_MAX_EVENTS_PER_BATCH)
     if max_events <= 0:
@@ -147,6 +182,7 @@ def parse(data: dict[str, Any], source: str = "config") -> EnrichConfig:
         output=output,
         dead_letter_topic=top.get("dead_letter_topic", str),
         checkpoint=Path(top.get("checkpoint", str)),
+        state=state,
         trigger=trigger,
         max_events_per_batch=max_events,
         bootstrap_timeout=top.duration("bootstrap_timeout", timedelta(seconds=60)),
@@ -186,7 +222,49 @@ def _join(sec: Section) -> JoinConfig:
         columns=tuple(columns) if columns is not None else None,
         how=sec.choice("how", JoinHow, "left"),
         prefix=sec.get("prefix", str, ""),
+        strategy=sec.choice("strategy", JoinStrategy, "broadcast"),
     )
+    if cfg.strategy == "partitioned":
+        raise sec.error("partitioned is not yet supported; use broadcast (docs/state.md)", "strategy")
+    sec.done()
+    return cfg
+
+
+def _state(sec: Section) -> StateConfig:
+    key = sec.get("key", str)
+    timestamp = sec.get("timestamp", str)
+    if not key:
+        raise sec.error("must name an event column", "key")
+    if not timestamp:
+        raise sec.error("must name an event column", "timestamp")
+    if key == timestamp:
+        raise sec.error(f"{timestamp!r} is also the key", "timestamp")
+    ttl = sec.duration("ttl", timedelta(hours=1))
+    if ttl <= timedelta(0):
+        raise sec.error("must be positive", "ttl")
+    watermark = sec.duration("watermark", timedelta(minutes=5))
+    buckets = sec.get("buckets", int, 64)
+    if buckets <= 0:
+        raise sec.error("must be positive", "buckets")
+    aggs = sec.section("aggregates", {})
+    aggregates: list[tuple[str, tuple[StateAgg, ...]]] = []
+    for column in list(aggs.data):
+        raw = aggs.raw(column)
+        names = [raw] if isinstance(raw, str) else raw
+        if not isinstance(column, str) or not column:
+            raise aggs.error(f"expected a column name, got {column!r}")
+        if not isinstance(names, list) or not names:
+            raise aggs.error(f"expected a list of aggregates ({', '.join(allowed_values(StateAgg))}), "
+                             f"got {raw!r}", column)
+        for name in names:
+            if name not in allowed_values(StateAgg):
+                raise aggs.error(f"{name!r} is not one of {', '.join(allowed_values(StateAgg))}", column)
+        if len(set(names)) != len(names):
+            raise aggs.error(f"an aggregate is listed twice: {names}", column)
+        aggregates.append((column, tuple(names)))
+    aggs.done()
+    cfg = StateConfig(key=key, timestamp=timestamp, ttl=ttl, watermark=watermark,
+                      aggregates=tuple(aggregates), buckets=buckets)
     sec.done()
     return cfg
 

@@ -38,6 +38,7 @@ from enrich.dimension.ship import Shipper
 from enrich.dimension.versions import FileVersionLog
 from enrich.fastparse import FastParser
 from enrich.sinks import EnrichedBatch, Sink, make_sink
+from enrich.state.checkpoint import check_checkpoint
 from refstream import kafka as rkafka
 from refstream.atomic import write_bytes_atomic, write_json_atomic
 from refstream.contract import DatasetSchema
@@ -106,7 +107,8 @@ class EnrichJob:
         if not self.sink.writes_dead_letters:
             self.dead = DeadLetters(cfg.kafka, cfg.dead_letter_topic, self._dlq_transactional_id(), scope)
             self._stack.callback(self.dead.close)
-        if cfg.events.parser == "auto" and self.sink.reparses:
+        # The state step parses events in the plan (before the stateful operator): no fast parser then.
+        if cfg.events.parser == "auto" and self.sink.reparses and cfg.state is None:
             self.fast = FastParser.for_schema(self.event_schema, cfg.events.required, self._timezone())
         log.info("events parsed by %s", "pyarrow, with from_json for what it leaves" if self.fast else "from_json")
 
@@ -118,9 +120,19 @@ class EnrichJob:
                           builtin=cfg.events.source == "builtin")
         # The published schemas are known now: a join naming a missing column fails here, as a config
         # error, instead of failing the first micro-batch.
-        self._parsed_schema = events.parse(raw, self.event_schema, cfg.events.required).schema
-        self._planned(self._parsed_schema)
-        writer = (raw.writeStream.foreachBatch(self._process)
+        parsed = events.parse(raw, self.event_schema, cfg.events.required)
+        self._parsed_schema = parsed.schema
+        _, _, enriched_schema, _ = self._planned(self._parsed_schema)
+        stream = raw
+        if cfg.state is not None:  # the keyed state step: events parsed in the plan (enrich/state/)
+            from enrich.state.stream import state_step
+
+            stream = state_step(self.spark, cfg, raw, self.event_schema, enriched_schema, self._timezone())
+            self._parsed_schema, self._plan = stream.schema, None
+            self._planned(self._parsed_schema)
+        else:
+            check_checkpoint(cfg.checkpoint, None, None, cfg.source)
+        writer = (stream.writeStream.foreachBatch(self._process)
                   .option("checkpointLocation", str((cfg.checkpoint / "spark").resolve()))
                   .queryName(f"enrich-{cfg.events.topic}"))
         if self.available_now:
@@ -196,13 +208,27 @@ class EnrichJob:
     # ----------------------------------------------------------------------------- one batch
 
     def _process(self, batch_df: DataFrame, batch_id: int) -> None:
+        if self.cfg.state is None:
+            return self._process_batch(batch_df, batch_id)
+        # With the state step the batch is parsed already; cached, since a sink may read it twice.
+        batch_df.persist()
+        try:
+            self._process_batch(batch_df, batch_id)
+            log.info("batch %d: %d late event(s) written with a null state", batch_id,
+                     batch_df.filter(batch_df["_late"]).count())
+        finally:
+            batch_df.unpersist()
+        return None
+
+    def _process_batch(self, batch_df: DataFrame, batch_id: int) -> None:
         t0 = time.monotonic()
         shipped = call_with_retry(lambda: self.dims.pin(batch_id), what=f"batch {batch_id}: pinning dimensions",
                                   policy=self.retry, stop=self._stop)
         specs, out_cols, out_schema, fast_schema = self._planned(self._parsed_schema)
 
-        def exact(df: DataFrame) -> EnrichedBatch:  # parsed by from_json
-            parsed = events.parse(df, self.event_schema, self.cfg.events.required)
+        def exact(df: DataFrame) -> EnrichedBatch:  # parsed by from_json (in the plan, with a state step)
+            parsed = df if self.cfg.state is not None else events.parse(df, self.event_schema,
+                                                                          self.cfg.events.required)
             return EnrichedBatch(join.enrich(parsed, specs, out_schema, shipped, events.ERROR), out_cols)
 
         if self.fast is not None:

@@ -60,8 +60,9 @@ events: {topic: ev, schema: "device_id STRING", starting_offsets: earliest, requ
          source: python}
 joins:
   - {dataset: devices, topic: ref.devices, on: device_id, columns: [a], how: inner, prefix: "d_"}
-  - {dataset: sites, on: {site: site_id}}
+  - {dataset: sites, on: {site: site_id}, strategy: broadcast}
 output: %s
+state: {key: device_id, timestamp: ts, ttl: 2h, watermark: 1m, buckets: 8, aggregates: {t: [last, mean]}}
 dead_letter_topic: dlq
 checkpoint: var/ck
 trigger: 2s
@@ -119,6 +120,7 @@ def refresh_form(key: str) -> str:
 def enrich_form(key: str) -> str:
     key = re.sub(r"^kafka\.(?!bootstrap_servers$).+", "kafka.<librdkafka setting>", key)
     key = re.sub(r"^spark\..+", "spark.<setting>", key)
+    key = re.sub(r"^state\.aggregates\..+", "state.aggregates", key)
     return "joins[]" if key == "joins" else re.sub(r"^joins\[\d+\]", "joins[]", key)
 
 
@@ -201,15 +203,18 @@ def test_readme_defaults_are_the_loaders_defaults(tmp_path: Path, monkeypatch: p
     e = tmp_path / "enrich.yaml"
     e.write_text('kafka: {bootstrap_servers: "127.0.0.1:9"}\nevents: {topic: ev, schema: "a STRING"}\n'
                  "joins: [{dataset: dd, on: a}]\noutput: {console: {}}\ndead_letter_topic: dlq\n"
-                 "checkpoint: ck\n")
+                 "checkpoint: ck\nstate: {key: a, timestamp: ts}\n")
     c = load_enrich(e)
+    assert c.state is not None
     bare = tmp_path / "bare.yaml"
     bare.write_text(e.read_text().replace("joins: [{dataset: dd, on: a}]\n", ""))
     enrich_actual: dict[str, Any] = {
         "events.starting_offsets": c.events.starting_offsets, "events.required": c.events.required,
         "events.source": c.events.source, "joins[]": load_enrich(bare).joins, "joins[].topic":
         c.joins[0].topic.replace("dd", "<dataset>"), "joins[].how": c.joins[0].how,
-        "joins[].prefix": c.joins[0].prefix, "output.console.rows": c.output.rows, "trigger": c.trigger,
+        "joins[].prefix": c.joins[0].prefix, "joins[].strategy": c.joins[0].strategy,
+        "state.ttl": c.state.ttl, "state.watermark": c.state.watermark, "state.buckets": c.state.buckets,
+        "output.console.rows": c.output.rows, "trigger": c.trigger,
         "max_events_per_batch": c.max_events_per_batch, "bootstrap_timeout": c.bootstrap_timeout,
     }
     for heading, actual in (("conf/refresh.yaml", refresh_actual), ("conf/enrich.yaml", enrich_actual)):

@@ -60,12 +60,48 @@ def test_parse_full_shape() -> None:
     ({"checkpoint": 3}, "checkpoint: expected str"),
     ({"triger": "1s"}, "<top>: unknown key(s): triger"),
     ({"spark": ["spark.driver.memory"]}, "spark: must be a mapping"),
+    ({"joins": [{"dataset": "d", "on": "x", "strategy": "local"}]}, "joins[0].strategy: 'local' is not one of"),
+    ({"joins": [{"dataset": "d", "on": "x", "strategy": "partitioned"}]},
+     "joins[0].strategy: partitioned is not yet supported; use broadcast"),
+    ({"state": {"timestamp": "ts"}}, "state.key: is required"),
+    ({"state": {"key": "device_id"}}, "state.timestamp: is required"),
+    ({"state": {"key": "ts", "timestamp": "ts"}}, "state.timestamp: 'ts' is also the key"),
+    ({"state": {"key": "d", "timestamp": "ts", "ttl": "0s"}}, "state.ttl: must be positive"),
+    ({"state": {"key": "d", "timestamp": "ts", "ttl": "soon"}}, "state.ttl: 'soon' is not a duration"),
+    ({"state": {"key": "d", "timestamp": "ts", "watermark": "x"}}, "state.watermark: 'x' is not a duration"),
+    ({"state": {"key": "d", "timestamp": "ts", "buckets": 0}}, "state.buckets: must be positive"),
+    ({"state": {"key": "d", "timestamp": "ts", "aggregates": {"t": ["median"]}}},
+     "state.aggregates.t: 'median' is not one of last, min, max, mean"),
+    ({"state": {"key": "d", "timestamp": "ts", "aggregates": {"t": []}}}, "state.aggregates.t: expected a list"),
+    ({"state": {"key": "d", "timestamp": "ts", "aggregates": {"t": ["min", "min"]}}},
+     "state.aggregates.t: an aggregate is listed twice"),
+    ({"state": {"key": "d", "timestamp": "ts", "aggregates": ["t"]}}, "state.aggregates: must be a mapping"),
+    ({"state": {"key": "d", "timestamp": "ts", "tll": "1h"}}, "state: unknown key(s): tll"),
 ])
 def test_errors_name_the_key(patch: dict, message: str) -> None:
     with pytest.raises(ConfigError) as exc:
         config.parse({**BASE, **patch}, "enrich.yaml")
     assert message in str(exc.value)
     assert str(exc.value).startswith("enrich.yaml: ")
+
+
+def test_state_section() -> None:
+    assert config.parse(BASE).state is None
+    assert {j.strategy for j in config.parse(BASE).joins} == {"broadcast"}
+    cfg = config.parse({**BASE, "state": {"key": "device_id", "timestamp": "ts",
+                                          "aggregates": {"temperature": ["last", "min", "max", "mean"],
+                                                         "battery": "last"}}})
+    assert cfg.state is not None
+    assert cfg.state.ttl == timedelta(hours=1) and cfg.state.watermark == timedelta(minutes=5)
+    assert cfg.state.buckets == 64
+    assert cfg.state.aggregates == (("temperature", ("last", "min", "max", "mean")), ("battery", ("last",)))
+    assert cfg.state.fields == ("temperature_last", "temperature_min", "temperature_max", "temperature_mean",
+                                "battery_last")
+    assert cfg.state.columns == ("device_id", "ts", "temperature", "battery")
+    cfg = config.parse({**BASE, "state": {"key": "device_id", "timestamp": "ts", "ttl": "30m", "watermark": 0,
+                                          "buckets": 8}})
+    assert cfg.state is not None and cfg.state.aggregates == ()
+    assert (cfg.state.ttl, cfg.state.watermark, cfg.state.buckets) == (timedelta(minutes=30), timedelta(0), 8)
 
 
 def test_env_substitution_and_shipped_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

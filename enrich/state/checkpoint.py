@@ -1,0 +1,61 @@
+"""The checkpoint's record of the state settings: ``<checkpoint>/refstream/state.json``.
+
+The device state kept in Spark's state store is laid out by the ``state:`` settings (key, bucket
+count, aggregates and their types); a start with other settings would misread it. So the first
+start records them and every later start compares.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from enrich.config import StateConfig
+from enrich.state.engine import StateSpec
+from refstream.atomic import write_json_atomic
+from refstream.errors import ConfigError
+
+#: Where the record lives, relative to the checkpoint.
+RECORD = Path("refstream") / "state.json"
+
+
+def record(cfg: StateConfig, spec: StateSpec) -> dict[str, Any]:
+    """What :func:`check_checkpoint` keeps: the settings the stored state's layout depends on."""
+    return {"key": cfg.key, "buckets": cfg.buckets,
+            "aggregates": {c: list(aggs) for c, aggs in cfg.aggregates},
+            "state_schema": str(spec.state_schema())}
+
+
+def check_checkpoint(checkpoint: Path, cfg: StateConfig | None, spec: StateSpec | None,
+                     source: str = "config") -> None:
+    """Record the state settings in a new checkpoint; refuse a start whose settings differ from the
+    recorded ones (or that adds or removes ``state:`` against a checkpoint that has run)."""
+    path = checkpoint / RECORD
+    if not path.exists():
+        if cfg is None:
+            return
+        if any((checkpoint / "spark" / "offsets").glob("[0-9]*")):
+            raise ConfigError(f"{source}: state: the checkpoint {checkpoint} was written by a query without "
+                              "state:; point checkpoint: at a new directory to start one with state (it "
+                              "starts from events.starting_offsets)")
+        assert spec is not None
+        write_json_atomic(path, record(cfg, spec))
+        return
+    try:
+        kept = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as exc:
+        raise ConfigError(f"{path}: not a state record ({exc}); restore it from a backup of the checkpoint, "
+                          "or start a new checkpoint") from None
+    new = "point checkpoint: at a new directory to start over (device state starts empty)"
+    if cfg is None:
+        raise ConfigError(f"{source}: state: the checkpoint {checkpoint} keeps device state; put the state: "
+                          f"section back, or {new}")
+    assert spec is not None
+    now = record(cfg, spec)
+    for name in ("key", "buckets", "aggregates", "state_schema"):
+        if kept.get(name) != now[name]:
+            what = "the aggregated columns' types" if name == "state_schema" else f"state.{name}"
+            raise ConfigError(f"{source}: {what} changed against the checkpoint {checkpoint}, whose device state "
+                              f"was kept with {json.dumps(kept.get(name))}, now {json.dumps(now[name])}; "
+                              f"put it back, or {new}")

@@ -1,0 +1,331 @@
+"""The per-device state engine: one bucket of devices, one micro-batch of their events, in Arrow.
+
+Pure and vectorised (no Spark, no per-row Python): the stateful operator calls :func:`apply` once per
+hash bucket of devices per micro-batch with the bucket's state table, and :func:`evict` when an
+event-time timer fires for a bucket that got no events.
+
+Semantics (docs/state.md):
+
+* The events of a batch are applied per device in event-time order, ties by the tie columns (the
+  Kafka partition and offset); batches are applied in the order they come.
+* An event whose time is at or before the watermark (``ts <= watermark``) is *late*: it is not
+  applied, its ``state`` is null and its late flag true. So is an event with a null key or time
+  (``state`` null, late flag false): the job sends those to the dead-letter topic before this step.
+* A device's state is dropped once the watermark reaches ``last_seen + ttl``; dropping comes before
+  the batch's events are applied, so an event after that starts a fresh state.
+* The ``state`` of an applied event covers the device's state including that event: ``events``
+  (count), ``first_seen``/``last_seen`` (least/greatest event time), and ``<column>_<agg>``: ``last``
+  (latest non-null value in application order), ``min``, ``max``, ``mean`` (float64 over the non-null
+  values). Nulls - and NaN, which JSON cannot carry - are ignored by every aggregate; an aggregate of
+  no values is null.
+
+A device's aggregates depend on its own events only, never on the other devices of its bucket, and
+the same batches give the same bytes (replays are byte-identical). ``mean`` keeps a sum and a count;
+the sum is accumulated per device with compensated (Kahan) summation within a batch, so the last
+bits of a mean may differ between two different splits of the same events into batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+
+#: Names of the state table's own columns; the aggregates' accumulators are ``<column>_<agg>``
+#: (``mean`` keeps ``<column>_sum`` and ``<column>_count``), which never start with an underscore
+#: followed by these words alone.
+KEY, FIRST_SEEN, LAST_SEEN, EVENTS = "_key", "_first_seen", "_last_seen", "_events"
+#: Aggregates the engine keeps, and the accumulator columns each one needs.
+AGGS = ("last", "min", "max", "mean")
+
+
+@dataclass(frozen=True)
+class StateSpec:
+    """What the engine needs to know, resolved against the enriched events' schema; picklable.
+
+    ``aggregates`` holds ``(column, aggs, arrow type of the column)``; ``ties`` the columns that order
+    events of one device with the same time."""
+
+    key: str
+    key_type: pa.DataType
+    timestamp: str
+    ttl_us: int
+    aggregates: tuple[tuple[str, tuple[str, ...], pa.DataType], ...] = ()
+    ties: tuple[str, ...] = ("_partition", "_offset")
+    timestamp_type: pa.DataType = field(default_factory=lambda: pa.timestamp("us", tz="UTC"))
+
+    def __post_init__(self) -> None:
+        for column, aggs, typ in self.aggregates:
+            bad = [a for a in aggs if a not in AGGS]
+            if bad:
+                raise ValueError(f"state aggregate(s) {bad} of {column!r} are not among {AGGS}")
+            if any(a != "last" for a in aggs) and not _numeric(typ):
+                raise ValueError(f"min, max and mean need a numeric column; {column!r} is {typ}")
+
+    def state_schema(self) -> pa.Schema:
+        """The schema of a bucket's state table: one row per device."""
+        fields = [pa.field(KEY, self.key_type, False), pa.field(FIRST_SEEN, self.timestamp_type, False),
+                  pa.field(LAST_SEEN, self.timestamp_type, False), pa.field(EVENTS, pa.int64(), False)]
+        for column, aggs, typ in self.aggregates:
+            for agg in aggs:
+                if agg == "mean":
+                    fields += [pa.field(f"{column}_sum", pa.float64()), pa.field(f"{column}_count", pa.int64())]
+                else:
+                    fields.append(pa.field(f"{column}_{agg}", typ))
+        return pa.schema(fields)
+
+    def output_type(self) -> pa.StructType:
+        """The type of the ``state`` column every event gets."""
+        fields = [pa.field("events", pa.int64()), pa.field("first_seen", self.timestamp_type),
+                  pa.field("last_seen", self.timestamp_type)]
+        for column, aggs, typ in self.aggregates:
+            fields += [pa.field(f"{column}_{a}", pa.float64() if a == "mean" else typ) for a in aggs]
+        return pa.struct(fields)
+
+    def empty(self) -> pa.Table:
+        return self.state_schema().empty_table()
+
+
+@dataclass(frozen=True)
+class Applied:
+    """:func:`apply`'s result: the bucket's new state table, and per event (in input order) its
+    ``state`` struct (null where not applied) and its late flag; counts for the batch log."""
+
+    state: pa.Table
+    column: pa.StructArray
+    late: pa.BooleanArray
+    applied: int
+    late_count: int
+    evicted: int
+
+
+def _numeric(typ: pa.DataType) -> bool:
+    return pa.types.is_integer(typ) or pa.types.is_floating(typ)
+
+
+def _micros(arr: pa.ChunkedArray | pa.Array) -> np.ndarray:
+    """Event times as int64 microseconds since the epoch (nulls as 0: callers mask them)."""
+    a = arr.combine_chunks() if isinstance(arr, pa.ChunkedArray) else arr
+    if pa.types.is_timestamp(a.type):
+        if a.type.unit != "us":
+            a = pc.cast(a, pa.timestamp("us", tz=a.type.tz))
+        a = a.view(pa.int64())
+    else:
+        a = pc.cast(a, pa.int64())
+    return np.asarray(a.fill_null(0).to_numpy(zero_copy_only=False), dtype=np.int64)
+
+
+def evict(spec: StateSpec, state: pa.Table, watermark_us: int | None) -> tuple[pa.Table, int]:
+    """Drop the devices whose ``last_seen + ttl`` the watermark has reached; returns the rest and the
+    number dropped."""
+    if watermark_us is None or state.num_rows == 0:
+        return state, 0
+    keep = _micros(state.column(LAST_SEEN)) + spec.ttl_us > watermark_us
+    if keep.all():
+        return state, 0
+    return state.filter(pa.array(keep)), int((~keep).sum())
+
+
+def next_expiry(spec: StateSpec, state: pa.Table) -> int | None:
+    """The event time (microseconds) at which the watermark drops the bucket's next device: the time
+    of the event-time timer to keep registered for the bucket; None for an empty bucket."""
+    if state.num_rows == 0:
+        return None
+    return int(_micros(state.column(LAST_SEEN)).min()) + spec.ttl_us
+
+
+def apply(spec: StateSpec, state: pa.Table, events: pa.Table, watermark_us: int | None) -> Applied:
+    """Apply one micro-batch of one bucket's events to the bucket's state (see the module docstring).
+
+    ``events`` holds at least the key, the timestamp, the tie columns and the aggregated columns;
+    ``watermark_us`` is the batch's watermark in microseconds (None: nothing is late, nothing expires).
+    """
+    state, evicted = evict(spec, state, watermark_us)
+    n = events.num_rows
+    key = events.column(spec.key).combine_chunks()
+    ts_col = events.column(spec.timestamp).combine_chunks()
+    ts = _micros(ts_col)
+    valid = key.is_valid().to_numpy(zero_copy_only=False) & ts_col.is_valid().to_numpy(zero_copy_only=False)
+    late = valid & (ts <= watermark_us) if watermark_us is not None else np.zeros(n, dtype=bool)
+    use = np.flatnonzero(valid & ~late)
+    out_type = spec.output_type()
+    if len(use) == 0:
+        nulls = pa.nulls(n, out_type)
+        return Applied(state, nulls, pa.array(late, pa.bool_()), 0, int(late.sum()), evicted)
+
+    # Sort the applied events by device, time, ties; the sort is stable, so equal ties keep input order.
+    sub = events.select([spec.key, spec.timestamp, *spec.ties]).take(pa.array(use))
+    order = pc.sort_indices(sub, [(spec.key, "ascending"), (spec.timestamp, "ascending"),
+                                  *[(t, "ascending") for t in spec.ties]]).to_numpy()
+    rows = use[order]                      # input positions, in application order
+    m = len(rows)
+    skey = key.take(pa.array(rows))
+    starts = np.flatnonzero(np.concatenate(
+        [[True], pc.not_equal(skey[1:], skey[:-1]).to_numpy(zero_copy_only=False)])) if m > 1 \
+        else np.zeros(1, dtype=np.int64)
+    groups = len(starts)
+    gkeys = skey.take(pa.array(starts))
+    if state.num_rows:
+        found = pc.index_in(gkeys, value_set=state.column(KEY).combine_chunks())
+        seed_of = found.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
+    else:
+        seed_of = np.full(groups, -1, dtype=np.int64)
+    seeded = seed_of >= 0
+
+    # The combined sequence: per device, its stored state (a seed row) first, then its events.
+    sizes = np.diff(np.append(starts, m))
+    shift = np.cumsum(seeded)                               # seed rows up to and including group g
+    ev_pos = np.arange(m) + np.repeat(shift, sizes)         # where each event lands
+    seed_pos = starts[seeded] + shift[seeded] - 1           # where each seed row lands
+    total = m + int(seeded.sum())
+    gid = np.empty(total, dtype=np.int64)
+    gid[ev_pos] = np.repeat(np.arange(groups), sizes)
+    gid[seed_pos] = np.flatnonzero(seeded)
+    seed_rows = seed_of[seeded]
+    seeds = state.take(pa.array(seed_rows)) if len(seed_rows) else None
+
+    def combined(event_values: np.ndarray | pa.Array, seed_values: np.ndarray | pa.Array | None,
+                 typ: pa.DataType | None = None) -> pa.Array:
+        """One column over the combined sequence, from its event values (in application order) and
+        its seed values."""
+        parts = [pa.array(event_values, typ) if not isinstance(event_values, pa.Array) else event_values]
+        idx = [ev_pos]
+        if seed_values is not None and len(seed_rows):
+            parts.append(pa.array(seed_values, parts[0].type) if not isinstance(seed_values, pa.Array)
+                         else seed_values.cast(parts[0].type))
+            idx.append(seed_pos)
+        place = np.concatenate(idx)
+        inverse = np.empty(total, dtype=np.int64)
+        inverse[place] = np.arange(total)
+        return pa.concat_arrays(parts).take(pa.array(inverse))
+
+    grouped = pd.Series(gid)
+
+    def seg(values: pd.Series, how: str) -> pd.Series:
+        return getattr(values.groupby(grouped, sort=False), how)()
+
+    def seeds_col(name: str) -> pa.Array | None:
+        return seeds.column(name).combine_chunks() if seeds is not None else None
+
+    sts = ts[rows]
+    out: dict[str, pa.Array] = {}
+    count = combined(np.ones(m, dtype=np.int64), seeds_col(EVENTS), pa.int64())
+    out[EVENTS] = pa.array(seg(pd.Series(count.to_numpy()), "cumsum").to_numpy(), pa.int64())
+    first = combined(sts, _seed_micros(seeds_col(FIRST_SEEN)), pa.int64())
+    out[FIRST_SEEN] = pa.array(seg(pd.Series(first.to_numpy()), "cummin").to_numpy(), pa.int64())
+    last = combined(sts, _seed_micros(seeds_col(LAST_SEEN)), pa.int64())
+    out[LAST_SEEN] = pa.array(seg(pd.Series(last.to_numpy()), "cummax").to_numpy(), pa.int64())
+
+    for column, aggs, typ in spec.aggregates:
+        values = _ignored_as_null(events.column(column).combine_chunks().take(pa.array(rows)))
+        if values.type != typ:
+            values = pc.cast(values, typ)
+        for agg in aggs:
+            name = f"{column}_{agg}"
+            if agg == "last":
+                out[name] = _running_last(combined(values, seeds_col(name)), gid)
+            elif agg in ("min", "max"):
+                both = combined(values, seeds_col(name))
+                ran = seg(_masked(both), "cummin" if agg == "min" else "cummax")
+                out[name] = pc.cast(pa.array(seg(ran, "ffill").array, from_pandas=True), typ)
+            else:
+                ok = values.is_valid()
+                s = combined(pc.cast(values, pa.float64()).fill_null(0.0), seeds_col(f"{column}_sum"), pa.float64())
+                c = combined(pc.cast(ok, pa.int64()), seeds_col(f"{column}_count"), pa.int64())
+                out[f"{column}_sum"] = pa.array(seg(pd.Series(s.to_numpy(zero_copy_only=False)), "cumsum").to_numpy())
+                out[f"{column}_count"] = pa.array(seg(pd.Series(c.to_numpy(zero_copy_only=False)),
+                                                      "cumsum").to_numpy())
+
+    # Per event: its row of the combined sequence, back in input order.
+    at = np.full(n, -1, dtype=np.int64)
+    at[rows] = ev_pos
+    pick = pa.array(at, mask=at < 0)
+    tstype = spec.timestamp_type
+    fields: list[pa.Array] = [out[EVENTS].take(pick), out[FIRST_SEEN].take(pick).cast(tstype),
+                              out[LAST_SEEN].take(pick).cast(tstype)]
+    for column, aggs, _typ in spec.aggregates:
+        for agg in aggs:
+            if agg == "mean":
+                total_sum = out[f"{column}_sum"].take(pick)
+                total_n = out[f"{column}_count"].take(pick)
+                mean = pc.divide(total_sum, pc.cast(total_n, pa.float64()))
+                fields.append(pc.if_else(pc.greater(total_n, 0), mean, pa.scalar(None, pa.float64())))
+            else:
+                fields.append(out[f"{column}_{agg}"].take(pick))
+    column = pa.StructArray.from_arrays(fields, fields=list(out_type), mask=pa.array(at < 0))
+
+    # The new state: each touched device's last combined row, plus the untouched devices.
+    ends_idx = pa.array(ev_pos[np.append(starts[1:], m) - 1])
+    schema = spec.state_schema()
+    touched_cols: list[pa.Array] = [gkeys.cast(spec.key_type)]
+    for f in schema:
+        if f.name == KEY:
+            continue
+        col = out[f.name].take(ends_idx)
+        touched_cols.append(col.cast(f.type))
+    touched = pa.Table.from_arrays(touched_cols, schema=schema)
+    if state.num_rows:
+        untouched = np.ones(state.num_rows, dtype=bool)
+        untouched[seed_rows] = False
+        new_state = pa.concat_tables([state.filter(pa.array(untouched)).cast(schema), touched])
+        new_state = new_state.take(pc.sort_indices(new_state, [(KEY, "ascending")]))
+    else:
+        new_state = touched
+    return Applied(new_state.combine_chunks(), column, pa.array(late, pa.bool_()), m, int(late.sum()), evicted)
+
+
+def _seed_micros(a: pa.Array | None) -> np.ndarray | None:
+    return None if a is None else _micros(a)
+
+
+def _ignored_as_null(a: pa.Array) -> pa.Array:
+    """Values the aggregates ignore (NaN) as nulls."""
+    if pa.types.is_floating(a.type):
+        nan = pc.is_nan(a).fill_null(False)
+        if pc.any(nan).as_py():
+            return pc.if_else(nan, pa.scalar(None, a.type), a)
+    return a
+
+
+def _masked(a: pa.Array) -> pd.Series:
+    """A numeric Arrow array as a pandas Series of a masked (nullable) dtype: exact for int64."""
+    dtype = "Float64" if pa.types.is_floating(a.type) else "Int64"
+    wide = pc.cast(a, pa.float64() if dtype == "Float64" else pa.int64())
+    values = wide.fill_null(0).to_numpy(zero_copy_only=False)
+    mask = wide.is_null().to_numpy(zero_copy_only=False)
+    return pd.Series(pd.arrays.FloatingArray(values, mask) if dtype == "Float64"
+                     else pd.arrays.IntegerArray(values, mask))
+
+
+def _running_last(a: pa.Array, gid: np.ndarray) -> pa.Array:
+    """Per position, the latest non-null value of its group so far (groups are contiguous)."""
+    pos = np.where(a.is_valid().to_numpy(zero_copy_only=False), np.arange(len(a)), -1)
+    latest = np.maximum.accumulate(pos)
+    group_start = np.zeros(len(a), dtype=np.int64)
+    if len(a):
+        change = np.flatnonzero(np.diff(gid)) + 1
+        starts = np.concatenate([[0], change])
+        group_start = np.repeat(starts, np.diff(np.append(starts, len(a))))
+    latest = np.where(latest >= group_start, latest, -1)
+    return a.take(pa.array(latest, mask=latest < 0))
+
+
+def state_to_ipc(table: pa.Table) -> bytes:
+    """A bucket's state table as bytes (Arrow IPC stream), the value kept in Spark's state store."""
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    return sink.getvalue().to_pybytes()
+
+
+def state_from_ipc(data: bytes, spec: StateSpec) -> pa.Table:
+    """The inverse of :func:`state_to_ipc`; a table of another schema is refused (the checkpoint's
+    state was written with other ``state:`` settings, which the job checks before it gets here)."""
+    table = pa.ipc.open_stream(pa.py_buffer(data)).read_all()
+    if table.schema != spec.state_schema():
+        raise ValueError(f"stored device state has schema {table.schema}, expected {spec.state_schema()}")
+    return table
+

@@ -1,0 +1,67 @@
+"""The ``state:`` section resolved against the enriched events' schema (event fields and the columns
+the joins add): the engine's :class:`~enrich.state.engine.StateSpec`, or a config error naming the
+key and column at fault."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+from pyspark.sql.pandas.types import to_arrow_type
+from pyspark.sql.types import (
+    BooleanType,
+    DataType,
+    DecimalType,
+    NumericType,
+    StructField,
+    StructType,
+    TimestampType,
+)
+
+from enrich.config import StateConfig
+from enrich.state.engine import StateSpec
+from refstream.errors import ConfigError
+
+#: The columns the state step adds to every event: the device's state struct and the late flag.
+STATE, LATE = "state", "_late"
+
+
+def resolve(cfg: StateConfig, enriched: StructType, *, timezone: str = "UTC", source: str = "config") -> StateSpec:
+    """Check the ``state:`` section against ``enriched`` and build the engine's spec."""
+    types = {f.name: f.dataType for f in enriched.fields}
+    have = ", ".join(sorted(types))
+
+    def column(name: str, key: str) -> DataType:
+        if name not in types:
+            raise ConfigError(f"{source}: state.{key}: column {name!r} is neither an event field nor added by a "
+                              f"join (have: {have})")
+        return types[name]
+
+    column(cfg.key, "key")
+    if not isinstance(column(cfg.timestamp, "timestamp"), TimestampType):
+        raise ConfigError(f"{source}: state.timestamp: column {cfg.timestamp!r} is "
+                          f"{types[cfg.timestamp].simpleString()}, not TIMESTAMP")
+    for clash in (STATE, LATE):
+        if clash in types:
+            raise ConfigError(f"{source}: state: the state step adds column {clash!r}, which the events "
+                              "already have; rename it in events.schema or set a join's prefix:")
+    aggregates = []
+    for name, aggs in cfg.aggregates:
+        typ = column(name, f"aggregates.{name}")
+        numeric = isinstance(typ, NumericType) and not isinstance(typ, DecimalType)
+        if not numeric and any(a != "last" for a in aggs):
+            raise ConfigError(f"{source}: state.aggregates.{name}: min, max and mean need a numeric column; "
+                              f"{name!r} is {typ.simpleString()} (keep last: only)")
+        aggregates.append((name, tuple(aggs), _arrow(typ, timezone)))
+    return StateSpec(key=cfg.key, key_type=_arrow(types[cfg.key], timezone), timestamp=cfg.timestamp,
+                     ttl_us=int(cfg.ttl.total_seconds() * 10**6), aggregates=tuple(aggregates),
+                     timestamp_type=pa.timestamp("us", tz=timezone))
+
+
+def output_fields(spec: StateSpec) -> list[StructField]:
+    """The Spark fields :func:`resolve`'s spec adds to every event: ``state`` then ``_late``."""
+    from pyspark.sql.pandas.types import from_arrow_type
+
+    return [StructField(STATE, from_arrow_type(spec.output_type()), True), StructField(LATE, BooleanType(), False)]
+
+
+def _arrow(typ: DataType, timezone: str) -> pa.DataType:
+    return to_arrow_type(typ, timezone=timezone)

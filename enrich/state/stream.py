@@ -1,0 +1,85 @@
+"""The keyed state step in the streaming plan, and the checkpoint's record of its settings.
+
+:func:`attach` turns the parsed event stream (``enrich.events.parse``) into the same columns plus
+``state`` and ``_late``, through ``transformWithStateInPandas`` keyed by ``hash(key) % buckets``
+(:mod:`enrich.state.processor`). Events with a null key or time get ``_error`` set (the sink sends
+them to the dead-letter topic). Spark's watermark is taken on a copy of the event time that is
+dropped before the step: Spark would otherwise drop late events silently in front of the processor;
+the processor flags them instead, against the same watermark.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pyarrow as pa
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+from pyspark.sql.pandas.types import from_arrow_type
+from pyspark.sql.types import BooleanType, StructField, StructType
+
+from enrich import events
+from enrich.config import EnrichConfig, StateConfig
+from enrich.events import ERROR
+from enrich.state.checkpoint import check_checkpoint
+from enrich.state.engine import StateSpec
+from enrich.state.plan import LATE, STATE, resolve
+from enrich.state.processor import BUCKET, FLAT, TS_US, DeviceStateProcessor
+from refstream.errors import ConfigError
+
+#: Spark's state store provider for the step (set by the job; ``transformWithStateInPandas`` needs it).
+ROCKSDB = "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider"
+PROVIDER_CONF = "spark.sql.streaming.stateStore.providerClass"
+_WATERMARK = "_wm_ts"
+
+
+def state_step(spark: SparkSession, cfg: EnrichConfig, raw: DataFrame, event_schema: StructType,
+               enriched: StructType, timezone: str) -> DataFrame:
+    """The job's hook: check ``state:`` against the events and the joins' columns (``enriched``) and
+    the checkpoint, set the RocksDB state store, and return the ``raw`` Kafka stream parsed and
+    through :func:`attach`."""
+    assert cfg.state is not None
+    parsed = events.parse(raw, event_schema, cfg.events.required, keep_source=True)
+    spec = resolve(cfg.state, enriched, timezone=timezone, source=cfg.source)
+    for name in cfg.state.columns:
+        if name not in parsed.columns:
+            where = "key" if name == cfg.state.key else f"aggregates.{name}"
+            raise ConfigError(f"{cfg.source}: state.{where}: {name!r} is added by a join; the state step runs "
+                              "before the joins, so it can use event fields only for now (docs/state.md)")
+    check_checkpoint(cfg.checkpoint, cfg.state, spec, cfg.source)
+    spark.conf.set(PROVIDER_CONF, ROCKSDB)
+    return attach(parsed, cfg.state, spec)
+
+
+def attach(parsed: DataFrame, cfg: StateConfig, spec: StateSpec) -> DataFrame:
+    """``parsed`` (``events.parse(..., keep_source=True)``) with the keyed state step applied: its
+    columns, then ``state`` and ``_late``; ``_value`` is kept in dead-letter rows only, as
+    ``events.parse`` does."""
+    columns = tuple(parsed.columns)
+    key, ts = F.col(f"`{cfg.key}`"), F.col(f"`{cfg.timestamp}`")
+    error = (F.when(F.col(ERROR).isNotNull(), F.col(ERROR))
+             .when(key.isNull(), F.lit(f"state.key {cfg.key} is null"))
+             .when(ts.isNull(), F.lit(f"state.timestamp {cfg.timestamp} is null")))
+    prepared = (parsed.withColumn(ERROR, error)
+                .withColumn("_value", F.when(F.col(ERROR).isNotNull(), F.col("_value")))
+                .withColumn(TS_US, F.unix_micros(ts))
+                .withColumn(BUCKET, F.pmod(F.hash(key), F.lit(cfg.buckets)).cast("int"))
+                .withColumn(_WATERMARK, ts)
+                .withWatermark(_WATERMARK, f"{int(cfg.watermark.total_seconds() * 1000)} milliseconds")
+                .drop(_WATERMARK))
+    inner = dataclasses.replace(spec, timestamp=TS_US, timestamp_type=pa.int64())
+    processor = DeviceStateProcessor(inner, tuple(prepared.columns), columns)
+    flat_type = inner.output_type()
+    in_schema = {f.name: f.dataType for f in prepared.schema.fields}
+    out_schema = StructType([StructField(c, in_schema[c], True) for c in columns]
+                            + [StructField(FLAT + f.name, from_arrow_type(f.type), True) for f in flat_type]
+                            + [StructField(LATE, BooleanType(), True)])
+    stepped = prepared.groupBy(BUCKET).transformWithStateInPandas(
+        processor, outputStructType=out_schema, outputMode="Append", timeMode="EventTime")
+    fields = []
+    for f in flat_type:
+        col = F.col(f"`{FLAT}{f.name}`")
+        fields.append((F.timestamp_micros(col) if f.name in ("first_seen", "last_seen") else col).alias(f.name))
+    state = F.when(F.col(f"`{FLAT}events`").isNotNull(), F.struct(*fields))
+    return stepped.select(*[F.col(f"`{c}`") for c in columns], state.alias(STATE),
+                          F.coalesce(F.col(LATE), F.lit(False)).alias(LATE))

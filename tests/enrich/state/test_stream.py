@@ -1,0 +1,196 @@
+"""The keyed state step in the running job, on real Spark (local) and the real broker: counts and
+aggregates over several micro-batches, late events, TTL, dead letters, the checkpoint's record."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from pyspark.sql import SparkSession
+
+from enrich import config
+from enrich.job import EnrichJob
+from refstream.contract import Column, DatasetSchema
+from refstream.errors import ConfigError
+from tests.enrich.helpers import changelog, produce_events, publish, read_all
+
+DEVICES = DatasetSchema("devices", ("device_id",), (Column("device_id", "string"), Column("owner", "string")))
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def at(minutes: float) -> str:
+    return (T0 + timedelta(minutes=minutes)).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def make_config(kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path, **state: Any) -> dict[str, Any]:
+    return {
+        "kafka": {"bootstrap_servers": kafka["bootstrap.servers"]},
+        "events": {"topic": unique("events"), "schema": "device_id STRING, ts TIMESTAMP, temp DOUBLE, n INT",
+                   "starting_offsets": "earliest", "required": ["n"]},
+        "joins": [{"dataset": "devices", "topic": unique("ref.devices"), "on": "device_id"}],
+        "output": {"kafka": {"topic": unique("enriched")}},
+        "dead_letter_topic": unique("dlq"),
+        "checkpoint": str(tmp_path / "checkpoint"),
+        "max_events_per_batch": 4,    # several micro-batches out of each round of events
+        "state": {"key": "device_id", "timestamp": "ts", "ttl": "10m", "watermark": "1m", "buckets": 4,
+                  "aggregates": {"temp": ["last", "max", "mean"]}, **state},
+    }
+
+
+def run(spark: SparkSession, data: dict[str, Any]) -> None:
+    EnrichJob(config.parse(data, "test.yaml"), spark, available_now=True).run()
+
+
+def outputs(kafka: dict[str, str], topic: str) -> dict[int, dict[str, Any]]:
+    rows = [json.loads(m.value()) for m in read_all(kafka, topic)]
+    by_n = {r["n"]: r for r in rows}
+    assert len(by_n) == len(rows), "an event was written twice"
+    return by_n
+
+
+@pytest.mark.integration
+def test_device_state_over_micro_batches(spark: SparkSession, kafka: dict[str, str], unique: Callable[[str], str],
+                                         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    data = make_config(kafka, unique, tmp_path)
+    publish(kafka, data["joins"][0]["topic"], changelog(DEVICES, [{"device_id": "a", "owner": "ann"}]))
+    events = data["events"]["topic"]
+    # Round 1, two batches of four: a and b interleaved; one event without device, one without time.
+    produce_events(kafka, events, [
+        {"device_id": "a", "ts": at(0), "temp": 10.0, "n": 1},
+        {"device_id": "b", "ts": at(1), "temp": None, "n": 2},
+        {"device_id": "a", "ts": at(2), "temp": 30.0, "n": 3},
+        {"device_id": None, "ts": at(2), "temp": 1.0, "n": 4},
+        # second batch: the watermark is 2m - 1m = 1m
+        {"device_id": "a", "ts": at(3), "temp": None, "n": 5},
+        {"device_id": "b", "ts": None, "temp": 1.0, "n": 6},
+        {"device_id": "b", "ts": at(4), "temp": 5.0, "n": 7},
+        {"device_id": "a", "ts": at(1.5), "temp": 20.0, "n": 8},   # same batch as n=5, earlier: applied first
+    ])
+    run(spark, data)
+    out = outputs(kafka, data["output"]["kafka"]["topic"])
+    assert sorted(out) == [1, 2, 3, 5, 7, 8]
+    a = [out[n]["state"] for n in (1, 3, 8, 5)]
+    assert [s["events"] for s in a] == [1, 2, 3, 4]
+    assert [s["temp_last"] for s in a] == [10.0, 30.0, 20.0, 20.0]
+    assert [s["temp_max"] for s in a] == [10.0, 30.0, 30.0, 30.0]
+    assert [s["temp_mean"] for s in a] == [10.0, 20.0, 20.0, 20.0]
+    assert (a[2]["first_seen"], a[2]["last_seen"]) == ("2026-01-01T00:00:00.000000Z", "2026-01-01T00:02:00.000000Z")
+    assert a[3]["last_seen"] == "2026-01-01T00:03:00.000000Z"
+    assert [(out[n]["state"]["events"], out[n]["state"]["temp_mean"]) for n in (2, 7)] == [(1, None), (2, 5.0)]
+    assert out[1]["owner"] == "ann" and out[2]["_devices_matched"] is False
+    assert {out[n]["_late"] for n in out} == {False}
+    dead = {json.loads(m.value())["n"]: dict(m.headers())["error"].decode()
+            for m in read_all(kafka, data["dead_letter_topic"])}
+    assert dead == {4: "state.key device_id is null", 6: "state.timestamp ts is null"}
+
+    # Round 2, a later run on the same checkpoint (its watermark, 4m - 1m, carries over).
+    produce_events(kafka, events, [
+        {"device_id": "c", "ts": at(30), "temp": 1.0, "n": 9},
+        {"device_id": "c", "ts": at(31), "temp": 3.0, "n": 10},
+        {"device_id": "b", "ts": at(5), "temp": 7.0, "n": 11},
+        {"device_id": "x", "ts": at(2), "temp": 7.0, "n": 12},           # late: at or before 3m
+        # next batch: the watermark is 30m, past a's and b's last_seen + 10m: both are dropped
+        {"device_id": "b", "ts": at(6), "temp": 8.0, "n": 13},           # late
+        {"device_id": "a", "ts": at(32), "temp": 4.0, "n": 14},          # a starts afresh
+        {"device_id": "c", "ts": at(31.5), "temp": None, "n": 15},
+    ])
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="enrich.job"):
+        run(spark, data)
+    # The batch log counts the late events: one in each of the two batches (a batch without data,
+    # which Spark may run to move the watermark on, logs none).
+    late_logged = [int(r.getMessage().split(": ")[1].split()[0]) for r in caplog.records
+                   if "late event(s) written with a null state" in r.getMessage()]
+    assert [n for n in late_logged if n] == [1, 1]
+    out = outputs(kafka, data["output"]["kafka"]["topic"])
+    assert sorted(out) == [1, 2, 3, 5, 7, *range(8, 16)] and sorted(n for n in out if out[n]["_late"]) == [12, 13]
+    assert out[12]["state"] is None and out[13]["state"] is None and out[13]["temp"] == 8.0
+    assert (out[11]["state"]["events"], out[11]["state"]["temp_mean"]) == (3, 6.0)
+    assert out[14]["state"]["events"] == 1 and out[14]["state"]["first_seen"] == "2026-01-01T00:32:00.000000Z"
+    assert out[14]["state"]["temp_max"] == 4.0 and out[14]["owner"] == "ann"
+    assert [(out[n]["state"]["events"], out[n]["state"]["temp_mean"]) for n in (9, 10, 15)] == \
+        [(1, 1.0), (2, 2.0), (3, 2.0)]
+
+    # The checkpoint keeps the settings its state was written with.
+    changed = make_config(kafka, unique, tmp_path, aggregates={"temp": ["last"]})
+    changed["events"], changed["joins"], changed["output"] = data["events"], data["joins"], data["output"]
+    with pytest.raises(ConfigError, match=r"state\.aggregates changed against the checkpoint .* point checkpoint: "
+                                          r"at a new directory"):
+        run(spark, changed)
+    with pytest.raises(ConfigError, match=r"state\.buckets changed"):
+        run(spark, {**data, "state": {**data["state"], "buckets": 8}})
+    with pytest.raises(ConfigError, match=r"keeps device state"):
+        run(spark, {k: v for k, v in data.items() if k != "state"})
+
+
+@pytest.mark.integration
+def test_state_of_a_join_column_is_refused_for_now(spark: SparkSession, kafka: dict[str, str],
+                                                   unique: Callable[[str], str], tmp_path: Path) -> None:
+    data = make_config(kafka, unique, tmp_path, aggregates={"owner": ["last"]})
+    publish(kafka, data["joins"][0]["topic"], changelog(DEVICES, [{"device_id": "a", "owner": "ann"}]))
+    with pytest.raises(ConfigError, match=r"state\.aggregates\.owner: 'owner' is added by a join"):
+        run(spark, data)
+    data = {**data, "state": {**data["state"], "aggregates": {"humidity": ["last"]}}}
+    with pytest.raises(ConfigError, match=r"state\.aggregates\.humidity: column 'humidity' is neither an event "
+                                          r"field nor added by a join"):
+        run(spark, data)
+
+
+@pytest.mark.integration
+def test_sigkill_then_restart_continues_every_device_count(kafka: dict[str, str], unique: Callable[[str], str],
+                                                           tmp_path: Path) -> None:
+    from collections import Counter
+
+    from tests.enrich.test_restart import committed_count, run_then_kill, start_job, write_config
+
+    config = tmp_path / "enrich.yaml"
+    cfg = write_config(config, kafka, unique, max_events_per_batch=500,
+                       state={"key": "device_id", "timestamp": "ts", "watermark": "2h", "buckets": 8,
+                              "aggregates": {"n": ["max"]}})
+    cfg["events"]["schema"] = "device_id STRING, ts TIMESTAMP, n INT"
+    config.write_text(yaml.safe_dump(cfg))
+    publish(kafka, cfg["joins"][0]["topic"], changelog(DEVICES, [{"device_id": "d1", "owner": "o1"}]))
+    total = 2000
+    produce_events(kafka, cfg["events"]["topic"],
+                   [{"device_id": f"d{i % 12}", "ts": at(i / 60), "n": i} for i in range(total)], partitions=2)
+    out_topic = cfg["output"]["kafka"]["topic"]
+    log = tmp_path / "job.log"
+    run_then_kill(config, log, lambda: committed_count(kafka, out_topic) >= 500)
+    assert committed_count(kafka, out_topic) < total, "the job should have been killed mid-stream"
+
+    proc = start_job(config, log, "--available-now")
+    assert proc.wait(300) == 0, log.read_text()[-3000:]
+    rows = [json.loads(m.value()) for m in read_all(kafka, out_topic)]
+    got = Counter(r["n"] for r in rows)
+    assert set(got) == set(range(total)) and max(got.values()) == 1, "an event lost or written twice"
+    # A device's events come in order (one partition per device, times rising): its k-th event has
+    # events == k across the crash, and the running max is that event's own n.
+    for r in rows:
+        i = r["n"]
+        assert r["state"]["events"] == i // 12 + 1, r
+        assert r["state"]["n_max"] == i and r["_late"] is False
+
+
+@pytest.mark.integration
+def test_parquet_output_carries_the_state_struct(spark: SparkSession, kafka: dict[str, str],
+                                                 unique: Callable[[str], str], tmp_path: Path) -> None:
+    import pyarrow.parquet as pq
+
+    out = tmp_path / "out"
+    data = {**make_config(kafka, unique, tmp_path), "output": {"parquet": {"path": str(out)}}}
+    publish(kafka, data["joins"][0]["topic"], changelog(DEVICES, [{"device_id": "a", "owner": "ann"}]))
+    produce_events(kafka, data["events"]["topic"], [
+        {"device_id": "a", "ts": at(0), "temp": 10.0, "n": 1}, {"device_id": "a", "ts": at(1), "temp": 20.0, "n": 2}])
+    run(spark, data)
+    rows = sorted((r for d in sorted(out.glob("batch_id=*")) for r in pq.read_table(d).to_pylist()),
+                  key=lambda r: r["n"])
+    assert [(r["n"], r["owner"], r["_late"]) for r in rows] == [(1, "ann", False), (2, "ann", False)]
+    naive = T0.replace(tzinfo=None)   # Spark writes TIMESTAMP to Parquet as INT96 (UTC, no zone)
+    assert rows[1]["state"] == {"events": 2, "first_seen": naive, "last_seen": naive + timedelta(minutes=1),
+                                "temp_last": 20.0, "temp_max": 20.0, "temp_mean": 15.0}
