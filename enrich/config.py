@@ -10,6 +10,7 @@ from typing import Any, Literal, get_args
 
 from refstream.config import Section, allowed_values, kafka_settings, load_yaml
 from refstream.contract import default_topic
+from refstream.metrics import MetricsConfig, parse_metrics
 
 #: Where a new query starts reading the events.
 StartingOffsets = Literal["latest", "earliest"]
@@ -122,6 +123,7 @@ class EnrichConfig:
     max_events_per_batch: int = DEFAULT_MAX_EVENTS_PER_BATCH
     bootstrap_timeout: timedelta = timedelta(seconds=60)
     spark_conf: dict[str, str] = field(default_factory=dict)
+    metrics: MetricsConfig | None = None       # /metrics of the job (None: off)
     source: str = "config"
 
     @property
@@ -183,6 +185,7 @@ def parse(data: dict[str, Any], source: str = "config") -> EnrichConfig:
         dead_letter_topic=top.get("dead_letter_topic", str),
         checkpoint=Path(top.get("checkpoint", str)),
         state=state,
+        metrics=parse_metrics(top),
         trigger=trigger,
         max_events_per_batch=max_events,
         bootstrap_timeout=top.duration("bootstrap_timeout", timedelta(seconds=60)),

@@ -37,6 +37,7 @@ from enrich.dimension.manager import Dimensions
 from enrich.dimension.ship import Shipper
 from enrich.dimension.versions import FileVersionLog
 from enrich.fastparse import FastParser
+from enrich.metrics import EnrichMetrics
 from enrich.sinks import EnrichedBatch, Sink, make_sink
 from enrich.state.checkpoint import check_checkpoint
 from refstream import kafka as rkafka
@@ -103,6 +104,12 @@ class EnrichJob:
         scope = self._scope()
         self.sink: Sink = make_sink(cfg, scope, self._transactional_id(cfg.output.topic) if cfg.output.topic else None)
         self._stack.callback(self.sink.close)
+        self.metrics: EnrichMetrics | None = None
+        if cfg.metrics is not None:
+            from refstream.metrics import MetricsServer
+
+            self.metrics = EnrichMetrics()
+            self.metrics_server = self._stack.enter_context(MetricsServer(cfg.metrics, self.metrics.registry))
         self.dead: DeadLetters | None = None
         if not self.sink.writes_dead_letters:
             self.dead = DeadLetters(cfg.kafka, cfg.dead_letter_topic, self._dlq_transactional_id(), scope)
@@ -251,9 +258,26 @@ class EnrichJob:
             call_with_retry(lambda: dlq.write(batch_id, dead), what=f"batch {batch_id}: writing dead letters",
                             policy=self.retry, stop=self._stop)
         self.batches += 1
+        if self.metrics is not None:
+            self._observe(time.monotonic() - t0, dead.num_rows)
         log.info("batch %d done in %.2fs (dimensions pinned in %.3fs, %d slot(s) parsed again by from_json, "
                  "%d dead letter(s) collected)", batch_id, time.monotonic() - t0, self.dims.last_pin_seconds,
                  len(redone), dead.num_rows)
+
+    def _observe(self, seconds: float, collected_dead: int) -> None:
+        assert self.metrics is not None
+        results = getattr(self.sink, "last_results", None)  # the Kafka sink: one row of counts per task
+        # Other sinks do not count what they wrote (Parquet, console): no enriched count from them.
+        enriched, dead = (None, collected_dead) if results is None else (
+            sum(int(r["records"]) for r in results), sum(int(r["dead_letters"]) for r in results))
+        dims = {}
+        for ds in self.cfg.datasets:
+            st = self.dims.state(ds)
+            dims[ds] = (st.version, st.live_rows(), st.changed_ms)
+        self.metrics.after_batch(seconds, enriched=enriched, dead=dead, dimensions=dims)
+        progress = self.query.lastProgress if self.query is not None else None
+        if progress:
+            self.metrics.progress(progress.get("sources") or [])
 
     def _timezone(self) -> str:
         return self.spark.conf.get("spark.sql.session.timeZone") or "UTC"

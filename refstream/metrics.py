@@ -37,7 +37,10 @@ def parse_metrics(root: Section) -> MetricsConfig | None:
     if not root.has("metrics"):
         return None
     sec = root.section("metrics")
-    port = sec.get("port", int)
+    raw = sec.get("port", (int, str))  # a string from ${ENV} substitution
+    if isinstance(raw, str) and not raw.strip().isdigit():
+        raise sec.error(f"must be a TCP port (0-65535), got {raw!r}", "port")
+    port = int(raw)
     if not 0 <= port <= 65535:
         raise sec.error(f"must be a TCP port (0-65535), got {port}", "port")
     cfg = MetricsConfig(port=port, host=sec.get("host", str, "127.0.0.1"))

@@ -6,6 +6,7 @@ services use agree with what the MySQL and Kafka services offer."""
 from __future__ import annotations
 
 import csv
+import json
 import os
 import re
 import shlex
@@ -27,8 +28,19 @@ from tests.demo.conftest import INIT_SQL, ROOT
 
 COMPOSE = ROOT / "docker-compose.yml"
 HOST_KAFKA = ROOT / "docker-compose.host-kafka.yml"
-SECRETS = {"MYSQL_ROOT_PASSWORD": "root-secret", "MYSQL_PASSWORD": "app-secret"}
+SECRETS = {"MYSQL_ROOT_PASSWORD": "root-secret", "MYSQL_PASSWORD": "app-secret",
+           "GRAFANA_ADMIN_PASSWORD": "grafana-secret"}
 PROJECT_SERVICES = ("refresher", "enrich", "simulator")
+MONITORING = ("prometheus", "grafana")
+DASHBOARD = ROOT / "conf" / "grafana" / "refstream.json"
+_METRIC = re.compile(r"\brefstream_[a-z_]+")
+
+
+def dashboard_metrics() -> set[str]:
+    """The metric families the Grafana dashboard queries (``_total``/``_bucket``/... suffixes off)."""
+    dash = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for panel in dash["panels"] for t in panel.get("targets", [])]
+    return {re.sub(r"_(total|bucket|count|sum)$", "", m) for e in exprs for m in _METRIC.findall(e)}
 
 _VAR = re.compile(r"\$(?:\$|\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\})")
 
@@ -157,7 +169,7 @@ def kafka_listeners(compose: dict[str, Any]) -> dict[str, str]:
 
 def test_compose_parses_with_every_service_and_needs_its_secrets(compose: dict[str, Any]) -> None:
     services = compose["services"]
-    assert set(services) == {"mysql", "kafka", *PROJECT_SERVICES}
+    assert set(services) == {"mysql", "kafka", *PROJECT_SERVICES, *MONITORING}
     assert services["mysql"]["image"].startswith("mysql:8")
     assert services["kafka"]["image"].startswith("apache/kafka:")
     # Secrets come from the environment only: without them the file does not even interpolate.
@@ -366,3 +378,20 @@ def test_sample_data_matches_the_demo_seed(init_db: str) -> None:
         rows = list(csv.reader(f))
     assert tuple(rows[0]) == SITE_COLUMNS
     assert [tuple(r) for r in rows[1:]] == list(SITES)
+
+
+def test_prometheus_scrapes_both_processes_and_grafana_gets_the_dashboard(compose: dict[str, Any]) -> None:
+    services = compose["services"]
+    prom = yaml.safe_load((ROOT / "conf" / "prometheus" / "prometheus.yml").read_text())
+    targets = {job["job_name"]: job["static_configs"][0]["targets"] for job in prom["scrape_configs"]}
+    for job, name in (("refresher", "refresher"), ("enrich", "enrich")):
+        cmd = services[name]["command"]
+        conf = yaml.safe_load((ROOT / cmd[cmd.index("--config") + 1]).read_text())
+        port = re.fullmatch(r"\$\{\w+:-(\d+)\}", str(conf["metrics"]["port"]))
+        assert port, conf["metrics"]
+        assert targets[job] == [f"{name}:{port.group(1)}"], f"prometheus scrapes {targets[job]}"
+    assert {t for _, t in mounts(services["grafana"])} >= {Path("/etc/grafana/provisioning"),
+                                                           Path("/var/lib/grafana/dashboards/refstream.json")}
+    for svc in MONITORING:
+        assert all(p.startswith("127.0.0.1:") for p in services[svc]["ports"])
+    assert dashboard_metrics() >= {"refstream_refresh_runs", "refstream_enrich_events"}

@@ -11,6 +11,7 @@ import random
 import shutil
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,14 +19,16 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from confluent_kafka import Producer
+from prometheus_client.parser import text_string_to_metric_families
 
+from demo.broker import free_port
 from demo.processes import Child
 from demo.seed import MODELS, SITES, device
 from demo.simulate import make_event, now_iso
 from demo.tail import EnrichedTail
 from refstream.kafka import read_to_end
 from tests.demo.conftest import ROOT
-from tests.demo.test_compose import load_compose, run_healthcheck, service_env
+from tests.demo.test_compose import dashboard_metrics, load_compose, run_healthcheck, service_env
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]  # starts the services as processes
 
@@ -62,6 +65,8 @@ def stack(init_db: str, kafka: dict[str, str], tmp_path: Path,
         "KAFKA_BOOTSTRAP": kafka["bootstrap.servers"], "REF_DB_URL": init_db, "REF_DATA_DIR": str(data),
         "REFSTREAM_STATE_DIR": str(tmp_path / "state"), "REFRESH_EVERY": "2s", "TOPIC_PREFIX": prefix,
         "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable, "PYTHONUNBUFFERED": "1",
+        "REFRESH_METRICS_PORT": str(free_port()), "ENRICH_METRICS_PORT": str(free_port()),
+        "METRICS_HOST": "127.0.0.1",
     }
     children: dict[str, Child] = {}
     try:
@@ -108,6 +113,12 @@ def test_compose_topology_natively_enriches_and_follows_a_database_update(
         # under compose) now passes.
         health = run_healthcheck(load_compose()["services"]["refresher"], stack["env"])
         assert health.returncode == 0, health.stdout + health.stderr
+        # Both processes serve every metric the Grafana dashboard queries.
+        exported: set[str] = set()
+        for port in (stack["env"]["REFRESH_METRICS_PORT"], stack["env"]["ENRICH_METRICS_PORT"]):
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+                exported |= {f.name for f in text_string_to_metric_families(r.read().decode())}
+        assert dashboard_metrics() <= exported, f"not exported: {sorted(dashboard_metrics() - exported)}"
 
         # An operator's UPDATE reaches the enriched events through the daemon's schedule.
         engine = sa.create_engine(stack["db"])

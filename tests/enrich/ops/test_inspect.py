@@ -36,6 +36,7 @@ class Ran:
     path: Path          # the YAML file of cfg, for the CLI
     first: int          # last batch of the first run (devices version 1)
     second: int         # last batch of the second run (version 2: d1 updated, d2 deleted)
+    jobs: list[EnrichJob]  # the two runs' jobs (their metrics)
 
 
 def _events(*ids: str) -> list[dict[str, Any]]:
@@ -57,6 +58,7 @@ def ran(spark: SparkSession, kafka: dict[str, str], tmp_path_factory: pytest.Tem
         "dead_letter_topic": f"inspect-dlq-{suffix}",
         "checkpoint": str(tmp / "checkpoint"),
         "trigger": "200ms",
+        "metrics": {"port": 0},
     }
     path = tmp / "enrich.yaml"
     path.write_text(yaml.safe_dump(data), encoding="utf-8")
@@ -69,15 +71,34 @@ def ran(spark: SparkSession, kafka: dict[str, str], tmp_path_factory: pytest.Tem
     publish(kafka, cfg.joins[1].topic, changelog(SITES, [{"site_id": 1, "site_name": "Paris"},
                                                          {"site_id": 2, "site_name": "Oslo"}]))
     produce_events(kafka, cfg.events.topic, [*_events("d1", "d2", "zz"), b"{not json"])
-    EnrichJob(cfg, spark, available_now=True).run()
+    jobs = [EnrichJob(cfg, spark, available_now=True)]
+    jobs[0].run()
     first = Checkpoint(cfg.checkpoint).last_committed()
     publish(kafka, cfg.joins[0].topic, changelog(DEVICES, [{"device_id": "d1", "site_id": 2, "owner": "ann2"}],
                                                  [{"device_id": "d2"}], version=2, with_schema=False))
     produce_events(kafka, cfg.events.topic, _events("d1", "d2"))
-    EnrichJob(cfg, spark, available_now=True).run()
+    jobs.append(EnrichJob(cfg, spark, available_now=True))
+    jobs[1].run()
     second = Checkpoint(cfg.checkpoint).last_committed()
     assert first is not None and second is not None and second > first
-    return Ran(cfg, path, first, second)
+    return Ran(cfg, path, first, second, jobs)
+
+
+def test_the_jobs_metrics_count_what_its_batches_did(ran: Ran) -> None:
+    m = [j.metrics for j in ran.jobs]
+    assert m[0] is not None and m[1] is not None
+    v = [x.registry.get_sample_value for x in m]
+    assert (v[0]("refstream_enrich_events_total", {"result": "enriched"}),
+            v[0]("refstream_enrich_events_total", {"result": "dead_letter"})) == (3, 1)
+    assert (v[1]("refstream_enrich_events_total", {"result": "enriched"}),
+            v[1]("refstream_enrich_events_total", {"result": "dead_letter"})) == (2, 0)
+    assert (v[0]("refstream_enrich_dimension_version", {"dataset": "devices"}),
+            v[0]("refstream_enrich_dimension_rows", {"dataset": "devices"})) == (1, 3)
+    assert (v[1]("refstream_enrich_dimension_version", {"dataset": "devices"}),
+            v[1]("refstream_enrich_dimension_rows", {"dataset": "devices"})) == (2, 2)
+    assert v[1]("refstream_enrich_dimension_rows", {"dataset": "sites"}) == 2
+    assert 0 <= (v[1]("refstream_enrich_dimension_age_seconds", {"dataset": "devices"}) or -1) < 600
+    assert (v[1]("refstream_enrich_batch_duration_seconds_count", {}) or 0) >= 1
 
 
 def test_lookup_gives_the_row_each_batch_used(ran: Ran) -> None:
