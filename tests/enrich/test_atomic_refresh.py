@@ -27,7 +27,7 @@ from refresh.config import load_config
 from refresh.publish import Publisher
 from refresh.runner import Refresher
 from refstream import contract
-from refstream.contract import Message
+from refstream.contract import MessageBatch
 from tests.enrich.helpers import produce_events, wait_for
 
 pytestmark = pytest.mark.integration
@@ -40,14 +40,13 @@ class PacedPublisher(Publisher):
     micro-batches while the refresh is being published (any of them would see it half applied if the
     records were visible before the commit)."""
 
-    produced = 0
-
-    def _produce(self, p: Any, topic: str, m: Message, partition: int | None) -> None:
-        super()._produce(p, topic, m, partition)
-        PacedPublisher.produced += 1
-        if PacedPublisher.produced % 5_000 == 0:
+    def _produce_batch(self, p: Any, topic: str, batch: MessageBatch) -> int:
+        for i in range(0, len(batch), 5_000):
+            super()._produce_batch(p, topic, MessageBatch(batch.keys[i:i + 5_000], batch.values[i:i + 5_000],
+                                                          batch.headers))
             p.flush(10)
             time.sleep(0.1)
+        return len(batch)
 
 
 def batches(out: Path) -> dict[int, list[dict[str, Any]]]:
