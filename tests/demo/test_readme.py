@@ -26,6 +26,7 @@ README = ROOT / "README.md"
 
 REFRESH_YAML = """\
 kafka: {bootstrap_servers: "127.0.0.1:9", client.id: readme-test}
+metrics: {port: 9108, host: 127.0.0.1}
 state_dir: var/refresh
 retry: {attempts: 3, initial: 1s, maximum: 5s}
 datasets:
@@ -56,6 +57,7 @@ datasets:
 
 ENRICH_YAML = """\
 kafka: {bootstrap_servers: "127.0.0.1:9", client.id: readme-test}
+metrics: {port: 9109, host: 127.0.0.1}
 events: {topic: ev, schema: "device_id STRING", starting_offsets: earliest, required: [device_id],
          source: python}
 joins:
