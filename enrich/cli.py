@@ -14,10 +14,10 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
-from datetime import timedelta
 from types import FrameType
 
 from refstream import version
+from refstream.config import duration_arg
 from refstream.errors import ConfigError, RefstreamError, one_line
 from refstream.logs import LOG_FORMATS, setup_logging
 
@@ -51,7 +51,7 @@ def parser() -> argparse.ArgumentParser:
     st.add_argument("--check", action="store_true",
                     help="exit 1 when no batch was committed, or (with --max-age) a dimension is older than "
                          "that, or events wait while the last batch is older than that")
-    st.add_argument("--max-age", type=_duration, default=None, metavar="DURATION",
+    st.add_argument("--max-age", type=duration_arg, default=None, metavar="DURATION",
                     help="e.g. 10m: the oldest dimension version and batch --check accepts")
 
     lk = sub.add_parser("lookup", parents=[common], help="the dimension row a committed micro-batch used for a key")
@@ -59,15 +59,6 @@ def parser() -> argparse.ArgumentParser:
     lk.add_argument("key", help="the key: its value, col=value,... or a JSON object")
     lk.add_argument("--batch", type=int, default=None, help="a committed batch id (default: the last one)")
     return p
-
-
-def _duration(text: str) -> timedelta:
-    from refstream.config import parse_duration
-
-    try:
-        return parse_duration(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -16,6 +16,7 @@ from types import FrameType
 from refresh.config import RefreshConfig, load_config
 from refresh.errors import DatasetBusy
 from refstream import version
+from refstream.config import duration_arg
 from refstream.errors import ConfigError, one_line
 from refstream.logs import LOG_FORMATS, setup_logging
 
@@ -58,7 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--check", action="store_true",
                    help="exit 1 unless every dataset has been published, its last run did not fail and its "
                         "last successful run is not older than its max_age (for healthchecks and monitoring)")
-    s.add_argument("--max-age", type=_duration, default=None, metavar="DURATION",
+    s.add_argument("--max-age", type=duration_arg, default=None, metavar="DURATION",
                    help="with --check: the oldest last successful run accepted, for every dataset (e.g. 2h; "
                         "default: each dataset's max_age, three schedule intervals)")
     v = sub.add_parser("validate", parents=[common],
@@ -119,15 +120,6 @@ def _validate(path: str, *, connect: bool) -> int:
     print(f"{config.path}: {'invalid' if problems else 'valid'}"
           f"{'' if connect else ' (sources and broker not contacted: --connect does)'}")
     return 1 if problems else 0
-
-
-def _duration(text: str) -> timedelta:
-    from refstream.config import parse_duration
-
-    try:
-        return parse_duration(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _status(config: object, as_json: bool, *, check: bool = False, max_age: timedelta | None = None) -> int:

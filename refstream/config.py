@@ -219,6 +219,16 @@ def format_duration(value: timedelta) -> str:
     return f"{ms}ms"
 
 
+def duration_arg(text: str) -> timedelta:
+    """:func:`parse_duration` as an ``argparse`` ``type=``: a bad value is a usage error naming it."""
+    import argparse
+
+    try:
+        return parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def kafka_settings(sec: Section) -> dict[str, str]:
     """The ``kafka:`` section as librdkafka settings: ``bootstrap_servers`` -> ``bootstrap.servers``,
     everything else passed through (``security.protocol``, ``sasl.*``...)."""
