@@ -5,6 +5,7 @@
     python -m bench.run encode  [options of bench.encode_bench]
     python -m bench.run soak    [options of bench.soak]
     python -m bench.run state_ops [options of bench.state_ops]
+    python -m bench.run state_profile [options of bench.state_profile]
 
 Each benchmark is a module with a ``main(argv) -> int``; it is imported only when chosen, so one
 benchmark's missing or broken module does not stop the other.
@@ -20,6 +21,7 @@ BENCHMARKS = {
     "enrich": ("bench.enrich_bench", "enrichment job: throughput, latency and memory"),
     "encode": ("bench.encode_bench", "refresher: change rows to contract JSON, bulk vs row-wise encoders"),
     "soak": ("bench.soak", "reliability: the topology under reference churn and SIGKILLs, then an accounting"),
+    "state_profile": ("bench.state_profile", "the state step against the same parse without it, optionally py-spy"),
     "state_ops": ("bench.state_ops", "state store: per-key MapState calls vs one Arrow blob per group, per key"),
 }
 

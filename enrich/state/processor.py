@@ -6,10 +6,17 @@ millisecond, so one call per bucket per micro-batch handles all of its devices a
 engine's state table as Arrow IPC bytes. One event-time timer per bucket, at the time its next
 device expires, drops expired devices from buckets that get no more events.
 
-Input rows: the parsed events (``enrich.events.parse``) plus ``_bucket`` and ``_ts_us`` (the event
-time in microseconds: no time zone travels through pandas). Output rows: the same event columns,
-then the flat state fields (``_state_<field>``, times in microseconds) and ``_late``; the streaming
-plan (:mod:`enrich.state.stream`) folds the flat fields into the ``state`` struct.
+Rows travel to and from the processor *packed* (:mod:`enrich.state.packed`): one row per bucket and
+input chunk, holding the chunk's events as Arrow IPC bytes. PySpark hands a
+``transformWithStateInPandas`` processor its input row by row (``itertuples``, then
+``pandas.DataFrame(rows)``): unpacked, that hand-over took half of the step's Python time
+(docs/benchmarks.md). Packed, the processor works on Arrow tables end to end, and every event
+column keeps its exact Arrow type (no integer through float64, no timestamp through nanoseconds).
+
+Unpacked input columns: the parsed events (``enrich.events.parse``) plus ``_ts_us`` (the event time
+in microseconds). Unpacked output columns: the event columns passed through, then the flat state
+fields (``_state_<field>``, times in microseconds) and ``_late``; the streaming plan
+(:mod:`enrich.state.stream`) folds the flat fields into the ``state`` struct.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 from pyspark.sql.streaming.stateful_processor import (
     ExpiredTimerInfo,
     StatefulProcessor,
@@ -29,7 +37,7 @@ from pyspark.sql.streaming.stateful_processor import (
 from pyspark.sql.types import BinaryType, StructField, StructType
 
 from enrich.events import ERROR
-from enrich.state import engine
+from enrich.state import engine, packed
 from enrich.state.engine import StateSpec
 
 #: The state variable holding a bucket's device table, and its schema.
@@ -39,18 +47,15 @@ VALUE_SCHEMA = StructType([StructField("table", BinaryType(), False)])
 BUCKET, TS_US, FLAT = "_bucket", "_ts_us", "_state_"
 LATE = "_late"
 
-_PANDAS_TYPES = {pa.int8(): pd.Int8Dtype(), pa.int16(): pd.Int16Dtype(), pa.int32(): pd.Int32Dtype(),
-                 pa.int64(): pd.Int64Dtype(), pa.bool_(): pd.BooleanDtype()}
-
 
 class DeviceStateProcessor(StatefulProcessor):
     """One call per bucket and micro-batch: apply its events to its devices' state (see module doc).
 
-    ``spec`` is the engine's spec with ``_ts_us`` as the timestamp; ``inputs`` the input columns in
-    the plan's order; ``columns`` the event columns passed through, in output order."""
+    ``spec`` is the engine's spec with ``_ts_us`` as the timestamp; ``columns`` the event columns
+    passed through, in output order."""
 
-    def __init__(self, spec: StateSpec, inputs: tuple[str, ...], columns: tuple[str, ...]) -> None:
-        self.spec, self.inputs, self.columns = spec, inputs, columns
+    def __init__(self, spec: StateSpec, columns: tuple[str, ...]) -> None:
+        self.spec, self.columns = spec, columns
         self._types = {spec.key: spec.key_type, spec.timestamp: pa.int64(),
                        **{c: t for c, _, t in spec.aggregates}}
 
@@ -60,22 +65,24 @@ class DeviceStateProcessor(StatefulProcessor):
 
     def handleInputRows(self, key: Any, rows: Iterator[pd.DataFrame],  # type: ignore[override]
                         timerValues: TimerValues) -> Iterator[pd.DataFrame]:
-        pdf = pd.concat(list(rows), ignore_index=True)
-        pdf.columns = list(self.inputs)  # Spark renames columns that start with "_" (to _4, _5...)
+        table = packed.unpack_rows(rows)
         # Shuffle order is not stable: rows leave in source order, so a replay gives the same output.
-        pdf = pdf.sort_values(["_partition", "_offset"], kind="stable", ignore_index=True)
-        ok = np.flatnonzero(pdf[ERROR].isna().to_numpy())
-        table = self._arrow(pdf.iloc[ok])
-        applied = engine.apply(self.spec, self._load(), table, _watermark_us(timerValues))
+        table = table.take(pc.sort_indices(table, [("_partition", "ascending"), ("_offset", "ascending")]))
+        ok = pc.is_null(table.column(ERROR)).to_numpy(zero_copy_only=False)
+        events = self._events(table.filter(pa.array(ok)))
+        applied = engine.apply(self.spec, self._load(), events, _watermark_us(timerValues))
         self._store(applied.state)
-        at = np.full(len(pdf), -1, dtype=np.int64)
-        at[ok] = np.arange(len(ok))
+        at = np.full(table.num_rows, -1, dtype=np.int64)
+        at[ok] = np.arange(int(ok.sum()))
         pick = pa.array(at, mask=at < 0)
-        extra = {c: _spark_safe(pdf[c]) for c in self.columns}
+        arrays = [table.column(c) for c in self.columns]
+        names = list(self.columns)
         for field, child in zip(applied.column.type, applied.column.flatten(), strict=True):
-            extra[FLAT + field.name] = _pandas(child.take(pick))
-        extra[LATE] = _pandas(applied.late.take(pick).fill_null(False))
-        yield pd.DataFrame(extra)
+            arrays.append(child.take(pick))
+            names.append(FLAT + field.name)
+        arrays.append(applied.late.take(pick).fill_null(False))
+        names.append(LATE)
+        yield packed.pack_output(pa.Table.from_arrays(arrays, names=names))
 
     def handleExpiredTimer(self, key: Any, timerValues: TimerValues,
                            expiredTimerInfo: ExpiredTimerInfo) -> Iterator[pd.DataFrame]:
@@ -104,11 +111,12 @@ class DeviceStateProcessor(StatefulProcessor):
         if expiry is not None:
             self.handle.registerTimer(-(-expiry // 1000))  # milliseconds, rounded up: never early
 
-    def _arrow(self, pdf: pd.DataFrame) -> pa.Table:
+    def _events(self, table: pa.Table) -> pa.Table:
+        """The columns the engine reads, in the engine's types."""
         cols = [self.spec.key, self.spec.timestamp, *self.spec.ties, *[c for c, _, _ in self.spec.aggregates]]
         arrays = []
         for c in cols:
-            a = pa.array(pdf[c], from_pandas=True)
+            a = table.column(c)
             want = self._types.get(c)
             arrays.append(a.cast(want) if want is not None and a.type != want else a)
         return pa.Table.from_arrays(arrays, names=cols)
@@ -118,21 +126,3 @@ def _watermark_us(timer_values: TimerValues) -> int | None:
     """The batch's event-time watermark in microseconds; None before the first one (Spark reports 0)."""
     ms = timer_values.getCurrentWatermarkInMs()
     return ms * 1000 if ms > 0 else None
-
-
-def _pandas(a: pa.Array) -> pd.Series:
-    """A column for Spark's pandas-to-Arrow conversion: nullable dtypes keep integers exact."""
-    dtype = _PANDAS_TYPES.get(a.type)
-    if dtype is not None:
-        return pd.Series(a.to_pandas(types_mapper={a.type: dtype}.get))
-    return _spark_safe(pd.Series(a.to_pandas()))
-
-
-def _spark_safe(s: pd.Series) -> pd.Series:
-    """A passed-through column as PySpark's pandas-to-Arrow conversion takes it. Strings as Python
-    objects: it fails on pandas 3's Arrow-backed strings (it gets a chunked array); a column of
-    nulls only as objects too: pandas infers float64 for it, which the conversion also fails on when
-    the column is a string."""
-    if isinstance(s.dtype, pd.StringDtype | pd.ArrowDtype) or (len(s) and bool(s.isna().all())):
-        return s.astype(object).where(s.notna(), None)
-    return s

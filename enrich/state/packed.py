@@ -1,0 +1,86 @@
+"""Events packed into Arrow IPC bytes for the trip through ``transformWithStateInPandas``.
+
+PySpark converts a stateful processor's input to pandas row by row and its output back column by
+column from pandas; both cost per event and lose exact types (docs/benchmarks.md, the state step's
+profile). So the step's rows are packed: before it, :func:`pack` (a ``mapInArrow`` pass) turns each
+Arrow batch of events into one row per bucket holding that bucket's events as IPC bytes; the
+processor reads them with :func:`unpack_rows` and answers with :func:`pack_output`; after the
+step, :func:`unpack` (another ``mapInArrow`` pass) turns the packed rows back into event rows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+
+#: The packed rows' columns: the grouping bucket, the greatest event time of the chunk (what Spark's
+#: watermark is taken on), and the chunk's events as an Arrow IPC stream.
+BUCKET, MAX_TS, ROWS = "_bucket", "_max_ts", "rows"
+#: Rows per packed chunk at most: bounds one packed value's size (and the processor's memory per read).
+CHUNK_ROWS = 65536
+
+
+def to_ipc(table: pa.Table | pa.RecordBatch) -> bytes:
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write(table) if isinstance(table, pa.RecordBatch) else writer.write_table(table)
+    return sink.getvalue().to_pybytes()
+
+
+def from_ipc(data: bytes) -> pa.Table:
+    return pa.ipc.open_stream(pa.py_buffer(data)).read_all()
+
+
+def pack(batches: Iterable[pa.RecordBatch], *, bucket: str, timestamp: str,
+         packed_schema: pa.Schema) -> Iterator[pa.RecordBatch]:
+    """``mapInArrow`` before the step: per input batch, one row per bucket (and ``CHUNK_ROWS``
+    events) with the events, every column but ``bucket``, as IPC bytes."""
+    for batch in batches:
+        if batch.num_rows == 0:
+            continue
+        order = pc.sort_indices(batch.column(bucket))   # stable: a bucket's events keep their order
+        ordered = batch.take(order)
+        ids = ordered.column(bucket).to_numpy(zero_copy_only=False)
+        starts = np.concatenate([[0], np.flatnonzero(np.diff(ids)) + 1])
+        ends = np.append(starts[1:], len(ids))
+        events = ordered.drop_columns([bucket])
+        out_bucket, out_ts, out_rows = [], [], []
+        for start, end in zip(starts.tolist(), ends.tolist(), strict=True):
+            for s in range(start, end, CHUNK_ROWS):
+                chunk = events.slice(s, min(CHUNK_ROWS, end - s))
+                out_bucket.append(int(ids[start]))
+                out_ts.append(pc.max(chunk.column(timestamp)))
+                out_rows.append(to_ipc(chunk))
+        yield pa.RecordBatch.from_arrays(
+            [pa.array(out_bucket, packed_schema.field(BUCKET).type),
+             pa.array([t.as_py() for t in out_ts], packed_schema.field(MAX_TS).type),
+             pa.array(out_rows, pa.binary())], schema=packed_schema)
+
+
+def unpack_rows(rows: Iterable[pd.DataFrame]) -> pa.Table:
+    """The processor's input: the packed values (the last column; PySpark renames columns whose
+    name starts with an underscore) as one table of events."""
+    tables = [from_ipc(value) for pdf in rows for value in pdf.iloc[:, -1]]
+    return pa.concat_tables(tables) if len(tables) > 1 else tables[0]
+
+
+def pack_output(table: pa.Table) -> pd.DataFrame:
+    """The processor's output: ``table`` in packed rows of at most ``CHUNK_ROWS`` events."""
+    values = [to_ipc(table.slice(s, CHUNK_ROWS)) for s in range(0, max(table.num_rows, 1), CHUNK_ROWS)]
+    return pd.DataFrame({ROWS: values})
+
+
+def unpack(batches: Iterable[pa.RecordBatch], schema: pa.Schema) -> Iterator[pa.RecordBatch]:
+    """``mapInArrow`` after the step: the events of every packed row, as ``schema``."""
+    for batch in batches:
+        for value in batch.column(ROWS).to_pylist():
+            table = from_ipc(value)
+            if table.num_rows == 0:
+                continue
+            if table.schema != schema:
+                table = table.cast(schema)
+            yield from table.to_batches()
