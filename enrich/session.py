@@ -29,11 +29,18 @@ def session_conf(conf: Mapping[str, str] | None = None, *, ui: bool = False) -> 
 
 def build_session(master: str | None = "local[*]", app_name: str = "refstream-enrich",
                   conf: Mapping[str, str] | None = None, *, ui: bool = False) -> SparkSession:
-    """A SparkSession whose Python workers run this interpreter.
+    """A SparkSession whose Python workers run this interpreter, unless ``spark.pyspark.python`` says.
 
     ``master=None`` keeps whatever ``spark-submit`` set. Python workers must import this venv's
-    packages, so PYSPARK_PYTHON defaults to ``sys.executable``. ``ui``: see :func:`session_conf`.
+    packages, so PYSPARK_PYTHON defaults to ``sys.executable``. PySpark takes the workers' Python from
+    PYSPARK_PYTHON alone (``spark.pyspark.python`` is read by ``spark-submit``, not by a session built
+    in a running interpreter), so a ``spark.pyspark.python`` in ``conf`` is put there: e.g.
+    ``./env/bin/python``, an environment shipped to the executors with ``spark.archives``
+    (README, "On a Spark cluster"). ``ui``: see :func:`session_conf`.
     """
+    python = dict(conf or {}).get("spark.pyspark.python")
+    if python:
+        os.environ["PYSPARK_PYTHON"] = python
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     builder = SparkSession.builder.appName(app_name)

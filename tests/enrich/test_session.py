@@ -1,8 +1,10 @@
-"""What ``enrich run`` asks of Spark: the UI on unless the config's ``spark:`` section turns it off.
-Checked on the settings the session is built from (no JVM)."""
+"""What ``enrich run`` asks of Spark: the UI on unless the config's ``spark:`` section turns it off,
+and the executors' Python from ``spark.pyspark.python``. Checked on the settings the session is
+built from (no JVM); tests/enrich/test_cluster_packed.py runs the latter on a cluster."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -10,6 +12,7 @@ import pytest
 import yaml
 
 import enrich.session
+from enrich import config
 from enrich.cli import main
 from enrich.session import session_conf
 
@@ -56,3 +59,30 @@ def test_sessions_other_than_the_job_run_without_ui() -> None:
     """Tests, ``enrich validate`` and the benchmarks build their sessions with the default."""
     assert session_conf()["spark.ui.enabled"] == "false"
     assert session_conf({"spark.ui.enabled": "true"})["spark.ui.enabled"] == "true"
+
+
+def test_spark_pyspark_python_is_what_the_workers_run(monkeypatch: pytest.MonkeyPatch) -> None:
+    """PySpark reads the workers' Python from PYSPARK_PYTHON only: the session puts the setting there."""
+    monkeypatch.setenv("PYSPARK_PYTHON", "/usr/bin/python3")
+    started: dict[str, str] = {}
+
+    class Builder:
+        def appName(self, _name: str) -> Builder:
+            return self
+
+        def master(self, _m: str) -> Builder:
+            return self
+
+        def config(self, k: str, v: str) -> Builder:
+            started[k] = v
+            return self
+
+        def getOrCreate(self) -> None:
+            started["PYSPARK_PYTHON"] = os.environ["PYSPARK_PYTHON"]
+            raise Built
+
+    monkeypatch.setattr(enrich.session.SparkSession, "builder", Builder())
+    cfg = config.parse({**BASE, "spark": {"spark.pyspark.python": "./env/bin/python"}})
+    with pytest.raises(Built):
+        enrich.session.build_session("local[1]", "t", cfg.spark_conf)
+    assert started["PYSPARK_PYTHON"] == started["spark.executorEnv.PYSPARK_PYTHON"] == "./env/bin/python"
