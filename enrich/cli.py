@@ -127,7 +127,8 @@ def run(args: argparse.Namespace) -> int:
 
     cfg = config.load(args.config)
     master = args.master or (None if os.environ.get("PYSPARK_GATEWAY_PORT") else "local[*]")
-    spark = build_session(master, "refstream-enrich", cfg.spark_conf)
+    # The job's UI is on (Spark's default) unless the config's spark: section turns it off.
+    spark = build_session(master, "refstream-enrich", cfg.spark_conf, ui=True)
     job = EnrichJob(cfg, spark, available_now=args.available_now)
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:

@@ -20,6 +20,7 @@ import os
 import sys
 import uuid
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -28,6 +29,9 @@ from demo.broker import EmbeddedBroker
 # Spark's Python workers must run this interpreter (the venv), not the first python3 on PATH.
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+# Spark's UI off in every job the tests start as a process (`enrich run` leaves it on, Spark's
+# default): Spark reads spark-defaults.conf from SPARK_CONF_DIR, below the job's `spark:` section.
+os.environ["SPARK_CONF_DIR"] = str(Path(__file__).parent / "spark-conf")
 
 # Fixtures that start or reach a real service: the broker, MariaDB, a Spark session or cluster, the
 # services run as processes.

@@ -1,0 +1,218 @@
+"""The job on a standalone cluster whose workers do not have the job's Python environment: the
+README's recipe ("On a Spark cluster"), run as written.
+
+The wheel is built and installed with the `enrich` extra into a fresh venv, ``env``, which
+``venv-pack`` packs (without PySpark's jars: the executors run their worker's Spark). The driver
+runs ``env/bin/enrich run`` from the directory holding ``env``; the config ships the archive with
+``spark.archives: refstream-env.tar.gz#env`` and names ``./env/bin/python`` as the Python of the
+Python workers, which resolves to ``env`` on the driver and to the unpacked archive in each
+executor's directory. The workers are started with an empty venv as their ``PYSPARK_PYTHON`` and
+without the test's ``PYTHONPATH``: neither PySpark, pandas nor refstream can be imported there, so
+the job completes only through the archive. Its own cluster fixture (not test_cluster.py's) for
+that reason: the workers' environment is the point.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import psutil
+import pyspark
+import pytest
+
+from demo.broker import free_port
+from refstream.contract import Column, DatasetSchema
+from tests.enrich.helpers import changelog, produce_events, publish, read_all
+from tests.enrich.test_restart import write_config
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("refstream", "refresh", "enrich", "demo")
+SCHEMA = DatasetSchema("devices", ("device_id",), (Column("device_id", "string"), Column("owner", "string")))
+SPARK_HOME = Path(pyspark.__file__).parent
+#: What the executors do not need from the packed env: PySpark's jars (their worker's Spark runs them).
+EXCLUDE_JARS = "lib/python*/site-packages/pyspark/jars/*"
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # builds and packs a venv, starts a cluster
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """The test's environment without what points at the development venv or the checkout."""
+    drop = ("PYTHONPATH", "VIRTUAL_ENV", "PYSPARK_PYTHON", "PYSPARK_DRIVER_PYTHON")
+    return {**{k: v for k, v in os.environ.items() if k not in drop}, **extra}
+
+
+def run(argv: list[str | Path], cwd: Path, timeout: float = 600) -> str:
+    done = subprocess.run([str(a) for a in argv], cwd=cwd, env=clean_env(), capture_output=True, text=True,
+                          timeout=timeout)
+    assert done.returncode == 0, (argv, done.stdout[-2000:], done.stderr[-3000:])
+    return done.stdout
+
+
+@pytest.fixture
+def deploy(tmp_path: Path) -> Path:
+    """A deployment directory as the README's recipe leaves it: ``env`` (the venv the driver runs)
+    and ``refstream-env.tar.gz`` (the same venv, packed, for the executors)."""
+    src, wheels, deploy = tmp_path / "src", tmp_path / "wheels", tmp_path / "deploy"
+    src.mkdir()
+    deploy.mkdir()
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    for pkg in PACKAGES:
+        shutil.copytree(ROOT / pkg, src / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    timings = {}
+    t0 = time.monotonic()
+    run([sys.executable, "-m", "pip", "wheel", "--no-deps", "-q", "-w", wheels, "./src"], tmp_path)
+    (wheel,) = wheels.glob("refstream-*.whl")
+    timings["wheel"] = time.monotonic() - t0
+    # The recipe's commands, from the deployment directory.
+    run([sys.executable, "-m", "venv", "env"], deploy)
+    run(["env/bin/pip", "install", "-q", "-c", ROOT / "constraints.txt", f"{wheel}[enrich]"], deploy)
+    timings["venv"] = time.monotonic() - t0 - timings["wheel"]
+    run([Path(sys.executable).with_name("venv-pack"), "-p", "env", "-o", "refstream-env.tar.gz",
+         "--exclude", EXCLUDE_JARS, "-q"], deploy)
+    timings["pack"] = time.monotonic() - t0 - timings["wheel"] - timings["venv"]
+    size = (deploy / "refstream-env.tar.gz").stat().st_size
+    print(f"packed env: {size / 1e6:.0f} MB; " + ", ".join(f"{k} {v:.0f}s" for k, v in timings.items()))
+    return deploy
+
+
+def _state(ui: int) -> dict:
+    with urllib.request.urlopen(f"http://127.0.0.1:{ui}/json/", timeout=5) as r:
+        return json.loads(r.read())
+
+
+@pytest.fixture
+def bare_cluster(tmp_path: Path) -> Iterator[tuple[str, int, Path]]:
+    """A master and two one-core workers whose Python is an empty venv (and no PYTHONPATH):
+    ``(master URL, master UI port, that venv's python)``."""
+    bare = tmp_path / "bare"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True, env=clean_env())
+    python = bare / "bin" / "python"
+    env = clean_env(SPARK_HOME=str(SPARK_HOME), SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=str(python),
+                    SPARK_WORKER_OPTS="-Dspark.worker.cleanup.enabled=false")
+
+    def spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
+        return subprocess.Popen([str(SPARK_HOME / "bin" / "spark-class"), *args], env=env, cwd=tmp_path,
+                                stdout=open(log, "ab"), stderr=subprocess.STDOUT,  # noqa: SIM115
+                                start_new_session=True)
+
+    port, ui = free_port(), free_port()
+    procs = [spawn(["org.apache.spark.deploy.master.Master", "--host", "127.0.0.1", "--port", str(port),
+                    "--webui-port", str(ui)], tmp_path / "master.log")]
+    try:
+        for i in range(2):
+            procs.append(spawn(["org.apache.spark.deploy.worker.Worker", f"spark://127.0.0.1:{port}",
+                                "--host", "127.0.0.1", "--cores", "1", "--memory", "1g", "--webui-port", "0",
+                                "--work-dir", str(tmp_path / f"work{i}")], tmp_path / f"worker{i}.log"))
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if _state(ui).get("aliveworkers") == 2:
+                    break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError("the cluster did not come up: " + (tmp_path / "master.log").read_text()[-2000:])
+            time.sleep(1)
+        yield f"spark://127.0.0.1:{port}", ui, python
+    finally:
+        for p in reversed(procs):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(10)
+
+
+def python_workers(under: Path) -> dict[tuple[str, str], tuple[str, str]]:
+    """(executable as started, working directory) -> (module, PYTHONPATH) of the PySpark Python
+    processes (``python -m pyspark.<module>``) whose working directory is under ``under``."""
+    found = {}
+    for p in psutil.process_iter(["cmdline", "cwd"]):
+        cmd, cwd = p.info["cmdline"] or [], p.info["cwd"] or ""
+        module = next((a for a in cmd[1:] if a.startswith("pyspark.")), None)
+        if cwd.startswith(str(under)) and module:
+            try:
+                found[cmd[0], cwd] = module, p.environ().get("PYTHONPATH", "")
+            except psutil.Error:
+                found[cmd[0], cwd] = module, "?"
+    return found
+
+
+def test_job_on_workers_without_its_environment_runs_from_the_shipped_archive(
+        deploy: Path, bare_cluster: tuple[str, int, Path], kafka: dict[str, str],
+        unique: Callable[[str], str], tmp_path: Path) -> None:
+    master, ui, bare_python = bare_cluster
+    for lib in ("pyspark", "pandas", "pyarrow", "enrich"):  # what the workers' own Python lacks
+        probe = subprocess.run([str(bare_python), "-c", f"import {lib}"], cwd=tmp_path, env=clean_env(),
+                               capture_output=True)
+        assert probe.returncode != 0, f"{lib} is importable by the workers' Python: the test proves nothing"
+
+    total = 2000
+    cfg = write_config(deploy / "enrich.yaml", kafka, unique, spark={
+        "spark.archives": "refstream-env.tar.gz#env",      # unpacked as ./env in each executor's directory
+        "spark.pyspark.python": "./env/bin/python",       # the Python workers' interpreter, there and here
+        "spark.executor.memory": "512m", "spark.cores.max": "2", "spark.driver.memory": "1g",
+        "spark.driver.host": "127.0.0.1", "spark.sql.shuffle.partitions": "2"})
+    publish(kafka, cfg["joins"][0]["topic"], changelog(SCHEMA, [{"device_id": f"d{i}", "owner": f"o{i}"}
+                                                                for i in range(5)]))
+    produce_events(kafka, cfg["events"]["topic"], [{"device_id": f"d{i % 6}", "n": i} for i in range(total)],
+                   partitions=2)
+    log = tmp_path / "job.log"
+    t0 = time.monotonic()
+    proc = subprocess.Popen(["env/bin/enrich", "run", "--config", "enrich.yaml", "--master", master,
+                             "--available-now"], cwd=deploy, env=clean_env(), stdout=open(log, "ab"),  # noqa: SIM115
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    workers: dict[tuple[str, str], tuple[str, str]] = {}
+    driver: dict[tuple[str, str], tuple[str, str]] = {}
+    try:
+        while proc.poll() is None and time.monotonic() - t0 < 500:
+            workers.update(python_workers(tmp_path / "work"))
+            driver.update(python_workers(deploy))
+            time.sleep(0.5)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+    print(f"job: {time.monotonic() - t0:.0f}s; executors' Python: {workers}; driver's: {driver}")
+    assert proc.returncode == 0, log.read_text()[-4000:]
+
+    rows = [json.loads(m.value()) for m in read_all(kafka, cfg["output"]["kafka"]["topic"])]
+    assert sorted(r["n"] for r in rows) == list(range(total))
+    assert all(r["owner"] == f"o{r['n'] % 6}" for r in rows if r["n"] % 6 < 5)
+    assert all(r["_devices_matched"] is False for r in rows if r["n"] % 6 == 5)
+    apps = _state(ui)["completedapps"] + _state(ui)["activeapps"]
+    assert any(a["name"] == "refstream-enrich" for a in apps), "the job did not run on the cluster"
+
+    # The executors' Python workers ran ./env/bin/python in their executor's directory, where Spark
+    # unpacked the archive: the installed wheel, without PySpark's jars.
+    assert workers, "no Python worker seen on the executors"
+    assert {exe for exe, _ in workers} == {"./env/bin/python"}, workers
+    # PySpark's own Python code comes from the worker's Spark, which Spark puts first on their path.
+    zip_ = str(SPARK_HOME / "python" / "lib" / "pyspark.zip")
+    assert all(path.startswith(zip_) for _, path in workers.values()), workers
+    executor_dirs = {Path(cwd) for _, cwd in workers}
+    assert {d.parent.parent.name for d in executor_dirs} == {"work0", "work1"}, executor_dirs
+    for d in executor_dirs:
+        (site,) = (d / "env" / "lib").glob("python3*/site-packages")
+        assert (site / "enrich" / "job.py").is_file() and (site / "pandas").is_dir(), d
+        assert (site / "pyspark").is_dir() and not (site / "pyspark" / "jars").exists(), d
+    # The driver starts Python workers too: there the same path is its ``env``.
+    assert ("./env/bin/python", str(deploy)) in driver, driver
+    # ... and the executors wrote the output: every task's writer is a process in an executor's directory.
+    writers = [w for line in log.read_text().splitlines() if "writers: " in line
+               for w in line.split("writers: ", 1)[1].split(", ")]
+    assert len(writers) >= 4, log.read_text()[-3000:]  # 2 batches of 1000 events, 2 tasks each
+    assert {Path(w.split(" in ", 1)[1].split(":", 2)[2]) for w in writers} <= executor_dirs, writers
