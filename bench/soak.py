@@ -142,7 +142,7 @@ class Soak:
             "checkpoint": str(self.work / "checkpoint"),
             "trigger": "500ms",
             "max_events_per_batch": 5000,
-            "spark": {"spark.driver.memory": "1g", "spark.sql.shuffle.partitions": "2"},
+            "spark": {"spark.driver.memory": "1g", "spark.sql.shuffle.partitions": "2", "spark.ui.enabled": "false"},
         }
         self.refresh_yaml, self.enrich_yaml = self.work / "refresh.yaml", self.work / "enrich.yaml"
         self.refresh_yaml.write_text(yaml.safe_dump(refresh), encoding="utf-8")
