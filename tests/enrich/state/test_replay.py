@@ -12,6 +12,7 @@ a plain restart would not show a dependence on it)."""
 from __future__ import annotations
 
 import json
+import logging
 import random
 from collections.abc import Callable, Iterator
 from datetime import UTC, datetime, timedelta
@@ -108,6 +109,15 @@ def batch_end(spark_checkpoint: Path, batch: int) -> dict[tuple[str, int], int]:
     return from_json_offsets(json.loads(lines[2]))
 
 
+def planned(spark_checkpoint: Path) -> dict[int, tuple[int, str]]:
+    """Every batch of Spark's offset log: its watermark and end offsets (not its wall-clock time)."""
+    out = {}
+    for f in (spark_checkpoint / "offsets").glob("[0-9]*"):
+        _, meta, ends = f.read_text().splitlines()[:3]
+        out[int(f.name)] = (json.loads(meta)["batchWatermarkMs"], ends)
+    return out
+
+
 def values(kafka: dict[str, str], topic: str) -> list[bytes]:
     return [m.value() for m in read_all(kafka, topic)]
 
@@ -115,7 +125,7 @@ def values(kafka: dict[str, str], topic: str) -> list[bytes]:
 @pytest.mark.integration
 def test_a_replay_after_a_restart_gives_byte_identical_output(
         spark: SparkSession, kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path,
-        monkeypatch: pytest.MonkeyPatch) -> None:
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     data = make_config(kafka, unique, tmp_path)
     publish(kafka, data["joins"][0]["topic"], changelog(DEVICES, [{"device_id": f"d{i}", "owner": f"o{i}"}
                                                                   for i in range(0, 6, 2)]))
@@ -136,6 +146,7 @@ def test_a_replay_after_a_restart_gives_byte_identical_output(
             replayed.add(e["n"])
         offsets[partition] += 1
     assert len(replayed) == len(events) - 2 * PER_PARTITION
+    batches = planned(spark_checkpoint)
     roll_back(spark_checkpoint, 1)
 
     # The restart: new output and dead-letter topics (the first ones hold batch 1 on as committed),
@@ -150,7 +161,12 @@ def test_a_replay_after_a_restart_gives_byte_identical_output(
 
     monkeypatch.setattr("enrich.state.stream.DeviceStateProcessor", OtherFetchOrder)
     again = {**data, "output": {"kafka": {"topic": unique("enriched")}}, "dead_letter_topic": unique("dlq")}
-    run(spark, again)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="enrich.job"):
+        run(spark, again)
+    done = [int(r.getMessage().split()[1]) for r in caplog.records if " done in " in r.getMessage()]
+    assert done[0] == 1, "the restart should run batch 1 again"
+    assert planned(spark_checkpoint) == batches, "the same batches: offsets and watermarks"
     second = values(kafka, again["output"]["kafka"]["topic"])
     second_dead = [(m.value(), m.headers()) for m in read_all(kafka, again["dead_letter_topic"])]
 
