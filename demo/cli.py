@@ -4,6 +4,8 @@ changing reference data and the time each change takes to reach the enriched out
 Starts, each in its own process group and stopped in reverse order on Ctrl-C, SIGTERM or
 ``--duration``: an embedded Kafka-protocol broker, the refresher daemon (``python -m refresh``), the
 enrichment job (``python -m enrich run``) and the device simulator (``python -m demo.simulate``).
+The job keeps a running state per device (the ``state:`` section of ``conf/enrich.yaml``): each
+enriched event the demo shows comes with its device's event count and temperature mean.
 ``--duration`` stops the run that many seconds after its start, but only once the scripted changes
 are through (each bounded by ``--timeout``, the start by ``--startup-timeout``). The reference
 database is a SQLite file under the work directory, or the database at ``REF_DB_URL``
@@ -30,8 +32,8 @@ from typing import Any
 
 from demo.broker import EmbeddedBroker
 from demo.processes import Child, ChildExited
-from demo.scenario import ChangeNotSeen, Operator, Stopped, matched, say, stamp
-from demo.seed import MODELS, SITES, seed_database, write_sites
+from demo.scenario import SUBJECT, ChangeNotSeen, Operator, Stopped, device_state, matched, say, stamp
+from demo.seed import MODELS, SITES, device, seed_database, write_sites
 from demo.tail import EnrichedTail
 from enrich import config as enrich_config
 from refresh.config import RefreshConfig, load_config
@@ -242,7 +244,7 @@ class Demo:
                 e = exp.event or {}
                 say(f"after {latency:.1f} s:\n           {e.get('device_id')} -> model "
                     f"{e.get('model_name')!r}, site {e.get('site_name')!r} ({e.get('region')}), "
-                    f"owner {e.get('owner')!r}")
+                    f"owner {e.get('owner')!r}, {device_state(e)}")
                 return
             self._sleep(0)
         raise DemoError(f"no enriched event within {self.args.startup_timeout:.0f} s "
@@ -266,8 +268,11 @@ class Demo:
             now = time.monotonic()
             if now - t_last < 5.0:
                 continue  # the short stretch before --duration ends: no rate worth showing
+            subject = device(SUBJECT).device_id
+            seen = tail.latest.get(subject)
             say(f"[{stamp()}] {tail.count:,} enriched events so far "
-                f"({(tail.count - last) / (now - t_last):,.0f}/s)")
+                f"({(tail.count - last) / (now - t_last):,.0f}/s)"
+                + (f"; {subject}: {device_state(seen)}" if seen is not None else ""))
             last, t_last = tail.count, now
 
 

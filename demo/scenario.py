@@ -59,6 +59,20 @@ class Results:
     latencies: list[tuple[str, float]] = field(default_factory=list)
 
 
+#: The device the operator's changes are about (``device(SUBJECT)``); the demo follows its state.
+SUBJECT = 17
+
+
+def device_state(event: Event) -> str:
+    """The device's running state an enriched event carries (the ``state:`` section of the demo's
+    enrich.yaml): its event count and temperature mean."""
+    state = event.get("state")
+    if not state:
+        return "late: no device state" if event.get("_late") else "no device state"
+    mean = state.get("temperature_mean")
+    return f"events {state['events']}, temperature mean {'-' if mean is None else f'{mean:.1f}'}"
+
+
 def matched(event: Event, dataset: str, witness: str) -> bool:
     """Whether ``event`` found a row of ``dataset`` (the job's ``_<dataset>_matched`` flag, or a
     non-null column of that dataset when the flag is absent)."""
@@ -87,7 +101,7 @@ class Operator:
     # ------------------------------------------------------------------------------- the script
 
     def run(self) -> Results:
-        d = device(17)
+        d = device(SUBJECT)
         self.update_device_site(d.device_id)
         self.update_model_and_force_run(d.device_id)
         self.edit_site_name(d.device_id)
@@ -172,7 +186,8 @@ class Operator:
             if self.stop.is_set():
                 raise Stopped
             raise ChangeNotSeen(f"{what} did not show up in the enriched output within {self.timeout:.0f} s")
-        extra = f" ({note})" if note else ""
+        # The device's running state as the event that showed the change carries it.
+        extra = f" ({'; '.join(x for x in (note, device_state(exp.event or {})) if x)})"
         say(f"seen in enriched output at {stamp(exp.seen_at)}, after {latency:.1f} s{extra}")
         self.results.latencies.append((what, latency))
 

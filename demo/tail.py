@@ -61,6 +61,8 @@ class EnrichedTail:
         self.settings, self.topic = dict(settings), topic
         self.count = 0
         self.last: Event | None = None
+        #: The latest enriched event read of each device.
+        self.latest: dict[str, Event] = {}
         self._expect: list[Expectation] = []
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -125,6 +127,9 @@ class EnrichedTail:
             return
         self.count += 1
         self.last = event
+        device = event.get("device_id")
+        if isinstance(device, str):
+            self.latest[device] = event
         with self._lock:
             pending = [e for e in self._expect if e.seen_at is None]
             self._expect = pending

@@ -1,0 +1,78 @@
+"""The job with a ``state:`` section on a real standalone Spark cluster (a master and two workers,
+``--master spark://...``): the state step runs in the executors, its state store in the checkpoint
+they share, and every device's state comes out as the events imply, each event written once."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+import pytest
+
+from refstream.contract import Column, DatasetSchema
+from tests.enrich.helpers import changelog, produce_events, publish, read_all
+from tests.enrich.test_cluster import cluster  # noqa: F401 - the fixture
+from tests.enrich.test_restart import start_job, write_config
+
+SCHEMA = DatasetSchema("devices", ("device_id",), (Column("device_id", "string"), Column("owner", "string")))
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+DEVICES, TOTAL = 10, 999  # with the dead letter, two micro-batches of 500
+
+pytestmark = pytest.mark.integration  # starts a Spark master and workers itself
+
+
+def at(seconds: int) -> str:
+    return (T0 + timedelta(seconds=seconds)).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def temperature(n: int) -> float | None:
+    return None if n % 11 == 0 else round(15 + (n * 7919 % 200) / 10, 1)
+
+
+def test_device_state_on_a_two_worker_standalone_cluster(cluster: tuple[str, int],  # noqa: F811 - the fixture
+                                                         kafka: dict[str, str], unique: Callable[[str], str],
+                                                         tmp_path: Path) -> None:
+    master, _ = cluster
+    config = tmp_path / "enrich.yaml"
+    cfg = write_config(config, kafka, unique, max_events_per_batch=500,
+                       events={"topic": unique("events"), "schema": "device_id STRING, ts TIMESTAMP, temp DOUBLE, n INT",
+                               "starting_offsets": "earliest"},
+                       state={"key": "device_id", "timestamp": "ts", "watermark": "2h", "buckets": 8,
+                              "aggregates": {"temp": ["max", "mean"]}},
+                       spark={"spark.executor.memory": "512m", "spark.cores.max": "2", "spark.driver.memory": "1g",
+                              "spark.driver.host": "127.0.0.1", "spark.sql.shuffle.partitions": "2"})
+    publish(kafka, cfg["joins"][0]["topic"], changelog(SCHEMA, [{"device_id": f"d{i}", "owner": f"o{i}"}
+                                                                for i in range(DEVICES)]))
+    # Keyed by device: each device's events on one of the two partitions, in the order of n and time.
+    events = [{"device_id": f"d{n % DEVICES}", "ts": at(n), "temp": temperature(n), "n": n} for n in range(TOTAL)]
+    produce_events(kafka, cfg["events"]["topic"], [*events, {"device_id": None, "ts": at(0), "n": -1}], partitions=2)
+    log = tmp_path / "job.log"
+    proc = start_job(config, log, "--available-now", master=master)
+    assert proc.wait(300) == 0, log.read_text()[-4000:]
+    for i in range(2):  # each worker launched an executor for the job
+        assert list((tmp_path / f"work{i}").glob("app-*/*/stderr")), f"worker {i} ran no executor"
+
+    rows = [json.loads(m.value()) for m in read_all(kafka, cfg["output"]["kafka"]["topic"])]
+    got = Counter(r["n"] for r in rows)
+    assert set(got) == set(range(TOTAL)) and max(got.values()) == 1, "an event lost or written twice"
+    assert [json.loads(m.value())["n"] for m in read_all(kafka, cfg["dead_letter_topic"])] == [-1]
+    # The k-th event of a device has events == k, and the device's running max and mean of temp
+    # over its first k events (nulls ignored).
+    seen: dict[str, list[float]] = {}
+    for r in sorted(rows, key=lambda r: r["n"]):
+        temps = seen.setdefault(r["device_id"], [])
+        t = temperature(r["n"])
+        if t is not None:
+            temps.append(t)
+        s = r["state"]
+        assert s["events"] == r["n"] // DEVICES + 1, r
+        assert s["temp_max"] == (max(temps) if temps else None), r
+        assert (s["temp_mean"] is None) if not temps else math.isclose(s["temp_mean"], math.fsum(temps) / len(temps),
+                                                                         rel_tol=1e-12), r
+        assert r["_late"] is False and r["owner"] == r["device_id"].replace("d", "o")
+    # More than one batch, and the state was kept across them in the cluster's state store.
+    assert len(list((tmp_path / "checkpoint" / "spark" / "commits").glob("[0-9]*"))) >= 2
