@@ -29,6 +29,7 @@ from pyspark.sql import functions as F
 from enrich import config
 from enrich.job import EnrichJob
 from enrich.kafka.offsets import from_json_offsets
+from enrich.state import packed
 from enrich.state.processor import DeviceStateProcessor
 from refstream import kafka as rkafka
 from refstream.contract import Column, DatasetSchema
@@ -154,10 +155,11 @@ def test_a_replay_after_a_restart_gives_byte_identical_output(
     class OtherFetchOrder(DeviceStateProcessor):
         def handleInputRows(self, key: Any, rows: Iterator[pd.DataFrame],  # type: ignore[override]
                             timerValues: Any) -> Iterator[pd.DataFrame]:
-            pdf = pd.concat(list(rows), ignore_index=True)
-            partition = pdf.iloc[:, self.inputs.index("_partition")].to_numpy()
-            pdf = pdf.iloc[np.argsort(-partition, kind="stable")].reset_index(drop=True)
-            return DeviceStateProcessor.handleInputRows(self, key, iter([pdf]), timerValues)
+            table = packed.unpack_rows(rows)
+            partition = table.column("_partition").to_numpy()
+            table = table.take(np.argsort(-partition, kind="stable"))
+            again = pd.DataFrame({packed.ROWS: [packed.to_ipc(table)]})
+            return DeviceStateProcessor.handleInputRows(self, key, iter([again]), timerValues)
 
     monkeypatch.setattr("enrich.state.stream.DeviceStateProcessor", OtherFetchOrder)
     again = {**data, "output": {"kafka": {"topic": unique("enriched")}}, "dead_letter_topic": unique("dlq")}
