@@ -14,6 +14,7 @@ plan (:mod:`enrich.state.stream`) folds the flat fields into the ``state`` struc
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -41,6 +42,12 @@ LATE = "_late"
 
 _PANDAS_TYPES = {pa.int8(): pd.Int8Dtype(), pa.int16(): pd.Int16Dtype(), pa.int32(): pd.Int32Dtype(),
                  pa.int64(): pd.Int64Dtype(), pa.bool_(): pd.BooleanDtype()}
+
+
+def stored_spec(spec: StateSpec) -> StateSpec:
+    """The engine's spec as the processor runs it: event times as int64 microseconds in ``_ts_us``;
+    the stored bucket tables (``first_seen``, ``last_seen``) are laid out by it."""
+    return dataclasses.replace(spec, timestamp=TS_US, timestamp_type=pa.int64())
 
 
 class DeviceStateProcessor(StatefulProcessor):

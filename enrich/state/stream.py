@@ -10,10 +10,7 @@ the processor flags them instead, against the same watermark.
 
 from __future__ import annotations
 
-import dataclasses
-
-import pyarrow as pa
-from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.pandas.types import from_arrow_type
 from pyspark.sql.types import BooleanType, StructField, StructType
@@ -24,7 +21,7 @@ from enrich.events import ERROR
 from enrich.state.checkpoint import check_checkpoint
 from enrich.state.engine import StateSpec
 from enrich.state.plan import LATE, STATE, resolve
-from enrich.state.processor import BUCKET, FLAT, TS_US, DeviceStateProcessor
+from enrich.state.processor import BUCKET, FLAT, TS_US, DeviceStateProcessor, stored_spec
 from refstream.errors import ConfigError
 
 #: Spark's state store provider for the step (set by the job; ``transformWithStateInPandas`` needs it).
@@ -51,6 +48,11 @@ def state_step(spark: SparkSession, cfg: EnrichConfig, raw: DataFrame, event_sch
     return attach(parsed, cfg.state, spec)
 
 
+def bucket_of(key: Column, buckets: int) -> Column:
+    """The hash bucket a device key falls in: the grouping key of the state step."""
+    return F.pmod(F.hash(key), F.lit(buckets)).cast("int")
+
+
 def attach(parsed: DataFrame, cfg: StateConfig, spec: StateSpec) -> DataFrame:
     """``parsed`` (``events.parse(..., keep_source=True)``) with the keyed state step applied: its
     columns, then ``state`` and ``_late``; ``_value`` is kept in dead-letter rows only, as
@@ -63,11 +65,11 @@ def attach(parsed: DataFrame, cfg: StateConfig, spec: StateSpec) -> DataFrame:
     prepared = (parsed.withColumn(ERROR, error)
                 .withColumn("_value", F.when(F.col(ERROR).isNotNull(), F.col("_value")))
                 .withColumn(TS_US, F.unix_micros(ts))
-                .withColumn(BUCKET, F.pmod(F.hash(key), F.lit(cfg.buckets)).cast("int"))
+                .withColumn(BUCKET, bucket_of(key, cfg.buckets))
                 .withColumn(_WATERMARK, ts)
                 .withWatermark(_WATERMARK, f"{int(cfg.watermark.total_seconds() * 1000)} milliseconds")
                 .drop(_WATERMARK))
-    inner = dataclasses.replace(spec, timestamp=TS_US, timestamp_type=pa.int64())
+    inner = stored_spec(spec)
     processor = DeviceStateProcessor(inner, tuple(prepared.columns), columns)
     flat_type = inner.output_type()
     in_schema = {f.name: f.dataType for f in prepared.schema.fields}
