@@ -10,6 +10,7 @@ the processor flags them instead, against the same watermark.
 
 from __future__ import annotations
 
+from pyspark.accumulators import Accumulator
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.pandas.types import from_arrow_type
@@ -31,10 +32,11 @@ _WATERMARK = "_wm_ts"
 
 
 def state_step(spark: SparkSession, cfg: EnrichConfig, raw: DataFrame, event_schema: StructType,
-               enriched: StructType, timezone: str) -> DataFrame:
+               enriched: StructType, timezone: str,
+               devices: Accumulator[dict[int, int]] | None = None) -> DataFrame:
     """The job's hook: check ``state:`` against the events and the joins' columns (``enriched``) and
     the checkpoint, set the RocksDB state store, and return the ``raw`` Kafka stream parsed and
-    through :func:`attach`."""
+    through :func:`attach` (``devices``: see there)."""
     assert cfg.state is not None
     parsed = events.parse(raw, event_schema, cfg.events.required, keep_source=True)
     spec = resolve(cfg.state, enriched, timezone=timezone, source=cfg.source)
@@ -45,7 +47,7 @@ def state_step(spark: SparkSession, cfg: EnrichConfig, raw: DataFrame, event_sch
                               "before the joins, so it can use event fields only for now (docs/state.md)")
     check_checkpoint(cfg.checkpoint, cfg.state, spec, cfg.source)
     spark.conf.set(PROVIDER_CONF, ROCKSDB)
-    return attach(parsed, cfg.state, spec)
+    return attach(parsed, cfg.state, spec, devices)
 
 
 def bucket_of(key: Column, buckets: int) -> Column:
@@ -53,10 +55,12 @@ def bucket_of(key: Column, buckets: int) -> Column:
     return F.pmod(F.hash(key), F.lit(buckets)).cast("int")
 
 
-def attach(parsed: DataFrame, cfg: StateConfig, spec: StateSpec) -> DataFrame:
+def attach(parsed: DataFrame, cfg: StateConfig, spec: StateSpec,
+           devices: Accumulator[dict[int, int]] | None = None) -> DataFrame:
     """``parsed`` (``events.parse(..., keep_source=True)``) with the keyed state step applied: its
     columns, then ``state`` and ``_late``; ``_value`` is kept in dead-letter rows only, as
-    ``events.parse`` does."""
+    ``events.parse`` does. ``devices``: an accumulator of ``processor.BucketCounts`` the step
+    reports each bucket's device count to."""
     columns = tuple(parsed.columns)
     key, ts = F.col(f"`{cfg.key}`"), F.col(f"`{cfg.timestamp}`")
     error = (F.when(F.col(ERROR).isNotNull(), F.col(ERROR))
@@ -70,7 +74,7 @@ def attach(parsed: DataFrame, cfg: StateConfig, spec: StateSpec) -> DataFrame:
                 .withWatermark(_WATERMARK, f"{int(cfg.watermark.total_seconds() * 1000)} milliseconds")
                 .drop(_WATERMARK))
     inner = stored_spec(spec)
-    processor = DeviceStateProcessor(inner, tuple(prepared.columns), columns)
+    processor = DeviceStateProcessor(inner, tuple(prepared.columns), columns, devices)
     flat_type = inner.output_type()
     in_schema = {f.name: f.dataType for f in prepared.schema.fields}
     out_schema = StructType([StructField(c, in_schema[c], True) for c in columns]
