@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
@@ -41,7 +42,21 @@ class Ran:
     path: Path
     applied: int             # the first run's batch that applied its last events
     first: int               # the first run's last batch (a batch without data: the watermark expired a, b, c, f)
-    jobs: list[EnrichJob]    # the two runs' jobs (their metrics)
+    jobs: list[EnrichJob]    # the runs' jobs (their metrics): two with events, one without
+    devices: list[list[int]]  # per run, the devices in state after each batch (the batch log)
+
+
+class BatchLog(logging.Handler):
+    """The devices in state after each batch, from the job's batch log lines."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.devices: list[int] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        text = record.getMessage()
+        if text.endswith(" device(s) in state"):
+            self.devices.append(int(text.rsplit("; ", 1)[1].split()[0]))
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +86,19 @@ def ran(spark: SparkSession, kafka: dict[str, str], tmp_path_factory: pytest.Tem
     produce_events(kafka, cfg.events.topic, [ev(1, "a", 0, 10.0), ev(2, "b", 1, 5.0), ev(3, "a", 1, 20.0),
                                              ev(4, "c", 2, None), ev(5, "f", 2, 3.0), ev(6, None, 2, 1.0),
                                              ev(7, "g", 25, 1.0)])
-    jobs = [EnrichJob(cfg, spark, available_now=True)]
-    jobs[0].run()
+    logger, handler, devices = logging.getLogger("enrich.job"), BatchLog(), []
+    logger.addHandler(handler)
+    old_level = logger.level
+    logger.setLevel(logging.INFO)
+
+    def run() -> None:
+        jobs.append(EnrichJob(cfg, spark, available_now=True))
+        jobs[-1].run()
+        devices.append(handler.devices)
+        handler.devices = []
+
+    jobs: list[EnrichJob] = []
+    run()
     ck = Checkpoint(cfg.checkpoint)
     first = ck.last_committed()
     applied = min(n for n in ck.committed() if sum(ck.batch(n).events_end.values()) == 7)
@@ -81,9 +107,11 @@ def ran(spark: SparkSession, kafka: dict[str, str], tmp_path_factory: pytest.Tem
     # batch: a starts afresh, d and e are new (not in the dimension), x is late (2m).
     produce_events(kafka, cfg.events.topic, [ev(8, "d", 30, 1.0), ev(9, "e", 30, 2.0), ev(10, "a", 31, 4.0),
                                              ev(11, "x", 2, 9.0)])
-    jobs.append(EnrichJob(cfg, spark, available_now=True))
-    jobs[1].run()
-    return Ran(cfg, path, applied, first, jobs)
+    run()
+    run()  # nothing new: the count comes from the checkpoint's record
+    logger.removeHandler(handler)
+    logger.setLevel(old_level)
+    return Ran(cfg, path, applied, first, jobs, devices)
 
 
 def test_lookup_state_gives_what_the_events_imply(ran: Ran) -> None:
@@ -103,6 +131,28 @@ def test_lookup_state_gives_what_the_events_imply(ran: Ran) -> None:
     c = device_state(ran.cfg, "c", ran.applied).state
     assert c is not None and (c["events"], c["temp_last"], c["temp_mean"]) == (1, None, None)
     assert [device_state(ran.cfg, "b", n).found for n in (ran.applied, ran.first)] == ["present", "absent"]
+
+
+def test_the_jobs_metrics_count_unmatched_and_late_events(ran: Ran) -> None:
+    counts = []
+    for job in ran.jobs[:2]:
+        assert job.metrics is not None
+        value = job.metrics.registry.get_sample_value
+        counts.append({r: value("refstream_enrich_events_total", {"result": r})
+                       for r in ("enriched", "unmatched", "late", "dead_letter")})
+    # Run 1: b, f and g have no devices row; the device-less event is a dead letter. Run 2: d, e
+    # and x have none, x is late.
+    assert counts == [{"enriched": 6, "unmatched": 3, "late": 0, "dead_letter": 1},
+                      {"enriched": 4, "unmatched": 3, "late": 1, "dead_letter": 0}]
+
+
+def test_devices_in_state_counts_each_batchs_devices_and_drops_by_ttl(ran: Ran) -> None:
+    # Run 1: a, b, c; then f and g; then the watermark drops a, b, c and f (a batch without data,
+    # the buckets' timers). Run 2: d, e and a afresh besides g.
+    assert ran.devices[0] == [3, 5, 1]
+    assert set(ran.devices[1]) == {4} and ran.devices[2] == []
+    gauges = [j.metrics.registry.get_sample_value("refstream_enrich_devices_in_state") for j in ran.jobs if j.metrics]
+    assert gauges == [1, 4, 4]   # the third run read no event: the count its start took from the checkpoint
 
 
 def test_lookup_state_cli(ran: Ran, capsys: pytest.CaptureFixture[str]) -> None:

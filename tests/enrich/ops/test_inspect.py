@@ -92,6 +92,9 @@ def test_the_jobs_metrics_count_what_its_batches_did(ran: Ran) -> None:
             v[0]("refstream_enrich_events_total", {"result": "dead_letter"})) == (3, 1)
     assert (v[1]("refstream_enrich_events_total", {"result": "enriched"}),
             v[1]("refstream_enrich_events_total", {"result": "dead_letter"})) == (2, 0)
+    # Unmatched: zz (no devices row), then d2 (deleted); late: none without a state step.
+    assert [(x("refstream_enrich_events_total", {"result": "unmatched"}),
+             x("refstream_enrich_events_total", {"result": "late"})) for x in v] == [(1, 0), (1, 0)]
     assert (v[0]("refstream_enrich_dimension_version", {"dataset": "devices"}),
             v[0]("refstream_enrich_dimension_rows", {"dataset": "devices"})) == (1, 3)
     assert (v[1]("refstream_enrich_dimension_version", {"dataset": "devices"}),
