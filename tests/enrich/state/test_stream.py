@@ -164,8 +164,17 @@ def test_sigkill_then_restart_continues_every_device_count(kafka: dict[str, str]
     run_then_kill(config, log, lambda: committed_count(kafka, out_topic) >= 500)
     assert committed_count(kafka, out_topic) < total, "the job should have been killed mid-stream"
 
-    proc = start_job(config, log, "--available-now")
+    # The restart's first batch also loses a task: slot 0 kills its Python worker inside its
+    # transaction (test hook), and Spark runs the task again (local[2,4]), state step included.
+    from enrich.kafka.tasks import KILL_HOOK
+    from enrich.ops.checkpoint import Checkpoint
+
+    last = Checkpoint(tmp_path / "checkpoint").last_committed()
+    flag = tmp_path / "killed"
+    proc = start_job(config, log, "--available-now", master="local[2,4]",
+                     env={KILL_HOOK: f"{0 if last is None else last + 1}:0:{flag}"})
     assert proc.wait(300) == 0, log.read_text()[-3000:]
+    assert flag.exists(), "the hook did not fire"
     rows = [json.loads(m.value()) for m in read_all(kafka, out_topic)]
     got = Counter(r["n"] for r in rows)
     assert set(got) == set(range(total)) and max(got.values()) == 1, "an event lost or written twice"
@@ -175,7 +184,7 @@ def test_sigkill_then_restart_continues_every_device_count(kafka: dict[str, str]
         i = r["n"]
         assert r["state"]["events"] == i // 12 + 1, r
         assert r["state"]["n_max"] == i and r["_late"] is False
-    # The count of devices in state continues across the crash too (from the checkpoint's record).
+    # The count of devices in state continues across the crash and the retried task too.
     counts = [line.rsplit("; ", 1)[1] for line in log.read_text().splitlines() if line.endswith(" device(s) in state")]
     assert counts and counts[-1] == "12 device(s) in state", counts[-5:]
 
