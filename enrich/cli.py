@@ -1,6 +1,7 @@
 """``enrich run --config conf/enrich.yaml [--master local[*]] [--available-now] [--debug]``,
 ``enrich validate --config conf/enrich.yaml [--connect]``, ``enrich status --config F [--json] [--check
---max-age 10m]``, ``enrich lookup --config F DATASET KEY [--batch N]``; ``--version``, ``--log-format text|json``.
+--max-age 10m]``, ``enrich lookup --config F DATASET KEY [--batch N]``, ``enrich lookup --config F --state
+DEVICE [--batch N]``; ``--version``, ``--log-format text|json``.
 
 Also runs under ``spark-submit`` (``spark-submit -m enrich`` is not a thing; submit ``enrich/__main__.py``
 or a one-line script calling :func:`main`): without ``--master`` the master set by spark-submit is kept.
@@ -54,15 +55,22 @@ def parser() -> argparse.ArgumentParser:
     st.add_argument("--max-age", type=duration_arg, default=None, metavar="DURATION",
                     help="e.g. 10m: the oldest dimension version and batch --check accepts")
 
-    lk = sub.add_parser("lookup", parents=[common], help="the dimension row a committed micro-batch used for a key")
-    lk.add_argument("dataset", help="a dataset the job joins")
-    lk.add_argument("key", help="the key: its value, col=value,... or a JSON object")
+    lk = sub.add_parser("lookup", parents=[common],
+                        help="the dimension row a committed micro-batch used for a key (DATASET KEY), or a "
+                             "device's state after it (--state DEVICE)")
+    lk.add_argument("dataset", nargs="?", help="a dataset the job joins")
+    lk.add_argument("key", nargs="?", help="the key: its value, col=value,... or a JSON object")
+    lk.add_argument("--state", metavar="DEVICE", default=None,
+                    help="print this device's state (its state.key value) from the checkpoint instead")
     lk.add_argument("--batch", type=int, default=None, help="a committed batch id (default: the last one)")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    p = parser()
+    args = p.parse_args(argv)
+    if args.command == "lookup" and not (args.key is not None if args.state is None else args.dataset is None):
+        p.error("lookup takes DATASET KEY, or --state DEVICE")
     setup_logging(debug=args.debug, log_format=args.log_format)
     try:
         if args.command == "validate":
@@ -161,10 +169,19 @@ def status(args: argparse.Namespace) -> int:
 
 
 def lookup(args: argparse.Namespace) -> int:
-    """Prints the row as JSON; exit 0 when the batch saw the key, 1 when it was absent or deleted."""
+    """Prints the row (or the device's state) as JSON; exit 0 when the batch saw the key (left state
+    for the device), 1 when it was absent or deleted."""
     import json
 
     from enrich import config
+
+    if args.state is not None:
+        from enrich.ops.device import device_state
+
+        found = device_state(config.load(args.config), args.state, args.batch)
+        print(json.dumps(found.to_json(), indent=2, default=str))
+        return 0 if found.found == "present" else 1
+
     from enrich.ops.lookup import lookup as find
 
     res = find(config.load(args.config), args.dataset, args.key, args.batch)

@@ -37,8 +37,8 @@ from enrich.dimension.manager import Dimensions
 from enrich.dimension.ship import Shipper
 from enrich.dimension.versions import FileVersionLog
 from enrich.fastparse import FastParser
-from enrich.metrics import EnrichMetrics
-from enrich.sinks import EnrichedBatch, Sink, make_sink
+from enrich.metrics import RESULTS, EnrichMetrics
+from enrich.sinks import Counted, EnrichedBatch, Sink, make_sink
 from enrich.state.checkpoint import check_checkpoint
 from refstream import kafka as rkafka
 from refstream.atomic import write_bytes_atomic, write_json_atomic
@@ -54,6 +54,15 @@ SINK_IDENTITY = Path("refstream") / "sink.json"
 
 
 _OUR_ERROR = re.compile(r"refstream\.errors\.\w+: (.+)")
+
+
+def _plus(a: Counted, b: Counted) -> Counted:
+    """Two writes' counts of one batch; a count either write did not make stays unknown."""
+    def add(x: int | None, y: int | None) -> int | None:
+        return None if x is None or y is None else x + y
+
+    return Counted(add(a.enriched, b.enriched), add(a.unmatched, b.unmatched), add(a.late, b.late),
+                   add(a.dead_letters, b.dead_letters))
 
 
 def root_cause(exc: BaseException) -> str:
@@ -108,7 +117,9 @@ class EnrichJob:
         if cfg.metrics is not None:
             from refstream.metrics import MetricsServer
 
-            self.metrics = EnrichMetrics()
+            # The results counted: the sink's, and the late events and dead letters the job counts.
+            self.metrics = EnrichMetrics(results=[r for r in RESULTS if r in ("late", "dead_letter")
+                                                  or r in self.sink.counts])
             self.metrics_server = self._stack.enter_context(MetricsServer(cfg.metrics, self.metrics.registry))
         self.dead: DeadLetters | None = None
         if not self.sink.writes_dead_letters:
@@ -132,9 +143,14 @@ class EnrichJob:
         _, _, enriched_schema, _ = self._planned(self._parsed_schema)
         stream = raw
         if cfg.state is not None:  # the keyed state step: events parsed in the plan (enrich/state/)
+            from enrich.state.devices import DeviceCount
             from enrich.state.stream import state_step
 
-            stream = state_step(self.spark, cfg, raw, self.event_schema, enriched_schema, self._timezone())
+            self.devices = DeviceCount(self.spark.sparkContext, cfg.checkpoint)
+            if self.metrics is not None:
+                self.metrics.devices_in_state(self.devices.total)
+            stream = state_step(self.spark, cfg, raw, self.event_schema, enriched_schema, self._timezone(),
+                                self.devices.accumulator)
             self._parsed_schema, self._plan = stream.schema, None
             self._planned(self._parsed_schema)
         else:
@@ -215,37 +231,55 @@ class EnrichJob:
     # ----------------------------------------------------------------------------- one batch
 
     def _process(self, batch_df: DataFrame, batch_id: int) -> None:
+        t0 = time.monotonic()
         if self.cfg.state is None:
-            return self._process_batch(batch_df, batch_id)
-        # With the state step the batch is parsed already; cached, since a sink may read it twice.
-        batch_df.persist()
-        try:
-            self._process_batch(batch_df, batch_id)
-            log.info("batch %d: %d late event(s) written with a null state", batch_id,
-                     batch_df.filter(batch_df["_late"]).count())
-        finally:
-            batch_df.unpersist()
-        return None
+            dead, counted = self._process_batch(batch_df, batch_id)
+            return self._observe(t0, dead, counted, late=0)
+        # With the state step the batch is parsed already. A sink that counts the late events it
+        # writes (Kafka, in its tasks) reads the batch once; with the others the job counts the
+        # batch's late events, so the batch is cached (they read it twice, too).
+        self.devices.before_batch()
+        if "late" in self.sink.counts:
+            dead, counted = self._process_batch(batch_df, batch_id)
+            late = counted.late
+        else:
+            batch_df.persist()
+            try:
+                dead, counted = self._process_batch(batch_df, batch_id)
+                late = batch_df.filter(batch_df["_late"]).count()
+            finally:
+                batch_df.unpersist()
+        devices = self.devices.after_batch(batch_id)
+        log.info("batch %d: %d late event(s) written with a null state; %s device(s) in state", batch_id, late,
+                 "unknown" if devices is None else devices)
+        if self.metrics is not None:
+            self.metrics.devices_in_state(devices)
+        return self._observe(t0, dead, counted, late=late)
 
-    def _process_batch(self, batch_df: DataFrame, batch_id: int) -> None:
+    def _process_batch(self, batch_df: DataFrame, batch_id: int) -> tuple[int, Counted]:
+        """Pin, enrich, write one batch; returns the dead letters collected on the driver and what
+        the sink counted (summed over both writes when slots are written again from from_json)."""
         t0 = time.monotonic()
         shipped = call_with_retry(lambda: self.dims.pin(batch_id), what=f"batch {batch_id}: pinning dimensions",
                                   policy=self.retry, stop=self._stop)
         specs, out_cols, out_schema, fast_schema = self._planned(self._parsed_schema)
+        matched = tuple(s.matched for s in specs)
 
         def exact(df: DataFrame) -> EnrichedBatch:  # parsed by from_json (in the plan, with a state step)
             parsed = df if self.cfg.state is not None else events.parse(df, self.event_schema,
                                                                           self.cfg.events.required)
-            return EnrichedBatch(join.enrich(parsed, specs, out_schema, shipped, events.ERROR), out_cols)
+            return EnrichedBatch(join.enrich(parsed, specs, out_schema, shipped, events.ERROR), out_cols, matched)
 
         if self.fast is not None:
             batch = EnrichedBatch(join.enrich(events.source_columns(batch_df), specs, fast_schema, shipped,
                                               events.ERROR, parser=self.fast,
-                                              parsed_schema=events.fast_schema(self._parsed_schema)), out_cols)
+                                              parsed_schema=events.fast_schema(self._parsed_schema)), out_cols,
+                                  matched)
         else:
             batch = exact(batch_df)
         dead = call_with_retry(lambda: self.sink.write(batch_id, batch), what=f"batch {batch_id}: writing output",
                                policy=self.retry, stop=self._stop)
+        counted = self.sink.counted
         redone = self.sink.pending
         if redone:
             # Tasks that met events the fast parser left to from_json wrote nothing: their input
@@ -253,28 +287,29 @@ class EnrichJob:
             again = exact(batch_df.where(F.spark_partition_id().isin(list(redone))))
             call_with_retry(lambda: self.sink.write(batch_id, again), what=f"batch {batch_id}: writing output",
                             policy=self.retry, stop=self._stop)
+            counted = _plus(counted, self.sink.counted)
         if self.dead is not None:
             dlq = self.dead
             call_with_retry(lambda: dlq.write(batch_id, dead), what=f"batch {batch_id}: writing dead letters",
                             policy=self.retry, stop=self._stop)
         self.batches += 1
-        if self.metrics is not None:
-            self._observe(time.monotonic() - t0, dead.num_rows)
         log.info("batch %d done in %.2fs (dimensions pinned in %.3fs, %d slot(s) parsed again by from_json, "
                  "%d dead letter(s) collected)", batch_id, time.monotonic() - t0, self.dims.last_pin_seconds,
                  len(redone), dead.num_rows)
+        return dead.num_rows, counted
 
-    def _observe(self, seconds: float, collected_dead: int) -> None:
-        assert self.metrics is not None
-        results = getattr(self.sink, "last_results", None)  # the Kafka sink: one row of counts per task
-        # Other sinks do not count what they wrote (Parquet, console): no enriched count from them.
-        enriched, dead = (None, collected_dead) if results is None else (
-            sum(int(r["records"]) for r in results), sum(int(r["dead_letters"]) for r in results))
+    def _observe(self, t0: float, collected_dead: int, counted: Counted, *, late: int | None) -> None:
+        """The batch's metrics: what the sink counted, else what the driver has (dead letters it
+        collected, the late events the job counted); Parquet and console count no unmatched events."""
+        if self.metrics is None:
+            return
         dims = {}
         for ds in self.cfg.datasets:
             st = self.dims.state(ds)
             dims[ds] = (st.version, st.live_rows(), st.changed_ms)
-        self.metrics.after_batch(seconds, enriched=enriched, dead=dead, dimensions=dims)
+        dead = counted.dead_letters if counted.dead_letters is not None else collected_dead
+        self.metrics.after_batch(time.monotonic() - t0, enriched=counted.enriched, unmatched=counted.unmatched,
+                                 late=late, dead=dead, dimensions=dims)
         progress = self.query.lastProgress if self.query is not None else None
         if progress:
             self.metrics.progress(progress.get("sources") or [])

@@ -13,15 +13,20 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from enrich.kafka.offsets import from_json_offsets
 
+#: ``refstream_enrich_events_total``'s results; ``unmatched`` and ``late`` count among ``enriched``.
+RESULTS = ("enriched", "unmatched", "late", "dead_letter")
 BATCH_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
 
 
 class EnrichMetrics:
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, results: Iterable[str] = RESULTS) -> None:
+        """``results``: the results of ``refstream_enrich_events_total`` counted (shown from the start)."""
         self.registry = registry or CollectorRegistry()
         r = self.registry
-        self.events = Counter("refstream_enrich_events", "Events written by result (enriched, dead_letter)",
-                              ["result"], registry=r)
+        self.events = Counter("refstream_enrich_events", "Events by result: enriched (written to the output), "
+                              "unmatched and late (among enriched: some join found no row; later than the "
+                              "watermark), dead_letter; counted by the Kafka sink's tasks, see the README for "
+                              "the other sinks", ["result"], registry=r)
         self.batch = Histogram("refstream_enrich_batch_duration_seconds", "Micro-batch duration on the driver",
                                buckets=BATCH_BUCKETS, registry=r)
         self.version = Gauge("refstream_enrich_dimension_version", "Refresher version of the dimension the last "
@@ -32,22 +37,35 @@ class EnrichMetrics:
                           ["dataset"], registry=r)
         self.lag = Gauge("refstream_enrich_input_lag_records", "Events topic end offset minus processed offset "
                          "(from the query's last progress)", ["partition"], registry=r)
+        self.devices: Gauge | None = None  # with state: only, once the count is known
         self._changed_ms: dict[str, int | None] = {}
-        for result in ("enriched", "dead_letter"):
+        for result in results:
             self.events.labels(result)
 
-    def after_batch(self, seconds: float, *, enriched: int | None, dead: int,
-                    dimensions: Mapping[str, tuple[int, int, int | None]]) -> None:
-        """One committed batch: its duration, counts, and per dataset (version, rows, changed_ms)."""
+    def after_batch(self, seconds: float, *, enriched: int | None, dead: int, unmatched: int | None = None,
+                    late: int | None = None, dimensions: Mapping[str, tuple[int, int, int | None]]) -> None:
+        """One committed batch: its duration, counts (None: not counted), and per dataset (version,
+        rows, changed_ms)."""
         self.batch.observe(seconds)
-        if enriched is not None:
-            self.events.labels("enriched").inc(enriched)
-        self.events.labels("dead_letter").inc(dead)
+        for result, n in (("enriched", enriched), ("unmatched", unmatched), ("late", late), ("dead_letter", dead)):
+            if n is not None:
+                self.events.labels(result).inc(n)
         for ds, (version, rows, changed_ms) in dimensions.items():
             self.version.labels(ds).set(version)
             self.rows.labels(ds).set(rows)
             self._changed_ms[ds] = changed_ms
         self.refresh_ages()
+
+    def devices_in_state(self, devices: int | None) -> None:
+        """Set ``refstream_enrich_devices_in_state``; None (unknown) leaves it as it is (not exported
+        while it was never known)."""
+        if devices is None:
+            return
+        if self.devices is None:
+            self.devices = Gauge("refstream_enrich_devices_in_state", "Devices in the state store after the last "
+                                 "batch (counted exactly, also across task retries: each bucket's call reports its "
+                                 "absolute count)", registry=self.registry)
+        self.devices.set(devices)
 
     def refresh_ages(self, now: float | None = None) -> None:
         now = time.time() if now is None else now

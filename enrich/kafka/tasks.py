@@ -70,9 +70,13 @@ log = logging.getLogger(__name__)
 
 ERROR = "_error"
 SLOW = "_slow"
-#: What a task returns to the driver: one row of counts, never an event.
-RESULT_DDL = ("slot INT, transactional_id STRING, records BIGINT, dead_letters BIGINT, skipped BOOLEAN, "
-              "redo BOOLEAN, leaked BIGINT, worker STRING, seconds DOUBLE")
+#: Optional flags of a row (``enrich.sinks.kafka.records_frame``): an event some join found no row
+#: for, and an event later than the watermark; a task counts those of the events it writes.
+UNMATCHED, LATE = "_unmatched", "_late"
+#: What a task returns to the driver: one row of counts, never an event. ``unmatched`` and ``late``
+#: count among ``records`` (the enriched events written).
+RESULT_DDL = ("slot INT, transactional_id STRING, records BIGINT, dead_letters BIGINT, unmatched BIGINT, "
+              "late BIGINT, skipped BOOLEAN, redo BOOLEAN, leaked BIGINT, worker STRING, seconds DOUBLE")
 #: Environment variable of the test hook that kills a Python worker inside its transaction (read on
 #: the driver): ``<batch id>:<slot>:<flag file>``; the worker kills itself once, and creates the file.
 KILL_HOOK = "REFSTREAM_TEST_KILL_TASK"
@@ -160,19 +164,20 @@ class TaskWriter:
             tx.close()
         log.info("batch %d slot %d (%s): %d records, %d dead letters in %.2fs", self.batch_id, slot, tx.tid,
                  tx.records, tx.dead, time.monotonic() - started)
-        yield self._result(slot, started, records=tx.records, dead=tx.dead, leaked=tx.leaked_total)
+        yield self._result(slot, started, records=tx.records, dead=tx.dead, leaked=tx.leaked_total,
+                           unmatched=tx.flagged[UNMATCHED], late=tx.flagged[LATE])
 
     def _result(self, slot: int, started: float, *, records: int = 0, dead: int = 0, skipped: bool = False,
-                redo: bool = False, leaked: int = 0) -> pa.RecordBatch:
+                redo: bool = False, leaked: int = 0, unmatched: int = 0, late: int = 0) -> pa.RecordBatch:
         return pa.RecordBatch.from_pylist([{
             "slot": slot, "transactional_id": slot_id(self.base_id, slot), "records": records,
-            "dead_letters": dead, "skipped": skipped, "redo": redo, "leaked": leaked, "worker": worker_name(),
-            "seconds": time.monotonic() - started}], schema=RESULT_SCHEMA)
+            "dead_letters": dead, "unmatched": unmatched, "late": late, "skipped": skipped, "redo": redo,
+            "leaked": leaked, "worker": worker_name(), "seconds": time.monotonic() - started}], schema=RESULT_SCHEMA)
 
 
 RESULT_SCHEMA = pa.schema([("slot", pa.int32()), ("transactional_id", pa.string()), ("records", pa.int64()),
-                          ("dead_letters", pa.int64()), ("skipped", pa.bool_()), ("redo", pa.bool_()),
-                          ("leaked", pa.int64()),
+                          ("dead_letters", pa.int64()), ("unmatched", pa.int64()), ("late", pa.int64()),
+                          ("skipped", pa.bool_()), ("redo", pa.bool_()), ("leaked", pa.int64()),
                           ("worker", pa.string()), ("seconds", pa.float64())])
 
 
@@ -190,6 +195,7 @@ class _SlotTransaction:
         self.tid = slot_id(w.base_id, slot)
         self.limit = record_limit(w.settings)
         self.records = self.dead = self.leaked_total = 0
+        self.flagged = {UNMATCHED: 0, LATE: 0}  # of the records written
         topics = [w.topic, w.dead_letter_topic]
         self.before = visible_ends(w.settings, topics)
         self.open = False
@@ -240,7 +246,10 @@ class _SlotTransaction:
         dead = to_records(bad.select(list(DEAD_COLUMNS)), self.limit) if bad.num_rows else None
         try:
             if self.leaked:
-                values, keys = self._unleaked(values, keys)
+                keep = self._unleaked(values, keys)
+                values, keys = [values[i] for i in keep], [keys[i] for i in keep]
+                good = good.take(pa.array(keep, pa.int64()))
+            flags = {f: good.column(f) for f in self.flagged if f in good.schema.names}
             produce_all(self.producer, self.w.topic, values, keys, None)
             if dead is not None:
                 dv, dk, dh = (dead.column("value").to_pylist(), dead.column("key").to_pylist(),
@@ -252,6 +261,8 @@ class _SlotTransaction:
         except KafkaException as exc:
             raise self._failed(exc) from None
         self.records += len(values)
+        for f, col in flags.items():
+            self.flagged[f] += int(pc.sum(pc.cast(col.fill_null(False), pa.int64())).as_py() or 0)
 
     def commit(self) -> None:
         w = self.w
@@ -276,9 +287,9 @@ class _SlotTransaction:
             abort(self.producer, self.w.timeout, self.w.topic)
         return err
 
-    def _unleaked(self, values: list, keys: list) -> tuple[list, list]:
-        keep = [i for i, (v, k) in enumerate(zip(values, keys, strict=True)) if not self._take(identity(k, v, None))]
-        return [values[i] for i in keep], [keys[i] for i in keep]
+    def _unleaked(self, values: list, keys: list) -> list[int]:
+        """Positions of the records not visible already from an aborted attempt."""
+        return [i for i, (v, k) in enumerate(zip(values, keys, strict=True)) if not self._take(identity(k, v, None))]
 
     def _unleaked_dead(self, values: list, keys: list, headers: list) -> tuple[list, list, list]:
         keep = [i for i, (v, k, h) in enumerate(zip(values, keys, headers, strict=True))

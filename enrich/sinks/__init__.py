@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from enrich.config import EnrichConfig
-from enrich.sinks.abc import EnrichedBatch, Sink
+from enrich.sinks.abc import Counted, EnrichedBatch, Sink
 
-__all__ = ["EnrichedBatch", "Sink", "make_sink"]
+__all__ = ["Counted", "EnrichedBatch", "Sink", "make_sink"]
 
 
 def make_sink(cfg: EnrichConfig, scope: str | None = None, transactional_id: str | None = None) -> Sink:

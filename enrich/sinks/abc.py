@@ -25,10 +25,12 @@ JSON_OPTIONS = {"ignoreNullFields": "false", "timestampFormat": "yyyy-MM-dd'T'HH
 @dataclass(frozen=True)
 class EnrichedBatch:
     """``df`` holds the output ``columns`` plus ``_error`` and the Kafka source columns, and for a
-    sink that ``reparses``, the fast parser's ``_slow`` flag (such rows hold no parsed fields)."""
+    sink that ``reparses``, the fast parser's ``_slow`` flag (such rows hold no parsed fields).
+    ``matched`` names the joins' ``_<dataset>_matched`` columns among ``columns``."""
 
     df: DataFrame
     columns: tuple[str, ...]
+    matched: tuple[str, ...] = ()
 
     def good(self) -> DataFrame:
         return self.df.filter(F.col(ERROR).isNull()).select(*[F.col(f"`{c}`") for c in self.columns])
@@ -40,6 +42,17 @@ class EnrichedBatch:
         return F.to_json(F.struct(*[F.col(f"`{c}`") for c in self.columns]), JSON_OPTIONS)
 
 
+@dataclass(frozen=True)
+class Counted:
+    """What a sink counted of the events its last :meth:`Sink.write` wrote; None: not counted by it.
+    ``unmatched`` (some join found no row) and ``late`` (``_late`` true) count among ``enriched``."""
+
+    enriched: int | None = None
+    unmatched: int | None = None
+    late: int | None = None
+    dead_letters: int | None = None
+
+
 class Sink(Protocol):
     #: True when :meth:`write` writes the dead letters itself (and returns none).
     writes_dead_letters: bool
@@ -49,6 +62,11 @@ class Sink(Protocol):
     #: After :meth:`write`: slots (partition indexes of the batch's plan) to be written again, with
     #: the same batch id, from the batch parsed by ``from_json``.
     pending: tuple[int, ...]
+    #: After :meth:`write`: what it counted of the events it wrote.
+    counted: Counted
+    #: The fields of :attr:`counted` this sink counts (``Counted`` field names); the job counts the
+    #: batch's late events and the dead letters it collects when the sink does not.
+    counts: tuple[str, ...]
 
     def write(self, batch_id: int, batch: EnrichedBatch) -> pa.Table:
         """Write the good events of ``batch`` (at most once per batch id); return its dead letters."""

@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from enrich.sinks.abc import EnrichedBatch
+from enrich.sinks.abc import Counted, EnrichedBatch
 
 
 class ConsoleSink:
     writes_dead_letters = False
+    counts: tuple[str, ...] = ()
     reparses = False  # writes through Spark: events are parsed by from_json
     pending: tuple[int, ...] = ()
+    counted = Counted()  # it shows rows, it counts none
 
     def __init__(self, rows: int = 20) -> None:
         self.rows = rows

@@ -14,6 +14,7 @@ same slots), with the same batch id.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -25,9 +26,9 @@ from pyspark.sql import functions as F
 
 from enrich.deadletter import COLUMNS as DEAD_COLUMNS
 from enrich.events import ERROR, SLOW
-from enrich.kafka.tasks import KILL_HOOK, RESULT_DDL, KillPoint, TaskWriter, summary
+from enrich.kafka.tasks import KILL_HOOK, LATE, RESULT_DDL, UNMATCHED, KillPoint, TaskWriter, summary
 from enrich.kafka.writer import MARKER_SUFFIX, committed_batch, last_marker
-from enrich.sinks.abc import EnrichedBatch
+from enrich.sinks.abc import Counted, EnrichedBatch
 from refstream.errors import TransientError
 from refstream.kafka import ensure_topic
 
@@ -41,6 +42,7 @@ class KafkaSink:
 
     writes_dead_letters = True
     reparses = True
+    counts: tuple[str, ...] = ("enriched", "unmatched", "late", "dead_letters")  # in the tasks
 
     def __init__(self, settings: Mapping[str, str], topic: str, transactional_id: str, dead_letter_topic: str,
                  scope: str | None = None) -> None:
@@ -59,10 +61,14 @@ class KafkaSink:
         self.last_results: list[dict[str, object]] = []
         #: Slots of the last batch written that are to be written again from ``from_json``'s parse.
         self.pending: tuple[int, ...] = ()
+        #: The tasks' counts of the last write: exact, each task's result row is collected once.
+        self.counted = Counted(0, 0, 0, 0)
 
     def write(self, batch_id: int, batch: EnrichedBatch) -> pa.Table:
         empty = pa.table({c: pa.array([], pa.null()) for c in DEAD_COLUMNS})
         self.pending = ()
+        self.last_results = []
+        self.counted = Counted(0, 0, 0, 0)
         if self.legacy_committed is not None and batch_id <= self.legacy_committed:
             log.info("batch %d was committed to %s before (last %d): skipped", batch_id, self.topic,
                      self.legacy_committed)
@@ -80,6 +86,8 @@ class KafkaSink:
                 raise TransientError(text[text.rindex(_TRANSIENT) + len(_TRANSIENT):].splitlines()[0]) from exc
             raise
         self.last_results = rows
+        self.counted = Counted(*(sum(int(str(r[c])) for r in rows) for c in ("records", "unmatched", "late",
+                                                                            "dead_letters")))
         self.pending = tuple(sorted(int(str(r["slot"])) for r in rows if r["redo"]))
         records, dead, skipped = summary(rows)
         log.info("batch %d: %d records and %d dead letters written by %d task(s) (%d skipped as committed, "
@@ -101,12 +109,19 @@ def records_frame(batch: EnrichedBatch) -> DataFrame:
     """The batch's output rows in event order: ``key``, ``value`` (the JSON of a good event, null
     for a dead letter) and the dead-letter columns (``_key`` and ``_value`` of dead letters only;
     the positions of every row: a dead letter made later, ``too_large``, names its source), and
-    ``_slow`` from the fast parser (those rows' values are null)."""
+    ``_slow`` from the fast parser (those rows' values are null); the flags the tasks count:
+    ``_unmatched`` when the batch has joins, ``_late`` when it has the state step's ``_late``."""
     slow = SLOW in batch.df.columns
     good = F.col(ERROR).isNull() & ~F.col(SLOW) if slow else F.col(ERROR).isNull()
     position = ("_topic", "_partition", "_offset")
+    flags = []
+    if batch.matched:
+        matched = [F.coalesce(F.col(f"`{m}`"), F.lit(False)) for m in batch.matched]
+        flags.append((~functools.reduce(lambda a, b: a & b, matched)).alias(UNMATCHED))
+    if LATE in batch.df.columns:
+        flags.append(F.coalesce(F.col(LATE), F.lit(False)).alias(LATE))
     return batch.df.select(
         F.col("_key").alias("key"),
         F.when(good, batch.json_value()).cast("binary").alias("value"),
         *[F.col(c) if c in position else F.when(F.col(ERROR).isNotNull(), F.col(c)).alias(c) for c in DEAD_COLUMNS],
-        *([F.col(SLOW)] if slow else []))
+        *([F.col(SLOW)] if slow else []), *flags)

@@ -15,8 +15,9 @@ import uuid
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 
-from enrich.sinks.abc import EnrichedBatch
+from enrich.sinks.abc import Counted, EnrichedBatch
 from refstream.atomic import fsync_dir
 
 log = logging.getLogger(__name__)
@@ -24,10 +25,12 @@ log = logging.getLogger(__name__)
 
 class ParquetSink:
     writes_dead_letters = False
+    counts: tuple[str, ...] = ("enriched",)  # from the written files' footers
     reparses = False  # writes through Spark: events are parsed by from_json
     pending: tuple[int, ...] = ()
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.counted = Counted()
         self.path = Path(path).resolve()
         self.staging = self.path / "_staging"
         self.staging.mkdir(parents=True, exist_ok=True)
@@ -37,6 +40,7 @@ class ParquetSink:
 
     def write(self, batch_id: int, batch: EnrichedBatch) -> pa.Table:
         final = self.final_dir(batch_id)
+        self.counted = Counted(enriched=0)
         if final.exists():
             log.info("batch %d: %s exists (a replay); not written again", batch_id, final)
             return batch.dead_letters()
@@ -49,6 +53,7 @@ class ParquetSink:
             df.unpersist()
         os.replace(tmp, final)
         fsync_dir(self.path)
+        self.counted = Counted(enriched=sum(pq.read_metadata(f).num_rows for f in final.glob("*.parquet")))
         for stale in self.staging.glob(f"batch_id={batch_id}-*"):
             shutil.rmtree(stale, ignore_errors=True)
         return dead

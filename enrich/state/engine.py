@@ -313,6 +313,24 @@ def _running_last(a: pa.Array, gid: np.ndarray) -> pa.Array:
     return a.take(pa.array(latest, mask=latest < 0))
 
 
+def finalize(spec: StateSpec, state: pa.Table) -> pa.StructArray:
+    """Per device of a bucket's state table, its ``state`` struct as the device's last applied event
+    carried it (``mean`` finalised from its sum and count): what ``enrich lookup --state`` prints."""
+    fields: list[pa.Array] = [state.column(EVENTS).combine_chunks(),
+                              state.column(FIRST_SEEN).combine_chunks().cast(spec.timestamp_type),
+                              state.column(LAST_SEEN).combine_chunks().cast(spec.timestamp_type)]
+    for column, aggs, _typ in spec.aggregates:
+        for agg in aggs:
+            if agg == "mean":
+                total = state.column(f"{column}_sum").combine_chunks()
+                n = state.column(f"{column}_count").combine_chunks()
+                mean = pc.divide(total, pc.cast(n, pa.float64()))
+                fields.append(pc.if_else(pc.greater(n, 0), mean, pa.scalar(None, pa.float64())))
+            else:
+                fields.append(state.column(f"{column}_{agg}").combine_chunks())
+    return pa.StructArray.from_arrays(fields, fields=list(spec.output_type()))
+
+
 def state_to_ipc(table: pa.Table) -> bytes:
     """A bucket's state table as bytes (Arrow IPC stream), the value kept in Spark's state store."""
     sink = pa.BufferOutputStream()

@@ -21,6 +21,7 @@ fields (``_state_<field>``, times in microseconds) and ``_late``; the streaming 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterator
 from typing import Any
 
@@ -28,6 +29,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
+from pyspark.accumulators import Accumulator, AccumulatorParam
 from pyspark.sql.streaming.stateful_processor import (
     ExpiredTimerInfo,
     StatefulProcessor,
@@ -48,14 +50,38 @@ BUCKET, TS_US, FLAT = "_bucket", "_ts_us", "_state_"
 LATE = "_late"
 
 
+class BucketCounts(AccumulatorParam[dict[int, int]]):
+    """An accumulator of devices per bucket: ``{bucket: devices in its state after its call}``.
+
+    Merging keeps the latest value per bucket, so updating it twice with the same value changes
+    nothing: every attempt at a bucket's call within one micro-batch (a retried task, a recomputed
+    stage) starts from the same state version with the same input and reports the same count. The
+    driver empties it before each batch and reads it after the batch's sink has written."""
+
+    def zero(self, value: dict[int, int]) -> dict[int, int]:
+        return {}
+
+    def addInPlace(self, value1: dict[int, int], value2: dict[int, int]) -> dict[int, int]:
+        value1.update(value2)
+        return value1
+
+
+def stored_spec(spec: StateSpec) -> StateSpec:
+    """The engine's spec as the processor runs it: event times as int64 microseconds in ``_ts_us``;
+    the stored bucket tables (``first_seen``, ``last_seen``) are laid out by it."""
+    return dataclasses.replace(spec, timestamp=TS_US, timestamp_type=pa.int64())
+
+
 class DeviceStateProcessor(StatefulProcessor):
     """One call per bucket and micro-batch: apply its events to its devices' state (see module doc).
 
     ``spec`` is the engine's spec with ``_ts_us`` as the timestamp; ``columns`` the event columns
-    passed through, in output order."""
+    passed through, in output order; ``devices`` an accumulator of :class:`BucketCounts` each call
+    reports its bucket's device count to."""
 
-    def __init__(self, spec: StateSpec, columns: tuple[str, ...]) -> None:
-        self.spec, self.columns = spec, columns
+    def __init__(self, spec: StateSpec, columns: tuple[str, ...],
+                 devices: Accumulator[dict[int, int]] | None = None) -> None:
+        self.spec, self.columns, self.devices = spec, columns, devices
         self._types = {spec.key: spec.key_type, spec.timestamp: pa.int64(),
                        **{c: t for c, _, t in spec.aggregates}}
 
@@ -71,7 +97,7 @@ class DeviceStateProcessor(StatefulProcessor):
         ok = pc.is_null(table.column(ERROR)).to_numpy(zero_copy_only=False)
         events = self._events(table.filter(pa.array(ok)))
         applied = engine.apply(self.spec, self._load(), events, _watermark_us(timerValues))
-        self._store(applied.state)
+        self._store(key, applied.state)
         at = np.full(table.num_rows, -1, dtype=np.int64)
         at[ok] = np.arange(int(ok.sum()))
         pick = pa.array(at, mask=at < 0)
@@ -87,7 +113,7 @@ class DeviceStateProcessor(StatefulProcessor):
     def handleExpiredTimer(self, key: Any, timerValues: TimerValues,
                            expiredTimerInfo: ExpiredTimerInfo) -> Iterator[pd.DataFrame]:
         state, dropped = engine.evict(self.spec, self._load(), _watermark_us(timerValues))
-        self._store(state)
+        self._store(key, state)
         return iter(())
 
     def close(self) -> None:
@@ -100,7 +126,9 @@ class DeviceStateProcessor(StatefulProcessor):
         assert stored is not None
         return engine.state_from_ipc(stored[0], self.spec)
 
-    def _store(self, state: pa.Table) -> None:
+    def _store(self, key: Any, state: pa.Table) -> None:
+        if self.devices is not None:
+            self.devices.add({int(key[0]): state.num_rows})
         if state.num_rows:
             self.value.update((engine.state_to_ipc(state),))
         else:

@@ -11,11 +11,10 @@ front of the processor; the processor flags late events instead, against the sam
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
-import pyarrow as pa
-from pyspark.sql import DataFrame, SparkSession
+from pyspark.accumulators import Accumulator
+from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.pandas.types import from_arrow_type, to_arrow_schema
 from pyspark.sql.types import BinaryType, BooleanType, IntegerType, StructField, StructType, TimestampType
@@ -28,7 +27,7 @@ from enrich.state.checkpoint import check_checkpoint
 from enrich.state.engine import StateSpec
 from enrich.state.packed import MAX_TS, ROWS
 from enrich.state.plan import LATE, STATE, resolve
-from enrich.state.processor import BUCKET, FLAT, TS_US, DeviceStateProcessor
+from enrich.state.processor import BUCKET, FLAT, TS_US, DeviceStateProcessor, stored_spec
 from refstream.errors import ConfigError
 
 #: Spark's state store provider for the step (set by the job; ``transformWithStateInPandas`` needs it).
@@ -37,10 +36,11 @@ PROVIDER_CONF = "spark.sql.streaming.stateStore.providerClass"
 
 
 def state_step(spark: SparkSession, cfg: EnrichConfig, raw: DataFrame, event_schema: StructType,
-               enriched: StructType, timezone: str) -> DataFrame:
+               enriched: StructType, timezone: str,
+               devices: Accumulator[dict[int, int]] | None = None) -> DataFrame:
     """The job's hook: check ``state:`` against the events and the joins' columns (``enriched``) and
     the checkpoint, set the RocksDB state store, and return the ``raw`` Kafka stream parsed and
-    through :func:`attach`."""
+    through :func:`attach` (``devices``: see there)."""
     assert cfg.state is not None
     parsed = events.parse(raw, event_schema, cfg.events.required, keep_source=True)
     spec = resolve(cfg.state, enriched, timezone=timezone, source=cfg.source)
@@ -51,13 +51,21 @@ def state_step(spark: SparkSession, cfg: EnrichConfig, raw: DataFrame, event_sch
                               "before the joins, so it can use event fields only for now (docs/state.md)")
     check_checkpoint(cfg.checkpoint, cfg.state, spec, cfg.source)
     spark.conf.set(PROVIDER_CONF, ROCKSDB)
-    return attach(parsed, cfg.state, spec, timezone=timezone)
+    return attach(parsed, cfg.state, spec, devices, timezone=timezone)
 
 
-def attach(parsed: DataFrame, cfg: StateConfig, spec: StateSpec, *, timezone: str = "UTC") -> DataFrame:
+def bucket_of(key: Column, buckets: int) -> Column:
+    """The hash bucket a device key falls in: the grouping key of the state step."""
+    return F.pmod(F.hash(key), F.lit(buckets)).cast("int")
+
+
+def attach(parsed: DataFrame, cfg: StateConfig, spec: StateSpec,
+           devices: Accumulator[dict[int, int]] | None = None, *, timezone: str = "UTC") -> DataFrame:
     """``parsed`` (``events.parse(..., keep_source=True)``) with the keyed state step applied: its
     columns, then ``state`` and ``_late``; ``_value`` is kept in dead-letter rows only, as
-    ``events.parse`` does. Rows travel through the step packed (:mod:`enrich.state.packed`)."""
+    ``events.parse`` does. Rows travel through the step packed (:mod:`enrich.state.packed`).
+    ``devices``: an accumulator of ``processor.BucketCounts`` the step reports each bucket's device
+    count to."""
     columns = tuple(parsed.columns)
     key, ts = F.col(f"`{cfg.key}`"), F.col(f"`{cfg.timestamp}`")
     error = (F.when(F.col(ERROR).isNotNull(), F.col(ERROR))
@@ -66,7 +74,7 @@ def attach(parsed: DataFrame, cfg: StateConfig, spec: StateSpec, *, timezone: st
     prepared = (parsed.withColumn(ERROR, error)
                 .withColumn("_value", F.when(F.col(ERROR).isNotNull(), F.col("_value")))
                 .withColumn(TS_US, F.unix_micros(ts))
-                .withColumn(BUCKET, F.pmod(F.hash(key), F.lit(cfg.buckets)).cast("int")))
+                .withColumn(BUCKET, bucket_of(key, cfg.buckets)))
     packed_spark = StructType([StructField(BUCKET, IntegerType(), False), StructField(MAX_TS, TimestampType(), True),
                                StructField(ROWS, BinaryType(), False)])
     packed_arrow = to_arrow_schema(packed_spark, timezone=timezone)
@@ -76,8 +84,8 @@ def attach(parsed: DataFrame, cfg: StateConfig, spec: StateSpec, *, timezone: st
                                                   packed_schema=packed_arrow), packed_spark)
             .withWatermark(MAX_TS, f"{int(cfg.watermark.total_seconds() * 1000)} milliseconds")
             .drop(MAX_TS))
-    inner = dataclasses.replace(spec, timestamp=TS_US, timestamp_type=pa.int64())
-    processor = DeviceStateProcessor(inner, columns)
+    inner = stored_spec(spec)
+    processor = DeviceStateProcessor(inner, columns, devices)
     flat_type = inner.output_type()
     in_schema = {f.name: f.dataType for f in prepared.schema.fields}
     out_schema = StructType([StructField(c, in_schema[c], True) for c in columns]

@@ -70,7 +70,9 @@ def ran(spark: SparkSession, kafka: dict[str, str], tmp_path_factory: pytest.Tem
         {"device_id": "d3", "site_id": 1, "owner": "cy"}]))
     publish(kafka, cfg.joins[1].topic, changelog(SITES, [{"site_id": 1, "site_name": "Paris"},
                                                          {"site_id": 2, "site_name": "Oslo"}]))
-    produce_events(kafka, cfg.events.topic, [*_events("d1", "d2", "zz"), b"{not json"])
+    # Two partitions: the one with the broken event is written again from from_json's parse (a
+    # second write of the batch), the other one not; the metrics count both writes.
+    produce_events(kafka, cfg.events.topic, [*_events("d1", "d2", "zz"), b"{not json"], partitions=2)
     jobs = [EnrichJob(cfg, spark, available_now=True)]
     jobs[0].run()
     first = Checkpoint(cfg.checkpoint).last_committed()
@@ -92,6 +94,9 @@ def test_the_jobs_metrics_count_what_its_batches_did(ran: Ran) -> None:
             v[0]("refstream_enrich_events_total", {"result": "dead_letter"})) == (3, 1)
     assert (v[1]("refstream_enrich_events_total", {"result": "enriched"}),
             v[1]("refstream_enrich_events_total", {"result": "dead_letter"})) == (2, 0)
+    # Unmatched: zz (no devices row), then d2 (deleted); late: none without a state step.
+    assert [(x("refstream_enrich_events_total", {"result": "unmatched"}),
+             x("refstream_enrich_events_total", {"result": "late"})) for x in v] == [(1, 0), (1, 0)]
     assert (v[0]("refstream_enrich_dimension_version", {"dataset": "devices"}),
             v[0]("refstream_enrich_dimension_rows", {"dataset": "devices"})) == (1, 3)
     assert (v[1]("refstream_enrich_dimension_version", {"dataset": "devices"}),

@@ -150,6 +150,17 @@ def test_state_round_trips_as_bytes_and_is_deterministic() -> None:
         engine.state_from_ipc(data, other)
 
 
+def test_finalize_gives_each_device_the_state_its_last_event_carried() -> None:
+    first = events([("a", 5, 1.5, 3), ("b", 1, None, 4), ("a", 1, 2.5, None)])
+    second = events([("a", 9, None, 1), ("c", 2, 4.0, None)], first_offset=3)
+    [out1, out2], _, state = run([first, second])
+    got = dict(zip(state.column(engine.KEY).to_pylist(), engine.finalize(SPEC, state).to_pylist(), strict=True))
+    # a's last event is its t=9 one (second batch), b's its only one, c's its only one.
+    assert got == {"a": out2[0], "b": out1[1], "c": out2[1]}
+    assert got["a"]["events"] == 3 and got["a"]["temperature_mean"] == 2.0 and got["b"]["temperature_mean"] is None
+    assert engine.finalize(SPEC, SPEC.empty()).to_pylist() == []
+
+
 def test_spec_refuses_min_of_a_string() -> None:
     with pytest.raises(ValueError, match="numeric"):
         StateSpec(key="k", key_type=pa.string(), timestamp="ts", ttl_us=1, aggregates=(("s", ("min",), pa.string()),))

@@ -164,8 +164,17 @@ def test_sigkill_then_restart_continues_every_device_count(kafka: dict[str, str]
     run_then_kill(config, log, lambda: committed_count(kafka, out_topic) >= 500)
     assert committed_count(kafka, out_topic) < total, "the job should have been killed mid-stream"
 
-    proc = start_job(config, log, "--available-now")
+    # The restart's first batch also loses a task: slot 0 kills its Python worker inside its
+    # transaction (test hook), and Spark runs the task again (local[2,4]), state step included.
+    from enrich.kafka.tasks import KILL_HOOK
+    from enrich.ops.checkpoint import Checkpoint
+
+    last = Checkpoint(tmp_path / "checkpoint").last_committed()
+    flag = tmp_path / "killed"
+    proc = start_job(config, log, "--available-now", master="local[2,4]",
+                     env={KILL_HOOK: f"{0 if last is None else last + 1}:0:{flag}"})
     assert proc.wait(300) == 0, log.read_text()[-3000:]
+    assert flag.exists(), "the hook did not fire"
     rows = [json.loads(m.value()) for m in read_all(kafka, out_topic)]
     got = Counter(r["n"] for r in rows)
     assert set(got) == set(range(total)) and max(got.values()) == 1, "an event lost or written twice"
@@ -175,6 +184,9 @@ def test_sigkill_then_restart_continues_every_device_count(kafka: dict[str, str]
         i = r["n"]
         assert r["state"]["events"] == i // 12 + 1, r
         assert r["state"]["n_max"] == i and r["_late"] is False
+    # The count of devices in state continues across the crash and the retried task too.
+    counts = [line.rsplit("; ", 1)[1] for line in log.read_text().splitlines() if line.endswith(" device(s) in state")]
+    assert counts and counts[-1] == "12 device(s) in state", counts[-5:]
 
 
 @pytest.mark.integration
@@ -183,14 +195,23 @@ def test_parquet_output_carries_the_state_struct(spark: SparkSession, kafka: dic
     import pyarrow.parquet as pq
 
     out = tmp_path / "out"
-    data = {**make_config(kafka, unique, tmp_path), "output": {"parquet": {"path": str(out)}}}
+    data = {**make_config(kafka, unique, tmp_path), "output": {"parquet": {"path": str(out)}}, "metrics": {"port": 0}}
     publish(kafka, data["joins"][0]["topic"], changelog(DEVICES, [{"device_id": "a", "owner": "ann"}]))
     produce_events(kafka, data["events"]["topic"], [
-        {"device_id": "a", "ts": at(0), "temp": 10.0, "n": 1}, {"device_id": "a", "ts": at(1), "temp": 20.0, "n": 2}])
-    run(spark, data)
+        {"device_id": "a", "ts": at(0), "temp": 10.0, "n": 1}, {"device_id": "a", "ts": at(1), "temp": 20.0, "n": 2},
+        {"device_id": "b", "ts": at(5), "temp": 1.0, "n": 3}, {"device_id": "b", "ts": at(0), "temp": 2.0, "n": 4},
+        {"device_id": "a", "ts": at(3), "temp": 30.0, "n": 5}])
+    job = EnrichJob(config.parse(data, "test.yaml"), spark, available_now=True)
+    job.run()
+    # The Parquet sink counts what it wrote from the files' footers; the job counts late events (n=5,
+    # at 3m, in a batch whose watermark is 5m - 1m); unmatched events are not counted with Parquet.
+    assert job.metrics is not None
+    value = job.metrics.registry.get_sample_value
+    assert [value("refstream_enrich_events_total", {"result": r}) for r in ("enriched", "late", "unmatched")] == \
+        [5, 1, None]
     rows = sorted((r for d in sorted(out.glob("batch_id=*")) for r in pq.read_table(d).to_pylist()),
                   key=lambda r: r["n"])
-    assert [(r["n"], r["owner"], r["_late"]) for r in rows] == [(1, "ann", False), (2, "ann", False)]
+    assert [(r["n"], r["owner"], r["_late"]) for r in rows][:2] == [(1, "ann", False), (2, "ann", False)]
     naive = T0.replace(tzinfo=None)   # Spark writes TIMESTAMP to Parquet as INT96 (UTC, no zone)
     assert rows[1]["state"] == {"events": 2, "first_seen": naive, "last_seen": naive + timedelta(minutes=1),
                                 "temp_last": 20.0, "temp_max": 20.0, "temp_mean": 15.0}

@@ -1,0 +1,113 @@
+"""``enrich lookup --state DEVICE``: one device's state as a committed micro-batch left it.
+
+Read from the checkpoint with Spark's state data source (``spark.read.format("statestore")``), so it
+works while the job runs and after it stopped. The state step keeps one value per hash bucket of
+devices (docs/state.md): the device's bucket is computed as the job computes it, only that bucket's
+value is taken from the scan, and its table of devices (Arrow IPC) is decoded here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from typing import Any, Literal
+from zoneinfo import ZoneInfo
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from pyspark.sql import SparkSession
+from pyspark.sql import functions as F
+
+from enrich import events
+from enrich.config import EnrichConfig
+from enrich.ops.checkpoint import Checkpoint
+from enrich.state import engine
+from enrich.state.checkpoint import RECORD, check_checkpoint
+from enrich.state.plan import resolve
+from enrich.state.processor import BUCKET, STATE_NAME, stored_spec
+from enrich.state.stream import PROVIDER_CONF, ROCKSDB, bucket_of
+from refstream.errors import ConfigError, DataError
+
+#: ``present``: the batch left state for the device; ``absent``: it never sent an event that was
+#: applied, or its state had expired (TTL) by then.
+Found = Literal["present", "absent"]
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceStateResult:
+    key: str                       # the state.key column
+    device: Any                    # the device's key, as the events' type
+    batch_id: int
+    bucket: int
+    found: Found
+    state: dict[str, Any] | None   # the fields of the events' ``state`` struct (times as ISO text)
+    expires_at: str | None         # last_seen + ttl: the watermark that drops the state
+
+    def to_json(self) -> dict[str, Any]:
+        return {"key": {self.key: self.device}, "batch_id": self.batch_id, "bucket": self.bucket,
+                "found": self.found, "state": self.state, "expires_at": self.expires_at}
+
+
+def device_state(cfg: EnrichConfig, device: str, batch_id: int | None = None, *,
+                 spark: SparkSession | None = None) -> DeviceStateResult:
+    """The state of ``device`` (its ``state.key`` value as text) after ``batch_id`` (default: the last
+    committed batch). ``spark``: a session to read with (default: the active one, else a local one)."""
+    if cfg.state is None:
+        raise ConfigError(f"{cfg.source}: no state: section, so the job keeps no device state to look up")
+    ids = Checkpoint(cfg.checkpoint).committed()
+    if batch_id is None:
+        if not ids:
+            raise DataError(f"{cfg.checkpoint}: no micro-batch has been committed yet")
+        batch_id = ids[-1]
+    elif batch_id not in ids:
+        have = f"batches {ids[0]}..{ids[-1]} are kept" if ids else "no batch is committed yet"
+        raise DataError(f"{cfg.checkpoint}: batch {batch_id} is not a committed batch in this checkpoint ({have})")
+    if not (cfg.checkpoint / RECORD).exists():
+        raise DataError(f"{cfg.checkpoint}: the job ran without state: on this checkpoint; it keeps no device state")
+    spark = spark or SparkSession.getActiveSession() or session(cfg)  # Spark parses events.schema
+    schema = events.event_schema(cfg.events.schema, cfg.events.required, cfg.source)
+    timezone = cfg.spark_conf.get("spark.sql.session.timeZone", "UTC")
+    spec = resolve(cfg.state, schema, timezone=timezone, source=cfg.source)
+    check_checkpoint(cfg.checkpoint, cfg.state, spec, cfg.source)  # the record exists: compares only
+    stored = stored_spec(spec)
+
+    key_type = schema[cfg.state.key].dataType
+    typed = F.lit(device).try_cast(key_type)
+    key, bucket = spark.range(1).select(typed, bucket_of(typed, cfg.state.buckets)).first()  # type: ignore[misc]
+    if key is None:
+        raise ConfigError(f"device {device!r} is not a {key_type.simpleString()} (the type of state.key "
+                          f"{cfg.state.key})")
+    values = (spark.read.format("statestore").option("path", str((cfg.checkpoint / "spark").resolve()))
+              .option("batchId", batch_id).option("stateVarName", STATE_NAME).load()
+              .filter(F.col(f"key.{BUCKET}") == bucket).select("value.table").collect())
+    found: dict[str, Any] | None = None
+    if values:
+        table = engine.state_from_ipc(values[0][0], stored)
+        hit = table.filter(pc.equal(table.column(engine.KEY), pa.scalar(key, spec.key_type)))
+        if hit.num_rows:
+            found = engine.finalize(stored, hit).to_pylist()[0]
+    if found is None:
+        return DeviceStateResult(key=cfg.state.key, device=key, batch_id=batch_id, bucket=bucket, found="absent",
+                                 state=None, expires_at=None)
+    zone = ZoneInfo(timezone)
+    expires = found["last_seen"] + spec.ttl_us
+    for name in ("first_seen", "last_seen"):
+        found[name] = _iso(found[name], zone)
+    return DeviceStateResult(key=cfg.state.key, device=key, batch_id=batch_id, bucket=bucket, found="present",
+                             state=found, expires_at=_iso(expires, zone))
+
+
+def _iso(micros: int, zone: ZoneInfo) -> str:
+    """Event time as the Kafka sink's JSON writes it (``...T00:02:00.000000Z``)."""
+    text = (_EPOCH + timedelta(microseconds=micros)).astimezone(zone).isoformat(timespec="microseconds")
+    return text[:-6] + "Z" if text.endswith("+00:00") else text
+
+
+def session(cfg: EnrichConfig) -> SparkSession:
+    """A small local Spark session for reading the checkpoint's state."""
+    from enrich.session import build_session
+
+    conf = {"spark.sql.session.timeZone": cfg.spark_conf.get("spark.sql.session.timeZone", "UTC"),
+            PROVIDER_CONF: ROCKSDB, "spark.ui.showConsoleProgress": "false"}
+    return build_session("local[1]", "refstream-lookup", conf)
