@@ -152,14 +152,18 @@ def convert(dataset: str, table: pa.Table, columns: Sequence[Column], key: str |
         batches = [b for b in table.to_batches() if b.num_rows]
         batches.sort(key=lambda b: b.column(key)[0].as_py())
         table = pa.Table.from_batches(batches, schema=table.schema) if batches else table
+        del batches
     arrays = []
     for c in columns:
         col = table.column(c.name)
+        # Each of ConnectorX's columns is let go once converted: the caller passes the only reference.
+        table = table.drop_columns([c.name])
         if c.text:
             conv = TextConverter(dataset, c.name, c.type)
             chunks = [conv(chunk.cast(pa.string())) for chunk in col.chunks]
         else:
             chunks = [_cast(dataset, c, chunk) for chunk in col.chunks]
+        del col
         arrays.append(pa.chunked_array(chunks, c.type))
     return pa.Table.from_arrays(arrays, names=[c.name for c in columns])
 

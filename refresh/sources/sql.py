@@ -231,14 +231,13 @@ class SqlSource(IncrementalSource):
             where = f"{self._q(column)} >= {pymysql.converters.escape_item(low, 'utf8mb4')}"
         sql = mysql_cx.select(columns, self._q, source, tag, where)
         try:
-            raw = self._cx_read(sql, tag, None if key is None else (key, self.cfg.read_partitions))
-            table = mysql_cx.convert(self.dataset, raw, columns, key)
+            table = mysql_cx.convert(self.dataset, self._cx_read(sql, tag, None if key is None else (
+                key, self.cfg.read_partitions)), columns, key)
         except mysql_cx.Unreadable as exc:
             log.warning("dataset %s: connectorx cannot read this table exactly (%s); reading with PyMySQL",
                         self.dataset, exc)
             yield from self._driver_stream(column, low)
             return
-        del raw
         batches = table.to_batches(max_chunksize=self.cfg.chunk_rows)
         if not batches:
             batches = [pa.RecordBatch.from_arrays([pa.array([], c.type) for c in columns],
