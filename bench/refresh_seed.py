@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from refresh.config import load_config
@@ -23,7 +23,7 @@ from refresh.runner import Refresher
 class _Unpublished(Publisher):
     """Accepts change sets without producing them (the messages are never even encoded)."""
 
-    def prepare(self, topic: str, partitions: int = 1) -> list[int]:
+    def prepare(self, topic: str, partitions: int = 1, config: Mapping[str, str] | None = None) -> list[int]:
         return list(range(partitions))
 
     def publish(self, topic: str, messages: Iterable[Any], **_: Any) -> int:
