@@ -66,7 +66,7 @@ class SqlSource(IncrementalSource):
         self._session = ""        # the SET statement every MySQL session runs first
         # ConnectorX reads: the URL, the tag naming the running read's statements (interrupt), and
         # the event telling the waiting thread to give the read up.
-        self._cx_url = self._connectorx_url(url) if self._pymysql else None
+        self._cx_url = self._connectorx_url(url) if self.dialect == "mysql" else None
         self._cx_tag: str | None = None
         self._cx_abandon = threading.Event()
 
@@ -79,6 +79,8 @@ class SqlSource(IncrementalSource):
                                        dict(url.query))
         if not mysql_cx.available():
             cx_url, why = None, "connectorx is not installed"
+        elif not self._pymysql:  # the column types come from PyMySQL's result metadata
+            cx_url, why = None, "the URL's driver is not PyMySQL (mysql+pymysql://)"
         if cx_url is None:
             if reader == "connectorx":
                 raise TerminalError(f"dataset {self.dataset}: reader connectorx cannot read "
