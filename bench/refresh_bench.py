@@ -1,6 +1,6 @@
 """Refresher benchmark: a full ``refresh run`` in diff mode against the time to only read the table.
 
-    .venv/bin/python -m bench.refresh_bench [--rows 1000000] [--repeat 3] [--change 0.01]
+    .venv/bin/python -m bench.refresh_bench [--rows 1000000] [--repeat 3] [--change 0.01] [--reader auto]
 
 1. Loads a ``--rows`` MariaDB table of 10 mixed-type columns (:mod:`bench.refresh_data`) and starts
    the embedded broker.
@@ -10,7 +10,7 @@
 3. ``--repeat`` times: change ``--change`` of the rows (80% updates, 10% inserts, 10% deletes), then in
    separate processes, in alternating order: ``python -m refresh run`` (read, diff, publish, commit)
    and ``python -m bench.refresh_read`` (only read the table into Arrow with the same source class
-   and driver). Wall time and peak RSS (``wait4`` rusage of that process) of each; the change counts
+   and reader, ``--reader``). Wall time and peak RSS (``wait4`` rusage of that process) of each; the change counts
    the run reports are checked against the changes made.
 4. Reads the topic back once and checks that every run published exactly what it reported.
 
@@ -53,6 +53,8 @@ class Proc:
     stdout: str
     internal: float | None = None  # seconds the process itself reports for its work
     load_avg: float = 0.0  # 1-minute load average when it finished (other work on the machine)
+    loads: tuple[float, ...] = ()  # the 1, 5 and 15-minute load averages then (`uptime`)
+    cpu: float = 0.0  # CPU seconds of the process, all threads (less sensitive to a loaded machine)
 
 
 def measure(what: str, cmd: list[str], log_path: Path) -> Proc:
@@ -64,8 +66,9 @@ def measure(what: str, cmd: list[str], log_path: Path) -> Proc:
         _, status, usage = os.wait4(p.pid, 0)
         p.returncode = os.waitstatus_to_exitcode(status)
     wall = time.monotonic() - t0
+    loads = tuple(round(x, 2) for x in os.getloadavg())
     return Proc(what, round(wall, 3), round(usage.ru_maxrss / 1024, 1), p.returncode, out.decode(),
-                load_avg=round(os.getloadavg()[0], 2))
+                load_avg=loads[0], loads=loads, cpu=round(usage.ru_utime + usage.ru_stime, 3))
 
 
 def refresh_run(cfg: Path, logs: Path, *, full: bool = False) -> Proc:
@@ -122,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-verify", action="store_true", help="skip reading the topic back")
     ap.add_argument("--bootstrap", choices=("publish", "state"), default="publish",
                     help="first run: publish every row, or only commit the state (large tables)")
+    ap.add_argument("--reader", choices=("auto", "connectorx", "pymysql"), default="auto",
+                    help="the source's reader (auto: ConnectorX where it can)")
     ap.add_argument("--json", type=Path, help="write raw figures here")
     args = ap.parse_args(argv)
     setup_logging()
@@ -147,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
     logs = work / "children.log"
     topic = f"bench.items.{uuid.uuid4().hex[:8]}"
     results: dict[str, Any] = {"rows": args.rows, "change": args.change, "repeat": args.repeat,
-                               "load_seconds": load_seconds, "rounds": []}
+                               "reader": args.reader, "load_seconds": load_seconds, "rounds": []}
     with EmbeddedBroker(log_path=work / "broker.log") as broker:
         kafka = {"bootstrap.servers": broker.bootstrap}
         cfg = work / "refresh.yaml"
@@ -156,7 +161,8 @@ def main(argv: list[str] | None = None) -> int:
             f"state_dir: {work / 'state'}\n"
             "datasets:\n"
             "  items:\n"
-            f"    source: {{url: \"{args.mysql}/{args.database}?charset=utf8mb4\", table: {table}}}\n"
+            f"    source: {{url: \"{args.mysql}/{args.database}?charset=utf8mb4\", table: {table}, "
+            f"reader: {args.reader}}}\n"
             "    key: [id]\n"
             "    mode: diff\n"
             f"    topic: {topic}\n")
@@ -216,6 +222,7 @@ def summarise(results: dict[str, Any]) -> dict[str, Any]:
         "run_wall": run_wall, "run_rss_mb": max(r["run"]["rss_mb"] for r in rounds),
         "read_wall": read_wall, "read_rss_mb": max(r["read"]["rss_mb"] for r in rounds),
         "run_internal": run_int, "read_internal": read_int,
+        "run_cpu": med(r["run"].get("cpu", 0.0) for r in rounds), "read_cpu": med(r["read"].get("cpu", 0.0) for r in rounds),
         "ratio_wall": run_wall / read_wall, "ratio_internal": run_int / read_int,
         "ratios_wall": [r["run"]["wall"] / r["read"]["wall"] for r in rounds],
         "load_avg": med(r[k]["load_avg"] for r in rounds for k in ("run", "read")),
@@ -244,27 +251,31 @@ def machine() -> dict[str, Any]:
 def markdown(results: dict[str, Any], s: dict[str, Any]) -> str:
     b = results["bootstrap"]
     lines = [
-        f"rows: {results['rows']:,}; changed per round: {s['changes']:,.0f} "
+        f"rows: {results['rows']:,}; reader: {results.get('reader', 'auto')}; changed per round: {s['changes']:,.0f} "
         f"({results['change']:.1%}); rounds: {len(results['rounds'])} (medians; peak RSS = max)",
         "",
-        "| measurement | wall time | peak RSS | time inside the process |",
-        "|---|---|---|---|",
+        "| measurement | wall time | peak RSS | time inside the process | CPU of the process |",
+        "|---|---|---|---|---|",
         f"| `refresh run`, diff mode, {results['change']:.0%} changed | {s['run_wall']:.2f} s | "
-        f"{s['run_rss_mb']:.0f} MB | {s['run_internal']:.2f} s |",
-        f"| read the table into Arrow only (same driver) | {s['read_wall']:.2f} s | {s['read_rss_mb']:.0f} MB | "
-        f"{s['read_internal']:.2f} s |",
+        f"{s['run_rss_mb']:.0f} MB | {s['run_internal']:.2f} s | {s['run_cpu']:.2f} s |",
+        f"| read the table into Arrow only (same reader) | {s['read_wall']:.2f} s | {s['read_rss_mb']:.0f} MB | "
+        f"{s['read_internal']:.2f} s | {s['read_cpu']:.2f} s |",
         (f"| bootstrap `refresh run` (publishes every row), once | {b['wall']:.2f} s | {b['rss_mb']:.0f} MB | "
-         f"{b['internal']:.2f} s |" if b.get("mode", "publish") == "publish" else
+         f"{b['internal']:.2f} s | {b.get('cpu', 0.0):.2f} s |" if b.get("mode", "publish") == "publish" else
          f"| bootstrap: first state committed, nothing published, once | {b['wall']:.2f} s | "
-         f"{b['rss_mb']:.0f} MB | {b['internal']:.2f} s |"),
+         f"{b['rss_mb']:.0f} MB | {b['internal']:.2f} s | {b.get('cpu', 0.0):.2f} s |"),
         "",
         f"run / read ratio: {s['ratio_wall']:.2f} (wall; per round "
         f"{', '.join(f'{r:.2f}' for r in s['ratios_wall'])}), {s['ratio_internal']:.2f} (inside the processes)",
     ]
     if s["phases"]:
         lines.append("inside the run (median s): " + ", ".join(f"{k} {v:.2f}" for k, v in s["phases"].items()))
+    if b.get("run", {}).get("phases"):
+        lines.append("inside the bootstrap (s): " + ", ".join(f"{k} {v:.2f}" for k, v in b["run"]["phases"].items()))
     lines.append(f"1-minute load average during the timed runs (median): {s['load_avg']:.1f} "
-                 f"on {os.cpu_count()} cores")
+                 f"on {os.cpu_count()} cores; load averages (1/5/15 min) after the bootstrap "
+                 f"{'/'.join(f'{x:.1f}' for x in b.get('loads', ()))}, after each round's run "
+                 + "; ".join("/".join(f"{x:.1f}" for x in r["run"].get("loads", ())) for r in results["rounds"]))
     if results.get("load_seconds") is not None:
         lines.append(f"table load (LOAD DATA LOCAL INFILE): {results['load_seconds']:.1f} s")
     return "\n".join(lines)

@@ -1,7 +1,7 @@
 """Seed a dataset's committed state without publishing it (large refresher benchmarks).
 
 ``python -m bench.refresh_seed --config CFG DATASET`` runs one ordinary ``refresh run`` of DATASET
-(read, check, diff, commit) whose publisher acknowledges nothing and sends nothing: the state then
+(read, check, diff, commit) whose publisher creates the topic but sends nothing: the state then
 holds the table's snapshot as if it had been published, so the next run diffs against it. Publishing
 every row first would only measure the bootstrap, which at 10M rows takes longer than the benchmark.
 Prints one JSON line: rows, seconds.
@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from refresh.config import load_config
@@ -21,10 +21,13 @@ from refresh.runner import Refresher
 
 
 class _Unpublished(Publisher):
-    """Accepts change sets without producing them (the messages are never even encoded)."""
+    """Creates the topic and accepts change sets without producing them (the messages are never
+    even encoded)."""
 
-    def prepare(self, topic: str, partitions: int = 1) -> list[int]:
-        return list(range(partitions))
+    def prepare(self, topic: str, partitions: int = 1, config: Mapping[str, str] | None = None) -> list[int]:
+        # The topic is created (empty): the state records its end offsets, and the next run, finding
+        # it, diffs instead of republishing a dataset whose topic is missing.
+        return super().prepare(topic, partitions, config)
 
     def publish(self, topic: str, messages: Iterable[Any], **_: Any) -> int:
         return 0

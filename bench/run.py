@@ -3,6 +3,7 @@
     python -m bench.run refresh [options of bench.refresh_bench]
     python -m bench.run enrich  [options of bench.enrich_bench]
     python -m bench.run encode  [options of bench.encode_bench]
+    python -m bench.run readers [options of bench.refresh_readers]
     python -m bench.run soak    [options of bench.soak]
     python -m bench.run state_ops [options of bench.state_ops]
     python -m bench.run state_profile [options of bench.state_profile]
@@ -20,6 +21,7 @@ BENCHMARKS = {
     "refresh": ("bench.refresh_bench", "refresher: full diff-mode `refresh run` vs. reading the table"),
     "enrich": ("bench.enrich_bench", "enrichment job: throughput, latency and memory"),
     "encode": ("bench.encode_bench", "refresher: change rows to contract JSON, bulk vs row-wise encoders"),
+    "readers": ("bench.refresh_readers", "refresher: a MariaDB table read by PyMySQL vs ConnectorX"),
     "soak": ("bench.soak", "reliability: the topology under reference churn and SIGKILLs, then an accounting"),
     "state_profile": ("bench.state_profile", "the state step against the same parse without it, optionally py-spy"),
     "state_ops": ("bench.state_ops", "state store: per-key MapState calls vs one Arrow blob per group, per key"),

@@ -24,6 +24,9 @@ Mode = Literal["diff", "incremental"]
 #: What a source reads: a SQL table or query, or files.
 SourceKind = Literal["sql", "files"]
 FileFormat = Literal["csv", "jsonl", "parquet"]
+#: What reads a MySQL/MariaDB source: ConnectorX (Arrow-native, Rust) or PyMySQL; ``auto`` takes
+#: ConnectorX where it can read the URL and every column exactly, PyMySQL otherwise.
+SqlReader = Literal["auto", "connectorx", "pymysql"]
 _EXT_FORMATS: dict[str, FileFormat] = {".csv": "csv", ".jsonl": "jsonl", ".json": "jsonl", ".ndjson": "jsonl",
                                        ".parquet": "parquet", ".pq": "parquet"}
 
@@ -53,9 +56,18 @@ class SqlSourceConfig:
     connect_timeout: timedelta | None = timedelta(seconds=10)
     read_timeout: timedelta | None = timedelta(minutes=10)
     statement_timeout: timedelta | None = timedelta(hours=1)
+    # MySQL/MariaDB only (:data:`SqlReader`). ``read_partitions`` > 1: ConnectorX reads a table in that
+    # many key ranges at once, on connections of their own (a single-column integer primary key).
+    reader: SqlReader = "auto"
+    read_partitions: int = 1
 
     def describe(self) -> str:
         return f"{redact_url(self.url)} {'table ' + self.table if self.table else 'query'}"
+
+
+def is_mysql_url(url: str) -> bool:
+    """Whether a SQLAlchemy URL is a MySQL/MariaDB one (``mysql+pymysql://``, ``mariadb://``...)."""
+    return url.split(":", 1)[0].split("+", 1)[0].lower() in ("mysql", "mariadb")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -261,8 +273,18 @@ def _source(sec: Section) -> SourceConfig:
         d = SqlSourceConfig(url=url)
         timeouts = {f"{name}_timeout": _optional_duration(sec, f"{name}_timeout", getattr(d, f"{name}_timeout"))
                     for name in ("connect", "read", "statement")}
+        reader: SqlReader = sec.choice("reader", SqlReader, d.reader)
+        if reader != "auto" and not is_mysql_url(url):
+            raise sec.error(f"{reader!r} reads MySQL/MariaDB URLs only; leave it out (auto) for this URL", "reader")
+        read_partitions = sec.get("read_partitions", int, d.read_partitions)
+        if read_partitions < 1:
+            raise sec.error("must be at least 1", "read_partitions")
+        if read_partitions > 1 and (reader == "pymysql" or table is None or not is_mysql_url(url)):
+            raise sec.error("more than 1 needs a MySQL/MariaDB table: (not a query) read by connectorx",
+                            "read_partitions")
         sec.done()
-        return SqlSourceConfig(url=url, table=table, query=query, chunk_rows=chunk, **timeouts)
+        return SqlSourceConfig(url=url, table=table, query=query, chunk_rows=chunk, reader=reader,
+                               read_partitions=read_partitions, **timeouts)
     if sec.has("path"):
         path = sec.get("path", str)
         fmt: FileFormat | None = sec.choice("format", FileFormat, None)

@@ -4,7 +4,9 @@ The rows are streamed with a server-side cursor (PyMySQL ``SSCursor``, a psycopg
 converted ``chunk_rows`` at a time into Arrow arrays, so at most one chunk of Python tuples exists at
 once. Column types come from the driver's result metadata (:mod:`refresh.sources.sqltypes`). With
 PyMySQL the values are read as the text MySQL sent and cast per column, by the fast reader
-(:mod:`refresh.sources.mysql_fast`) when the connection speaks UTF-8.
+(:mod:`refresh.sources.mysql_fast`) when the connection speaks UTF-8. MySQL/MariaDB sources are read
+by ConnectorX instead where it can read the URL and every column exactly (``reader``,
+:mod:`refresh.sources.mysql_cx`): the same table, without a Python step per row.
 
 Every session reads in UTC (MySQL/MariaDB ``time_zone``, PostgreSQL ``TimeZone``): ``TIMESTAMP``
 columns and the database clock give the same instants whatever the server's or the URL's time zone
@@ -20,6 +22,7 @@ import logging
 import math
 import sqlite3
 import threading
+import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
@@ -28,6 +31,7 @@ import sqlalchemy as sa
 from sqlalchemy.pool import NullPool
 
 from refresh.config import SqlSourceConfig
+from refresh.sources import mysql_cx
 from refresh.sources.abc import IncrementalSource
 from refresh.sources.mysql_fast import ColumnReader, Columns
 from refresh.sources.sqltypes import TextConverter, fits, mysql_type, pg_type, unify, value_fixer
@@ -59,6 +63,35 @@ class SqlSource(IncrementalSource):
             sa.event.listen(self.engine, "connect", self._mysql_session)
         self._lock = threading.Lock()
         self._active: Any = None  # the DBAPI connection of the read in progress
+        self._session = ""        # the SET statement every MySQL session runs first
+        # ConnectorX reads: the URL, the tag naming the running read's statements (interrupt), and
+        # the event telling the waiting thread to give the read up.
+        self._cx_url = self._connectorx_url(url) if self.dialect == "mysql" else None
+        self._cx_tag: str | None = None
+        self._cx_abandon = threading.Event()
+
+    def _connectorx_url(self, url: sa.URL) -> str | None:
+        """ConnectorX's URL when this source reads with it (``reader``), else None."""
+        reader = self.cfg.reader
+        if reader == "pymysql":
+            return None
+        cx_url, why = mysql_cx.url_for(url.host, url.port, url.username, url.password, url.database,
+                                       dict(url.query))
+        if not mysql_cx.available():
+            cx_url, why = None, "connectorx is not installed"
+        elif not self._pymysql:  # the column types come from PyMySQL's result metadata
+            cx_url, why = None, "the URL's driver is not PyMySQL (mysql+pymysql://)"
+        if cx_url is None:
+            if reader == "connectorx":
+                raise TerminalError(f"dataset {self.dataset}: reader connectorx cannot read "
+                                    f"{self.cfg.describe()}: {why}; use reader: pymysql (or auto)")
+            log.info("dataset %s: reading with PyMySQL (connectorx cannot: %s)", self.dataset, why)
+        return cx_url
+
+    @property
+    def reader(self) -> str:
+        """What reads this source: ``connectorx`` or the SQLAlchemy driver's name."""
+        return "connectorx" if self._cx_url is not None else self.engine.dialect.driver
 
     def _mysql_session(self, dbapi_conn: Any, _record: Any) -> None:
         """UTC and the statement timeout for every MySQL/MariaDB session (after the URL's own
@@ -78,9 +111,10 @@ class SqlSource(IncrementalSource):
                             else f"SESSION max_execution_time = {max(1, round(secs * 1000))}")
             # Metadata-lock waits (a table under LOCK TABLES or DDL) end just after the statement limit.
             settings.append(f"SESSION lock_wait_timeout = {math.ceil(secs) + 1}")
+        self._session = "SET " + ", ".join(settings)  # ConnectorX's sessions run it too
         cur = dbapi_conn.cursor()
         try:
-            cur.execute("SET " + ", ".join(settings))
+            cur.execute(self._session)
         finally:
             cur.close()
 
@@ -103,9 +137,14 @@ class SqlSource(IncrementalSource):
         return f"SELECT * FROM ({self._base()}) AS refresh_src WHERE {self._q(column)} >= :low"
 
     def batches(self) -> Iterator[pa.RecordBatch]:
-        return self._stream(self._base(), {})
+        return self.batches_since("", None)
 
     def batches_since(self, column: str, low: Any) -> Iterator[pa.RecordBatch]:
+        if self._cx_url is not None:
+            return self._cx_stream(column, low)
+        return self._driver_stream(column, low)
+
+    def _driver_stream(self, column: str, low: Any) -> Iterator[pa.RecordBatch]:
         if low is None:
             return self._stream(self._base(), {})
         return self._stream(self._since_sql(column), {"low": low})
@@ -131,7 +170,10 @@ class SqlSource(IncrementalSource):
         """Abort the read in progress from another thread (a stop request): the blocked call fails
         at once, and the server stops the statement (MySQL ``KILL``, PostgreSQL cancel)."""
         with self._lock:
-            conn = self._active
+            conn, tag = self._active, self._cx_tag
+        if tag is not None:
+            self._cx_abandon.set()
+            self._kill_tagged(tag)
         if conn is None:
             return
         try:
@@ -149,9 +191,136 @@ class SqlSource(IncrementalSource):
         except Exception as exc:  # noqa: BLE001 - best effort: the connection may be gone already
             log.debug("dataset %s: interrupting the read: %s", self.dataset, exc)
 
+    def _kill_tagged(self, tag: str) -> None:
+        """KILL the server connections running a statement that names ``tag`` (a ConnectorX read's)."""
+        try:
+            with self.engine.connect() as killer:
+                ids = killer.exec_driver_sql(
+                    "SELECT id FROM information_schema.processlist WHERE INSTR(info, %s) > 0 "
+                    "AND id <> CONNECTION_ID()", (tag,)).scalars().all()
+                for thread_id in ids:
+                    killer.exec_driver_sql(f"KILL {int(thread_id)}")
+        except Exception as exc:  # noqa: BLE001 - best effort: the statements may be gone already
+            log.debug("dataset %s: killing the connectorx read: %s", self.dataset, exc)
+
     # ---------------------------------------------------------------------------------- errors
     def _errors(self, what: str) -> Any:
         return _ErrorMap(self, what)
+
+    # ------------------------------------------------------------------------------- connectorx
+    def _cx_stream(self, column: str, low: Any) -> Iterator[pa.RecordBatch]:
+        """The read by ConnectorX: the column types from a PyMySQL query for no rows, then one
+        ConnectorX read (the rows as the PyMySQL path would type them), handed out in chunks. A
+        column or value ConnectorX cannot read exactly makes it read with PyMySQL (logged)."""
+        fields = self._describe()
+        try:
+            columns = mysql_cx.plan(fields)
+        except mysql_cx.Unreadable as exc:
+            log.warning("dataset %s: connectorx cannot read %s exactly; reading with PyMySQL",
+                        self.dataset, exc)
+            yield from self._driver_stream(column, low)
+            return
+        key = mysql_cx.partition_key(fields) if self.cfg.read_partitions > 1 else None
+        if self.cfg.read_partitions > 1 and key is None:
+            log.info("dataset %s: read in one partition (read_partitions needs a primary key of one "
+                     "integer column)", self.dataset)
+        tag = f"refresh_cx_{uuid.uuid4().hex[:12]}"
+        source = self._q(self.cfg.table) if self.cfg.table else f"({self._base()})"
+        where = None
+        if low is not None:
+            import pymysql.converters
+
+            where = f"{self._q(column)} >= {pymysql.converters.escape_item(low, 'utf8mb4')}"
+        sql = mysql_cx.select(columns, self._q, source, tag, where)
+        try:
+            table = mysql_cx.convert(self.dataset, self._cx_read(sql, tag, None if key is None else (
+                key, self.cfg.read_partitions)), columns, key)
+        except mysql_cx.Unreadable as exc:
+            log.warning("dataset %s: connectorx cannot read this table exactly (%s); reading with PyMySQL",
+                        self.dataset, exc)
+            yield from self._driver_stream(column, low)
+            return
+        batches = table.to_batches(max_chunksize=self.cfg.chunk_rows)
+        if not batches:
+            batches = [pa.RecordBatch.from_arrays([pa.array([], c.type) for c in columns],
+                                                  names=[c.name for c in columns])]
+        yield from batches
+
+    def _describe(self) -> list[Any]:
+        """PyMySQL's field descriptors of the read's result (a query for no rows), which also checks
+        the table or query, bounded by the connect and read timeouts and interruptible."""
+        base = self._q(self.cfg.table) if self.cfg.table else f"({self._base()}) AS refresh_src"
+        with self._errors("query"):
+            raw = self.engine.raw_connection()
+        ok = False
+        driver = raw.driver_connection
+        assert driver is not None
+        with self._lock:
+            self._active = driver
+        try:
+            with self._errors("query"):
+                cur = driver.cursor()
+                cur.execute(f"SELECT * FROM {base} LIMIT 0")
+                fields = compat.pymysql_fields(cur)
+                cur.close()
+            ok = True
+            return fields
+        finally:
+            with self._lock:
+                self._active = None
+            try:
+                raw.close() if ok else raw.invalidate()
+            except Exception:  # noqa: BLE001 - closing a broken connection may fail too
+                log.debug("closing the connection failed", exc_info=True)
+
+    def _cx_read(self, sql: str, tag: str, partition: tuple[str, int] | None) -> pa.Table:
+        """Run ConnectorX in a thread of its own and wait for it: :meth:`interrupt` kills its
+        statements on the server and gives the wait up at once, even when the server cannot be
+        reached to kill them (the thread then ends with its connection)."""
+        out: dict[str, Any] = {}
+        done = threading.Event()
+
+        def work() -> None:
+            try:
+                out["table"] = mysql_cx.read(self._cx_url or "", sql, [self._session] if self._session else [],
+                                             partition)
+            except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
+                out["error"] = exc
+            finally:
+                done.set()
+
+        with self._lock:
+            self._cx_tag = tag
+            self._cx_abandon.clear()
+        worker = threading.Thread(target=work, name=f"connectorx-{self.dataset}", daemon=True)
+        worker.start()
+        try:
+            while not done.wait(0.1):
+                if self._cx_abandon.is_set():
+                    raise TransientError(f"dataset {self.dataset}: read on {self.describe()} interrupted")
+        finally:
+            with self._lock:
+                self._cx_tag = None
+        exc = out.get("error")
+        if exc is None:
+            return out["table"]
+        if isinstance(exc, mysql_cx.Unreadable) or not isinstance(exc, Exception):
+            raise exc
+        raise self._cx_error(exc) from exc
+
+    def _cx_error(self, exc: Exception) -> Exception:
+        """ConnectorX's error as the PyMySQL path would raise it: a statement timeout or a server
+        error that no retry fixes is terminal, a connection error transient."""
+        code = mysql_cx.server_error(exc)
+        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        limit = self.cfg.statement_timeout
+        if limit is not None and code in (1969, 3024):
+            return TerminalError(f"dataset {self.dataset}: read on {self.describe()} timed out after "
+                                 f"statement_timeout {limit.total_seconds():g}s (a locked table?): {msg}")
+        where = f"dataset {self.dataset}: read on {self.describe()} failed"
+        if code is not None and code < 2000 and code not in _MYSQL_TRANSIENT:
+            return TerminalError(f"{where}: {msg}")
+        return TransientError(f"{where}: {msg}")
 
     # ---------------------------------------------------------------------------------- reading
     def _stream(self, sql: str, params: dict[str, Any]) -> Iterator[pa.RecordBatch]:

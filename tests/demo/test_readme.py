@@ -200,7 +200,8 @@ def test_readme_defaults_are_the_loaders_defaults(tmp_path: Path, monkeypatch: p
         ".max_delete_fraction": d.max_delete_fraction, ".source.stable_for": f.stable_for,
         ".source.stable_timeout": f.stable_timeout, ".incremental.numeric_lag": i.incremental.numeric_lag,
         ".source.connect_timeout": d.source.connect_timeout, ".source.read_timeout": d.source.read_timeout,
-        ".source.statement_timeout": d.source.statement_timeout,
+        ".source.statement_timeout": d.source.statement_timeout, ".source.reader": d.source.reader,
+        ".source.read_partitions": d.source.read_partitions,
     }
     e = tmp_path / "enrich.yaml"
     e.write_text('kafka: {bootstrap_servers: "127.0.0.1:9"}\nevents: {topic: ev, schema: "a STRING"}\n'

@@ -83,7 +83,27 @@ def test_sql_timeouts_default_and_turn_off(tmp_path: Path) -> None:
         timedelta(seconds=2), timedelta(seconds=90), None)
 
 
+def test_sql_reader_defaults_to_auto_and_is_checked(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, "  a:\n    source: {url: 'mysql+pymysql://h/db', table: t}\n    key: [id]\n"
+                                      "  b:\n    source: {url: 'mariadb+pymysql://h/db', table: t, reader: pymysql}\n"
+                                      "    key: [id]\n"
+                                      "  c:\n    source: {url: 'mysql://h/db', table: t, reader: connectorx, "
+                                      "read_partitions: 4}\n    key: [id]\n"))
+    a, b, c = (cfg.datasets[n].source for n in "abc")
+    assert isinstance(a, SqlSourceConfig) and isinstance(b, SqlSourceConfig) and isinstance(c, SqlSourceConfig)
+    assert (a.reader, a.read_partitions, b.reader, c.reader, c.read_partitions) == (
+        "auto", 1, "pymysql", "connectorx", 4)
+
+
 @pytest.mark.parametrize(("datasets", "error"), [
+    ("  d:\n    source: {url: 'mysql://h/db', table: t, reader: fast}\n    key: [id]\n",
+     "datasets.d.source.reader: 'fast' is not one of auto, connectorx, pymysql"),
+    ("  d:\n    source: {url: 'sqlite://', table: t, reader: connectorx}\n    key: [id]\n",
+     "datasets.d.source.reader: 'connectorx' reads MySQL/MariaDB URLs only"),
+    ("  d:\n    source: {url: 'mysql://h/db', query: 'SELECT 1', read_partitions: 2}\n    key: [id]\n",
+     "datasets.d.source.read_partitions: more than 1 needs a MySQL/MariaDB table"),
+    ("  d:\n    source: {url: 'mysql://h/db', table: t, read_partitions: 0}\n    key: [id]\n",
+     "datasets.d.source.read_partitions: must be at least 1"),
     ("  d:\n    source: {path: a.csv}\n    key: [id]\n    mode: incremental\n",
      "datasets.d.mode: incremental mode needs a SQL source"),
     ("  d:\n    source: {url: 'sqlite://', table: t}\n    key: [id]\n    mode: incremental\n",

@@ -28,7 +28,7 @@ def _read(url: str, *, fast: bool, monkeypatch: pytest.MonkeyPatch, **cfg: objec
 
     with monkeypatch.context() as m:
         m.setattr(mysql_fast.ColumnReader, "attach", staticmethod(attach))
-        table = SqlSource("ds", SqlSourceConfig(url=url, **cfg)).read()  # type: ignore[arg-type]
+        table = SqlSource("ds", SqlSourceConfig(url=url, reader="pymysql", **cfg)).read()  # type: ignore[arg-type]
     assert attached == [fast]
     return table
 
@@ -86,7 +86,7 @@ def test_query_killed_mid_stream_is_transient(mysql_url: str, mysql_engine: sa.E
     marker = "refresh_kill_me"
     src = SqlSource("ds", SqlSourceConfig(
         url=mysql_url, query=f"SELECT seq, REPEAT('x', 60) AS pad, '{marker}' AS m FROM seq_1_to_3000000",
-        chunk_rows=1000))
+        chunk_rows=1000, reader="pymysql"))
     batches = src.batches()
     assert next(batches).num_rows == 1000  # the server is now blocked sending the rest
 
@@ -113,7 +113,7 @@ def test_mysql_row_parser_handles_every_length_encoding(mysql_url: str, mysql_en
     execute(mysql_engine, f"INSERT INTO {t} VALUES (:id, :txt, :b)",
             params=[{"id": i, "txt": "é" * n, "b": bytes([i % 256]) * n} for i, n in enumerate(sizes)]
             + [{"id": 99, "txt": None, "b": None}])
-    src = SqlSource("ds", SqlSourceConfig(url=mysql_url, table=t, chunk_rows=4))
+    src = SqlSource("ds", SqlSourceConfig(url=mysql_url, table=t, chunk_rows=4, reader="pymysql"))
     rows = {r["id"]: r for r in src.read().to_pylist()}
     for i, n in enumerate(sizes):
         assert rows[i]["txt"] == "é" * n and rows[i]["b"] == bytes([i % 256]) * n, n
@@ -139,14 +139,14 @@ def test_without_pymysql_internals_fetchmany_reads_the_same(mysql_url: str, mixe
 
     from refstream import compat
 
-    fast = SqlSource("ds", SqlSourceConfig(url=mysql_url, table=mixed_table, chunk_rows=64)).read()
+    fast = SqlSource("ds", SqlSourceConfig(url=mysql_url, table=mixed_table, chunk_rows=64, reader="pymysql")).read()
     monkeypatch.setattr(compat, "_warned", set())
     monkeypatch.delattr(pymysql.connections.Connection, "_force_close")  # used only on errors by PyMySQL
     attached: list[bool] = []
     real = mysql_fast.ColumnReader.attach
     monkeypatch.setattr(mysql_fast.ColumnReader, "attach",
                         staticmethod(lambda cur: attached.append(bool(r := real(cur))) or r))
-    slow = SqlSource("ds", SqlSourceConfig(url=mysql_url, table=mixed_table, chunk_rows=64)).read()
+    slow = SqlSource("ds", SqlSourceConfig(url=mysql_url, table=mixed_table, chunk_rows=64, reader="pymysql")).read()
     assert attached == [False]
     assert slow.schema == fast.schema and slow.equals(fast)
     assert "PyMySQL" in caplog.text and "Connection._force_close" in caplog.text
@@ -156,10 +156,10 @@ def test_unchecked_pymysql_version_reads_the_same_values(mysql_url: str, mixed_t
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     from refstream import compat
 
-    fast = SqlSource("ds", SqlSourceConfig(url=mysql_url, table=mixed_table, chunk_rows=64)).read()
+    fast = SqlSource("ds", SqlSourceConfig(url=mysql_url, table=mixed_table, chunk_rows=64, reader="pymysql")).read()
     monkeypatch.setattr(compat, "_warned", set())
     monkeypatch.setattr(compat, "PYMYSQL_SUPPORTED", ((0, 1), (0, 2)))
-    plain = SqlSource("ds", SqlSourceConfig(url=mysql_url, table=mixed_table, chunk_rows=64)).read()
+    plain = SqlSource("ds", SqlSourceConfig(url=mysql_url, table=mixed_table, chunk_rows=64, reader="pymysql")).read()
     # PyMySQL's own conversions: types come from the values, the values are the same.
     assert plain.column_names == fast.column_names
     assert plain.sort_by("id").to_pylist() == fast.sort_by("id").to_pylist()

@@ -42,8 +42,11 @@ def typed_table(mysql_engine: sa.Engine, unique) -> Iterator[str]:
     return t
 
 
-def test_mysql_types_map_to_exact_arrow_types(mysql_url: str, typed_table: str) -> None:
-    table = normalize(SqlSource("ds", SqlSourceConfig(url=mysql_url, table=typed_table)).read())
+@pytest.mark.parametrize("reader", ["connectorx", "pymysql"])
+def test_mysql_types_map_to_exact_arrow_types(mysql_url: str, typed_table: str, reader: str) -> None:
+    src = SqlSource("ds", SqlSourceConfig(url=mysql_url, table=typed_table, reader=reader))  # type: ignore[arg-type]
+    assert src.reader == reader
+    table = normalize(src.read())
     types = {f.name: f.type for f in table.schema}
     assert types["price"] == pa.decimal128(30, 10)
     assert types["small"] == pa.decimal128(5, 2)
@@ -189,8 +192,11 @@ def test_postgresql_statement_timeout_names_the_dataset() -> None:
 
 def test_mariadb_statement_timeout_bounds_the_whole_streamed_read(mysql_url: str) -> None:
     # The documented caveat: the limit covers streaming the rows too, so it must exceed the longest full read.
+    # (PyMySQL streams chunk by chunk to a slow consumer; ConnectorX reads all rows before the first
+    # chunk, so there it bounds that read: tests/refresh/sources/test_mysql_cx.py.)
     src = SqlSource("long", SqlSourceConfig(url=mysql_url, query="SELECT seq AS id FROM seq_1_to_3000000",
-                                            chunk_rows=10_000, statement_timeout=dt.timedelta(seconds=1)))
+                                            chunk_rows=10_000, statement_timeout=dt.timedelta(seconds=1),
+                                            reader="pymysql"))
     t0, rows = time.monotonic(), 0
     with pytest.raises(TerminalError, match="dataset long: read on .* timed out after statement_timeout 1s"):
         for batch in src.batches():
