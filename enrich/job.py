@@ -72,6 +72,18 @@ def root_cause(exc: BaseException) -> str:
     return found[-1].strip() if found else one_line(exc)
 
 
+#: Spark's words for a Python worker process that did not start or did not connect back to the JVM
+#: (seen once at a query's start, in the Python data source's planning worker, under load).
+_WORKER_START = ("Python worker failed to connect back",)
+
+
+def worker_start_failed(exc: BaseException) -> bool:
+    """Whether a failed query failed because a Python worker did not start: transient, and safe to
+    retry by starting the query again from its checkpoint (what a restart of the job would do)."""
+    text = str(exc)
+    return any(w in text for w in _WORKER_START)
+
+
 class EnrichJob:
     """Builds and runs the streaming query; ``run()`` blocks until done or ``stop`` is set."""
 
@@ -162,6 +174,7 @@ class EnrichJob:
             writer = writer.trigger(availableNow=True)
         else:
             writer = writer.trigger(processingTime=f"{int(cfg.trigger.total_seconds() * 1000)} milliseconds")
+        self._writer = writer
         self.query = writer.start()
         self._stack.callback(self._stop_query)
         log.info("enrichment query started: %s -> %s (checkpoint %s)", cfg.events.topic,
@@ -204,19 +217,33 @@ class EnrichJob:
         return scope
 
     def run(self) -> None:
-        """Start, then wait until the query ends (available-now) or :meth:`stop` is called."""
+        """Start, then wait until the query ends (available-now) or :meth:`stop` is called. A query
+        that fails because a Python worker did not start (:func:`worker_start_failed`) is started
+        again from its checkpoint, with backoff, up to the retry policy's attempts."""
         with self._stack:
             query = self.start()
-            try:
-                while not self._stop.is_set() and query.isActive:
-                    query.awaitTermination(0.5)  # type: ignore[arg-type]  # takes float seconds; typed int
-            except StreamingQueryException as failed:
-                raise TerminalError(f"enrichment query failed: {root_cause(failed)}") from failed
+            failures = 0
+            while True:
+                try:
+                    while not self._stop.is_set() and query.isActive:
+                        query.awaitTermination(0.5)  # type: ignore[arg-type]  # takes float seconds; typed int
+                    exc = query.exception()
+                except StreamingQueryException as failed:
+                    exc = failed
+                if exc is None or self._stop.is_set():
+                    break
+                failures += 1
+                if not worker_start_failed(exc) or failures >= self.retry.attempts:
+                    raise TerminalError(f"enrichment query failed: {root_cause(exc)}") from exc
+                wait = self.retry.backoff(failures)
+                log.warning("enrichment query failed: %s; a Python worker did not start, which is transient: "
+                            "starting the query again from its checkpoint in %.1fs (attempt %d of %d)",
+                            root_cause(exc), wait, failures + 1, self.retry.attempts)
+                if self._stop.wait(wait):
+                    break
+                query = self.query = self._writer.start()
             if self._stop.is_set():
                 log.info("stopping the enrichment query")
-            exc = query.exception()
-            if exc is not None:
-                raise TerminalError(f"enrichment query failed: {root_cause(exc)}") from exc
 
     def stop(self) -> None:
         self._stop.set()
