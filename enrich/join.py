@@ -26,10 +26,11 @@ from pyspark.sql.pandas.types import to_arrow_schema
 from pyspark.sql.types import BooleanType, StructField, StructType
 
 from enrich.config import JoinConfig
-from enrich.dimension.ship import Shipped, from_ipc
+from enrich.dimension.ship import Shipped
 from enrich.dimension.store import DELETED
 from enrich.events import SLOW, FastEvents
 from enrich.fastparse import FastParser
+from enrich.ipc import from_ipc
 from refstream.compat import key_index, spark_schema
 from refstream.contract import DatasetSchema
 from refstream.errors import ConfigError

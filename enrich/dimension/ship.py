@@ -13,24 +13,13 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
-import pyarrow as pa
 from pyspark import SparkContext
 from pyspark.broadcast import Broadcast
 
 from enrich.dimension.store import Snapshot
+from enrich.ipc import to_ipc
 
 log = logging.getLogger(__name__)
-
-
-def to_ipc(table: pa.Table) -> bytes:
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, table.schema) as w:
-        w.write_table(table)
-    return sink.getvalue().to_pybytes()
-
-
-def from_ipc(data: bytes) -> pa.Table:
-    return pa.ipc.open_stream(pa.py_buffer(data)).read_all()
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,8 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from enrich.ipc import from_ipc, to_ipc
+
 #: Names of the state table's own columns; the aggregates' accumulators are ``<column>_<agg>``
 #: (``mean`` keeps ``<column>_sum`` and ``<column>_count``), which never start with an underscore
 #: followed by these words alone.
@@ -333,16 +335,13 @@ def finalize(spec: StateSpec, state: pa.Table) -> pa.StructArray:
 
 def state_to_ipc(table: pa.Table) -> bytes:
     """A bucket's state table as bytes (Arrow IPC stream), the value kept in Spark's state store."""
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, table.schema) as writer:
-        writer.write_table(table)
-    return sink.getvalue().to_pybytes()
+    return to_ipc(table)
 
 
 def state_from_ipc(data: bytes, spec: StateSpec) -> pa.Table:
     """The inverse of :func:`state_to_ipc`; a table of another schema is refused (the checkpoint's
     state was written with other ``state:`` settings, which the job checks before it gets here)."""
-    table = pa.ipc.open_stream(pa.py_buffer(data)).read_all()
+    table = from_ipc(data)
     if table.schema != spec.state_schema():
         raise ValueError(f"stored device state has schema {table.schema}, expected {spec.state_schema()}")
     return table

@@ -17,22 +17,13 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from enrich.ipc import from_ipc, to_ipc
+
 #: The packed rows' columns: the grouping bucket, the greatest event time of the chunk (what Spark's
 #: watermark is taken on), and the chunk's events as an Arrow IPC stream.
 BUCKET, MAX_TS, ROWS = "_bucket", "_max_ts", "rows"
 #: Rows per packed chunk at most: bounds one packed value's size (and the processor's memory per read).
 CHUNK_ROWS = 65536
-
-
-def to_ipc(table: pa.Table | pa.RecordBatch) -> bytes:
-    sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, table.schema) as writer:
-        writer.write(table) if isinstance(table, pa.RecordBatch) else writer.write_table(table)
-    return sink.getvalue().to_pybytes()
-
-
-def from_ipc(data: bytes) -> pa.Table:
-    return pa.ipc.open_stream(pa.py_buffer(data)).read_all()
 
 
 def pack(batches: Iterable[pa.RecordBatch], *, bucket: str, timestamp: str,

@@ -10,9 +10,10 @@ from pyspark.sql import SparkSession
 
 from enrich.dimension.changelog import ChangelogFollower
 from enrich.dimension.manager import Dimensions
-from enrich.dimension.ship import Shipped, Shipper, from_ipc
+from enrich.dimension.ship import Shipped, Shipper
 from enrich.dimension.store import DimensionState
 from enrich.dimension.versions import FileVersionLog
+from enrich.ipc import from_ipc
 from refstream import contract
 from refstream import kafka as rkafka
 from refstream.contract import Column, DatasetSchema

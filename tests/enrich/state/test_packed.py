@@ -5,6 +5,7 @@ from __future__ import annotations
 import pyarrow as pa
 import pytest
 
+from enrich.ipc import from_ipc, to_ipc
 from enrich.state import packed
 
 SCHEMA = pa.schema([(packed.BUCKET, pa.int32()), (packed.MAX_TS, pa.timestamp("us", tz="UTC")),
@@ -24,7 +25,7 @@ def test_one_row_per_bucket_keeps_each_buckets_order_and_greatest_time() -> None
     rows = out[0].to_pylist()
     assert [r[packed.BUCKET] for r in rows] == [0, 1, 2]
     assert [r[packed.MAX_TS] and int(r[packed.MAX_TS].timestamp() * 10**6) for r in rows] == [9, None, 7]
-    inner = [packed.from_ipc(r[packed.ROWS]) for r in rows]
+    inner = [from_ipc(r[packed.ROWS]) for r in rows]
     assert [t.column("device").to_pylist() for t in inner] == [["d1", "d4"], ["d3"], ["d0", "d2"]]
     assert all("_bucket" not in t.column_names for t in inner)
 
@@ -33,15 +34,15 @@ def test_a_big_bucket_is_split_into_chunks(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.setattr(packed, "CHUNK_ROWS", 2)
     out = next(packed.pack([events([4] * 5, [1, 2, 3, 4, 5])], bucket="_bucket", timestamp="_ts_us",
                            packed_schema=SCHEMA))
-    sizes = [packed.from_ipc(v).num_rows for v in out.column(packed.ROWS).to_pylist()]
+    sizes = [from_ipc(v).num_rows for v in out.column(packed.ROWS).to_pylist()]
     assert sizes == [2, 2, 1] and out.column(packed.BUCKET).to_pylist() == [4, 4, 4]
     back = packed.pack_output(pa.table({"x": list(range(5))}))
-    assert [packed.from_ipc(v).column("x").to_pylist() for v in back[packed.ROWS]] == [[0, 1], [2, 3], [4]]
+    assert [from_ipc(v).column("x").to_pylist() for v in back[packed.ROWS]] == [[0, 1], [2, 3], [4]]
 
 
 def test_unpack_gives_the_declared_schema() -> None:
     table = pa.table({"x": pa.array([1, None], pa.int64()), "t": pa.array([1, 2], pa.timestamp("us"))})
     want = pa.schema([("x", pa.int64()), ("t", pa.timestamp("us", tz="UTC"))])
-    batch = pa.RecordBatch.from_pydict({packed.ROWS: [packed.to_ipc(table), packed.to_ipc(table.slice(0, 0))]})
+    batch = pa.RecordBatch.from_pydict({packed.ROWS: [to_ipc(table), to_ipc(table.slice(0, 0))]})
     out = list(packed.unpack([batch], want))
     assert len(out) == 1 and out[0].schema == want and out[0].column("x").to_pylist() == [1, None]

@@ -9,6 +9,7 @@ import pandas as pd
 import pyarrow as pa
 from pyspark.sql.streaming.tws_tester import TwsTester
 
+from enrich.ipc import from_ipc, to_ipc
 from enrich.state import engine, packed
 from enrich.state.engine import StateSpec
 from enrich.state.processor import FLAT, LATE, STATE_NAME, TS_US, DeviceStateProcessor
@@ -37,13 +38,13 @@ def rows(spec: list[tuple], first_offset: int = 0) -> pa.Table:
 
 def packed_input(*chunks: pa.Table) -> pd.DataFrame:
     """Packed rows of bucket 3 as PySpark hands them over (a name starting with "_" becomes "_<i>")."""
-    return pd.DataFrame({"_0": [3] * len(chunks), "rows": [packed.to_ipc(c) for c in chunks]})
+    return pd.DataFrame({"_0": [3] * len(chunks), "rows": [to_ipc(c) for c in chunks]})
 
 
 def run(t: TwsTester, *chunks: pa.Table) -> pd.DataFrame:
     """One call of bucket 3 with ``chunks``; the unpacked output as pandas (nullable dtypes)."""
     out = t.testInPandas(3, packed_input(*chunks))
-    table = pa.concat_tables([packed.from_ipc(v) for v in out[packed.ROWS]])
+    table = pa.concat_tables([from_ipc(v) for v in out[packed.ROWS]])
     return table.to_pandas(types_mapper={pa.int64(): pd.Int64Dtype(), pa.int32(): pd.Int32Dtype(),
                                          pa.bool_(): pd.BooleanDtype()}.get)
 
@@ -110,7 +111,7 @@ def test_event_columns_keep_their_exact_arrow_types() -> None:
     processor = DeviceStateProcessor(SPEC, (*COLUMNS, "n", "when"))
     t = TwsTester(processor, timeMode="EventTime", eventTimeExtractor=lambda _: 2**62)
     out = t.testInPandas(3, packed_input(batch))
-    table = packed.from_ipc(out[packed.ROWS][0])
+    table = from_ipc(out[packed.ROWS][0])
     assert table.column("n").to_pylist() == [big, None]
     assert table.column("when").type == pa.timestamp("us", tz="UTC")
     assert table.column("when").to_pylist() == [datetime(2500, 1, 1, tzinfo=UTC), None]

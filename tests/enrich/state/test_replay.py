@@ -27,6 +27,7 @@ from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
 from enrich import config
+from enrich.ipc import to_ipc
 from enrich.job import EnrichJob
 from enrich.kafka.offsets import from_json_offsets
 from enrich.state import packed
@@ -158,7 +159,7 @@ def test_a_replay_after_a_restart_gives_byte_identical_output(
             table = packed.unpack_rows(rows)
             partition = table.column("_partition").to_numpy()
             table = table.take(np.argsort(-partition, kind="stable"))
-            again = pd.DataFrame({packed.ROWS: [packed.to_ipc(table)]})
+            again = pd.DataFrame({packed.ROWS: [to_ipc(table)]})
             return DeviceStateProcessor.handleInputRows(self, key, iter([again]), timerValues)
 
     monkeypatch.setattr("enrich.state.stream.DeviceStateProcessor", OtherFetchOrder)
