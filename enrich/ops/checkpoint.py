@@ -57,16 +57,22 @@ class Checkpoint:
         ids = self.committed()
         return ids[-1] if ids else None
 
-    def batch(self, batch_id: int | None = None) -> BatchInfo:
-        """The facts of ``batch_id`` (default: the last committed batch)."""
+    def committed_batch(self, batch_id: int | None = None) -> int:
+        """``batch_id`` if it is a committed batch Spark still keeps (default: the last committed
+        one); a :class:`DataError` saying which batches there are otherwise."""
         ids = self.committed()
         if batch_id is None:
             if not ids:
                 raise DataError(f"{self.path}: no micro-batch has been committed yet")
-            batch_id = ids[-1]
-        elif batch_id not in ids:
+            return ids[-1]
+        if batch_id not in ids:
             have = f"batches {ids[0]}..{ids[-1]} are kept" if ids else "no batch is committed yet"
             raise DataError(f"{self.path}: batch {batch_id} is not a committed batch in this checkpoint ({have})")
+        return batch_id
+
+    def batch(self, batch_id: int | None = None) -> BatchInfo:
+        """The facts of ``batch_id`` (default: the last committed batch)."""
+        batch_id = self.committed_batch(batch_id)
         meta, sources = self._offsets(batch_id)
         events_end: dict[TP, int] = {}
         for src in sources:

@@ -55,14 +55,7 @@ def device_state(cfg: EnrichConfig, device: str, batch_id: int | None = None, *,
     committed batch). ``spark``: a session to read with (default: the active one, else a local one)."""
     if cfg.state is None:
         raise ConfigError(f"{cfg.source}: no state: section, so the job keeps no device state to look up")
-    ids = Checkpoint(cfg.checkpoint).committed()
-    if batch_id is None:
-        if not ids:
-            raise DataError(f"{cfg.checkpoint}: no micro-batch has been committed yet")
-        batch_id = ids[-1]
-    elif batch_id not in ids:
-        have = f"batches {ids[0]}..{ids[-1]} are kept" if ids else "no batch is committed yet"
-        raise DataError(f"{cfg.checkpoint}: batch {batch_id} is not a committed batch in this checkpoint ({have})")
+    batch_id = Checkpoint(cfg.checkpoint).committed_batch(batch_id)
     if not (cfg.checkpoint / RECORD).exists():
         raise DataError(f"{cfg.checkpoint}: the job ran without state: on this checkpoint; it keeps no device state")
     spark = spark or SparkSession.getActiveSession() or session(cfg)  # Spark parses events.schema
