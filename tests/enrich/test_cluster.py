@@ -5,71 +5,26 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import sys
-import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import pyspark
 import pytest
 
-from demo.broker import free_port
 from refstream.contract import Column, DatasetSchema
 from tests.enrich.helpers import changelog, produce_events, publish, read_all
+from tests.enrich.spark_cluster import master_state, standalone_cluster
 from tests.enrich.test_restart import start_job, write_config
 
 SCHEMA = DatasetSchema("devices", ("device_id",), (Column("device_id", "string"), Column("owner", "string")))
-SPARK_HOME = Path(pyspark.__file__).parent
 
 pytestmark = pytest.mark.integration  # starts a Spark master and workers itself
 
 
-def _spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "SPARK_HOME": str(SPARK_HOME), "SPARK_LOCAL_IP": "127.0.0.1",
-           "PYSPARK_PYTHON": sys.executable, "SPARK_WORKER_OPTS": "-Dspark.worker.cleanup.enabled=false"}
-    return subprocess.Popen([str(SPARK_HOME / "bin" / "spark-class"), *args], env=env, stdout=open(log, "ab"),  # noqa: SIM115
-                            stderr=subprocess.STDOUT, start_new_session=True)
-
-
-def _state(ui: int) -> dict:
-    with urllib.request.urlopen(f"http://127.0.0.1:{ui}/json/", timeout=5) as r:
-        return json.loads(r.read())
-
-
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[tuple[str, int]]:
-    port, ui = free_port(), free_port()
-    procs = [_spawn(["org.apache.spark.deploy.master.Master", "--host", "127.0.0.1", "--port", str(port),
-                     "--webui-port", str(ui)], tmp_path / "master.log")]
-    try:
-        for i in range(2):
-            procs.append(_spawn(["org.apache.spark.deploy.worker.Worker", f"spark://127.0.0.1:{port}",
-                                 "--host", "127.0.0.1", "--cores", "1", "--memory", "1g", "--webui-port", "0",
-                                 "--work-dir", str(tmp_path / f"work{i}")], tmp_path / f"worker{i}.log"))
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if _state(ui).get("aliveworkers") == 2:
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError("the cluster did not come up: " + (tmp_path / "master.log").read_text()[-2000:])
-            time.sleep(1)
-        yield f"spark://127.0.0.1:{port}", ui
-    finally:
-        for p in reversed(procs):
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(10)
+    with standalone_cluster(tmp_path, {**os.environ, "PYSPARK_PYTHON": sys.executable}) as master:
+        yield master
 
 
 def test_job_on_a_two_worker_standalone_cluster(cluster: tuple[str, int], kafka: dict[str, str],
@@ -100,7 +55,7 @@ def test_job_on_a_two_worker_standalone_cluster(cluster: tuple[str, int], kafka:
     assert sorted(r["n"] for r in rows) == list(range(total))
     assert all(r["owner"] == f"o{r['n'] % 6}" for r in rows if r["n"] % 6 < 5)
     assert all(r["_devices_matched"] is False for r in rows if r["n"] % 6 == 5)
-    apps = _state(ui)["completedapps"] + _state(ui)["activeapps"]
+    apps = master_state(ui)["completedapps"] + master_state(ui)["activeapps"]
     assert any(a["name"] == "refstream-enrich" for a in apps), "the job did not run on the cluster"
     for i in range(2):  # each worker launched an executor for the job
         assert list((tmp_path / f"work{i}").glob("app-*/*/stderr")), f"worker {i} ran no executor"

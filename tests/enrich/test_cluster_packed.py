@@ -21,23 +21,20 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
-import pyspark
 import pytest
 
-from demo.broker import free_port
 from refstream.contract import Column, DatasetSchema
 from tests.enrich.helpers import changelog, produce_events, publish, read_all
+from tests.enrich.spark_cluster import SPARK_HOME, master_state, standalone_cluster
 from tests.enrich.test_restart import write_config
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("refstream", "refresh", "enrich", "demo")
 SCHEMA = DatasetSchema("devices", ("device_id",), (Column("device_id", "string"), Column("owner", "string")))
-SPARK_HOME = Path(pyspark.__file__).parent
 #: What the executors do not need from the packed env: PySpark's jars (their worker's Spark runs them).
 EXCLUDE_JARS = "lib/python*/site-packages/pyspark/jars/*"
 
@@ -85,11 +82,6 @@ def deploy(tmp_path: Path) -> Path:
     return deploy
 
 
-def _state(ui: int) -> dict:
-    with urllib.request.urlopen(f"http://127.0.0.1:{ui}/json/", timeout=5) as r:
-        return json.loads(r.read())
-
-
 @pytest.fixture
 def bare_cluster(tmp_path: Path) -> Iterator[tuple[str, int, Path]]:
     """A master and two one-core workers whose Python is an empty venv (and no PYTHONPATH):
@@ -97,43 +89,8 @@ def bare_cluster(tmp_path: Path) -> Iterator[tuple[str, int, Path]]:
     bare = tmp_path / "bare"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(bare)], check=True, env=clean_env())
     python = bare / "bin" / "python"
-    env = clean_env(SPARK_HOME=str(SPARK_HOME), SPARK_LOCAL_IP="127.0.0.1", PYSPARK_PYTHON=str(python),
-                    SPARK_WORKER_OPTS="-Dspark.worker.cleanup.enabled=false")
-
-    def spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
-        return subprocess.Popen([str(SPARK_HOME / "bin" / "spark-class"), *args], env=env, cwd=tmp_path,
-                                stdout=open(log, "ab"), stderr=subprocess.STDOUT,  # noqa: SIM115
-                                start_new_session=True)
-
-    port, ui = free_port(), free_port()
-    procs = [spawn(["org.apache.spark.deploy.master.Master", "--host", "127.0.0.1", "--port", str(port),
-                    "--webui-port", str(ui)], tmp_path / "master.log")]
-    try:
-        for i in range(2):
-            procs.append(spawn(["org.apache.spark.deploy.worker.Worker", f"spark://127.0.0.1:{port}",
-                                "--host", "127.0.0.1", "--cores", "1", "--memory", "1g", "--webui-port", "0",
-                                "--work-dir", str(tmp_path / f"work{i}")], tmp_path / f"worker{i}.log"))
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if _state(ui).get("aliveworkers") == 2:
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError("the cluster did not come up: " + (tmp_path / "master.log").read_text()[-2000:])
-            time.sleep(1)
-        yield f"spark://127.0.0.1:{port}", ui, python
-    finally:
-        for p in reversed(procs):
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGTERM)
-        for p in procs:
-            try:
-                p.wait(20)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait(10)
+    with standalone_cluster(tmp_path, clean_env(PYSPARK_PYTHON=str(python)), cwd=tmp_path) as (master, ui):
+        yield master, ui, python
 
 
 def python_workers(under: Path) -> dict[tuple[str, str], tuple[str, str]]:
@@ -193,7 +150,7 @@ def test_job_on_workers_without_its_environment_runs_from_the_shipped_archive(
     assert sorted(r["n"] for r in rows) == list(range(total))
     assert all(r["owner"] == f"o{r['n'] % 6}" for r in rows if r["n"] % 6 < 5)
     assert all(r["_devices_matched"] is False for r in rows if r["n"] % 6 == 5)
-    apps = _state(ui)["completedapps"] + _state(ui)["activeapps"]
+    apps = master_state(ui)["completedapps"] + master_state(ui)["activeapps"]
     assert any(a["name"] == "refstream-enrich" for a in apps), "the job did not run on the cluster"
 
     # The executors' Python workers ran ./env/bin/python in their executor's directory, where Spark

@@ -1,0 +1,70 @@
+"""A real standalone Spark cluster for tests: a master and two one-core workers started with
+pyspark's ``bin/spark-class``, stopped (process groups, TERM then KILL) when the test is done."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+import urllib.request
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+
+import pyspark
+
+from demo.broker import free_port
+
+SPARK_HOME = Path(pyspark.__file__).parent
+
+
+def master_state(ui: int) -> dict:
+    """The master's view (workers, applications) from its web UI's JSON."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{ui}/json/", timeout=5) as r:
+        return json.loads(r.read())
+
+
+@contextmanager
+def standalone_cluster(workdir: Path, env: Mapping[str, str], cwd: Path | None = None) -> Iterator[tuple[str, int]]:
+    """``(master URL, master UI port)`` of a cluster whose processes run with ``env`` (plus
+    SPARK_HOME, SPARK_LOCAL_IP and no worker cleanup); logs and work dirs ``work0``, ``work1`` in
+    ``workdir``."""
+    full = {**env, "SPARK_HOME": str(SPARK_HOME), "SPARK_LOCAL_IP": "127.0.0.1",
+            "SPARK_WORKER_OPTS": "-Dspark.worker.cleanup.enabled=false"}
+
+    def spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
+        return subprocess.Popen([str(SPARK_HOME / "bin" / "spark-class"), *args], env=full, cwd=cwd,
+                                stdout=open(log, "ab"), stderr=subprocess.STDOUT,  # noqa: SIM115
+                                start_new_session=True)
+
+    port, ui = free_port(), free_port()
+    procs = [spawn(["org.apache.spark.deploy.master.Master", "--host", "127.0.0.1", "--port", str(port),
+                    "--webui-port", str(ui)], workdir / "master.log")]
+    try:
+        for i in range(2):
+            procs.append(spawn(["org.apache.spark.deploy.worker.Worker", f"spark://127.0.0.1:{port}",
+                                "--host", "127.0.0.1", "--cores", "1", "--memory", "1g", "--webui-port", "0",
+                                "--work-dir", str(workdir / f"work{i}")], workdir / f"worker{i}.log"))
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if master_state(ui).get("aliveworkers") == 2:
+                    break
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError("the cluster did not come up: " + (workdir / "master.log").read_text()[-2000:])
+            time.sleep(1)
+        yield f"spark://127.0.0.1:{port}", ui
+    finally:
+        for p in reversed(procs):
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in procs:
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(10)
