@@ -28,8 +28,8 @@ JoinHow = Literal["left", "inner"]
 #: Where enriched events go; the key of the ``output:`` section.
 OutputKind = Literal["kafka", "parquet", "console"]
 #: Where a join's dimension lives: ``broadcast`` ships every pinned version to the executors (the
-#: driver holds it); ``partitioned`` keeps it in the keyed state next to the device state (not yet
-#: supported: refused at load).
+#: driver holds it); ``partitioned`` keeps it in the keyed state next to the device state, hashed by
+#: the same key (it needs ``state:`` and joins on ``state.key``; docs/state.md).
 JoinStrategy = Literal["broadcast", "partitioned"]
 #: A per-device aggregate of one column (nulls ignored): the latest value, the least, the greatest, the mean.
 StateAgg = Literal["last", "min", "max", "mean"]
@@ -134,6 +134,24 @@ class EnrichConfig:
             out.setdefault(j.dataset, j.topic)
         return out
 
+    @property
+    def broadcast_joins(self) -> tuple[JoinConfig, ...]:
+        """The joins the driver pins and ships, in configured order (after the state step)."""
+        return tuple(j for j in self.joins if j.strategy == "broadcast")
+
+    @property
+    def partitioned_joins(self) -> tuple[JoinConfig, ...]:
+        """The joins kept in the keyed state, in configured order (inside the state step)."""
+        return tuple(j for j in self.joins if j.strategy == "partitioned")
+
+    @property
+    def broadcast_datasets(self) -> dict[str, str]:
+        """dataset -> changelog topic of the datasets the driver holds (broadcast joins)."""
+        out: dict[str, str] = {}
+        for j in self.broadcast_joins:
+            out.setdefault(j.dataset, j.topic)
+        return out
+
 
 def load(path: str | os.PathLike[str]) -> EnrichConfig:
     return parse(load_yaml(path), str(path))
@@ -169,6 +187,7 @@ def parse(data: dict[str, Any], source: str = "config") -> EnrichConfig:
 
     output = _output(top.section("output"))
     state = _state(top.section("state")) if top.has("state") else None
+    _check_partitioned(top, joins, state)
     # Always bounded: after downtime the backlog is read in batches of this size, not in one.
     max_events = top.get("max_events_per_batch", int, DEFAULT_MAX_EVENTS_PER_BATCH)
     if max_events <= 0:
@@ -227,10 +246,28 @@ def _join(sec: Section) -> JoinConfig:
         prefix=sec.get("prefix", str, ""),
         strategy=sec.choice("strategy", JoinStrategy, "broadcast"),
     )
-    if cfg.strategy == "partitioned":
-        raise sec.error("partitioned is not yet supported; use broadcast (docs/state.md)", "strategy")
     sec.done()
     return cfg
+
+
+def _check_partitioned(top: Section, joins: tuple[JoinConfig, ...], state: StateConfig | None) -> None:
+    """A partitioned dimension lives in the state step's buckets, hashed by ``state.key``: it needs
+    the step, and its join must be on that key alone (each bucket then holds its devices' rows)."""
+    strategies: dict[str, set[str]] = {}
+    for j in joins:
+        strategies.setdefault(j.dataset, set()).add(j.strategy)
+    for i, j in enumerate(joins):
+        if j.strategy != "partitioned":
+            continue
+        where = f"joins[{i}].strategy"
+        if state is None:
+            raise top.error("partitioned needs a state: section (the dimension is kept in the state step, "
+                            "keyed by state.key); add one or use broadcast", where)
+        if len(j.on) != 1 or j.on[0][0] != state.key:
+            raise top.error(f"partitioned joins on state.key ({state.key!r}) alone, not on "
+                            f"{[e for e, _ in j.on]}; use broadcast for this dataset", where)
+        if len(strategies[j.dataset]) > 1:
+            raise top.error(f"dataset {j.dataset!r} is joined both partitioned and broadcast; pick one", where)
 
 
 def _state(sec: Section) -> StateConfig:

@@ -112,12 +112,12 @@ class EnrichJob:
                             what=f"creating topic {topic}", policy=self.retry)
         self.cfg.checkpoint.mkdir(parents=True, exist_ok=True)
         columns: dict[str, list[str] | None] = {}
-        for j in cfg.joins:  # ship only the columns some join uses (plus the key)
+        for j in cfg.broadcast_joins:  # ship only the columns some join uses (plus the key)
             if j.columns is None or columns.get(j.dataset, []) is None:
                 columns[j.dataset] = None
             else:
                 columns[j.dataset] = sorted(set(columns.get(j.dataset) or []) | set(j.columns))
-        self.dims = Dimensions(cfg.datasets, columns, lambda topic: ChangelogFollower(cfg.kafka, topic),
+        self.dims = Dimensions(cfg.broadcast_datasets, columns, lambda topic: ChangelogFollower(cfg.kafka, topic),
                                FileVersionLog(cfg.checkpoint / "dimensions"), Shipper(self.spark.sparkContext),
                                timeout=cfg.bootstrap_timeout.total_seconds())
         self._stack.callback(self.dims.close)
@@ -152,7 +152,19 @@ class EnrichJob:
         # error, instead of failing the first micro-batch.
         parsed = events.parse(raw, self.event_schema, cfg.events.required)
         self._parsed_schema = parsed.schema
-        _, _, enriched_schema, _ = self._planned(self._parsed_schema)
+        before = self._parsed_schema  # what the broadcast joins see: events, then partitioned joins' columns
+        schemas: dict[str, DatasetSchema] = {}
+        if cfg.partitioned_joins:
+            from enrich.state.dimension import published_schema
+
+            for j in cfg.partitioned_joins:
+                if j.dataset not in schemas:
+                    schemas[j.dataset] = published_schema(self.spark, cfg.kafka, j.dataset, j.topic,
+                                                          cfg.bootstrap_timeout.total_seconds())
+            _, before = join.plan(cfg.partitioned_joins, schemas, before, timezone=self._timezone(),
+                                  source=cfg.source)
+        _, _, enriched_schema, _ = self._planned(before)
+        self._plan = None
         stream = raw
         if cfg.state is not None:  # the keyed state step: events parsed in the plan (enrich/state/)
             from enrich.state.devices import DeviceCount
@@ -162,7 +174,7 @@ class EnrichJob:
             if self.metrics is not None:
                 self.metrics.devices_in_state(self.devices.total)
             stream = state_step(self.spark, cfg, raw, self.event_schema, enriched_schema, self._timezone(),
-                                self.devices.accumulator)
+                                self.devices.accumulator, schemas)
             self._parsed_schema, self._plan = stream.schema, None
             self._planned(self._parsed_schema)
         else:
@@ -331,7 +343,7 @@ class EnrichJob:
         if self.metrics is None:
             return
         dims = {}
-        for ds in self.cfg.datasets:
+        for ds in self.cfg.broadcast_datasets:
             st = self.dims.state(ds)
             dims[ds] = (st.version, st.live_rows(), st.changed_ms)
         dead = counted.dead_letters if counted.dead_letters is not None else collected_dead
@@ -347,11 +359,12 @@ class EnrichJob:
     def _planned(self, parsed: StructType) -> tuple[list[join.JoinSpec], tuple[str, ...], StructType, StructType]:
         """The joins resolved against the current published schemas: specs, output columns, and the
         output schemas of the join pass after ``from_json`` and after the fast parser."""
-        schemas = {ds: self.dims.schema(ds) for ds in self.cfg.datasets}
+        schemas = {ds: self.dims.schema(ds) for ds in self.cfg.broadcast_datasets}
         if self._plan is None or self._plan[0] != schemas:
             tz = self._timezone()
-            specs, out_schema = join.plan(self.cfg.joins, schemas, parsed, timezone=tz, source=self.cfg.source)
-            _, fast_schema = join.plan(self.cfg.joins, schemas, events.fast_schema(parsed), timezone=tz,
+            joins = self.cfg.broadcast_joins
+            specs, out_schema = join.plan(joins, schemas, parsed, timezone=tz, source=self.cfg.source)
+            _, fast_schema = join.plan(joins, schemas, events.fast_schema(parsed), timezone=tz,
                                        source=self.cfg.source)
             out_cols = tuple(f.name for f in out_schema.fields if f.name not in events.INTERNAL)
             self._plan = (schemas, specs, out_cols, out_schema, fast_schema)

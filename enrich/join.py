@@ -123,7 +123,7 @@ def enrich(df: DataFrame, specs: Sequence[JoinSpec], out_schema: StructType, shi
 
 # ------------------------------------------------------------------------------------ executors
 
-class _Lookup:
+class Lookup:
     """A dimension version as executors use it: the table and a hash index over its key.
 
     The index is built once and probed per batch (:func:`refstream.compat.key_index`).
@@ -142,16 +142,16 @@ class _Lookup:
 
 
 # Reused Python workers keep these across micro-batches: an unchanged version costs a dict lookup.
-_BASES: OrderedDict[str, _Lookup] = OrderedDict()
-_OVERLAYS: OrderedDict[str, _Lookup] = OrderedDict()
+_BASES: OrderedDict[str, Lookup] = OrderedDict()
+_OVERLAYS: OrderedDict[str, Lookup] = OrderedDict()
 
 
-def _cached(cache: OrderedDict[str, _Lookup], ident: str, bc: object, key: Sequence[str], keep: int) -> _Lookup:
+def _cached(cache: OrderedDict[str, Lookup], ident: str, bc: object, key: Sequence[str], keep: int) -> Lookup:
     hit = cache.get(ident)
     if hit is not None:
         cache.move_to_end(ident)
         return hit
-    lookup = _Lookup(from_ipc(bc.value), key)  # type: ignore[attr-defined]
+    lookup = Lookup(from_ipc(bc.value), key)  # type: ignore[attr-defined]
     cache[ident] = lookup
     while len(cache) > keep:
         cache.popitem(last=False)
@@ -192,7 +192,7 @@ def _indices(idx: np.ndarray) -> pa.Array:
     return pa.array(idx, pa.int64(), mask=idx < 0)
 
 
-def join_table(t: pa.Table, spec: JoinSpec, base: _Lookup, overlay: _Lookup | None,
+def join_table(t: pa.Table, spec: JoinSpec, base: Lookup, overlay: Lookup | None,
                error_column: str | None = None) -> pa.Table:
     """Apply one join to ``t`` (one Arrow batch of events)."""
     keys = [_align(t.column(ev).combine_chunks(), typ) for (ev, _), typ in zip(spec.pairs, spec.key_types,
@@ -239,7 +239,7 @@ class Enricher:
                  parse: FastEvents | None = None) -> None:
         self.specs, self.shipped, self.error_column, self.parse = specs, shipped, error_column, parse
 
-    def lookups(self) -> dict[str, tuple[_Lookup, _Lookup | None]]:
+    def lookups(self) -> dict[str, tuple[Lookup, Lookup | None]]:
         out = {}
         for ds, s in self.shipped.items():
             base = _cached(_BASES, s.base_id, s.base, s.key, keep=2 * len(self.shipped))

@@ -412,7 +412,7 @@ def _decode_values_slow(schema: DatasetSchema, values: Sequence[bytes]) -> pa.Ta
             obj = json.loads(raw)
             for c in schema.columns:
                 out[c.name].append(_from_json(c.type, obj.get(c.name)))
-        except (ValueError, TypeError, AttributeError, ArithmeticError) as exc:
+        except (ValueError, TypeError, AttributeError, ArithmeticError, KeyError) as exc:
             raise ContractError(f"dataset {schema.dataset}: value #{i} {raw[:200]!r} does not fit the "
                                 f"published schema: {exc}") from None
     return pa.table({c.name: pa.array(out[c.name], type_to_arrow(c.type)) for c in schema.columns},

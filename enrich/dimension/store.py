@@ -173,19 +173,25 @@ class DimensionState:
 
     def _decode(self, items: list[tuple[bytes, bytes]]) -> pa.Table:
         assert self.schema is not None
-        values = [v for _, v in items]
+        return decode_rows(self.schema, items)
+
+
+def decode_rows(schema: contract.DatasetSchema, items: Sequence[tuple[bytes, bytes]]) -> pa.Table:
+    """``(key, value)`` records decoded to a table of ``schema``: in bulk, else one by one so that a
+    value that does not fit is logged with its key and its row keeps only its key columns."""
+    values = [v for _, v in items]
+    try:
+        return contract.decode_values(schema, values)
+    except ContractError:
+        pass
+    rows = []
+    for k, v in items:  # slow path: name the record at fault, keep the others
         try:
-            return contract.decode_values(self.schema, values)
-        except ContractError:
-            pass
-        rows = []
-        for k, v in items:  # slow path: name the record at fault, keep the others
-            try:
-                rows.append(contract.decode_values(self.schema, [v]))
-            except ContractError as exc:
-                log.error("dataset %s: key %s: %s; its other columns stay null", self.dataset, k[:200], exc)
-                rows.append(contract.decode_values(self.schema, [k]))
-        return pa.concat_tables(rows) if rows else self.schema.arrow_schema().empty_table()
+            rows.append(contract.decode_values(schema, [v]))
+        except ContractError as exc:
+            log.error("dataset %s: key %s: %s; its other columns stay null", schema.dataset, k[:200], exc)
+            rows.append(contract.decode_values(schema, [k]))
+    return pa.concat_tables(rows) if rows else schema.arrow_schema().empty_table()
 
 
 def _conform(table: pa.Table, schema: contract.DatasetSchema) -> pa.Table:

@@ -15,7 +15,7 @@ from typing import Any
 
 import pyarrow as pa
 from confluent_kafka import KafkaException, TopicCollection
-from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
+from pyspark.sql.datasource import DataSource, DataSourceReader, DataSourceStreamReader, InputPartition
 from pyspark.sql.streaming.datasource import (
     ReadAllAvailable,
     ReadLimit,
@@ -60,6 +60,32 @@ class KafkaDataSource(DataSource):
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
         return KafkaStreamReader(SourceOptions.parse(self.options))
+
+    def reader(self, schema: StructType) -> DataSourceReader:
+        return KafkaBatchReader(SourceOptions.parse(self.options))
+
+
+class KafkaBatchReader(DataSourceReader):
+    """``spark.read.format("refstream-kafka")``: every committed record of the subscribed topics from
+    each partition's log start to its end when planned (``startingOffsets`` is not read). Used by
+    the job to scan a changelog on the executors (``enrich.state.dimension.published_schema``)."""
+
+    def __init__(self, options: SourceOptions) -> None:
+        self.options = options
+
+    def partitions(self) -> Sequence[InputPartition]:
+        probe = EndOffsetProbe(self.options.settings)
+        try:
+            res = probe.probe(probe.partitions(self.options.topics))
+        finally:
+            probe.close()
+        return [OffsetRange(topic, part, res.low.get((topic, part), 0), end)
+                for (topic, part), end in sorted(res.end.items()) if end > res.low.get((topic, part), 0)]
+
+    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
+        assert isinstance(partition, OffsetRange)
+        return read_range(self.options.settings, partition, poll_timeout_s=self.options.poll_timeout_s,
+                          fail_on_data_loss=self.options.fail_on_data_loss)
 
 
 class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):

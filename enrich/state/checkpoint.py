@@ -8,10 +8,12 @@ start records them and every later start compares.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from enrich.config import StateConfig
+from enrich.state.dimension import PartitionedDim
 from enrich.state.engine import StateSpec
 from refstream.atomic import write_json_atomic
 from refstream.errors import ConfigError
@@ -20,15 +22,18 @@ from refstream.errors import ConfigError
 RECORD = Path("refstream") / "state.json"
 
 
-def record(cfg: StateConfig, spec: StateSpec) -> dict[str, Any]:
-    """What :func:`check_checkpoint` keeps: the settings the stored state's layout depends on."""
+def record(cfg: StateConfig, spec: StateSpec, dims: Sequence[PartitionedDim] = ()) -> dict[str, Any]:
+    """What :func:`check_checkpoint` keeps: the settings the stored state's layout depends on (the
+    partitioned dimensions: their datasets, topics and stored columns, in order; their types may
+    change with the published schema, see ``enrich.state.processor``)."""
     return {"key": cfg.key, "buckets": cfg.buckets,
             "aggregates": {c: list(aggs) for c, aggs in cfg.aggregates},
-            "state_schema": str(spec.state_schema())}
+            "state_schema": str(spec.state_schema()),
+            "partitioned": [{"dataset": d.dataset, "topic": d.topic, "columns": d.stored.names} for d in dims]}
 
 
 def check_checkpoint(checkpoint: Path, cfg: StateConfig | None, spec: StateSpec | None,
-                     source: str = "config") -> None:
+                     source: str = "config", dims: Sequence[PartitionedDim] = ()) -> None:
     """Record the state settings in a new checkpoint; refuse a start whose settings differ from the
     recorded ones (or that adds or removes ``state:`` against a checkpoint that has run)."""
     path = checkpoint / RECORD
@@ -40,7 +45,7 @@ def check_checkpoint(checkpoint: Path, cfg: StateConfig | None, spec: StateSpec 
                               "state:; point checkpoint: at a new directory to start one with state (it "
                               "starts from events.starting_offsets)")
         assert spec is not None
-        write_json_atomic(path, record(cfg, spec))
+        write_json_atomic(path, record(cfg, spec, dims))
         return
     try:
         kept = json.loads(path.read_text(encoding="utf-8"))
@@ -52,10 +57,13 @@ def check_checkpoint(checkpoint: Path, cfg: StateConfig | None, spec: StateSpec 
         raise ConfigError(f"{source}: state: the checkpoint {checkpoint} keeps device state; put the state: "
                           f"section back, or {new}")
     assert spec is not None
-    now = record(cfg, spec)
-    for name in ("key", "buckets", "aggregates", "state_schema"):
+    now = record(cfg, spec, dims)
+    kept.setdefault("partitioned", [])  # recorded before partitioned joins existed: none
+    for name in ("key", "buckets", "aggregates", "state_schema", "partitioned"):
         if kept.get(name) != now[name]:
-            what = "the aggregated columns' types" if name == "state_schema" else f"state.{name}"
+            what = {"state_schema": "the aggregated columns' types",
+                    "partitioned": "the partitioned joins (datasets, topics, selected columns)"
+                    }.get(name, f"state.{name}")
             raise ConfigError(f"{source}: {what} changed against the checkpoint {checkpoint}, whose device state "
                               f"was kept with {json.dumps(kept.get(name))}, now {json.dumps(now[name])}; "
                               f"put it back, or {new}")

@@ -6,6 +6,10 @@ profile). So the step's rows are packed: before it, :func:`pack` (a ``mapInArrow
 Arrow batch of events into one row per bucket holding that bucket's events as IPC bytes; the
 processor reads them with :func:`unpack_rows` and answers with :func:`pack_output`; after the
 step, :func:`unpack` (another ``mapInArrow`` pass) turns the packed rows back into event rows.
+
+The step's input may mix kinds of rows (events, and the changelog records of partitioned
+dimensions): each packed value says its kind in its Arrow schema's metadata, and
+:func:`unpack_kinds` hands the processor one table per kind.
 """
 
 from __future__ import annotations
@@ -24,12 +28,16 @@ from enrich.ipc import from_ipc, to_ipc
 BUCKET, MAX_TS, ROWS = "_bucket", "_max_ts", "rows"
 #: Rows per packed chunk at most: bounds one packed value's size (and the processor's memory per read).
 CHUNK_ROWS = 65536
+#: The kind of packed events (the default); a partitioned dimension's records are ``dim<index>``.
+EVENTS = "events"
+_KIND = b"refstream.kind"
 
 
-def pack(batches: Iterable[pa.RecordBatch], *, bucket: str, timestamp: str,
-         packed_schema: pa.Schema) -> Iterator[pa.RecordBatch]:
+def pack(batches: Iterable[pa.RecordBatch], *, bucket: str, timestamp: str | None,
+         packed_schema: pa.Schema, kind: str = EVENTS) -> Iterator[pa.RecordBatch]:
     """``mapInArrow`` before the step: per input batch, one row per bucket (and ``CHUNK_ROWS``
-    events) with the events, every column but ``bucket``, as IPC bytes."""
+    rows) with the rows, every column but ``bucket``, as IPC bytes tagged with ``kind``; the
+    greatest ``timestamp`` of each chunk (null without one) goes beside them."""
     for batch in batches:
         if batch.num_rows == 0:
             continue
@@ -39,16 +47,17 @@ def pack(batches: Iterable[pa.RecordBatch], *, bucket: str, timestamp: str,
         starts = np.concatenate([[0], np.flatnonzero(np.diff(ids)) + 1])
         ends = np.append(starts[1:], len(ids))
         events = ordered.drop_columns([bucket])
+        events = events.replace_schema_metadata({**(events.schema.metadata or {}), _KIND: kind.encode()})
         out_bucket, out_ts, out_rows = [], [], []
         for start, end in zip(starts.tolist(), ends.tolist(), strict=True):
             for s in range(start, end, CHUNK_ROWS):
                 chunk = events.slice(s, min(CHUNK_ROWS, end - s))
                 out_bucket.append(int(ids[start]))
-                out_ts.append(pc.max(chunk.column(timestamp)))
+                out_ts.append(pc.max(chunk.column(timestamp)).as_py() if timestamp is not None else None)
                 out_rows.append(to_ipc(chunk))
         yield pa.RecordBatch.from_arrays(
             [pa.array(out_bucket, packed_schema.field(BUCKET).type),
-             pa.array([t.as_py() for t in out_ts], packed_schema.field(MAX_TS).type),
+             pa.array(out_ts, packed_schema.field(MAX_TS).type),
              pa.array(out_rows, pa.binary())], schema=packed_schema)
 
 
@@ -57,6 +66,19 @@ def unpack_rows(rows: Iterable[pd.DataFrame]) -> pa.Table:
     name starts with an underscore) as one table of events."""
     tables = [from_ipc(value) for pdf in rows for value in pdf.iloc[:, -1]]
     return pa.concat_tables(tables) if len(tables) > 1 else tables[0]
+
+
+def unpack_kinds(rows: Iterable[pd.DataFrame]) -> dict[str, pa.Table]:
+    """The processor's input by kind (:data:`EVENTS`, ``dim<index>``): one table each, in the order
+    the packed values came."""
+    parts: dict[str, list[pa.Table]] = {}
+    for pdf in rows:
+        for value in pdf.iloc[:, -1]:
+            table = from_ipc(value)
+            meta = dict(table.schema.metadata or {})
+            kind = meta.pop(_KIND, EVENTS.encode()).decode()
+            parts.setdefault(kind, []).append(table.replace_schema_metadata(meta or None))
+    return {k: pa.concat_tables(v) if len(v) > 1 else v[0] for k, v in parts.items()}
 
 
 def pack_output(table: pa.Table) -> pd.DataFrame:

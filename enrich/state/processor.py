@@ -39,12 +39,17 @@ from pyspark.sql.streaming.stateful_processor import (
 from pyspark.sql.types import BinaryType, StructField, StructType
 
 from enrich.events import ERROR
+from enrich.ipc import from_ipc, to_ipc
 from enrich.state import engine, packed
+from enrich.state.dimension import PartitionedDim, apply_changes, conform, lookup
 from enrich.state.engine import StateSpec
+from refstream.contract import DatasetSchema
 
 #: The state variable holding a bucket's device table, and its schema.
 STATE_NAME = "devices"
 VALUE_SCHEMA = StructType([StructField("table", BinaryType(), False)])
+#: A partitioned dimension's state variable (``dim<index>``): a bucket's rows, and the schema last applied.
+DIM_SCHEMA = StructType([StructField("table", BinaryType(), False), StructField("schema", BinaryType(), False)])
 #: Columns the plan adds before the step, and the prefix of the flat state fields it emits.
 BUCKET, TS_US, FLAT = "_bucket", "_ts_us", "_state_"
 LATE = "_late"
@@ -77,23 +82,34 @@ class DeviceStateProcessor(StatefulProcessor):
 
     ``spec`` is the engine's spec with ``_ts_us`` as the timestamp; ``columns`` the event columns
     passed through, in output order; ``devices`` an accumulator of :class:`BucketCounts` each call
-    reports its bucket's device count to."""
+    reports its bucket's device count to; ``dims`` the partitioned dimensions, whose joins add their
+    columns after ``columns`` (:mod:`enrich.state.dimension`)."""
 
     def __init__(self, spec: StateSpec, columns: tuple[str, ...],
-                 devices: Accumulator[dict[int, int]] | None = None) -> None:
-        self.spec, self.columns, self.devices = spec, columns, devices
+                 devices: Accumulator[dict[int, int]] | None = None, dims: tuple[PartitionedDim, ...] = ()) -> None:
+        self.spec, self.columns, self.devices, self.dims = spec, columns, devices, dims
         self._types = {spec.key: spec.key_type, spec.timestamp: pa.int64(),
                        **{c: t for c, _, t in spec.aggregates}}
 
     def init(self, handle: StatefulProcessorHandle) -> None:
         self.handle = handle
         self.value = handle.getValueState(STATE_NAME, VALUE_SCHEMA)
+        self.dim_values = [handle.getValueState(d.state_name, DIM_SCHEMA) for d in self.dims]
 
     def handleInputRows(self, key: Any, rows: Iterator[pd.DataFrame],  # type: ignore[override]
                         timerValues: TimerValues) -> Iterator[pd.DataFrame]:
-        table = packed.unpack_rows(rows)
+        kinds = packed.unpack_kinds(rows)
+        # A batch's changelog records come first: its events see the dimension as of their end.
+        tables = [self._dimension(i, kinds.get(d.kind)) for i, d in enumerate(self.dims)]
+        table = kinds.get(packed.EVENTS)
+        if table is None:
+            return
         # Shuffle order is not stable: rows leave in source order, so a replay gives the same output.
         table = table.take(pc.sort_indices(table, [("_partition", "ascending"), ("_offset", "ascending")]))
+        names = list(self.columns)
+        for dim, stored in zip(self.dims, tables, strict=True):
+            table = lookup(dim, table, stored, ERROR)
+            names += [out for _, out in dim.join.columns] + [dim.join.matched]
         ok = pc.is_null(table.column(ERROR)).to_numpy(zero_copy_only=False)
         events = self._events(table.filter(pa.array(ok)))
         applied = engine.apply(self.spec, self._load(), events, _watermark_us(timerValues))
@@ -101,14 +117,38 @@ class DeviceStateProcessor(StatefulProcessor):
         at = np.full(table.num_rows, -1, dtype=np.int64)
         at[ok] = np.arange(int(ok.sum()))
         pick = pa.array(at, mask=at < 0)
-        arrays = [table.column(c) for c in self.columns]
-        names = list(self.columns)
+        arrays = [table.column(c) for c in names]
         for field, child in zip(applied.column.type, applied.column.flatten(), strict=True):
             arrays.append(child.take(pick))
             names.append(FLAT + field.name)
         arrays.append(applied.late.take(pick).fill_null(False))
         names.append(LATE)
-        yield packed.pack_output(pa.Table.from_arrays(arrays, names=names))
+        out = pa.Table.from_arrays(arrays, names=names)
+        # An inner join drops its unmatched events after the state counted them, as with broadcast
+        # (where the join runs after the step); dead letters always go on.
+        keep = None
+        for dim in self.dims:
+            if dim.inner:
+                matched = pc.fill_null(out.column(dim.join.matched), False)
+                keep = matched if keep is None else pc.and_(keep, matched)
+        if keep is not None:
+            out = out.filter(pc.or_(keep, pa.array(~ok)))
+        yield packed.pack_output(out)
+
+    def _dimension(self, i: int, records: pa.Table | None) -> pa.Table:
+        """Dimension ``i``'s rows in this bucket, this batch's changelog ``records`` applied (and stored)."""
+        dim, value = self.dims[i], self.dim_values[i]
+        stored, schema = dim.empty(), dim.schema
+        if value.exists():
+            got = value.get()
+            assert got is not None
+            stored, schema = from_ipc(got[0]), DatasetSchema.from_json(got[1])
+            if stored.schema != dim.stored:  # the job was planned against a newer schema's types
+                stored = conform(dim, stored)
+        if records is not None and records.num_rows:
+            stored, schema = apply_changes(dim, stored, schema, records)
+            value.update((to_ipc(stored), schema.to_json()))
+        return stored
 
     def handleExpiredTimer(self, key: Any, timerValues: TimerValues,
                            expiredTimerInfo: ExpiredTimerInfo) -> Iterator[pd.DataFrame]:

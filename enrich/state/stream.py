@@ -11,23 +11,38 @@ front of the processor; the processor flags late events instead, against the sam
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from collections.abc import Mapping
 
+import pyarrow as pa
 from pyspark.accumulators import Accumulator
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.pandas.types import from_arrow_type, to_arrow_schema
-from pyspark.sql.types import BinaryType, BooleanType, IntegerType, StructField, StructType, TimestampType
+from pyspark.sql.types import (
+    BinaryType,
+    BooleanType,
+    DataType,
+    IntegerType,
+    StructField,
+    StructType,
+    TimestampType,
+)
 
-from enrich import events
+from enrich import events, join
 from enrich.config import EnrichConfig, StateConfig
 from enrich.events import ERROR
+from enrich.kafka import read_stream
 from enrich.state import packed
 from enrich.state.checkpoint import check_checkpoint
+from enrich.state.dimension import PartitionedDim, partitioned_dim
 from enrich.state.engine import StateSpec
 from enrich.state.packed import MAX_TS, ROWS
 from enrich.state.plan import LATE, STATE, resolve
 from enrich.state.processor import BUCKET, FLAT, TS_US, DeviceStateProcessor, stored_spec
+from refstream import contract
+from refstream.contract import DatasetSchema
 from refstream.errors import ConfigError
 
 #: Spark's state store provider for the step (set by the job; ``transformWithStateInPandas`` needs it).
@@ -37,21 +52,38 @@ PROVIDER_CONF = "spark.sql.streaming.stateStore.providerClass"
 
 def state_step(spark: SparkSession, cfg: EnrichConfig, raw: DataFrame, event_schema: StructType,
                enriched: StructType, timezone: str,
-               devices: Accumulator[dict[int, int]] | None = None) -> DataFrame:
+               devices: Accumulator[dict[int, int]] | None = None,
+               schemas: Mapping[str, DatasetSchema] | None = None) -> DataFrame:
     """The job's hook: check ``state:`` against the events and the joins' columns (``enriched``) and
     the checkpoint, set the RocksDB state store, and return the ``raw`` Kafka stream parsed and
-    through :func:`attach` (``devices``: see there)."""
+    through :func:`attach` (``devices``: see there), with the partitioned joins (``schemas``: their
+    datasets' published schemas) inside the step."""
     assert cfg.state is not None
     parsed = events.parse(raw, event_schema, cfg.events.required, keep_source=True)
     spec = resolve(cfg.state, enriched, timezone=timezone, source=cfg.source)
+    dims = partitioned_dims(cfg, parsed.schema, schemas or {}, timezone)
+    inside = set(parsed.columns) | {out for d in dims for _, out in d.join.columns}
     for name in cfg.state.columns:
-        if name not in parsed.columns:
+        if name not in inside:
             where = "key" if name == cfg.state.key else f"aggregates.{name}"
-            raise ConfigError(f"{cfg.source}: state.{where}: {name!r} is added by a join; the state step runs "
-                              "before the joins, so it can use event fields only for now (docs/state.md)")
-    check_checkpoint(cfg.checkpoint, cfg.state, spec, cfg.source)
+            raise ConfigError(f"{cfg.source}: state.{where}: {name!r} is added by a broadcast join, which runs "
+                              "after the state step; the step sees event fields and the columns of "
+                              "strategy: partitioned joins (docs/state.md)")
+    check_checkpoint(cfg.checkpoint, cfg.state, spec, cfg.source, dims)
     spark.conf.set(PROVIDER_CONF, ROCKSDB)
-    return attach(parsed, cfg.state, spec, devices, timezone=timezone)
+    changelogs = [read_stream(spark, cfg.kafka, [d.topic], starting_offsets="earliest") for d in dims]
+    return attach(parsed, cfg.state, spec, devices, timezone=timezone, dims=tuple(zip(dims, changelogs, strict=True)))
+
+
+def partitioned_dims(cfg: EnrichConfig, parsed: StructType, schemas: Mapping[str, DatasetSchema],
+                     timezone: str) -> list[PartitionedDim]:
+    """The partitioned joins planned against the parsed events, in configured order."""
+    joins = cfg.partitioned_joins
+    if not joins:
+        return []
+    specs, _ = join.plan(joins, schemas, parsed, timezone=timezone, source=cfg.source)
+    return [partitioned_dim(i, j.dataset, j.topic, schemas[j.dataset], dataclasses.replace(s, inner=False), s.inner)
+            for i, (j, s) in enumerate(zip(joins, specs, strict=True))]
 
 
 def bucket_of(key: Column, buckets: int) -> Column:
@@ -60,12 +92,14 @@ def bucket_of(key: Column, buckets: int) -> Column:
 
 
 def attach(parsed: DataFrame, cfg: StateConfig, spec: StateSpec,
-           devices: Accumulator[dict[int, int]] | None = None, *, timezone: str = "UTC") -> DataFrame:
+           devices: Accumulator[dict[int, int]] | None = None, *, timezone: str = "UTC",
+           dims: tuple[tuple[PartitionedDim, DataFrame], ...] = ()) -> DataFrame:
     """``parsed`` (``events.parse(..., keep_source=True)``) with the keyed state step applied: its
-    columns, then ``state`` and ``_late``; ``_value`` is kept in dead-letter rows only, as
-    ``events.parse`` does. Rows travel through the step packed (:mod:`enrich.state.packed`).
-    ``devices``: an accumulator of ``processor.BucketCounts`` the step reports each bucket's device
-    count to."""
+    columns, the partitioned joins' columns, then ``state`` and ``_late``; ``_value`` is kept in
+    dead-letter rows only, as ``events.parse`` does. Rows travel through the step packed
+    (:mod:`enrich.state.packed`). ``devices``: an accumulator of ``processor.BucketCounts`` the step
+    reports each bucket's device count to. ``dims``: each partitioned dimension with its changelog
+    stream (``enrich.kafka.read_stream``), unioned with the events by bucket."""
     columns = tuple(parsed.columns)
     key, ts = F.col(f"`{cfg.key}`"), F.col(f"`{cfg.timestamp}`")
     error = (F.when(F.col(ERROR).isNotNull(), F.col(ERROR))
@@ -84,11 +118,19 @@ def attach(parsed: DataFrame, cfg: StateConfig, spec: StateSpec,
                                                   packed_schema=packed_arrow), packed_spark)
             .withWatermark(MAX_TS, f"{int(cfg.watermark.total_seconds() * 1000)} milliseconds")
             .drop(MAX_TS))
+    key_type = prepared.schema[cfg.key].dataType
+    for dim, changelog in dims:
+        rows = rows.union(_changelog_rows(changelog, dim, key_type, cfg.buckets, packed_spark, packed_arrow))
     inner = stored_spec(spec)
-    processor = DeviceStateProcessor(inner, columns, devices)
+    processor = DeviceStateProcessor(inner, columns, devices, tuple(d for d, _ in dims))
     flat_type = inner.output_type()
     in_schema = {f.name: f.dataType for f in prepared.schema.fields}
-    out_schema = StructType([StructField(c, in_schema[c], True) for c in columns]
+    joined: list[StructField] = []
+    for dim, _ in dims:
+        joined += [StructField(out, from_arrow_type(t), True)
+                   for (_, out), t in zip(dim.join.columns, dim.join.out_types, strict=True)]
+        joined.append(StructField(dim.join.matched, BooleanType(), True))
+    out_schema = StructType([StructField(c, in_schema[c], True) for c in columns] + joined
                             + [StructField(FLAT + f.name, from_arrow_type(f.type), True) for f in flat_type]
                             + [StructField(LATE, BooleanType(), True)])
     stepped = rows.groupBy(BUCKET).transformWithStateInPandas(
@@ -101,5 +143,22 @@ def attach(parsed: DataFrame, cfg: StateConfig, spec: StateSpec,
         col = F.col(f"`{FLAT}{f.name}`")
         fields.append((F.timestamp_micros(col) if f.name in ("first_seen", "last_seen") else col).alias(f.name))
     state = F.when(F.col(f"`{FLAT}events`").isNotNull(), F.struct(*fields))
-    return unpacked.select(*[F.col(f"`{c}`") for c in columns], state.alias(STATE),
-                           F.coalesce(F.col(LATE), F.lit(False)).alias(LATE))
+    return unpacked.select(*[F.col(f"`{c}`") for c in columns], *[F.col(f"`{f.name}`") for f in joined],
+                           state.alias(STATE), F.coalesce(F.col(LATE), F.lit(False)).alias(LATE))
+
+
+def _changelog_rows(changelog: DataFrame, dim: PartitionedDim, key_type: DataType, buckets: int,
+                    packed_spark: StructType, packed_arrow: pa.Schema) -> DataFrame:
+    """A partitioned dimension's changelog stream packed like the events: each record in the bucket
+    of its key (read from the key's JSON and cast to the event key's type, so it hashes as the
+    events do), a schema record in every bucket, no heartbeat."""
+    name = [k for _, k in dim.join.pairs][0].replace("'", "\\'")
+    key = F.get_json_object(F.col("key").cast("string"), f"$['{name}']").cast(key_type)
+    schema_record = F.col("key") == F.lit(contract.SCHEMA_KEY)
+    targets = F.when(schema_record, F.sequence(F.lit(0), F.lit(buckets - 1))).otherwise(
+        F.array(bucket_of(key, buckets)))
+    records = (changelog.where(F.col("key") != F.lit(contract.HEARTBEAT_KEY))
+               .select(F.explode(targets).alias(BUCKET), "partition", "offset", "key", "value"))
+    return (records.mapInArrow(functools.partial(packed.pack, bucket=BUCKET, timestamp=None,
+                                                 packed_schema=packed_arrow, kind=dim.kind), packed_spark)
+            .drop(MAX_TS))

@@ -62,7 +62,13 @@ def test_parse_full_shape() -> None:
     ({"spark": ["spark.driver.memory"]}, "spark: must be a mapping"),
     ({"joins": [{"dataset": "d", "on": "x", "strategy": "local"}]}, "joins[0].strategy: 'local' is not one of"),
     ({"joins": [{"dataset": "d", "on": "x", "strategy": "partitioned"}]},
-     "joins[0].strategy: partitioned is not yet supported; use broadcast"),
+     "joins[0].strategy: partitioned needs a state: section"),
+    ({"joins": [{"dataset": "d", "on": "x", "strategy": "partitioned"}], "state": {"key": "d", "timestamp": "ts"}},
+     "joins[0].strategy: partitioned joins on state.key ('d') alone, not on ['x']"),
+    ({"joins": [{"dataset": "d", "on": ["d", "e"], "strategy": "partitioned"}],
+      "state": {"key": "d", "timestamp": "ts"}}, "joins[0].strategy: partitioned joins on state.key ('d') alone"),
+    ({"joins": [{"dataset": "d", "on": "d", "strategy": "partitioned"}, {"dataset": "d", "on": "e", "prefix": "p"}],
+      "state": {"key": "d", "timestamp": "ts"}}, "joins[0].strategy: dataset 'd' is joined both partitioned and"),
     ({"state": {"timestamp": "ts"}}, "state.key: is required"),
     ({"state": {"key": "device_id"}}, "state.timestamp: is required"),
     ({"state": {"key": "ts", "timestamp": "ts"}}, "state.timestamp: 'ts' is also the key"),
@@ -98,6 +104,12 @@ def test_state_section() -> None:
     assert cfg.state.fields == ("temperature_last", "temperature_min", "temperature_max", "temperature_mean",
                                 "battery_last")
     assert cfg.state.columns == ("device_id", "ts", "temperature", "battery")
+    part = config.parse({**BASE, "state": {"key": "device_id", "timestamp": "ts"},
+                         "joins": [{"dataset": "devices", "on": "device_id", "strategy": "partitioned"},
+                                   {"dataset": "sites", "on": "site_id"}]})
+    assert [j.dataset for j in part.partitioned_joins] == ["devices"]
+    assert [j.dataset for j in part.broadcast_joins] == ["sites"] and list(part.broadcast_datasets) == ["sites"]
+    assert list(part.datasets) == ["devices", "sites"]
     cfg = config.parse({**BASE, "state": {"key": "device_id", "timestamp": "ts", "ttl": "30m", "watermark": 0,
                                           "buckets": 8}})
     assert cfg.state is not None and cfg.state.aggregates == ()

@@ -132,14 +132,14 @@ def test_plan_errors_name_the_join(spark: SparkSession, dims: dict[str, Dimensio
 
 
 def test_lookup_finds_int_and_string_keys_and_misses() -> None:
-    from enrich.join import _key_values, _Lookup
+    from enrich.join import _key_values, Lookup
 
-    ints = _Lookup(pa.table({"k": pa.array([30, 10, 20], pa.int64()), "v": ["c", "a", "b"]}), ["k"])
+    ints = Lookup(pa.table({"k": pa.array([30, 10, 20], pa.int64()), "v": ["c", "a", "b"]}), ["k"])
     values, nulls = _key_values([pa.array([10, None, 20, 99, 30], pa.int64())])
     found = ints.find(values)
     found[nulls] = -1
     assert found.tolist() == [1, -1, 2, -1, 0]
-    strs = _Lookup(pa.table({"k": ["x", "y"], "v": [1, 2]}), ["k"])
+    strs = Lookup(pa.table({"k": ["x", "y"], "v": [1, 2]}), ["k"])
     values, nulls = _key_values([pa.array(["y", None, "z", "x"])])
     found = strs.find(values)
     found[nulls] = -1

@@ -81,6 +81,9 @@ def test_contract_errors_name_the_problem() -> None:
     schema = c.DatasetSchema("d", ("k",), (c.Column("k", "int64"),))
     with pytest.raises(ContractError, match="value #1"):
         c.decode_values(schema, [b'{"k":1}', b'{"k":"not-a-number"}'])
+    floats = c.DatasetSchema("d", ("k",), (c.Column("k", "int64"), c.Column("f", "float64")))
+    with pytest.raises(ContractError, match=r"value #0 .* does not fit"):   # only NaN and the infinities as text
+        c.decode_values(floats, [b'{"k":1,"f":"lots"}'])
 
 
 def test_one_rule_for_decimal_widths() -> None:

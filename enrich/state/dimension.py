@@ -1,0 +1,194 @@
+"""Partitioned dimensions: a join's reference rows kept in the state step's buckets, never on the driver.
+
+A ``strategy: partitioned`` join is on ``state.key`` alone, so its rows hash into the same buckets
+as the devices that look them up. The changelog topic is read as a second stream by the executors
+(:func:`enrich.state.stream.attach`): each record goes to its key's bucket, a schema record to
+every bucket (a heartbeat to none). Within a micro-batch the processor applies a bucket's changelog
+records first, in changelog order (:func:`apply_changes`), then looks its events up in the result
+(:func:`lookup`, the broadcast join's own code): an event sees the dimension as of the end of the
+changelog range its batch read, the version a broadcast join pins for a batch.
+
+A bucket's rows are one value of the state store: the key and the selected columns, in the types
+the join was planned with, as Arrow IPC bytes, with the last schema record applied beside them.
+
+Driver side, :func:`published_schema` finds the dataset's schema when the job plans its query (the
+output columns depend on it) by a batch read of the changelog on the executors that keeps only
+schema records: the driver receives those, never the rows.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+from pyspark.sql import SparkSession
+from pyspark.sql import functions as F
+
+from enrich.dimension.store import decode_rows
+from enrich.join import JoinSpec, Lookup, join_table
+from refstream import contract
+from refstream.contract import DatasetSchema
+from refstream.errors import ContractError, TransientError
+
+log = logging.getLogger(__name__)
+
+#: The canonical key bytes of each stored row (what changelog records are matched on).
+KEY_BYTES = "__key"
+
+
+@dataclass(frozen=True)
+class PartitionedDim:
+    """One partitioned join, resolved on the driver against the published schema; picklable.
+
+    ``join`` is the lookup as planned (always ``left``: an ``inner`` join drops its unmatched events
+    after the state is applied, as it does with broadcast); ``stored`` the schema of a bucket's rows."""
+
+    index: int
+    dataset: str
+    topic: str
+    schema: DatasetSchema
+    columns: tuple[str, ...]
+    join: JoinSpec
+    inner: bool
+    stored: pa.Schema
+
+    @property
+    def kind(self) -> str:
+        """The packed rows' kind of this dimension's changelog records (:mod:`enrich.state.packed`)."""
+        return f"dim{self.index}"
+
+    @property
+    def state_name(self) -> str:
+        return f"dim{self.index}"
+
+    def empty(self) -> pa.Table:
+        return self.stored.empty_table()
+
+
+def partitioned_dim(index: int, dataset: str, topic: str, schema: DatasetSchema, join: JoinSpec,
+                    inner: bool) -> PartitionedDim:
+    """The dimension of a join planned by :func:`enrich.join.plan` (``join``) with ``inner`` off."""
+    key = [k for _, k in join.pairs]
+    columns = tuple(c for c, _ in join.columns)
+    arrow = schema.arrow_schema()
+    fields = [pa.field(k, arrow.field(k).type) for k in key]
+    fields += [pa.field(c, t) for (c, _), t in zip(join.columns, join.out_types, strict=True)]
+    fields.append(pa.field(KEY_BYTES, pa.binary()))
+    return PartitionedDim(index, dataset, topic, schema, columns, join, inner, pa.schema(fields))
+
+
+def check_schema(dim: PartitionedDim, schema: DatasetSchema) -> DatasetSchema:
+    """A schema record applied to a partitioned dimension: the key must stay the planned one and
+    every selected column must still be published (the output columns are fixed at start)."""
+    if tuple(schema.key) != tuple(dim.schema.key):
+        raise ContractError(f"dataset {dim.dataset}: its key changed from {list(dim.schema.key)} to "
+                            f"{list(schema.key)}; a partitioned dimension is kept by its key: point checkpoint: "
+                            "at a new directory to start over with the new key")
+    missing = [c for c in dim.columns if c not in schema.names]
+    if missing:
+        raise ContractError(f"dataset {dim.dataset}: column(s) {', '.join(missing)} selected by a join are no "
+                            f"longer in the published schema ({', '.join(schema.names)}); remove them from the "
+                            "join's columns: and restart the job")
+    return schema
+
+
+def conform(dim: PartitionedDim, table: pa.Table, keys: list[bytes] | None = None) -> pa.Table:
+    """Rows as stored: the key and selected columns in the planned types, then the key bytes
+    (``keys``, else the table's own)."""
+    cols = []
+    for f in dim.stored:
+        if f.name == KEY_BYTES:
+            cols.append(pa.array(keys, pa.binary()) if keys is not None else table.column(KEY_BYTES))
+            continue
+        col = table.column(f.name)
+        if col.type != f.type:
+            try:
+                col = pc.cast(col, f.type)
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+                log.warning("dataset %s: column %s (%s) cannot be cast to %s, as the job planned it; nulls "
+                            "until the job restarts", dim.dataset, f.name, col.type, f.type)
+                col = pa.nulls(table.num_rows, f.type)
+        cols.append(col)
+    return pa.Table.from_arrays(cols, schema=dim.stored)
+
+
+def _apply_rows(dim: PartitionedDim, stored: pa.Table, schema: DatasetSchema, keys: list[bytes],
+                values: list[bytes | None]) -> pa.Table:
+    """Upserts and tombstones (in changelog order) applied to ``stored``: the last change of a key wins."""
+    last = ~pd.Series(keys, dtype=object).duplicated(keep="last").to_numpy()
+    changed = [keys[i] for i in np.flatnonzero(last)]
+    upserts = [(keys[i], values[i]) for i in np.flatnonzero(last) if values[i] is not None]
+    fresh = conform(dim, decode_rows(schema, upserts), [k for k, _ in upserts])  # type: ignore[arg-type]
+    if stored.num_rows:
+        keep = pc.invert(pc.is_in(stored.column(KEY_BYTES), value_set=pa.array(changed, pa.binary())))
+        stored = pa.concat_tables([stored.filter(keep), fresh])
+    else:
+        stored = fresh
+    return stored.combine_chunks()
+
+
+def apply_changes(dim: PartitionedDim, stored: pa.Table, schema: DatasetSchema,
+                  records: pa.Table) -> tuple[pa.Table, DatasetSchema]:
+    """One micro-batch of a bucket's changelog ``records`` (``partition``, ``offset``, ``key``,
+    ``value``) applied to its rows ``stored`` under the last applied ``schema``; returns both, new."""
+    if records.num_rows == 0:
+        return stored, schema
+    records = records.take(pc.sort_indices(records, [("partition", "ascending"), ("offset", "ascending")]))
+    keys: list[bytes] = records.column("key").to_pylist()
+    values: list[bytes | None] = records.column("value").to_pylist()
+    start = 0
+    for i, k in enumerate([*keys, None]):
+        if i < len(keys) and k not in (contract.SCHEMA_KEY, contract.HEARTBEAT_KEY):
+            continue
+        run = [j for j in range(start, i) if keys[j] is not None]
+        if run:
+            stored = _apply_rows(dim, stored, schema, [keys[j] for j in run], [values[j] for j in run])
+        if i < len(keys) and k == contract.SCHEMA_KEY:
+            value = values[i]
+            if value is None:
+                raise ContractError(f"dataset {dim.dataset}: schema record without a value at partition "
+                                    f"{records.column('partition')[i]} offset {records.column('offset')[i]}")
+            schema = check_schema(dim, DatasetSchema.from_json(value))
+        start = i + 1
+    return stored, schema
+
+
+def lookup(dim: PartitionedDim, events: pa.Table, stored: pa.Table, error_column: str | None) -> pa.Table:
+    """``events`` with the join's columns and matched flag, looked up in a bucket's rows."""
+    base = Lookup(stored.drop_columns([KEY_BYTES]), [k for _, k in dim.join.pairs])
+    return join_table(events, dim.join, base, None, error_column)
+
+
+# ------------------------------------------------------------------------------------------ driver
+
+def published_schema(spark: SparkSession, settings: Mapping[str, str], dataset: str, topic: str,
+                     timeout: float) -> DatasetSchema:
+    """The last schema record of ``topic``, read by the executors (the driver gets schema records
+    only); waits up to ``timeout`` seconds for one, as a broadcast dimension's bootstrap does."""
+    from enrich.kafka import register, source_options
+    from enrich.kafka.source import FORMAT
+
+    register(spark)
+    opts = source_options(settings, [topic], starting_offsets="earliest")
+    deadline = time.monotonic() + timeout
+    while True:
+        rows = (spark.read.format(FORMAT).options(**opts).load()
+                .where(F.col("key") == F.lit(contract.SCHEMA_KEY))
+                .select("partition", "offset", "value").collect())
+        if rows:
+            last = max(rows, key=lambda r: (r["offset"], r["partition"]))
+            schema = DatasetSchema.from_json(bytes(last["value"]))
+            log.info("dataset %s: partitioned; schema %s (key %s) from %s partition %d offset %d", dataset,
+                     schema.spark_ddl(), list(schema.key), topic, last["partition"], last["offset"])
+            return schema
+        if time.monotonic() > deadline:
+            raise TransientError(f"dataset {dataset}: no schema record on changelog topic {topic} after "
+                                 f"{timeout:.0f}s; is the refresher publishing it?")
+        log.info("dataset %s: no schema record on %s yet; waiting", dataset, topic)
+        time.sleep(1.0)

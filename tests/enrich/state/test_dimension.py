@@ -1,0 +1,107 @@
+"""A partitioned dimension's bucket, in pure Arrow: changelog records applied in order, the last
+change of a key winning, tombstones, schema records, and the lookup the processor makes."""
+
+from __future__ import annotations
+
+import logging
+from datetime import UTC, datetime
+
+import pyarrow as pa
+import pytest
+
+from enrich.join import JoinSpec
+from enrich.state.dimension import KEY_BYTES, PartitionedDim, apply_changes, conform, lookup, partitioned_dim
+from refstream import contract
+from refstream.contract import Column, DatasetSchema
+from refstream.errors import ContractError
+
+SCHEMA = DatasetSchema("devices", ("id",), (Column("id", "int64"), Column("owner", "string"),
+                                            Column("limit", "float64")))
+
+
+def make_dim(columns: tuple[str, ...] = ("owner", "limit")) -> PartitionedDim:
+    """What ``enrich.join.plan`` makes of ``on: device_id`` (it needs a JVM to parse types)."""
+    types = {"owner": pa.string(), "limit": pa.float64()}
+    spec = JoinSpec(dataset="devices", pairs=(("device_id", "id"),), key_types=(pa.int64(),),
+                    columns=tuple((c, c) for c in columns), out_types=tuple(types[c] for c in columns),
+                    matched="_devices_matched", inner=False)
+    return partitioned_dim(0, "devices", "ref.devices", SCHEMA, spec, inner=False)
+
+
+def records(*messages: contract.Message, partition: int = 0, first: int = 0) -> pa.Table:
+    ms = list(messages)
+    return pa.table({"partition": pa.array([partition] * len(ms), pa.int32()),
+                     "offset": pa.array(range(first, first + len(ms)), pa.int64()),
+                     "key": pa.array([m.key for m in ms], pa.binary()),
+                     "value": pa.array([m.value for m in ms], pa.binary())})
+
+
+def upserts(*rows: dict, version: int = 1) -> list[contract.Message]:
+    return list(contract.upsert_messages(SCHEMA, list(rows), version))
+
+
+def rows_of(stored: pa.Table) -> dict:
+    return {r["id"]: (r["owner"], r["limit"]) for r in stored.drop_columns([KEY_BYTES]).to_pylist()}
+
+
+def test_changes_apply_in_changelog_order_last_change_of_a_key_wins() -> None:
+    dim = make_dim()
+    batch = records(contract.schema_message(SCHEMA),
+                    *upserts({"id": 1, "owner": "a", "limit": 1.0}, {"id": 2, "owner": "b", "limit": 2.0}),
+                    contract.heartbeat_message("devices", 1, datetime(2026, 1, 1, tzinfo=UTC)),
+                    *upserts({"id": 1, "owner": "a2", "limit": None}))
+    # Delivered out of order (a shuffle): applied by (partition, offset).
+    shuffled = batch.take(pa.array([3, 0, 4, 2, 1]))
+    stored, schema = apply_changes(dim, dim.empty(), SCHEMA, shuffled)
+    assert rows_of(stored) == {1: ("a2", None), 2: ("b", 2.0)} and schema == SCHEMA
+    assert stored.schema == dim.stored
+
+    # The next batch: a tombstone and a re-insert after it; an upsert then its tombstone.
+    more = records(*contract.delete_messages(SCHEMA, [{"id": 2}], 2), *upserts({"id": 3, "owner": "c"}),
+                   *contract.delete_messages(SCHEMA, [{"id": 3}], 2), *upserts({"id": 2, "owner": "b2"}), first=5)
+    stored, _ = apply_changes(dim, stored, schema, more)
+    assert rows_of(stored) == {1: ("a2", None), 2: ("b2", None)}
+    # Nothing to apply: the same rows back.
+    assert apply_changes(dim, stored, schema, records())[0] is stored
+
+
+def test_schema_records_decode_what_follows_and_guard_the_plan() -> None:
+    dim = make_dim()
+    wider = DatasetSchema("devices", ("id",), (*SCHEMA.columns, Column("site", "string")), version=2)
+    stored, schema = apply_changes(dim, dim.empty(), SCHEMA, records(
+        *upserts({"id": 1, "owner": "a", "limit": 1.5}),
+        contract.schema_message(wider),
+        *contract.upsert_messages(wider, [{"id": 2, "owner": "b", "limit": 2.5, "site": "x"}], 2)))
+    assert rows_of(stored) == {1: ("a", 1.5), 2: ("b", 2.5)} and schema == wider
+
+    rekeyed = DatasetSchema("devices", ("owner",), SCHEMA.columns, version=3)
+    with pytest.raises(ContractError, match=r"dataset devices: its key changed from \['id'\] to \['owner'\]"):
+        apply_changes(dim, stored, schema, records(contract.schema_message(rekeyed)))
+    narrower = DatasetSchema("devices", ("id",), SCHEMA.columns[:2], version=3)
+    with pytest.raises(ContractError, match=r"column\(s\) limit selected by a join are no longer in the published"):
+        apply_changes(dim, stored, schema, records(contract.schema_message(narrower)))
+
+
+def test_a_value_that_does_not_fit_keeps_its_key_and_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    dim = make_dim()
+    bad = contract.Message(contract.encode_key(["id"], {"id": 7}), b'{"id": 7, "owner": "x", "limit": "lots"}',
+                           contract.headers(contract.OP_UPSERT, "devices", 1))
+    with caplog.at_level(logging.ERROR):
+        stored, _ = apply_changes(dim, dim.empty(), SCHEMA, records(*upserts({"id": 1, "owner": "a"}), bad))
+    assert rows_of(stored) == {1: ("a", None), 7: (None, None)}
+    assert any("dataset devices: key" in r.getMessage() for r in caplog.records)
+
+
+def test_lookup_is_the_broadcast_join() -> None:
+    dim = make_dim(columns=("owner",))
+    stored, _ = apply_changes(dim, dim.empty(), SCHEMA, records(*upserts({"id": 1, "owner": "a"},
+                                                                          {"id": 2, "owner": "b"})))
+    events = pa.table({"device_id": pa.array([2, None, 5, 1], pa.int64()),
+                       "_error": pa.array([None, "bad", None, None], pa.string())})
+    out = lookup(dim, events, stored, "_error")
+    assert out.column("owner").to_pylist() == ["b", None, None, "a"]
+    assert out.column("_devices_matched").to_pylist() == [True, False, False, True]
+    assert lookup(dim, events, dim.empty(), "_error").column("owner").to_pylist() == [None] * 4
+    # Stored rows of older types are brought to the planned ones.
+    old = stored.set_column(stored.schema.get_field_index("id"), "id", stored.column("id").cast(pa.int32()))
+    assert conform(dim, old).equals(stored)
