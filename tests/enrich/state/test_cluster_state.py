@@ -1,6 +1,7 @@
-"""The job with a ``state:`` section on a real standalone Spark cluster (a master and two workers,
-``--master spark://...``): the state step runs in the executors, its state store in the checkpoint
-they share, and every device's state comes out as the events imply, each event written once."""
+"""The job with a ``state:`` section and a partitioned dimension on a real standalone Spark cluster
+(a master and two workers, ``--master spark://...``): the state step runs in the executors, its
+state store (device state and the dimension's rows) in the checkpoint they share, and every
+device's state and reference columns come out as the input implies, each event written once."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pytest
+import yaml
 
 from refstream.contract import Column, DatasetSchema
 from tests.enrich.helpers import changelog, produce_events, publish, read_all
@@ -33,7 +35,7 @@ def temperature(n: int) -> float | None:
     return None if n % 11 == 0 else round(15 + (n * 7919 % 200) / 10, 1)
 
 
-def test_device_state_on_a_two_worker_standalone_cluster(cluster: tuple[str, int],  # noqa: F811 - the fixture
+def test_device_state_and_a_partitioned_dimension_on_a_two_worker_standalone_cluster(cluster: tuple[str, int],  # noqa: F811 - the fixture
                                                          kafka: dict[str, str], unique: Callable[[str], str],
                                                          tmp_path: Path) -> None:
     master, _ = cluster
@@ -42,11 +44,14 @@ def test_device_state_on_a_two_worker_standalone_cluster(cluster: tuple[str, int
                        events={"topic": unique("events"), "schema": "device_id STRING, ts TIMESTAMP, temp DOUBLE, n INT",
                                "starting_offsets": "earliest"},
                        state={"key": "device_id", "timestamp": "ts", "watermark": "2h", "buckets": 8,
-                              "aggregates": {"temp": ["max", "mean"]}},
+                              "aggregates": {"temp": ["max", "mean"], "owner": ["last"]}},
                        spark={"spark.executor.memory": "512m", "spark.cores.max": "2", "spark.driver.memory": "1g",
                               "spark.driver.host": "127.0.0.1", "spark.sql.shuffle.partitions": "2"})
+    cfg["joins"][0]["strategy"] = "partitioned"
+    config.write_text(yaml.safe_dump(cfg))
+    # d0's row is deleted: its events go on unmatched.
     publish(kafka, cfg["joins"][0]["topic"], changelog(SCHEMA, [{"device_id": f"d{i}", "owner": f"o{i}"}
-                                                                for i in range(DEVICES)]))
+                                                                for i in range(DEVICES)], deletes=[{"device_id": "d0"}]))
     # Keyed by device: each device's events on one of the two partitions, in the order of n and time.
     events = [{"device_id": f"d{n % DEVICES}", "ts": at(n), "temp": temperature(n), "n": n} for n in range(TOTAL)]
     produce_events(kafka, cfg["events"]["topic"], [*events, {"device_id": None, "ts": at(0), "n": -1}], partitions=2)
@@ -73,6 +78,11 @@ def test_device_state_on_a_two_worker_standalone_cluster(cluster: tuple[str, int
         assert s["temp_max"] == (max(temps) if temps else None), r
         assert (s["temp_mean"] is None) if not temps else math.isclose(s["temp_mean"], math.fsum(temps) / len(temps),
                                                                          rel_tol=1e-12), r
-        assert r["_late"] is False and r["owner"] == r["device_id"].replace("d", "o")
+        owner = None if r["device_id"] == "d0" else r["device_id"].replace("d", "o")
+        assert r["_late"] is False and r["owner"] == owner and s["owner_last"] == owner, r
+        assert r["_devices_matched"] is (owner is not None), r
     # More than one batch, and the state was kept across them in the cluster's state store.
     assert len(list((tmp_path / "checkpoint" / "spark" / "commits").glob("[0-9]*"))) >= 2
+    # The driver learnt the dimension's schema, never its rows.
+    text = log.read_text()
+    assert "dataset devices: partitioned; schema" in text and "dataset devices: bootstrapped" not in text

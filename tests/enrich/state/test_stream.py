@@ -130,11 +130,11 @@ def test_device_state_over_micro_batches(spark: SparkSession, kafka: dict[str, s
 
 
 @pytest.mark.integration
-def test_state_of_a_join_column_is_refused_for_now(spark: SparkSession, kafka: dict[str, str],
+def test_state_of_a_broadcast_join_column_is_refused(spark: SparkSession, kafka: dict[str, str],
                                                    unique: Callable[[str], str], tmp_path: Path) -> None:
     data = make_config(kafka, unique, tmp_path, aggregates={"owner": ["last"]})
     publish(kafka, data["joins"][0]["topic"], changelog(DEVICES, [{"device_id": "a", "owner": "ann"}]))
-    with pytest.raises(ConfigError, match=r"state\.aggregates\.owner: 'owner' is added by a join"):
+    with pytest.raises(ConfigError, match=r"state\.aggregates\.owner: 'owner' is added by a broadcast join, which runs after"):
         run(spark, data)
     data = {**data, "state": {**data["state"], "aggregates": {"humidity": ["last"]}}}
     with pytest.raises(ConfigError, match=r"state\.aggregates\.humidity: column 'humidity' is neither an event "
