@@ -46,3 +46,20 @@ def test_unpack_gives_the_declared_schema() -> None:
     batch = pa.RecordBatch.from_pydict({packed.ROWS: [to_ipc(table), to_ipc(table.slice(0, 0))]})
     out = list(packed.unpack([batch], want))
     assert len(out) == 1 and out[0].schema == want and out[0].column("x").to_pylist() == [1, None]
+
+
+def test_kinds_travel_with_their_rows() -> None:
+    import pandas as pd
+
+    ev = list(packed.pack([events([1, 1], [3, 4])], bucket="_bucket", timestamp="_ts_us", packed_schema=SCHEMA))
+    changes = pa.RecordBatch.from_pydict({"key": [b"k1", b"k2", b"k3"], "_bucket": pa.array([1, 1, 1], pa.int32())})
+    ch = list(packed.pack([changes], bucket="_bucket", timestamp=None, packed_schema=SCHEMA, kind="dim0"))
+    assert ch[0].column(packed.MAX_TS).to_pylist() == [None]
+    # As the processor gets them: pandas frames, the packed values last; kinds interleaved.
+    frames = [pd.DataFrame({"v": ch[0].column(packed.ROWS).to_pylist() + ev[0].column(packed.ROWS).to_pylist()}),
+              pd.DataFrame({"v": ch[0].column(packed.ROWS).to_pylist()})]
+    kinds = packed.unpack_kinds(frames)
+    assert sorted(kinds) == ["dim0", packed.EVENTS]
+    assert kinds[packed.EVENTS].column("device").to_pylist() == ["d0", "d1"]
+    assert kinds["dim0"].column("key").to_pylist() == [b"k1", b"k2", b"k3"] * 2
+    assert kinds["dim0"].schema.metadata is None
