@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -159,10 +160,60 @@ def apply_changes(dim: PartitionedDim, stored: pa.Table, schema: DatasetSchema,
     return stored, schema
 
 
-def lookup(dim: PartitionedDim, events: pa.Table, stored: pa.Table, error_column: str | None) -> pa.Table:
+class Version:
+    """A bucket's rows of one dimension as the processor uses them; the hash index over their key
+    is built at the first lookup and kept with them."""
+
+    def __init__(self, dim: PartitionedDim, rows: pa.Table, schema: DatasetSchema) -> None:
+        self.dim, self.rows, self.schema = dim, rows, schema
+        self._index: Lookup | None = None
+
+    @property
+    def index(self) -> Lookup:
+        if self._index is None:
+            self._index = Lookup(self.rows.drop_columns([KEY_BYTES]), [k for _, k in self.dim.join.pairs])
+        return self._index
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.rows.nbytes) * (3 if self._index is not None else 1)  # the index: about twice the rows
+
+
+class VersionCache:
+    """Versions of buckets' rows a Python worker keeps across micro-batches, by token, least
+    recently used first out once they hold more than ``limit`` bytes. Spark reuses Python workers,
+    and a bucket's dimension rows change only when its changelog does, so most calls find their
+    version here. Tokens are random and new at every change: a hit is always the stored version."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._items: OrderedDict[str, Version] = OrderedDict()
+
+    def get(self, token: str) -> Version | None:
+        hit = self._items.get(token)
+        if hit is not None:
+            self._items.move_to_end(token)
+        return hit
+
+    def put(self, token: str, version: Version) -> None:
+        self._items[token] = version
+        self._items.move_to_end(token)
+        total = sum(v.nbytes for v in self._items.values())
+        while total > self.limit and len(self._items) > 1:
+            _, dropped = self._items.popitem(last=False)
+            total -= dropped.nbytes
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
+#: This Python worker's cache: its share of the partitioned dimensions, up to 512 MB (rows and index).
+CACHE = VersionCache(512 << 20)
+
+
+def lookup(dim: PartitionedDim, events: pa.Table, version: Version, error_column: str | None) -> pa.Table:
     """``events`` with the join's columns and matched flag, looked up in a bucket's rows."""
-    base = Lookup(stored.drop_columns([KEY_BYTES]), [k for _, k in dim.join.pairs])
-    return join_table(events, dim.join, base, None, error_column)
+    return join_table(events, dim.join, version.index, None, error_column)
 
 
 # ------------------------------------------------------------------------------------------ driver

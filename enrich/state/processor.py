@@ -22,6 +22,7 @@ fields (``_state_<field>``, times in microseconds) and ``_late``; the streaming 
 from __future__ import annotations
 
 import dataclasses
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -36,20 +37,23 @@ from pyspark.sql.streaming.stateful_processor import (
     StatefulProcessorHandle,
     TimerValues,
 )
-from pyspark.sql.types import BinaryType, StructField, StructType
+from pyspark.sql.types import BinaryType, StringType, StructField, StructType
 
 from enrich.events import ERROR
 from enrich.ipc import from_ipc, to_ipc
 from enrich.state import engine, packed
-from enrich.state.dimension import PartitionedDim, apply_changes, conform, lookup
+from enrich.state.dimension import CACHE, PartitionedDim, Version, apply_changes, conform, lookup
 from enrich.state.engine import StateSpec
 from refstream.contract import DatasetSchema
 
 #: The state variable holding a bucket's device table, and its schema.
 STATE_NAME = "devices"
 VALUE_SCHEMA = StructType([StructField("table", BinaryType(), False)])
-#: A partitioned dimension's state variable (``dim<index>``): a bucket's rows, and the schema last applied.
+#: A partitioned dimension's state variables: ``dim<index>``, a bucket's rows and the schema last
+#: applied; ``dim<index>v``, a token naming that version (new at every change), which Python workers
+#: cache the decoded rows and their index under (``enrich.state.dimension.CACHE``).
 DIM_SCHEMA = StructType([StructField("table", BinaryType(), False), StructField("schema", BinaryType(), False)])
+TOKEN_SCHEMA = StructType([StructField("token", StringType(), False)])
 #: Columns the plan adds before the step, and the prefix of the flat state fields it emits.
 BUCKET, TS_US, FLAT = "_bucket", "_ts_us", "_state_"
 LATE = "_late"
@@ -95,20 +99,21 @@ class DeviceStateProcessor(StatefulProcessor):
         self.handle = handle
         self.value = handle.getValueState(STATE_NAME, VALUE_SCHEMA)
         self.dim_values = [handle.getValueState(d.state_name, DIM_SCHEMA) for d in self.dims]
+        self.dim_tokens = [handle.getValueState(d.state_name + "v", TOKEN_SCHEMA) for d in self.dims]
 
     def handleInputRows(self, key: Any, rows: Iterator[pd.DataFrame],  # type: ignore[override]
                         timerValues: TimerValues) -> Iterator[pd.DataFrame]:
         kinds = packed.unpack_kinds(rows)
         # A batch's changelog records come first: its events see the dimension as of their end.
-        tables = [self._dimension(i, kinds.get(d.kind)) for i, d in enumerate(self.dims)]
+        versions = [self._dimension(i, kinds.get(d.kind)) for i, d in enumerate(self.dims)]
         table = kinds.get(packed.EVENTS)
         if table is None:
             return
         # Shuffle order is not stable: rows leave in source order, so a replay gives the same output.
         table = table.take(pc.sort_indices(table, [("_partition", "ascending"), ("_offset", "ascending")]))
         names = list(self.columns)
-        for dim, stored in zip(self.dims, tables, strict=True):
-            table = lookup(dim, table, stored, ERROR)
+        for dim, version in zip(self.dims, versions, strict=True):
+            table = lookup(dim, table, version, ERROR)
             names += [out for _, out in dim.join.columns] + [dim.join.matched]
         ok = pc.is_null(table.column(ERROR)).to_numpy(zero_copy_only=False)
         events = self._events(table.filter(pa.array(ok)))
@@ -135,20 +140,35 @@ class DeviceStateProcessor(StatefulProcessor):
             out = out.filter(pc.or_(keep, pa.array(~ok)))
         yield packed.pack_output(out)
 
-    def _dimension(self, i: int, records: pa.Table | None) -> pa.Table:
-        """Dimension ``i``'s rows in this bucket, this batch's changelog ``records`` applied (and stored)."""
-        dim, value = self.dims[i], self.dim_values[i]
-        stored, schema = dim.empty(), dim.schema
-        if value.exists():
-            got = value.get()
+    def _dimension(self, i: int, records: pa.Table | None) -> Version:
+        """Dimension ``i``'s rows in this bucket, this batch's changelog ``records`` applied (and
+        stored): from this worker's cache when its token names the stored version, so an unchanged
+        bucket costs one small state read instead of reading and indexing its rows."""
+        dim, value, tokens = self.dims[i], self.dim_values[i], self.dim_tokens[i]
+        token = None
+        if tokens.exists():
+            got = tokens.get()
             assert got is not None
-            stored, schema = from_ipc(got[0]), DatasetSchema.from_json(got[1])
-            if stored.schema != dim.stored:  # the job was planned against a newer schema's types
-                stored = conform(dim, stored)
+            token = str(got[0])
+        version = CACHE.get(token) if token is not None else None
+        if version is None:
+            stored, schema = dim.empty(), dim.schema
+            if value.exists():
+                got = value.get()
+                assert got is not None
+                stored, schema = from_ipc(got[0]), DatasetSchema.from_json(got[1])
+                if stored.schema != dim.stored:  # the job was planned against a newer schema's types
+                    stored = conform(dim, stored)
+            version = Version(dim, stored, schema)
         if records is not None and records.num_rows:
-            stored, schema = apply_changes(dim, stored, schema, records)
+            stored, schema = apply_changes(dim, version.rows, version.schema, records)
             value.update((to_ipc(stored), schema.to_json()))
-        return stored
+            token = uuid.uuid4().hex  # a replay makes another: a cache miss, never a wrong hit
+            tokens.update((token,))
+            version = Version(dim, stored, schema)
+        if token is not None:
+            CACHE.put(token, version)
+        return version
 
     def handleExpiredTimer(self, key: Any, timerValues: TimerValues,
                            expiredTimerInfo: ExpiredTimerInfo) -> Iterator[pd.DataFrame]:

@@ -10,7 +10,16 @@ import pyarrow as pa
 import pytest
 
 from enrich.join import JoinSpec
-from enrich.state.dimension import KEY_BYTES, PartitionedDim, apply_changes, conform, lookup, partitioned_dim
+from enrich.state.dimension import (
+    KEY_BYTES,
+    PartitionedDim,
+    Version,
+    VersionCache,
+    apply_changes,
+    conform,
+    lookup,
+    partitioned_dim,
+)
 from refstream import contract
 from refstream.contract import Column, DatasetSchema
 from refstream.errors import ContractError
@@ -98,10 +107,29 @@ def test_lookup_is_the_broadcast_join() -> None:
                                                                           {"id": 2, "owner": "b"})))
     events = pa.table({"device_id": pa.array([2, None, 5, 1], pa.int64()),
                        "_error": pa.array([None, "bad", None, None], pa.string())})
-    out = lookup(dim, events, stored, "_error")
+    out = lookup(dim, events, Version(dim, stored, SCHEMA), "_error")
     assert out.column("owner").to_pylist() == ["b", None, None, "a"]
     assert out.column("_devices_matched").to_pylist() == [True, False, False, True]
-    assert lookup(dim, events, dim.empty(), "_error").column("owner").to_pylist() == [None] * 4
+    assert lookup(dim, events, Version(dim, dim.empty(), SCHEMA), "_error").column("owner").to_pylist() == [None] * 4
     # Stored rows of older types are brought to the planned ones.
     old = stored.set_column(stored.schema.get_field_index("id"), "id", stored.column("id").cast(pa.int32()))
     assert conform(dim, old).equals(stored)
+
+
+def test_the_version_cache_keeps_the_recently_used_within_its_bytes() -> None:
+    dim = make_dim()
+    versions = {}
+    for i in range(4):
+        stored, _ = apply_changes(dim, dim.empty(), SCHEMA, records(*upserts(*({"id": j, "owner": "o"}
+                                                                                for j in range(i * 100, i * 100 + 100)))))
+        versions[f"t{i}"] = Version(dim, stored, SCHEMA)
+    assert versions["t1"].nbytes == versions["t3"].nbytes
+    cache = VersionCache(limit=sum(versions[t].nbytes for t in ("t0", "t1", "t2")))
+    for token in ("t0", "t1", "t2"):
+        cache.put(token, versions[token])
+    assert cache.get("t0") is versions["t0"]           # t0 is now the most recently used
+    cache.put("t3", versions["t3"])                      # over the limit: t1, the least recent, goes
+    assert cache.get("t1") is None and [cache.get(t) is versions[t] for t in ("t0", "t2", "t3")] == [True] * 3
+    versions["t3"].index  # noqa: B018 - built: the version now counts its index too
+    cache.put("t3", versions["t3"])
+    assert len(cache) < 3 and cache.get("t3") is versions["t3"]
