@@ -124,3 +124,45 @@ def test_a_bucket_of_dead_letters_only_keeps_no_state() -> None:
     assert out["_error"].tolist() == ["state.key device_id is null"] and pd.isna(out[FLAT + "events"][0])
     assert out[LATE].tolist() == [False]
     assert t.peekValueState(STATE_NAME, 3) is None and list(t.handle.listTimers()) == []
+
+
+def test_a_partitioned_dimension_is_applied_before_the_events_and_cached_per_version() -> None:
+    from enrich.join import JoinSpec
+    from enrich.state import dimension
+    from refstream import contract
+    from refstream.contract import Column, DatasetSchema
+
+    schema = DatasetSchema("devices", ("device_id",), (Column("device_id", "string"), Column("owner", "string")))
+    spec = JoinSpec(dataset="devices", pairs=(("device_id", "device_id"),), key_types=(pa.string(),),
+                    columns=(("owner", "owner"),), out_types=(pa.string(),), matched="_devices_matched", inner=False)
+    dim = dimension.partitioned_dim(0, "devices", "ref.devices", schema, spec, inner=False)
+    t = TwsTester(DeviceStateProcessor(SPEC, COLUMNS, dims=(dim,)), timeMode="EventTime",
+                  eventTimeExtractor=lambda _: 2**62)
+
+    def changes(rows: list[dict], first: int) -> pa.Table:
+        ms = ([contract.schema_message(schema)] if first == 0 else []) + list(contract.upsert_messages(schema, rows, 1))
+        table = pa.table({"partition": pa.array([0] * len(ms), pa.int32()),
+                          "offset": pa.array(range(first, first + len(ms)), pa.int64()),
+                          "key": pa.array([m.key for m in ms], pa.binary()),
+                          "value": pa.array([m.value for m in ms], pa.binary())})
+        return table.replace_schema_metadata({b"refstream.kind": dim.kind.encode()})
+
+    def owners(*chunks: pa.Table) -> list[str | None]:
+        out = run(t, *chunks)
+        return [None if pd.isna(o) else o for o in out["owner"]]
+
+    # Changelog records and events in one call: the records come first, whatever the chunks' order.
+    assert owners(rows([("a", 0, 1.0, 1), ("b", 1, 2.0, 2)]), changes([{"device_id": "a", "owner": "ann"}], 0)) \
+        == ["ann", None]
+    token = t.peekValueState(dim.state_name + "v", 3)
+    assert token is not None and dimension.CACHE.get(token[0]) is not None
+    # No records: the version comes from this worker's cache, not from the stored rows (spoiled here).
+    t.updateValueState(dim.state_name, 3, (b"not arrow", schema.to_json()))
+    assert owners(rows([("a", 2, 1.0, 1)], 2)) == ["ann"]
+    # A change: a new token; the rows are read (put back) and the change applied.
+    t.updateValueState(dim.state_name, 3, (to_ipc(dimension.CACHE.get(token[0]).rows), schema.to_json()))  # type: ignore[union-attr]
+    assert owners(changes([{"device_id": "b", "owner": "bob"}], 5), rows([("b", 3, 1.0, 1)], 3)) == ["bob"]
+    assert t.peekValueState(dim.state_name + "v", 3) != token
+    # The cache emptied (another worker): the stored rows are read.
+    dimension.CACHE._items.clear()
+    assert owners(rows([("a", 4, 1.0, 1), ("b", 5, 1.0, 1)], 4)) == ["ann", "bob"]
