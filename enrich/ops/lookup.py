@@ -82,10 +82,14 @@ def lookup(cfg: EnrichConfig, dataset: str, key: str, batch_id: int | None = Non
     if dataset not in topics:
         raise ConfigError(f"dataset {dataset!r} is not joined by {cfg.source} (datasets: {', '.join(topics) or 'none'})")
     info = Checkpoint(cfg.checkpoint).batch(batch_id)
-    if dataset not in info.positions:
-        raise DataError(f"batch {info.batch_id} of {cfg.checkpoint} recorded no positions for dataset {dataset}")
-    target = info.positions[dataset]
     topic = topics[dataset]
+    if dataset in {j.dataset for j in cfg.partitioned_joins}:
+        # Kept by the executors: the batch applied its changelog up to its source's end in Spark's offset log.
+        target = {p: o for (t, p), o in info.events_end.items() if t == topic}
+    else:
+        target = info.positions.get(dataset, {})
+    if not target:
+        raise DataError(f"batch {info.batch_id} of {cfg.checkpoint} recorded no positions for dataset {dataset}")
     feed = ChangelogFollower(cfg.kafka, topic)
     try:
         records, short = feed.read_until_available(target, timeout)

@@ -78,7 +78,15 @@ def status(cfg: EnrichConfig, *, max_age: timedelta | None = None, now: float | 
     info = ckpt.batch(last)
     dims: list[DimensionStatus] = []
     problems: list[str] = []
+    partitioned = {j.dataset for j in cfg.partitioned_joins}
     for ds, topic in cfg.datasets.items():
+        if ds in partitioned:
+            # Kept by the executors: the batch's changelog range is in Spark's offset log (a source
+            # of its own); its version, rows and age are not known to the driver.
+            ends = {p: o for (t, p), o in info.events_end.items() if t == topic}
+            dims.append(DimensionStatus(dataset=ds, topic=topic, version=None, rows=None, changed_ms=None,
+                                        age_seconds=None, positions=ends))
+            continue
         facts = info.dimensions.get(ds, {})
         changed = facts.get("changed_ms")
         changed_ms = int(changed) if isinstance(changed, int | float) else None

@@ -115,6 +115,16 @@ def test_a_partitioned_join_column_can_be_aggregated(spark: SparkSession, kafka:
     assert [(out[n]["state"]["limit_last"], out[n]["state"]["limit_max"], out[n]["state"]["owner_last"])
             for n in (0, 2, 5)] == [(5.0, 5.0, "a"), (5.0, 5.0, "a"), (2.0, 5.0, "b")]
     assert out[5]["state"]["events"] == 4 and out[5]["city"] == "Oslo"
+    # The operator's view: status and lookup find the partitioned dimension's range in Spark's offset log.
+    from enrich.ops.lookup import lookup
+    from enrich.ops.status import status
+
+    cfg = config.parse(data, "test.yaml")
+    found = lookup(cfg, "devices", "1")
+    assert (found.found, found.row["owner"] if found.row else None, found.version) == ("present", "b", 2)
+    dims = {d.dataset: d for d in status(cfg).dimensions}
+    assert dims["devices"].positions == {0: 3}   # the schema record and two upserts
+    assert dims["devices"].rows is None and dims["sites"].rows == 1
 
     # The checkpoint keeps the partitioned joins it was run with.
     flipped = {**data, "joins": [{**data["joins"][0], "strategy": "broadcast"}, data["joins"][1]],
