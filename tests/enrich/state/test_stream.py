@@ -143,8 +143,9 @@ def test_state_of_a_broadcast_join_column_is_refused(spark: SparkSession, kafka:
 
 
 @pytest.mark.integration
+@pytest.mark.parametrize("strategy", ["broadcast", "partitioned"])
 def test_sigkill_then_restart_continues_every_device_count(kafka: dict[str, str], unique: Callable[[str], str],
-                                                           tmp_path: Path) -> None:
+                                                           tmp_path: Path, strategy: str) -> None:
     from collections import Counter
 
     from tests.enrich.test_restart import committed_count, run_then_kill, start_job, write_config
@@ -154,6 +155,7 @@ def test_sigkill_then_restart_continues_every_device_count(kafka: dict[str, str]
                        state={"key": "device_id", "timestamp": "ts", "watermark": "2h", "buckets": 8,
                               "aggregates": {"n": ["max"]}})
     cfg["events"]["schema"] = "device_id STRING, ts TIMESTAMP, n INT"
+    cfg["joins"][0]["strategy"] = strategy
     config.write_text(yaml.safe_dump(cfg))
     publish(kafka, cfg["joins"][0]["topic"], changelog(DEVICES, [{"device_id": "d1", "owner": "o1"}]))
     total = 2000
@@ -184,6 +186,7 @@ def test_sigkill_then_restart_continues_every_device_count(kafka: dict[str, str]
         i = r["n"]
         assert r["state"]["events"] == i // 12 + 1, r
         assert r["state"]["n_max"] == i and r["_late"] is False
+        assert r["owner"] == ("o1" if r["device_id"] == "d1" else None), r
     # The count of devices in state continues across the crash and the retried task too.
     counts = [line.rsplit("; ", 1)[1] for line in log.read_text().splitlines() if line.endswith(" device(s) in state")]
     assert counts and counts[-1] == "12 device(s) in state", counts[-5:]
