@@ -30,7 +30,7 @@ from pyspark.sql.streaming import StreamingQuery
 from pyspark.sql.types import StructType
 
 from enrich import events, join
-from enrich.config import EnrichConfig
+from enrich.config import EnrichConfig, JoinConfig
 from enrich.deadletter import DeadLetters
 from enrich.dimension.changelog import ChangelogFollower
 from enrich.dimension.manager import Dimensions
@@ -51,6 +51,8 @@ log = logging.getLogger(__name__)
 DEFAULT_RETRY = RetryPolicy(attempts=5, initial=1.0, maximum=15.0)
 #: The Kafka writers' transactional ids, relative to the checkpoint (see ``EnrichJob._transactional_id``).
 SINK_IDENTITY = Path("refstream") / "sink.json"
+#: Where the dimension versions of joins in the plan are written for their tasks, relative to the checkpoint.
+SHIPPED = Path("refstream") / "shipped"
 
 
 _OUR_ERROR = re.compile(r"refstream\.errors\.\w+: (.+)")
@@ -98,6 +100,8 @@ class EnrichJob:
                           StructType] | None = None
         self.fast: FastParser | None = None
         self.batches = 0
+        #: The broadcast joins run in ``foreachBatch`` (all of them, unless the state step needs some).
+        self._post_joins = cfg.broadcast_joins
 
     @property
     def checkpoint(self) -> Path:
@@ -173,8 +177,16 @@ class EnrichJob:
             self.devices = DeviceCount(self.spark.sparkContext, cfg.checkpoint)
             if self.metrics is not None:
                 self.metrics.devices_in_state(self.devices.total)
+            pre = self._state_joins(before)
+            self._post_joins = tuple(j for j in cfg.broadcast_joins if j not in pre)
+            if pre:
+                # Their tasks read the pinned versions from files (enrich.join.PlanEnricher).
+                self.dims.shipper.write_to(cfg.checkpoint / SHIPPED)
+                log.info("joined in the plan, before the state step (the state aggregates their columns): %s",
+                         ", ".join(j.dataset for j in pre))
             stream = state_step(self.spark, cfg, raw, self.event_schema, enriched_schema, self._timezone(),
-                                self.devices.accumulator, schemas)
+                                self.devices.accumulator, {**schemas, **{j.dataset: self.dims.schema(j.dataset)
+                                                                         for j in pre}}, pre)
             self._parsed_schema, self._plan = stream.schema, None
             self._planned(self._parsed_schema)
         else:
@@ -301,6 +313,10 @@ class EnrichJob:
         t0 = time.monotonic()
         shipped = call_with_retry(lambda: self.dims.pin(batch_id), what=f"batch {batch_id}: pinning dimensions",
                                   policy=self.retry, stop=self._stop)
+        files = self.dims.shipper.files
+        if files is not None:  # joins in the plan: this batch's tasks learn its pinned versions here
+            self.spark.sparkContext.setLocalProperty(join.PINNED_PROPERTY,
+                                                     join.pinned_property(shipped, str(files.resolve())))
         specs, out_cols, out_schema, fast_schema = self._planned(self._parsed_schema)
         matched = tuple(s.matched for s in specs)
 
@@ -353,6 +369,22 @@ class EnrichJob:
         if progress:
             self.metrics.progress(progress.get("sources") or [])
 
+    def _state_joins(self, enriched: StructType) -> list[JoinConfig]:
+        """The broadcast joins the state step needs, in configured order: those adding a column
+        ``state:`` names, and those their ``on`` columns come from. They run in the plan, before
+        the step (``enrich.join.PlanEnricher``); the others stay in ``foreachBatch``."""
+        assert self.cfg.state is not None
+        joins = self.cfg.broadcast_joins
+        schemas = {ds: self.dims.schema(ds) for ds in self.cfg.broadcast_datasets}
+        specs, _ = join.plan(joins, schemas, enriched, timezone=self._timezone(), source=self.cfg.source)
+        needed, chosen = set(self.cfg.state.columns), set()
+        for _ in range(len(specs)):
+            for i, s in enumerate(specs):
+                if i not in chosen and ({out for _, out in s.columns} | {s.matched}) & needed:
+                    chosen.add(i)
+                    needed |= {e for e, _ in s.pairs}
+        return [j for i, j in enumerate(joins) if i in chosen]
+
     def _timezone(self) -> str:
         return self.spark.conf.get("spark.sql.session.timeZone") or "UTC"
 
@@ -362,7 +394,7 @@ class EnrichJob:
         schemas = {ds: self.dims.schema(ds) for ds in self.cfg.broadcast_datasets}
         if self._plan is None or self._plan[0] != schemas:
             tz = self._timezone()
-            joins = self.cfg.broadcast_joins
+            joins = self._post_joins
             specs, out_schema = join.plan(joins, schemas, parsed, timezone=tz, source=self.cfg.source)
             _, fast_schema = join.plan(joins, schemas, events.fast_schema(parsed), timezone=tz,
                                        source=self.cfg.source)

@@ -13,10 +13,12 @@ rows (``error_column`` set), which must reach the dead-letter topic.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -147,6 +149,7 @@ _OVERLAYS: OrderedDict[str, Lookup] = OrderedDict()
 
 
 def _cached(cache: OrderedDict[str, Lookup], ident: str, bc: object, key: Sequence[str], keep: int) -> Lookup:
+    """The lookup of version ``ident``, built from ``bc.value`` (a broadcast's bytes) at first use."""
     hit = cache.get(ident)
     if hit is not None:
         cache.move_to_end(ident)
@@ -256,3 +259,77 @@ class Enricher:
                 base, overlay = lookups[spec.dataset]
                 t = join_table(t, spec, base, overlay, self.error_column)
             yield from t.to_batches()
+
+
+# ------------------------------------------------------------------------------ in the streaming plan
+
+#: The local property through which the driver tells a batch's tasks which dimension versions it
+#: pinned (set in ``foreachBatch`` before the batch's action, so the plan's stages see it too).
+PINNED_PROPERTY = "refstream.pinned"
+
+
+def pinned_property(shipped: Mapping[str, Shipped], files: str) -> str:
+    """The value of :data:`PINNED_PROPERTY` for one batch: every version's ids and key, and the
+    directory the shipper wrote them to."""
+    return json.dumps({"files": files, "dims": {ds: [list(s.key), s.base_id, s.overlay_id]
+                                                for ds, s in shipped.items()}})
+
+
+class _FileBytes:
+    """A shipped version read from its file (what a broadcast's ``.value`` would give)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    @property
+    def value(self) -> bytes:
+        return self.path.read_bytes()
+
+
+class PlanEnricher:
+    """The ``mapInArrow`` function of joins placed in the streaming plan (before the state step):
+    like :class:`Enricher`, but the versions come from the batch's :data:`PINNED_PROPERTY` and the
+    shipper's files, since the plan's Python functions cannot get broadcasts made after it was built."""
+
+    def __init__(self, specs: tuple[JoinSpec, ...], error_column: str | None) -> None:
+        self.specs, self.error_column = specs, error_column
+
+    def lookups(self) -> dict[str, tuple[Lookup, Lookup | None]]:
+        from pyspark import TaskContext
+
+        from enrich.dimension.ship import file_of
+
+        ctx = TaskContext.get()
+        raw = ctx.getLocalProperty(PINNED_PROPERTY) if ctx is not None else None
+        if raw is None:
+            raise RuntimeError(f"no {PINNED_PROPERTY} local property in this task: the in-plan joins ran "
+                               "outside a batch the job pinned")
+        pinned = json.loads(raw)
+        out = {}
+        wanted = {s.dataset for s in self.specs}
+        for ds, (key, base_id, overlay_id) in pinned["dims"].items():
+            if ds not in wanted:
+                continue
+            keep = 2 * len(pinned["dims"])
+            base = _cached(_BASES, base_id, _FileBytes(file_of(pinned["files"], base_id)), key, keep=keep)
+            overlay = (_cached(_OVERLAYS, overlay_id, _FileBytes(file_of(pinned["files"], overlay_id)), key, keep=keep)
+                       if overlay_id is not None else None)
+            out[ds] = (base, overlay)
+        return out
+
+    def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        lookups: dict[str, tuple[Lookup, Lookup | None]] | None = None
+        for b in batches:
+            if lookups is None:
+                lookups = self.lookups()
+            t = pa.Table.from_batches([b])
+            for spec in self.specs:
+                base, overlay = lookups[spec.dataset]
+                t = join_table(t, spec, base, overlay, self.error_column)
+            yield from t.to_batches()
+
+
+def enrich_in_plan(df: DataFrame, specs: Sequence[JoinSpec], out_schema: StructType,
+                   error_column: str | None) -> DataFrame:
+    """``df`` with ``specs`` applied inside the streaming plan (:class:`PlanEnricher`)."""
+    return df.mapInArrow(PlanEnricher(tuple(specs), error_column), out_schema) if specs else df

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import pyarrow as pa
 from pyspark.accumulators import Accumulator
@@ -31,7 +31,7 @@ from pyspark.sql.types import (
 )
 
 from enrich import events, join
-from enrich.config import EnrichConfig, StateConfig
+from enrich.config import EnrichConfig, JoinConfig, StateConfig
 from enrich.events import ERROR
 from enrich.kafka import read_stream
 from enrich.state import packed
@@ -53,26 +53,39 @@ PROVIDER_CONF = "spark.sql.streaming.stateStore.providerClass"
 def state_step(spark: SparkSession, cfg: EnrichConfig, raw: DataFrame, event_schema: StructType,
                enriched: StructType, timezone: str,
                devices: Accumulator[dict[int, int]] | None = None,
-               schemas: Mapping[str, DatasetSchema] | None = None) -> DataFrame:
+               schemas: Mapping[str, DatasetSchema] | None = None,
+               before: Sequence[JoinConfig] = ()) -> DataFrame:
     """The job's hook: check ``state:`` against the events and the joins' columns (``enriched``) and
-    the checkpoint, set the RocksDB state store, and return the ``raw`` Kafka stream parsed and
-    through :func:`attach` (``devices``: see there), with the partitioned joins (``schemas``: their
-    datasets' published schemas) inside the step."""
+    the checkpoint, set the RocksDB state store, and return the ``raw`` Kafka stream parsed, joined
+    with the broadcast joins in ``before`` (in the plan: ``enrich.join.PlanEnricher``) and through
+    :func:`attach` (``devices``: see there), with the partitioned joins inside the step
+    (``schemas``: the published schemas of both kinds' datasets)."""
     assert cfg.state is not None
+    schemas = schemas or {}
     parsed = events.parse(raw, event_schema, cfg.events.required, keep_source=True)
     spec = resolve(cfg.state, enriched, timezone=timezone, source=cfg.source)
-    dims = partitioned_dims(cfg, parsed.schema, schemas or {}, timezone)
+    inner: list[str] = []
+    if before:
+        # Each of these needs its on: columns from the events: a column of a partitioned join (added
+        # inside the step) or of a join left in foreachBatch is named by the plan's error.
+        specs, joined = join.plan(before, schemas, parsed.schema, timezone=timezone, source=cfg.source)
+        inner = [s.matched for s in specs if s.inner]
+        # An inner join drops its unmatched events after the state counted them, as it does after the step.
+        parsed = join.enrich_in_plan(parsed, [dataclasses.replace(s, inner=False) for s in specs], joined, ERROR)
+    dims = partitioned_dims(cfg, parsed.schema, schemas, timezone)
     inside = set(parsed.columns) | {out for d in dims for _, out in d.join.columns}
     for name in cfg.state.columns:
         if name not in inside:
             where = "key" if name == cfg.state.key else f"aggregates.{name}"
-            raise ConfigError(f"{cfg.source}: state.{where}: {name!r} is added by a broadcast join, which runs "
-                              "after the state step; the step sees event fields and the columns of "
-                              "strategy: partitioned joins (docs/state.md)")
+            raise ConfigError(f"{cfg.source}: state.{where}: {name!r} comes from a join that cannot run before "
+                              "the state step (docs/state.md)")
     check_checkpoint(cfg.checkpoint, cfg.state, spec, cfg.source, dims)
     spark.conf.set(PROVIDER_CONF, ROCKSDB)
     changelogs = [read_stream(spark, cfg.kafka, [d.topic], starting_offsets="earliest") for d in dims]
-    return attach(parsed, cfg.state, spec, devices, timezone=timezone, dims=tuple(zip(dims, changelogs, strict=True)))
+    out = attach(parsed, cfg.state, spec, devices, timezone=timezone, dims=tuple(zip(dims, changelogs, strict=True)))
+    for matched in inner:
+        out = out.where(F.col(f"`{matched}`") | F.col(ERROR).isNotNull())
+    return out
 
 
 def partitioned_dims(cfg: EnrichConfig, parsed: StructType, schemas: Mapping[str, DatasetSchema],

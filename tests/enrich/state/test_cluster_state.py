@@ -17,6 +17,7 @@ import yaml
 
 from refstream.contract import Column, DatasetSchema
 from tests.enrich.helpers import changelog, produce_events, publish, read_all
+from tests.enrich.state.test_partitioned import SITES
 from tests.enrich.test_cluster import cluster  # noqa: F401 - the fixture
 from tests.enrich.test_restart import start_job, write_config
 
@@ -41,19 +42,24 @@ def test_device_state_and_a_partitioned_dimension_on_a_two_worker_standalone_clu
     master, _ = cluster
     config = tmp_path / "enrich.yaml"
     cfg = write_config(config, kafka, unique, max_events_per_batch=500,
-                       events={"topic": unique("events"), "schema": "device_id STRING, ts TIMESTAMP, temp DOUBLE, n INT",
-                               "starting_offsets": "earliest"},
+                       events={"topic": unique("events"), "starting_offsets": "earliest",
+                               "schema": "device_id STRING, ts TIMESTAMP, temp DOUBLE, n INT, site_id STRING"},
                        state={"key": "device_id", "timestamp": "ts", "watermark": "2h", "buckets": 8,
-                              "aggregates": {"temp": ["max", "mean"], "owner": ["last"]}},
+                              "aggregates": {"temp": ["max", "mean"], "owner": ["last"], "city": ["last"]}},
                        spark={"spark.executor.memory": "512m", "spark.cores.max": "2", "spark.driver.memory": "1g",
                               "spark.driver.host": "127.0.0.1", "spark.sql.shuffle.partitions": "2"})
     cfg["joins"][0]["strategy"] = "partitioned"
+    # A broadcast join the state aggregates: joined in the plan, from the files the driver writes.
+    cfg["joins"].append({"dataset": "sites", "topic": unique("ref.sites"), "on": "site_id"})
     config.write_text(yaml.safe_dump(cfg))
+    publish(kafka, cfg["joins"][1]["topic"], changelog(SITES, [{"site_id": "s0", "city": "Oslo"},
+                                                               {"site_id": "s1", "city": "Rome"}]))
     # d0's row is deleted: its events go on unmatched.
     publish(kafka, cfg["joins"][0]["topic"], changelog(SCHEMA, [{"device_id": f"d{i}", "owner": f"o{i}"}
                                                                 for i in range(DEVICES)], deletes=[{"device_id": "d0"}]))
     # Keyed by device: each device's events on one of the two partitions, in the order of n and time.
-    events = [{"device_id": f"d{n % DEVICES}", "ts": at(n), "temp": temperature(n), "n": n} for n in range(TOTAL)]
+    events = [{"device_id": f"d{n % DEVICES}", "ts": at(n), "temp": temperature(n), "n": n, "site_id": f"s{n % 2}"}
+              for n in range(TOTAL)]
     produce_events(kafka, cfg["events"]["topic"], [*events, {"device_id": None, "ts": at(0), "n": -1}], partitions=2)
     log = tmp_path / "job.log"
     proc = start_job(config, log, "--available-now", master=master)
@@ -81,6 +87,7 @@ def test_device_state_and_a_partitioned_dimension_on_a_two_worker_standalone_clu
         owner = None if r["device_id"] == "d0" else r["device_id"].replace("d", "o")
         assert r["_late"] is False and r["owner"] == owner and s["owner_last"] == owner, r
         assert r["_devices_matched"] is (owner is not None), r
+        assert r["city"] == s["city_last"] == ("Oslo" if r["n"] % 2 == 0 else "Rome"), r
     # More than one batch, and the state was kept across them in the cluster's state store.
     assert len(list((tmp_path / "checkpoint" / "spark" / "commits").glob("[0-9]*"))) >= 2
     # The driver learnt the dimension's schema, never its rows.

@@ -130,16 +130,49 @@ def test_device_state_over_micro_batches(spark: SparkSession, kafka: dict[str, s
 
 
 @pytest.mark.integration
-def test_state_of_a_broadcast_join_column_is_refused(spark: SparkSession, kafka: dict[str, str],
-                                                   unique: Callable[[str], str], tmp_path: Path) -> None:
-    data = make_config(kafka, unique, tmp_path, aggregates={"owner": ["last"]})
-    publish(kafka, data["joins"][0]["topic"], changelog(DEVICES, [{"device_id": "a", "owner": "ann"}]))
-    with pytest.raises(ConfigError, match=r"state\.aggregates\.owner: 'owner' is added by a broadcast join, which runs after"):
+def test_state_of_a_broadcast_join_column(spark: SparkSession, kafka: dict[str, str],
+                                          unique: Callable[[str], str], tmp_path: Path,
+                                          caplog: pytest.LogCaptureFixture) -> None:
+    from tests.enrich.state.test_partitioned import SITES
+
+    data = make_config(kafka, unique, tmp_path, aggregates={"owner": ["last"], "temp": ["max"]})
+    sites = {"dataset": "sites", "topic": unique("ref.sites"), "on": "site_id"}
+    data["events"]["schema"] += ", site_id STRING"
+    data["joins"].append(sites)   # not needed by the state: stays after the step
+    data["max_events_per_batch"] = 100
+    devices = data["joins"][0]["topic"]
+    publish(kafka, devices, changelog(DEVICES, [{"device_id": "a", "owner": "ann"}]))
+    publish(kafka, sites["topic"], changelog(SITES, [{"site_id": "s1", "city": "Oslo"}]))
+    events = data["events"]["topic"]
+    produce_events(kafka, events, [{"device_id": d, "ts": at(m), "temp": float(m), "n": m, "site_id": "s1"}
+                                   for m, d in enumerate(["a", "b", "a"])])
+    with caplog.at_level(logging.INFO, logger="enrich.job"):
         run(spark, data)
-    data = {**data, "state": {**data["state"], "aggregates": {"humidity": ["last"]}}}
+    assert any("joined in the plan, before the state step (the state aggregates their columns): devices" in
+               r.getMessage() for r in caplog.records)
+    # The owner changes; the next batch's events (and their state) see the version pinned for it.
+    publish(kafka, devices, changelog(DEVICES, [{"device_id": "a", "owner": "bob"}, {"device_id": "b", "owner": "bo"}],
+                                      version=2, with_schema=False))
+    produce_events(kafka, events, [{"device_id": d, "ts": at(m), "temp": 1.0, "n": m, "site_id": "s1"}
+                                   for m, d in [(3, "a"), (4, "b")]])
+    run(spark, data)
+    out = outputs(kafka, data["output"]["kafka"]["topic"])
+    got = [(out[n]["owner"], out[n]["state"]["owner_last"], out[n]["state"]["events"], out[n]["city"]) for n in range(5)]
+    assert got == [("ann", "ann", 1, "Oslo"), (None, None, 1, "Oslo"), ("ann", "ann", 2, "Oslo"),
+                   ("bob", "bob", 3, "Oslo"), ("bo", "bo", 2, "Oslo")]
+    assert [out[n]["state"]["temp_max"] for n in range(5)] == [0.0, 1.0, 2.0, 2.0, 1.0]
+
+    # A state column from a join that cannot run before the step is named.
+    bad = make_config(kafka, unique, tmp_path / "bad", aggregates={"city": ["last"]})
+    bad["joins"].append({**sites, "on": "owner"})    # on a column the devices join adds: fine in the plan
+    bad["joins"][0]["strategy"] = "partitioned"      # ... unless devices is joined inside the step
+    publish(kafka, bad["joins"][0]["topic"], changelog(DEVICES, [{"device_id": "a", "owner": "ann"}]))
+    with pytest.raises(ConfigError, match=r"joins\[0\] \(sites\): on: column 'owner' is neither an event field"):
+        run(spark, bad)
+    unknown = {**data, "state": {**data["state"], "aggregates": {"humidity": ["last"]}}}
     with pytest.raises(ConfigError, match=r"state\.aggregates\.humidity: column 'humidity' is neither an event "
                                           r"field nor added by a join"):
-        run(spark, data)
+        run(spark, unknown)
 
 
 @pytest.mark.integration
