@@ -11,21 +11,19 @@ transaction per micro-batch on the driver (``TransactionalBatchWriter``).
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
-import pyarrow as pa
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
-from pyspark.sql.datasource import DataSourceReader, InputPartition
+from pyspark.sql.datasource import DataSourceReader
 from pyspark.sql.types import StructType
 
 from bench.enrich_data import DEVICES, EVENT_DDL, JOIN_COLUMNS
 from enrich import events
-from enrich.kafka.fetch import OffsetRange, read_range
 from enrich.kafka.offsets import EndOffsetProbe
 from enrich.kafka.options import SourceOptions
-from enrich.kafka.source import KafkaDataSource
+from enrich.kafka.source import KafkaBatchReader, KafkaDataSource
 from enrich.sinks.abc import JSON_OPTIONS
 from refstream.compat import spark_schema
 from refstream.contract import SCHEMA_KEY
@@ -44,29 +42,7 @@ class WholeTopicSource(KafkaDataSource):
         return FORMAT
 
     def reader(self, schema: StructType) -> DataSourceReader:
-        return _WholeTopicReader(SourceOptions.parse(self.options), int(self.options.get("splits", "2")))
-
-
-class _WholeTopicReader(DataSourceReader):
-    def __init__(self, options: SourceOptions, splits: int) -> None:
-        self.options, self.splits = options, max(1, splits)
-
-    def partitions(self) -> Sequence[InputPartition]:
-        probe = EndOffsetProbe(self.options.settings)
-        try:
-            res = probe.probe(probe.partitions(self.options.topics))
-        finally:
-            probe.close()
-        out: list[InputPartition] = []
-        for (topic, part), end in sorted(res.end.items()):
-            lo = max(res.low.get((topic, part), 0), 0)
-            step = max(1, -(-(end - lo) // self.splits))
-            out.extend(OffsetRange(topic, part, a, min(a + step, end)) for a in range(lo, end, step))
-        return out
-
-    def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        assert isinstance(partition, OffsetRange)
-        return read_range(self.options.settings, partition, poll_timeout_s=self.options.poll_timeout_s)
+        return KafkaBatchReader(SourceOptions.parse(self.options), int(self.options.get("splits", "2")))
 
 
 def dimension(spark: SparkSession, settings: Mapping[str, str], topic: str) -> DataFrame:

@@ -67,11 +67,12 @@ class KafkaDataSource(DataSource):
 
 class KafkaBatchReader(DataSourceReader):
     """``spark.read.format("refstream-kafka")``: every committed record of the subscribed topics from
-    each partition's log start to its end when planned (``startingOffsets`` is not read). Used by
-    the job to scan a changelog on the executors (``enrich.state.dimension.published_schema``)."""
+    each partition's log start to its end when planned (``startingOffsets`` is not read), in
+    ``splits`` tasks per partition. Used by the job to scan a changelog on the executors
+    (``enrich.state.dimension.published_schema``)."""
 
-    def __init__(self, options: SourceOptions) -> None:
-        self.options = options
+    def __init__(self, options: SourceOptions, splits: int = 1) -> None:
+        self.options, self.splits = options, max(1, splits)
 
     def partitions(self) -> Sequence[InputPartition]:
         probe = EndOffsetProbe(self.options.settings)
@@ -79,8 +80,12 @@ class KafkaBatchReader(DataSourceReader):
             res = probe.probe(probe.partitions(self.options.topics))
         finally:
             probe.close()
-        return [OffsetRange(topic, part, res.low.get((topic, part), 0), end)
-                for (topic, part), end in sorted(res.end.items()) if end > res.low.get((topic, part), 0)]
+        out: list[InputPartition] = []
+        for (topic, part), end in sorted(res.end.items()):
+            lo = max(res.low.get((topic, part), 0), 0)
+            step = max(1, -(-(end - lo) // self.splits))
+            out.extend(OffsetRange(topic, part, a, min(a + step, end)) for a in range(lo, end, step))
+        return out
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         if not isinstance(partition, OffsetRange):  # no partitions planned: Spark reads one empty one
