@@ -7,6 +7,7 @@
     python -m bench.run soak    [options of bench.soak]
     python -m bench.run state_ops [options of bench.state_ops]
     python -m bench.run state_profile [options of bench.state_profile]
+    python -m bench.run state_restart [options of bench.state_restart]
 
 Each benchmark is a module with a ``main(argv) -> int``; it is imported only when chosen, so one
 benchmark's missing or broken module does not stop the other.
@@ -24,6 +25,7 @@ BENCHMARKS = {
     "readers": ("bench.refresh_readers", "refresher: a MariaDB table read by PyMySQL vs ConnectorX"),
     "soak": ("bench.soak", "reliability: the topology under reference churn and SIGKILLs, then an accounting"),
     "state_profile": ("bench.state_profile", "the state step against the same parse without it, optionally py-spy"),
+    "state_restart": ("bench.state_restart", "state of N devices: checkpoint size, restart after SIGKILL until output"),
     "state_ops": ("bench.state_ops", "state store: per-key MapState calls vs one Arrow blob per group, per key"),
 }
 
