@@ -23,7 +23,9 @@ dimension of ``--devices`` rows, ~150-byte JSON events) and its ``state:`` secti
    start), and from there to the batch's "done" line and its visibility. After Spark commits the
    batch the process group gets SIGKILL again.
 
-Medians over the restart rounds. The job's log is ``<workdir>/job.log`` (``--keep`` keeps it).
+``--baseline`` also builds and restarts, right after the stateful job in every round, the same job
+without the ``state:`` section (its own checkpoint and output topic, the same events): what a
+restart costs without state (Spark session, dimension bootstrap, cold Python workers). Medians over the restart rounds; ``--keep DIR`` keeps the jobs' logs.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ import threading
 import time
 import uuid
 from contextlib import ExitStack
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -134,7 +137,7 @@ class OutputWatcher(threading.Thread):
 # ------------------------------------------------------------------------------------------ the job
 
 def write_config(path: Path, settings: dict[str, str], events_topic: str, devices_topic: str, out_topic: str,
-                 checkpoint: Path, batch: int, driver_memory: str) -> None:
+                 checkpoint: Path, batch: int, driver_memory: str, state: bool = True) -> None:
     path.write_text(yaml.safe_dump({
         "kafka": {"bootstrap_servers": settings["bootstrap.servers"]},
         "events": {"topic": events_topic, "schema": data.EVENT_DDL, "starting_offsets": "earliest"},
@@ -145,7 +148,7 @@ def write_config(path: Path, settings: dict[str, str], events_topic: str, device
         "checkpoint": str(checkpoint),
         "trigger": "1s",
         "max_events_per_batch": batch,
-        "state": STATE_SECTION,
+        **({"state": STATE_SECTION} if state else {}),
         "spark": {"spark.ui.enabled": "false", "spark.driver.memory": driver_memory},
     }), encoding="utf-8")
 
@@ -255,6 +258,83 @@ def produce_probe(settings: dict[str, str], topic: str, devices: list[int]) -> N
 
 # ------------------------------------------------------------------------------------------ main
 
+@dataclass
+class Contender:
+    """One job (with the ``state:`` section or without it) on the shared events topic: its own
+    checkpoint, output topic, log and output watcher."""
+
+    name: str
+    state: bool
+    config: Path
+    checkpoint: Path
+    job_log: Path
+    watcher: OutputWatcher
+    master: str
+    expected: int = 0
+    rounds: list[dict[str, Any]] = field(default_factory=list)
+
+    def build(self, n: int, timeout: float) -> dict[str, Any]:
+        """Run the job on the backlog of ``n`` events until all are out and committed, size the
+        checkpoint, then SIGKILL it."""
+        t0 = time.monotonic()
+        proc = start_job(self.config, self.job_log, self.master)
+        try:
+            done = self.watcher.wait_for(n, proc, self.job_log, timeout)
+            last = wait_committed(self.checkpoint, proc, self.job_log)
+            size = checkpoint_size(self.checkpoint)
+        finally:
+            kill_job(proc)
+        self.expected = n
+        lines = log_lines_since(self.job_log, 0)
+        devs = [int(m.group(1)) for _, line in lines if (m := _DEVICES.search(line))]
+        batches = [float(m.group(2)) for _, line in lines if (m := _DONE.search(line))]
+        res = {"seconds": done - t0, "last_batch": last, "devices_in_state": devs[-1] if devs else None,
+               "batch_s": batches, "checkpoint": size, "checkpoint_after_kill": checkpoint_size(self.checkpoint)}
+        print(f"{self.name}: build: {n:,} events through the job in {res['seconds']:.1f}s ({last + 1} batches, "
+              f"{' / '.join(f'{b:.1f}' for b in batches)} s; devices in state: "
+              f"{devs[-1] if devs else '-'}), then SIGKILL", flush=True)
+        _print_size(f"{self.name}: checkpoint", size)
+        return res
+
+    def restart(self, r: int, repeat: int, probe: int) -> dict[str, Any]:
+        """Start the job on its checkpoint (``probe`` new events waiting) and time it until their
+        output is visible; SIGKILL once Spark committed the batch."""
+        self.expected += probe
+        self.watcher.expect = 1 + r if self.state else None
+        offset = self.job_log.stat().st_size
+        started_wall, started = time.time(), time.monotonic()
+        proc = start_job(self.config, self.job_log, self.master)
+        try:
+            visible = self.watcher.wait_for(self.expected, proc, self.job_log, 600)
+            committed = wait_committed(self.checkpoint, proc, self.job_log)
+        finally:
+            kill_job(proc)
+        self.watcher.expect = None
+        lines = log_lines_since(self.job_log, offset)
+        query_at = next((ts for ts, line in lines if "enrichment query started" in line), None)
+        # The batch that wrote the probe events (a batch without data may run before or after it).
+        wrote = next((int(m.group(1)) for _, line in lines if (m := _WROTE.search(line)) and int(m.group(2))), None)
+        done = next(((ts, m) for ts, line in lines if (m := _DONE.search(line)) and int(m.group(1)) == wrote), None)
+        w = self.watcher
+        rnd: dict[str, Any] = {
+            "round": r, "restart_to_visible_s": visible - started,
+            "to_query_started_s": query_at - started_wall if query_at else None,
+            "to_batch_done_s": done[0] - started_wall if done else None,
+            "batch_body_s": float(done[1].group(2)) if done else None,
+            "batch_id": wrote, "last_committed": committed, "checked": w.checked, "wrong": len(w.wrong),
+            "checkpoint": checkpoint_size(self.checkpoint)}
+        self.rounds.append(rnd)
+        check = (f"; state.events == {1 + r} in {w.checked - len(w.wrong)} of {w.checked} records checked so far"
+                 if self.state else "")
+        print(f"[{r}/{repeat}] {self.name}: restart -> {probe} events' output visible in "
+              f"{rnd['restart_to_visible_s']:.1f}s (query started at {_s(rnd['to_query_started_s'])}, "
+              f"batch {wrote} done at {_s(rnd['to_batch_done_s'])}, its foreachBatch body "
+              f"{_s(rnd['batch_body_s'])}){check}", flush=True)
+        if w.wrong:
+            print(f"  wrong state, first: {json.dumps(w.wrong[0], default=str)[:400]}", flush=True)
+        return rnd
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.run state_restart", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -268,25 +348,42 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--driver-memory", default="3g")
     ap.add_argument("--bootstrap", help="an existing broker instead of an embedded one")
     ap.add_argument("--build-timeout", type=float, default=1800.0, help="seconds for the first run (default %(default)s)")
-    ap.add_argument("--keep", help="copy the job's log here at the end")
+    ap.add_argument("--baseline", action="store_true",
+                    help="also the same job without the state: section, built and restarted in every round "
+                         "right after the stateful one: what a restart costs without state")
+    ap.add_argument("--keep", metavar="DIR", help="copy the jobs' logs into this directory at the end")
     ap.add_argument("--json", help="write the results to this file as well")
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args(argv)
     setup_logging(logging.INFO if args.verbose else logging.WARNING)
     if args.probe > args.devices:
         ap.error("--probe must not exceed --devices")
-    results: dict[str, Any] = {"args": vars(args), "machine": _machine(), "rounds": []}
+    results: dict[str, Any] = {"args": vars(args), "machine": _machine()}
     wall0 = time.monotonic()
     with ExitStack() as stack:
         settings = broker_settings(stack, args.bootstrap)
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="state-restart-")))
         tag = uuid.uuid4().hex[:8]
-        devices_topic, events_topic, out_topic = f"ref.devices-{tag}", f"bench-events-{tag}", f"bench-enriched-{tag}"
-        checkpoint, config, job_log = workdir / "checkpoint", workdir / "enrich.yaml", workdir / "job.log"
+        devices_topic, events_topic = f"ref.devices-{tag}", f"bench-events-{tag}"
+        contenders = []
+        for name, state in [("state", True), ("no state", False)][:2 if args.baseline else 1]:
+            sub = workdir / name.replace(" ", "-")
+            sub.mkdir()
+            out_topic = f"bench-enriched-{sub.name}-{tag}"
+            write_config(sub / "enrich.yaml", settings, events_topic, devices_topic, out_topic, sub / "checkpoint",
+                         args.batch, args.driver_memory, state=state)
+            watcher = OutputWatcher(settings, out_topic)
+            watcher.start()
+            stack.callback(watcher.stop)
+            contenders.append(Contender(name, state, sub / "enrich.yaml", sub / "checkpoint", sub / "job.log",
+                                        watcher, args.master))
         if args.keep:
-            stack.callback(lambda: job_log.exists() and shutil.copyfile(job_log, args.keep))
-        write_config(config, settings, events_topic, devices_topic, out_topic, checkpoint, args.batch,
-                     args.driver_memory)
+            def keep_logs() -> None:
+                Path(args.keep).mkdir(parents=True, exist_ok=True)
+                for c in contenders:
+                    if c.job_log.exists():
+                        shutil.copyfile(c.job_log, Path(args.keep) / f"{c.job_log.parent.name}.log")
+            stack.callback(keep_logs)
 
         pub_s = _in_process(data.publish_devices, settings, devices_topic, args.devices)
         fill_s, size, distinct = _in_process(data.fill_events, settings, events_topic, args.devices,
@@ -296,76 +393,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"published {args.devices:,} devices in {pub_s:.1f}s; {args.devices:,} events of {size:.0f} B "
               f"over {distinct:,} distinct devices in {fill_s:.1f}s", flush=True)
 
-        watcher = OutputWatcher(settings, out_topic)
-        watcher.start()
-        stack.callback(watcher.stop)
-
-        # 1. build the state: every device once, then SIGKILL.
-        t0 = time.monotonic()
-        proc = start_job(config, job_log, args.master)
-
-        def kill_if_running() -> None:
-            if proc.poll() is None:
-                kill_job(proc)
-
-        stack.callback(kill_if_running)
-        done = watcher.wait_for(args.devices, proc, job_log, args.build_timeout)
-        last = wait_committed(checkpoint, proc, job_log)
-        build_s = done - t0
-        lines = log_lines_since(job_log, 0)
-        devs = [int(m.group(1)) for _, line in lines if (m := _DEVICES.search(line))]
-        batches = [float(m.group(2)) for _, line in lines if (m := _DONE.search(line))]
-        size0 = checkpoint_size(checkpoint)
-        kill_job(proc)
-        size_killed = checkpoint_size(checkpoint)
-        results["build"] = {"seconds": build_s, "last_batch": last, "devices_in_state": devs[-1] if devs else None,
-                            "batch_s": batches, "checkpoint": size0, "checkpoint_after_kill": size_killed}
-        print(f"build: {args.devices:,} events through the job in {build_s:.1f}s (batches {last + 1}, "
-              f"{' / '.join(f'{b:.1f}' for b in batches)} s; devices in state: "
-              f"{devs[-1] if devs else 'unknown'}), then SIGKILL", flush=True)
-        _print_size("checkpoint", size0)
-
-        # 2. restarts
+        results["build"] = {c.name: c.build(args.devices, args.build_timeout) for c in contenders}
         step = args.devices // args.probe
         probe = [1 + i * step for i in range(args.probe)]
-        expected = args.devices
         for r in range(1, args.repeat + 1):
             produce_probe(settings, events_topic, probe)
-            expected += args.probe
-            watcher.expect = 1 + r
-            offset = job_log.stat().st_size
-            started_wall, started = time.time(), time.monotonic()
-            proc = start_job(config, job_log, args.master)
-            visible = watcher.wait_for(expected, proc, job_log, 600)
-            batch_id = wait_committed(checkpoint, proc, job_log)
-            lines = log_lines_since(job_log, offset)
-            kill_job(proc)
-            watcher.expect = None
-            query_at = next((ts for ts, line in lines if "enrichment query started" in line), None)
-            # The batch that wrote the probe events (a batch without data may run before or after it).
-            wrote = next((int(m.group(1)) for _, line in lines if (m := _WROTE.search(line)) and int(m.group(2))),
-                         None)
-            first_done = next(((ts, m) for ts, line in lines if (m := _DONE.search(line))
-                               and int(m.group(1)) == wrote), None)
-            rnd: dict[str, Any] = {"round": r, "restart_to_visible_s": visible - started,
-                   "to_query_started_s": query_at - started_wall if query_at else None,
-                   "to_batch_done_s": first_done[0] - started_wall if first_done else None,
-                   "batch_body_s": float(first_done[1].group(2)) if first_done else None,
-                   "batch_id": wrote, "last_committed": batch_id, "checked": watcher.checked, "wrong": len(watcher.wrong),
-                   "checkpoint": checkpoint_size(checkpoint)}
-            results["rounds"].append(rnd)
-            print(f"[{r}/{args.repeat}] restart -> {args.probe} events' output visible in "
-                  f"{rnd['restart_to_visible_s']:.1f}s (query started at {_s(rnd['to_query_started_s'])}, "
-                  f"batch {wrote} done at {_s(rnd['to_batch_done_s'])}, its foreachBatch body "
-                  f"{_s(rnd['batch_body_s'])}); state.events == {1 + r} in {watcher.checked - len(watcher.wrong)} "
-                  f"of {watcher.checked} records checked so far", flush=True)
-            if watcher.wrong:
-                print(f"  wrong state, first: {json.dumps(watcher.wrong[0], default=str)[:400]}", flush=True)
+            for c in contenders:
+                c.restart(r, args.repeat, args.probe)
+        results["rounds"] = {c.name: c.rounds for c in contenders}
     results["wall_s"] = time.monotonic() - wall0
     _summary(results)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2, default=str), encoding="utf-8")
-    return 1 if any(r["wrong"] for r in results["rounds"]) else 0
+    return 1 if any(r["wrong"] for rounds in results["rounds"].values() for r in rounds) else 0
 
 
 def _s(v: float | None) -> str:
@@ -380,21 +420,22 @@ def _print_size(what: str, size: dict[str, dict[str, int]]) -> None:
 
 
 def _summary(res: dict[str, Any]) -> None:
-    rounds = res["rounds"]
-
-    def med(key: str) -> float:
-        vals = [r[key] for r in rounds if r.get(key) is not None]
-        return statistics.median(vals) if vals else float("nan")
-
-    print(f"\n== summary ({len(rounds)} restart rounds, medians) ==")
+    print("\n== summary (medians of the restart rounds) ==")
     print(f"machine: {res['machine']}")
-    _print_size(f"checkpoint with {res['build']['devices_in_state']} devices in state", res["build"]["checkpoint"])
-    print(f"restart to output visible: {med('restart_to_visible_s'):.1f}s "
-          f"(rounds {' / '.join(f'{v:.1f}' for v in (r['restart_to_visible_s'] for r in rounds))}); "
-          f"to 'query started' {med('to_query_started_s'):.1f}s, to 'batch done' {med('to_batch_done_s'):.1f}s, "
-          f"first batch's foreachBatch body {med('batch_body_s'):.1f}s")
-    print(f"state continued: {sum(r['wrong'] for r in rounds[-1:])} wrong of {rounds[-1]['checked'] if rounds else 0} "
-          f"probe records checked")
+    for name, rounds in res["rounds"].items():
+        def med(key: str, rounds: list[dict[str, Any]] = rounds) -> float:
+            vals = [r[key] for r in rounds if r.get(key) is not None]
+            return statistics.median(vals) if vals else float("nan")
+
+        build = res["build"][name]
+        _print_size(f"{name}: checkpoint after the build ({build['devices_in_state'] or '-'} devices in state)",
+                    build["checkpoint"])
+        print(f"{name}: restart to output visible {med('restart_to_visible_s'):.1f}s over {len(rounds)} rounds "
+              f"({' / '.join(f'{v:.1f}' for v in (r['restart_to_visible_s'] for r in rounds))}); to 'query "
+              f"started' {med('to_query_started_s'):.1f}s, to 'batch done' {med('to_batch_done_s'):.1f}s, the "
+              f"batch's foreachBatch body {med('batch_body_s'):.1f}s")
+        if rounds and any(r["checked"] for r in rounds):
+            print(f"{name}: state continued: {rounds[-1]['wrong']} wrong of {rounds[-1]['checked']} probe records")
     print(f"total wall time: {res['wall_s']:.0f}s")
 
 
