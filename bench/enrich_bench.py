@@ -357,6 +357,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="also run the job with events.parser: spark in every round (A/B of the fast parser)")
     ap.add_argument("--job-with-state", action="store_true",
                     help="also run the job with a state: section (STATE_SECTION) in every round")
+    ap.add_argument("--cover-devices", action="store_true",
+                    help="events visit every device once per pass (shuffled) instead of at random, so "
+                         "min(events, dimension rows) devices are in the backlog")
     ap.add_argument("--skip", default="", help="comma list of: plain,job,naive,careful,latency")
     ap.add_argument("--json", help="write the results to this file as well")
     ap.add_argument("--verbose", action="store_true")
@@ -372,11 +375,12 @@ def main(argv: list[str] | None = None) -> int:
         tag = uuid.uuid4().hex[:8]
         devices_topic, events_topic = f"ref.devices-{tag}", f"bench-events-{tag}"
         pub_s = _in_process(data.publish_devices, settings, devices_topic, args.dimension_rows)
-        fill_s, size = _in_process(data.fill_events, settings, events_topic, args.events, args.partitions,
-                                   args.dimension_rows)
-        results["prep"] = {"publish_dimension_s": pub_s, "fill_events_s": fill_s, "event_bytes": size}
+        fill_s, size, distinct = _in_process(data.fill_events, settings, events_topic, args.events,
+                                             args.partitions, args.dimension_rows, args.cover_devices)
+        results["prep"] = {"publish_dimension_s": pub_s, "fill_events_s": fill_s, "event_bytes": size,
+                           "distinct_devices": distinct}
         print(f"published {args.dimension_rows:,} devices in {pub_s:.1f}s; {args.events:,} events "
-              f"of {size:.0f} B in {fill_s:.1f}s", flush=True)
+              f"of {size:.0f} B over {distinct:,} distinct devices in {fill_s:.1f}s", flush=True)
 
         sampler = MemorySampler()
         sampler.start()
@@ -404,7 +408,7 @@ def main(argv: list[str] | None = None) -> int:
                 sampler.phase = None
                 rounds["job"].append(res)
                 print(f"[{r + 1}/{args.repeat}] job: {res['rate']:,.0f} events/s steady over {res['batches']} "
-                      f"batches (median batch {res['batch_s_median']:.2f}s); start {res['start_s']:.1f}s, "
+                      f"batches (median batch {res['batch_s_median']:.2f}s; {_parts(res)}); start {res['start_s']:.1f}s, "
                       f"first batches {res['first_batch_s']:.1f}s + {res['second_batch_s']:.1f}s, wall {res['wall_s']:.1f}s, "
                       f"{res['matched']:.0%} matched", flush=True)
             if args.job_from_json:
@@ -422,7 +426,8 @@ def main(argv: list[str] | None = None) -> int:
                 sampler.phase = None
                 rounds["job_state"].append(res)
                 print(f"[{r + 1}/{args.repeat}] job with state: {res['rate']:,.0f} events/s steady over "
-                      f"{res['batches']} batches (median batch {res['batch_s_median']:.2f}s)", flush=True)
+                      f"{res['batches']} batches (median batch {res['batch_s_median']:.2f}s; "
+                      f"{_parts(res)})", flush=True)
             if "naive" not in skip:
                 sampler.phase = f"naive round {r + 1}"
                 res = run_naive(spark, settings, events_topic, devices_topic, workdir, args.batch,
@@ -457,6 +462,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2, default=str), encoding="utf-8")
     return 0
+
+
+def _parts(res: dict[str, Any]) -> str:
+    """The median steady batch's phases (Spark's ``durationMs``), e.g. ``addBatch 4.1s``."""
+    return ", ".join(f"{k} {v:.2f}s" for k, v in res.get("parts", {}).items())
 
 
 def _machine() -> str:

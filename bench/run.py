@@ -8,6 +8,7 @@
     python -m bench.run state_ops [options of bench.state_ops]
     python -m bench.run state_profile [options of bench.state_profile]
     python -m bench.run partitioned [options of bench.partitioned_bench]
+    python -m bench.run state_restart [options of bench.state_restart]
 
 Each benchmark is a module with a ``main(argv) -> int``; it is imported only when chosen, so one
 benchmark's missing or broken module does not stop the other.
@@ -27,6 +28,7 @@ BENCHMARKS = {
     "state_profile": ("bench.state_profile", "the state step against the same parse without it, optionally py-spy"),
     "partitioned": ("bench.partitioned_bench", "partitioned vs broadcast dimension on a cluster: driver memory, "
                     "first batch, throughput"),
+    "state_restart": ("bench.state_restart", "state of N devices: checkpoint size, restart after SIGKILL until output"),
     "state_ops": ("bench.state_ops", "state store: per-key MapState calls vs one Arrow blob per group, per key"),
 }
 
