@@ -189,21 +189,29 @@ def _check_output(settings: dict[str, str], topic: str, sample: int = 2000) -> f
 # ------------------------------------------------------------------------------------------ phases
 
 def run_job(spark: Any, settings: dict[str, str], events_topic: str, devices_topic: str, workdir: Path,
-            batch: int, n: int, parser: str = "auto", state: dict[str, Any] | None = None) -> dict[str, float]:
+            batch: int, n: int, parser: str = "auto", state: dict[str, Any] | None = None,
+            spy: Path | None = None, spy_idle: bool = False) -> dict[str, float]:
     from enrich.job import EnrichJob
 
     cfg = _job_config(settings, events_topic, devices_topic, workdir, batch=batch, trigger="1s",
                       starting="earliest", parser=parser, state=state)
     job = EnrichJob(cfg, spark, available_now=True)
     t0 = time.monotonic()
+    spies: _Spies | None = None
     try:
         q = job.start()
         start_s = time.monotonic() - t0
+        if spy is not None:
+            spies = _Spies(q, spy, spy_idle)
         q.awaitTermination()
         wall = time.monotonic() - t0
+        if spies is not None:
+            spies.finish()
         progress = list(q.recentProgress)
         exc = q.exception()
     finally:
+        if spies is not None:
+            spies.finish()
         job.close()
     if exc is not None:
         raise RuntimeError(f"job failed: {exc}")
@@ -212,6 +220,56 @@ def run_job(spark: Any, settings: dict[str, str], events_topic: str, devices_top
         raise RuntimeError(f"job read {res.get('total_rows')} events, expected {n}")
     res.update(start_s=start_s, wall_s=wall, matched=_check_output(settings, cfg.output.topic))
     return res
+
+
+class _Spies:
+    """py-spy on the job's Python processes from the end of the second batch with rows (the warm-up
+    ones: dimension bootstrap and first index builds are left out) to the end of the query:
+    ``<prefix>.workers.<pid>`` (each ``pyspark.daemon`` and its workers), ``<prefix>.driver`` (this process:
+    ``foreachBatch``), ``<prefix>.source.<pid>`` (the Python data source's driver-side runners)."""
+
+    def __init__(self, q: Any, prefix: Path, idle: bool) -> None:
+        from bench import pyspy
+
+        self._pyspy, self.prefix, self.idle = pyspy, prefix, idle
+        self.started: list[Any] = []
+        self.stop = threading.Event()
+        self.began = self.ended = 0.0
+        self.batches_before = 0
+        self._thread = threading.Thread(target=self._run, args=(q,), name="py-spy-starter", daemon=True)
+        self._thread.start()
+
+    def _run(self, q: Any) -> None:
+        while not self.stop.is_set():
+            done = sum(1 for p in q.recentProgress if p["numInputRows"] > 0)
+            if done >= 2:
+                break
+            self.stop.wait(0.05)
+        if self.stop.is_set():
+            return
+        self.batches_before = done
+        self.began = time.monotonic()
+        self.prefix.parent.mkdir(parents=True, exist_ok=True)
+        pyspy = self._pyspy
+        for daemon in pyspy.daemon_pids():  # one per worker module; the tasks' one forks the workers
+            self.started.append(pyspy.spy_pid(daemon, self.prefix.with_name(f"{self.prefix.name}.workers.{daemon}"),
+                                              idle=self.idle, subprocesses=True))
+        self.started.append(pyspy.spy_pid(os.getpid(), self.prefix.with_name(self.prefix.name + ".driver"),
+                                          idle=self.idle, threads=True))
+        pyspy.spy_jvm_pythons(self.prefix.with_name(self.prefix.name + ".source"), self.started, self.stop,
+                              idle=self.idle)
+
+    def finish(self) -> None:
+        if self.stop.is_set():
+            return
+        self.stop.set()
+        self._thread.join(10)
+        self.ended = time.monotonic()
+        self._pyspy.stop_all(self.started)
+        secs = self.ended - self.began if self.began else 0.0
+        print(f"py-spy: {len(self.started)} sampler(s) over the last {secs:.1f}s of the job (after "
+              f"{self.batches_before} batches), {'with' if self.idle else 'without'} idle stacks -> "
+              f"{self.prefix}.*", flush=True)
 
 
 def run_naive(spark: Any, settings: dict[str, str], events_topic: str, devices_topic: str, workdir: Path,
@@ -359,6 +417,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="also run the job with a state: section (STATE_SECTION) in every round")
     ap.add_argument("--skip", default="", help="comma list of: plain,job,naive,careful,latency")
     ap.add_argument("--json", help="write the results to this file as well")
+    ap.add_argument("--py-spy", metavar="PREFIX", type=Path,
+                    help="py-spy the job's Python processes in the last round, after its two warm-up batches, "
+                    "into PREFIX.workers, PREFIX.driver and PREFIX.source.<pid> (raw format; summarise them "
+                    "with python -m bench.pyspy)")
+    ap.add_argument("--py-spy-idle", action="store_true", help="with --py-spy: also the stacks of waiting threads")
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args(argv)
     setup_logging(logging.INFO if args.verbose else logging.WARNING)
@@ -400,13 +463,15 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[{r + 1}/{args.repeat}] plain copy: {rate:,.0f} events/s", flush=True)
             if "job" not in skip:
                 sampler.phase = f"job round {r + 1}"
-                res = run_job(spark, settings, events_topic, devices_topic, workdir, args.batch, args.events)
+                res = run_job(spark, settings, events_topic, devices_topic, workdir, args.batch, args.events,
+                              spy=args.py_spy if r == args.repeat - 1 else None, spy_idle=args.py_spy_idle)
                 sampler.phase = None
                 rounds["job"].append(res)
                 print(f"[{r + 1}/{args.repeat}] job: {res['rate']:,.0f} events/s steady over {res['batches']} "
                       f"batches (median batch {res['batch_s_median']:.2f}s); start {res['start_s']:.1f}s, "
                       f"first batches {res['first_batch_s']:.1f}s + {res['second_batch_s']:.1f}s, wall {res['wall_s']:.1f}s, "
-                      f"{res['matched']:.0%} matched", flush=True)
+                      f"{res['matched']:.0%} matched; median s per batch: "
+                      + ", ".join(f"{k} {v:.2f}" for k, v in res.get("parts", {}).items()), flush=True)
             if args.job_from_json:
                 sampler.phase = f"job (from_json) round {r + 1}"
                 res = run_job(spark, settings, events_topic, devices_topic, workdir, args.batch, args.events,
