@@ -16,16 +16,16 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+
+from bench import pyspy
 
 EVENT_SCHEMA = "device_id STRING, ts TIMESTAMP, temperature DOUBLE, battery DOUBLE"
 
@@ -107,12 +107,10 @@ def main(argv: list[str] | None = None) -> int:
             for name in results:
                 spy: list[subprocess.Popen[bytes]] = []
                 if name == "state" and args.py_spy and i == args.repeat - 1:
-                    threading.Thread(target=_py_spy, args=(Path(args.py_spy), spy), daemon=True).start()
+                    pyspy.spy_workers(Path(args.py_spy), spy)
                 started = time.monotonic()
                 progress = run(spark, data, Path(tmp) / f"ck-{name}-{i}", state=name == "state", buckets=args.buckets)
-                for p in spy:
-                    p.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
-                    p.wait(60)
+                pyspy.stop_all(spy)  # py-spy writes its file on SIGINT
                 rate, med = steady_rate(progress)
                 results[name].append((rate, med))
                 print(f"round {i + 1} {name}: {rate:,.0f} events/s steady, median batch {med:.2f}s "
@@ -129,33 +127,6 @@ def main(argv: list[str] | None = None) -> int:
               f"{' / '.join(f'{r[0]:,.0f}' for r in rounds)} | {ratio} |")
     spark.stop()
     return 0
-
-
-def _py_spy(out: Path, started: list[subprocess.Popen[bytes]]) -> None:
-    """py-spy on the PySpark daemon (the parent of every Python worker) and its children, once the
-    stateful run has started it."""
-    deadline = time.monotonic() + 120
-    while (daemon := _daemon_pid()) is None:
-        if time.monotonic() > deadline:
-            print("py-spy: no pyspark.daemon appeared", file=sys.stderr)
-            return
-        time.sleep(0.2)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    exe = Path(sys.executable).with_name("py-spy")
-    started.append(subprocess.Popen([str(exe), "record", "--pid", str(daemon), "--subprocesses", "--format", "raw",
-                                     "--rate", "100", "--output", str(out), "--nonblocking"],
-                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-
-
-def _daemon_pid() -> int | None:
-    ps = subprocess.run(["ps", "-eo", "pid,ppid,args"], capture_output=True, text=True, check=True).stdout
-    mine = str(os.getpid())
-    jvms = {line.split()[0] for line in ps.splitlines()[1:] if line.split()[1] == mine and "java" in line}
-    for line in ps.splitlines()[1:]:
-        pid, ppid, *cmd = line.split()
-        if ppid in jvms and "pyspark.daemon" in " ".join(cmd):
-            return int(pid)
-    return None
 
 
 if __name__ == "__main__":
