@@ -145,24 +145,31 @@ def jvm_pythons() -> list[int]:
 #: Phases of the enrichment job's Python code: (name, regular expression over the whole stack).
 #: The first rule that matches a stack names its phase; the order matters (most specific first).
 JOB_RULES: list[tuple[str, str]] = [
-    # workers: idle between tasks, or waiting for the JVM's rows
-    ("worker idle (daemon select / waiting for a task)", r"^process \d+:[^;]*pyspark\.daemon[^;]*;[^;]*\(daemon\.py|"
-     r"\bmanager \(pyspark/daemon\.py"),
+    # workers: idle between tasks, the daemon, the collection after every task, waiting for the JVM
+    ("worker idle: waiting for a task", r"_do_get_init_message|manager \(daemon\.py:184\)$"),
+    ("worker: gc.collect() after each task (pyspark/daemon.py)", r"manager \(daemon\.py:275\)$"),
+    ("worker: reading Arrow from the JVM (waits for its rows)", r"(pyarrow/ipc\.py:\d+\)|load_stream \(serializers\.py:\d+\))$"),
+    ("worker: writing Arrow to the JVM", r"dump_stream \(serializers\.py:\d+\)$"),
     ("Kafka produce (TaskWriter: produce/poll)", r"produce_all \(enrich/kafka/writer\.py"),
-    ("Kafka transaction (init/marker/begin/commit/flush)", r"_SlotTransaction|commit \(enrich/kafka/writer|"
-     r"last_marker|visible_ends"),
+    ("TaskWriter: probe of the output's ends (visible_ends)", r"visible_ends \(enrich/kafka/writer\.py"),
+    ("TaskWriter: read of the slot's last marker (last_marker)", r"last_marker \(enrich/kafka/writer\.py"),
+    ("TaskWriter: producer, init_transactions, begin/commit/flush", r"_SlotTransaction\.(__init__|begin|commit|close)|"
+     r"commit \(enrich/kafka/writer"),
     ("TaskWriter: Arrow -> Python lists, dead letters", r"(write|too_large_to_dead_letters) \(enrich/kafka/tasks\.py"),
     ("Kafka fetch (consume)", r"read_range \(enrich/kafka/fetch\.py:\d+\)$"),
     ("Kafka fetch: messages -> Arrow (_to_batch)", r"_to_batch \(enrich/kafka/fetch\.py"),
     ("source reader other", r"enrich/kafka/source\.py"),
     ("JSON parse (fastparse)", r"enrich/fastparse\.py"),
+    ("join: a worker builds its index of a dimension version", r"Lookup\.__init__ \(enrich/join\.py|"
+     r"_cached \(enrich/join\.py"),
     ("join lookup", r"enrich/join\.py"),
     ("dimension fetch/index (worker)", r"enrich/dimension/"),
-    ("PySpark serialization (Arrow in/out of the worker)", r"pyspark/sql/pandas/serializers\.py|"
-     r"pyspark/serializers\.py|pyarrow/ipc\.py"),
+    ("PySpark serialization, other", r"pyspark/sql/pandas/serializers\.py|serializers\.py|conversion\.py"),
     ("PySpark worker other", r"pyspark/worker\.py|pyspark/sql/worker/"),
     # driver
     ("driver: dimension pin", r"enrich/dimension/manager\.py|pin \("),
+    ("bench: memory sampler (psutil)", r"MemorySampler|psutil/"),
+    ("bench: py-spy starter", r"_Spies|subprocess\.py"),
     ("driver: Py4J calls (planning, collect, waiting for Spark)", r"py4j/"),
     ("driver: foreachBatch other", r"enrich/job\.py"),
 ]
