@@ -201,7 +201,7 @@ def _check_output(settings: dict[str, str], topic: str, sample: int = 2000) -> f
 
 def run_job(spark: Any, settings: dict[str, str], events_topic: str, devices_topic: str, workdir: Path,
             batch: int, n: int, parser: str = "auto", state: dict[str, Any] | None = None,
-            spy: Path | None = None, spy_idle: bool = False) -> dict[str, float]:
+            spy: Path | None = None, spy_idle: bool = False, cpu_only: bool = False) -> dict[str, float]:
     from enrich.job import EnrichJob
 
     cfg = _job_config(settings, events_topic, devices_topic, workdir, batch=batch, trigger="1s",
@@ -213,7 +213,7 @@ def run_job(spark: Any, settings: dict[str, str], events_topic: str, devices_top
         q = job.start()
         start_s = time.monotonic() - t0
         if spy is not None:
-            spies = _Spies(q, spy, spy_idle)
+            spies = _Spies(q, spy, spy_idle, cpu_only)
         q.awaitTermination()
         wall = time.monotonic() - t0
         if spies is not None:
@@ -239,10 +239,10 @@ class _Spies:
     ``<prefix>.workers.<pid>`` (each ``pyspark.daemon`` and its workers), ``<prefix>.driver`` (this process:
     ``foreachBatch``), ``<prefix>.source.<pid>`` (the Python data source's driver-side runners)."""
 
-    def __init__(self, q: Any, prefix: Path, idle: bool) -> None:
+    def __init__(self, q: Any, prefix: Path, idle: bool, cpu_only: bool = False) -> None:
         from bench import pyspy
 
-        self._pyspy, self.prefix, self.idle = pyspy, prefix, idle
+        self._pyspy, self.prefix, self.idle, self.cpu_only = pyspy, prefix, idle, cpu_only
         self.started: list[Any] = []
         self.stop = threading.Event()
         self.began = self.ended = 0.0
@@ -266,6 +266,8 @@ class _Spies:
         self.cpu_before = _cpu_snapshot()
         self.prefix.parent.mkdir(parents=True, exist_ok=True)
         pyspy = self._pyspy
+        if self.cpu_only:
+            return
         for daemon in pyspy.daemon_pids():  # one per worker module; the tasks' one forks the workers
             self.started.append(pyspy.spy_pid(daemon, self.prefix.with_name(f"{self.prefix.name}.workers.{daemon}"),
                                               idle=self.idle, subprocesses=True))
@@ -287,7 +289,7 @@ class _Spies:
         secs = self.ended - self.began if self.began else 0.0
         if self.began:
             report = _cpu_report(self.cpu_before, cpu_after, secs, self.rows)
-            self.prefix.with_name(self.prefix.name + ".cpu.txt").write_text(report, encoding="utf-8")
+            self.prefix.with_name(self.prefix.name + ".cpu.txt").write_text(report + "\n", encoding="utf-8")
             print(report, flush=True)
         print(f"py-spy: {len(self.started)} sampler(s) over the last {secs:.1f}s of the job (after "
               f"{self.batches_before} batches), {'with' if self.idle else 'without'} idle stacks -> "
@@ -532,6 +534,8 @@ def main(argv: list[str] | None = None) -> int:
                     "into PREFIX.workers, PREFIX.driver and PREFIX.source.<pid> (raw format; summarise them "
                     "with python -m bench.pyspy)")
     ap.add_argument("--py-spy-idle", action="store_true", help="with --py-spy: also the stacks of waiting threads")
+    ap.add_argument("--cpu-only", action="store_true", help="with --py-spy: no sampling, only PREFIX-r<round>.cpu.txt, "
+                    "in every round")
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args(argv)
     setup_logging(logging.INFO if args.verbose else logging.WARNING)
@@ -578,7 +582,9 @@ def main(argv: list[str] | None = None) -> int:
             if "job" not in skip:
                 sampler.phase = f"job round {r + 1}"
                 res = run_job(spark, settings, events_topic, devices_topic, workdir, args.batch, args.events,
-                              spy=args.py_spy if r == args.repeat - 1 else None, spy_idle=args.py_spy_idle)
+                              spy=(args.py_spy.with_name(f"{args.py_spy.name}-r{r + 1}") if args.py_spy and args.cpu_only
+                                   else args.py_spy if r == args.repeat - 1 else None),
+                              spy_idle=args.py_spy_idle, cpu_only=args.cpu_only)
                 sampler.phase = None
                 rounds["job"].append(res)
                 print(f"[{r + 1}/{args.repeat}] job: {res['rate']:,.0f} events/s steady over {res['batches']} "
