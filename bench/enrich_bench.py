@@ -531,8 +531,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", help="write the results to this file as well")
     ap.add_argument("--py-spy", metavar="PREFIX", type=Path,
                     help="py-spy the job's Python processes in the last round, after its two warm-up batches, "
-                    "into PREFIX.workers, PREFIX.driver and PREFIX.source.<pid> (raw format; summarise them "
-                    "with python -m bench.pyspy)")
+                    "into PREFIX.workers.<daemon pid>, PREFIX.driver and PREFIX.source.<pid> (raw format; summarise "
+                    "them with python -m bench.pyspy), and the CPU by process and JVM thread into PREFIX.cpu.txt")
     ap.add_argument("--py-spy-idle", action="store_true", help="with --py-spy: also the stacks of waiting threads")
     ap.add_argument("--cpu-only", action="store_true", help="with --py-spy: no sampling, only PREFIX-r<round>.cpu.txt, "
                     "in every round")
