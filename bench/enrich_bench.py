@@ -79,24 +79,34 @@ class MemorySampler(threading.Thread):
     ``driver_python`` (this process, RSS), ``jvm`` (the JVM child of this process: in local mode the
     driver and the executor are that one JVM; RSS) and ``python_workers`` (every Python process under
     the JVM: ``pyspark.daemon`` and the workers it forks; sum of PSS, so pages shared by the fork
-    are counted once)."""
+    are counted once).
 
-    def __init__(self, interval: float = 0.25) -> None:
+    The workers' PSS is read every ``pss_interval`` s only: it comes from ``/proc/<pid>/smaps_rollup``,
+    which the kernel computes by walking the process's pages; read for ~14 workers of 1-2 GB every
+    0.25 s it cost about half a core (py-spy of this process during a job run), taken from the job
+    it measures on a 2-core machine."""
+
+    def __init__(self, interval: float = 0.25, pss_interval: float = 2.0) -> None:
         super().__init__(name="memory-sampler", daemon=True)
         self.interval = interval
+        self.pss_every = max(1, round(pss_interval / interval))
+        self._n = 0
         self.phase: str | None = None
         self.peaks: dict[str, dict[str, float]] = {}
         self._stop_evt = threading.Event()
         self._me = psutil.Process()
 
-    def sample(self) -> dict[str, float]:
-        out = {"driver_python": float(self._me.memory_info().rss), "jvm": 0.0, "python_workers": 0.0,
-               "workers": 0.0}
+    def sample(self, workers: bool = True) -> dict[str, float]:
+        out = {"driver_python": float(self._me.memory_info().rss), "jvm": 0.0}
+        if workers:
+            out.update(python_workers=0.0, workers=0.0)
         for child in self._me.children():
             try:
                 if child.name() != "java":
                     continue
                 out["jvm"] += child.memory_info().rss
+                if not workers:
+                    continue
                 for d in child.children(recursive=True):
                     if "python" in d.name():
                         out["python_workers"] += d.memory_full_info().pss
@@ -110,7 +120,8 @@ class MemorySampler(threading.Thread):
             phase = self.phase
             if phase is None:
                 continue
-            s = self.sample()
+            self._n += 1
+            s = self.sample(workers=self._n % self.pss_every == 1 or self.pss_every == 1)
             peak = self.peaks.setdefault(phase, {})
             for k, v in s.items():
                 peak[k] = max(peak.get(k, 0.0), v)
@@ -189,21 +200,29 @@ def _check_output(settings: dict[str, str], topic: str, sample: int = 2000) -> f
 # ------------------------------------------------------------------------------------------ phases
 
 def run_job(spark: Any, settings: dict[str, str], events_topic: str, devices_topic: str, workdir: Path,
-            batch: int, n: int, parser: str = "auto", state: dict[str, Any] | None = None) -> dict[str, float]:
+            batch: int, n: int, parser: str = "auto", state: dict[str, Any] | None = None,
+            spy: Path | None = None, spy_idle: bool = False, cpu_only: bool = False) -> dict[str, float]:
     from enrich.job import EnrichJob
 
     cfg = _job_config(settings, events_topic, devices_topic, workdir, batch=batch, trigger="1s",
                       starting="earliest", parser=parser, state=state)
     job = EnrichJob(cfg, spark, available_now=True)
     t0 = time.monotonic()
+    spies: _Spies | None = None
     try:
         q = job.start()
         start_s = time.monotonic() - t0
+        if spy is not None:
+            spies = _Spies(q, spy, spy_idle, cpu_only)
         q.awaitTermination()
         wall = time.monotonic() - t0
+        if spies is not None:
+            spies.finish()
         progress = list(q.recentProgress)
         exc = q.exception()
     finally:
+        if spies is not None:
+            spies.finish()
         job.close()
     if exc is not None:
         raise RuntimeError(f"job failed: {exc}")
@@ -212,6 +231,157 @@ def run_job(spark: Any, settings: dict[str, str], events_topic: str, devices_top
         raise RuntimeError(f"job read {res.get('total_rows')} events, expected {n}")
     res.update(start_s=start_s, wall_s=wall, matched=_check_output(settings, cfg.output.topic))
     return res
+
+
+class _Spies:
+    """py-spy on the job's Python processes from the end of the second batch with rows (the warm-up
+    ones: dimension bootstrap and first index builds are left out) to the end of the query:
+    ``<prefix>.workers.<pid>`` (each ``pyspark.daemon`` and its workers), ``<prefix>.driver`` (this process:
+    ``foreachBatch``), ``<prefix>.source.<pid>`` (the Python data source's driver-side runners)."""
+
+    def __init__(self, q: Any, prefix: Path, idle: bool, cpu_only: bool = False) -> None:
+        from bench import pyspy
+
+        self._pyspy, self.prefix, self.idle, self.cpu_only = pyspy, prefix, idle, cpu_only
+        self.started: list[Any] = []
+        self.stop = threading.Event()
+        self.began = self.ended = 0.0
+        self.batches_before = self.rows_before = self.rows = 0
+        self._q: Any = None
+        self._thread = threading.Thread(target=self._run, args=(q,), name="py-spy-starter", daemon=True)
+        self._thread.start()
+
+    def _run(self, q: Any) -> None:
+        while not self.stop.is_set():
+            done = sum(1 for p in q.recentProgress if p["numInputRows"] > 0)
+            if done >= 2:
+                break
+            self.stop.wait(0.05)
+        if self.stop.is_set():
+            return
+        self.batches_before = done
+        self.rows_before = sum(p["numInputRows"] for p in q.recentProgress)
+        self._q = q
+        self.began = time.monotonic()
+        self.cpu_before = _cpu_snapshot()
+        self.prefix.parent.mkdir(parents=True, exist_ok=True)
+        pyspy = self._pyspy
+        if self.cpu_only:
+            return
+        for daemon in pyspy.daemon_pids():  # one per worker module; the tasks' one forks the workers
+            self.started.append(pyspy.spy_pid(daemon, self.prefix.with_name(f"{self.prefix.name}.workers.{daemon}"),
+                                              idle=self.idle, subprocesses=True))
+        self.started.append(pyspy.spy_pid(os.getpid(), self.prefix.with_name(self.prefix.name + ".driver"),
+                                          idle=self.idle, threads=True))
+        pyspy.spy_jvm_pythons(self.prefix.with_name(self.prefix.name + ".source"), self.started, self.stop,
+                              idle=self.idle)
+
+    def finish(self) -> None:
+        if self.stop.is_set():
+            return
+        self.stop.set()
+        self._thread.join(10)
+        self.ended = time.monotonic()
+        self.rows = (sum(p["numInputRows"] for p in self._q.recentProgress) - self.rows_before
+                     if self.began else 0)
+        cpu_after = _cpu_snapshot()
+        self._pyspy.stop_all(self.started)
+        secs = self.ended - self.began if self.began else 0.0
+        if self.began:
+            report = _cpu_report(self.cpu_before, cpu_after, secs, self.rows)
+            self.prefix.with_name(self.prefix.name + ".cpu.txt").write_text(report + "\n", encoding="utf-8")
+            print(report, flush=True)
+        print(f"py-spy: {len(self.started)} sampler(s) over the last {secs:.1f}s of the job (after "
+              f"{self.batches_before} batches), {'with' if self.idle else 'without'} idle stacks -> "
+              f"{self.prefix}.*", flush=True)
+
+
+def _plain_copy_cpu(*args: Any) -> tuple[float, float]:
+    """``enrich_data.plain_copy`` and the CPU seconds of its process (every thread: librdkafka's too)."""
+    cpu0 = time.process_time()
+    rate = data.plain_copy(*args)
+    return rate, time.process_time() - cpu0
+
+
+def _broker_cpu() -> float:
+    """CPU seconds so far of this process's children that are not a JVM nor Python (the embedded broker)."""
+    total = 0.0
+    for child in psutil.Process().children():
+        try:
+            if child.name() != "java" and "python" not in child.name():
+                t = child.cpu_times()
+                total += t.user + t.system
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return total
+
+
+def _cpu_snapshot() -> dict[str, Any]:
+    """CPU seconds so far: the machine (``/proc/stat``), this process, its JVM's threads by name, the
+    Python processes under the JVM, and any other child of this process (the embedded broker)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    with open("/proc/stat", encoding="ascii") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    snap: dict[str, Any] = {"machine_busy": (sum(fields) - fields[3] - fields[4]) / tick,
+                            "machine_all": sum(fields) / tick, "procs": {}, "threads": {}}
+    me = psutil.Process()
+
+    def add(kind: str, p: psutil.Process) -> None:
+        try:
+            t = p.cpu_times()
+            snap["procs"][p.pid] = (kind, t.user + t.system)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+
+    add("Python driver (bench process)", me)
+    for child in me.children():
+        try:
+            name = child.name()
+        except psutil.NoSuchProcess:
+            continue
+        if name != "java":
+            add(f"other child: {name}", child)
+            continue
+        add("JVM (driver + executor)", child)
+        for d in child.children(recursive=True):
+            add("Python workers and runners", d)
+        for task in Path(f"/proc/{child.pid}/task").iterdir():
+            try:
+                comm = (task / "comm").read_text().strip()
+                stat = (task / "stat").read_text()
+            except OSError:
+                continue
+            parts = stat[stat.rindex(")") + 2:].split()
+            snap["threads"][int(task.name)] = (comm, (int(parts[11]) + int(parts[12])) / tick)
+    return snap
+
+
+def _cpu_report(before: dict[str, Any], after: dict[str, Any], secs: float, rows: int) -> str:
+    """CPU seconds spent between two :func:`_cpu_snapshot`s, by process kind and by JVM thread name
+    (digits folded: ``Executor task launch worker for task 12`` -> ``... task #``)."""
+    import re
+
+    def diff(key: str) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for pid, (kind, cpu) in after[key].items():
+            prev = before[key].get(pid)
+            name = re.sub(r"\d+", "#", kind) if key == "threads" else kind
+            out[name] = out.get(name, 0.0) + cpu - (prev[1] if prev is not None else 0.0)
+        return out
+
+    busy = after["machine_busy"] - before["machine_busy"]
+    lines = [f"CPU over {secs:.1f}s: machine busy {busy:.1f} s of {after['machine_all'] - before['machine_all']:.1f} s "
+             f"(all processes, incl. others'); load average {' '.join(f'{x:.1f}' for x in os.getloadavg())}"]
+    procs = diff("procs")
+    per = 1e6 / rows if rows else 0.0
+    lines[0] += f"; {rows:,} events"
+    lines += [f"  {k}: {v:.1f} s ({v * per:.1f} us/event)" for k, v in sorted(procs.items(), key=lambda kv: -kv[1])]
+    lines.append(f"  this bench, all: {sum(procs.values()):.1f} s ({sum(procs.values()) * per:.1f} us/event)")
+    lines.append(f"  not this bench's: {busy - sum(procs.values()):.1f} s")
+    lines.append("JVM threads (CPU s):")
+    threads = diff("threads")
+    lines += [f"  {k}: {v:.2f}" for k, v in sorted(threads.items(), key=lambda kv: -kv[1])[:20] if v >= 0.05]
+    return "\n".join(lines)
 
 
 def run_naive(spark: Any, settings: dict[str, str], events_topic: str, devices_topic: str, workdir: Path,
@@ -362,6 +532,13 @@ def main(argv: list[str] | None = None) -> int:
                          "min(events, dimension rows) devices are in the backlog")
     ap.add_argument("--skip", default="", help="comma list of: plain,job,naive,careful,latency")
     ap.add_argument("--json", help="write the results to this file as well")
+    ap.add_argument("--py-spy", metavar="PREFIX", type=Path,
+                    help="py-spy the job's Python processes in the last round, after its two warm-up batches, "
+                    "into PREFIX.workers.<daemon pid>, PREFIX.driver and PREFIX.source.<pid> (raw format; summarise "
+                    "them with python -m bench.pyspy), and the CPU by process and JVM thread into PREFIX.cpu.txt")
+    ap.add_argument("--py-spy-idle", action="store_true", help="with --py-spy: also the stacks of waiting threads")
+    ap.add_argument("--cpu-only", action="store_true", help="with --py-spy: no sampling, only PREFIX-r<round>.cpu.txt, "
+                    "in every round")
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args(argv)
     setup_logging(logging.INFO if args.verbose else logging.WARNING)
@@ -398,19 +575,27 @@ def main(argv: list[str] | None = None) -> int:
                                                    "job_from_json": [], "job_state": []}
         for r in range(args.repeat):
             if "plain" not in skip:
-                rate = _in_process(data.plain_copy, settings, events_topic, f"bench-copy-{uuid.uuid4().hex[:8]}",
-                                   args.events, args.partitions)
-                rounds["plain"].append({"rate": rate})
-                print(f"[{r + 1}/{args.repeat}] plain copy: {rate:,.0f} events/s", flush=True)
+                broker0 = _broker_cpu()
+                rate, cpu = _in_process(_plain_copy_cpu, settings, events_topic,
+                                        f"bench-copy-{uuid.uuid4().hex[:8]}", args.events, args.partitions)
+                broker = _broker_cpu() - broker0
+                rounds["plain"].append({"rate": rate, "cpu_s": cpu, "broker_cpu_s": broker})
+                print(f"[{r + 1}/{args.repeat}] plain copy: {rate:,.0f} events/s; CPU {cpu:.1f} s in the copy process "
+                      f"({cpu / args.events * 1e6:.1f} us/event) + {broker:.1f} s in the embedded broker "
+                      f"({broker / args.events * 1e6:.1f} us/event)", flush=True)
             if "job" not in skip:
                 sampler.phase = f"job round {r + 1}"
-                res = run_job(spark, settings, events_topic, devices_topic, workdir, args.batch, args.events)
+                res = run_job(spark, settings, events_topic, devices_topic, workdir, args.batch, args.events,
+                              spy=(args.py_spy.with_name(f"{args.py_spy.name}-r{r + 1}") if args.py_spy and args.cpu_only
+                                   else args.py_spy if r == args.repeat - 1 else None),
+                              spy_idle=args.py_spy_idle, cpu_only=args.cpu_only)
                 sampler.phase = None
                 rounds["job"].append(res)
                 print(f"[{r + 1}/{args.repeat}] job: {res['rate']:,.0f} events/s steady over {res['batches']} "
                       f"batches (median batch {res['batch_s_median']:.2f}s; {_parts(res)}); start {res['start_s']:.1f}s, "
                       f"first batches {res['first_batch_s']:.1f}s + {res['second_batch_s']:.1f}s, wall {res['wall_s']:.1f}s, "
-                      f"{res['matched']:.0%} matched", flush=True)
+                      f"{res['matched']:.0%} matched; median s per batch: "
+                      + ", ".join(f"{k} {v:.2f}" for k, v in res.get("parts", {}).items()), flush=True)
             if args.job_from_json:
                 sampler.phase = f"job (from_json) round {r + 1}"
                 res = run_job(spark, settings, events_topic, devices_topic, workdir, args.batch, args.events,

@@ -16,16 +16,16 @@ import argparse
 import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
+
+from bench import pyspy
 
 EVENT_SCHEMA = "device_id STRING, ts TIMESTAMP, temperature DOUBLE, battery DOUBLE"
 
@@ -106,17 +106,11 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(args.repeat):
             for name in results:
                 spy: list[subprocess.Popen[bytes]] = []
-                spy_stop = threading.Event()
                 if name == "state" and args.py_spy and i == args.repeat - 1:
-                    threading.Thread(target=_py_spy, args=(Path(args.py_spy), spy, spy_stop), daemon=True).start()
+                    pyspy.spy_workers(Path(args.py_spy), spy)
                 started = time.monotonic()
                 progress = run(spark, data, Path(tmp) / f"ck-{name}-{i}", state=name == "state", buckets=args.buckets)
-                spy_stop.set()
-                for p in spy:
-                    p.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
-                    p.wait(60)
-                if spy:
-                    _merge_spy(Path(args.py_spy))
+                pyspy.stop_all(spy)  # py-spy writes its file on SIGINT
                 rate, med = steady_rate(progress)
                 results[name].append((rate, med))
                 print(f"round {i + 1} {name}: {rate:,.0f} events/s steady, median batch {med:.2f}s "
@@ -133,54 +127,6 @@ def main(argv: list[str] | None = None) -> int:
               f"{' / '.join(f'{r[0]:,.0f}' for r in rounds)} | {ratio} |")
     spark.stop()
     return 0
-
-
-def _py_spy(out: Path, started: list[subprocess.Popen[bytes]], stop: threading.Event) -> None:
-    """py-spy on every Python process under this process's JVM (the PySpark daemon, the workers it
-    forks, and workers the JVM starts itself), each into ``out.<pid>`` as it appears, until ``stop``;
-    :func:`_merge_spy` then sums them into ``out``. (One py-spy on the daemon with ``--subprocesses``
-    missed the workers started after it attached.)"""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    exe = Path(sys.executable).with_name("py-spy")
-    seen: set[int] = set()
-    while not stop.wait(0.2):
-        for pid in _python_under_jvm():
-            if pid in seen:
-                continue
-            seen.add(pid)
-            started.append(subprocess.Popen([str(exe), "record", "--pid", str(pid), "--format", "raw", "--rate", "100",
-                                             "--output", f"{out}.{pid}", "--nonblocking"],
-                                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-
-
-def _merge_spy(out: Path) -> None:
-    """Sum the per-process raw files ``out.<pid>`` into ``out`` (same stacks added up)."""
-    counts: dict[str, int] = {}
-    for part in sorted(out.parent.glob(out.name + ".*")):
-        for line in part.read_text(encoding="utf-8", errors="replace").splitlines():
-            stack, _, n = line.rpartition(" ")
-            if stack and n.isdigit():
-                counts[stack] = counts.get(stack, 0) + int(n)
-        part.unlink()
-    out.write_text("".join(f"{k} {v}\n" for k, v in counts.items()), encoding="utf-8")
-
-
-def _python_under_jvm() -> list[int]:
-    ps = subprocess.run(["ps", "-eo", "pid,ppid,args"], capture_output=True, text=True, check=True).stdout
-    rows = [line.split(None, 2) for line in ps.splitlines()[1:]]
-    mine = str(os.getpid())
-    under = {r[0] for r in rows if r[1] == mine and len(r) > 2 and "java" in r[2]}
-    found: list[int] = []
-    grew = True
-    while grew:
-        grew = False
-        for r in rows:
-            if r[1] in under and r[0] not in under:
-                under.add(r[0])
-                grew = True
-                if len(r) > 2 and "python" in r[2]:
-                    found.append(int(r[0]))
-    return found
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ from enrich.dimension.store import DELETED
 from enrich.events import SLOW, FastEvents
 from enrich.fastparse import FastParser
 from enrich.ipc import from_ipc
+from enrich.worker import settle
 from refstream.compat import key_index, spark_schema
 from refstream.contract import DatasetSchema
 from refstream.errors import ConfigError
@@ -252,6 +253,7 @@ class Enricher:
         return out
 
     def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        settle()
         lookups = self.lookups()
         for b in batches:
             t = self.parse(b) if self.parse is not None else pa.Table.from_batches([b])
@@ -318,6 +320,7 @@ class PlanEnricher:
         return out
 
     def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        settle()
         lookups: dict[str, tuple[Lookup, Lookup | None]] | None = None
         for b in batches:
             if lookups is None:

@@ -40,6 +40,7 @@ from enrich.kafka.offsets import (
     topic_ids_of,
 )
 from enrich.kafka.options import SourceOptions
+from enrich.worker import settle
 from refstream.kafka import admin
 
 log = logging.getLogger(__name__)
@@ -90,6 +91,7 @@ class KafkaBatchReader(DataSourceReader):
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         if not isinstance(partition, OffsetRange):  # no partitions planned: Spark reads one empty one
             return iter(())
+        settle()
         return read_range(self.options.settings, partition, poll_timeout_s=self.options.poll_timeout_s,
                           fail_on_data_loss=self.options.fail_on_data_loss)
 
@@ -227,5 +229,6 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, OffsetRange)
+        settle()
         return read_range(self.options.settings, partition, poll_timeout_s=self.options.poll_timeout_s,
                           fail_on_data_loss=self.options.fail_on_data_loss)

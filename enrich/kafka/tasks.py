@@ -63,6 +63,7 @@ from enrich.kafka.writer import (
     record_limit,
     visible_ends,
 )
+from enrich.worker import settle
 from refstream.errors import TerminalError
 from refstream.kafka import producer
 
@@ -133,6 +134,7 @@ class TaskWriter:
 
         ctx = TaskContext.get()
         slot = ctx.partitionId() if ctx is not None else 0
+        settle()
         started = time.monotonic()
         first = next(batches, None)
         if first is None:  # nothing to write: no transaction, no marker (a replay has nothing either)

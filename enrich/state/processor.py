@@ -44,6 +44,7 @@ from enrich.ipc import from_ipc, to_ipc
 from enrich.state import engine, packed
 from enrich.state.dimension import CACHE, PartitionedDim, Version, apply_changes, conform, lookup
 from enrich.state.engine import StateSpec
+from enrich.worker import settle
 from refstream.contract import DatasetSchema
 
 #: The state variable holding a bucket's device table, and its schema.
@@ -103,6 +104,7 @@ class DeviceStateProcessor(StatefulProcessor):
 
     def handleInputRows(self, key: Any, rows: Iterator[pd.DataFrame],  # type: ignore[override]
                         timerValues: TimerValues) -> Iterator[pd.DataFrame]:
+        settle()
         kinds = packed.unpack_kinds(rows)
         # A batch's changelog records come first: its events see the dimension as of their end.
         versions = [self._dimension(i, kinds.get(d.kind)) for i, d in enumerate(self.dims)]
