@@ -30,9 +30,14 @@ class BatchInfo:
     batch_id: int
     committed_at: float                      # when Spark wrote its commit file (epoch seconds)
     timestamp_ms: int | None                 # the batch's trigger time, as Spark recorded it
-    events_end: dict[TP, int]                # event offsets processed up to (excluding)
-    positions: dict[str, Positions]          # dataset -> changelog positions the batch used
+    events_end: dict[TP, int]                # every source's offsets processed up to (excluding): the
+                                             # events and the changelogs of partitioned dimensions
+    positions: dict[str, Positions]          # dataset -> changelog positions the batch used (broadcast)
     dimensions: dict[str, dict[str, object]]  # dataset -> rows, version, changed_ms (when recorded)
+
+    def source_end(self, topic: str) -> Positions:
+        """``{partition: offset}`` the batch read ``topic`` up to (a topic read as a source of the query)."""
+        return {p: o for (t, p), o in self.events_end.items() if t == topic}
 
 
 class Checkpoint:

@@ -85,7 +85,7 @@ def lookup(cfg: EnrichConfig, dataset: str, key: str, batch_id: int | None = Non
     topic = topics[dataset]
     if dataset in {j.dataset for j in cfg.partitioned_joins}:
         # Kept by the executors: the batch applied its changelog up to its source's end in Spark's offset log.
-        target = {p: o for (t, p), o in info.events_end.items() if t == topic}
+        target = info.source_end(topic)
     else:
         target = info.positions.get(dataset, {})
     if not target:

@@ -83,7 +83,7 @@ def status(cfg: EnrichConfig, *, max_age: timedelta | None = None, now: float | 
         if ds in partitioned:
             # Kept by the executors: the batch's changelog range is in Spark's offset log (a source
             # of its own); its version, rows and age are not known to the driver.
-            ends = {p: o for (t, p), o in info.events_end.items() if t == topic}
+            ends = info.source_end(topic)
             dims.append(DimensionStatus(dataset=ds, topic=topic, version=None, rows=None, changed_ms=None,
                                         age_seconds=None, positions=ends))
             continue
