@@ -254,8 +254,10 @@ class Enricher:
 
     def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         settle()
-        lookups = self.lookups()
+        lookups: dict[str, tuple[Lookup, Lookup | None]] | None = None
         for b in batches:
+            if lookups is None:  # a task without rows fetches no version
+                lookups = self.lookups()
             t = self.parse(b) if self.parse is not None else pa.Table.from_batches([b])
             for spec in self.specs:
                 base, overlay = lookups[spec.dataset]
@@ -288,13 +290,13 @@ class _FileBytes:
         return self.path.read_bytes()
 
 
-class PlanEnricher:
+class PlanEnricher(Enricher):
     """The ``mapInArrow`` function of joins placed in the streaming plan (before the state step):
     like :class:`Enricher`, but the versions come from the batch's :data:`PINNED_PROPERTY` and the
     shipper's files, since the plan's Python functions cannot get broadcasts made after it was built."""
 
     def __init__(self, specs: tuple[JoinSpec, ...], error_column: str | None) -> None:
-        self.specs, self.error_column = specs, error_column
+        super().__init__(specs, {}, error_column)
 
     def lookups(self) -> dict[str, tuple[Lookup, Lookup | None]]:
         from pyspark import TaskContext
@@ -318,18 +320,6 @@ class PlanEnricher:
                        if overlay_id is not None else None)
             out[ds] = (base, overlay)
         return out
-
-    def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        settle()
-        lookups: dict[str, tuple[Lookup, Lookup | None]] | None = None
-        for b in batches:
-            if lookups is None:
-                lookups = self.lookups()
-            t = pa.Table.from_batches([b])
-            for spec in self.specs:
-                base, overlay = lookups[spec.dataset]
-                t = join_table(t, spec, base, overlay, self.error_column)
-            yield from t.to_batches()
 
 
 def enrich_in_plan(df: DataFrame, specs: Sequence[JoinSpec], out_schema: StructType,

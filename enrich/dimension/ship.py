@@ -5,7 +5,7 @@ get a :class:`Shipped` handle per batch: ids plus broadcast references, a few hu
 workers are reused across batches and cache the lookup they built per id (see ``enrich.join``), so
 a batch in which nothing changed re-ships and rebuilds nothing.
 
-With ``files``, every shipped version is also written there as an Arrow IPC file named by its id
+After :meth:`Shipper.write_to`, every shipped version is also written to its directory as an Arrow IPC file named by its id
 (:func:`file_of`): a join inside the streaming plan (before the state step) cannot get broadcasts
 made after the plan was built, so its tasks read the pinned versions from these files instead,
 which must then be on storage every executor sees (the checkpoint's, on a cluster).
@@ -50,12 +50,10 @@ class Shipper:
     """Broadcasts new bases and overlays of every dimension; retires replaced broadcasts (and, with
     ``files``, writes each one there too: see the module doc)."""
 
-    def __init__(self, sc: SparkContext, files: Path | None = None) -> None:
+    def __init__(self, sc: SparkContext) -> None:
         self._sc = sc
-        self.files: Path | None = None
+        self.files: Path | None = None      # see write_to
         self._retired_files: list[Path] = []
-        if files is not None:
-            self.write_to(files)
         self._run = uuid.uuid4().hex[:8]
         self._current: dict[str, Shipped] = {}
         self._gens: dict[str, tuple[int, int]] = {}
