@@ -30,6 +30,7 @@ import tempfile
 import time
 import urllib.request
 import uuid
+from collections.abc import Iterator
 from contextlib import ExitStack
 from datetime import datetime
 from pathlib import Path
@@ -91,6 +92,30 @@ def start_cluster(stack: ExitStack, workdir: Path, memory: str) -> tuple[str, li
     return f"spark://127.0.0.1:{port}", [psutil.Process(p.pid) for p in procs[1:]]
 
 
+def processes(roots: list[psutil.Process]) -> Iterator[psutil.Process]:
+    """Every live process of the trees under ``roots``, roots first."""
+    for root in roots:
+        try:
+            procs = [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            continue
+        yield from procs
+
+
+def sink_batches(log: Path) -> list[tuple[float, int]]:
+    """(time, records written) of every micro-batch the Kafka sink logged, from the job's JSON log."""
+    out = []
+    for line in log.read_text().splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        msg = rec.get("message", "")
+        if rec.get("logger") == "enrich.sinks.kafka" and msg.startswith("batch ") and " records and " in msg:
+            out.append((datetime.fromisoformat(rec["time"]).timestamp(), int(msg.split(": ", 1)[1].split(" records")[0])))
+    return out
+
+
 class CpuTrees:
     """Last seen CPU time (user + system) of every process under some roots, per tree."""
 
@@ -100,17 +125,12 @@ class CpuTrees:
 
     def sample(self) -> None:
         for name, roots in self.trees.items():
-            for root in roots:
+            for p in processes(roots):
                 try:
-                    procs = [root, *root.children(recursive=True)]
-                except psutil.NoSuchProcess:
+                    t = p.cpu_times()
+                    self.seen[name][p.pid] = t.user + t.system
+                except (psutil.NoSuchProcess, psutil.AccessDenied):
                     continue
-                for p in procs:
-                    try:
-                        t = p.cpu_times()
-                        self.seen[name][p.pid] = t.user + t.system
-                    except (psutil.NoSuchProcess, psutil.AccessDenied):
-                        continue
 
     def totals(self) -> dict[str, float]:
         return {name: sum(v.values()) for name, v in self.seen.items()}
@@ -190,15 +210,7 @@ def run_round(settings: dict[str, str], master: str, workers: list[psutil.Proces
     if proc.returncode != 0:
         raise RuntimeError(f"job failed ({proc.returncode}): {log.read_text()[-3000:]}")
     totals = cpu.totals()
-    written = 0
-    for line in log.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        msg = rec.get("message", "")
-        if rec.get("logger") == "enrich.sinks.kafka" and msg.startswith("batch ") and " records and " in msg:
-            written += int(msg.split(": ", 1)[1].split(" records")[0])
+    written = sum(n for _, n in sink_batches(log))
     if written != n:
         raise RuntimeError(f"the job wrote {written} records, expected {n}")
     share = totals["driver"] / (totals["driver"] + totals["cluster"])

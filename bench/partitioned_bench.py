@@ -25,7 +25,6 @@ Medians over ``--repeat`` rounds; contenders run in turn within each round.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
@@ -45,7 +44,7 @@ import yaml
 from bench import enrich_data as data
 from bench.common import broker_settings
 from bench.enrich_bench import STATE_SECTION
-from bench.enrich_cluster_cpu import start_cluster
+from bench.enrich_cluster_cpu import processes, sink_batches, start_cluster
 from refstream import contract
 from refstream import kafka as rkafka
 
@@ -82,34 +81,15 @@ def publish_devices(settings: dict[str, str], topic: str, rows: int) -> float:
 
 
 def _tree_memory(roots: list[psutil.Process]) -> float:
+    """RSS of the processes under ``roots``; PSS for Python processes other than a root (forked
+    workers share pages with their daemon)."""
     total = 0.0
-    for root in roots:
+    for p in processes(roots):
         try:
-            procs = [root, *root.children(recursive=True)]
-        except psutil.NoSuchProcess:
+            total += p.memory_full_info().pss if "python" in p.name() and p not in roots else p.memory_info().rss
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue
-        for p in procs:
-            try:
-                total += p.memory_full_info().pss if "python" in p.name() and p is not root else p.memory_info().rss
-            except (psutil.NoSuchProcess, psutil.AccessDenied):
-                continue
     return total
-
-
-def _batches(log: Path) -> tuple[float | None, list[tuple[float, int]]]:
-    """The job's start and (end time, events read) of each micro-batch with events, from its JSON log."""
-    start, out = None, []
-    for line in log.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        t = datetime.fromisoformat(rec["time"]).timestamp()
-        start = t if start is None else start
-        msg = rec.get("message", "")
-        if rec.get("logger") == "enrich.sinks.kafka" and msg.startswith("batch ") and " records and " in msg:
-            out.append((t, int(msg.split(": ", 1)[1].split(" records")[0])))
-    return start, out
 
 
 def run_round(settings: dict[str, str], master: str, workers: list[psutil.Process], events_topic: str,
@@ -146,7 +126,7 @@ def run_round(settings: dict[str, str], master: str, workers: list[psutil.Proces
         time.sleep(0.2)
     if proc.returncode != 0:
         raise RuntimeError(f"job failed ({proc.returncode}): {log.read_text()[-3000:]}")
-    _, batches = _batches(log)
+    batches = sink_batches(log)
     written = sum(k for _, k in batches)
     if written != n:
         raise RuntimeError(f"the job wrote {written} records, expected {n} ({log})")
