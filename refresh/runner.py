@@ -36,7 +36,15 @@ from refresh.errors import EmptySnapshot, Refused, Stopped, TooManyDeletes
 from refresh.publish import Publisher, transactional_id
 from refresh.sources import open_source
 from refresh.sources.abc import IncrementalSource, Source
-from refresh.stores.abc import CommittedState, RunKind, RunRecord, RunResult, SnapshotRows, StateStore
+from refresh.stores.abc import (
+    CommittedState,
+    RunKind,
+    RunRecord,
+    RunResult,
+    SnapshotRows,
+    StagedSnapshot,
+    StateStore,
+)
 from refresh.stores.files import FileStateStore
 from refstream.config import format_duration
 from refstream.contract import (
@@ -51,6 +59,11 @@ from refstream.kafka import end_offsets
 from refstream.retry import call_with_retry
 
 log = logging.getLogger(__name__)
+
+#: A published snapshot up to this size (Parquet's uncompressed bytes, about its Arrow size) is read
+#: whole while the source is read, which mostly waits on the database; a larger one is read a column
+#: and a row group at a time by the diff, so that two whole snapshots never sit in memory.
+PREFETCH_BYTES = 512 << 20
 
 
 def _utcnow() -> datetime:
@@ -70,6 +83,7 @@ class _Step:
     watermark: Any
     watermark_type: str | None
     last_reconcile: str | None
+    staged: StagedSnapshot | None = None   # ``snapshot`` being written ahead of the commit
 
 
 class _Phases:
@@ -214,9 +228,24 @@ class Refresher:
             step = self._full_read(ds, state, snapshot, source, stop, timer, kind=kind,
                                    allow_empty=ds.allow_empty or allow_deletes,
                                    compare=old_key is None)
-        if old_key is not None:
-            step = self._rekeyed(ds, snapshot, step, old_key)
-        del snapshot  # the old rows are not needed any more: free them before publishing
+        try:
+            if old_key is not None:
+                step = self._rekeyed(ds, snapshot, step, old_key)
+            del snapshot  # the old rows are not needed any more: free them before publishing
+            if (not dry_run and step.snapshot is not None
+                    and (step.changes or not step.schema.same_columns(state.schema) or not state.snapshot)):
+                # Written while the changes are published; committed only after them.
+                step = dataclasses.replace(step, staged=self.store.stage_snapshot(ds.name, version, step.snapshot))
+            return self._publish_and_commit(ds, state, step, version, ends, lost, old_key, timer, t0,
+                                            stop=stop, allow_deletes=allow_deletes, full=full, dry_run=dry_run)
+        finally:
+            if step.staged is not None:
+                step.staged.discard()  # a no-op once committed
+
+    def _publish_and_commit(self, ds: DatasetConfig, state: CommittedState, step: _Step, version: int,
+                            ends: dict[int, int] | None, lost: str | None, old_key: tuple[str, ...] | None,
+                            timer: _Phases, t0: float, *, stop: threading.Event | None, allow_deletes: bool,
+                            full: bool, dry_run: bool) -> RunResult:
         if not allow_deletes:
             # A re-key tombstones every old key by design: what it really deletes is the rows gone.
             deletes = max(0, state.rows - step.rows_read) if old_key is not None else step.changes.delete_count
@@ -256,7 +285,7 @@ class Refresher:
             version=version, schema=schema, snapshot=state.snapshot, rows=step.total,
             watermark=step.watermark, watermark_type=step.watermark_type,
             last_reconcile=step.last_reconcile, topic=ds.topic, offsets=ends),
-            None if keep_snapshot else step.snapshot)
+            None if keep_snapshot else step.staged or step.snapshot)
         timer.mark("commit")
         seconds = round(time.monotonic() - t0, 3)
         result = RunResult(dataset=ds.name, ok=True, version=version, rows=step.rows_read,
@@ -326,6 +355,8 @@ class Refresher:
         cursor = ds.incremental
         db_now = self._retry(source.now, f"dataset {ds.name}: database clock", stop) \
             if cursor is not None and isinstance(source, IncrementalSource) else None
+        if compare and isinstance(snapshot, SnapshotRows) and snapshot.prefetch(PREFETCH_BYTES):
+            log.debug("dataset %s: reading the published snapshot during the source read", ds.name)
         rows = self._read(ds, "snapshot", source.read, state.schema, stop, source)
         timer.mark("read")
         if rows.num_rows == 0 and not allow_empty:

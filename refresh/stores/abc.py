@@ -155,6 +155,33 @@ class SnapshotRows(ABC):
     def read(self) -> pa.Table:
         """Every column of every row."""
 
+    def prefetch(self, max_bytes: int) -> bool:
+        """Start reading every column in the background when they take at most ``max_bytes`` in
+        memory (the refresher calls it before it reads the source, which mostly waits on the
+        database); later calls then use the rows read. Returns whether it started."""
+        return False
+
+
+class StagedSnapshot:
+    """A new snapshot handed to the store before its commit (:meth:`StateStore.stage_snapshot`), so
+    that writing it can overlap the diff and the publish. It is not committed: until
+    :meth:`StateStore.commit` is given it, nothing points at what it wrote. This base writes nothing
+    early (``commit`` then writes ``table`` itself)."""
+
+    def __init__(self, table: pa.Table) -> None:
+        self.table = table
+        #: Set by the store's commit once the state pointing at it is durable.
+        self.committed = False
+
+    def wait(self) -> str | None:
+        """Wait for the early write and return what the store named it (None: nothing was written
+        early); raises what the write raised."""
+        return None
+
+    def discard(self) -> None:
+        """The run did not commit it: stop writing and remove what was written. A no-op once
+        committed; idempotent."""
+
 
 class StateStore(ABC):
     """Per-dataset durable state. Implementations make each ``commit`` atomic."""
@@ -178,9 +205,16 @@ class StateStore(ABC):
         return self.load_snapshot(dataset, state)
 
     @abstractmethod
-    def commit(self, dataset: str, state: CommittedState, snapshot: pa.Table | None) -> CommittedState:
-        """Durably store ``snapshot`` (if given, as a new file) and then ``state``; returns the state
-        as stored. Either the whole commit is visible afterwards or none of it."""
+    def commit(self, dataset: str, state: CommittedState,
+               snapshot: pa.Table | StagedSnapshot | None) -> CommittedState:
+        """Durably store ``snapshot`` (if given, as a new file; a staged one once its write is done)
+        and then ``state``; returns the state as stored. Either the whole commit is visible
+        afterwards or none of it."""
+
+    def stage_snapshot(self, dataset: str, version: int, table: pa.Table) -> StagedSnapshot:
+        """Start storing ``table`` as the snapshot of ``version`` in the background, invisible until
+        :meth:`commit` is given the result; the caller must commit or discard it."""
+        return StagedSnapshot(table)
 
     @abstractmethod
     def reserve(self, dataset: str, version: int) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import fcntl
 import json
@@ -11,12 +12,21 @@ import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from refresh.errors import DatasetBusy, Stopped
-from refresh.stores.abc import RUN_HISTORY, CommittedState, DatasetStatus, RunRecord, SnapshotRows, StateStore
+from refresh.stores.abc import (
+    RUN_HISTORY,
+    CommittedState,
+    DatasetStatus,
+    RunRecord,
+    SnapshotRows,
+    StagedSnapshot,
+    StateStore,
+)
 from refstream.atomic import write_atomic, write_bytes_atomic, write_json_atomic
 from refstream.contract import DatasetSchema
 from refstream.errors import TerminalError
@@ -104,13 +114,20 @@ class FileStateStore(StateStore):
             raise TerminalError(f"dataset {dataset}: snapshot {p} is unreadable ({exc}); "
                                 f"remove {self.dir(dataset) / 'state.json'} to start over") from None
 
-    def commit(self, dataset: str, state: CommittedState, snapshot: pa.Table | None) -> CommittedState:
+    def commit(self, dataset: str, state: CommittedState,
+               snapshot: pa.Table | StagedSnapshot | None) -> CommittedState:
         d = self.dir(dataset)
         d.mkdir(parents=True, exist_ok=True)
         old = self.load(dataset).snapshot
         if snapshot is not None:
-            name = f"snapshot-{state.version:010d}.parquet"
-            write_atomic(d / name, lambda f: pq.write_table(snapshot, f, compression="lz4"))
+            name = snapshot_name(state.version)
+            staged = snapshot.wait() if isinstance(snapshot, StagedSnapshot) else None
+            if staged is not None:
+                if staged != name:
+                    raise ValueError(f"dataset {dataset}: staged snapshot {staged} is not version {state.version}'s")
+            else:
+                table = snapshot.table if isinstance(snapshot, StagedSnapshot) else snapshot
+                write_atomic(d / name, lambda f: write_snapshot(table, f))
             state = CommittedState(**{**state.__dict__, "snapshot": name})
         obj = {
             "format": STATE_FORMAT, "version": state.version,
@@ -121,6 +138,8 @@ class FileStateStore(StateStore):
             "offsets": {str(p): o for p, o in sorted(state.offsets.items())} if state.offsets else None,
         }
         write_json_atomic(d / "state.json", obj)
+        if isinstance(snapshot, StagedSnapshot):
+            snapshot.committed = True
         # Only now is the new snapshot the committed one: remove what nothing points at any more.
         for p in d.glob("snapshot-*.parquet"):
             if p.name != state.snapshot and (p.name == old or p.name < (state.snapshot or "")):
@@ -130,6 +149,9 @@ class FileStateStore(StateStore):
             with contextlib.suppress(FileNotFoundError):
                 p.unlink()
         return state
+
+    def stage_snapshot(self, dataset: str, version: int, table: pa.Table) -> StagedSnapshot:
+        return _StagedFile(self.dir(dataset) / snapshot_name(version), table)
 
     # --------------------------------------------------------------------------------- versions
     def reserve(self, dataset: str, version: int) -> None:
@@ -194,24 +216,118 @@ def _offsets(dataset: str, path: Path, obj: object) -> dict[int, int] | None:
                             f"{{partition: offset}}") from None
 
 
+def snapshot_name(version: int) -> str:
+    """The file a committed snapshot of ``version`` is stored in."""
+    return f"snapshot-{version:010d}.parquet"
+
+
+#: Rows per row group of a snapshot file (pyarrow's default): the lazy diff reads one at a time.
+ROW_GROUP = 1 << 20
+
+
+class _Discarded(Exception):
+    """A staged snapshot's write stopped because the run will not commit it."""
+
+
+def write_snapshot(table: pa.Table, f: BinaryIO, stop: threading.Event | None = None) -> None:
+    """``table`` as a snapshot file (Parquet, LZ4, :data:`ROW_GROUP` rows per group); ``stop`` is
+    checked between row groups."""
+    with pq.ParquetWriter(f, table.schema, compression="lz4") as writer:
+        for start in range(0, max(table.num_rows, 1), ROW_GROUP):
+            if stop is not None and stop.is_set():
+                raise _Discarded
+            writer.write_table(table.slice(start, ROW_GROUP), row_group_size=ROW_GROUP)
+
+
+class _StagedFile(StagedSnapshot):
+    """A snapshot written to its final name in a thread of its own while the run goes on. The name
+    is safe to take early: no committed state points at it (the version is above the committed
+    one), and a commit of a later version removes it if this run never commits."""
+
+    def __init__(self, path: Path, table: pa.Table) -> None:
+        super().__init__(table)
+        self.path = path
+        self._stop = threading.Event()
+        self._done: concurrent.futures.Future[None] = concurrent.futures.Future()
+        threading.Thread(target=self._write, name=f"stage-{path.name}", daemon=True).start()
+
+    def _write(self) -> None:
+        try:
+            write_atomic(self.path, lambda f: write_snapshot(self.table, f, self._stop))
+            self._done.set_result(None)
+        except BaseException as exc:
+            self._done.set_exception(exc)
+
+    def wait(self) -> str | None:
+        self._done.result()
+        return self.path.name
+
+    def discard(self) -> None:
+        if self.committed:
+            return
+        self._stop.set()
+        with contextlib.suppress(BaseException):
+            self._done.result()
+        self.path.unlink(missing_ok=True)
+
+
 class ParquetSnapshot(SnapshotRows):
-    """A snapshot file read column by column on demand."""
+    """A snapshot file read column by column on demand, or whole in the background (``prefetch``)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self._file = pq.ParquetFile(path)
         self.schema = self._file.schema_arrow
         self.num_rows = self._file.metadata.num_rows
+        self._prefetch: concurrent.futures.Future[pa.Table] | None = None
+
+    def prefetch(self, max_bytes: int) -> bool:
+        md = self._file.metadata
+        size = sum(md.row_group(i).total_byte_size for i in range(md.num_row_groups))
+        if self._prefetch is not None or size > max_bytes:
+            return False
+        # A thread of its own, not a pool: nothing else may use the file until it is done (_whole).
+        future: concurrent.futures.Future[pa.Table] = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                future.set_result(self._file.read())
+            except BaseException as exc:  # the lazy reads below meet it again, and report it
+                future.set_exception(exc)
+
+        threading.Thread(target=run, name=f"prefetch-{self.path.name}", daemon=True).start()
+        self._prefetch = future
+        return True
+
+    def _whole(self) -> pa.Table | None:
+        """The prefetched rows (waiting for them), or None when none were or the prefetch failed."""
+        if self._prefetch is None:
+            return None
+        try:
+            return self._prefetch.result()
+        except Exception as exc:
+            log.debug("prefetch of %s failed (%s); reading on demand", self.path, exc)
+            self._prefetch = None
+            return None
 
     def select(self, names: list[str]) -> pa.Table:
-        return self._file.read(columns=list(names))
+        whole = self._whole()
+        return whole.select(list(names)) if whole is not None else self._file.read(columns=list(names))
 
     def column(self, name: str) -> pa.ChunkedArray:
-        return self._file.read(columns=[name]).column(0)
+        whole = self._whole()
+        return whole.column(name) if whole is not None else self._file.read(columns=[name]).column(0)
 
     def column_parts(self, name: str) -> Iterator[tuple[int, pa.ChunkedArray]]:
         """(first row, values) of one column per row group: the diff of a 10M-row table then holds
         one row group of an old column at a time, not the whole column."""
+        whole = self._whole()
+        if whole is not None:
+            start = 0
+            for chunk in whole.column(name).chunks:  # a chunk per row group: no copy
+                yield start, pa.chunked_array([chunk])
+                start += len(chunk)
+            return
         start = 0
         for i in range(self._file.num_row_groups):
             part = self._file.read_row_group(i, columns=[name]).column(0)
@@ -221,7 +337,9 @@ class ParquetSnapshot(SnapshotRows):
             start += n
 
     def read(self) -> pa.Table:
-        return self._file.read()
+        whole = self._whole()
+        return whole if whole is not None else self._file.read()
 
     def close(self) -> None:
+        self._whole()  # the prefetch thread reads the file until it is done
         self._file.close()

@@ -124,3 +124,61 @@ def test_lazy_parquet_snapshot_and_sliced_comparison_give_the_same_changes(tmp_p
     assert sorted(lazy.upserts.column("id").to_pylist()) == sorted(expected.upserts.column("id").to_pylist())
     assert expected.updates == len([i for i in range(5, 100) if i % 7 == 0 or i % 11 == 0])
     assert sorted(lazy.deletes.column("id").to_pylist()) == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_ordered_lazy_comparison_with_gaps_matches_the_eager_diff(tmp_path, monkeypatch, seed: int) -> None:
+    """Rows deleted and inserted between matched ones (runs of matched rows with holes on both sides),
+    over many row groups and compare slices: the lazy, ordered comparison finds what the eager one does."""
+    import random
+
+    import pyarrow.parquet as pq
+
+    import refresh.diff as d
+    from refresh.stores.files import ParquetSnapshot
+
+    rng = random.Random(seed)
+    old_ids = sorted(rng.sample(range(1000), 300))
+    new_ids = sorted(set(i for i in old_ids if rng.random() > 0.1) | set(rng.sample(range(1000), 40)))
+    def row(i: int, changed: bool) -> dict:
+        return {"id": i, "v": f"value {i}" + ("!" if changed else ""), "n": None if i % 13 == 0 else i}
+    old = t([row(i, False) for i in old_ids])
+    new = t([row(i, rng.random() < 0.1) for i in new_ids])
+    expected = diff("ds", old, new, ["id"])
+    pq.write_table(old, tmp_path / "s.parquet", row_group_size=16)
+    monkeypatch.setattr(d, "COMPARE_SLICE", 5)
+    assert expected.updates > 0 and expected.inserts > 0 and expected.delete_count > 0
+    prefetched = ParquetSnapshot(tmp_path / "s.parquet")
+    assert prefetched.prefetch(1 << 20)  # read whole in the background: the same changes
+    for snapshot in (ParquetSnapshot(tmp_path / "s.parquet"), prefetched):
+        lazy = diff("ds", snapshot, new, ["id"])
+        assert (lazy.inserts, lazy.updates, lazy.delete_count) == \
+            (expected.inserts, expected.updates, expected.delete_count)
+        assert lazy.upserts.to_pylist() == expected.upserts.to_pylist()
+        assert lazy.deletes.to_pylist() == expected.deletes.to_pylist()
+
+
+def test_a_prefetch_is_bounded_and_a_failed_one_falls_back_to_reading_on_demand(tmp_path) -> None:
+    import pyarrow.parquet as pq
+
+    from refresh.stores.files import ParquetSnapshot
+
+    old = t([{"id": i, "v": str(i)} for i in range(50)])
+    new = t([{"id": i, "v": str(i) if i % 5 else "x"} for i in range(50)])
+    pq.write_table(old, tmp_path / "s.parquet")
+    assert not ParquetSnapshot(tmp_path / "s.parquet").prefetch(10)  # larger than 10 bytes: on demand
+    failing = ParquetSnapshot(tmp_path / "s.parquet")
+    real = failing._file
+
+    class Broken:
+        def __getattr__(self, name: str):
+            return getattr(real, name)
+
+        def read(self, columns=None):
+            if columns is None:
+                raise OSError("disk went away")
+            return real.read(columns=columns)
+
+    failing._file = Broken()  # type: ignore[assignment]
+    assert failing.prefetch(1 << 20)
+    assert diff("ds", failing, new, ["id"]).updates == 10

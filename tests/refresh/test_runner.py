@@ -208,6 +208,8 @@ def test_broker_down_during_publish_commits_nothing_and_the_next_run_publishes(
         assert store.load("d").version == 1
         assert store.reserved("d") == 2   # the failed run's number is not reused
         assert store.load_snapshot("d", store.load("d")).num_rows == 2
+        # The new snapshot, written while the run published, was removed with the failed run.
+        assert sorted(p.name for p in (cfg.state_dir / "d").glob("*snapshot*")) == ["snapshot-0000000001.parquet"]
         st = read_status(cfg)[0]
         assert st["last_result"] == "failed" and st["consecutive_failures"] == 1
 
@@ -439,6 +441,7 @@ def test_crash_between_publish_and_commit_republishes_harmlessly(make_config, my
     first_try = changes(read_topic(kafka, topic), 2)
     assert first_try == {'{"id":1}': None, '{"id":2}': {"id": 2, "v": 20}}  # acknowledged, not committed
     assert FileStateStore(cfg.state_dir).load("c").version == 1
+    assert sorted(p.name for p in (cfg.state_dir / "c").glob("*snapshot*")) == ["snapshot-0000000001.parquet"]
     r = Refresher(cfg).run("c")  # the next run sends the same changes again, under a new version
     assert (r.version, r.updates, r.deletes) == (3, 1, 1)
     records = read_topic(kafka, topic)
@@ -448,6 +451,8 @@ def test_crash_between_publish_and_commit_republishes_harmlessly(make_config, my
     assert len([x for x in records if x.version == 2]) == 2 and len([x for x in records if x.version == 3]) == 2
     assert table_view(records) == {'{"id":2}': {"id": 2, "v": 20}}
     assert Refresher(cfg).run("c").published == 0
+    # The run without changes writes no new snapshot (and leaves none behind).
+    assert sorted(p.name for p in (cfg.state_dir / "c").glob("*snapshot*")) == ["snapshot-0000000003.parquet"]
 
 
 def test_jsonl_glob_and_parquet_files_end_to_end(make_config, tmp_path: Path, unique, kafka):

@@ -83,16 +83,50 @@ def test_a_failed_commit_leaves_the_previous_state(tmp_path: Path, monkeypatch: 
     store.commit("d", CommittedState(version=1, rows=1), pa.table({"id": [1]}))
     import refresh.stores.files as files
 
-    def broken(table, where, **kw):
+    def broken(table, where, stop=None):
         where.write(b"partial")
         raise OSError("disk full")
 
-    monkeypatch.setattr(files.pq, "write_table", broken)
+    monkeypatch.setattr(files, "write_snapshot", broken)
     with pytest.raises(OSError, match="disk full"):
         store.commit("d", CommittedState(version=2, rows=5), pa.table({"id": [1, 2, 3, 4, 5]}))
+    # The same failure in a snapshot staged ahead of its commit: the commit raises it.
+    staged = store.stage_snapshot("d", 2, pa.table({"id": [1, 2, 3, 4, 5]}))
+    with pytest.raises(OSError, match="disk full"):
+        store.commit("d", CommittedState(version=2, rows=5), staged)
+    staged.discard()
     state = store.load("d")
     assert state.version == 1 and store.load_snapshot("d", state).num_rows == 1
     assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["snapshot-0000000001.parquet", "state.json"]
+
+
+def test_a_staged_snapshot_is_invisible_until_committed_and_gone_when_discarded(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import refresh.stores.files as files
+
+    monkeypatch.setattr(files, "ROW_GROUP", 1000)  # many row groups: a discard stops between them
+    store = FileStateStore(tmp_path)
+    store.commit("d", CommittedState(version=1, rows=1), pa.table({"id": [1]}))
+    big = pa.table({"id": pa.array(range(200_000)), "v": pa.array([f"v{i}" for i in range(200_000)])})
+    dropped = store.stage_snapshot("d", 2, big)
+    dropped.discard()
+    dropped.discard()
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["snapshot-0000000001.parquet", "state.json"]
+    assert store.load("d").version == 1
+
+    staged = store.stage_snapshot("d", 2, big)
+    assert store.load("d").snapshot == "snapshot-0000000001.parquet"  # written or not, not committed
+    state = store.commit("d", CommittedState(version=2, rows=big.num_rows), staged)
+    staged.discard()  # after the commit: a no-op
+    assert state.snapshot == "snapshot-0000000002.parquet"
+    assert store.load_snapshot("d", store.load("d")).equals(big)
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["snapshot-0000000002.parquet", "state.json"]
+    # A snapshot staged for one version is not committed as another's.
+    other = store.stage_snapshot("d", 4, big)
+    with pytest.raises(ValueError, match="is not version 3's"):
+        store.commit("d", CommittedState(version=3, rows=1), other)
+    other.discard()
+    assert store.load("d").version == 2
 
 
 def test_lock_excludes_threads_and_waits_or_refuses(tmp_path: Path) -> None:
