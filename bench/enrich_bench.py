@@ -154,9 +154,17 @@ def steady(progress: list[dict[str, Any]], skip: int = 2) -> dict[str, float]:
     parts = {k: statistics.median(p["durationMs"].get(k, 0) / 1000.0 for p in batches[skip:])
              for k in ("latestOffset", "queryPlanning", "addBatch", "walCommit", "commitOffsets")}
     log.info("median seconds per batch: %s", parts)
-    return {"parts": parts, "rate": rows / span if span > 0 else 0.0, "rows": rows, "batches": len(batches) - skip,
-            "first_batch_s": first, "second_batch_s": second, "batch_s_median": statistics.median(per_batch),
-            "total_rows": sum(p["numInputRows"] for p in batches)}
+    res: dict[str, Any] = {
+        "parts": parts, "rate": rows / span if span > 0 else 0.0, "rows": rows, "batches": len(batches) - skip,
+        "first_batch_s": first, "second_batch_s": second, "batch_s_median": statistics.median(per_batch),
+        "total_rows": sum(p["numInputRows"] for p in batches)}
+    ops = [p["stateOperators"][0] for p in batches[skip:] if p.get("stateOperators")]
+    if ops:  # the state store's own figures (ms, bytes, rows), median per steady batch
+        keys = ("commitTimeMs", "allUpdatesTimeMs", "allRemovalsTimeMs", "numRowsUpdated", "memoryUsedBytes")
+        res["state_store"] = {k: statistics.median(o.get(k, 0) for o in ops) for k in keys}
+        res["state_store"].update({k: statistics.median(o.get("customMetrics", {}).get(k, 0) for o in ops)
+                                   for k in sorted(ops[-1].get("customMetrics", {}))})
+    return res
 
 
 def _job_config(settings: dict[str, str], events_topic: str, devices_topic: str, workdir: Path, *,
@@ -535,10 +543,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--py-spy", metavar="PREFIX", type=Path,
                     help="py-spy the job's Python processes in the last round, after its two warm-up batches, "
                     "into PREFIX.workers.<daemon pid>, PREFIX.driver and PREFIX.source.<pid> (raw format; summarise "
-                    "them with python -m bench.pyspy), and the CPU by process and JVM thread into PREFIX.cpu.txt")
+                    "them with python -m bench.pyspy), and the CPU by process and JVM thread into PREFIX.cpu.txt; "
+                    "with --job-with-state, the stateful job's into PREFIX-state-r<round>.*")
     ap.add_argument("--py-spy-idle", action="store_true", help="with --py-spy: also the stacks of waiting threads")
     ap.add_argument("--cpu-only", action="store_true", help="with --py-spy: no sampling, only PREFIX-r<round>.cpu.txt, "
                     "in every round")
+    ap.add_argument("--conf", action="append", default=[], metavar="KEY=VALUE",
+                    help="a Spark setting for the session (repeatable), e.g. to A/B a state store setting")
     ap.add_argument("--verbose", action="store_true")
     args = ap.parse_args(argv)
     setup_logging(logging.INFO if args.verbose else logging.WARNING)
@@ -566,7 +577,7 @@ def main(argv: list[str] | None = None) -> int:
 
         t0 = time.monotonic()
         spark = build_session(args.master, "refstream-enrich-bench",
-                              {"spark.driver.memory": args.driver_memory})
+                              {"spark.driver.memory": args.driver_memory, **dict(kv.split("=", 1) for kv in args.conf)})
         stack.callback(spark.stop)
         results["spark_startup_s"] = time.monotonic() - t0
         print(f"Spark session ({args.master}) up in {results['spark_startup_s']:.1f}s", flush=True)
@@ -607,12 +618,16 @@ def main(argv: list[str] | None = None) -> int:
             if args.job_with_state:
                 sampler.phase = f"job (state) round {r + 1}"
                 res = run_job(spark, settings, events_topic, devices_topic, workdir, args.batch, args.events,
-                              state=STATE_SECTION)
+                              state=STATE_SECTION,
+                              spy=(args.py_spy.with_name(f"{args.py_spy.name}-state-r{r + 1}")
+                                   if args.py_spy and (args.cpu_only or r == args.repeat - 1) else None),
+                              spy_idle=args.py_spy_idle, cpu_only=args.cpu_only)
                 sampler.phase = None
                 rounds["job_state"].append(res)
                 print(f"[{r + 1}/{args.repeat}] job with state: {res['rate']:,.0f} events/s steady over "
                       f"{res['batches']} batches (median batch {res['batch_s_median']:.2f}s; "
-                      f"{_parts(res)})", flush=True)
+                      f"{_parts(res)}); state store, median per batch: "
+                      + ", ".join(f"{k} {v:,.0f}" for k, v in res.get("state_store", {}).items() if v), flush=True)
             if "naive" not in skip:
                 sampler.phase = f"naive round {r + 1}"
                 res = run_naive(spark, settings, events_topic, devices_topic, workdir, args.batch,

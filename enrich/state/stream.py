@@ -48,6 +48,12 @@ from refstream.errors import ConfigError
 #: Spark's state store provider for the step (set by the job; ``transformWithStateInPandas`` needs it).
 ROCKSDB = "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider"
 PROVIDER_CONF = "spark.sql.streaming.stateStore.providerClass"
+#: RocksDB's changelog checkpointing (off in Spark by default): a batch's commit writes the changed
+#: values to a changelog file instead of flushing RocksDB and copying its new SST files to the
+#: checkpoint; snapshots are made in the background every ``minDeltasForSnapshot`` batches. Every
+#: batch at 1M devices rewrites every bucket (docs/benchmarks.md), so this is most of a commit. Spark
+#: reads existing checkpoints either way; a user's own setting is kept.
+CHANGELOG_CONF = "spark.sql.streaming.stateStore.rocksdb.changelogCheckpointing.enabled"
 
 
 def state_step(spark: SparkSession, cfg: EnrichConfig, raw: DataFrame, event_schema: StructType,
@@ -81,6 +87,8 @@ def state_step(spark: SparkSession, cfg: EnrichConfig, raw: DataFrame, event_sch
                               "the state step (docs/state.md)")
     check_checkpoint(cfg.checkpoint, cfg.state, spec, cfg.source, dims)
     spark.conf.set(PROVIDER_CONF, ROCKSDB)
+    if spark.conf.get(CHANGELOG_CONF, None) is None:
+        spark.conf.set(CHANGELOG_CONF, "true")
     changelogs = [read_stream(spark, cfg.kafka, [d.topic], starting_offsets="earliest") for d in dims]
     out = attach(parsed, cfg.state, spec, devices, timezone=timezone, dims=tuple(zip(dims, changelogs, strict=True)))
     for matched in inner:
