@@ -1,5 +1,6 @@
 # refstream: `make demo` runs everything on embedded defaults; `make test` runs the test suite,
 # `make test-fast` its fast tier.
+SHELL := bash
 PY ?= python3
 VENV ?= .venv
 VPY := $(VENV)/bin/python
@@ -19,8 +20,14 @@ venv: $(VENV)/.installed
 demo: venv
 	$(VPY) -m demo $(ARGS)
 
+# librdkafka's client threads write to stderr after pytest's summary (clients of brokers the fixtures
+# have stopped), which buried the verdict at the end of CI's log: stderr goes to var/test-stderr.log
+# (its non-librdkafka lines are shown), and the summary's FAILED/ERROR lines are printed last.
 test: lint
-	$(VPY) -m pytest -q
+	@mkdir -p var
+	@set -o pipefail; $(VPY) -u -m pytest -q -rfE 2>var/test-stderr.log | tee var/test.log; rc=$$?; \
+	  grep -v '^%[0-9]|' var/test-stderr.log | tail -n 40; \
+	  grep -E '^(FAILED|ERROR) ' var/test.log; tail -n 1 var/test.log; exit $$rc
 
 # Pure-logic tests only: no Spark, MariaDB or broker (tests/conftest.py marks the rest `integration`).
 test-fast: lint

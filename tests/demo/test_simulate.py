@@ -81,9 +81,17 @@ def test_sigterm_stops_cleanly_after_flushing(kafka: dict[str, str], unique: Cal
     proc = subprocess.Popen([sys.executable, "-m", "demo.simulate", "--bootstrap", kafka["bootstrap.servers"],
                              "--topic", topic, "--rate", "300", "--json"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    time.sleep(3)
+    # Its handlers are installed once it says what it produces to (a fixed sleep raced a slow start).
+    assert proc.stderr is not None
+    head = []
+    for line in proc.stderr:
+        head.append(line)
+        if "producing to" in line:
+            break
+    time.sleep(2)
     proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=30)
+    out, err = proc.communicate(timeout=60)
+    err = "".join(head) + err
     assert proc.returncode == 0, err
     stats = json.loads(out.strip().splitlines()[-1])
     assert stats["produced"] > 0

@@ -50,6 +50,19 @@ def read_all(settings: Mapping[str, str], topic: str) -> list[Any]:
     return [m for m in rkafka.read_to_end(settings, topic, timeout=20)]
 
 
+def read_settled(settings: Mapping[str, str], topic: str, expect: int, timeout: float = 30) -> list[Any]:
+    """Every committed record of ``topic``, read again until there are at least ``expect`` of them or
+    ``timeout`` passes (then the last read, for the caller's assertion to show). A transaction's commit
+    returns before the broker has written its markers everywhere (they are asynchronous in Kafka too),
+    so a ``read_committed`` read right after a commit can stop short of it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = read_all(settings, topic)
+        if len(got) >= expect or time.monotonic() > deadline:
+            return got
+        time.sleep(0.2)
+
+
 def wait_for(predicate: Callable[[], bool], what: str, runner: threading.Thread, timeout: float = 120) -> None:
     """Poll ``predicate`` until it holds; fail at once if the job's thread ``runner`` has stopped."""
     deadline = time.monotonic() + timeout

@@ -49,7 +49,7 @@ def test_job_on_a_two_worker_standalone_cluster(cluster: tuple[str, int], kafka:
                    partitions=2)
     log = tmp_path / "job.log"
     proc = start_job(config, log, "--available-now", master=master)
-    rc = proc.wait(400)
+    rc = proc.wait(600)  # a standalone cluster on a loaded 2-core machine
     assert rc == 0, log.read_text()[-4000:]
     rows = [json.loads(m.value()) for m in read_all(kafka, cfg["output"]["kafka"]["topic"])]
     assert sorted(r["n"] for r in rows) == list(range(total))

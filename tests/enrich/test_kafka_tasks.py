@@ -10,7 +10,8 @@ from pyspark.sql import DataFrame, SparkSession
 
 from enrich.kafka.tasks import RESULT_DDL, TaskWriter, slot_id
 from enrich.kafka.writer import MARKER_SUFFIX, last_marker
-from refstream.kafka import ensure_topic, read_to_end
+from refstream.kafka import ensure_topic
+from tests.enrich.helpers import read_settled
 
 ROWS = "key BINARY, value BINARY, _error STRING, _key BINARY, _value BINARY, _topic STRING, _partition INT, _offset BIGINT"
 
@@ -55,14 +56,14 @@ def test_each_task_commits_its_rows_and_dead_letters_once_per_batch(spark: Spark
     # The batch again (a replay, or a task re-run): every slot finds its marker and writes nothing.
     again = write(df, writer(0))
     assert all(r["skipped"] and r["records"] == 0 for r in again)
-    good = [json.loads(m.value())["n"] for m in read_to_end(kafka, out)]
+    good = [json.loads(m.value())["n"] for m in read_settled(kafka, out, 600)]
     assert sorted(good) == [i for i in range(700) if i % 7 != 3]
-    dead = list(read_to_end(kafka, dlq))
+    dead = read_settled(kafka, dlq, 100)
     assert sorted(m.value() for m in dead) == sorted(b"raw-%d" % i for i in range(700) if i % 7 == 3)
     assert all(dict(m.headers())["error"] == b"broken" for m in dead)
     # Order within a key is the order of the events (one key, one output partition, one task).
     by_key: dict[bytes, list[int]] = {}
-    for m in read_to_end(kafka, out):
+    for m in read_settled(kafka, out, 600):
         by_key.setdefault(m.key(), []).append(json.loads(m.value())["n"])
     assert all(ns == sorted(ns) for ns in by_key.values())
     # One marker per slot: the last one of each id says which batch it committed.
@@ -72,7 +73,7 @@ def test_each_task_commits_its_rows_and_dead_letters_once_per_batch(spark: Spark
     # The next batch is written; a fresh query (another scope) starting again at batch 0 is too.
     assert sum(r["records"] for r in write(df, writer(1))) == 600
     assert sum(r["records"] for r in write(df, writer(0, scope="q2"))) == 600
-    assert len(list(read_to_end(kafka, out))) == 1800
+    assert len(read_settled(kafka, out, 1800)) == 1800
 
 
 def test_an_empty_task_opens_no_transaction(spark: SparkSession, kafka: dict[str, str], unique, topics) -> None:
@@ -105,7 +106,8 @@ def test_a_task_with_rows_left_to_from_json_writes_nothing_and_asks_for_its_slot
     assert first[1]["redo"] and first[1]["records"] == 0
     again = {r["slot"]: r for r in write(exact.where(F.spark_partition_id() == 1), writer)}
     assert again[0]["records"] == 0 and not again[0]["skipped"]   # an empty task
-    good = sorted(json.loads(m.value())["n"] for m in read_to_end(kafka, out))
-    assert good == [i for i in range(n) if i % 7 != 3]
-    assert len(list(read_to_end(kafka, dlq))) == len([i for i in range(n) if i % 7 == 3])
+    expect_good, expect_dead = [i for i in range(n) if i % 7 != 3], [i for i in range(n) if i % 7 == 3]
+    good = sorted(json.loads(m.value())["n"] for m in read_settled(kafka, out, len(expect_good)))
+    assert good == expect_good
+    assert len(read_settled(kafka, dlq, len(expect_dead))) == len(expect_dead)
     assert again[1]["records"] > 0 and not again[1]["redo"]

@@ -31,8 +31,10 @@ def test_until_tries_at_once_then_after_each_delay_until_the_deadline():
     attempts = list(RetryPolicy.every(0.05).until(0.2))
     took = time.monotonic() - started
     assert attempts == list(range(1, len(attempts) + 1))
-    assert 4 <= len(attempts) <= 6
-    assert 0.2 <= took < 1.0
+    # At once, then one after each delay: never more than the deadline allows; on a starved machine
+    # the sleeps overshoot and fewer fit, but one always follows the first.
+    assert 2 <= len(attempts) <= 6
+    assert 0.2 <= took < 5.0
 
 
 def test_until_ends_on_success_or_when_stop_is_set():
