@@ -121,3 +121,23 @@ def chromium() -> Callable[[str], str]:
         return out.stdout
 
     return render
+
+
+_config: list[pytest.Config] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    _config.append(config)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Name a failure the moment it happens: a CI run stopped at its time limit never reaches
+    pytest's final summary, and its log's tail would then say only that something failed."""
+    reporter = _config[0].pluginmanager.get_plugin("terminalreporter") if _config else None
+    if not report.failed or reporter is None:
+        return
+    crash = getattr(report.longrepr, "reprcrash", None)
+    reason = (crash.message if crash is not None else str(report.longrepr)).strip()
+    reason = reason.splitlines()[0][:300] if reason else ""
+    # The progress dots leave no newline behind them.
+    reporter.write_line(f"\n{report.when.upper()} FAILED {report.nodeid}: {reason}")
