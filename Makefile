@@ -25,7 +25,7 @@ demo: venv
 # (its non-librdkafka lines are shown), and the summary's FAILED/ERROR lines are printed last.
 test: lint
 	@mkdir -p var
-	@set -o pipefail; $(VPY) -u -m pytest -q -rfE 2>var/test-stderr.log | tee var/test.log; rc=$$?; \
+	@set -o pipefail; $(VPY) -u -m pytest -q -rfE --durations=15 2>var/test-stderr.log | tee var/test.log; rc=$$?; \
 	  grep -v '^%[0-9]|' var/test-stderr.log | tail -n 40; \
 	  grep -E '^(FAILED|ERROR) ' var/test.log; tail -n 1 var/test.log; exit $$rc
 

@@ -39,6 +39,7 @@ def _leftovers(workdir: Path) -> list[psutil.Process]:
     return out
 
 
+@pytest.mark.timeout(LIMIT + 240)  # its own waits, not the suite's 600 s, bound it
 def test_demo_shows_every_change_in_the_enriched_output_and_stops_cleanly(tmp_path: Path) -> None:
     workdir = tmp_path / "demo"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}

@@ -88,6 +88,7 @@ def _check(children: dict[str, Child]) -> None:
         c.check()
 
 
+@pytest.mark.timeout(900)  # the stack's start plus STARTUP on a busy machine, above the suite's 600 s
 def test_compose_topology_natively_enriches_and_follows_a_database_update(
         stack: dict[str, Any], kafka: dict[str, str]) -> None:
     children, prefix = stack["children"], stack["prefix"]

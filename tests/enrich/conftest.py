@@ -5,9 +5,29 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+from py4j.clientserver import ClientServerConnection
 from pyspark.sql import SparkSession
 
 from enrich.session import build_session
+
+_send_command = ClientServerConnection.send_command
+
+
+def _send_or_drop(self: ClientServerConnection, command: str) -> str:
+    # py4j turns an Exception into a network error and drops the connection, but a BaseException
+    # (pytest-timeout's failure, KeyboardInterrupt) leaves the thread's connection open with the
+    # interrupted call's answer unread: every later call on it, in every later test sharing this
+    # session, would read the answer meant for the one before. Drop the connection instead.
+    try:
+        return _send_command(self, command)
+    except Exception:
+        raise
+    except BaseException:
+        self.close(reset=True)
+        raise
+
+
+ClientServerConnection.send_command = _send_or_drop  # type: ignore[method-assign]
 
 
 @pytest.fixture(scope="session")
