@@ -217,30 +217,42 @@ class Refresher:
         version = max(state.version, self.store.reserved(ds.name)) + 1
 
         old_key = self._rekey_from(ds, state)
-        step: _Step | None = None
-        if ds.mode == "incremental" and not full and not reconcile and snapshot is not None \
-                and old_key is None and not self._reconcile_due(ds, state):
-            assert isinstance(source, IncrementalSource)
-            step = self._incremental(ds, state, snapshot, source, stop, timer)
-        if step is None:
-            kind: RunKind = "republish" if lost is not None else "full" if full else \
-                "reconcile" if ds.mode == "incremental" else "diff"
-            step = self._full_read(ds, state, snapshot, source, stop, timer, kind=kind,
-                                   allow_empty=ds.allow_empty or allow_deletes,
-                                   compare=old_key is None)
+        # The new snapshot is written in the background while the run goes on (the rest of the diff,
+        # the publish) and committed only after the acknowledgements; every way out discards it.
+        staged: list[StagedSnapshot] = []
+
+        def stage(rows: pa.Table) -> None:
+            if not staged:
+                staged.append(self.store.stage_snapshot(ds.name, version, rows))
+
         try:
+            step: _Step | None = None
+            if ds.mode == "incremental" and not full and not reconcile and snapshot is not None \
+                    and old_key is None and not self._reconcile_due(ds, state):
+                assert isinstance(source, IncrementalSource)
+                step = self._incremental(ds, state, snapshot, source, stop, timer)
+            if step is None:
+                kind: RunKind = "republish" if lost is not None else "full" if full else \
+                    "reconcile" if ds.mode == "incremental" else "diff"
+                # Inserted or deleted keys settle that this run commits a new snapshot: staging it
+                # then overlaps its write with the comparison of the matched rows. (A re-key's
+                # snapshot is only known after _rekeyed.)
+                step = self._full_read(ds, state, snapshot, source, stop, timer, kind=kind,
+                                       allow_empty=ds.allow_empty or allow_deletes,
+                                       compare=old_key is None,
+                                       on_change=stage if old_key is None and not dry_run else None)
             if old_key is not None:
                 step = self._rekeyed(ds, snapshot, step, old_key)
             del snapshot  # the old rows are not needed any more: free them before publishing
             if (not dry_run and step.snapshot is not None
                     and (step.changes or not step.schema.same_columns(state.schema) or not state.snapshot)):
-                # Written while the changes are published; committed only after them.
-                step = dataclasses.replace(step, staged=self.store.stage_snapshot(ds.name, version, step.snapshot))
+                stage(step.snapshot)
+                step = dataclasses.replace(step, staged=staged[0])
             return self._publish_and_commit(ds, state, step, version, ends, lost, old_key, timer, t0,
                                             stop=stop, allow_deletes=allow_deletes, full=full, dry_run=dry_run)
         finally:
-            if step.staged is not None:
-                step.staged.discard()  # a no-op once committed
+            for s in staged:
+                s.discard()  # a no-op once committed
 
     def _publish_and_commit(self, ds: DatasetConfig, state: CommittedState, step: _Step, version: int,
                             ends: dict[int, int] | None, lost: str | None, old_key: tuple[str, ...] | None,
@@ -348,7 +360,8 @@ class Refresher:
     def _full_read(self, ds: DatasetConfig, state: CommittedState, snapshot: SnapshotRows | pa.Table | None,
                    source: Source,
                    stop: threading.Event | None, timer: _Phases, *, kind: RunKind,
-                   allow_empty: bool = False, compare: bool = True) -> _Step:
+                   allow_empty: bool = False, compare: bool = True,
+                   on_change: Callable[[pa.Table], None] | None = None) -> _Step:
         """Every row, diffed with the published snapshot (``kind`` full also republishes every row;
         ``compare=False`` publishes every row as new, for a re-key); an empty read is refused unless
         ``allow_empty``."""
@@ -372,7 +385,8 @@ class Refresher:
         check_keys(ds.name, rows, ds.key)
         schema = DatasetSchema.from_arrow(ds.name, ds.key, rows.schema)
         changes = diff(ds.name, snapshot if compare else None, rows, ds.key,
-                       republish_all=kind in ("full", "republish"))
+                       republish_all=kind in ("full", "republish"),
+                       on_change=None if on_change is None else lambda: on_change(rows))
         watermark, wm_type, last_reconcile = state.watermark, state.watermark_type, state.last_reconcile
         if cursor is not None:
             col = cursor.column

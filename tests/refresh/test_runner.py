@@ -698,3 +698,46 @@ def test_a_stop_interrupts_a_read_stuck_on_a_locked_table(make_config, mysql_eng
             holder.execute(sa.text("UNLOCK TABLES"))
     assert FileStateStore(cfg.state_dir).load("s").version == 0
     assert read_status(cfg)[0]["last_result"] == "interrupted"
+
+
+def test_a_run_with_new_or_gone_keys_stages_its_snapshot_before_comparing_values(
+        make_config, tmp_path: Path, unique, kafka, monkeypatch):
+    import refresh.diff as diff_module
+    topic = unique("ref.sites")
+    p = tmp_path / "sites.csv"
+    p.write_text("site_id,name\n1,a\n2,b\n3,c\n")
+    cfg = make_config({"sites": {"source": {"path": str(p)}, "key": ["site_id"], "topic": topic,
+                                 "max_delete_fraction": 1}})
+    Refresher(cfg).run("sites")
+    store_dir = cfg.state_dir / "sites"
+    seen: list[list[str]] = []
+    compare = diff_module._changed_rows
+
+    def spy(*args, **kwargs):
+        seen.append(sorted(x.name for x in store_dir.glob("*snapshot*")))
+        return compare(*args, **kwargs)
+
+    # The staged file is written in a thread: give it the time to appear before the comparison.
+    real_stage = FileStateStore.stage_snapshot
+
+    def stage_and_wait(self, dataset, version, table):
+        staged = real_stage(self, dataset, version, table)
+        staged.wait()
+        return staged
+
+    monkeypatch.setattr(diff_module, "_changed_rows", spy)
+    monkeypatch.setattr(FileStateStore, "stage_snapshot", stage_and_wait)
+    p.write_text("site_id,name\n1,a\n2,B\n4,d\n")  # an update, a delete, an insert
+    r = Refresher(cfg).run("sites")
+    assert (r.inserts, r.updates, r.deletes) == (1, 1, 1)
+    # Already written when the values were compared.
+    assert seen == [["snapshot-0000000001.parquet", "snapshot-0000000002.parquet"]]
+    assert FileStateStore(cfg.state_dir).load_snapshot("sites", FileStateStore(cfg.state_dir).load("sites")) \
+        .to_pylist() == [{"site_id": 1, "name": "a"}, {"site_id": 2, "name": "B"}, {"site_id": 4, "name": "d"}]
+
+    seen.clear()
+    p.write_text("site_id,name\n1,A\n2,B\n4,d\n")  # only a value changes: staged after the comparison
+    r = Refresher(cfg).run("sites")
+    assert (r.inserts, r.updates, r.deletes) == (0, 1, 0)
+    assert seen == [["snapshot-0000000002.parquet"]]
+    assert sorted(x.name for x in store_dir.glob("*snapshot*")) == ["snapshot-0000000003.parquet"]
