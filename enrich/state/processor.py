@@ -182,10 +182,9 @@ class DeviceStateProcessor(StatefulProcessor):
         pass
 
     def _load(self) -> pa.Table:
-        if not self.value.exists():
+        stored = self.value.get()  # None when the bucket has no state: one round trip, not exists() + get()
+        if stored is None:
             return self.spec.empty()
-        stored = self.value.get()
-        assert stored is not None
         return engine.state_from_ipc(stored[0], self.spec)
 
     def _store(self, key: Any, state: pa.Table) -> None:
