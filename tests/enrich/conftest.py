@@ -27,6 +27,15 @@ def _send_or_drop(self: ClientServerConnection, command: str) -> str:
         raise
 
 
+@pytest.fixture(autouse=True)
+def _active_session() -> None:
+    # A connection dropped above is replaced by one served by another JVM thread, where Spark's
+    # thread-local active session is unset: set it again for each test, if a session exists.
+    session = SparkSession._instantiatedSession
+    if session is not None and session._jvm is not None:
+        session._jvm.SparkSession.setActiveSession(session._jsparkSession)
+
+
 ClientServerConnection.send_command = _send_or_drop  # type: ignore[method-assign]
 
 

@@ -1,4 +1,6 @@
-"""The shared test session survives a test interrupted inside a JVM call (tests/enrich/conftest.py)."""
+"""The shared test session survives a test interrupted inside a JVM call (tests/enrich/conftest.py).
+
+Named to run after every other test of the shared session: it drops its py4j connection on purpose."""
 
 from __future__ import annotations
 
