@@ -85,6 +85,12 @@ class _Step:
     last_reconcile: str | None
     staged: StagedSnapshot | None = None   # ``snapshot`` being written ahead of the commit
 
+    def replaces_snapshot(self, state: CommittedState) -> bool:
+        """Whether committing this step writes ``snapshot`` over the committed one: a new snapshot
+        that differs in rows or columns, or the first one."""
+        return self.snapshot is not None and bool(
+            self.changes or not self.schema.same_columns(state.schema) or not state.snapshot)
+
 
 class _Phases:
     """Seconds spent per step of a run (reported in the run's log line and RunResult.phases)."""
@@ -244,8 +250,8 @@ class Refresher:
             if old_key is not None:
                 step = self._rekeyed(ds, snapshot, step, old_key)
             del snapshot  # the old rows are not needed any more: free them before publishing
-            if (not dry_run and step.snapshot is not None
-                    and (step.changes or not step.schema.same_columns(state.schema) or not state.snapshot)):
+            if not dry_run and step.replaces_snapshot(state):
+                assert step.snapshot is not None
                 stage(step.snapshot)
                 step = dataclasses.replace(step, staged=staged[0])
             return self._publish_and_commit(ds, state, step, version, ends, lost, old_key, timer, t0,
@@ -292,12 +298,11 @@ class Refresher:
         timer.mark("publish")
         # The transaction committed: commit even if a stop was requested meanwhile (it is quick,
         # and stopping here would only make the next run publish the same changes again).
-        keep_snapshot = step.snapshot is None or (not changes and not schema_changed and state.snapshot)
         self.store.commit(ds.name, CommittedState(
             version=version, schema=schema, snapshot=state.snapshot, rows=step.total,
             watermark=step.watermark, watermark_type=step.watermark_type,
             last_reconcile=step.last_reconcile, topic=ds.topic, offsets=ends),
-            None if keep_snapshot else step.staged or step.snapshot)
+            step.staged or step.snapshot if step.replaces_snapshot(state) else None)
         timer.mark("commit")
         seconds = round(time.monotonic() - t0, 3)
         result = RunResult(dataset=ds.name, ok=True, version=version, rows=step.rows_read,

@@ -25,7 +25,7 @@ from enrich.state import engine
 from enrich.state.checkpoint import RECORD, check_checkpoint
 from enrich.state.plan import resolve
 from enrich.state.processor import BUCKET, STATE_NAME, stored_spec
-from enrich.state.stream import CHANGELOG_CONF, PROVIDER_CONF, ROCKSDB, bucket_of
+from enrich.state.stream import CHANGELOG_CONF, CHANGELOG_DEFAULT, PROVIDER_CONF, ROCKSDB, bucket_of
 from refstream.errors import ConfigError, DataError
 
 #: ``present``: the batch left state for the device; ``absent``: it never sent an event that was
@@ -103,5 +103,5 @@ def session(cfg: EnrichConfig) -> SparkSession:
 
     conf = {"spark.sql.session.timeZone": cfg.spark_conf.get("spark.sql.session.timeZone", "UTC"),
             PROVIDER_CONF: ROCKSDB, "spark.ui.showConsoleProgress": "false",
-            CHANGELOG_CONF: cfg.spark_conf.get(CHANGELOG_CONF, "true")}  # as the job wrote it
+            CHANGELOG_CONF: cfg.spark_conf.get(CHANGELOG_CONF, CHANGELOG_DEFAULT)}  # as the job wrote it
     return build_session("local[1]", "refstream-lookup", conf)

@@ -147,17 +147,12 @@ class DeviceStateProcessor(StatefulProcessor):
         stored): from this worker's cache when its token names the stored version, so an unchanged
         bucket costs one small state read instead of reading and indexing its rows."""
         dim, value, tokens = self.dims[i], self.dim_values[i], self.dim_tokens[i]
-        token = None
-        if tokens.exists():
-            got = tokens.get()
-            assert got is not None
-            token = str(got[0])
+        got = tokens.get()  # None when absent: one round trip, not exists() + get()
+        token = str(got[0]) if got is not None else None
         version = CACHE.get(token) if token is not None else None
         if version is None:
             stored, schema = dim.empty(), dim.schema
-            if value.exists():
-                got = value.get()
-                assert got is not None
+            if (got := value.get()) is not None:
                 stored, schema = from_ipc(got[0]), DatasetSchema.from_json(got[1])
                 if stored.schema != dim.stored:  # the job was planned against a newer schema's types
                     stored = conform(dim, stored)

@@ -55,6 +55,8 @@ PROVIDER_CONF = "spark.sql.streaming.stateStore.providerClass"
 #: reads existing checkpoints either way; a user's own setting is kept.
 CHANGELOG_CONF = "spark.sql.streaming.stateStore.rocksdb.changelogCheckpointing.enabled"
 
+CHANGELOG_DEFAULT = "true"  # the job's setting when the user has none
+
 
 def state_step(spark: SparkSession, cfg: EnrichConfig, raw: DataFrame, event_schema: StructType,
                enriched: StructType, timezone: str,
@@ -88,7 +90,7 @@ def state_step(spark: SparkSession, cfg: EnrichConfig, raw: DataFrame, event_sch
     check_checkpoint(cfg.checkpoint, cfg.state, spec, cfg.source, dims)
     spark.conf.set(PROVIDER_CONF, ROCKSDB)
     if spark.conf.get(CHANGELOG_CONF, None) is None:
-        spark.conf.set(CHANGELOG_CONF, "true")
+        spark.conf.set(CHANGELOG_CONF, CHANGELOG_DEFAULT)
     changelogs = [read_stream(spark, cfg.kafka, [d.topic], starting_offsets="earliest") for d in dims]
     out = attach(parsed, cfg.state, spec, devices, timezone=timezone, dims=tuple(zip(dims, changelogs, strict=True)))
     for matched in inner:
