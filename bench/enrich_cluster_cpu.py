@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -136,13 +137,38 @@ class CpuTrees:
         return {name: sum(v.values()) for name, v in self.seen.items()}
 
 
+def thread_cpu(roots: list[psutil.Process]) -> dict[str, float]:
+    """CPU seconds so far of every thread of the trees under ``roots``, summed by process name and
+    thread name with digits folded (``java: C2 CompilerThre#``, ``python: python``)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for p in processes(roots):
+        try:
+            pname = p.name()
+            tasks = list(Path(f"/proc/{p.pid}/task").iterdir())
+        except (psutil.NoSuchProcess, OSError):
+            continue
+        for task in tasks:
+            try:
+                comm = (task / "comm").read_text().strip()
+                stat = (task / "stat").read_text()
+            except OSError:
+                continue
+            parts = stat[stat.rindex(")") + 2:].split()
+            name = f"{pname}: {re.sub(r'[0-9]+', '#', comm)}"
+            out[name] = out.get(name, 0.0) + (int(parts[11]) + int(parts[12])) / tick
+    return out
+
+
 PHASES = ("start", "bootstrap", "plan", "batches", "stop")
 
 
-def phases(timeline: list[tuple[float, float, float]], log: Path) -> dict[str, float]:
+def phases(timeline: list[tuple[float, float, float]], log: Path,
+           threads: list[tuple[float, dict[str, float]]] | None = None) -> dict[str, Any]:
     """The driver's CPU seconds per phase (see the module doc), from ``timeline`` (wall time, driver
     and cluster CPU so far) and the job's JSON log lines; ``cluster in batches`` is the cluster's CPU
-    during the batches phase."""
+    during the batches phase, ``driver threads in batches`` the driver's by thread name (from
+    ``threads``: wall time and :func:`thread_cpu` samples)."""
     marks: dict[str, float] = {}
     batch_ends: list[float] = []
     first_batch_start = None
@@ -170,13 +196,21 @@ def phases(timeline: list[tuple[float, float, float]], log: Path) -> dict[str, f
 
     bounds = [cpu_at(marks[p]) for p in PHASES[1:]]
     edges = [0.0, *bounds, timeline[-1][1]]
-    out = {p: edges[i + 1] - edges[i] for i, p in enumerate(PHASES)}
+    out: dict[str, Any] = {p: edges[i + 1] - edges[i] for i, p in enumerate(PHASES)}
     out["cluster in batches"] = cpu_at(marks["stop"], 2) - cpu_at(marks["batches"], 2)
+    if threads:
+        def at(t: float) -> dict[str, float]:
+            before = [row[1] for row in threads if row[0] <= t]
+            return before[-1] if before else {}
+        start, end = at(marks["batches"]), at(marks["stop"])
+        out["driver threads in batches"] = dict(sorted(
+            ((k, v - start.get(k, 0.0)) for k, v in end.items()), key=lambda kv: -kv[1]))
     return out
 
 
 def run_round(settings: dict[str, str], master: str, workers: list[psutil.Process], events_topic: str,
-              devices_topic: str, workdir: Path, batch: int, n: int) -> dict[str, Any]:
+              devices_topic: str, workdir: Path, batch: int, n: int,
+              spark: dict[str, str] | None = None) -> dict[str, Any]:
     tag = uuid.uuid4().hex[:8]
     config = workdir / f"enrich-{tag}.yaml"
     out = f"bench-enriched-{tag}"
@@ -191,7 +225,7 @@ def run_round(settings: dict[str, str], master: str, workers: list[psutil.Proces
         "trigger": "1s",
         "max_events_per_batch": batch,
         "spark": {"spark.driver.memory": "2g", "spark.executor.memory": "2g", "spark.cores.max": "2",
-                  "spark.driver.host": "127.0.0.1", "spark.ui.enabled": "false"},
+                  "spark.driver.host": "127.0.0.1", "spark.ui.enabled": "false", **(spark or {})},
     }))
     env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYTHONPATH": str(ROOT)}
     log = workdir / f"job-{tag}.log"
@@ -201,10 +235,12 @@ def run_round(settings: dict[str, str], master: str, workers: list[psutil.Proces
                             stderr=subprocess.STDOUT, start_new_session=True)
     cpu = CpuTrees({"driver": [psutil.Process(proc.pid)], "cluster": workers})
     timeline: list[tuple[float, float, float]] = []
+    threads: list[tuple[float, dict[str, float]]] = []
     while proc.poll() is None:
         cpu.sample()
         now = cpu.totals()
         timeline.append((time.time(), now["driver"], now["cluster"]))
+        threads.append((time.time(), thread_cpu([psutil.Process(proc.pid)])))
         time.sleep(0.2)
     wall = time.monotonic() - t0
     if proc.returncode != 0:
@@ -215,7 +251,7 @@ def run_round(settings: dict[str, str], master: str, workers: list[psutil.Proces
         raise RuntimeError(f"the job wrote {written} records, expected {n}")
     share = totals["driver"] / (totals["driver"] + totals["cluster"])
     return {"driver_cpu_s": totals["driver"], "cluster_cpu_s": totals["cluster"], "driver_share": share,
-            "wall_s": wall, "phases": phases(timeline, log)}
+            "wall_s": wall, "phases": phases(timeline, log, threads)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -228,7 +264,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--worker-memory", default="3g")
     ap.add_argument("--bootstrap", help="an existing broker instead of an embedded one")
+    ap.add_argument("--ab-conf", action="append", default=[], metavar="KEY=VALUE",
+                    help="a Spark setting (repeatable): each round then runs the job without and with them")
     args = ap.parse_args(argv)
+    ab = dict(kv.split("=", 1) for kv in args.ab_conf)
+    variants: list[tuple[str, dict[str, str]]] = [("as configured", {})] + ([("with " + " ".join(args.ab_conf), ab)]
+                                                                          if ab else [])
     with ExitStack() as stack:
         settings = broker_settings(stack, args.bootstrap)
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="enrich-cluster-cpu-")))
@@ -237,20 +278,29 @@ def main(argv: list[str] | None = None) -> int:
         data.publish_devices(settings, devices_topic, args.dimension_rows)
         data.fill_events(settings, events_topic, args.events, args.partitions, args.dimension_rows)
         master, workers = start_cluster(stack, workdir, args.worker_memory)
-        rounds = []
+        rounds: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in variants}
         for r in range(args.repeat):
-            res = run_round(settings, master, workers, events_topic, devices_topic, workdir, args.batch, args.events)
-            rounds.append(res)
-            print(f"[{r + 1}/{args.repeat}] driver {res['driver_cpu_s']:.1f} s CPU, cluster {res['cluster_cpu_s']:.1f} s "
-                  f"CPU: driver share {res['driver_share']:.1%}; wall {res['wall_s']:.1f} s", flush=True)
-            ph = res["phases"]
-            if ph:
-                print("      driver CPU by phase: " + ", ".join(f"{p} {ph[p]:.1f} s" for p in PHASES)
-                      + f"; in the batches phase the driver's share is {ph['batches'] / (ph['batches'] + ph['cluster in batches']):.1%}"
-                      f" (cluster {ph['cluster in batches']:.1f} s)", flush=True)
-        med = statistics.median(r["driver_share"] for r in rounds)
-        print(f"driver share of the run's CPU, median of {args.repeat}: {med:.1%} (target < 10%: "
-              f"{'met' if med < 0.10 else 'MISSED'})")
+            for name, conf in variants:
+                res = run_round(settings, master, workers, events_topic, devices_topic, workdir, args.batch, args.events,
+                                conf)
+                rounds[name].append(res)
+                print(f"[{r + 1}/{args.repeat}] {name}: driver {res['driver_cpu_s']:.1f} s CPU, cluster {res['cluster_cpu_s']:.1f} s "
+                      f"CPU: driver share {res['driver_share']:.1%}; wall {res['wall_s']:.1f} s", flush=True)
+                ph = res["phases"]
+                if ph:
+                    print("      driver CPU by phase: " + ", ".join(f"{p} {ph[p]:.1f} s" for p in PHASES)
+                          + f"; in the batches phase the driver's share is {ph['batches'] / (ph['batches'] + ph['cluster in batches']):.1%}"
+                          f" (cluster {ph['cluster in batches']:.1f} s)", flush=True)
+                    top = list(ph.get("driver threads in batches", {}).items())[:12]
+                    print("      driver CPU in batches by thread: " + ", ".join(f"{k} {v:.2f} s" for k, v in top),
+                          flush=True)
+        for name, done in rounds.items():
+            med = statistics.median(r["driver_share"] for r in done)
+            in_batches = statistics.median(r["phases"]["batches"] / (r["phases"]["batches"]
+                                                                    + r["phases"]["cluster in batches"])
+                                           for r in done if r["phases"])
+            print(f"{name}: driver share of the run's CPU, median of {args.repeat}: {med:.1%} (target < 10%: "
+                  f"{'met' if med < 0.10 else 'MISSED'}); in the batches phase {in_batches:.1%}")
     return 0
 
 

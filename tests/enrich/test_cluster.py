@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -19,6 +20,22 @@ from tests.enrich.test_restart import start_job, write_config
 SCHEMA = DatasetSchema("devices", ("device_id",), (Column("device_id", "string"), Column("owner", "string")))
 
 pytestmark = pytest.mark.integration  # starts a Spark master and workers itself
+
+
+def driver_jvm_args(pid: int, timeout: float = 300) -> list[str]:
+    """The command line of the JVM the job's process ``pid`` started (its driver)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+                args = [a.decode() for a in (stat.parent / "cmdline").read_bytes().split(b"\0") if a]
+            except (OSError, ValueError, IndexError):
+                continue
+            if ppid == pid and args and args[0].endswith("java"):
+                return args
+        time.sleep(0.2)
+    raise AssertionError(f"process {pid} started no JVM in {timeout}s")
 
 
 @pytest.fixture
@@ -49,7 +66,9 @@ def test_job_on_a_two_worker_standalone_cluster(cluster: tuple[str, int], kafka:
                    partitions=2)
     log = tmp_path / "job.log"
     proc = start_job(config, log, "--available-now", master=master)
+    jvm = driver_jvm_args(proc.pid)
     rc = proc.wait(600)  # a standalone cluster on a loaded 2-core machine
+    assert "-XX:TieredStopAtLevel=1" in jvm, jvm  # enrich.session.DRIVER_JIT
     assert rc == 0, log.read_text()[-4000:]
     rows = [json.loads(m.value()) for m in read_all(kafka, cfg["output"]["kafka"]["topic"])]
     assert sorted(r["n"] for r in rows) == list(range(total))

@@ -29,18 +29,19 @@ class Built(Exception):
     """Raised by the fake session builder: the job stops there."""
 
 
-def built_by_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, spark: dict[str, object] | None = None) -> dict:
+def built_by_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, spark: dict[str, object] | None = None,
+                 master: str = "local[1]") -> dict:
     """The arguments ``enrich run`` builds its session with, for a config with this ``spark:`` section."""
     path = tmp_path / "enrich.yaml"
     path.write_text(yaml.safe_dump({**BASE, **({"spark": spark} if spark is not None else {})}))
     seen: dict = {}
 
     def fake(master: str | None, app_name: str, conf: Mapping[str, str], *, ui: bool = False) -> None:
-        seen.update(conf=session_conf(conf, ui=ui), master=master)
+        seen.update(conf=session_conf(conf, ui=ui, master=master), master=master)
         raise Built
 
     monkeypatch.setattr(enrich.session, "build_session", fake)
-    assert main(["run", "--config", str(path), "--master", "local[1]"]) == 1
+    assert main(["run", "--config", str(path), "--master", master]) == 1
     return seen
 
 
@@ -86,3 +87,15 @@ def test_spark_pyspark_python_is_what_the_workers_run(monkeypatch: pytest.Monkey
     with pytest.raises(Built):
         enrich.session.build_session("local[1]", "t", cfg.spark_conf)
     assert started["PYSPARK_PYTHON"] == started["spark.executorEnv.PYSPARK_PYTHON"] == "./env/bin/python"
+
+
+def test_on_a_cluster_the_driver_jvm_compiles_with_c1_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The driver runs no task there; in local mode its JVM is the executor and keeps both compilers."""
+    key = "spark.driver.extraJavaOptions"
+    assert key not in built_by_run(tmp_path, monkeypatch)["conf"]
+    assert built_by_run(tmp_path, monkeypatch, master="spark://m:7077")["conf"][key] == "-XX:TieredStopAtLevel=1"
+    # A user's own options are kept, and their own compiler setting wins.
+    conf = built_by_run(tmp_path, monkeypatch, {key: "-Dx=1"}, master="spark://m:7077")["conf"]
+    assert conf[key] == "-Dx=1 -XX:TieredStopAtLevel=1"
+    conf = built_by_run(tmp_path, monkeypatch, {key: "-XX:TieredStopAtLevel=4"}, master="spark://m:7077")["conf"]
+    assert conf[key] == "-XX:TieredStopAtLevel=4"
