@@ -99,7 +99,7 @@ class FileStateStore(StateStore):
             return None
         p = self.dir(dataset) / state.snapshot
         try:
-            return pq.read_table(p)
+            return open_snapshot_file(p).read()
         except (OSError, pa.ArrowException) as exc:
             raise TerminalError(f"dataset {dataset}: snapshot {p} is unreadable ({exc}); "
                                 f"remove {self.dir(dataset) / 'state.json'} to start over") from None
@@ -109,7 +109,7 @@ class FileStateStore(StateStore):
             return None
         p = self.dir(dataset) / state.snapshot
         try:
-            return ParquetSnapshot(p)
+            return open_snapshot_file(p)
         except (OSError, pa.ArrowException) as exc:
             raise TerminalError(f"dataset {dataset}: snapshot {p} is unreadable ({exc}); "
                                 f"remove {self.dir(dataset) / 'state.json'} to start over") from None
@@ -141,8 +141,12 @@ class FileStateStore(StateStore):
         if isinstance(snapshot, StagedSnapshot):
             snapshot.committed = True
         # Only now is the new snapshot the committed one: remove what nothing points at any more.
-        for p in d.glob("snapshot-*.parquet"):
-            if p.name != state.snapshot and (p.name == old or p.name < (state.snapshot or "")):
+        committed = _snapshot_version(state.snapshot or "")
+        for p in d.glob("snapshot-*"):
+            version = _snapshot_version(p.name)
+            if version is None or p.name == state.snapshot:
+                continue
+            if p.name == old or (committed is not None and version < committed):
                 with contextlib.suppress(FileNotFoundError):
                     p.unlink()
         for p in d.glob(".*.tmp"):
@@ -217,12 +221,33 @@ def _offsets(dataset: str, path: Path, obj: object) -> dict[int, int] | None:
 
 
 def snapshot_name(version: int) -> str:
-    """The file a committed snapshot of ``version`` is stored in."""
-    return f"snapshot-{version:010d}.parquet"
+    """The file a committed snapshot of ``version`` is stored in (Arrow IPC; older releases wrote
+    ``.parquet``, still read)."""
+    return f"snapshot-{version:010d}{IPC_SUFFIX}"
 
 
-#: Rows per row group of a snapshot file (pyarrow's default): the lazy diff reads one at a time.
+IPC_SUFFIX, PARQUET_SUFFIX = ".arrow", ".parquet"
+
+
+def _snapshot_version(name: str) -> int | None:
+    """The version in a snapshot file's name, None for another file."""
+    stem, dot, suffix = name.partition(".")
+    if not stem.startswith("snapshot-") or dot + suffix not in (IPC_SUFFIX, PARQUET_SUFFIX):
+        return None
+    digits = stem.removeprefix("snapshot-")
+    return int(digits) if digits.isdigit() else None
+
+
+def open_snapshot_file(path: Path) -> SnapshotRows:
+    """A committed snapshot, by its file's format."""
+    return ParquetSnapshot(path) if path.suffix == PARQUET_SUFFIX else IpcSnapshot(path)
+
+
+#: Rows per record batch (row group of a Parquet snapshot): the lazy diff reads one at a time.
 ROW_GROUP = 1 << 20
+#: Arrow IPC with LZ4 frames compressed on pyarrow's thread pool: at 1M rows it writes in a fraction
+#: of Parquet's single-threaded encoding, and reads back without decoding (docs/benchmarks.md).
+_IPC_WRITE = pa.ipc.IpcWriteOptions(compression="lz4", use_threads=True)
 
 
 class _Discarded(Exception):
@@ -230,13 +255,13 @@ class _Discarded(Exception):
 
 
 def write_snapshot(table: pa.Table, f: BinaryIO, stop: threading.Event | None = None) -> None:
-    """``table`` as a snapshot file (Parquet, LZ4, :data:`ROW_GROUP` rows per group); ``stop`` is
-    checked between row groups."""
-    with pq.ParquetWriter(f, table.schema, compression="lz4") as writer:
-        for start in range(0, max(table.num_rows, 1), ROW_GROUP):
+    """``table`` as a snapshot file (Arrow IPC file format, LZ4, record batches of at most
+    :data:`ROW_GROUP` rows); ``stop`` is checked between batches."""
+    with pa.ipc.new_file(f, table.schema, options=_IPC_WRITE) as writer:
+        for start in range(0, table.num_rows, ROW_GROUP):
             if stop is not None and stop.is_set():
                 raise _Discarded
-            writer.write_table(table.slice(start, ROW_GROUP), row_group_size=ROW_GROUP)
+            writer.write_table(table.slice(start, ROW_GROUP), max_chunksize=ROW_GROUP)
 
 
 class _StagedFile(StagedSnapshot):
@@ -343,3 +368,89 @@ class ParquetSnapshot(SnapshotRows):
     def close(self) -> None:
         self._whole()  # the prefetch thread reads the file until it is done
         self._file.close()
+
+
+class IpcSnapshot(SnapshotRows):
+    """A snapshot in the Arrow IPC file format: columns are read (and decompressed) on demand, one
+    record batch at a time for :meth:`column_parts`, or whole in the background. One open file
+    serves every reader (positional reads), so a later commit removing the file does not matter;
+    not memory-mapped, so nothing done to the file can fault the process."""
+
+    #: Compressed bytes on disk to bytes in memory, roughly (LZ4 on typical reference data): what
+    #: ``prefetch`` compares with its limit, since the file records no uncompressed size.
+    EXPANSION = 4
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._source = pa.OSFile(str(path))
+        reader = pa.ipc.open_file(self._source)
+        self.schema = reader.schema
+        self.num_rows = reader.count_rows() if reader.num_record_batches else 0
+        self._batches = reader.num_record_batches
+        self._prefetch: concurrent.futures.Future[pa.Table] | None = None
+
+    def _reader(self, names: list[str] | None = None) -> pa.ipc.RecordBatchFileReader:
+        fields = None if names is None else [self.schema.get_field_index(n) for n in names]
+        return pa.ipc.open_file(self._source, options=pa.ipc.IpcReadOptions(included_fields=fields))
+
+    def _read(self, names: list[str] | None = None) -> pa.Table:
+        table = self._reader(names).read_all()
+        return table if names is None else table.select(names)  # included_fields keeps file order
+
+    def prefetch(self, max_bytes: int) -> bool:
+        if self._prefetch is not None or self.path.stat().st_size * self.EXPANSION > max_bytes:
+            return False
+        future: concurrent.futures.Future[pa.Table] = concurrent.futures.Future()
+
+        def run() -> None:
+            try:
+                future.set_result(self._read())
+            except BaseException as exc:  # the lazy reads below meet it again, and report it
+                future.set_exception(exc)
+
+        threading.Thread(target=run, name=f"prefetch-{self.path.name}", daemon=True).start()
+        self._prefetch = future
+        return True
+
+    def _whole(self) -> pa.Table | None:
+        if self._prefetch is None:
+            return None
+        try:
+            return self._prefetch.result()
+        except Exception as exc:
+            log.debug("prefetch of %s failed (%s); reading on demand", self.path, exc)
+            self._prefetch = None
+            return None
+
+    def select(self, names: list[str]) -> pa.Table:
+        whole = self._whole()
+        return whole.select(list(names)) if whole is not None else self._read(list(names))
+
+    def column(self, name: str) -> pa.ChunkedArray:
+        whole = self._whole()
+        return whole.column(name) if whole is not None else self._read([name]).column(0)
+
+    def column_parts(self, name: str) -> Iterator[tuple[int, pa.ChunkedArray]]:
+        """(first row, values) of one column per record batch (see ParquetSnapshot.column_parts)."""
+        whole = self._whole()
+        if whole is not None:
+            start = 0
+            for chunk in whole.column(name).chunks:
+                yield start, pa.chunked_array([chunk])
+                start += len(chunk)
+            return
+        reader, start = self._reader([name]), 0
+        for i in range(self._batches):
+            part = pa.chunked_array([reader.get_batch(i).column(0)])
+            n = len(part)
+            yield start, part
+            del part
+            start += n
+
+    def read(self) -> pa.Table:
+        whole = self._whole()
+        return whole if whole is not None else self._read()
+
+    def close(self) -> None:
+        self._whole()
+        self._source.close()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from decimal import Decimal
 
@@ -108,34 +109,48 @@ def test_window_and_upsert_into_build_the_incremental_snapshot() -> None:
         [(0, "0"), (1, "1"), (2, "2"), (3, "3"), (4, "four"), (9, "9")]
 
 
-def test_lazy_parquet_snapshot_and_sliced_comparison_give_the_same_changes(tmp_path, monkeypatch) -> None:
+_FILES = itertools.count()
+
+
+def snapshot_file(table, path, fmt: str, part_rows: int | None = None):
+    """``table`` written as a committed snapshot of format ``fmt`` (``.arrow``: this release's,
+    ``.parquet``: earlier ones') in parts of ``part_rows``, opened as the store opens it."""
     import pyarrow.parquet as pq
 
+    from refresh.stores import files
+
+    path = path.with_name(f"{path.name}-{next(_FILES)}.{fmt}")  # never rewritten while open
+    if fmt == "parquet":
+        pq.write_table(table, path, row_group_size=part_rows)
+    else:
+        with pa.ipc.new_file(str(path), table.schema, options=files._IPC_WRITE) as w:
+            w.write_table(table, max_chunksize=part_rows)
+    return files.open_snapshot_file(path)
+
+
+@pytest.mark.parametrize("fmt", ["arrow", "parquet"])
+def test_lazy_snapshot_and_sliced_comparison_give_the_same_changes(tmp_path, monkeypatch, fmt: str) -> None:
     import refresh.diff as d
-    from refresh.stores.files import ParquetSnapshot
 
     old = t([{"id": i, "v": str(i), "w": float(i)} for i in range(100)])
     new = t([{"id": i, "v": str(i) if i % 7 else "x", "w": float(i) if i % 11 else -1.0} for i in range(5, 120)])
     expected = diff("ds", old, new, ["id"])
-    pq.write_table(old, tmp_path / "s.parquet")
     monkeypatch.setattr(d, "COMPARE_SLICE", 8)
-    lazy = diff("ds", ParquetSnapshot(tmp_path / "s.parquet"), new, ["id"])
+    lazy = diff("ds", snapshot_file(old, tmp_path / "s", fmt), new, ["id"])
     assert (lazy.inserts, lazy.updates, lazy.delete_count) == (expected.inserts, expected.updates, expected.delete_count)
     assert sorted(lazy.upserts.column("id").to_pylist()) == sorted(expected.upserts.column("id").to_pylist())
     assert expected.updates == len([i for i in range(5, 100) if i % 7 == 0 or i % 11 == 0])
     assert sorted(lazy.deletes.column("id").to_pylist()) == [0, 1, 2, 3, 4]
 
 
+@pytest.mark.parametrize("fmt", ["arrow", "parquet"])
 @pytest.mark.parametrize("seed", [1, 2, 3])
-def test_ordered_lazy_comparison_with_gaps_matches_the_eager_diff(tmp_path, monkeypatch, seed: int) -> None:
+def test_ordered_lazy_comparison_with_gaps_matches_the_eager_diff(tmp_path, monkeypatch, seed: int, fmt: str) -> None:
     """Rows deleted and inserted between matched ones (runs of matched rows with holes on both sides),
     over many row groups and compare slices: the lazy, ordered comparison finds what the eager one does."""
     import random
 
-    import pyarrow.parquet as pq
-
     import refresh.diff as d
-    from refresh.stores.files import ParquetSnapshot
 
     rng = random.Random(seed)
     old_ids = sorted(rng.sample(range(1000), 300))
@@ -145,12 +160,13 @@ def test_ordered_lazy_comparison_with_gaps_matches_the_eager_diff(tmp_path, monk
     old = t([row(i, False) for i in old_ids])
     new = t([row(i, rng.random() < 0.1) for i in new_ids])
     expected = diff("ds", old, new, ["id"])
-    pq.write_table(old, tmp_path / "s.parquet", row_group_size=16)
     monkeypatch.setattr(d, "COMPARE_SLICE", 5)
     assert expected.updates > 0 and expected.inserts > 0 and expected.delete_count > 0
-    prefetched = ParquetSnapshot(tmp_path / "s.parquet")
+    prefetched = snapshot_file(old, tmp_path / "s", fmt, 16)
     assert prefetched.prefetch(1 << 20)  # read whole in the background: the same changes
-    for snapshot in (ParquetSnapshot(tmp_path / "s.parquet"), prefetched):
+    lazy_one = snapshot_file(old, tmp_path / "s", fmt, 16)
+    assert len(list(lazy_one.column_parts("id"))) == 19  # 300 rows in parts of 16
+    for snapshot in (snapshot_file(old, tmp_path / "s", fmt, 16), prefetched):
         lazy = diff("ds", snapshot, new, ["id"])
         assert (lazy.inserts, lazy.updates, lazy.delete_count) == \
             (expected.inserts, expected.updates, expected.delete_count)

@@ -24,7 +24,7 @@ def test_commit_round_trip_and_old_snapshots_removed(tmp_path: Path) -> None:
     schema = DatasetSchema.from_arrow("d", ["id"], pa.schema([("id", pa.int64())]), 1)
     s1 = store.commit("d", CommittedState(version=1, schema=schema, rows=2, watermark="2024-01-01T00:00:00",
                                           watermark_type="timestamp"), pa.table({"id": [1, 2]}))
-    assert s1.snapshot == "snapshot-0000000001.parquet"
+    assert s1.snapshot == "snapshot-0000000001.arrow"
     loaded = store.load("d")
     assert loaded == s1 and store.load_snapshot("d", loaded).column("id").to_pylist() == [1, 2]
     assert loaded.offsets is None
@@ -36,7 +36,7 @@ def test_commit_round_trip_and_old_snapshots_removed(tmp_path: Path) -> None:
     s2 = store.commit("d", CommittedState(version=2, schema=schema, snapshot=s1.snapshot, rows=2), None)
     assert s2.snapshot == s1.snapshot and (tmp_path / "d" / s1.snapshot).exists()
     s3 = store.commit("d", CommittedState(version=3, schema=schema, rows=1), pa.table({"id": [3]}))
-    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["snapshot-0000000003.parquet", "state.json"]
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["snapshot-0000000003.arrow", "state.json"]
     assert store.load_snapshot("d", s3).column("id").to_pylist() == [3]
 
 
@@ -97,7 +97,7 @@ def test_a_failed_commit_leaves_the_previous_state(tmp_path: Path, monkeypatch: 
     staged.discard()
     state = store.load("d")
     assert state.version == 1 and store.load_snapshot("d", state).num_rows == 1
-    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["snapshot-0000000001.parquet", "state.json"]
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["snapshot-0000000001.arrow", "state.json"]
 
 
 def test_a_staged_snapshot_is_invisible_until_committed_and_gone_when_discarded(
@@ -111,16 +111,16 @@ def test_a_staged_snapshot_is_invisible_until_committed_and_gone_when_discarded(
     dropped = store.stage_snapshot("d", 2, big)
     dropped.discard()
     dropped.discard()
-    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["snapshot-0000000001.parquet", "state.json"]
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["snapshot-0000000001.arrow", "state.json"]
     assert store.load("d").version == 1
 
     staged = store.stage_snapshot("d", 2, big)
-    assert store.load("d").snapshot == "snapshot-0000000001.parquet"  # written or not, not committed
+    assert store.load("d").snapshot == "snapshot-0000000001.arrow"  # written or not, not committed
     state = store.commit("d", CommittedState(version=2, rows=big.num_rows), staged)
     staged.discard()  # after the commit: a no-op
-    assert state.snapshot == "snapshot-0000000002.parquet"
+    assert state.snapshot == "snapshot-0000000002.arrow"
     assert store.load_snapshot("d", store.load("d")).equals(big)
-    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["snapshot-0000000002.parquet", "state.json"]
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["snapshot-0000000002.arrow", "state.json"]
     # A snapshot staged for one version is not committed as another's.
     other = store.stage_snapshot("d", 4, big)
     with pytest.raises(ValueError, match="is not version 3's"):
@@ -174,3 +174,27 @@ def test_lock_excludes_other_processes(tmp_path: Path) -> None:
         proc.wait()
     with store.lock("d", wait=False):  # the lock died with its process
         pass
+
+
+def test_a_parquet_snapshot_of_an_earlier_release_is_read_and_replaced(tmp_path: Path) -> None:
+    """Earlier releases wrote snapshots as Parquet: such a state still loads, and the next commit of a
+    new snapshot writes Arrow IPC and removes the Parquet file."""
+    import pyarrow.parquet as pq
+
+    store = FileStateStore(tmp_path)
+    schema = DatasetSchema.from_arrow("d", ["id"], pa.schema([("id", pa.int64())]), 1)
+    s1 = store.commit("d", CommittedState(version=1, schema=schema, rows=2), pa.table({"id": [1, 2]}))
+    (tmp_path / "d" / s1.snapshot).unlink()
+    pq.write_table(pa.table({"id": [1, 2]}), tmp_path / "d" / "snapshot-0000000001.parquet")
+    state = json.loads((tmp_path / "d" / "state.json").read_text())
+    (tmp_path / "d" / "state.json").write_text(json.dumps({**state, "snapshot": "snapshot-0000000001.parquet"}))
+    old = store.load("d")
+    assert store.load_snapshot("d", old).column("id").to_pylist() == [1, 2]
+    assert store.open_snapshot("d", old).column("id").to_pylist() == [1, 2]
+    s2 = store.commit("d", CommittedState(version=2, schema=schema, rows=3), pa.table({"id": [1, 2, 3]}))
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["snapshot-0000000002.arrow", "state.json"]
+    assert store.load_snapshot("d", s2).column("id").to_pylist() == [1, 2, 3]
+    # An empty snapshot (every row deleted) is a file with the schema and no batch.
+    s3 = store.commit("d", CommittedState(version=3, schema=schema, rows=0), pa.table({"id": pa.array([], pa.int64())}))
+    empty = store.open_snapshot("d", s3)
+    assert empty.num_rows == 0 and empty.read().num_rows == 0 and empty.schema.names == ["id"]
