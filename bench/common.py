@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterator
 from contextlib import ExitStack
+from pathlib import Path
 
 
 def broker_settings(stack: ExitStack, bootstrap: str | None) -> dict[str, str]:
@@ -13,3 +16,21 @@ def broker_settings(stack: ExitStack, bootstrap: str | None) -> dict[str, str]:
 
     broker = stack.enter_context(EmbeddedBroker())
     return {"bootstrap.servers": broker.bootstrap}
+
+
+def thread_times(pid: int) -> Iterator[tuple[int, str, float]]:
+    """(thread id, name, CPU seconds so far: user + system) of every thread of process ``pid``,
+    from ``/proc``; threads that end while being read are left out."""
+    tick = os.sysconf("SC_CLK_TCK")
+    try:
+        tasks = list(Path(f"/proc/{pid}/task").iterdir())
+    except OSError:
+        return
+    for task in tasks:
+        try:
+            comm = (task / "comm").read_text().strip()
+            stat = (task / "stat").read_text()
+        except OSError:
+            continue
+        parts = stat[stat.rindex(")") + 2:].split()
+        yield int(task.name), comm, (int(parts[11]) + int(parts[12])) / tick

@@ -53,7 +53,7 @@ import psutil
 from confluent_kafka import KafkaError, TopicPartition
 
 from bench import enrich_data as data
-from bench.common import broker_settings
+from bench.common import broker_settings, thread_times
 from refstream import kafka as rkafka
 from refstream.logs import setup_logging
 
@@ -353,14 +353,8 @@ def _cpu_snapshot() -> dict[str, Any]:
         add("JVM (driver + executor)", child)
         for d in child.children(recursive=True):
             add("Python workers and runners", d)
-        for task in Path(f"/proc/{child.pid}/task").iterdir():
-            try:
-                comm = (task / "comm").read_text().strip()
-                stat = (task / "stat").read_text()
-            except OSError:
-                continue
-            parts = stat[stat.rindex(")") + 2:].split()
-            snap["threads"][int(task.name)] = (comm, (int(parts[11]) + int(parts[12])) / tick)
+        for tid, comm, cpu in thread_times(child.pid):
+            snap["threads"][tid] = (comm, cpu)
     return snap
 
 

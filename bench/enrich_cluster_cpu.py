@@ -42,7 +42,7 @@ import pyspark
 import yaml
 
 from bench import enrich_data as data
-from bench.common import broker_settings
+from bench.common import broker_settings, thread_times
 from demo.broker import free_port
 
 SPARK_HOME = Path(pyspark.__file__).parent
@@ -140,23 +140,15 @@ class CpuTrees:
 def thread_cpu(roots: list[psutil.Process]) -> dict[str, float]:
     """CPU seconds so far of every thread of the trees under ``roots``, summed by process name and
     thread name with digits folded (``java: C2 CompilerThre#``, ``python: python``)."""
-    tick = os.sysconf("SC_CLK_TCK")
     out: dict[str, float] = {}
     for p in processes(roots):
         try:
             pname = p.name()
-            tasks = list(Path(f"/proc/{p.pid}/task").iterdir())
-        except (psutil.NoSuchProcess, OSError):
+        except psutil.NoSuchProcess:
             continue
-        for task in tasks:
-            try:
-                comm = (task / "comm").read_text().strip()
-                stat = (task / "stat").read_text()
-            except OSError:
-                continue
-            parts = stat[stat.rindex(")") + 2:].split()
+        for _, comm, cpu in thread_times(p.pid):
             name = f"{pname}: {re.sub(r'[0-9]+', '#', comm)}"
-            out[name] = out.get(name, 0.0) + (int(parts[11]) + int(parts[12])) / tick
+            out[name] = out.get(name, 0.0) + cpu
     return out
 
 

@@ -10,6 +10,7 @@ import logging
 import math
 import os
 import threading
+from abc import abstractmethod
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -296,27 +297,38 @@ class _StagedFile(StagedSnapshot):
         self.path.unlink(missing_ok=True)
 
 
-class ParquetSnapshot(SnapshotRows):
-    """A snapshot file read column by column on demand, or whole in the background (``prefetch``)."""
+class _FileSnapshot(SnapshotRows):
+    """A snapshot file read column by column on demand, or whole in the background (``prefetch``).
+    A format gives :meth:`_read`, :meth:`_parts`, :meth:`_memory_size` and :meth:`_close`."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._file = pq.ParquetFile(path)
-        self.schema = self._file.schema_arrow
-        self.num_rows = self._file.metadata.num_rows
         self._prefetch: concurrent.futures.Future[pa.Table] | None = None
 
+    @abstractmethod
+    def _read(self, names: list[str] | None) -> pa.Table:
+        """These columns (every one for None) of every row, from the file."""
+
+    @abstractmethod
+    def _parts(self, name: str) -> Iterator[pa.ChunkedArray]:
+        """One column, a part (row group, record batch) at a time, from the file."""
+
+    @abstractmethod
+    def _memory_size(self) -> int:
+        """About how many bytes the whole snapshot takes in memory."""
+
+    def _close(self) -> None:
+        pass
+
     def prefetch(self, max_bytes: int) -> bool:
-        md = self._file.metadata
-        size = sum(md.row_group(i).total_byte_size for i in range(md.num_row_groups))
-        if self._prefetch is not None or size > max_bytes:
+        if self._prefetch is not None or self._memory_size() > max_bytes:
             return False
         # A thread of its own, not a pool: nothing else may use the file until it is done (_whole).
         future: concurrent.futures.Future[pa.Table] = concurrent.futures.Future()
 
         def run() -> None:
             try:
-                future.set_result(self._file.read())
+                future.set_result(self._read(None))
             except BaseException as exc:  # the lazy reads below meet it again, and report it
                 future.set_exception(exc)
 
@@ -337,93 +349,6 @@ class ParquetSnapshot(SnapshotRows):
 
     def select(self, names: list[str]) -> pa.Table:
         whole = self._whole()
-        return whole.select(list(names)) if whole is not None else self._file.read(columns=list(names))
-
-    def column(self, name: str) -> pa.ChunkedArray:
-        whole = self._whole()
-        return whole.column(name) if whole is not None else self._file.read(columns=[name]).column(0)
-
-    def column_parts(self, name: str) -> Iterator[tuple[int, pa.ChunkedArray]]:
-        """(first row, values) of one column per row group: the diff of a 10M-row table then holds
-        one row group of an old column at a time, not the whole column."""
-        whole = self._whole()
-        if whole is not None:
-            start = 0
-            for chunk in whole.column(name).chunks:  # a chunk per row group: no copy
-                yield start, pa.chunked_array([chunk])
-                start += len(chunk)
-            return
-        start = 0
-        for i in range(self._file.num_row_groups):
-            part = self._file.read_row_group(i, columns=[name]).column(0)
-            n = len(part)
-            yield start, part
-            del part  # before the next row group is read
-            start += n
-
-    def read(self) -> pa.Table:
-        whole = self._whole()
-        return whole if whole is not None else self._file.read()
-
-    def close(self) -> None:
-        self._whole()  # the prefetch thread reads the file until it is done
-        self._file.close()
-
-
-class IpcSnapshot(SnapshotRows):
-    """A snapshot in the Arrow IPC file format: columns are read (and decompressed) on demand, one
-    record batch at a time for :meth:`column_parts`, or whole in the background. One open file
-    serves every reader (positional reads), so a later commit removing the file does not matter;
-    not memory-mapped, so nothing done to the file can fault the process."""
-
-    #: Compressed bytes on disk to bytes in memory, roughly (LZ4 on typical reference data): what
-    #: ``prefetch`` compares with its limit, since the file records no uncompressed size.
-    EXPANSION = 4
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._source = pa.OSFile(str(path))
-        reader = pa.ipc.open_file(self._source)
-        self.schema = reader.schema
-        self.num_rows = reader.count_rows() if reader.num_record_batches else 0
-        self._batches = reader.num_record_batches
-        self._prefetch: concurrent.futures.Future[pa.Table] | None = None
-
-    def _reader(self, names: list[str] | None = None) -> pa.ipc.RecordBatchFileReader:
-        fields = None if names is None else [self.schema.get_field_index(n) for n in names]
-        return pa.ipc.open_file(self._source, options=pa.ipc.IpcReadOptions(included_fields=fields))
-
-    def _read(self, names: list[str] | None = None) -> pa.Table:
-        table = self._reader(names).read_all()
-        return table if names is None else table.select(names)  # included_fields keeps file order
-
-    def prefetch(self, max_bytes: int) -> bool:
-        if self._prefetch is not None or self.path.stat().st_size * self.EXPANSION > max_bytes:
-            return False
-        future: concurrent.futures.Future[pa.Table] = concurrent.futures.Future()
-
-        def run() -> None:
-            try:
-                future.set_result(self._read())
-            except BaseException as exc:  # the lazy reads below meet it again, and report it
-                future.set_exception(exc)
-
-        threading.Thread(target=run, name=f"prefetch-{self.path.name}", daemon=True).start()
-        self._prefetch = future
-        return True
-
-    def _whole(self) -> pa.Table | None:
-        if self._prefetch is None:
-            return None
-        try:
-            return self._prefetch.result()
-        except Exception as exc:
-            log.debug("prefetch of %s failed (%s); reading on demand", self.path, exc)
-            self._prefetch = None
-            return None
-
-    def select(self, names: list[str]) -> pa.Table:
-        whole = self._whole()
         return whole.select(list(names)) if whole is not None else self._read(list(names))
 
     def column(self, name: str) -> pa.ChunkedArray:
@@ -431,26 +356,86 @@ class IpcSnapshot(SnapshotRows):
         return whole.column(name) if whole is not None else self._read([name]).column(0)
 
     def column_parts(self, name: str) -> Iterator[tuple[int, pa.ChunkedArray]]:
-        """(first row, values) of one column per record batch (see ParquetSnapshot.column_parts)."""
+        """(first row, values) of one column per part of the file: the diff of a 10M-row table then
+        holds one part of an old column at a time, not the whole column."""
         whole = self._whole()
+        start = 0
         if whole is not None:
-            start = 0
-            for chunk in whole.column(name).chunks:
+            for chunk in whole.column(name).chunks:  # a chunk per part: no copy
                 yield start, pa.chunked_array([chunk])
                 start += len(chunk)
             return
-        reader, start = self._reader([name]), 0
-        for i in range(self._batches):
-            part = pa.chunked_array([reader.get_batch(i).column(0)])
+        for part in self._parts(name):
             n = len(part)
             yield start, part
-            del part
+            del part  # before the next part is read
             start += n
 
     def read(self) -> pa.Table:
         whole = self._whole()
-        return whole if whole is not None else self._read()
+        return whole if whole is not None else self._read(None)
 
     def close(self) -> None:
-        self._whole()
+        self._whole()  # the prefetch thread reads the file until it is done
+        self._close()
+
+
+class ParquetSnapshot(_FileSnapshot):
+    """A snapshot as earlier releases wrote it: Parquet, a row group per part."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self._file = pq.ParquetFile(path)
+        self.schema = self._file.schema_arrow
+        self.num_rows = self._file.metadata.num_rows
+
+    def _read(self, names: list[str] | None) -> pa.Table:
+        return self._file.read(columns=names)
+
+    def _parts(self, name: str) -> Iterator[pa.ChunkedArray]:
+        for i in range(self._file.num_row_groups):
+            yield self._file.read_row_group(i, columns=[name]).column(0)
+
+    def _memory_size(self) -> int:
+        md = self._file.metadata
+        return sum(md.row_group(i).total_byte_size for i in range(md.num_row_groups))
+
+    def _close(self) -> None:
+        self._file.close()
+
+
+class IpcSnapshot(_FileSnapshot):
+    """A snapshot in the Arrow IPC file format, a record batch per part. One open file serves every
+    reader (positional reads), so a later commit removing the file does not matter; not
+    memory-mapped, so nothing done to the file can fault the process."""
+
+    #: Compressed bytes on disk to bytes in memory, roughly (LZ4 on typical reference data): what
+    #: ``prefetch`` compares with its limit, since the file records no uncompressed size.
+    EXPANSION = 4
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path)
+        self._source = pa.OSFile(str(path))
+        reader = pa.ipc.open_file(self._source)
+        self.schema = reader.schema
+        self.num_rows = reader.count_rows() if reader.num_record_batches else 0
+        self._batches = reader.num_record_batches
+
+    def _reader(self, names: list[str] | None) -> pa.ipc.RecordBatchFileReader:
+        fields = None if names is None else [self.schema.get_field_index(n) for n in names]
+        return pa.ipc.open_file(self._source, options=pa.ipc.IpcReadOptions(included_fields=fields))
+
+    def _read(self, names: list[str] | None) -> pa.Table:
+        table = self._reader(names).read_all()
+        return table if names is None else table.select(names)  # included_fields keeps file order
+
+    def _parts(self, name: str) -> Iterator[pa.ChunkedArray]:
+        reader = self._reader([name])
+        for i in range(self._batches):
+            yield pa.chunked_array([reader.get_batch(i).column(0)])
+
+    def _memory_size(self) -> int:
+        return self.path.stat().st_size * self.EXPANSION
+
+    def _close(self) -> None:
         self._source.close()
