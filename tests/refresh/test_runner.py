@@ -209,7 +209,7 @@ def test_broker_down_during_publish_commits_nothing_and_the_next_run_publishes(
         assert store.reserved("d") == 2   # the failed run's number is not reused
         assert store.load_snapshot("d", store.load("d")).num_rows == 2
         # The new snapshot, written while the run published, was removed with the failed run.
-        assert sorted(p.name for p in (cfg.state_dir / "d").glob("*snapshot*")) == ["snapshot-0000000001.parquet"]
+        assert sorted(p.name for p in (cfg.state_dir / "d").glob("*snapshot*")) == ["snapshot-0000000001.arrow"]
         st = read_status(cfg)[0]
         assert st["last_result"] == "failed" and st["consecutive_failures"] == 1
 
@@ -441,7 +441,7 @@ def test_crash_between_publish_and_commit_republishes_harmlessly(make_config, my
     first_try = changes(read_topic(kafka, topic), 2)
     assert first_try == {'{"id":1}': None, '{"id":2}': {"id": 2, "v": 20}}  # acknowledged, not committed
     assert FileStateStore(cfg.state_dir).load("c").version == 1
-    assert sorted(p.name for p in (cfg.state_dir / "c").glob("*snapshot*")) == ["snapshot-0000000001.parquet"]
+    assert sorted(p.name for p in (cfg.state_dir / "c").glob("*snapshot*")) == ["snapshot-0000000001.arrow"]
     r = Refresher(cfg).run("c")  # the next run sends the same changes again, under a new version
     assert (r.version, r.updates, r.deletes) == (3, 1, 1)
     records = read_topic(kafka, topic)
@@ -452,7 +452,7 @@ def test_crash_between_publish_and_commit_republishes_harmlessly(make_config, my
     assert table_view(records) == {'{"id":2}': {"id": 2, "v": 20}}
     assert Refresher(cfg).run("c").published == 0
     # The run without changes writes no new snapshot (and leaves none behind).
-    assert sorted(p.name for p in (cfg.state_dir / "c").glob("*snapshot*")) == ["snapshot-0000000003.parquet"]
+    assert sorted(p.name for p in (cfg.state_dir / "c").glob("*snapshot*")) == ["snapshot-0000000003.arrow"]
 
 
 def test_jsonl_glob_and_parquet_files_end_to_end(make_config, tmp_path: Path, unique, kafka):
@@ -731,7 +731,7 @@ def test_a_run_with_new_or_gone_keys_stages_its_snapshot_before_comparing_values
     r = Refresher(cfg).run("sites")
     assert (r.inserts, r.updates, r.deletes) == (1, 1, 1)
     # Already written when the values were compared.
-    assert seen == [["snapshot-0000000001.parquet", "snapshot-0000000002.parquet"]]
+    assert seen == [["snapshot-0000000001.arrow", "snapshot-0000000002.arrow"]]
     assert FileStateStore(cfg.state_dir).load_snapshot("sites", FileStateStore(cfg.state_dir).load("sites")) \
         .to_pylist() == [{"site_id": 1, "name": "a"}, {"site_id": 2, "name": "B"}, {"site_id": 4, "name": "d"}]
 
@@ -739,5 +739,5 @@ def test_a_run_with_new_or_gone_keys_stages_its_snapshot_before_comparing_values
     p.write_text("site_id,name\n1,A\n2,B\n4,d\n")  # only a value changes: staged after the comparison
     r = Refresher(cfg).run("sites")
     assert (r.inserts, r.updates, r.deletes) == (0, 1, 0)
-    assert seen == [["snapshot-0000000002.parquet"]]
-    assert sorted(x.name for x in store_dir.glob("*snapshot*")) == ["snapshot-0000000003.parquet"]
+    assert seen == [["snapshot-0000000002.arrow"]]
+    assert sorted(x.name for x in store_dir.glob("*snapshot*")) == ["snapshot-0000000003.arrow"]
