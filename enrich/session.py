@@ -8,7 +8,6 @@ from collections.abc import Mapping
 
 from pyspark.sql import SparkSession
 
-
 #: The driver JVM's compiler on a cluster: C1 only. There the driver plans and schedules and runs
 #: no task, and C2 compiling its code was half of its CPU while batches ran (docs/benchmarks.md,
 #: "Driver CPU on a standalone cluster"). Not in local mode: the driver's JVM runs the tasks too.
