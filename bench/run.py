@@ -9,6 +9,7 @@
     python -m bench.run state_profile [options of bench.state_profile]
     python -m bench.run partitioned [options of bench.partitioned_bench]
     python -m bench.run state_restart [options of bench.state_restart]
+    python -m bench.run dimension_bootstrap [options of bench.dimension_bootstrap]
 
 Each benchmark is a module with a ``main(argv) -> int``; it is imported only when chosen, so one
 benchmark's missing or broken module does not stop the other.
@@ -22,6 +23,8 @@ import sys
 BENCHMARKS = {
     "refresh": ("bench.refresh_bench", "refresher: full diff-mode `refresh run` vs. reading the table"),
     "enrich": ("bench.enrich_bench", "enrichment job: throughput, latency and memory"),
+    "dimension_bootstrap": ("bench.dimension_bootstrap", "enrichment job: the driver's bootstrap of a broadcast "
+                            "dimension, step by step"),
     "encode": ("bench.encode_bench", "refresher: change rows to contract JSON, bulk vs row-wise encoders"),
     "readers": ("bench.refresh_readers", "refresher: a MariaDB table read by PyMySQL vs ConnectorX"),
     "soak": ("bench.soak", "reliability: the topology under reference churn and SIGKILLs, then an accounting"),
