@@ -50,11 +50,12 @@ def write_batches(spark: Any, root: Path, events: int, devices: int, batch: int)
         shutil.rmtree(root / f"b{b:04d}")
 
 
-def run(spark: Any, data: Path, work: Path, *, state: bool, buckets: int) -> list[dict[str, Any]]:
+def run(spark: Any, data: Path, work: Path, *, state: bool, buckets: int, fast: bool = True) -> list[dict[str, Any]]:
     from pyspark.sql.types import StructType
 
     from enrich import events
     from enrich.config import StateConfig
+    from enrich.fastparse import FastParser
     from enrich.state.plan import resolve
     from enrich.state.stream import PROVIDER_CONF, ROCKSDB, attach
 
@@ -67,7 +68,8 @@ def run(spark: Any, data: Path, work: Path, *, state: bool, buckets: int) -> lis
                           aggregates=(("temperature", ("last", "min", "max", "mean")), ("battery", ("last",))),
                           buckets=buckets)
         spark.conf.set(PROVIDER_CONF, ROCKSDB)
-        parsed = attach(parsed, cfg, resolve(cfg, parsed.schema, timezone="UTC", source="bench"))
+        parser = FastParser.for_schema(schema) if fast else None
+        parsed = attach(raw, schema, cfg, resolve(cfg, parsed.schema, timezone="UTC", source="bench"), parser=parser)
     q = (parsed.writeStream.format("noop").option("checkpointLocation", str(work))
          .trigger(availableNow=True).start())
     q.awaitTermination()

@@ -49,18 +49,20 @@ def event_schema(ddl: str, required: Sequence[str] = (), source: str = "config")
 
 
 def parse(raw: DataFrame, schema: StructType, required: Sequence[str] = (), *,
-          keep_source: bool = False) -> DataFrame:
+          keep_source: bool = False, carry: Sequence[str] = ()) -> DataFrame:
     """Event fields, then ``_error`` (null for a good event), then the Kafka ``_key``, ``_value``, ...
 
     ``_key`` (the output key), ``_topic``, ``_partition`` and ``_offset`` (where a dead letter made
     by the sink comes from) are kept in every row; ``_value`` only in rows with ``_error`` set (the
     dead letters), null otherwise, unless ``keep_source`` (a later step may still make a row a dead
-    letter: the state step)."""
-    parsed = raw.select(*[F.col(src).alias(dst) for dst, src in SOURCE.items()], _from_json(schema).alias("_e"))
+    letter: the state step). ``carry``: columns of ``raw`` passed through, last."""
+    parsed = raw.select(*[F.col(src).alias(dst) for dst, src in SOURCE.items()], _from_json(schema).alias("_e"),
+                        *carry)
     checked = parsed.select(*[F.col(f"_e.`{n}`").alias(n) for n in schema.fieldNames()],
-                            _error(schema, required).alias(ERROR), *SOURCE)
+                            _error(schema, required).alias(ERROR), *SOURCE, *carry)
     if keep_source:
         return checked
+    assert not carry
     return _dead_letter_bytes_only(checked, schema)
 
 

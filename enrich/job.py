@@ -141,10 +141,15 @@ class EnrichJob:
         if not self.sink.writes_dead_letters:
             self.dead = DeadLetters(cfg.kafka, cfg.dead_letter_topic, self._dlq_transactional_id(), scope)
             self._stack.callback(self.dead.close)
-        # The state step parses events in the plan (before the stateful operator): no fast parser then.
-        if cfg.events.parser == "auto" and self.sink.reparses and cfg.state is None:
-            self.fast = FastParser.for_schema(self.event_schema, cfg.events.required, self._timezone())
-        log.info("events parsed by %s", "pyarrow, with from_json for what it leaves" if self.fast else "from_json")
+        parser = (FastParser.for_schema(self.event_schema, cfg.events.required, self._timezone())
+                  if cfg.events.parser == "auto" else None)
+        # Without state, the fast parser's leftovers are parsed again by a sink that can write a task's
+        # slot twice; with state, by from_json in the plan before the step (enrich.state.ingest).
+        if cfg.state is None and self.sink.reparses:
+            self.fast = parser
+        elif cfg.state is None:
+            parser = None
+        log.info("events parsed by %s", "pyarrow, with from_json for what it leaves" if parser else "from_json")
 
         from enrich.kafka import read_stream
 
@@ -186,7 +191,7 @@ class EnrichJob:
                          ", ".join(j.dataset for j in pre))
             stream = state_step(self.spark, cfg, raw, self.event_schema, enriched_schema, self._timezone(),
                                 self.devices.accumulator, {**schemas, **{j.dataset: self.dims.schema(j.dataset)
-                                                                         for j in pre}}, pre)
+                                                                         for j in pre}}, pre, parser)
             self._parsed_schema, self._plan = stream.schema, None
             self._planned(self._parsed_schema)
         else:

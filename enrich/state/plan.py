@@ -17,6 +17,7 @@ from pyspark.sql.types import (
 )
 
 from enrich.config import StateConfig
+from enrich.state import hashing
 from enrich.state.engine import StateSpec
 from refstream.errors import ConfigError
 
@@ -35,7 +36,10 @@ def resolve(cfg: StateConfig, enriched: StructType, *, timezone: str = "UTC", so
                               f"join (have: {have})")
         return types[name]
 
-    column(cfg.key, "key")
+    key_type = _arrow(column(cfg.key, "key"), timezone)
+    if not hashing.supports(key_type):
+        raise ConfigError(f"{source}: state.key: column {cfg.key!r} is {types[cfg.key].simpleString()}; a state key "
+                          "must be a string, binary, integer, boolean, date or timestamp column")
     if not isinstance(column(cfg.timestamp, "timestamp"), TimestampType):
         raise ConfigError(f"{source}: state.timestamp: column {cfg.timestamp!r} is "
                           f"{types[cfg.timestamp].simpleString()}, not TIMESTAMP")
@@ -51,7 +55,7 @@ def resolve(cfg: StateConfig, enriched: StructType, *, timezone: str = "UTC", so
             raise ConfigError(f"{source}: state.aggregates.{name}: min, max and mean need a numeric column; "
                               f"{name!r} is {typ.simpleString()} (keep last: only)")
         aggregates.append((name, tuple(aggs), _arrow(typ, timezone)))
-    return StateSpec(key=cfg.key, key_type=_arrow(types[cfg.key], timezone), timestamp=cfg.timestamp,
+    return StateSpec(key=cfg.key, key_type=key_type, timestamp=cfg.timestamp,
                      ttl_us=int(cfg.ttl.total_seconds() * 10**6), aggregates=tuple(aggregates),
                      timestamp_type=pa.timestamp("us", tz=timezone))
 

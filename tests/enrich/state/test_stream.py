@@ -262,3 +262,40 @@ def test_parquet_output_carries_the_state_struct(spark: SparkSession, kafka: dic
     naive = T0.replace(tzinfo=None)   # Spark writes TIMESTAMP to Parquet as INT96 (UTC, no zone)
     assert rows[1]["state"] == {"events": 2, "first_seen": naive, "last_seen": naive + timedelta(minutes=1),
                                 "temp_last": 20.0, "temp_max": 20.0, "temp_mean": 15.0}
+
+
+@pytest.mark.integration
+def test_events_left_to_from_json_are_counted_like_the_others(spark: SparkSession, kafka: dict[str, str],
+                                                             unique: Callable[[str], str], tmp_path: Path) -> None:
+    """The fast parser leaves these values to ``from_json`` (enrich.state.ingest): single quotes, a
+    timestamp with a space, a field that is not JSON's type, a value that is not JSON at all. In
+    between the others, the same device's state counts them in offset order, and the output is
+    the one ``events.parser: spark`` gives, byte for byte."""
+    values: list[bytes | dict[str, Any]] = [
+        {"device_id": "a", "ts": at(0), "temp": 1.0, "n": 1},
+        b"{'device_id': 'a', 'ts': '" + at(1).encode() + b"', 'temp': 3.0, 'n': 2}",
+        {"device_id": "b", "ts": at(1), "temp": 2.0, "n": 3},
+        b'{"device_id": "a", "ts": "2026-01-01 00:02:00", "temp": 5.0, "n": 4}',
+        b'{"device_id": "b", "ts": "' + at(2).encode() + b'", "temp": "7", "n": 5}',
+        b"not json",
+        {"device_id": "a", "ts": at(3), "temp": 9.0, "n": 6},
+        b'{"device_id": null, "ts": "2026-01-01 00:04:00", "temp": 1.0, "n": 7}',
+    ]
+    written = {}
+    for parser in ("auto", "spark"):
+        data = make_config(kafka, unique, tmp_path / parser)
+        data["events"]["parser"] = parser
+        data["max_events_per_batch"] = 5
+        publish(kafka, data["joins"][0]["topic"], changelog(DEVICES, [{"device_id": "a", "owner": "ann"}]))
+        produce_events(kafka, data["events"]["topic"], values)
+        run(spark, data)
+        # Buckets leave the step in no fixed order: compared as sets of records.
+        written[parser] = (sorted((m.key(), m.value()) for m in read_all(kafka, data["output"]["kafka"]["topic"])),
+                           sorted((m.value(), dict(m.headers())["error"]) for m in read_all(kafka, data["dead_letter_topic"])))
+    assert written["auto"] == written["spark"]
+    out = {json.loads(v)["n"]: json.loads(v) for _, v in written["auto"][0]}
+    assert [out[n]["state"]["events"] for n in (1, 2, 4, 6)] == [1, 2, 3, 4]
+    assert [out[n]["state"]["temp_mean"] for n in (1, 2, 4, 6)] == [1.0, 2.0, 3.0, 4.5]
+    assert out[3]["state"]["events"] == 1
+    dead = {e.decode() for _, e in written["auto"][1]}
+    assert "state.key device_id is null" in dead and any("not valid JSON" in e for e in dead)

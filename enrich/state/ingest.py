@@ -1,0 +1,146 @@
+"""Events into the state step: parsed, joined, checked, bucketed and packed in Python passes.
+
+Two ``mapInArrow`` passes (:class:`EventPacker`) bring the Kafka records to the step
+(``enrich.state.stream.attach``):
+
+1. *fast*: pyarrow parses the values it parses exactly (``enrich.fastparse``); those events go
+   through the in-plan joins, get ``_error`` when their state key or time is null, their event time
+   in microseconds and their bucket (:func:`enrich.state.hashing.buckets_of`, Spark's own ``hash``),
+   and leave packed (:func:`enrich.state.packed.pack`). The values the fast parser leaves
+   (``_slow``) leave as they came, as Kafka records;
+2. *rest*: Spark's ``from_json`` (``enrich.events.parse``) has parsed those records in the plan in
+   between; this pass gives them the same treatment and packs them, and passes the packed rows of
+   the first pass through.
+
+So ``from_json`` runs on the rare values pyarrow leaves, never on the others, and the events cross
+from the JVM to Python once. Where the fast parser cannot parse the event schema, the first pass is
+left out and the second one takes every event from ``from_json``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from enrich.events import ERROR, SLOW, SOURCE, FastEvents
+from enrich.join import JoinSpec, Lookup, PlanEnricher, join_table
+from enrich.state import packed
+from enrich.state.hashing import buckets_of
+from enrich.state.packed import BUCKET, MAX_TS, ROWS
+from enrich.state.processor import TS_US
+from enrich.worker import settle
+
+#: The Kafka columns of a record the fast pass leaves to ``from_json``, as the source names them.
+RAW = tuple(SOURCE.values())
+
+
+def key_is_null(key: str) -> str:
+    """The dead-letter reason of an event without a state key."""
+    return f"state.key {key} is null"
+
+
+def time_is_null(timestamp: str) -> str:
+    """The dead-letter reason of an event without an event time."""
+    return f"state.timestamp {timestamp} is null"
+
+
+@dataclass(frozen=True)
+class EventPacker:
+    """The ``mapInArrow`` function of either pass (see the module doc); picklable.
+
+    ``events`` is the schema of the packed event tables, the same from both passes (the processor
+    concatenates them): the parsed fields, ``_error``, the Kafka columns, the in-plan joins' columns
+    and ``_ts_us``. ``out`` is the pass's output schema: the packed rows (``_bucket``, ``_max_ts``,
+    ``rows``) and, in the fast pass, the :data:`RAW` columns of the records it leaves."""
+
+    key: str
+    timestamp: str
+    buckets: int
+    events: pa.Schema
+    out: pa.Schema
+    joins: tuple[JoinSpec, ...] = ()
+    parse: FastEvents | None = None     # set: the fast pass; None: the rest pass
+
+    def __call__(self, batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        settle()
+        enricher = PlanEnricher(self.joins, ERROR)
+        lookups: dict[str, tuple[Lookup, Lookup | None]] | None = None
+        for b in batches:
+            if b.num_rows == 0:
+                continue
+            if self.parse is not None:
+                table, left = self._fast(b)
+                if left is not None:
+                    yield left
+            elif ROWS not in b.schema.names:  # no fast pass: every event comes from from_json
+                table = pa.Table.from_batches([b])
+            else:
+                done = b.column(ROWS).is_valid()
+                if pc.any(done).as_py():
+                    yield self._out(b.filter(done), (BUCKET, MAX_TS, ROWS))
+                table = pa.Table.from_batches([b]).filter(pc.invert(done)).drop_columns([BUCKET, MAX_TS, ROWS])
+            if table.num_rows == 0:
+                continue
+            if self.joins and lookups is None:  # a task without rows fetches no version
+                lookups = enricher.lookups()
+            for spec in self.joins:
+                assert lookups is not None
+                base, overlay = lookups[spec.dataset]
+                table = join_table(table, spec, base, overlay, ERROR)
+            for packed_batch in packed.pack([self._checked(table)], bucket=BUCKET, timestamp=TS_US,
+                                            packed_schema=self._packed_schema()):
+                yield self._out(packed_batch, (BUCKET, MAX_TS, ROWS))
+
+    def _fast(self, b: pa.RecordBatch) -> tuple[pa.Table, pa.RecordBatch | None]:
+        """The events the fast parser took, with their original ``_value`` (a later dead letter
+        needs it), and the records it left, as output rows."""
+        assert self.parse is not None
+        table = self.parse(b)
+        slow = table.column(SLOW).combine_chunks()
+        table = table.drop_columns([SLOW]).set_column(table.schema.get_field_index("_value"), "_value",
+                                                       b.column("_value"))
+        if not pc.any(slow).as_py():
+            return table, None
+        left = pa.Table.from_batches([b]).filter(slow)
+        raw = pa.RecordBatch.from_arrays([left.column(f"_{c}").combine_chunks() for c in RAW], names=list(RAW))
+        return table.filter(pc.invert(slow)), self._out(raw, RAW)
+
+    def _checked(self, table: pa.Table) -> pa.Table:
+        """``table`` as the step takes it: ``_error`` set on events without a state key or time,
+        ``_value`` kept in dead letters only, ``_ts_us`` and ``_bucket`` added."""
+        key, ts = table.column(self.key), table.column(self.timestamp)
+        error = table.column(ERROR)
+        no_key, no_ts = pc.is_null(key), pc.is_null(ts)
+        error = pc.if_else(pc.is_valid(error), error,
+                           pc.if_else(no_key, pa.scalar(key_is_null(self.key)),
+                                      pc.if_else(no_ts, pa.scalar(time_is_null(self.timestamp)),
+                                                 pa.scalar(None, pa.string()))))
+        table = table.set_column(table.schema.get_field_index(ERROR), ERROR, error)
+        value = table.column("_value")
+        table = table.set_column(table.schema.get_field_index("_value"), "_value",
+                                 pc.if_else(pc.is_valid(error), value, pa.scalar(None, value.type)))
+        micros = ts.cast(pa.timestamp("us", ts.type.tz)).cast(pa.int64())
+        table = table.append_column(TS_US, micros)
+        table = table.select(self.events.names)
+        if table.schema != self.events:
+            table = table.cast(self.events)
+        return table.append_column(BUCKET, pa.array(buckets_of(key, self.buckets), pa.int32()))
+
+    def _packed_schema(self) -> pa.Schema:
+        return pa.schema([self.out.field(BUCKET), self.out.field(MAX_TS), self.out.field(ROWS)])
+
+    def _out(self, batch: pa.RecordBatch | pa.Table, names: tuple[str, ...]) -> pa.RecordBatch:
+        """``batch``'s ``names`` columns in the pass's output schema, the others null."""
+        n = batch.num_rows
+        cols = [batch.column(f.name) if f.name in names else pa.nulls(n, f.type) for f in self.out]
+        arrays = [c.combine_chunks() if isinstance(c, pa.ChunkedArray) else c for c in cols]
+        arrays = [a if a.type == f.type else a.cast(f.type) for a, f in zip(arrays, self.out, strict=True)]
+        return pa.RecordBatch.from_arrays(arrays, schema=self.out)
+
+
+def events_schema(fields: pa.Schema) -> pa.Schema:
+    """The packed events' schema from the Arrow schema of the parsed (and in-plan joined) events."""
+    return pa.schema([*fields, pa.field(TS_US, pa.int64())])
