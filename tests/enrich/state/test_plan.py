@@ -69,3 +69,11 @@ def test_refuses_events_that_already_have_the_state_columns() -> None:
     clash = StructType([*ENRICHED.fields, StructField("state", StringType())])
     with pytest.raises(ConfigError, match="adds column 'state', which the events already have"):
         plan.resolve(state(), clash)
+
+
+@pytest.mark.parametrize("key", ["temperature", "price"])
+def test_a_key_without_sparks_hash_in_the_step_is_refused(key: str) -> None:
+    with pytest.raises(ConfigError, match=rf"state\.key: column '{key}' is (double|decimal\(12,3\)); a state key must "
+                                          r"be a string, binary, integer, boolean, date or timestamp column"):
+        plan.resolve(state(key=key), ENRICHED, source="x.yaml")
+    assert plan.resolve(state(key="site_id"), ENRICHED).key_type == pa.int64()
