@@ -69,7 +69,8 @@ def run(spark: Any, data: Path, work: Path, *, state: bool, buckets: int, fast: 
                           buckets=buckets)
         spark.conf.set(PROVIDER_CONF, ROCKSDB)
         parser = FastParser.for_schema(schema) if fast else None
-        parsed = attach(raw, schema, cfg, resolve(cfg, parsed.schema, timezone="UTC", source="bench"), parser=parser)
+        parsed = attach(raw, schema, cfg, resolve(cfg, parsed.schema, timezone="UTC", source="bench"),
+                        parser=parser).frame()
     q = (parsed.writeStream.format("noop").option("checkpointLocation", str(work))
          .trigger(availableNow=True).start())
     q.awaitTermination()

@@ -40,6 +40,7 @@ from enrich.fastparse import FastParser
 from enrich.metrics import RESULTS, EnrichMetrics
 from enrich.sinks import Counted, EnrichedBatch, Sink, make_sink
 from enrich.state.checkpoint import check_checkpoint
+from enrich.state.plan import LATE
 from refstream import kafka as rkafka
 from refstream.atomic import write_bytes_atomic, write_json_atomic
 from refstream.contract import DatasetSchema
@@ -189,10 +190,12 @@ class EnrichJob:
                 self.dims.shipper.write_to(cfg.checkpoint / SHIPPED)
                 log.info("joined in the plan, before the state step (the state aggregates their columns): %s",
                          ", ".join(j.dataset for j in pre))
-            stream = state_step(self.spark, cfg, raw, self.event_schema, enriched_schema, self._timezone(),
-                                self.devices.accumulator, {**schemas, **{j.dataset: self.dims.schema(j.dataset)
-                                                                         for j in pre}}, pre, parser)
-            self._parsed_schema, self._plan = stream.schema, None
+            self.state = state_step(self.spark, cfg, raw, self.event_schema, enriched_schema, self._timezone(),
+                                    self.devices.accumulator, {**schemas, **{j.dataset: self.dims.schema(j.dataset)
+                                                                             for j in pre}}, pre, parser)
+            # The stream is the step's packed rows; the join pass unpacks them (_process_batch).
+            stream = self.state.packed
+            self._parsed_schema, self._plan = self.state.schema, None
             self._planned(self._parsed_schema)
         else:
             check_checkpoint(cfg.checkpoint, None, None, cfg.source)
@@ -302,7 +305,7 @@ class EnrichJob:
             batch_df.persist()
             try:
                 dead, counted = self._process_batch(batch_df, batch_id)
-                late = batch_df.filter(batch_df["_late"]).count()
+                late = self.state.frame(batch_df).filter(F.col(LATE)).count()
             finally:
                 batch_df.unpersist()
         devices = self.devices.after_batch(batch_id)
@@ -325,9 +328,11 @@ class EnrichJob:
         specs, out_cols, out_schema, fast_schema = self._planned(self._parsed_schema)
         matched = tuple(s.matched for s in specs)
 
-        def exact(df: DataFrame) -> EnrichedBatch:  # parsed by from_json (in the plan, with a state step)
-            parsed = df if self.cfg.state is not None else events.parse(df, self.event_schema,
-                                                                          self.cfg.events.required)
+        def exact(df: DataFrame) -> EnrichedBatch:  # parsed by from_json, or the state step's packed rows
+            if self.cfg.state is not None:
+                return EnrichedBatch(join.enrich(df, specs, out_schema, shipped, events.ERROR, first=self.state.unpack),
+                                     out_cols, matched)
+            parsed = events.parse(df, self.event_schema, self.cfg.events.required)
             return EnrichedBatch(join.enrich(parsed, specs, out_schema, shipped, events.ERROR), out_cols, matched)
 
         if self.fast is not None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import logging
 from collections import OrderedDict
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -107,21 +107,26 @@ def plan(joins: Sequence[JoinConfig], schemas: Mapping[str, DatasetSchema], inpu
     return specs, StructType(fields)
 
 
+#: A step before the joins in their pass: one Arrow batch of the pass's input to a table of events.
+Step = Callable[[pa.RecordBatch], pa.Table]
+
+
 def enrich(df: DataFrame, specs: Sequence[JoinSpec], out_schema: StructType, shipped: Mapping[str, Shipped],
            error_column: str | None = None, parser: FastParser | None = None,
-           parsed_schema: StructType | None = None) -> DataFrame:
+           parsed_schema: StructType | None = None, first: Step | None = None) -> DataFrame:
     """``df`` with every join applied, in one ``mapInArrow`` pass.
 
     With a ``parser``, ``df`` holds the Kafka columns (``events.source_columns``) and the events are
-    parsed in the same pass into ``parsed_schema`` (``events.fast_schema``) before the joins."""
+    parsed in the same pass into ``parsed_schema`` (``events.fast_schema``) before the joins. With
+    a ``first`` step, each Arrow batch of ``df`` goes through it before the joins (the state step's
+    packed rows: ``enrich.state.stream.Unpack``)."""
     if parser is not None:
         assert parsed_schema is not None and error_column is not None
         tz = df.sparkSession.conf.get("spark.sql.session.timeZone") or "UTC"
-        step = FastEvents(parser, to_arrow_schema(parsed_schema, timezone=tz))
-        return df.mapInArrow(Enricher(tuple(specs), dict(shipped), error_column, step), out_schema)
-    if not specs:
+        first = FastEvents(parser, to_arrow_schema(parsed_schema, timezone=tz))
+    if not specs and first is None:
         return df
-    return df.mapInArrow(Enricher(tuple(specs), dict(shipped), error_column), out_schema)
+    return df.mapInArrow(Enricher(tuple(specs), dict(shipped), error_column, first), out_schema)
 
 
 # ------------------------------------------------------------------------------------ executors
@@ -240,7 +245,7 @@ class Enricher:
     """The ``mapInArrow`` function: every join, in order, on every batch of events."""
 
     def __init__(self, specs: tuple[JoinSpec, ...], shipped: dict[str, Shipped], error_column: str | None,
-                 parse: FastEvents | None = None) -> None:
+                 parse: Step | None = None) -> None:
         self.specs, self.shipped, self.error_column, self.parse = specs, shipped, error_column, parse
 
     def lookups(self) -> dict[str, tuple[Lookup, Lookup | None]]:

@@ -1,9 +1,11 @@
 """The keyed state step in the streaming plan, and the checkpoint's record of its settings.
 
-:func:`attach` turns the parsed event stream (``enrich.events.parse``) into the same columns plus
-``state`` and ``_late``, through ``transformWithStateInPandas`` keyed by ``hash(key) % buckets``
-(:mod:`enrich.state.processor`), the events packed on their way through it
-(:mod:`enrich.state.packed`). Events with a null key or time get ``_error`` set (the sink sends
+:func:`attach` turns the Kafka event stream into the parsed events' columns plus ``state`` and
+``_late``, through ``transformWithStateInPandas`` keyed by ``pmod(hash(key), buckets)``
+(:mod:`enrich.state.processor`). The events are parsed, checked and packed on their way in
+(:mod:`enrich.state.ingest`) and stay packed through the step (:mod:`enrich.state.packed`): the
+stream :func:`attach` returns is the step's packed rows, and :class:`Unpack` turns them into
+events in the job's join pass. Events with a null key or time get ``_error`` set (the sink sends
 them to the dead-letter topic). Spark's watermark is taken on a column that is dropped before the
 step (each packed chunk's greatest event time): Spark would otherwise drop late rows silently in
 front of the processor; the processor flags late events instead, against the same watermark.
@@ -13,9 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 
 import pyarrow as pa
+import pyarrow.compute as pc
 from pyspark.accumulators import Accumulator
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
@@ -34,6 +38,7 @@ from enrich import events, join
 from enrich.config import EnrichConfig, JoinConfig, StateConfig
 from enrich.events import ERROR, FastEvents
 from enrich.fastparse import FastParser
+from enrich.ipc import from_ipc
 from enrich.kafka import read_stream
 from enrich.state import ingest, packed
 from enrich.state.checkpoint import check_checkpoint
@@ -41,7 +46,7 @@ from enrich.state.dimension import PartitionedDim, partitioned_dim
 from enrich.state.engine import StateSpec
 from enrich.state.ingest import EventPacker
 from enrich.state.packed import MAX_TS, ROWS
-from enrich.state.plan import LATE, STATE, resolve
+from enrich.state.plan import LATE, STATE, output_fields, resolve
 from enrich.state.processor import BUCKET, FLAT, DeviceStateProcessor, stored_spec
 from refstream import contract
 from refstream.contract import DatasetSchema
@@ -64,7 +69,7 @@ def state_step(spark: SparkSession, cfg: EnrichConfig, raw: DataFrame, event_sch
                enriched: StructType, timezone: str,
                devices: Accumulator[dict[int, int]] | None = None,
                schemas: Mapping[str, DatasetSchema] | None = None,
-               before: Sequence[JoinConfig] = (), parser: FastParser | None = None) -> DataFrame:
+               before: Sequence[JoinConfig] = (), parser: FastParser | None = None) -> StateStream:
     """The job's hook: check ``state:`` against the events and the joins' columns (``enriched``) and
     the checkpoint, set the RocksDB state store, and return the ``raw`` Kafka stream parsed (by
     ``parser`` where it can, see :mod:`enrich.state.ingest`), joined with the broadcast joins in
@@ -96,11 +101,9 @@ def state_step(spark: SparkSession, cfg: EnrichConfig, raw: DataFrame, event_sch
     if spark.conf.get(CHANGELOG_CONF, None) is None:
         spark.conf.set(CHANGELOG_CONF, CHANGELOG_DEFAULT)
     changelogs = [read_stream(spark, cfg.kafka, [d.topic], starting_offsets="earliest") for d in dims]
-    out = attach(raw, event_schema, cfg.state, spec, devices, required=cfg.events.required, timezone=timezone,
-                 dims=tuple(zip(dims, changelogs, strict=True)), joins=tuple(specs), joined=joined, parser=parser)
-    for matched in inner:
-        out = out.where(F.col(f"`{matched}`") | F.col(ERROR).isNotNull())
-    return out
+    return attach(raw, event_schema, cfg.state, spec, devices, required=cfg.events.required, timezone=timezone,
+                  dims=tuple(zip(dims, changelogs, strict=True)), joins=tuple(specs), joined=joined, parser=parser,
+                  inner_joins=tuple(inner))
 
 
 def partitioned_dims(cfg: EnrichConfig, parsed: StructType, schemas: Mapping[str, DatasetSchema],
@@ -123,12 +126,14 @@ def attach(raw: DataFrame, event_schema: StructType, cfg: StateConfig, spec: Sta
            devices: Accumulator[dict[int, int]] | None = None, *, required: Sequence[str] = (),
            timezone: str = "UTC", dims: tuple[tuple[PartitionedDim, DataFrame], ...] = (),
            joins: tuple[join.JoinSpec, ...] = (), joined: StructType | None = None,
-           parser: FastParser | None = None) -> DataFrame:
+           parser: FastParser | None = None, inner_joins: tuple[str, ...] = ()) -> StateStream:
     """The Kafka stream ``raw`` parsed against ``event_schema`` (``enrich.events.parse``'s columns,
     ``_value`` in dead letters only), joined in the plan by ``joins`` (their output: ``joined``),
     with the keyed state step applied: those columns, the partitioned joins' columns, then ``state``
-    and ``_late``. Rows travel to the step parsed and packed (:mod:`enrich.state.ingest`, with the
-    fast ``parser`` if given) and through it packed (:mod:`enrich.state.packed`). ``devices``: an
+    and ``_late`` (:class:`StateStream`); ``inner_joins``: the ``matched`` columns of the in-plan
+    joins that are inner (their unmatched events are dropped after the step counted them). Rows
+    travel to the step parsed and packed (:mod:`enrich.state.ingest`, with the fast ``parser`` if
+    given) and through it packed (:mod:`enrich.state.packed`). ``devices``: an
     accumulator of ``processor.BucketCounts`` the step reports each bucket's device count to.
     ``dims``: each partitioned dimension with its changelog stream (``enrich.kafka.read_stream``),
     unioned with the events by bucket."""
@@ -148,28 +153,81 @@ def attach(raw: DataFrame, event_schema: StructType, cfg: StateConfig, spec: Sta
         rows = rows.union(_changelog_rows(changelog, dim, key_type, cfg.buckets, packed_spark, packed_arrow))
     inner = stored_spec(spec)
     processor = DeviceStateProcessor(inner, columns, devices, tuple(d for d, _ in dims))
-    flat_type = inner.output_type()
     in_schema = {f.name: f.dataType for f in joined.fields}
     dim_fields: list[StructField] = []
     for dim, _ in dims:
         dim_fields += [StructField(out, from_arrow_type(t), True)
-                   for (_, out), t in zip(dim.join.columns, dim.join.out_types, strict=True)]
+                       for (_, out), t in zip(dim.join.columns, dim.join.out_types, strict=True)]
         dim_fields.append(StructField(dim.join.matched, BooleanType(), True))
-    out_schema = StructType([StructField(c, in_schema[c], True) for c in columns] + dim_fields
-                            + [StructField(FLAT + f.name, from_arrow_type(f.type), True) for f in flat_type]
-                            + [StructField(LATE, BooleanType(), True)])
+    passed = [StructField(c, in_schema[c], True) for c in columns] + dim_fields
+    flat_type = inner.output_type()
+    # What the processor's packed tables hold: the passed columns, the flat state fields, the late flag.
+    flat_schema = StructType(passed + [StructField(FLAT + f.name, from_arrow_type(f.type), True) for f in flat_type]
+                             + [StructField(LATE, BooleanType(), True)])
+    schema = StructType(passed + output_fields(spec))
     stepped = rows.groupBy(BUCKET).transformWithStateInPandas(
         processor, outputStructType=StructType([StructField(ROWS, BinaryType(), False)]), outputMode="Append",
         timeMode="EventTime")
-    unpacked = stepped.mapInArrow(functools.partial(packed.unpack, schema=to_arrow_schema(out_schema, timezone=timezone)),
-                                  out_schema)
-    fields = []
-    for f in flat_type:
-        col = F.col(f"`{FLAT}{f.name}`")
-        fields.append((F.timestamp_micros(col) if f.name in ("first_seen", "last_seen") else col).alias(f.name))
-    state = F.when(F.col(f"`{FLAT}events`").isNotNull(), F.struct(*fields))
-    return unpacked.select(*[F.col(f"`{c}`") for c in columns], *[F.col(f"`{f.name}`") for f in dim_fields],
-                           state.alias(STATE), F.coalesce(F.col(LATE), F.lit(False)).alias(LATE))
+    unpack = Unpack(to_arrow_schema(flat_schema, timezone=timezone), to_arrow_schema(schema, timezone=timezone),
+                    tuple(f.name for f in passed), inner_joins)
+    return StateStream(stepped, unpack, schema)
+
+
+@dataclass(frozen=True)
+class StateStream:
+    """The state step's output: ``packed`` is the streaming DataFrame of the step's packed rows;
+    ``unpack`` turns one Arrow batch of them into events of ``schema`` (the events' and the
+    partitioned joins' columns, ``state``, ``_late``). The job unpacks them in its join pass
+    (``enrich.join.enrich``'s ``first`` step), so the events cross from Python to the JVM once."""
+
+    packed: DataFrame
+    unpack: Unpack
+    schema: StructType
+
+    def frame(self, df: DataFrame | None = None) -> DataFrame:
+        """``df`` (default: the stream), packed rows of the step, unpacked in a ``mapInArrow`` pass."""
+        return (self.packed if df is None else df).mapInArrow(self.unpack.batches, self.schema)
+
+
+@dataclass(frozen=True)
+class Unpack:
+    """Packed rows of the step (``rows``) to events: the processor's tables read as ``flat`` (the
+    passed columns, ``_state_<field>`` with times in microseconds, ``_late``), the state fields
+    folded into the ``state`` struct (null where the event has no state: late, or a dead letter),
+    ``_late`` false where null, as ``out``; without the events an in-plan inner join did not match
+    (its ``matched`` columns in ``inner``; dead letters always go on). Picklable."""
+
+    flat: pa.Schema
+    out: pa.Schema
+    passed: tuple[str, ...]
+    inner: tuple[str, ...] = ()
+
+    def __call__(self, batch: pa.RecordBatch) -> pa.Table:
+        tables = [t if t.schema == self.flat else t.cast(self.flat)
+                  for t in (from_ipc(v) for v in batch.column(ROWS).to_pylist()) if t.num_rows]
+        if not tables:
+            return self.out.empty_table()
+        t = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
+        state_type = self.out.field(STATE).type
+        children = []
+        for f in state_type:
+            col = t.column(FLAT + f.name).combine_chunks()
+            children.append(col if col.type == f.type else col.cast(f.type))
+        state = pa.StructArray.from_arrays(children, fields=list(state_type),
+                                           mask=pc.is_null(t.column(FLAT + "events")).combine_chunks())
+        late = pc.fill_null(t.column(LATE), False)
+        out = pa.Table.from_arrays([*(t.column(c) for c in self.passed), state, late], schema=self.out)
+        if self.inner:
+            keep = pc.is_valid(out.column(ERROR))
+            matched = [pc.fill_null(out.column(m), False) for m in self.inner]
+            keep = pc.or_(keep, functools.reduce(pc.and_, matched))
+            out = out.filter(keep)
+        return out
+
+    def batches(self, batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        """The ``mapInArrow`` function of :meth:`StateStream.frame`."""
+        for b in batches:
+            yield from self(b).to_batches()
 
 
 def _packed_events(raw: DataFrame, event_schema: StructType, required: Sequence[str], cfg: StateConfig,

@@ -9,7 +9,7 @@ import signal
 import subprocess
 import time
 import urllib.request
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -39,24 +39,31 @@ def standalone_cluster(workdir: Path, env: Mapping[str, str], cwd: Path | None =
                                 stdout=open(log, "ab"), stderr=subprocess.STDOUT,  # noqa: SIM115
                                 start_new_session=True)
 
+    def wait_for(ready: Callable[[dict], bool], what: str) -> None:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if ready(master_state(ui)):
+                    return
+            except (OSError, ValueError):  # not up yet
+                pass
+            if time.monotonic() > deadline:
+                raise AssertionError(f"the cluster did not come up ({what}): "
+                                     + (workdir / "master.log").read_text()[-2000:])
+            time.sleep(1)
+
     port, ui = free_port(), free_port()
     procs = [spawn(["org.apache.spark.deploy.master.Master", "--host", "127.0.0.1", "--port", str(port),
                     "--webui-port", str(ui)], workdir / "master.log")]
     try:
+        # The workers start once the master holds its ports: a worker's UI, on a port of the
+        # system's choosing, once took the master's UI port while both were starting.
+        wait_for(lambda state: "aliveworkers" in state, "the master")
         for i in range(2):
             procs.append(spawn(["org.apache.spark.deploy.worker.Worker", f"spark://127.0.0.1:{port}",
                                 "--host", "127.0.0.1", "--cores", "1", "--memory", "1g", "--webui-port", "0",
                                 "--work-dir", str(workdir / f"work{i}")], workdir / f"worker{i}.log"))
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                if master_state(ui).get("aliveworkers") == 2:
-                    break
-            except OSError:
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError("the cluster did not come up: " + (workdir / "master.log").read_text()[-2000:])
-            time.sleep(1)
+        wait_for(lambda state: state.get("aliveworkers") == 2, "two workers")
         yield f"spark://127.0.0.1:{port}", ui
     finally:
         for p in reversed(procs):
