@@ -10,6 +10,7 @@
     python -m bench.run partitioned [options of bench.partitioned_bench]
     python -m bench.run state_restart [options of bench.state_restart]
     python -m bench.run dimension_bootstrap [options of bench.dimension_bootstrap]
+    python -m bench.run eventlog [options of bench.eventlog]
 
 Each benchmark is a module with a ``main(argv) -> int``; it is imported only when chosen, so one
 benchmark's missing or broken module does not stop the other.
@@ -25,6 +26,7 @@ BENCHMARKS = {
     "enrich": ("bench.enrich_bench", "enrichment job: throughput, latency and memory"),
     "dimension_bootstrap": ("bench.dimension_bootstrap", "enrichment job: the driver's bootstrap of a broadcast "
                             "dimension, step by step"),
+    "eventlog": ("bench.eventlog", "a Spark event log of a bench run: each batch's stages, their wall and task time"),
     "encode": ("bench.encode_bench", "refresher: change rows to contract JSON, bulk vs row-wise encoders"),
     "readers": ("bench.refresh_readers", "refresher: a MariaDB table read by PyMySQL vs ConnectorX"),
     "soak": ("bench.soak", "reliability: the topology under reference churn and SIGKILLs, then an accounting"),

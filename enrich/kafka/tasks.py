@@ -40,6 +40,7 @@ import socket
 import time
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from itertools import chain
@@ -136,11 +137,17 @@ class TaskWriter:
         slot = ctx.partitionId() if ctx is not None else 0
         settle()
         started = time.monotonic()
-        first = next(batches, None)
+        # The slot's setup (ends probed, producer fenced in, last marker read: a few broker round
+        # trips, about a third of a second against the test broker) runs while the task's first rows
+        # are still being made upstream: a task after the state step waits for its buckets.
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="slot-setup") as pool:
+            setup = pool.submit(_SlotTransaction, self, slot)
+            first = next(batches, None)
+            tx = setup.result()
         if first is None:  # nothing to write: no transaction, no marker (a replay has nothing either)
+            tx.close()
             yield self._result(slot, started)
             return
-        tx = _SlotTransaction(self, slot)
         try:
             if tx.committed is not None and tx.committed >= self.batch_id:
                 for _ in batches:  # the input is consumed all the same
