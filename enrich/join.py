@@ -264,10 +264,14 @@ class Enricher:
             if lookups is None:  # a task without rows fetches no version
                 lookups = self.lookups()
             t = self.parse(b) if self.parse is not None else pa.Table.from_batches([b])
-            for spec in self.specs:
-                base, overlay = lookups[spec.dataset]
-                t = join_table(t, spec, base, overlay, self.error_column)
-            yield from t.to_batches()
+            yield from self.join(t, lookups).to_batches()
+
+    def join(self, t: pa.Table, lookups: Mapping[str, tuple[Lookup, Lookup | None]]) -> pa.Table:
+        """Every join, in order, on the events ``t``, with the versions of :meth:`lookups`."""
+        for spec in self.specs:
+            base, overlay = lookups[spec.dataset]
+            t = join_table(t, spec, base, overlay, self.error_column)
+        return t
 
 
 # ------------------------------------------------------------------------------ in the streaming plan

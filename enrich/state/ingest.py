@@ -26,7 +26,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from enrich.events import ERROR, SLOW, SOURCE, FastEvents
-from enrich.join import JoinSpec, Lookup, PlanEnricher, join_table
+from enrich.join import JoinSpec, Lookup, PlanEnricher
 from enrich.state import packed
 from enrich.state.hashing import buckets_of
 from enrich.state.packed import BUCKET, MAX_TS, ROWS
@@ -84,12 +84,10 @@ class EventPacker:
                 table = pa.Table.from_batches([b]).filter(pc.invert(done)).drop_columns([BUCKET, MAX_TS, ROWS])
             if table.num_rows == 0:
                 continue
-            if self.joins and lookups is None:  # a task without rows fetches no version
-                lookups = enricher.lookups()
-            for spec in self.joins:
-                assert lookups is not None
-                base, overlay = lookups[spec.dataset]
-                table = join_table(table, spec, base, overlay, ERROR)
+            if self.joins:
+                if lookups is None:  # a task without rows fetches no version
+                    lookups = enricher.lookups()
+                table = enricher.join(table, lookups)
             for packed_batch in packed.pack([self._checked(table)], bucket=BUCKET, timestamp=TS_US,
                                             packed_schema=self._packed_schema()):
                 yield self._out(packed_batch, (BUCKET, MAX_TS, ROWS))

@@ -5,7 +5,8 @@ column from pandas; both cost per event and lose exact types (docs/benchmarks.md
 profile). So the step's rows are packed: before it, :func:`pack` (a ``mapInArrow`` pass) turns each
 Arrow batch of events into one row per bucket holding that bucket's events as IPC bytes; the
 processor reads them with :func:`unpack_rows` and answers with :func:`pack_output`; after the
-step, :func:`unpack` (another ``mapInArrow`` pass) turns the packed rows back into event rows.
+step, :func:`unpack` turns the packed rows back into events (in the job's join pass:
+``enrich.state.stream.Unpack``).
 
 The step's input may mix kinds of rows (events, and the changelog records of partitioned
 dimensions): each packed value says its kind in its Arrow schema's metadata, and
@@ -88,7 +89,7 @@ def pack_output(table: pa.Table) -> pd.DataFrame:
 
 
 def unpack(batches: Iterable[pa.RecordBatch], schema: pa.Schema) -> Iterator[pa.RecordBatch]:
-    """``mapInArrow`` after the step: the events of every packed row, as ``schema``."""
+    """After the step: the events of every packed row, as ``schema``."""
     for batch in batches:
         for value in batch.column(ROWS).to_pylist():
             table = from_ipc(value)

@@ -38,7 +38,6 @@ from enrich import events, join
 from enrich.config import EnrichConfig, JoinConfig, StateConfig
 from enrich.events import ERROR, FastEvents
 from enrich.fastparse import FastParser
-from enrich.ipc import from_ipc
 from enrich.kafka import read_stream
 from enrich.state import ingest, packed
 from enrich.state.checkpoint import check_checkpoint
@@ -203,11 +202,10 @@ class Unpack:
     inner: tuple[str, ...] = ()
 
     def __call__(self, batch: pa.RecordBatch) -> pa.Table:
-        tables = [t if t.schema == self.flat else t.cast(self.flat)
-                  for t in (from_ipc(v) for v in batch.column(ROWS).to_pylist()) if t.num_rows]
-        if not tables:
+        rows = list(packed.unpack([batch], self.flat))
+        if not rows:
             return self.out.empty_table()
-        t = pa.concat_tables(tables) if len(tables) > 1 else tables[0]
+        t = pa.Table.from_batches(rows, schema=self.flat)
         state_type = self.out.field(STATE).type
         children = []
         for f in state_type:
