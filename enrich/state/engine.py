@@ -204,10 +204,15 @@ def apply(spec: StateSpec, state: pa.Table, events: pa.Table, watermark_us: int 
         inverse[place] = np.arange(total)
         return pa.concat_arrays(parts).take(pa.array(inverse))
 
-    grouped = pd.Series(gid)
+    # Each group is contiguous in the combined sequence: its seed row (if any), then its events in
+    # application order, whose times ascend.
+    csizes = sizes + seeded
+    cstart = starts + shift - seeded                        # each group's first row in the sequence
+    ev_group = np.repeat(np.arange(groups), sizes)          # each event's group, in application order
 
-    def seg(values: pd.Series, how: str) -> pd.Series:
-        return getattr(values.groupby(grouped, sort=False), how)()
+    def cumsum_int(values: np.ndarray) -> np.ndarray:
+        total_so_far = np.cumsum(values)
+        return total_so_far - np.repeat(total_so_far[cstart] - values[cstart], csizes)
 
     def seeds_col(name: str) -> pa.Array | None:
         return seeds.column(name).combine_chunks() if seeds is not None else None
@@ -215,11 +220,17 @@ def apply(spec: StateSpec, state: pa.Table, events: pa.Table, watermark_us: int 
     sts = ts[rows]
     out: dict[str, pa.Array] = {}
     count = combined(np.ones(m, dtype=np.int64), seeds_col(EVENTS), pa.int64())
-    out[EVENTS] = pa.array(seg(pd.Series(count.to_numpy()), "cumsum").to_numpy(), pa.int64())
-    first = combined(sts, _seed_micros(seeds_col(FIRST_SEEN)), pa.int64())
-    out[FIRST_SEEN] = pa.array(seg(pd.Series(first.to_numpy()), "cummin").to_numpy(), pa.int64())
-    last = combined(sts, _seed_micros(seeds_col(LAST_SEEN)), pa.int64())
-    out[LAST_SEEN] = pa.array(seg(pd.Series(last.to_numpy()), "cummax").to_numpy(), pa.int64())
+    out[EVENTS] = pa.array(cumsum_int(count.to_numpy()), pa.int64())
+    # Times ascend within a group's events: the running least time is the seed's or the first
+    # event's, the running greatest the seed's or the event's own.
+    first = combined(sts, _seed_micros(seeds_col(FIRST_SEEN)), pa.int64()).to_numpy().copy()
+    first_event = sts[starts]
+    first[ev_pos] = np.minimum(np.repeat(first[cstart], sizes), np.repeat(first_event, sizes))
+    out[FIRST_SEEN] = pa.array(first, pa.int64())
+    last = combined(sts, _seed_micros(seeds_col(LAST_SEEN)), pa.int64()).to_numpy().copy()
+    seed_last = np.where(seeded, last[cstart], np.iinfo(np.int64).min)
+    last[ev_pos] = np.maximum(sts, seed_last[ev_group])
+    out[LAST_SEEN] = pa.array(last, pa.int64())
 
     for column, aggs, typ in spec.aggregates:
         values = _ignored_as_null(events.column(column).combine_chunks().take(pa.array(rows)))
@@ -228,18 +239,17 @@ def apply(spec: StateSpec, state: pa.Table, events: pa.Table, watermark_us: int 
         for agg in aggs:
             name = f"{column}_{agg}"
             if agg == "last":
-                out[name] = _running_last(combined(values, seeds_col(name)), gid)
+                out[name] = _running_last(combined(values, seeds_col(name)), cstart, csizes)
             elif agg in ("min", "max"):
-                both = combined(values, seeds_col(name))
-                ran = seg(_masked(both), "cummin" if agg == "min" else "cummax")
-                out[name] = pc.cast(pa.array(seg(ran, "ffill").array, from_pandas=True), typ)
+                out[name] = _running_extreme(combined(values, seeds_col(name)), agg, cstart, csizes)
             else:
                 ok = values.is_valid()
                 s = combined(pc.cast(values, pa.float64()).fill_null(0.0), seeds_col(f"{column}_sum"), pa.float64())
                 c = combined(pc.cast(ok, pa.int64()), seeds_col(f"{column}_count"), pa.int64())
-                out[f"{column}_sum"] = pa.array(seg(pd.Series(s.to_numpy(zero_copy_only=False)), "cumsum").to_numpy())
-                out[f"{column}_count"] = pa.array(seg(pd.Series(c.to_numpy(zero_copy_only=False)),
-                                                      "cumsum").to_numpy())
+                # pandas sums floats per group with compensated (Kahan) summation.
+                out[f"{column}_sum"] = pa.array(pd.Series(s.to_numpy(zero_copy_only=False)).groupby(gid, sort=False)
+                                                .cumsum().to_numpy())
+                out[f"{column}_count"] = pa.array(cumsum_int(c.to_numpy(zero_copy_only=False)), pa.int64())
 
     # Per event: its row of the combined sequence, back in input order.
     at = np.full(n, -1, dtype=np.int64)
@@ -293,26 +303,36 @@ def _ignored_as_null(a: pa.Array) -> pa.Array:
     return a
 
 
-def _masked(a: pa.Array) -> pd.Series:
-    """A numeric Arrow array as a pandas Series of a masked (nullable) dtype: exact for int64."""
-    dtype = "Float64" if pa.types.is_floating(a.type) else "Int64"
-    wide = pc.cast(a, pa.float64() if dtype == "Float64" else pa.int64())
-    values = wide.fill_null(0).to_numpy(zero_copy_only=False)
-    mask = wide.is_null().to_numpy(zero_copy_only=False)
-    return pd.Series(pd.arrays.FloatingArray(values, mask) if dtype == "Float64"
-                     else pd.arrays.IntegerArray(values, mask))
+def _running_extreme(a: pa.Array, how: str, starts: np.ndarray, sizes: np.ndarray) -> pa.Array:
+    """Per position, the least (``how="min"``) or greatest value of its group so far, nulls ignored
+    (null until the group's first value); the groups are contiguous, as in :func:`_running_last`.
+    A log-step (Hillis-Steele) scan over the whole array: exact, and no per-group Python."""
+    floating = pa.types.is_floating(a.type)
+    wide = pc.cast(a, pa.float64() if floating else pa.int64())
+    if floating:
+        sentinel = np.inf if how == "min" else -np.inf
+    else:
+        sentinel = np.iinfo(np.int64).max if how == "min" else np.iinfo(np.int64).min
+    values = np.array(wide.fill_null(sentinel).to_numpy(zero_copy_only=False))
+    op = np.minimum if how == "min" else np.maximum
+    first = np.repeat(starts, sizes)                 # each position's group start
+    behind = np.arange(len(values)) - first          # positions of its group before it
+    step, longest = 1, int(sizes.max()) if len(sizes) else 0
+    while step < longest:
+        at = np.flatnonzero(behind >= step)
+        values[at] = op(values[at], values[at - step])
+        step *= 2
+    ran = pa.array(values, wide.type)
+    seen = pc.is_valid(_running_last(wide, starts, sizes))
+    return pc.cast(pc.if_else(seen, ran, pa.scalar(None, wide.type)), a.type)
 
 
-def _running_last(a: pa.Array, gid: np.ndarray) -> pa.Array:
-    """Per position, the latest non-null value of its group so far (groups are contiguous)."""
+def _running_last(a: pa.Array, starts: np.ndarray, sizes: np.ndarray) -> pa.Array:
+    """Per position, the latest non-null value of its group so far; the groups are contiguous, the
+    ``sizes`` long runs beginning at ``starts``."""
     pos = np.where(a.is_valid().to_numpy(zero_copy_only=False), np.arange(len(a)), -1)
-    latest = np.maximum.accumulate(pos)
-    group_start = np.zeros(len(a), dtype=np.int64)
-    if len(a):
-        change = np.flatnonzero(np.diff(gid)) + 1
-        starts = np.concatenate([[0], change])
-        group_start = np.repeat(starts, np.diff(np.append(starts, len(a))))
-    latest = np.where(latest >= group_start, latest, -1)
+    latest = np.maximum.accumulate(pos) if len(a) else pos
+    latest = np.where(latest >= np.repeat(starts, sizes), latest, -1)
     return a.take(pa.array(latest, mask=latest < 0))
 
 
