@@ -11,8 +11,8 @@ partition of the output in its own Kafka transaction (docs/architecture.md, "The
    open transaction;
 3. the last marker record of that id in ``<topic>.refstream-commits`` (key: the transactional id)
    says which batch the slot committed last: at or past this batch, the task writes nothing;
-4. else, in one transaction: a ``begin`` record in the marker topic (with the output's visible ends
-   probed before ``init_transactions``), the task's enriched events to the output topic and its dead
+4. else, in one transaction: a ``begin`` record in the marker topic (with the output's written ends,
+   committed or not, probed before ``init_transactions``), the task's enriched events to the output topic and its dead
    letters to the dead-letter topic (in row order: the order of events within an input partition is
    kept), then the commit marker ``{"batch_id", "slot", ...}``.
 
@@ -63,6 +63,7 @@ from enrich.kafka.writer import (
     read_identities,
     record_limit,
     visible_ends,
+    written_ends,
 )
 from enrich.worker import settle
 from refstream.errors import TerminalError
@@ -206,7 +207,10 @@ class _SlotTransaction:
         self.records = self.dead = self.leaked_total = 0
         self.flagged = {UNMATCHED: 0, LATE: 0}  # of the records written
         topics = [w.topic, w.dead_letter_topic]
-        self.before = visible_ends(w.settings, topics)
+        # Nothing this attempt writes lies before these ends. The written ends, not the read_committed
+        # ones: their probe can wait while another task's transaction is open on the same partitions
+        # (seconds per task when the state step's tasks outnumber the cores, docs/benchmarks.md).
+        self.before = written_ends(w.settings, topics)
         self.open = False
         self.producer = producer(w.settings, role="transactional",
                                  **{"transactional.id": self.tid, "client.id": f"{self.tid}@{worker_name()}"})

@@ -168,6 +168,18 @@ def visible_ends(settings: Mapping[str, str], topics: list[str]) -> dict[tuple[s
         probe.close()
 
 
+def written_ends(settings: Mapping[str, str], topics: list[str]) -> dict[tuple[str, int], int]:
+    """The end of what is written to every partition of ``topics``, committed or not (the high
+    watermark): what a transaction about to begin writes lands at or past it. Unlike
+    :func:`visible_ends` it does not wait for the open transactions of other writers, whose
+    records lie between the read_committed end and this one."""
+    probe = EndOffsetProbe({**settings, "isolation.level": "read_uncommitted"})
+    try:
+        return probe.probe(probe.partitions(topics)).end
+    finally:
+        probe.close()
+
+
 def read_identities(settings: Mapping[str, str], before: Mapping[tuple[str, int], int],
                     after: Mapping[tuple[str, int], int], timeout: float = 60.0) -> Counter[tuple]:
     """The records between ``before`` and ``after`` (per partition), as :func:`identity` counts."""

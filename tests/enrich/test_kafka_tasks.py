@@ -9,8 +9,8 @@ import pytest
 from pyspark.sql import DataFrame, SparkSession
 
 from enrich.kafka.tasks import RESULT_DDL, TaskWriter, slot_id
-from enrich.kafka.writer import MARKER_SUFFIX, last_marker
-from refstream.kafka import ensure_topic
+from enrich.kafka.writer import MARKER_SUFFIX, last_marker, written_ends
+from refstream.kafka import ensure_topic, producer
 from tests.enrich.helpers import read_settled
 
 ROWS = "key BINARY, value BINARY, _error STRING, _key BINARY, _value BINARY, _topic STRING, _partition INT, _offset BIGINT"
@@ -114,3 +114,31 @@ def test_a_task_with_rows_left_to_from_json_writes_nothing_and_asks_for_its_slot
     assert good == expect_good
     assert len(read_settled(kafka, dlq, len(expect_dead))) == len(expect_dead)
     assert again[1]["records"] > 0 and not again[1]["redo"]
+
+
+def test_a_task_begins_past_another_writer_s_open_transaction(spark: SparkSession, kafka: dict[str, str], unique,
+                                                              topics) -> None:
+    """The ends a task's ``begin`` record names (nothing of the attempt lies before them) are the
+    written ends, past the records of another writer's open transaction: found without waiting for
+    that transaction to end."""
+    out, dlq, markers = topics
+    base = unique("tid")
+    other = producer(kafka, role="transactional", **{"transactional.id": unique("other")})
+    other.init_transactions(30)
+    other.begin_transaction()
+    for i in range(50):
+        other.produce(out, b"open-%d" % i, partition=0)
+    other.flush(30)
+    try:
+        assert written_ends(kafka, [out])[(out, 0)] == 50
+        res = write(rows(spark, 70), TaskWriter(kafka, out, dlq, markers, base, "q", 0))
+        assert sum(r["records"] for r in res) == 60
+    finally:
+        other.abort_transaction(30)
+    ids = {slot_id(base, s).encode() for s in (0, 1)}
+    begins = [json.loads(m.value()) for m in read_settled(kafka, markers, 4) if m.key() in ids]
+    begins = [b for b in begins if "begin" in b]
+    assert len(begins) == 2
+    for b in begins:
+        ends = {(t, p): o for t, p, o in b["ends"]}
+        assert ends[(out, 0)] >= 50, b
