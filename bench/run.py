@@ -11,6 +11,7 @@
     python -m bench.run state_restart [options of bench.state_restart]
     python -m bench.run dimension_bootstrap [options of bench.dimension_bootstrap]
     python -m bench.run eventlog [options of bench.eventlog]
+    python -m bench.run engine_apply [options of bench.engine_apply]
 
 Each benchmark is a module with a ``main(argv) -> int``; it is imported only when chosen, so one
 benchmark's missing or broken module does not stop the other.
@@ -34,6 +35,7 @@ BENCHMARKS = {
     "partitioned": ("bench.partitioned_bench", "partitioned vs broadcast dimension on a cluster: driver memory, "
                     "first batch, throughput"),
     "state_restart": ("bench.state_restart", "state of N devices: checkpoint size, restart after SIGKILL until output"),
+    "engine_apply": ("bench.engine_apply", "the state engine's apply on one bucket (no Spark), per call"),
     "state_ops": ("bench.state_ops", "state store: per-key MapState calls vs one Arrow blob per group, per key"),
 }
 
