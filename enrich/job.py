@@ -193,6 +193,8 @@ class EnrichJob:
             self.state = state_step(self.spark, cfg, raw, self.event_schema, enriched_schema, self._timezone(),
                                     self.devices.accumulator, {**schemas, **{j.dataset: self.dims.schema(j.dataset)
                                                                              for j in pre}}, pre, parser)
+            if self.state.cache is not None:  # after the query has stopped (the stack unwinds in reverse)
+                self._stack.callback(self.state.cache.remove)
             # The stream is the step's packed rows; the join pass unpacks them (_process_batch).
             stream = self.state.packed
             self._parsed_schema, self._plan = self.state.schema, None

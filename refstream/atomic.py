@@ -20,15 +20,18 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_atomic(path: Path, write: Callable[[BinaryIO], None]) -> None:
-    """Call ``write`` on a temporary file and move it over ``path`` once it is on disk."""
+def write_atomic(path: Path, write: Callable[[BinaryIO], None], *, durable: bool = True) -> None:
+    """Call ``write`` on a temporary file and move it over ``path`` once it is on disk. With
+    ``durable=False`` nothing is fsynced: readers still see the old file or the whole new one, but
+    a machine crash may lose the write (for caches that a restart does not read)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         with os.fdopen(fd, "wb") as f:
             write(f)
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         try:
@@ -36,14 +39,15 @@ def write_atomic(path: Path, write: Callable[[BinaryIO], None]) -> None:
         except FileNotFoundError:
             pass
         raise
-    fsync_dir(path.parent)
+    if durable:
+        fsync_dir(path.parent)
 
 
-def write_bytes_atomic(path: Path, data: bytes) -> None:
+def write_bytes_atomic(path: Path, data: bytes, *, durable: bool = True) -> None:
     def write(f: BinaryIO) -> None:
         f.write(data)
 
-    write_atomic(path, write)
+    write_atomic(path, write, durable=durable)
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:

@@ -42,12 +42,14 @@ from pyspark.sql.types import BinaryType, StringType, StructField, StructType
 from enrich.events import ERROR
 from enrich.ipc import from_ipc, to_ipc
 from enrich.state import engine, packed
+from enrich.state.cache import TableCache
 from enrich.state.dimension import CACHE, PartitionedDim, Version, apply_changes, conform, lookup
 from enrich.state.engine import StateSpec
 from enrich.worker import settle
 from refstream.contract import DatasetSchema
 
-#: The state variable holding a bucket's device table, and its schema.
+#: The state variable holding a bucket's device table, and its schema; ``devicesv`` holds the token
+#: naming the table's version in the executors' local cache (:mod:`enrich.state.cache`).
 STATE_NAME = "devices"
 VALUE_SCHEMA = StructType([StructField("table", BinaryType(), False)])
 #: A partitioned dimension's state variables: ``dim<index>``, a bucket's rows and the schema last
@@ -88,17 +90,21 @@ class DeviceStateProcessor(StatefulProcessor):
     ``spec`` is the engine's spec with ``_ts_us`` as the timestamp; ``columns`` the event columns
     passed through, in output order; ``devices`` an accumulator of :class:`BucketCounts` each call
     reports its bucket's device count to; ``dims`` the partitioned dimensions, whose joins add their
-    columns after ``columns`` (:mod:`enrich.state.dimension`)."""
+    columns after ``columns`` (:mod:`enrich.state.dimension`); ``cache`` where the executors keep a
+    copy of each bucket table they stored (None: every call reads it from the state store)."""
 
     def __init__(self, spec: StateSpec, columns: tuple[str, ...],
-                 devices: Accumulator[dict[int, int]] | None = None, dims: tuple[PartitionedDim, ...] = ()) -> None:
-        self.spec, self.columns, self.devices, self.dims = spec, columns, devices, dims
+                 devices: Accumulator[dict[int, int]] | None = None, dims: tuple[PartitionedDim, ...] = (),
+                 cache: TableCache | None = None) -> None:
+        self.spec, self.columns, self.devices, self.dims, self.cache = spec, columns, devices, dims, cache
+        self._loaded: str | None = None
         self._types = {spec.key: spec.key_type, spec.timestamp: pa.int64(),
                        **{c: t for c, _, t in spec.aggregates}}
 
     def init(self, handle: StatefulProcessorHandle) -> None:
         self.handle = handle
         self.value = handle.getValueState(STATE_NAME, VALUE_SCHEMA)
+        self.token = handle.getValueState(STATE_NAME + "v", TOKEN_SCHEMA)
         self.dim_values = [handle.getValueState(d.state_name, DIM_SCHEMA) for d in self.dims]
         self.dim_tokens = [handle.getValueState(d.state_name + "v", TOKEN_SCHEMA) for d in self.dims]
 
@@ -177,6 +183,15 @@ class DeviceStateProcessor(StatefulProcessor):
         pass
 
     def _load(self) -> pa.Table:
+        """The bucket's device table: from this executor's cache when it has the stored version."""
+        self._loaded = None
+        if self.cache is not None:
+            got = self.token.get()
+            if got is not None:
+                self._loaded = str(got[0])
+                data = self.cache.get(self._loaded)
+                if data is not None:
+                    return engine.state_from_ipc(data, self.spec)
         stored = self.value.get()  # None when the bucket has no state: one round trip, not exists() + get()
         if stored is None:
             return self.spec.empty()
@@ -186,9 +201,18 @@ class DeviceStateProcessor(StatefulProcessor):
         if self.devices is not None:
             self.devices.add({int(key[0]): state.num_rows})
         if state.num_rows:
-            self.value.update((engine.state_to_ipc(state),))
+            data = engine.state_to_ipc(state)
+            self.value.update((data,))
+            if self.cache is not None:
+                token = uuid.uuid4().hex  # a retried attempt makes another: never a wrong hit
+                self.token.update((token,))
+                self.cache.put(token, data, previous=self._loaded)
         else:
             self.value.clear()
+            if self.cache is not None:
+                self.token.clear()
+                if self._loaded is not None:
+                    self.cache.drop(self._loaded)
         expiry = engine.next_expiry(self.spec, state)
         want = [-(-expiry // 1000)] if expiry is not None else []  # milliseconds, rounded up: never early
         timers = list(self.handle.listTimers())

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -40,6 +41,7 @@ from enrich.events import ERROR, FastEvents
 from enrich.fastparse import FastParser
 from enrich.kafka import read_stream
 from enrich.state import ingest, packed
+from enrich.state.cache import TableCache
 from enrich.state.checkpoint import check_checkpoint
 from enrich.state.dimension import PartitionedDim, partitioned_dim
 from enrich.state.engine import StateSpec
@@ -102,7 +104,7 @@ def state_step(spark: SparkSession, cfg: EnrichConfig, raw: DataFrame, event_sch
     changelogs = [read_stream(spark, cfg.kafka, [d.topic], starting_offsets="earliest") for d in dims]
     return attach(raw, event_schema, cfg.state, spec, devices, required=cfg.events.required, timezone=timezone,
                   dims=tuple(zip(dims, changelogs, strict=True)), joins=tuple(specs), joined=joined, parser=parser,
-                  inner_joins=tuple(inner))
+                  inner_joins=tuple(inner), cache=TableCache(uuid.uuid4().hex))
 
 
 def partitioned_dims(cfg: EnrichConfig, parsed: StructType, schemas: Mapping[str, DatasetSchema],
@@ -125,7 +127,8 @@ def attach(raw: DataFrame, event_schema: StructType, cfg: StateConfig, spec: Sta
            devices: Accumulator[dict[int, int]] | None = None, *, required: Sequence[str] = (),
            timezone: str = "UTC", dims: tuple[tuple[PartitionedDim, DataFrame], ...] = (),
            joins: tuple[join.JoinSpec, ...] = (), joined: StructType | None = None,
-           parser: FastParser | None = None, inner_joins: tuple[str, ...] = ()) -> StateStream:
+           parser: FastParser | None = None, inner_joins: tuple[str, ...] = (),
+           cache: TableCache | None = None) -> StateStream:
     """The Kafka stream ``raw`` parsed against ``event_schema`` (``enrich.events.parse``'s columns,
     ``_value`` in dead letters only), joined in the plan by ``joins`` (their output: ``joined``),
     with the keyed state step applied: those columns, the partitioned joins' columns, then ``state``
@@ -135,7 +138,8 @@ def attach(raw: DataFrame, event_schema: StructType, cfg: StateConfig, spec: Sta
     given) and through it packed (:mod:`enrich.state.packed`). ``devices``: an
     accumulator of ``processor.BucketCounts`` the step reports each bucket's device count to.
     ``dims``: each partitioned dimension with its changelog stream (``enrich.kafka.read_stream``),
-    unioned with the events by bucket."""
+    unioned with the events by bucket. ``cache``: where the executors keep a copy of the bucket
+    tables they store (:mod:`enrich.state.cache`; None: none)."""
     if joined is None:
         joined = events.parse(raw, event_schema, required, keep_source=True).schema
     columns = tuple(joined.fieldNames())
@@ -151,7 +155,7 @@ def attach(raw: DataFrame, event_schema: StructType, cfg: StateConfig, spec: Sta
     for dim, changelog in dims:
         rows = rows.union(_changelog_rows(changelog, dim, key_type, cfg.buckets, packed_spark, packed_arrow))
     inner = stored_spec(spec)
-    processor = DeviceStateProcessor(inner, columns, devices, tuple(d for d, _ in dims))
+    processor = DeviceStateProcessor(inner, columns, devices, tuple(d for d, _ in dims), cache)
     in_schema = {f.name: f.dataType for f in joined.fields}
     dim_fields: list[StructField] = []
     for dim, _ in dims:
@@ -169,7 +173,7 @@ def attach(raw: DataFrame, event_schema: StructType, cfg: StateConfig, spec: Sta
         timeMode="EventTime")
     unpack = Unpack(to_arrow_schema(flat_schema, timezone=timezone), to_arrow_schema(schema, timezone=timezone),
                     tuple(f.name for f in passed), inner_joins)
-    return StateStream(stepped, unpack, schema)
+    return StateStream(stepped, unpack, schema, cache)
 
 
 @dataclass(frozen=True)
@@ -177,11 +181,13 @@ class StateStream:
     """The state step's output: ``packed`` is the streaming DataFrame of the step's packed rows;
     ``unpack`` turns one Arrow batch of them into events of ``schema`` (the events' and the
     partitioned joins' columns, ``state``, ``_late``). The job unpacks them in its join pass
-    (``enrich.join.enrich``'s ``first`` step), so the events cross from Python to the JVM once."""
+    (``enrich.join.enrich``'s ``first`` step), so the events cross from Python to the JVM once.
+    ``cache``: the executors' copies of the bucket tables; the job removes its directory at stop."""
 
     packed: DataFrame
     unpack: Unpack
     schema: StructType
+    cache: TableCache | None = None
 
     def frame(self, df: DataFrame | None = None) -> DataFrame:
         """``df`` (default: the stream), packed rows of the step, unpacked in a ``mapInArrow`` pass."""

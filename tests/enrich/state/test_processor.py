@@ -11,6 +11,7 @@ from pyspark.sql.streaming.tws_tester import TwsTester
 
 from enrich.ipc import from_ipc, to_ipc
 from enrich.state import engine, packed
+from enrich.state.cache import LOCAL_DIRS, TableCache
 from enrich.state.engine import StateSpec
 from enrich.state.processor import FLAT, LATE, STATE_NAME, TS_US, DeviceStateProcessor
 
@@ -166,3 +167,32 @@ def test_a_partitioned_dimension_is_applied_before_the_events_and_cached_per_ver
     # The cache emptied (another worker): the stored rows are read.
     dimension.CACHE._items.clear()
     assert owners(rows([("a", 4, 1.0, 1), ("b", 5, 1.0, 1)], 4)) == ["ann", "bob"]
+
+
+def test_a_bucket_table_is_read_from_the_executor_cache_when_it_holds_the_stored_version(
+        tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv(LOCAL_DIRS, str(tmp_path))
+    cache = TableCache("run-1")
+    t = TwsTester(DeviceStateProcessor(SPEC, COLUMNS, cache=cache), timeMode="EventTime",
+                  eventTimeExtractor=lambda _: 2**62)
+    run(t, rows([("a", 0, 1.0, 1), ("b", 1, 2.0, 2)]))
+    token = t.peekValueState(STATE_NAME + "v", 3)[0]
+    files = list(cache.directory().iterdir())
+    assert [f.name for f in files] == [token]
+    assert files[0].read_bytes() == t.peekValueState(STATE_NAME, 3)[0]  # the stored bytes, as stored
+    # A hit reads the file, not the state store: a file naming the token with other contents shows it.
+    other = engine.apply(SPEC, SPEC.empty(), rows([("a", 0, 1.0, 1)] * 5), None).state
+    files[0].write_bytes(engine.state_to_ipc(other))
+    out = run(t, rows([("a", 2, 1.0, 1)], 2))
+    assert out[FLAT + "events"].tolist() == [6]
+    # Each store replaces the bucket's file: one file, the new token's.
+    token = t.peekValueState(STATE_NAME + "v", 3)[0]
+    assert [f.name for f in cache.directory().iterdir()] == [token]
+    # A miss (a new run, another executor, a retried task) reads the state store.
+    (cache.directory() / token).unlink()
+    out = run(t, rows([("a", 3, 1.0, 1), ("b", 3, 1.0, 1)], 3))
+    assert out[FLAT + "events"].tolist() == [7, 1]  # b went with the substituted table, as stored
+    # A bucket left without devices keeps neither a token nor a file.
+    t.setWatermark((T0_US + 3 * 10**6 + HOUR_US) // 1000)
+    assert t.peekValueState(STATE_NAME, 3) is None and t.peekValueState(STATE_NAME + "v", 3) is None
+    assert list(cache.directory().iterdir()) == []
