@@ -1,9 +1,10 @@
 """``enrich lookup --state DEVICE``: one device's state as a committed micro-batch left it.
 
 Read from the checkpoint with Spark's state data source (``spark.read.format("statestore")``), so it
-works while the job runs and after it stopped. The state step keeps one value per hash bucket of
-devices (docs/state.md): the device's bucket is computed as the job computes it, only that bucket's
-value is taken from the scan, and its table of devices (Arrow IPC) is decoded here.
+works while the job runs and after it stopped. The state step keeps a table per hash bucket of
+devices (docs/state.md): a base value and the changes stored since, in a list. The device's bucket
+is computed as the job computes it, only that bucket's values are taken from the scans, and its
+table of devices (Arrow IPC) is rebuilt here as the step rebuilds it (``engine.merge``).
 """
 
 from __future__ import annotations
@@ -15,16 +16,18 @@ from zoneinfo import ZoneInfo
 
 import pyarrow as pa
 import pyarrow.compute as pc
+from pyspark.errors import AnalysisException
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
 from enrich import events
 from enrich.config import EnrichConfig
+from enrich.ipc import from_ipc
 from enrich.ops.checkpoint import Checkpoint
 from enrich.state import engine
 from enrich.state.checkpoint import RECORD, check_checkpoint
 from enrich.state.plan import resolve
-from enrich.state.processor import BUCKET, STATE_NAME, stored_spec
+from enrich.state.processor import BUCKET, DELTAS, STATE_NAME, stored_spec
 from enrich.state.stream import CHANGELOG_CONF, CHANGELOG_DEFAULT, PROVIDER_CONF, ROCKSDB, bucket_of
 from refstream.errors import ConfigError, DataError
 
@@ -71,12 +74,17 @@ def device_state(cfg: EnrichConfig, device: str, batch_id: int | None = None, *,
     if key is None:
         raise ConfigError(f"device {device!r} is not a {key_type.simpleString()} (the type of state.key "
                           f"{cfg.state.key})")
-    values = (spark.read.format("statestore").option("path", str((cfg.checkpoint / "spark").resolve()))
-              .option("batchId", batch_id).option("stateVarName", STATE_NAME).load()
-              .filter(F.col(f"key.{BUCKET}") == bucket).select("value.table").collect())
+    def scan(name: str) -> Any:
+        return (spark.read.format("statestore").option("path", str((cfg.checkpoint / "spark").resolve()))
+                .option("batchId", batch_id).option("stateVarName", name).load()
+                .filter(F.col(f"key.{BUCKET}") == bucket))
+
+    values = scan(STATE_NAME).select("value.table").collect()
     found: dict[str, Any] | None = None
     if values:
         table = engine.state_from_ipc(values[0][0], stored)
+        for _, rows, removed in _deltas(scan):
+            table = engine.merge(stored, table, engine.state_from_ipc(rows, stored), from_ipc(removed).column(0))
         hit = table.filter(pc.equal(table.column(engine.KEY), pa.scalar(key, spec.key_type)))
         if hit.num_rows:
             found = engine.finalize(stored, hit).to_pylist()[0]
@@ -89,6 +97,20 @@ def device_state(cfg: EnrichConfig, device: str, batch_id: int | None = None, *,
         found[name] = _iso(found[name], zone)
     return DeviceStateResult(key=cfg.state.key, device=key, batch_id=batch_id, bucket=bucket, found="present",
                              state=found, expires_at=_iso(expires, zone))
+
+
+def _deltas(scan: Any) -> list[tuple[int, bytes, bytes]]:
+    """The bucket's changes stored since its base, in order (none in a checkpoint last written by a
+    version that stored whole tables only)."""
+    try:
+        df = scan(DELTAS)
+    except AnalysisException as exc:
+        if DELTAS in str(exc):
+            return []
+        raise
+    element = "list_element" if "list_element" in df.columns else "value"
+    rows = df.select(F.col(f"{element}.seq"), F.col(f"{element}.rows"), F.col(f"{element}.removed")).collect()
+    return sorted(((int(r[0]), r[1], r[2]) for r in rows), key=lambda d: d[0])
 
 
 def _iso(micros: int, zone: ZoneInfo) -> str:

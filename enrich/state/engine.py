@@ -94,7 +94,9 @@ class StateSpec:
 @dataclass(frozen=True)
 class Applied:
     """:func:`apply`'s result: the bucket's new state table, and per event (in input order) its
-    ``state`` struct (null where not applied) and its late flag; counts for the batch log."""
+    ``state`` struct (null where not applied) and its late flag; counts for the batch log. What
+    changed, for storing only that (:func:`merge`): the table's last ``touched`` rows are the
+    devices the events touched, ``removed`` the keys of the devices dropped (expired)."""
 
     state: pa.Table
     column: pa.StructArray
@@ -102,6 +104,8 @@ class Applied:
     applied: int
     late_count: int
     evicted: int
+    touched: int = 0
+    removed: pa.Array | None = None
 
 
 def _numeric(typ: pa.DataType) -> bool:
@@ -123,12 +127,32 @@ def _micros(arr: pa.ChunkedArray | pa.Array) -> np.ndarray:
 def evict(spec: StateSpec, state: pa.Table, watermark_us: int | None) -> tuple[pa.Table, int]:
     """Drop the devices whose ``last_seen + ttl`` the watermark has reached; returns the rest and the
     number dropped."""
+    rest, removed = evict_keys(spec, state, watermark_us)
+    return rest, len(removed)
+
+
+def evict_keys(spec: StateSpec, state: pa.Table, watermark_us: int | None) -> tuple[pa.Table, pa.Array]:
+    """:func:`evict`, returning the keys of the devices dropped."""
+    none = pa.array([], spec.key_type)
     if watermark_us is None or state.num_rows == 0:
-        return state, 0
+        return state, none
     keep = _micros(state.column(LAST_SEEN)) + spec.ttl_us > watermark_us
     if keep.all():
-        return state, 0
-    return state.filter(pa.array(keep)), int((~keep).sum())
+        return state, none
+    return state.filter(pa.array(keep)), state.column(KEY).combine_chunks().filter(pa.array(~keep))
+
+
+def merge(spec: StateSpec, state: pa.Table, rows: pa.Table, removed: pa.Array | pa.ChunkedArray) -> pa.Table:
+    """The table a stored change turns ``state`` into: without the devices of ``rows`` and
+    ``removed``, then ``rows``. For ``rows`` the last ``touched`` rows of an :class:`Applied` state
+    and ``removed`` its keys, it gives that state from the table :func:`apply` was given."""
+    if isinstance(removed, pa.ChunkedArray):
+        removed = removed.combine_chunks()
+    keys = pa.concat_arrays([rows.column(KEY).combine_chunks(), removed.cast(spec.key_type)])
+    if not len(keys) or not state.num_rows:
+        return rows if not state.num_rows else state
+    keep = pc.invert(pc.is_in(state.column(KEY), value_set=keys))
+    return pa.concat_tables([state.filter(keep), rows.cast(state.schema)]).combine_chunks()
 
 
 def next_expiry(spec: StateSpec, state: pa.Table) -> int | None:
@@ -145,7 +169,8 @@ def apply(spec: StateSpec, state: pa.Table, events: pa.Table, watermark_us: int 
     ``events`` holds at least the key, the timestamp, the tie columns and the aggregated columns;
     ``watermark_us`` is the batch's watermark in microseconds (None: nothing is late, nothing expires).
     """
-    state, evicted = evict(spec, state, watermark_us)
+    state, removed = evict_keys(spec, state, watermark_us)
+    evicted = len(removed)
     n = events.num_rows
     key = events.column(spec.key).combine_chunks()
     ts_col = events.column(spec.timestamp).combine_chunks()
@@ -156,7 +181,7 @@ def apply(spec: StateSpec, state: pa.Table, events: pa.Table, watermark_us: int 
     out_type = spec.output_type()
     if len(use) == 0:
         nulls = pa.nulls(n, out_type)
-        return Applied(state, nulls, pa.array(late, pa.bool_()), 0, int(late.sum()), evicted)
+        return Applied(state, nulls, pa.array(late, pa.bool_()), 0, int(late.sum()), evicted, 0, removed)
 
     # Sort the applied events by device, time, ties; the sort is stable, so equal ties keep input order.
     sub = events.select([spec.key, spec.timestamp, *spec.ties]).take(pa.array(use))
@@ -287,7 +312,8 @@ def apply(spec: StateSpec, state: pa.Table, events: pa.Table, watermark_us: int 
         new_state = pa.concat_tables([state.filter(pa.array(untouched)).cast(schema), touched])
     else:
         new_state = touched
-    return Applied(new_state.combine_chunks(), column, pa.array(late, pa.bool_()), m, int(late.sum()), evicted)
+    return Applied(new_state.combine_chunks(), column, pa.array(late, pa.bool_()), m, int(late.sum()), evicted,
+                   groups, removed)
 
 
 def _seed_micros(a: pa.Array | None) -> np.ndarray | None:

@@ -37,7 +37,7 @@ from pyspark.sql.streaming.stateful_processor import (
     StatefulProcessorHandle,
     TimerValues,
 )
-from pyspark.sql.types import BinaryType, StringType, StructField, StructType
+from pyspark.sql.types import BinaryType, LongType, StringType, StructField, StructType
 
 from enrich.events import ERROR
 from enrich.ipc import from_ipc, to_ipc
@@ -48,10 +48,16 @@ from enrich.state.engine import StateSpec
 from enrich.worker import settle
 from refstream.contract import DatasetSchema
 
-#: The state variable holding a bucket's device table, and its schema; ``devicesv`` holds the token
-#: naming the table's version in the executors' local cache (:mod:`enrich.state.cache`).
+#: The state variable holding a bucket's device table (its base: see :class:`DeviceStateProcessor`),
+#: and its schema; ``devicesv`` holds the token naming the table's version in the executors' local
+#: cache (:mod:`enrich.state.cache`); ``devicesd`` the changes stored since the base (a list, in
+#: order: ``seq`` counts up), ``devicesn`` the rows they hold and the base's.
 STATE_NAME = "devices"
 VALUE_SCHEMA = StructType([StructField("table", BinaryType(), False)])
+DELTAS = STATE_NAME + "d"
+DELTA_SCHEMA = StructType([StructField("seq", LongType(), False), StructField("rows", BinaryType(), False),
+                           StructField("removed", BinaryType(), False)])
+SIZES_SCHEMA = StructType([StructField("appended", LongType(), False), StructField("base", LongType(), False)])
 #: A partitioned dimension's state variables: ``dim<index>``, a bucket's rows and the schema last
 #: applied; ``dim<index>v``, a token naming that version (new at every change), which Python workers
 #: cache the decoded rows and their index under (``enrich.state.dimension.CACHE``).
@@ -98,6 +104,7 @@ class DeviceStateProcessor(StatefulProcessor):
                  cache: TableCache | None = None) -> None:
         self.spec, self.columns, self.devices, self.dims, self.cache = spec, columns, devices, dims, cache
         self._loaded: str | None = None
+        self._sizes = (0, 0)
         self._types = {spec.key: spec.key_type, spec.timestamp: pa.int64(),
                        **{c: t for c, _, t in spec.aggregates}}
 
@@ -105,6 +112,8 @@ class DeviceStateProcessor(StatefulProcessor):
         self.handle = handle
         self.value = handle.getValueState(STATE_NAME, VALUE_SCHEMA)
         self.token = handle.getValueState(STATE_NAME + "v", TOKEN_SCHEMA)
+        self.deltas = handle.getListState(DELTAS, DELTA_SCHEMA)
+        self.sizes = handle.getValueState(STATE_NAME + "n", SIZES_SCHEMA)
         self.dim_values = [handle.getValueState(d.state_name, DIM_SCHEMA) for d in self.dims]
         self.dim_tokens = [handle.getValueState(d.state_name + "v", TOKEN_SCHEMA) for d in self.dims]
 
@@ -126,7 +135,7 @@ class DeviceStateProcessor(StatefulProcessor):
         ok = pc.is_null(table.column(ERROR)).to_numpy(zero_copy_only=False)
         events = self._events(table.filter(pa.array(ok)))
         applied = engine.apply(self.spec, self._load(), events, _watermark_us(timerValues))
-        self._store(key, applied.state)
+        self._store(key, applied.state, applied.touched, applied.removed)
         at = np.full(table.num_rows, -1, dtype=np.int64)
         at[ok] = np.arange(int(ok.sum()))
         pick = pa.array(at, mask=at < 0)
@@ -175,16 +184,19 @@ class DeviceStateProcessor(StatefulProcessor):
 
     def handleExpiredTimer(self, key: Any, timerValues: TimerValues,
                            expiredTimerInfo: ExpiredTimerInfo) -> Iterator[pd.DataFrame]:
-        state, dropped = engine.evict(self.spec, self._load(), _watermark_us(timerValues))
-        self._store(key, state)
+        state, removed = engine.evict_keys(self.spec, self._load(), _watermark_us(timerValues))
+        self._store(key, state, 0, removed)
         return iter(())
 
     def close(self) -> None:
         pass
 
     def _load(self) -> pa.Table:
-        """The bucket's device table: from this executor's cache when it has the stored version."""
+        """The bucket's device table: from this executor's cache when it has the stored version, else
+        the stored base with the changes stored since, in order."""
         self._loaded = None
+        sizes = self.sizes.get()
+        self._sizes = (int(sizes[0]), int(sizes[1])) if sizes is not None else (0, 0)
         if self.cache is not None:
             got = self.token.get()
             if got is not None:
@@ -193,26 +205,47 @@ class DeviceStateProcessor(StatefulProcessor):
                 if data is not None:
                     return engine.state_from_ipc(data, self.spec)
         stored = self.value.get()  # None when the bucket has no state: one round trip, not exists() + get()
-        if stored is None:
-            return self.spec.empty()
-        return engine.state_from_ipc(stored[0], self.spec)
+        table = self.spec.empty() if stored is None else engine.state_from_ipc(stored[0], self.spec)
+        if self._sizes[0]:
+            for _, rows, removed in sorted(self.deltas.get(), key=lambda d: int(d[0])):
+                table = engine.merge(self.spec, table, engine.state_from_ipc(rows, self.spec),
+                                     from_ipc(removed).column(0).combine_chunks())
+        return table
 
-    def _store(self, key: Any, state: pa.Table) -> None:
+    def _store(self, key: Any, state: pa.Table, touched: int, removed: pa.Array | None) -> None:
+        """Store the new table: as what changed (the last ``touched`` rows, the ``removed`` keys)
+        appended to the changes since the base, or, once those would outweigh it, as a new base."""
         if self.devices is not None:
             self.devices.add({int(key[0]): state.num_rows})
-        if state.num_rows:
-            data = engine.state_to_ipc(state)
-            self.value.update((data,))
-            if self.cache is not None:
-                token = uuid.uuid4().hex  # a retried attempt makes another: never a wrong hit
-                self.token.update((token,))
-                self.cache.put(token, data, previous=self._loaded)
+        appended, base = self._sizes
+        changed = touched + (len(removed) if removed is not None else 0)
+        if state.num_rows and base and not changed:
+            pass  # nothing to store: the stored table, and its token, stay as they are
         else:
-            self.value.clear()
+            if not state.num_rows:
+                self.value.clear()
+                if appended:
+                    self.deltas.clear()
+                self.sizes.clear()
+            elif base and appended + changed <= base:
+                rows = state.slice(state.num_rows - touched)
+                gone = pa.table({engine.KEY: removed if removed is not None else pa.array([], self.spec.key_type)})
+                self.deltas.appendValue((appended + changed, engine.state_to_ipc(rows), to_ipc(gone)))
+                self.sizes.update((appended + changed, base))
+            else:  # a new base: the first store, or the changes would outweigh the base
+                self.value.update((engine.state_to_ipc(state),))
+                if appended:
+                    self.deltas.clear()
+                self.sizes.update((0, state.num_rows))
             if self.cache is not None:
-                self.token.clear()
-                if self._loaded is not None:
-                    self.cache.drop(self._loaded)
+                if state.num_rows:
+                    token = uuid.uuid4().hex  # a retried attempt makes another: never a wrong hit
+                    self.token.update((token,))
+                    self.cache.put(token, engine.state_to_ipc(state), previous=self._loaded)
+                else:
+                    self.token.clear()
+                    if self._loaded is not None:
+                        self.cache.drop(self._loaded)
         expiry = engine.next_expiry(self.spec, state)
         want = [-(-expiry // 1000)] if expiry is not None else []  # milliseconds, rounded up: never early
         timers = list(self.handle.listTimers())

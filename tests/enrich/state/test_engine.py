@@ -230,3 +230,22 @@ def test_matches_the_per_event_model(spec_batches: list[tuple[list[tuple[Any, ..
                 assert x is y
             else:
                 assert x == {k: pytest.approx(v) if isinstance(v, float) else v for k, v in y.items()}
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.lists(st.tuples(st.lists(row, max_size=12), st.one_of(st.none(), st.integers(0, 7200))),
+                min_size=1, max_size=6))
+def test_a_stored_change_rebuilds_the_new_table_from_the_old(
+        spec_batches: list[tuple[list[tuple[Any, ...]], int | None]]) -> None:
+    """What a batch stores instead of its whole table (the devices it touched, the keys it dropped),
+    merged into the table before it, gives the table after it: row for row, in order."""
+    state, rebuilt, offset = SPEC.empty(), SPEC.empty(), 0
+    for rows, wm in spec_batches:
+        r = engine.apply(SPEC, state, events(rows, offset), None if wm is None else us(wm))
+        offset += len(rows)
+        assert r.removed is not None
+        rebuilt = engine.merge(SPEC, rebuilt, r.state.slice(r.state.num_rows - r.touched), r.removed)
+        assert rebuilt.equals(r.state)
+        state = r.state
+    evicted, removed = engine.evict_keys(SPEC, state, us(10**6))
+    assert engine.merge(SPEC, rebuilt, SPEC.empty(), removed).equals(evicted) and evicted.num_rows == 0
