@@ -182,3 +182,20 @@ def test_lookup_state_errors(ran: Ran, tmp_path: Path, capsys: pytest.CaptureFix
     with pytest.raises(ConfigError, match=r"state\.buckets changed"):
         device_state(config.parse({**fresh, "checkpoint": str(ran.cfg.checkpoint),
                                    "state": {**fresh["state"], "buckets": 8}}, "other.yaml"), "a")
+
+
+def test_lookup_takes_the_changes_stored_since_the_base_in_order(spark: SparkSession) -> None:
+    """The list of changes as Spark's state reader returns it (one row per element, in any order):
+    taken in the order they were stored, by their sequence numbers."""
+    from enrich.ops.device import _deltas
+    from enrich.state.processor import DELTAS
+
+    ddl = "key struct<_bucket:int>, list_element struct<seq:bigint, rows:binary, removed:binary>, partition_id int"
+    df = spark.createDataFrame([((3,), (7, b"r7", b"k7"), 0), ((3,), (2, b"r2", b"k2"), 0)], ddl)
+    asked: list[str] = []
+
+    def scan(name: str) -> Any:
+        asked.append(name)
+        return df
+
+    assert _deltas(scan) == [(2, b"r2", b"k2"), (7, b"r7", b"k7")] and asked == [DELTAS]
