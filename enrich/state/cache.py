@@ -1,13 +1,13 @@
 """An executor-local copy of each bucket's device table, so that a batch need not read it back.
 
-Every batch stores each touched bucket's device table in Spark's state store (the ``devices``
-value), about 1.4 MB per bucket at 1M devices and 64 buckets, and read it back at the next batch:
-with the write, most of what the state costs (docs/benchmarks.md). The state store stays the only
-truth; this cache spares the read. Each store writes the same bytes to a local file named by a new
-token, and the token to a small state value in the same commit. A call reads the token (a few
-bytes) and, when this machine has the file, the table from it; else (another executor stored it, a
-new run, a retried task whose attempt before replaced the file) from the state store. A token is a
-random UUID, never reused: a file names one version's bytes, so a hit is exact whatever happened in
+A bucket's device table is about 1.4 MB at 1M devices and 64 buckets; reading it back from Spark's
+state store at every batch was a large part of what the state costs (docs/benchmarks.md). The
+state store stays the only truth (a base and the changes since: ``enrich.state.processor``); this
+cache spares the read. Each store writes the whole new table to a local file named by a new token,
+and the token to a small state value in the same commit. A call reads the token (a few bytes) and,
+when this machine has the file, the table from it; else (another executor stored it, a new run, a
+retried task whose attempt before replaced the file) from the state store. A token is a random
+UUID, never reused: a file names one version's table, so a hit is exact whatever happened in
 between, and a miss costs only the read it would have cost anyway.
 
 The files live in ``<first of SPARK_LOCAL_DIRS, else the temp dir>/refstream-state/<run>``, one per

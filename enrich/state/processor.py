@@ -2,9 +2,11 @@
 
 The step is keyed by a hash bucket of the device key, not by the device: a Python call costs about a
 millisecond, so one call per bucket per micro-batch handles all of its devices at once through
-:mod:`enrich.state.engine`. A bucket's device states are one value in Spark's state store: the
-engine's state table as Arrow IPC bytes. One event-time timer per bucket, at the time its next
-device expires, drops expired devices from buckets that get no more events.
+:mod:`enrich.state.engine`. A bucket's device states are the engine's state table, kept in Spark's
+state store as Arrow IPC bytes: a base value and the changes stored since (each call appends the
+rows it changed and the keys it dropped; a new base once those outnumber it), with a copy on the
+executor that stored it last (:mod:`enrich.state.cache`). One event-time timer per bucket, at the
+time its next device expires, drops expired devices from buckets that get no more events.
 
 Rows travel to and from the processor *packed* (:mod:`enrich.state.packed`): one row per bucket and
 input chunk, holding the chunk's events as Arrow IPC bytes. PySpark hands a
