@@ -28,7 +28,7 @@ from enrich.state import engine
 from enrich.state.checkpoint import RECORD, check_checkpoint
 from enrich.state.plan import resolve
 from enrich.state.processor import BUCKET, DELTAS, STATE_NAME, stored_spec
-from enrich.state.stream import CHANGELOG_CONF, CHANGELOG_DEFAULT, PROVIDER_CONF, ROCKSDB, bucket_of
+from enrich.state.stream import CHANGELOG_CONF, CHANGELOG_DEFAULT, PROVIDER_CONF, ROCKSDB
 from refstream.errors import ConfigError, DataError
 
 #: ``present``: the batch left state for the device; ``absent``: it never sent an event that was
@@ -65,12 +65,13 @@ def device_state(cfg: EnrichConfig, device: str, batch_id: int | None = None, *,
     schema = events.event_schema(cfg.events.schema, cfg.events.required, cfg.source)
     timezone = cfg.spark_conf.get("spark.sql.session.timeZone", "UTC")
     spec = resolve(cfg.state, schema, timezone=timezone, source=cfg.source)
-    check_checkpoint(cfg.checkpoint, cfg.state, spec, cfg.source)  # the record exists: compares only
+    layout = check_checkpoint(cfg.checkpoint, cfg.state, spec, cfg.source)  # the record exists: compares only
+    assert layout is not None
     stored = stored_spec(spec)
 
     key_type = schema[cfg.state.key].dataType
     typed = F.lit(device).try_cast(key_type)
-    key, bucket = spark.range(1).select(typed, bucket_of(typed, cfg.state.buckets)).first()  # type: ignore[misc]
+    key, bucket = spark.range(1).select(typed, layout.column(typed)).first()  # type: ignore[misc]
     if key is None:
         raise ConfigError(f"device {device!r} is not a {key_type.simpleString()} (the type of state.key "
                           f"{cfg.state.key})")

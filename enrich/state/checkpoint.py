@@ -2,7 +2,8 @@
 
 The device state kept in Spark's state store is laid out by the ``state:`` settings (key, bucket
 count, aggregates and their types); a start with other settings would misread it. So the first
-start records them and every later start compares.
+start records them and every later start compares. It also records the number of state partitions
+its first batch will have, which the buckets' grouping keys are spread over (:mod:`enrich.state.layout`).
 """
 
 from __future__ import annotations
@@ -15,11 +16,14 @@ from typing import Any
 from enrich.config import StateConfig
 from enrich.state.dimension import PartitionedDim
 from enrich.state.engine import StateSpec
+from enrich.state.layout import BucketLayout
 from refstream.atomic import write_json_atomic
 from refstream.errors import ConfigError
 
 #: Where the record lives, relative to the checkpoint.
 RECORD = Path("refstream") / "state.json"
+#: The record's number of state partitions the bucket layout is spread over (absent: the plain layout).
+PARTITIONS = "state_partitions"
 
 
 def record(cfg: StateConfig, spec: StateSpec, dims: Sequence[PartitionedDim] = ()) -> dict[str, Any]:
@@ -33,20 +37,26 @@ def record(cfg: StateConfig, spec: StateSpec, dims: Sequence[PartitionedDim] = (
 
 
 def check_checkpoint(checkpoint: Path, cfg: StateConfig | None, spec: StateSpec | None,
-                     source: str = "config", dims: Sequence[PartitionedDim] = ()) -> None:
+                     source: str = "config", dims: Sequence[PartitionedDim] = (), *,
+                     partitions: int | None = None) -> BucketLayout | None:
     """Record the state settings in a new checkpoint; refuse a start whose settings differ from the
-    recorded ones (or that adds or removes ``state:`` against a checkpoint that has run)."""
+    recorded ones (or that adds or removes ``state:`` against a checkpoint that has run). Returns the
+    checkpoint's bucket layout (None without ``state:``): a new checkpoint's is spread over
+    ``partitions`` state partitions (the plain one without them)."""
     path = checkpoint / RECORD
     if not path.exists():
         if cfg is None:
-            return
+            return None
         if any((checkpoint / "spark" / "offsets").glob("[0-9]*")):
             raise ConfigError(f"{source}: state: the checkpoint {checkpoint} was written by a query without "
                               "state:; point checkpoint: at a new directory to start one with state (it "
                               "starts from events.starting_offsets)")
         assert spec is not None
-        write_json_atomic(path, record(cfg, spec, dims))
-        return
+        kept = record(cfg, spec, dims)
+        if partitions is not None:
+            kept[PARTITIONS] = partitions
+        write_json_atomic(path, kept)
+        return layout(kept, cfg)
     try:
         kept = json.loads(path.read_text(encoding="utf-8"))
     except ValueError as exc:
@@ -57,6 +67,9 @@ def check_checkpoint(checkpoint: Path, cfg: StateConfig | None, spec: StateSpec 
         raise ConfigError(f"{source}: state: the checkpoint {checkpoint} keeps device state; put the state: "
                           f"section back, or {new}")
     assert spec is not None
+    if not isinstance(kept.get(PARTITIONS, 1), int) or kept.get(PARTITIONS, 1) < 1:
+        raise ConfigError(f"{path}: {PARTITIONS}: {kept[PARTITIONS]!r} is not a number of state partitions; restore "
+                          "it from a backup of the checkpoint, or start a new checkpoint")
     now = record(cfg, spec, dims)
     kept.setdefault("partitioned", [])  # recorded before partitioned joins existed: none
     for name in ("key", "buckets", "aggregates", "state_schema", "partitioned"):
@@ -67,3 +80,10 @@ def check_checkpoint(checkpoint: Path, cfg: StateConfig | None, spec: StateSpec 
             raise ConfigError(f"{source}: {what} changed against the checkpoint {checkpoint}, whose device state "
                               f"was kept with {json.dumps(kept.get(name))}, now {json.dumps(now[name])}; "
                               f"put it back, or {new}")
+    return layout(kept, cfg)
+
+
+def layout(kept: dict[str, Any], cfg: StateConfig) -> BucketLayout:
+    """The bucket layout of a record (the plain one when it has no partitions: recorded before layouts)."""
+    partitions = kept.get(PARTITIONS)
+    return BucketLayout.plain(cfg.buckets) if partitions is None else BucketLayout.balanced(cfg.buckets, partitions)

@@ -2,7 +2,7 @@
 
 The state step is keyed by ``pmod(hash(key), buckets)``. A bucket is where a device's state lives in
 the checkpoint, so every way the job computes it must give Spark's own answer, bit for bit: Spark's
-``hash`` in the plan (:func:`enrich.state.stream.bucket_of`) and this one, in the Python pass that
+``hash`` in the plan (:meth:`enrich.state.layout.BucketLayout.column`) and this one, in the Python pass that
 parses and packs the events. Spark hashes strings with its legacy byte-wise tail
 (``Murmur3_x86_32.hashUnsafeBytes``: 4-byte little-endian words, then each remaining byte, sign
 extended, as a word of its own; binary values alike), integers up to 32 bits and dates (days) with
@@ -117,5 +117,5 @@ def spark_hash(arr: pa.Array | pa.ChunkedArray) -> np.ndarray:
 
 
 def buckets_of(arr: pa.Array | pa.ChunkedArray, buckets: int) -> np.ndarray:
-    """``pmod(hash(arr), buckets)`` as Spark computes it (``enrich.state.stream.bucket_of``), int32."""
+    """``pmod(hash(arr), buckets)`` as Spark computes it (``BucketLayout.column`` in :mod:`enrich.state.layout`), int32."""
     return np.mod(spark_hash(arr).astype(np.int64), buckets).astype(np.int32)

@@ -5,7 +5,8 @@ Two ``mapInArrow`` passes (:class:`EventPacker`) bring the Kafka records to the 
 
 1. *fast*: pyarrow parses the values it parses exactly (``enrich.fastparse``); those events go
    through the in-plan joins, get ``_error`` when their state key or time is null, their event time
-   in microseconds and their bucket (:func:`enrich.state.hashing.buckets_of`, Spark's own ``hash``),
+   in microseconds and their bucket's grouping key (:class:`enrich.state.layout.BucketLayout`, from
+   Spark's own ``hash``),
    and leave packed (:func:`enrich.state.packed.pack`). The values the fast parser leaves
    (``_slow``) leave as they came, as Kafka records;
 2. *rest*: Spark's ``from_json`` (``enrich.events.parse``) has parsed those records in the plan in
@@ -28,7 +29,7 @@ import pyarrow.compute as pc
 from enrich.events import ERROR, SLOW, SOURCE, FastEvents
 from enrich.join import JoinSpec, Lookup, PlanEnricher
 from enrich.state import packed
-from enrich.state.hashing import buckets_of
+from enrich.state.layout import BucketLayout
 from enrich.state.packed import BUCKET, MAX_TS, ROWS
 from enrich.state.processor import TS_US
 from enrich.worker import settle
@@ -58,7 +59,7 @@ class EventPacker:
 
     key: str
     timestamp: str
-    buckets: int
+    layout: BucketLayout
     events: pa.Schema
     out: pa.Schema
     joins: tuple[JoinSpec, ...] = ()
@@ -125,7 +126,7 @@ class EventPacker:
         table = table.select(self.events.names)
         if table.schema != self.events:
             table = table.cast(self.events)
-        return table.append_column(BUCKET, pa.array(buckets_of(key, self.buckets), pa.int32()))
+        return table.append_column(BUCKET, pa.array(self.layout.of(key), pa.int32()))
 
     def _packed_schema(self) -> pa.Schema:
         return pa.schema([self.out.field(BUCKET), self.out.field(MAX_TS), self.out.field(ROWS)])

@@ -1,8 +1,9 @@
 """The keyed state step in the streaming plan, and the checkpoint's record of its settings.
 
 :func:`attach` turns the Kafka event stream into the parsed events' columns plus ``state`` and
-``_late``, through ``transformWithStateInPandas`` keyed by ``pmod(hash(key), buckets)``
-(:mod:`enrich.state.processor`). The events are parsed, checked and packed on their way in
+``_late``, through ``transformWithStateInPandas`` keyed by the bucket of ``pmod(hash(key), buckets)``
+(its grouping key spread evenly over the state partitions: :mod:`enrich.state.layout`;
+:mod:`enrich.state.processor`). The events are parsed, checked and packed on their way in
 (:mod:`enrich.state.ingest`) and stay packed through the step (:mod:`enrich.state.packed`): the
 stream :func:`attach` returns is the step's packed rows, and :class:`Unpack` turns them into
 events in the job's join pass. Events with a null key or time get ``_error`` set (the sink sends
@@ -22,7 +23,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.accumulators import Accumulator
-from pyspark.sql import Column, DataFrame, SparkSession
+from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.pandas.types import from_arrow_type, to_arrow_schema
 from pyspark.sql.types import (
@@ -46,6 +47,7 @@ from enrich.state.checkpoint import check_checkpoint
 from enrich.state.dimension import PartitionedDim, partitioned_dim
 from enrich.state.engine import StateSpec
 from enrich.state.ingest import EventPacker
+from enrich.state.layout import BucketLayout
 from enrich.state.packed import MAX_TS, ROWS
 from enrich.state.plan import LATE, STATE, output_fields, resolve
 from enrich.state.processor import BUCKET, FLAT, DeviceStateProcessor, stored_spec
@@ -64,6 +66,8 @@ PROVIDER_CONF = "spark.sql.streaming.stateStore.providerClass"
 CHANGELOG_CONF = "spark.sql.streaming.stateStore.rocksdb.changelogCheckpointing.enabled"
 
 CHANGELOG_DEFAULT = "true"  # the job's setting when the user has none
+#: The number of state partitions a new checkpoint gets (Spark keeps it in the offset log).
+SHUFFLE_PARTITIONS = "spark.sql.shuffle.partitions"
 
 
 def state_step(spark: SparkSession, cfg: EnrichConfig, raw: DataFrame, event_schema: StructType,
@@ -97,14 +101,16 @@ def state_step(spark: SparkSession, cfg: EnrichConfig, raw: DataFrame, event_sch
             where = "key" if name == cfg.state.key else f"aggregates.{name}"
             raise ConfigError(f"{cfg.source}: state.{where}: {name!r} comes from a join that cannot run before "
                               "the state step (docs/state.md)")
-    check_checkpoint(cfg.checkpoint, cfg.state, spec, cfg.source, dims)
+    layout = check_checkpoint(cfg.checkpoint, cfg.state, spec, cfg.source, dims,
+                              partitions=int(spark.conf.get(SHUFFLE_PARTITIONS) or "200"))
+    assert layout is not None
     spark.conf.set(PROVIDER_CONF, ROCKSDB)
     if spark.conf.get(CHANGELOG_CONF, None) is None:
         spark.conf.set(CHANGELOG_CONF, CHANGELOG_DEFAULT)
     changelogs = [read_stream(spark, cfg.kafka, [d.topic], starting_offsets="earliest") for d in dims]
     return attach(raw, event_schema, cfg.state, spec, devices, required=cfg.events.required, timezone=timezone,
                   dims=tuple(zip(dims, changelogs, strict=True)), joins=tuple(specs), joined=joined, parser=parser,
-                  inner_joins=tuple(inner), cache=TableCache(uuid.uuid4().hex))
+                  inner_joins=tuple(inner), cache=TableCache(uuid.uuid4().hex), layout=layout)
 
 
 def partitioned_dims(cfg: EnrichConfig, parsed: StructType, schemas: Mapping[str, DatasetSchema],
@@ -118,17 +124,12 @@ def partitioned_dims(cfg: EnrichConfig, parsed: StructType, schemas: Mapping[str
             for i, (j, s) in enumerate(zip(joins, specs, strict=True))]
 
 
-def bucket_of(key: Column, buckets: int) -> Column:
-    """The hash bucket a device key falls in: the grouping key of the state step."""
-    return F.pmod(F.hash(key), F.lit(buckets)).cast("int")
-
-
 def attach(raw: DataFrame, event_schema: StructType, cfg: StateConfig, spec: StateSpec,
            devices: Accumulator[dict[int, int]] | None = None, *, required: Sequence[str] = (),
            timezone: str = "UTC", dims: tuple[tuple[PartitionedDim, DataFrame], ...] = (),
            joins: tuple[join.JoinSpec, ...] = (), joined: StructType | None = None,
            parser: FastParser | None = None, inner_joins: tuple[str, ...] = (),
-           cache: TableCache | None = None) -> StateStream:
+           cache: TableCache | None = None, layout: BucketLayout | None = None) -> StateStream:
     """The Kafka stream ``raw`` parsed against ``event_schema`` (``enrich.events.parse``'s columns,
     ``_value`` in dead letters only), joined in the plan by ``joins`` (their output: ``joined``),
     with the keyed state step applied: those columns, the partitioned joins' columns, then ``state``
@@ -139,7 +140,9 @@ def attach(raw: DataFrame, event_schema: StructType, cfg: StateConfig, spec: Sta
     accumulator of ``processor.BucketCounts`` the step reports each bucket's device count to.
     ``dims``: each partitioned dimension with its changelog stream (``enrich.kafka.read_stream``),
     unioned with the events by bucket. ``cache``: where the executors keep a copy of the bucket
-    tables they store (:mod:`enrich.state.cache`; None: none)."""
+    tables they store (:mod:`enrich.state.cache`; None: none). ``layout``: the buckets' grouping keys
+    (default: the plain layout of ``cfg.buckets``)."""
+    layout = layout or BucketLayout.plain(cfg.buckets)
     if joined is None:
         joined = events.parse(raw, event_schema, required, keep_source=True).schema
     columns = tuple(joined.fieldNames())
@@ -148,12 +151,12 @@ def attach(raw: DataFrame, event_schema: StructType, cfg: StateConfig, spec: Sta
     packed_arrow = to_arrow_schema(packed_spark, timezone=timezone)
     # Spark's watermark is taken on each chunk's greatest event time and the column dropped before
     # the step, so that Spark drops no row in front of the processor (see the module doc).
-    rows = (_packed_events(raw, event_schema, required, cfg, joins, joined, parser, timezone, packed_spark)
+    rows = (_packed_events(raw, event_schema, required, cfg, joins, joined, parser, timezone, packed_spark, layout)
             .withWatermark(MAX_TS, f"{int(cfg.watermark.total_seconds() * 1000)} milliseconds")
             .drop(MAX_TS))
     key_type = joined[cfg.key].dataType
     for dim, changelog in dims:
-        rows = rows.union(_changelog_rows(changelog, dim, key_type, cfg.buckets, packed_spark, packed_arrow))
+        rows = rows.union(_changelog_rows(changelog, dim, key_type, layout, packed_spark, packed_arrow))
     inner = stored_spec(spec)
     processor = DeviceStateProcessor(inner, columns, devices, tuple(d for d, _ in dims), cache)
     in_schema = {f.name: f.dataType for f in joined.fields}
@@ -236,11 +239,11 @@ class Unpack:
 
 def _packed_events(raw: DataFrame, event_schema: StructType, required: Sequence[str], cfg: StateConfig,
                    joins: tuple[join.JoinSpec, ...], joined: StructType, parser: FastParser | None, timezone: str,
-                   packed_spark: StructType) -> DataFrame:
+                   packed_spark: StructType, layout: BucketLayout) -> DataFrame:
     """The events of ``raw`` packed for the step by :class:`enrich.state.ingest.EventPacker`: the fast
     pass (with a ``parser``), ``from_json`` in the plan for what it leaves, then the rest pass."""
     def packer(out: StructType, parse: FastEvents | None) -> EventPacker:
-        return EventPacker(cfg.key, cfg.timestamp, cfg.buckets,
+        return EventPacker(cfg.key, cfg.timestamp, layout,
                            ingest.events_schema(to_arrow_schema(joined, timezone=timezone)),
                            to_arrow_schema(out, timezone=timezone), joins, parse)
 
@@ -257,7 +260,7 @@ def _packed_events(raw: DataFrame, event_schema: StructType, required: Sequence[
     return parsed_rest.mapInArrow(packer(packed_spark, None), packed_spark)
 
 
-def _changelog_rows(changelog: DataFrame, dim: PartitionedDim, key_type: DataType, buckets: int,
+def _changelog_rows(changelog: DataFrame, dim: PartitionedDim, key_type: DataType, layout: BucketLayout,
                     packed_spark: StructType, packed_arrow: pa.Schema) -> DataFrame:
     """A partitioned dimension's changelog stream packed like the events: each record in the bucket
     of its key (read from the key's JSON and cast to the event key's type, so it hashes as the
@@ -265,8 +268,7 @@ def _changelog_rows(changelog: DataFrame, dim: PartitionedDim, key_type: DataTyp
     name = [k for _, k in dim.join.pairs][0].replace("'", "\\'")
     key = F.get_json_object(F.col("key").cast("string"), f"$['{name}']").cast(key_type)
     schema_record = F.col("key") == F.lit(contract.SCHEMA_KEY)
-    targets = F.when(schema_record, F.sequence(F.lit(0), F.lit(buckets - 1))).otherwise(
-        F.array(bucket_of(key, buckets)))
+    targets = F.when(schema_record, layout.all()).otherwise(F.array(layout.column(key)))
     records = (changelog.where(F.col("key") != F.lit(contract.HEARTBEAT_KEY))
                .select(F.explode(targets).alias(BUCKET), "partition", "offset", "key", "value"))
     return (records.mapInArrow(functools.partial(packed.pack, bucket=BUCKET, timestamp=None,

@@ -1,4 +1,5 @@
-"""The state step's bucket in numpy is Spark's ``pmod(hash(key), buckets)``, bit for bit, on real Spark."""
+"""The state step's bucket in numpy is Spark's ``pmod(hash(key), buckets)``, bit for bit, on real Spark;
+so is a bucket's grouping key, and the state partition Spark's shuffle puts it in."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
 from enrich.state.hashing import buckets_of, spark_hash, supports
-from enrich.state.stream import bucket_of
+from enrich.state.layout import BucketLayout
 
 _rng = random.Random(7)
 _TEXT = string.printable + "éüß日本語\u0000\U0001f600"
@@ -44,12 +45,26 @@ CASES = [
 def test_numpy_hash_and_bucket_are_sparks(spark: SparkSession, ddl: str, arrow: pa.DataType,
                                           values: list[object]) -> None:
     df = spark.createDataFrame([(v,) for v in values], f"k {ddl}")
-    rows = df.select(F.hash("k").alias("h"), bucket_of(F.col("k"), 64).alias("b"),
-                     bucket_of(F.col("k"), 7).alias("b7")).collect()
+    balanced = BucketLayout.balanced(64, 4)
+    rows = df.select(F.hash("k").alias("h"), BucketLayout.plain(64).column(F.col("k")).alias("b"),
+                     BucketLayout.plain(7).column(F.col("k")).alias("b7"),
+                     balanced.column(F.col("k")).alias("g")).collect()
     arr = pa.array(values, arrow)
     assert spark_hash(arr).tolist() == [r.h for r in rows]
     assert buckets_of(arr, 64).tolist() == [r.b for r in rows]
     assert buckets_of(arr, 7).tolist() == [r.b7 for r in rows]
+    assert balanced.of(arr).tolist() == [r.g for r in rows]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("partitions", [2, 4, 8])
+def test_sparks_shuffle_puts_the_balanced_grouping_keys_where_the_layout_says(spark: SparkSession,
+                                                                              partitions: int) -> None:
+    # The state step's shuffle is hash partitioning on _bucket, as repartition(n, column) is.
+    layout = BucketLayout.balanced(64, partitions)
+    df = spark.createDataFrame([(i,) for i in layout.ids], "_bucket int").repartition(partitions, "_bucket")
+    where = dict(df.select("_bucket", F.spark_partition_id().alias("p")).collect())  # type: ignore[arg-type]
+    assert [where[i] for i in layout.ids] == [b % partitions for b in range(64)]
 
 
 def test_chunked_sliced_and_large_arrays_hash_alike() -> None:

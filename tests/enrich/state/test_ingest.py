@@ -23,7 +23,7 @@ from enrich.events import ERROR, FastEvents
 from enrich.fastparse import FastParser
 from enrich.ipc import from_ipc
 from enrich.state import ingest
-from enrich.state.hashing import buckets_of
+from enrich.state.layout import BucketLayout
 from enrich.state.packed import BUCKET, MAX_TS, ROWS
 
 SCHEMA = StructType([StructField("device_id", StringType()), StructField("ts", TimestampType()),
@@ -39,7 +39,7 @@ FIRST = to_arrow_schema(StructType([StructField(BUCKET, IntegerType()), StructFi
                                     StructField("partition", IntegerType()), StructField("offset", LongType())]),
                         timezone="UTC")
 EVENTS = ingest.events_schema(to_arrow_schema(PARSED, timezone="UTC"))
-BUCKETS = 8
+LAYOUT = BucketLayout.balanced(8, 4)
 
 
 def packer(out: pa.Schema, fast: bool) -> ingest.EventPacker:
@@ -48,7 +48,7 @@ def packer(out: pa.Schema, fast: bool) -> ingest.EventPacker:
         parser = FastParser.for_schema(SCHEMA)
         assert parser is not None
         parse = FastEvents(parser, to_arrow_schema(events.fast_schema(PARSED), timezone="UTC"))
-    return ingest.EventPacker("device_id", "ts", BUCKETS, EVENTS, out, (), parse)
+    return ingest.EventPacker("device_id", "ts", LAYOUT, EVENTS, out, (), parse)
 
 
 def kafka(values: list[bytes | None]) -> pa.RecordBatch:
@@ -91,7 +91,7 @@ def test_the_fast_pass_packs_by_sparks_bucket_and_leaves_what_it_cannot_parse() 
     table, buckets = unpacked(out)
     assert table.schema.remove_metadata() == EVENTS
     assert table.column("_offset").to_pylist() == [0, 1, 2, 4, 5]
-    assert buckets == buckets_of(table.column("device_id"), BUCKETS).tolist()
+    assert buckets == LAYOUT.of(table.column("device_id")).tolist()
     assert table.column(ERROR).to_pylist() == [None, None, None, "state.key device_id is null",
                                                "state.timestamp ts is null"]
     # The source bytes stay in the dead letters only.

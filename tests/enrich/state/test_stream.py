@@ -299,3 +299,28 @@ def test_events_left_to_from_json_are_counted_like_the_others(spark: SparkSessio
     assert out[3]["state"]["events"] == 1
     dead = {e.decode() for _, e in written["auto"][1]}
     assert "state.key device_id is null" in dead and any("not valid JSON" in e for e in dead)
+
+
+@pytest.mark.integration
+def test_the_buckets_are_spread_evenly_over_the_state_partitions(spark: SparkSession, kafka: dict[str, str],
+                                                                  unique: Callable[[str], str], tmp_path: Path) -> None:
+    from enrich.state.checkpoint import PARTITIONS, RECORD
+    from enrich.state.layout import BucketLayout
+
+    data = make_config(kafka, unique, tmp_path, buckets=8)
+    data["max_events_per_batch"] = 1000
+    publish(kafka, data["joins"][0]["topic"], changelog(DEVICES, [{"device_id": "d1", "owner": "ann"}]))
+    produce_events(kafka, data["events"]["topic"],
+                   [{"device_id": f"d{i}", "ts": at(i / 60), "temp": 1.0, "n": i} for i in range(200)])
+    run(spark, data)
+    partitions = int(spark.conf.get("spark.sql.shuffle.partitions") or 0)
+    checkpoint = Path(data["checkpoint"])
+    assert json.loads((checkpoint / RECORD).read_text())[PARTITIONS] == partitions
+    layout = BucketLayout.balanced(8, partitions)
+    # Where Spark's state store holds each bucket's table: the partition the layout chose for it.
+    rows = (spark.read.format("statestore").option("path", str(checkpoint / "spark"))
+            .option("stateVarName", "devices").load().select("partition_id", "key._bucket").collect())
+    held = {r["_bucket"]: r["partition_id"] for r in rows}
+    assert len(rows) == 8 and sorted(held) == sorted(layout.ids)
+    assert [held[g] for g in layout.ids] == [b % partitions for b in range(8)]
+    assert sum(json.loads((checkpoint / "refstream" / "devices.json").read_text())["buckets"].values()) == 200
