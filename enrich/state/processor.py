@@ -224,6 +224,7 @@ class DeviceStateProcessor(StatefulProcessor):
         if state.num_rows and base and not changed:
             pass  # nothing to store: the stored table, and its token, stay as they are
         else:
+            whole: bytes | None = None  # the table as IPC bytes: made once for the base and the cache
             if not state.num_rows:
                 self.value.clear()
                 if appended:
@@ -235,7 +236,8 @@ class DeviceStateProcessor(StatefulProcessor):
                 self.deltas.appendValue((appended + changed, engine.state_to_ipc(rows), to_ipc(gone)))
                 self.sizes.update((appended + changed, base))
             else:  # a new base: the first store, or the changes would outweigh the base
-                self.value.update((engine.state_to_ipc(state),))
+                whole = engine.state_to_ipc(state)
+                self.value.update((whole,))
                 if appended:
                     self.deltas.clear()
                 self.sizes.update((0, state.num_rows))
@@ -243,7 +245,7 @@ class DeviceStateProcessor(StatefulProcessor):
                 if state.num_rows:
                     token = uuid.uuid4().hex  # a retried attempt makes another: never a wrong hit
                     self.token.update((token,))
-                    self.cache.put(token, engine.state_to_ipc(state), previous=self._loaded)
+                    self.cache.put(token, whole or engine.state_to_ipc(state), previous=self._loaded)
                 else:
                     self.token.clear()
                     if self._loaded is not None:
