@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections.abc import Mapping
 
@@ -12,6 +13,22 @@ from pyspark.sql import SparkSession
 #: no task, and C2 compiling its code was half of its CPU while batches ran (docs/benchmarks.md,
 #: "Driver CPU on a standalone cluster"). Not in local mode: the driver's JVM runs the tasks too.
 DRIVER_JIT = "-XX:TieredStopAtLevel=1"
+
+#: Shuffle (and so state) partitions on a cluster, where executors may be added: the number is fixed
+#: by a stateful checkpoint's first run (docs/state.md), so it is set for growth, not for today.
+SHUFFLE_PARTITIONS = "spark.sql.shuffle.partitions"
+CLUSTER_PARTITIONS = 4
+
+
+def local_cores(master: str | None) -> int | None:
+    """The task slots of a ``local``, ``local[N]``, ``local[*]`` or ``local[N,F]`` master; None for any
+    other (a cluster, ``local-cluster[...]``, or ``spark-submit``'s choice)."""
+    if master == "local":
+        return 1
+    m = re.fullmatch(r"local\[(\*|\d+)(?:,\d+)?\]", master or "")
+    if m is None:
+        return None
+    return (os.cpu_count() or 1) if m.group(1) == "*" else max(int(m.group(1)), 1)
 
 
 def session_conf(conf: Mapping[str, str] | None = None, *, ui: bool = False,
@@ -24,9 +41,14 @@ def session_conf(conf: Mapping[str, str] | None = None, *, ui: bool = False,
 
     With a ``master`` other than ``local...``, :data:`DRIVER_JIT` is added to
     ``spark.driver.extraJavaOptions`` unless that names a tiered compilation setting of its own.
+
+    ``spark.sql.shuffle.partitions`` (the state partitions of a stateful job) defaults to the task
+    slots of a local master, which cannot grow: more partitions than slots run in waves and pay each
+    partition's per-batch costs (a RocksDB commit, a Kafka transaction) for no parallelism
+    (docs/benchmarks.md); else to :data:`CLUSTER_PARTITIONS`.
     """
     defaults = {
-        "spark.sql.shuffle.partitions": "4",
+        SHUFFLE_PARTITIONS: str(local_cores(master) or CLUSTER_PARTITIONS),
         "spark.sql.session.timeZone": "UTC",
         "spark.sql.execution.arrow.pyspark.enabled": "true",
         "spark.executorEnv.PYSPARK_PYTHON": os.environ.get("PYSPARK_PYTHON", sys.executable),

@@ -99,3 +99,12 @@ def test_on_a_cluster_the_driver_jvm_compiles_with_c1_only(tmp_path: Path, monke
     assert conf[key] == "-Dx=1 -XX:TieredStopAtLevel=1"
     conf = built_by_run(tmp_path, monkeypatch, {key: "-XX:TieredStopAtLevel=4"}, master="spark://m:7077")["conf"]
     assert conf[key] == "-XX:TieredStopAtLevel=4"
+
+
+@pytest.mark.parametrize(("master", "partitions"), [
+    ("local", "1"), ("local[2]", "2"), ("local[3,4]", "3"), ("local[*]", str(os.cpu_count() or 1)),
+    ("local[*,2]", str(os.cpu_count() or 1)), ("spark://h:7077", "4"), ("local-cluster[2,1,1024]", "4"), (None, "4")])
+def test_a_local_master_gets_a_shuffle_partition_per_task_slot(master: str | None, partitions: str) -> None:
+    # State partitions beyond a local master's slots run in waves, each paying its per-batch costs.
+    assert session_conf({}, master=master)["spark.sql.shuffle.partitions"] == partitions
+    assert session_conf({"spark.sql.shuffle.partitions": "8"}, master=master)["spark.sql.shuffle.partitions"] == "8"
