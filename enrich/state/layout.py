@@ -75,7 +75,7 @@ class BucketLayout:
         b = F.pmod(F.hash(key), F.lit(self.buckets)).cast("int")
         if self.is_plain:
             return b
-        return F.element_at(F.array(*[F.lit(i) for i in self.ids]), b + 1)
+        return F.element_at(self.all(), b + 1)
 
     def all(self) -> Column:
         """Every bucket's grouping key, as an array (a record every bucket gets)."""
