@@ -92,25 +92,34 @@ def slot_id(base: str, slot: int) -> str:
 
 @dataclass(frozen=True)
 class KillPoint:
-    """Test hook: the task of ``slot`` in batch ``batch_id`` kills its Python worker after sending
-    its first records inside the transaction, once (``flag`` is created first)."""
+    """Test hook: the first task of ``slot`` (None: any slot) that writes records in batch
+    ``batch_id`` (with ``later``: in that batch or a later one) kills its Python worker after sending
+    its first records inside the transaction, once (``flag`` is created first). From the environment:
+    ``BATCH[+]:SLOT|*:FLAG``."""
 
     batch_id: int
-    slot: int
+    slot: int | None
     flag: str
+    later: bool = False
 
     @classmethod
     def from_env(cls, value: str | None) -> KillPoint | None:
         if not value:
             return None
         batch, slot, flag = value.split(":", 2)
-        return cls(int(batch), int(slot), flag)
+        return cls(int(batch.rstrip("+")), None if slot == "*" else int(slot), flag, batch.endswith("+"))
 
     def fire(self, batch_id: int, slot: int, p: object) -> None:
-        if (batch_id, slot) != (self.batch_id, self.slot) or os.path.exists(self.flag):
+        if batch_id < self.batch_id or (batch_id != self.batch_id and not self.later):
             return
-        with open(self.flag, "w", encoding="utf-8") as f:
-            f.write(f"{os.getpid()}\n")
+        if self.slot is not None and slot != self.slot:
+            return
+        try:  # once, also when tasks of two slots get here together
+            fd = os.open(self.flag, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        except FileExistsError:
+            return
+        os.write(fd, f"{os.getpid()}\n".encode())
+        os.close(fd)
         p.flush(30)  # type: ignore[attr-defined]  # the records reach the broker, the commit never does
         os.kill(os.getpid(), signal.SIGKILL)
 
