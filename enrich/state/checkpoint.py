@@ -56,7 +56,7 @@ def check_checkpoint(checkpoint: Path, cfg: StateConfig | None, spec: StateSpec 
         if partitions is not None:
             kept[PARTITIONS] = partitions
         write_json_atomic(path, kept)
-        return layout(kept, cfg)
+        return layout(kept, cfg, path)
     try:
         kept = json.loads(path.read_text(encoding="utf-8"))
     except ValueError as exc:
@@ -67,9 +67,6 @@ def check_checkpoint(checkpoint: Path, cfg: StateConfig | None, spec: StateSpec 
         raise ConfigError(f"{source}: state: the checkpoint {checkpoint} keeps device state; put the state: "
                           f"section back, or {new}")
     assert spec is not None
-    if not isinstance(kept.get(PARTITIONS, 1), int) or kept.get(PARTITIONS, 1) < 1:
-        raise ConfigError(f"{path}: {PARTITIONS}: {kept[PARTITIONS]!r} is not a number of state partitions; restore "
-                          "it from a backup of the checkpoint, or start a new checkpoint")
     now = record(cfg, spec, dims)
     kept.setdefault("partitioned", [])  # recorded before partitioned joins existed: none
     for name in ("key", "buckets", "aggregates", "state_schema", "partitioned"):
@@ -80,10 +77,16 @@ def check_checkpoint(checkpoint: Path, cfg: StateConfig | None, spec: StateSpec 
             raise ConfigError(f"{source}: {what} changed against the checkpoint {checkpoint}, whose device state "
                               f"was kept with {json.dumps(kept.get(name))}, now {json.dumps(now[name])}; "
                               f"put it back, or {new}")
-    return layout(kept, cfg)
+    return layout(kept, cfg, path)
 
 
-def layout(kept: dict[str, Any], cfg: StateConfig) -> BucketLayout:
-    """The bucket layout of a record (the plain one when it has no partitions: recorded before layouts)."""
+def layout(kept: dict[str, Any], cfg: StateConfig, path: Path) -> BucketLayout:
+    """The bucket layout of the record at ``path`` (the plain one when it has no partitions: recorded
+    before layouts)."""
     partitions = kept.get(PARTITIONS)
-    return BucketLayout.plain(cfg.buckets) if partitions is None else BucketLayout.balanced(cfg.buckets, partitions)
+    if partitions is None:
+        return BucketLayout.plain(cfg.buckets)
+    if isinstance(partitions, bool) or not isinstance(partitions, int) or partitions < 1:
+        raise ConfigError(f"{path}: {PARTITIONS}: {partitions!r} is not a number of state partitions; restore "
+                          "it from a backup of the checkpoint, or start a new checkpoint")
+    return BucketLayout.balanced(cfg.buckets, partitions)

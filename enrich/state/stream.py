@@ -41,6 +41,7 @@ from enrich.config import EnrichConfig, JoinConfig, StateConfig
 from enrich.events import ERROR, FastEvents
 from enrich.fastparse import FastParser
 from enrich.kafka import read_stream
+from enrich.session import SHUFFLE_PARTITIONS
 from enrich.state import ingest, packed
 from enrich.state.cache import TableCache
 from enrich.state.checkpoint import check_checkpoint
@@ -66,8 +67,6 @@ PROVIDER_CONF = "spark.sql.streaming.stateStore.providerClass"
 CHANGELOG_CONF = "spark.sql.streaming.stateStore.rocksdb.changelogCheckpointing.enabled"
 
 CHANGELOG_DEFAULT = "true"  # the job's setting when the user has none
-#: The number of state partitions a new checkpoint gets (Spark keeps it in the offset log).
-SHUFFLE_PARTITIONS = "spark.sql.shuffle.partitions"
 
 
 def state_step(spark: SparkSession, cfg: EnrichConfig, raw: DataFrame, event_schema: StructType,
@@ -101,6 +100,7 @@ def state_step(spark: SparkSession, cfg: EnrichConfig, raw: DataFrame, event_sch
             where = "key" if name == cfg.state.key else f"aggregates.{name}"
             raise ConfigError(f"{cfg.source}: state.{where}: {name!r} comes from a join that cannot run before "
                               "the state step (docs/state.md)")
+    # A new checkpoint's state partitions: Spark keeps this number in the offset log at its first batch.
     layout = check_checkpoint(cfg.checkpoint, cfg.state, spec, cfg.source, dims,
                               partitions=int(spark.conf.get(SHUFFLE_PARTITIONS) or "200"))
     assert layout is not None
