@@ -214,11 +214,11 @@ def run_job(spark: Any, settings: dict[str, str], events_topic: str, devices_top
 
     cfg = _job_config(settings, events_topic, devices_topic, workdir, batch=batch, trigger="1s",
                       starting="earliest", parser=parser, state=state)
-    job = EnrichJob(cfg, spark, available_now=True)
+    job = EnrichJob(cfg, available_now=True)
     t0 = time.monotonic()
     spies: _Spies | None = None
     try:
-        q = job.start()
+        q = job.start(spark)
         start_s = time.monotonic() - t0
         if spy is not None:
             spies = _Spies(q, spy, spy_idle, cpu_only)
@@ -431,7 +431,7 @@ def run_latency(spark: Any, settings: dict[str, str], devices_topic: str, workdi
     rkafka.ensure_topic(settings, events_topic, partitions=partitions)
     cfg = _job_config(settings, events_topic, devices_topic, workdir, batch=None, trigger="1s",
                       starting="latest")
-    job = EnrichJob(cfg, spark)
+    job = EnrichJob(cfg)
     flow = data.SteadyEvents(settings, events_topic, rate, devices)
     seen: dict[str, float] = {}
     first_output = threading.Event()
@@ -460,7 +460,7 @@ def run_latency(spark: Any, settings: dict[str, str], devices_topic: str, workdi
     missing: list[str] = []
     p = rkafka.producer(settings, **{"linger.ms": 0, "enable.idempotence": True})
     try:
-        q = job.start()
+        q = job.start(spark)
         watcher.start()
         flow.start()
         t0 = time.monotonic()

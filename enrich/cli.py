@@ -44,6 +44,9 @@ def parser() -> argparse.ArgumentParser:
                        help="load and check the config (Spark parses events.schema in a local session), "
                             "print what would run; exit 0 when valid, else 1")
     v.add_argument("--connect", action="store_true", help="also reach the broker and look up the job's topics")
+    v.add_argument("--explain", action="store_true",
+                   help="also print the job's plan: its stages in order with the columns each adds (reads the "
+                        "published schemas from the changelog topics, so it reaches the broker)")
 
     st = sub.add_parser("status", parents=[common],
                         help="what the last committed micro-batch used, input lag, dead letters "
@@ -108,9 +111,10 @@ def _fail(args: argparse.Namespace, exc: BaseException) -> None:
 
 def validate(args: argparse.Namespace) -> int:
     """``enrich validate``: 0 when the config loads, its events schema parses (and, with
-    ``--connect``, the broker and every changelog topic are there), else 1 with one line per problem."""
+    ``--connect`` or ``--explain``, the broker and every changelog topic are there; with ``--explain``
+    the pipeline plans against their schemas), else 1 with one line per problem."""
     from enrich import config
-    from enrich.validate import check_schema, connect, plan
+    from enrich.validate import check_schema, connect, explain, plan
 
     try:
         cfg = config.load(args.config)
@@ -120,11 +124,18 @@ def validate(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"enrich: invalid: {one_line(exc)}", file=sys.stderr)
         return 1
-    problems = connect(cfg, print) if args.connect else []
+    contact = args.connect or args.explain
+    problems = connect(cfg, print) if contact else []
+    if args.explain and not problems:
+        try:
+            for line in explain(cfg):
+                print(line)
+        except RefstreamError as exc:
+            problems.append(one_line(exc))
     for p in problems:
         print(f"enrich: {p}", file=sys.stderr)
     print(f"{cfg.source}: {'invalid' if problems else 'valid'}"
-          f"{'' if args.connect else ' (broker not contacted: --connect does)'}")
+          f"{'' if contact else ' (broker not contacted: --connect does)'}")
     return 1 if problems else 0
 
 
@@ -137,7 +148,7 @@ def run(args: argparse.Namespace) -> int:
     master = args.master or (None if os.environ.get("PYSPARK_GATEWAY_PORT") else "local[*]")
     # The job's UI is on (Spark's default) unless the config's spark: section turns it off.
     spark = build_session(master, "refstream-enrich", cfg.spark_conf, ui=True)
-    job = EnrichJob(cfg, spark, available_now=args.available_now)
+    job = EnrichJob(cfg, available_now=args.available_now)
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
         log.info("signal %d: stopping after the current micro-batch", signum)
@@ -146,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
     try:
-        job.run()
+        job.run(spark)
     finally:
         spark.stop()
     return 0

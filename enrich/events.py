@@ -14,7 +14,16 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
-from pyspark.sql.types import BooleanType, StringType, StructField, StructType
+from pyspark.sql.types import (
+    BinaryType,
+    BooleanType,
+    DataType,
+    IntegerType,
+    LongType,
+    StringType,
+    StructField,
+    StructType,
+)
 
 from enrich.fastparse import FastParser
 from refstream.compat import CompatError, spark_ddl_type
@@ -27,6 +36,9 @@ SLOW = "_slow"
 #: Kafka columns carried along for the dead-letter topic and the output key.
 SOURCE = {"_key": "key", "_value": "value", "_topic": "topic", "_partition": "partition", "_offset": "offset"}
 INTERNAL = (ERROR, *SOURCE, SLOW)
+#: The types of the Kafka columns :data:`SOURCE` carries (both Kafka sources give these).
+SOURCE_TYPES: dict[str, DataType] = {"_key": BinaryType(), "_value": BinaryType(), "_topic": StringType(),
+                                     "_partition": IntegerType(), "_offset": LongType()}
 
 
 def event_schema(ddl: str, required: Sequence[str] = (), source: str = "config") -> StructType:
@@ -46,6 +58,13 @@ def event_schema(ddl: str, required: Sequence[str] = (), source: str = "config")
     if missing:
         raise ConfigError(f"{source}: events.required: {missing} not in events.schema")
     return schema
+
+
+def parsed_schema(schema: StructType) -> StructType:
+    """The columns :func:`parse` gives for events of ``schema``, known without a query."""
+    return StructType([*(StructField(f.name, f.dataType, True) for f in schema.fields),
+                       StructField(ERROR, StringType(), True),
+                       *(StructField(name, typ, True) for name, typ in SOURCE_TYPES.items())])
 
 
 def parse(raw: DataFrame, schema: StructType, required: Sequence[str] = (), *,

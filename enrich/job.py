@@ -21,16 +21,17 @@ import threading
 import time
 import uuid
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 
 from pyspark.errors import StreamingQueryException
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
-from pyspark.sql.streaming import StreamingQuery
-from pyspark.sql.types import StructType
+from pyspark.sql.streaming import DataStreamWriter, StreamingQuery
 
 from enrich import events, join
-from enrich.config import EnrichConfig, JoinConfig
+from enrich.checkpoint import CheckpointLayout
+from enrich.config import EnrichConfig
 from enrich.deadletter import DeadLetters
 from enrich.dimension.changelog import ChangelogFollower
 from enrich.dimension.manager import Dimensions
@@ -38,22 +39,20 @@ from enrich.dimension.ship import Shipper
 from enrich.dimension.versions import FileVersionLog
 from enrich.fastparse import FastParser
 from enrich.metrics import RESULTS, EnrichMetrics
+from enrich.pipeline import JoinPass, Pipeline
 from enrich.sinks import Counted, EnrichedBatch, Sink, make_sink
 from enrich.state.checkpoint import check_checkpoint
+from enrich.state.devices import DeviceCount
 from enrich.state.plan import LATE
+from enrich.state.stream import StateStream
 from refstream import kafka as rkafka
 from refstream.atomic import write_bytes_atomic, write_json_atomic
-from refstream.contract import DatasetSchema
 from refstream.errors import TerminalError, one_line
 from refstream.retry import RetryPolicy, call_with_retry
 
 log = logging.getLogger(__name__)
 
 DEFAULT_RETRY = RetryPolicy(attempts=5, initial=1.0, maximum=15.0)
-#: The Kafka writers' transactional ids, relative to the checkpoint (see ``EnrichJob._transactional_id``).
-SINK_IDENTITY = Path("refstream") / "sink.json"
-#: Where the dimension versions of joins in the plan are written for their tasks, relative to the checkpoint.
-SHIPPED = Path("refstream") / "shipped"
 
 
 _OUR_ERROR = re.compile(r"refstream\.errors\.\w+: (.+)")
@@ -87,133 +86,184 @@ def worker_start_failed(exc: BaseException) -> bool:
     return any(w in text for w in _WORKER_START)
 
 
-class EnrichJob:
-    """Builds and runs the streaming query; ``run()`` blocks until done or ``stop`` is set."""
+@dataclass(frozen=True)
+class Started:
+    """What :meth:`EnrichJob.start` opened for the query: the plan and the parts its batches use."""
 
-    def __init__(self, cfg: EnrichConfig, spark: SparkSession, *, available_now: bool = False,
-                 retry: RetryPolicy = DEFAULT_RETRY) -> None:
-        self.cfg, self.spark, self.available_now, self.retry = cfg, spark, available_now, retry
-        self.event_schema = events.event_schema(cfg.events.schema, cfg.events.required, cfg.source)
+    spark: SparkSession
+    pipeline: Pipeline
+    dims: Dimensions
+    sink: Sink
+    dead: DeadLetters | None          # the dead-letter writer, unless the sink writes them itself
+    metrics: EnrichMetrics | None
+    fast: FastParser | None           # the join pass parses the events itself (the Kafka sink, no state)
+    state: StateStream | None
+    devices: DeviceCount | None
+
+
+class EnrichJob:
+    """The streaming query of one config: :meth:`start` plans and starts it on a SparkSession and
+    returns it; :meth:`run` starts it and blocks until it ends (available-now) or :meth:`stop`.
+
+    ``available_now``: process what the topics hold now, then stop. ``retry``: the policy of every
+    transient failure the driver retries (a dimension bootstrap, a batch's write, a worker start)."""
+
+    def __init__(self, cfg: EnrichConfig, *, available_now: bool = False, retry: RetryPolicy = DEFAULT_RETRY) -> None:
+        self.cfg, self.available_now, self.retry = cfg, available_now, retry
+        self.layout = CheckpointLayout(cfg.checkpoint)
         self._stack = ExitStack()
         self._stop = threading.Event()
         self.query: StreamingQuery | None = None
-        self._plan: tuple[dict[str, DatasetSchema], list[join.JoinSpec], tuple[str, ...], StructType,
-                          StructType] | None = None
-        self.fast: FastParser | None = None
+        self._writer: DataStreamWriter | None = None
+        self._started: Started | None = None
+        self._pass: JoinPass | None = None
         self.batches = 0
-        #: The broadcast joins run in ``foreachBatch`` (all of them, unless the state step needs some).
-        self._post_joins = cfg.broadcast_joins
 
     @property
     def checkpoint(self) -> Path:
         return self.cfg.checkpoint
 
+    @property
+    def started(self) -> Started:
+        """The parts :meth:`start` opened (an error before it ran)."""
+        if self._started is None:
+            raise RuntimeError("the job has not started")
+        return self._started
+
     # ------------------------------------------------------------------------------- lifecycle
 
-    def start(self) -> StreamingQuery:
+    def start(self, spark: SparkSession) -> StreamingQuery:
+        """Plan the query on ``spark`` and start it: the output topics, the dimensions' bootstrap,
+        the pipeline (:mod:`enrich.pipeline`), the sink, the metrics, the stream, the query."""
+        # events.schema is checked before the broker is touched (the pipeline parses it again).
+        events.event_schema(self.cfg.events.schema, self.cfg.events.required, self.cfg.source)
+        self._ensure_topics()
+        self.layout.root.mkdir(parents=True, exist_ok=True)
+        dims = self._dimensions(spark)
+        pipeline = self._plan(spark, dims)
+        sink, dead = self._sinks()
+        metrics = self._metrics(sink)
+        raw = self._read(spark)
+        fast, state, devices, stream = self._stream(spark, pipeline, dims, sink, raw, metrics)
+        self._started = Started(spark, pipeline, dims, sink, dead, metrics, fast, state, devices)
+        self._pass = pipeline.join_pass
+        self.query = self._start_query(stream)
+        log.info("enrichment query started: %s -> %s (checkpoint %s)", self.cfg.events.topic,
+                 self.cfg.output.topic or self.cfg.output.path or "console", self.cfg.checkpoint)
+        return self.query
+
+    def _ensure_topics(self) -> None:
         cfg = self.cfg
         for topic in [cfg.dead_letter_topic] + ([cfg.output.topic] if cfg.output.topic else []):
             call_with_retry(functools.partial(rkafka.ensure_topic, cfg.kafka, topic),
                             what=f"creating topic {topic}", policy=self.retry)
-        self.cfg.checkpoint.mkdir(parents=True, exist_ok=True)
+
+    def _dimensions(self, spark: SparkSession) -> Dimensions:
+        """The broadcast dimensions, bootstrapped: each ships only the columns some join uses."""
+        cfg = self.cfg
         columns: dict[str, list[str] | None] = {}
-        for j in cfg.broadcast_joins:  # ship only the columns some join uses (plus the key)
+        for j in cfg.broadcast_joins:
             if j.columns is None or columns.get(j.dataset, []) is None:
                 columns[j.dataset] = None
             else:
                 columns[j.dataset] = sorted(set(columns.get(j.dataset) or []) | set(j.columns))
-        self.dims = Dimensions(cfg.broadcast_datasets, columns, lambda topic: ChangelogFollower(cfg.kafka, topic),
-                               FileVersionLog(cfg.checkpoint / "dimensions"), Shipper(self.spark.sparkContext),
-                               timeout=cfg.bootstrap_timeout.total_seconds())
-        self._stack.callback(self.dims.close)
-        call_with_retry(self.dims.bootstrap, what="bootstrapping dimensions", policy=self.retry, stop=self._stop)
-        scope = self._scope()
-        self.sink: Sink = make_sink(cfg, scope, self._transactional_id(cfg.output.topic) if cfg.output.topic else None)
-        self._stack.callback(self.sink.close)
-        self.metrics: EnrichMetrics | None = None
-        if cfg.metrics is not None:
-            from refstream.metrics import MetricsServer
+        dims = Dimensions(cfg.broadcast_datasets, columns, lambda topic: ChangelogFollower(cfg.kafka, topic),
+                          FileVersionLog(self.layout.dimensions), Shipper(spark.sparkContext),
+                          timeout=cfg.bootstrap_timeout.total_seconds())
+        self._stack.callback(dims.close)
+        call_with_retry(dims.bootstrap, what="bootstrapping dimensions", policy=self.retry, stop=self._stop)
+        return dims
 
-            # The results counted: the sink's, and the late events and dead letters the job counts.
-            self.metrics = EnrichMetrics(results=[r for r in RESULTS if r in ("late", "dead_letter")
-                                                  or r in self.sink.counts])
-            self.metrics_server = self._stack.enter_context(MetricsServer(cfg.metrics, self.metrics.registry))
-        self.dead: DeadLetters | None = None
-        if not self.sink.writes_dead_letters:
-            self.dead = DeadLetters(cfg.kafka, cfg.dead_letter_topic, self._dlq_transactional_id(), scope)
-            self._stack.callback(self.dead.close)
-        parser = (FastParser.for_schema(self.event_schema, cfg.events.required, self._timezone())
-                  if cfg.events.parser == "auto" else None)
-        # Without state, the fast parser's leftovers are parsed again by a sink that can write a task's
-        # slot twice; with state, by from_json in the plan before the step (enrich.state.ingest).
-        if cfg.state is None and self.sink.reparses:
-            self.fast = parser
-        elif cfg.state is None:
-            parser = None
-        log.info("events parsed by %s", "pyarrow, with from_json for what it leaves" if parser else "from_json")
-
-        from enrich.kafka import read_stream
-
-        raw = read_stream(self.spark, cfg.kafka, [cfg.events.topic], starting_offsets=cfg.events.starting_offsets,
-                          max_offsets_per_trigger=cfg.max_events_per_batch,
-                          fail_on_data_loss=cfg.events.fail_on_data_loss, on_offset_reset=cfg.events.on_offset_reset,
-                          builtin=cfg.events.source == "builtin")
-        # The published schemas are known now: a join naming a missing column fails here, as a config
-        # error, instead of failing the first micro-batch.
-        parsed = events.parse(raw, self.event_schema, cfg.events.required)
-        self._parsed_schema = parsed.schema
-        before = self._parsed_schema  # what the broadcast joins see: events, then partitioned joins' columns
-        schemas: dict[str, DatasetSchema] = {}
+    def _plan(self, spark: SparkSession, dims: Dimensions) -> Pipeline:
+        """The pipeline against the published schemas: the broadcast dimensions' as bootstrapped, the
+        partitioned ones' read from their changelogs. A join naming a missing column fails here, as a
+        config error, instead of failing the first micro-batch."""
+        cfg = self.cfg
+        schemas = {ds: dims.schema(ds) for ds in cfg.broadcast_datasets}
         if cfg.partitioned_joins:
             from enrich.state.dimension import published_schema
 
             for j in cfg.partitioned_joins:
                 if j.dataset not in schemas:
-                    schemas[j.dataset] = published_schema(self.spark, cfg.kafka, j.dataset, j.topic,
+                    schemas[j.dataset] = published_schema(spark, cfg.kafka, j.dataset, j.topic,
                                                           cfg.bootstrap_timeout.total_seconds())
-            _, before = join.plan(cfg.partitioned_joins, schemas, before, timezone=self._timezone(),
-                                  source=cfg.source)
-        _, _, enriched_schema, _ = self._planned(before)
-        self._plan = None
-        stream = raw
-        if cfg.state is not None:  # the keyed state step: events parsed in the plan (enrich/state/)
-            from enrich.state.devices import DeviceCount
-            from enrich.state.stream import state_step
+        pipeline = Pipeline.build(cfg, schemas, timezone=spark.conf.get("spark.sql.session.timeZone") or "UTC")
+        self.layout.write_schemas(schemas)
+        for line in pipeline.explain()[1:]:
+            log.info("plan: %s", line.strip())
+        return pipeline
 
-            self.devices = DeviceCount(self.spark.sparkContext, cfg.checkpoint)
-            if self.metrics is not None:
-                self.metrics.devices_in_state(self.devices.total)
-            pre = self._state_joins(before)
-            self._post_joins = tuple(j for j in cfg.broadcast_joins if j not in pre)
-            if pre:
-                # Their tasks read the pinned versions from files (enrich.join.PlanEnricher).
-                self.dims.shipper.write_to(cfg.checkpoint / SHIPPED)
-                log.info("joined in the plan, before the state step (the state aggregates their columns): %s",
-                         ", ".join(j.dataset for j in pre))
-            self.state = state_step(self.spark, cfg, raw, self.event_schema, enriched_schema, self._timezone(),
-                                    self.devices.accumulator, {**schemas, **{j.dataset: self.dims.schema(j.dataset)
-                                                                             for j in pre}}, pre, parser)
-            if self.state.cache is not None:  # after the query has stopped (the stack unwinds in reverse)
-                self._stack.callback(self.state.cache.remove)
-            # The stream is the step's packed rows; the join pass unpacks them (_process_batch).
-            stream = self.state.packed
-            self._parsed_schema, self._plan = self.state.schema, None
-            self._planned(self._parsed_schema)
-        else:
-            check_checkpoint(cfg.checkpoint, None, None, cfg.source)
+    def _sinks(self) -> tuple[Sink, DeadLetters | None]:
+        cfg = self.cfg
+        scope = self._scope()
+        sink = make_sink(cfg, scope, self._transactional_id(cfg.output.topic) if cfg.output.topic else None)
+        self._stack.callback(sink.close)
+        dead = None
+        if not sink.writes_dead_letters:
+            dead = DeadLetters(cfg.kafka, cfg.dead_letter_topic, self._dlq_transactional_id(), scope)
+            self._stack.callback(dead.close)
+        return sink, dead
+
+    def _metrics(self, sink: Sink) -> EnrichMetrics | None:
+        if self.cfg.metrics is None:
+            return None
+        from refstream.metrics import MetricsServer
+
+        # The results counted: the sink's, and the late events and dead letters the job counts.
+        metrics = EnrichMetrics(results=[r for r in RESULTS if r in ("late", "dead_letter") or r in sink.counts])
+        self._stack.enter_context(MetricsServer(self.cfg.metrics, metrics.registry))
+        return metrics
+
+    def _read(self, spark: SparkSession) -> DataFrame:
+        from enrich.kafka import read_stream
+
+        ev = self.cfg.events
+        return read_stream(spark, self.cfg.kafka, [ev.topic], starting_offsets=ev.starting_offsets,
+                           max_offsets_per_trigger=self.cfg.max_events_per_batch,
+                           fail_on_data_loss=ev.fail_on_data_loss, on_offset_reset=ev.on_offset_reset,
+                           builtin=ev.source == "builtin")
+
+    def _stream(self, spark: SparkSession, pipeline: Pipeline, dims: Dimensions, sink: Sink, raw: DataFrame,
+                metrics: EnrichMetrics | None
+                ) -> tuple[FastParser | None, StateStream | None, DeviceCount | None, DataFrame]:
+        """What ``foreachBatch`` receives: the Kafka records (no state), or the state step's packed
+        rows; and who parses the events. Without state, the fast parser's leftovers are parsed again
+        by a sink that can write a task's slot twice; with state, by from_json in the plan before the
+        step (enrich.state.ingest)."""
+        cfg = self.cfg
+        parser = (FastParser.for_schema(pipeline.events, cfg.events.required, pipeline.timezone)
+                  if cfg.events.parser == "auto" else None)
+        if pipeline.state is None:
+            fast = parser if sink.reparses else None
+            log.info("events parsed by %s", "pyarrow, with from_json for what it leaves" if fast else "from_json")
+            check_checkpoint(self.layout, None, None, cfg.source)
+            return fast, None, None, raw
+        log.info("events parsed by %s", "pyarrow, with from_json for what it leaves" if parser else "from_json")
+        from enrich.state.stream import state_step
+
+        devices = DeviceCount(spark.sparkContext, self.layout)
+        if metrics is not None:
+            metrics.devices_in_state(devices.total)
+        if pipeline.state.before:  # their tasks read the pinned versions from files (enrich.join.PlanEnricher)
+            dims.shipper.write_to(self.layout.shipped)
+        state = state_step(spark, pipeline, raw, devices.accumulator, parser)
+        if state.cache is not None:  # after the query has stopped (the stack unwinds in reverse)
+            self._stack.callback(state.cache.remove)
+        return None, state, devices, state.packed
+
+    def _start_query(self, stream: DataFrame) -> StreamingQuery:
+        cfg = self.cfg
         writer = (stream.writeStream.foreachBatch(self._process)
-                  .option("checkpointLocation", str((cfg.checkpoint / "spark").resolve()))
+                  .option("checkpointLocation", str(self.layout.spark.resolve()))
                   .queryName(f"enrich-{cfg.events.topic}"))
         if self.available_now:
             writer = writer.trigger(availableNow=True)
         else:
             writer = writer.trigger(processingTime=f"{int(cfg.trigger.total_seconds() * 1000)} milliseconds")
         self._writer = writer
-        self.query = writer.start()
+        query = writer.start()
         self._stack.callback(self._stop_query)
-        log.info("enrichment query started: %s -> %s (checkpoint %s)", cfg.events.topic,
-                 cfg.output.topic or cfg.output.path or "console", cfg.checkpoint)
-        return self.query
+        return query
 
     def _dlq_transactional_id(self) -> str:
         if self.cfg.output.transactional_id:
@@ -222,11 +272,11 @@ class EnrichJob:
 
     def _transactional_id(self, topic: str) -> str:
         """The transactional id of this checkpoint's writer to ``topic``, created at first use and kept
-        in ``<checkpoint>/refstream/sink.json``: a checkpoint moved to another path keeps its identity,
+        in the checkpoint (``CheckpointLayout.sink_identity``): a checkpoint moved to another path keeps its identity,
         so the restarted writer still fences its predecessor and finds its batch markers."""
         from enrich.kafka import transactional_id_for
 
-        path = self.cfg.checkpoint / SINK_IDENTITY
+        path = self.layout.sink_identity
         ids: dict[str, str] = {}
         if path.exists():
             try:
@@ -243,19 +293,20 @@ class EnrichJob:
     def _scope(self) -> str:
         """Identity of this checkpoint's query: output markers of an earlier query that used the same
         checkpoint path (since deleted) must not make the new query's batch ids look committed."""
-        path = self.cfg.checkpoint / "scope"
+        path = self.layout.scope
         if path.exists():
             return path.read_text(encoding="utf-8").strip()
         scope = uuid.uuid4().hex
         write_bytes_atomic(path, scope.encode("utf-8"))
         return scope
 
-    def run(self) -> None:
-        """Start, then wait until the query ends (available-now) or :meth:`stop` is called. A query
-        that fails because a Python worker did not start (:func:`worker_start_failed`) is started
-        again from its checkpoint, with backoff, up to the retry policy's attempts."""
+    def run(self, spark: SparkSession) -> None:
+        """Start on ``spark``, then wait until the query ends (available-now) or :meth:`stop` is
+        called, and release what the job opened. A query that fails because a Python worker did not
+        start (:func:`worker_start_failed`) is started again from its checkpoint, with backoff, up to
+        the retry policy's attempts."""
         with self._stack:
-            query = self.start()
+            query = self.start(spark)
             failures = 0
             while True:
                 try:
@@ -275,6 +326,7 @@ class EnrichJob:
                             root_cause(exc), wait, failures + 1, self.retry.attempts)
                 if self._stop.wait(wait):
                     break
+                assert self._writer is not None
                 query = self.query = self._writer.start()
             if self._stop.is_set():
                 log.info("stopping the enrichment query")
@@ -293,126 +345,104 @@ class EnrichJob:
 
     def _process(self, batch_df: DataFrame, batch_id: int) -> None:
         t0 = time.monotonic()
-        if self.cfg.state is None:
+        st = self.started
+        if st.state is None or st.devices is None:
             dead, counted = self._process_batch(batch_df, batch_id)
             return self._observe(t0, dead, counted, late=0)
         # With the state step the batch is parsed already. A sink that counts the late events it
         # writes (Kafka, in its tasks) reads the batch once; with the others the job counts the
         # batch's late events, so the batch is cached (they read it twice, too).
-        self.devices.before_batch()
-        if "late" in self.sink.counts:
+        st.devices.before_batch()
+        if "late" in st.sink.counts:
             dead, counted = self._process_batch(batch_df, batch_id)
             late = counted.late
         else:
             batch_df.persist()
             try:
                 dead, counted = self._process_batch(batch_df, batch_id)
-                late = self.state.frame(batch_df).filter(F.col(LATE)).count()
+                late = st.state.frame(batch_df).filter(F.col(LATE)).count()
             finally:
                 batch_df.unpersist()
-        devices = self.devices.after_batch(batch_id)
+        devices = st.devices.after_batch(batch_id)
         log.info("batch %d: %d late event(s) written with a null state; %s device(s) in state", batch_id, late,
                  "unknown" if devices is None else devices)
-        if self.metrics is not None:
-            self.metrics.devices_in_state(devices)
+        if st.metrics is not None:
+            st.metrics.devices_in_state(devices)
         return self._observe(t0, dead, counted, late=late)
+
+    def _join_pass(self) -> JoinPass:
+        """The join pass against the broadcast datasets' current published schemas (planned again
+        when one changed)."""
+        st = self.started
+        schemas = {ds: st.dims.schema(ds) for ds in st.pipeline.broadcast_datasets}
+        if self._pass is None or dict(self._pass.schemas) != schemas:
+            self._pass = st.pipeline.replan(schemas)
+            log.info("output columns: %s", ", ".join(self._pass.columns))
+        return self._pass
 
     def _process_batch(self, batch_df: DataFrame, batch_id: int) -> tuple[int, Counted]:
         """Pin, enrich, write one batch; returns the dead letters collected on the driver and what
         the sink counted (summed over both writes when slots are written again from from_json)."""
         t0 = time.monotonic()
-        shipped = call_with_retry(lambda: self.dims.pin(batch_id), what=f"batch {batch_id}: pinning dimensions",
+        st = self.started
+        shipped = call_with_retry(lambda: st.dims.pin(batch_id), what=f"batch {batch_id}: pinning dimensions",
                                   policy=self.retry, stop=self._stop)
-        files = self.dims.shipper.files
+        files = st.dims.shipper.files
         if files is not None:  # joins in the plan: this batch's tasks learn its pinned versions here
-            self.spark.sparkContext.setLocalProperty(join.PINNED_PROPERTY,
-                                                     join.pinned_property(shipped, str(files.resolve())))
-        specs, out_cols, out_schema, fast_schema = self._planned(self._parsed_schema)
-        matched = tuple(s.matched for s in specs)
+            st.spark.sparkContext.setLocalProperty(join.PINNED_PROPERTY,
+                                                   join.pinned_property(shipped, str(files.resolve())))
+        jp = self._join_pass()
+        matched = tuple(s.matched for s in jp.specs)
 
         def exact(df: DataFrame) -> EnrichedBatch:  # parsed by from_json, or the state step's packed rows
-            if self.cfg.state is not None:
-                return EnrichedBatch(join.enrich(df, specs, out_schema, shipped, events.ERROR, first=self.state.unpack),
-                                     out_cols, matched)
-            parsed = events.parse(df, self.event_schema, self.cfg.events.required)
-            return EnrichedBatch(join.enrich(parsed, specs, out_schema, shipped, events.ERROR), out_cols, matched)
+            if st.state is not None:
+                return EnrichedBatch(join.enrich(df, jp.specs, jp.schema, shipped, events.ERROR,
+                                                 first=st.state.unpack), jp.columns, matched)
+            parsed = events.parse(df, st.pipeline.events, self.cfg.events.required)
+            return EnrichedBatch(join.enrich(parsed, jp.specs, jp.schema, shipped, events.ERROR), jp.columns,
+                                 matched)
 
-        if self.fast is not None:
-            batch = EnrichedBatch(join.enrich(events.source_columns(batch_df), specs, fast_schema, shipped,
-                                              events.ERROR, parser=self.fast,
-                                              parsed_schema=events.fast_schema(self._parsed_schema)), out_cols,
+        if st.fast is not None:
+            batch = EnrichedBatch(join.enrich(events.source_columns(batch_df), jp.specs, jp.fast_schema, shipped,
+                                              events.ERROR, parser=st.fast,
+                                              parsed_schema=events.fast_schema(st.pipeline.parsed)), jp.columns,
                                   matched)
         else:
             batch = exact(batch_df)
-        dead = call_with_retry(lambda: self.sink.write(batch_id, batch), what=f"batch {batch_id}: writing output",
+        dead = call_with_retry(lambda: st.sink.write(batch_id, batch), what=f"batch {batch_id}: writing output",
                                policy=self.retry, stop=self._stop)
-        counted = self.sink.counted
-        redone = self.sink.pending
+        counted = st.sink.counted
+        redone = st.sink.pending
         if redone:
             # Tasks that met events the fast parser left to from_json wrote nothing: their input
             # ranges (same partition indexes, so same slots) are written again from from_json's parse.
             again = exact(batch_df.where(F.spark_partition_id().isin(list(redone))))
-            call_with_retry(lambda: self.sink.write(batch_id, again), what=f"batch {batch_id}: writing output",
+            call_with_retry(lambda: st.sink.write(batch_id, again), what=f"batch {batch_id}: writing output",
                             policy=self.retry, stop=self._stop)
-            counted = _plus(counted, self.sink.counted)
-        if self.dead is not None:
-            dlq = self.dead
+            counted = _plus(counted, st.sink.counted)
+        if st.dead is not None:
+            dlq = st.dead
             call_with_retry(lambda: dlq.write(batch_id, dead), what=f"batch {batch_id}: writing dead letters",
                             policy=self.retry, stop=self._stop)
         self.batches += 1
         log.info("batch %d done in %.2fs (dimensions pinned in %.3fs, %d slot(s) parsed again by from_json, "
-                 "%d dead letter(s) collected)", batch_id, time.monotonic() - t0, self.dims.last_pin_seconds,
+                 "%d dead letter(s) collected)", batch_id, time.monotonic() - t0, st.dims.last_pin_seconds,
                  len(redone), dead.num_rows)
         return dead.num_rows, counted
 
     def _observe(self, t0: float, collected_dead: int, counted: Counted, *, late: int | None) -> None:
         """The batch's metrics: what the sink counted, else what the driver has (dead letters it
         collected, the late events the job counted); Parquet and console count no unmatched events."""
-        if self.metrics is None:
+        st = self.started
+        if st.metrics is None:
             return
         dims = {}
         for ds in self.cfg.broadcast_datasets:
-            st = self.dims.state(ds)
-            dims[ds] = (st.version, st.live_rows(), st.changed_ms)
+            d = st.dims.state(ds)
+            dims[ds] = (d.version, d.live_rows(), d.changed_ms)
         dead = counted.dead_letters if counted.dead_letters is not None else collected_dead
-        self.metrics.after_batch(time.monotonic() - t0, enriched=counted.enriched, unmatched=counted.unmatched,
-                                 late=late, dead=dead, dimensions=dims)
+        st.metrics.after_batch(time.monotonic() - t0, enriched=counted.enriched, unmatched=counted.unmatched,
+                               late=late, dead=dead, dimensions=dims)
         progress = self.query.lastProgress if self.query is not None else None
         if progress:
-            self.metrics.progress(progress.get("sources") or [])
-
-    def _state_joins(self, enriched: StructType) -> list[JoinConfig]:
-        """The broadcast joins the state step needs, in configured order: those adding a column
-        ``state:`` names, and those their ``on`` columns come from. They run in the plan, before
-        the step (``enrich.join.PlanEnricher``); the others stay in ``foreachBatch``."""
-        assert self.cfg.state is not None
-        joins = self.cfg.broadcast_joins
-        schemas = {ds: self.dims.schema(ds) for ds in self.cfg.broadcast_datasets}
-        specs, _ = join.plan(joins, schemas, enriched, timezone=self._timezone(), source=self.cfg.source)
-        needed, chosen = set(self.cfg.state.columns), set()
-        for _ in range(len(specs)):
-            for i, s in enumerate(specs):
-                if i not in chosen and ({out for _, out in s.columns} | {s.matched}) & needed:
-                    chosen.add(i)
-                    needed |= {e for e, _ in s.pairs}
-        return [j for i, j in enumerate(joins) if i in chosen]
-
-    def _timezone(self) -> str:
-        return self.spark.conf.get("spark.sql.session.timeZone") or "UTC"
-
-    def _planned(self, parsed: StructType) -> tuple[list[join.JoinSpec], tuple[str, ...], StructType, StructType]:
-        """The joins resolved against the current published schemas: specs, output columns, and the
-        output schemas of the join pass after ``from_json`` and after the fast parser."""
-        schemas = {ds: self.dims.schema(ds) for ds in self.cfg.broadcast_datasets}
-        if self._plan is None or self._plan[0] != schemas:
-            tz = self._timezone()
-            joins = self._post_joins
-            specs, out_schema = join.plan(joins, schemas, parsed, timezone=tz, source=self.cfg.source)
-            _, fast_schema = join.plan(joins, schemas, events.fast_schema(parsed), timezone=tz,
-                                       source=self.cfg.source)
-            out_cols = tuple(f.name for f in out_schema.fields if f.name not in events.INTERNAL)
-            self._plan = (schemas, specs, out_cols, out_schema, fast_schema)
-            log.info("output columns: %s", ", ".join(out_cols))
-        _, specs, out_cols, out_schema, fast_schema = self._plan
-        return specs, out_cols, out_schema, fast_schema
-
+            st.metrics.progress(progress.get("sources") or [])

@@ -1,17 +1,26 @@
-"""``enrich validate [--connect]``: what a config would run, checked without running it.
+"""``enrich validate [--connect] [--explain]``: what a config would run, checked without running it.
 
 Loading the config checks every key; :func:`check_schema` has Spark parse ``events.schema`` (and checks
 ``events.required`` against it) as the job would at start, in a local session; :func:`connect`
-reaches the broker and the topics the job reads, reporting every problem rather than the first.
+reaches the broker and the topics the job reads, reporting every problem rather than the first;
+:func:`explain` plans the job's pipeline (:mod:`enrich.pipeline`) against the schemas the refresher
+published and prints its stages.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 from enrich.config import EnrichConfig
 from refstream import kafka
 from refstream.errors import one_line
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+__all__ = ["BROKER_TIMEOUT", "check_schema", "connect", "explain", "plan"]
 
 #: How long the broker may take to answer a metadata request.
 BROKER_TIMEOUT = 10.0
@@ -40,15 +49,37 @@ def check_schema(cfg: EnrichConfig) -> str:
     """``events.schema`` parsed by Spark as the job parses it (:class:`ConfigError` naming the key
     when it is not a field list, or ``events.required`` names a field it lacks); its simple string.
     Uses the active SparkSession, else starts a local one and stops it."""
+    from enrich.events import event_schema
+
+    with _session():
+        return event_schema(cfg.events.schema, cfg.events.required, cfg.source).simpleString()
+
+
+def explain(cfg: EnrichConfig) -> list[str]:
+    """The job's pipeline as :meth:`enrich.pipeline.Pipeline.explain` prints it, planned against the
+    schemas published on the changelog topics (read from the broker, as the job reads them at start:
+    a dataset with none after :data:`BROKER_TIMEOUT` is a :class:`TransientError` naming it)."""
+    from enrich.pipeline import Pipeline
+    from enrich.state.dimension import published_schema
+
+    with _session() as spark:
+        schemas = {ds: published_schema(spark, cfg.kafka, ds, topic, BROKER_TIMEOUT)
+                   for ds, topic in cfg.datasets.items()}
+        timezone = cfg.spark_conf.get("spark.sql.session.timeZone", "UTC")
+        return Pipeline.build(cfg, schemas, timezone=timezone).explain()
+
+
+@contextmanager
+def _session() -> Iterator[SparkSession]:
+    """The active SparkSession, else a local one stopped at the end."""
     from pyspark.sql import SparkSession
 
-    from enrich.events import event_schema
     from enrich.session import build_session
 
     active = SparkSession.getActiveSession()
     spark = active or build_session("local[1]", "refstream-enrich-validate")
     try:
-        return event_schema(cfg.events.schema, cfg.events.required, cfg.source).simpleString()
+        yield spark
     finally:
         if active is None:
             spark.stop()

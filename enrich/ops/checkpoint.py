@@ -1,10 +1,8 @@
 """Reading a job's checkpoint (never writing it): the micro-batches Spark committed, the event
 offsets each one processed, and the changelog positions and dimension facts the job recorded for it.
 
-Layout (``checkpoint:`` in enrich.yaml): ``spark/`` is Spark's own (``offsets/<n>``: ``v1``, the
-batch metadata JSON, then one line per source with its end offsets; ``commits/<n>`` exists once batch
-``n`` has been written), ``dimensions/<n>.json`` the job's record of the changelog positions batch
-``n`` used (:class:`enrich.dimension.versions.FileVersionLog`).
+Its paths come from :class:`enrich.checkpoint.CheckpointLayout`. Spark's offset log entry of batch
+``n`` holds ``v1``, the batch metadata JSON, then one line per source with its end offsets.
 """
 
 from __future__ import annotations
@@ -15,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from enrich.checkpoint import CheckpointLayout
 from enrich.dimension.abc import Positions
 from enrich.dimension.versions import FileVersionLog
 from enrich.kafka.offsets import TP, from_json_offsets
@@ -45,15 +44,15 @@ class Checkpoint:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self.spark = self.path / "spark"
-        if not (self.spark / "offsets").is_dir():
+        self.layout = CheckpointLayout(self.path)
+        if not self.layout.offsets.is_dir():
             raise DataError(f"{self.path}: not a job checkpoint (no spark/offsets); has the job run with "
                             "this checkpoint: yet?")
-        self._versions = FileVersionLog(self.path / "dimensions", create=False)
+        self._versions = FileVersionLog(self.layout.dimensions, create=False)
 
     def committed(self) -> list[int]:
         """Ids of the committed micro-batches Spark still keeps, ascending."""
-        commits = self.spark / "commits"
+        commits = self.layout.commits
         if not commits.is_dir():
             return []
         return sorted(int(p.name) for p in commits.iterdir() if _BATCH.match(p.name))
@@ -82,7 +81,7 @@ class Checkpoint:
         events_end: dict[TP, int] = {}
         for src in sources:
             events_end.update(from_json_offsets(src))
-        commit = self.spark / "commits" / str(batch_id)
+        commit = self.layout.commits / str(batch_id)
         positions = self._versions.get(batch_id)
         if positions is None:
             kept = self._versions.ids()
@@ -94,7 +93,7 @@ class Checkpoint:
                          positions=positions, dimensions=self._versions.info(batch_id))
 
     def _offsets(self, batch_id: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        path = self.spark / "offsets" / str(batch_id)
+        path = self.layout.offsets / str(batch_id)
         try:
             lines = path.read_text(encoding="utf-8").splitlines()
             meta = json.loads(lines[1]) if len(lines) > 1 else {}

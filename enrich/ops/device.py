@@ -1,10 +1,11 @@
 """``enrich lookup --state DEVICE``: one device's state as a committed micro-batch left it.
 
 Read from the checkpoint with Spark's state data source (``spark.read.format("statestore")``), so it
-works while the job runs and after it stopped. The state step keeps a table per hash bucket of
-devices (docs/state.md): a base value and the changes stored since, in a list. The device's bucket
-is computed as the job computes it, only that bucket's values are taken from the scans, and its
-table of devices (Arrow IPC) is rebuilt here as the step rebuilds it (``engine.merge``).
+works while the job runs and after it stopped. The job's pipeline is planned again from the config
+and the published schemas the job recorded (:mod:`enrich.pipeline`), so the state is read with the
+spec, partitioned dimensions and bucket layout the job wrote it with. The state step keeps a table
+per hash bucket of devices (docs/state.md): only the device's bucket is taken from the scans, and
+its table rebuilt by the processor's own :func:`enrich.state.processor.bucket_table`.
 """
 
 from __future__ import annotations
@@ -16,18 +17,16 @@ from zoneinfo import ZoneInfo
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from pyspark.errors import AnalysisException
-from pyspark.sql import SparkSession
+from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
-from enrich import events
+from enrich.checkpoint import CheckpointLayout
 from enrich.config import EnrichConfig
-from enrich.ipc import from_ipc
 from enrich.ops.checkpoint import Checkpoint
+from enrich.pipeline import Pipeline
 from enrich.state import engine
-from enrich.state.checkpoint import RECORD, check_checkpoint
-from enrich.state.plan import resolve
-from enrich.state.processor import BUCKET, DELTAS, STATE_NAME, stored_spec
+from enrich.state.checkpoint import check_checkpoint
+from enrich.state.processor import BUCKET, DELTAS, STATE_NAME, bucket_table, stored_spec
 from enrich.state.stream import CHANGELOG_CONF, CHANGELOG_DEFAULT, PROVIDER_CONF, ROCKSDB
 from refstream.errors import ConfigError, DataError
 
@@ -58,60 +57,50 @@ def device_state(cfg: EnrichConfig, device: str, batch_id: int | None = None, *,
     committed batch). ``spark``: a session to read with (default: the active one, else a local one)."""
     if cfg.state is None:
         raise ConfigError(f"{cfg.source}: no state: section, so the job keeps no device state to look up")
+    ck = CheckpointLayout(cfg.checkpoint)
     batch_id = Checkpoint(cfg.checkpoint).committed_batch(batch_id)
-    if not (cfg.checkpoint / RECORD).exists():
+    if not ck.state_record.exists():
         raise DataError(f"{cfg.checkpoint}: the job ran without state: on this checkpoint; it keeps no device state")
     spark = spark or SparkSession.getActiveSession() or session(cfg)  # Spark parses events.schema
-    schema = events.event_schema(cfg.events.schema, cfg.events.required, cfg.source)
     timezone = cfg.spark_conf.get("spark.sql.session.timeZone", "UTC")
-    spec = resolve(cfg.state, schema, timezone=timezone, source=cfg.source)
-    layout = check_checkpoint(cfg.checkpoint, cfg.state, spec, cfg.source)  # the record exists: compares only
+    pipeline = Pipeline.build(cfg, ck.read_schemas(), timezone=timezone)
+    st = pipeline.state
+    assert st is not None
+    layout = check_checkpoint(ck, cfg.state, st.spec, cfg.source, st.dims)  # the record exists: compares only
     assert layout is not None
-    stored = stored_spec(spec)
+    stored = stored_spec(st.spec)
 
-    key_type = schema[cfg.state.key].dataType
+    key_type = st.joined[cfg.state.key].dataType
     typed = F.lit(device).try_cast(key_type)
     key, bucket = spark.range(1).select(typed, layout.column(typed)).first()  # type: ignore[misc]
     if key is None:
         raise ConfigError(f"device {device!r} is not a {key_type.simpleString()} (the type of state.key "
                           f"{cfg.state.key})")
-    def scan(name: str) -> Any:
-        return (spark.read.format("statestore").option("path", str((cfg.checkpoint / "spark").resolve()))
+
+    def scan(name: str) -> DataFrame:
+        return (spark.read.format("statestore").option("path", str(ck.spark.resolve()))
                 .option("batchId", batch_id).option("stateVarName", name).load()
                 .filter(F.col(f"key.{BUCKET}") == bucket))
 
     values = scan(STATE_NAME).select("value.table").collect()
     found: dict[str, Any] | None = None
     if values:
-        table = engine.state_from_ipc(values[0][0], stored)
-        for _, rows, removed in _deltas(scan):
-            table = engine.merge(stored, table, engine.state_from_ipc(rows, stored), from_ipc(removed).column(0))
-        hit = table.filter(pc.equal(table.column(engine.KEY), pa.scalar(key, spec.key_type)))
+        deltas = scan(DELTAS)
+        element = "list_element" if "list_element" in deltas.columns else "value"
+        changes = deltas.select(*(F.col(f"{element}.{c}") for c in ("seq", "rows", "removed"))).collect()
+        table = bucket_table(stored, values[0][0], [tuple(r) for r in changes])
+        hit = table.filter(pc.equal(table.column(engine.KEY), pa.scalar(key, st.spec.key_type)))
         if hit.num_rows:
             found = engine.finalize(stored, hit).to_pylist()[0]
     if found is None:
         return DeviceStateResult(key=cfg.state.key, device=key, batch_id=batch_id, bucket=bucket, found="absent",
                                  state=None, expires_at=None)
     zone = ZoneInfo(timezone)
-    expires = found["last_seen"] + spec.ttl_us
+    expires = found["last_seen"] + st.spec.ttl_us
     for name in ("first_seen", "last_seen"):
         found[name] = _iso(found[name], zone)
     return DeviceStateResult(key=cfg.state.key, device=key, batch_id=batch_id, bucket=bucket, found="present",
                              state=found, expires_at=_iso(expires, zone))
-
-
-def _deltas(scan: Any) -> list[tuple[int, bytes, bytes]]:
-    """The bucket's changes stored since its base, in order (none in a checkpoint last written by a
-    version that stored whole tables only)."""
-    try:
-        df = scan(DELTAS)
-    except AnalysisException as exc:
-        if DELTAS in str(exc):
-            return []
-        raise
-    element = "list_element" if "list_element" in df.columns else "value"
-    rows = df.select(F.col(f"{element}.seq"), F.col(f"{element}.rows"), F.col(f"{element}.removed")).collect()
-    return sorted(((int(r[0]), r[1], r[2]) for r in rows), key=lambda d: d[0])
 
 
 def _iso(micros: int, zone: ZoneInfo) -> str:

@@ -1,4 +1,4 @@
-"""The checkpoint's record of the state settings: ``<checkpoint>/refstream/state.json``.
+"""The checkpoint's record of the state settings (``CheckpointLayout.state_record``).
 
 The device state kept in Spark's state store is laid out by the ``state:`` settings (key, bucket
 count, aggregates and their types); a start with other settings would misread it. So the first
@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from enrich.checkpoint import CheckpointLayout
 from enrich.config import StateConfig
 from enrich.state.dimension import PartitionedDim
 from enrich.state.engine import StateSpec
@@ -20,9 +21,7 @@ from enrich.state.layout import BucketLayout
 from refstream.atomic import write_json_atomic
 from refstream.errors import ConfigError
 
-#: Where the record lives, relative to the checkpoint.
-RECORD = Path("refstream") / "state.json"
-#: The record's number of state partitions the bucket layout is spread over (absent: the plain layout).
+#: The record's number of state partitions the bucket layout is spread over.
 PARTITIONS = "state_partitions"
 
 
@@ -36,27 +35,28 @@ def record(cfg: StateConfig, spec: StateSpec, dims: Sequence[PartitionedDim] = (
             "partitioned": [{"dataset": d.dataset, "topic": d.topic, "columns": d.stored.names} for d in dims]}
 
 
-def check_checkpoint(checkpoint: Path, cfg: StateConfig | None, spec: StateSpec | None,
+def check_checkpoint(layout: CheckpointLayout, cfg: StateConfig | None, spec: StateSpec | None,
                      source: str = "config", dims: Sequence[PartitionedDim] = (), *,
                      partitions: int | None = None) -> BucketLayout | None:
     """Record the state settings in a new checkpoint; refuse a start whose settings differ from the
     recorded ones (or that adds or removes ``state:`` against a checkpoint that has run). Returns the
     checkpoint's bucket layout (None without ``state:``): a new checkpoint's is spread over
-    ``partitions`` state partitions (the plain one without them)."""
-    path = checkpoint / RECORD
+    ``partitions`` state partitions, which a new record needs."""
+    checkpoint, path = layout.root, layout.state_record
     if not path.exists():
         if cfg is None:
             return None
-        if any((checkpoint / "spark" / "offsets").glob("[0-9]*")):
+        if layout.planned_any():
             raise ConfigError(f"{source}: state: the checkpoint {checkpoint} was written by a query without "
                               "state:; point checkpoint: at a new directory to start one with state (it "
                               "starts from events.starting_offsets)")
+        if partitions is None:
+            raise ConfigError(f"{source}: state: the checkpoint {checkpoint} has no device state yet; the job "
+                              "has not started on it")
         assert spec is not None
-        kept = record(cfg, spec, dims)
-        if partitions is not None:
-            kept[PARTITIONS] = partitions
+        kept = {**record(cfg, spec, dims), PARTITIONS: partitions}
         write_json_atomic(path, kept)
-        return layout(kept, cfg, path)
+        return bucket_layout(kept, cfg, path)
     try:
         kept = json.loads(path.read_text(encoding="utf-8"))
     except ValueError as exc:
@@ -68,7 +68,6 @@ def check_checkpoint(checkpoint: Path, cfg: StateConfig | None, spec: StateSpec 
                           f"section back, or {new}")
     assert spec is not None
     now = record(cfg, spec, dims)
-    kept.setdefault("partitioned", [])  # recorded before partitioned joins existed: none
     for name in ("key", "buckets", "aggregates", "state_schema", "partitioned"):
         if kept.get(name) != now[name]:
             what = {"state_schema": "the aggregated columns' types",
@@ -77,15 +76,12 @@ def check_checkpoint(checkpoint: Path, cfg: StateConfig | None, spec: StateSpec 
             raise ConfigError(f"{source}: {what} changed against the checkpoint {checkpoint}, whose device state "
                               f"was kept with {json.dumps(kept.get(name))}, now {json.dumps(now[name])}; "
                               f"put it back, or {new}")
-    return layout(kept, cfg, path)
+    return bucket_layout(kept, cfg, path)
 
 
-def layout(kept: dict[str, Any], cfg: StateConfig, path: Path) -> BucketLayout:
-    """The bucket layout of the record at ``path`` (the plain one when it has no partitions: recorded
-    before layouts)."""
+def bucket_layout(kept: dict[str, Any], cfg: StateConfig, path: Path) -> BucketLayout:
+    """The bucket layout of the record at ``path``."""
     partitions = kept.get(PARTITIONS)
-    if partitions is None:
-        return BucketLayout.plain(cfg.buckets)
     if isinstance(partitions, bool) or not isinstance(partitions, int) or partitions < 1:
         raise ConfigError(f"{path}: {PARTITIONS}: {partitions!r} is not a number of state partitions; restore "
                           "it from a backup of the checkpoint, or start a new checkpoint")

@@ -3,7 +3,7 @@ over the state or per-event work on the driver.
 
 Every call of the stateful processor reports its bucket's device count (after the call) to a Spark
 accumulator of :class:`~enrich.state.processor.BucketCounts`; after each micro-batch the driver
-merges those into its count per bucket and keeps them in ``<checkpoint>/refstream/devices.json``
+merges those into its count per bucket and keeps them in ``CheckpointLayout.devices``
 (written before Spark commits the batch), the base a restarted job starts from: buckets the batches
 since the restart have not touched keep the count recorded there.
 
@@ -18,29 +18,26 @@ from __future__ import annotations
 
 import json
 import logging
-from pathlib import Path
 
 from pyspark import SparkContext
 from pyspark.accumulators import Accumulator
 
+from enrich.checkpoint import CheckpointLayout
 from enrich.state.processor import BucketCounts
 from refstream.atomic import write_json_atomic
 
 log = logging.getLogger(__name__)
 
-#: The record of the last batch's counts, relative to the checkpoint.
-RECORD = Path("refstream") / "devices.json"
-
 
 class DeviceCount:
     """The driver's side: the accumulator the step reports to, and the count per bucket."""
 
-    def __init__(self, sc: SparkContext, checkpoint: Path) -> None:
+    def __init__(self, sc: SparkContext, checkpoint: CheckpointLayout) -> None:
         self.accumulator: Accumulator[dict[int, int]] = sc.accumulator({}, BucketCounts())
-        self.path = checkpoint / RECORD
+        self.path = checkpoint.devices
         self.buckets: dict[int, int] | None = self._load(checkpoint)
 
-    def _load(self, checkpoint: Path) -> dict[int, int] | None:
+    def _load(self, checkpoint: CheckpointLayout) -> dict[int, int] | None:
         if self.path.exists():
             try:
                 kept = json.loads(self.path.read_text(encoding="utf-8"))
@@ -48,9 +45,9 @@ class DeviceCount:
             except (ValueError, KeyError, TypeError, AttributeError) as exc:
                 log.warning("%s: unreadable (%s); the number of devices in state is not reported", self.path, exc)
                 return None
-        if any((checkpoint / "spark" / "commits").glob("[0-9]*")):
-            log.warning("%s: the checkpoint's device state was written without a count of its devices (an "
-                        "older version); the number of devices in state is not reported", checkpoint)
+        if checkpoint.committed_any():
+            log.warning("%s: the checkpoint's device state was written without a count of its devices; the "
+                        "number of devices in state is not reported", checkpoint.root)
             return None
         return {}  # a new checkpoint: no state yet
 

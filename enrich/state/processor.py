@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import numpy as np
@@ -207,12 +207,8 @@ class DeviceStateProcessor(StatefulProcessor):
                 if data is not None:
                     return engine.state_from_ipc(data, self.spec)
         stored = self.value.get()  # None when the bucket has no state: one round trip, not exists() + get()
-        table = self.spec.empty() if stored is None else engine.state_from_ipc(stored[0], self.spec)
-        if self._sizes[0]:
-            for _, rows, removed in sorted(self.deltas.get(), key=lambda d: int(d[0])):
-                table = engine.merge(self.spec, table, engine.state_from_ipc(rows, self.spec),
-                                     from_ipc(removed).column(0).combine_chunks())
-        return table
+        return bucket_table(self.spec, None if stored is None else stored[0],
+                            self.deltas.get() if self._sizes[0] else ())
 
     def _store(self, key: Any, state: pa.Table, touched: int, removed: pa.Array | None) -> None:
         """Store the new table: as what changed (the last ``touched`` rows, the ``removed`` keys)
@@ -269,6 +265,16 @@ class DeviceStateProcessor(StatefulProcessor):
             want = self._types.get(c)
             arrays.append(a.cast(want) if want is not None and a.type != want else a)
         return pa.Table.from_arrays(arrays, names=cols)
+
+
+def bucket_table(spec: StateSpec, base: bytes | None, deltas: Iterable[tuple[Any, bytes, bytes]]) -> pa.Table:
+    """A bucket's device table as stored: its ``base`` (the :data:`STATE_NAME` value; None: none)
+    with the changes stored since (the :data:`DELTAS` list's ``(seq, rows, removed)``, in any order)
+    applied in ``seq`` order. ``spec``: the stored spec (:func:`stored_spec`)."""
+    table = spec.empty() if base is None else engine.state_from_ipc(base, spec)
+    for _, rows, removed in sorted(deltas, key=lambda d: int(d[0])):
+        table = engine.merge(spec, table, engine.state_from_ipc(rows, spec), from_ipc(removed).column(0).combine_chunks())
+    return table
 
 
 def _watermark_us(timer_values: TimerValues) -> int | None:

@@ -99,8 +99,8 @@ def test_a_re_key_of_50k_rows_is_never_seen_half_applied(spark: SparkSession, ka
         return sum(len(r) for r in batches(out).values()) == sent
 
     send()
-    job = EnrichJob(cfg, spark)
-    runner = threading.Thread(target=job.run, daemon=True)
+    job = EnrichJob(cfg)
+    runner = threading.Thread(target=job.run, args=(spark,), daemon=True)
     runner.start()
     flowing = threading.Event()
     try:
@@ -117,12 +117,12 @@ def test_a_re_key_of_50k_rows_is_never_seen_half_applied(spark: SparkSession, ka
             conn.execute(sa.text(f"UPDATE {table} SET ver = 2, attr = CONCAT('a2-', id)"))
         result = refresher("alt", PacedPublisher).run("devices")
         assert (result.deletes, result.inserts) == (ROWS, ROWS)
-        wait_for(lambda: job.dims.schema("devices").key == ("alt",), "the re-key to reach the job", runner)
+        wait_for(lambda: job.started.dims.schema("devices").key == ("alt",), "the re-key to reach the job", runner)
         time.sleep(0.5)  # events keep flowing across a few more batches
         flowing.set()
         sender.join(30)
         wait_for(produced_all, "every event", runner, timeout=180)
-        state = job.dims.state("devices")
+        state = job.started.dims.state("devices")
     finally:
         flowing.set()
         job.stop()

@@ -48,8 +48,8 @@ def make_config(kafka: dict[str, str], unique: Callable[[str], str], tmp_path: P
 
 
 def run_available_now(spark: SparkSession, cfg: config.EnrichConfig) -> None:
-    job = EnrichJob(cfg, spark, available_now=True)
-    job.run()
+    job = EnrichJob(cfg, available_now=True)
+    job.run(spark)
 
 
 def outputs(kafka: dict[str, str], topic: str) -> list[dict[str, Any]]:
@@ -143,7 +143,7 @@ def test_builtin_source_is_chosen_by_config(spark: SparkSession, kafka: dict[str
     # This machine has no spark-sql-kafka connector jar: the builtin setting must reach Spark's "kafka"
     # format (and fail there), not fall back to the Python source.
     with pytest.raises(Exception, match=r"(?i)find (the )?data source: kafka"):
-        EnrichJob(builtin, spark, available_now=True).run()
+        EnrichJob(builtin, available_now=True).run(spark)
 
 
 def test_schema_errors_name_the_key(spark: SparkSession, kafka: dict[str, str], unique: Callable[[str], str],
@@ -155,16 +155,16 @@ def test_schema_errors_name_the_key(spark: SparkSession, kafka: dict[str, str], 
                         (events(required=["serial"]), "test.yaml: events.required: ['serial'] not in events.schema"),
                         (events(schema="_error STRING"), "test.yaml: events.schema: field name(s) ['_error']")]:
         with pytest.raises(ConfigError) as exc:
-            EnrichJob(make_config(kafka, unique, tmp_path, events=ev), spark)
+            EnrichJob(make_config(kafka, unique, tmp_path, events=ev)).start(spark)
         assert message in str(exc.value)
     # Join settings only the published schema can check: refused once the dimension is bootstrapped,
     # before the query starts.
     cfg = make_config(kafka, unique, tmp_path, joins=[
         {"dataset": "devices", "topic": unique("ref.devices"), "on": "device_id", "columns": ["colour"]}])
     publish(kafka, cfg.joins[0].topic, changelog(DEVICES, [device("d1", "ann")]))
-    job = EnrichJob(cfg, spark, available_now=True)
+    job = EnrichJob(cfg, available_now=True)
     with pytest.raises(ConfigError, match=r"^test\.yaml: joins\[0\] \(devices\): columns: \['colour'\] not in"):
-        job.run()
+        job.run(spark)
     assert job.query is None, "the query must not start"
 
 

@@ -48,8 +48,8 @@ def seed_devices(kafka: dict[str, str], cfg: config.EnrichConfig) -> None:
 
 
 def run_available_now(spark: SparkSession, cfg: config.EnrichConfig) -> EnrichJob:
-    job = EnrichJob(cfg, spark, available_now=True)
-    job.run()
+    job = EnrichJob(cfg, available_now=True)
+    job.run(spark)
     return job
 
 
@@ -129,15 +129,15 @@ def test_a_moved_checkpoint_keeps_the_sinks_identity(spark: SparkSession, kafka:
                                                      unique: Callable[[str], str], tmp_path: Path) -> None:
     import shutil
 
-    from enrich.job import SINK_IDENTITY
+    from enrich.checkpoint import CheckpointLayout
 
     old_cp, new_cp = tmp_path / "old" / "cp", tmp_path / "new" / "cp"
     cfg = make_config(kafka, unique, old_cp, max_events_per_batch=10)
     seed_devices(kafka, cfg)
     produce_events(kafka, cfg.events.topic, [{"device_id": f"d{i % 10}", "n": i} for i in range(30)])
     job = run_available_now(spark, cfg)
-    tid = job.sink.transactional_id  # type: ignore[attr-defined]
-    assert json.loads((old_cp / SINK_IDENTITY).read_text())["transactional_ids"][cfg.output.topic] == tid
+    tid = job.started.sink.transactional_id  # type: ignore[attr-defined]
+    assert json.loads(CheckpointLayout(old_cp).sink_identity.read_text())["transactional_ids"][cfg.output.topic] == tid
     # The last batch reached Kafka but its commit never reached Spark's checkpoint (a crash between
     # the two): a restart replays it, and only the batch marker of its transactional id says it is written.
     commits = old_cp / "spark" / "commits"
@@ -152,7 +152,7 @@ def test_a_moved_checkpoint_keeps_the_sinks_identity(spark: SparkSession, kafka:
                                                                     "on": "device_id"}],
                         output={"kafka": {"topic": cfg.output.topic}}, dead_letter_topic=cfg.dead_letter_topic)
     job = run_available_now(spark, moved)
-    assert job.sink.transactional_id == tid  # type: ignore[attr-defined]
+    assert job.started.sink.transactional_id == tid  # type: ignore[attr-defined]
     got = sorted(json.loads(m.value())["n"] for m in read_all(kafka, cfg.output.topic))
     assert got == list(range(35)), "each event once after the move"
 

@@ -34,8 +34,8 @@ def test_update_while_running_and_idempotent_replay(spark: SparkSession, kafka: 
     ref = cfg.joins[0].topic
     publish(kafka, ref, changelog(SCHEMA, [{"device_id": "d1", "owner": "old", "price": "1.125"}]))
     produce_events(kafka, cfg.events.topic, [{"device_id": "d1", "n": i} for i in range(5)])
-    job = EnrichJob(cfg, spark)
-    runner = threading.Thread(target=job.run, daemon=True)
+    job = EnrichJob(cfg)
+    runner = threading.Thread(target=job.run, args=(spark,), daemon=True)
     runner.start()
     try:
         wait_for(lambda: len(parquet_rows(out)) == 5, "the first events", runner)
@@ -60,6 +60,6 @@ def test_update_while_running_and_idempotent_replay(spark: SparkSession, kafka: 
     (commits / str(last)).unlink()
     (commits / f".{last}.crc").unlink(missing_ok=True)
     with caplog.at_level(logging.INFO, logger="enrich.sinks.parquet"):
-        EnrichJob(cfg, spark, available_now=True).run()
+        EnrichJob(cfg, available_now=True).run(spark)
     assert f"batch {last}: " in caplog.text and "not written again" in caplog.text, "the batch was not replayed"
     assert sorted(r["n"] for r in parquet_rows(out)) == list(range(10)), "the replayed batch is not written twice"

@@ -86,12 +86,12 @@ def test_batches_use_their_recorded_versions_and_unchanged_batches_ship_nothing(
         return sum(len(r) for r in batches(out).values()) == sent
 
     send()
-    job = EnrichJob(cfg, spark)
-    runner = threading.Thread(target=job.run, daemon=True)
+    job = EnrichJob(cfg)
+    runner = threading.Thread(target=job.run, args=(spark,), daemon=True)
     runner.start()
     try:
         wait_for(produced_all, "the first events", runner)
-        shipper = job.dims.shipper
+        shipper = job.started.dims.shipper
         assert shipper.broadcasts == 1, "the bootstrap ships one base"
         base_bytes = shipper.bytes_shipped
         assert base_bytes > 30_000
@@ -191,7 +191,7 @@ def test_batches_use_their_recorded_versions_and_unchanged_batches_ship_nothing(
     publish(kafka, ref, contract.upsert_messages(SCHEMA, [row(i, "after-crash") for i in range(12)], 99))
     first_new = sent
     send()
-    EnrichJob(cfg, spark, available_now=True).run()
+    EnrichJob(cfg, available_now=True).run(spark)
     again = batches(out)
     assert sorted(again[last], key=lambda r: r["n"]) == sorted(got[last], key=lambda r: r["n"]), \
         "the replayed batch must give the same output"

@@ -22,7 +22,7 @@ from enrich.ops.checkpoint import Checkpoint
 from enrich.ops.device import device_state
 from refstream.contract import Column, DatasetSchema
 from refstream.errors import ConfigError, DataError
-from tests.enrich.helpers import changelog, produce_events, publish
+from tests.enrich.helpers import changelog, produce_events, publish, read_all
 
 DEVICES = DatasetSchema("devices", ("device_id",), (Column("device_id", "string"), Column("owner", "string")))
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
@@ -92,8 +92,8 @@ def ran(spark: SparkSession, kafka: dict[str, str], tmp_path_factory: pytest.Tem
     logger.setLevel(logging.INFO)
 
     def run() -> None:
-        jobs.append(EnrichJob(cfg, spark, available_now=True))
-        jobs[-1].run()
+        jobs.append(EnrichJob(cfg, available_now=True))
+        jobs[-1].run(spark)
         devices.append(handler.devices)
         handler.devices = []
 
@@ -136,8 +136,8 @@ def test_lookup_state_gives_what_the_events_imply(ran: Ran) -> None:
 def test_the_jobs_metrics_count_unmatched_and_late_events(ran: Ran) -> None:
     counts = []
     for job in ran.jobs[:2]:
-        assert job.metrics is not None
-        value = job.metrics.registry.get_sample_value
+        assert job.started.metrics is not None
+        value = job.started.metrics.registry.get_sample_value
         counts.append({r: value("refstream_enrich_events_total", {"result": r})
                        for r in ("enriched", "unmatched", "late", "dead_letter")})
     # Run 1: b, f and g have no devices row; the device-less event is a dead letter. Run 2: d, e
@@ -151,7 +151,8 @@ def test_devices_in_state_counts_each_batchs_devices_and_drops_by_ttl(ran: Ran) 
     # the buckets' timers). Run 2: d, e and a afresh besides g.
     assert ran.devices[0] == [3, 5, 1]
     assert set(ran.devices[1]) == {4} and ran.devices[2] == []
-    gauges = [j.metrics.registry.get_sample_value("refstream_enrich_devices_in_state") for j in ran.jobs if j.metrics]
+    gauges = [j.started.metrics.registry.get_sample_value("refstream_enrich_devices_in_state") for j in ran.jobs
+              if j.started.metrics]
     assert gauges == [1, 4, 4]   # the third run read no event: the count its start took from the checkpoint
 
 
@@ -184,18 +185,48 @@ def test_lookup_state_errors(ran: Ran, tmp_path: Path, capsys: pytest.CaptureFix
                                    "state": {**fresh["state"], "buckets": 8}}, "other.yaml"), "a")
 
 
-def test_lookup_takes_the_changes_stored_since_the_base_in_order(spark: SparkSession) -> None:
-    """The list of changes as Spark's state reader returns it (one row per element, in any order):
-    taken in the order they were stored, by their sequence numbers."""
-    from enrich.ops.device import _deltas
-    from enrich.state.processor import DELTAS
+SITES = DatasetSchema("sites", ("site_id",), (Column("site_id", "string"), Column("region", "string")))
+OWNED = DatasetSchema("devices", ("device_id",), (Column("device_id", "string"), Column("owner", "string"),
+                                                  Column("site_id", "string")))
 
-    ddl = "key struct<_bucket:int>, list_element struct<seq:bigint, rows:binary, removed:binary>, partition_id int"
-    df = spark.createDataFrame([((3,), (7, b"r7", b"k7"), 0), ((3,), (2, b"r2", b"k2"), 0)], ddl)
-    asked: list[str] = []
 
-    def scan(name: str) -> Any:
-        asked.append(name)
-        return df
-
-    assert _deltas(scan) == [(2, b"r2", b"k2"), (7, b"r7", b"k7")] and asked == [DELTAS]
+def test_lookup_state_plans_the_state_as_the_job_does(spark: SparkSession, kafka: dict[str, str],
+                                                      tmp_path: Path) -> None:
+    """A partitioned join, and aggregates of columns joins add (one partitioned, one broadcast joined
+    in the plan before the step): the lookup finds the state the job wrote, field for field."""
+    suffix = f"{time.monotonic_ns()}"
+    data = {
+        "kafka": {"bootstrap_servers": kafka["bootstrap.servers"]},
+        "events": {"topic": f"lk-events-{suffix}", "schema": "device_id STRING, site_id STRING, ts TIMESTAMP, temp DOUBLE",
+                   "starting_offsets": "earliest"},
+        "joins": [{"dataset": "devices", "topic": f"lk-devices-{suffix}", "on": "device_id", "columns": ["owner"],
+                   "strategy": "partitioned"},
+                  {"dataset": "sites", "topic": f"lk-sites-{suffix}", "on": "site_id"}],
+        "output": {"kafka": {"topic": f"lk-out-{suffix}"}},
+        "dead_letter_topic": f"lk-dlq-{suffix}",
+        "checkpoint": str(tmp_path / "checkpoint"),
+        "state": {"key": "device_id", "timestamp": "ts", "ttl": "1h", "buckets": 4,
+                  "aggregates": {"temp": ["mean"], "owner": ["last"], "region": ["last"]}},
+    }
+    path = tmp_path / "enrich.yaml"
+    path.write_text(yaml.safe_dump(data), encoding="utf-8")
+    cfg = config.load(path)
+    publish(kafka, cfg.joins[0].topic, changelog(OWNED, [{"device_id": "a", "owner": "ann", "site_id": "s1"},
+                                                         {"device_id": "b", "owner": "bo", "site_id": "s2"}]))
+    publish(kafka, cfg.joins[1].topic, changelog(SITES, [{"site_id": "s1", "region": "north"},
+                                                         {"site_id": "s2", "region": "south"}]))
+    produce_events(kafka, cfg.events.topic, [{"device_id": "a", "site_id": "s1", "ts": at(0), "temp": 1.0},
+                                             {"device_id": "b", "site_id": "s2", "ts": at(1), "temp": 5.0},
+                                             {"device_id": "a", "site_id": "s1", "ts": at(2), "temp": 3.0}])
+    EnrichJob(cfg, available_now=True).run(spark)
+    written = {}
+    for m in read_all(kafka, cfg.output.topic):
+        event = json.loads(m.value())
+        written[event["device_id"]] = event["state"]  # the last event of each device holds its state
+    a = device_state(cfg, "a")
+    assert a.found == "present" and a.state is not None
+    assert (a.state["events"], a.state["temp_mean"], a.state["owner_last"], a.state["region_last"]) == (
+        2, 2.0, "ann", "north")
+    for device in ("a", "b"):
+        assert device_state(cfg, device).state == written[device], device
+    assert cli.main(["lookup", "--config", str(path), "--state", "b"]) == 0

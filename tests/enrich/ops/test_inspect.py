@@ -73,14 +73,14 @@ def ran(spark: SparkSession, kafka: dict[str, str], tmp_path_factory: pytest.Tem
     # Two partitions: the one with the broken event is written again from from_json's parse (a
     # second write of the batch), the other one not; the metrics count both writes.
     produce_events(kafka, cfg.events.topic, [*_events("d1", "d2", "zz"), b"{not json"], partitions=2)
-    jobs = [EnrichJob(cfg, spark, available_now=True)]
-    jobs[0].run()
+    jobs = [EnrichJob(cfg, available_now=True)]
+    jobs[0].run(spark)
     first = Checkpoint(cfg.checkpoint).last_committed()
     publish(kafka, cfg.joins[0].topic, changelog(DEVICES, [{"device_id": "d1", "site_id": 2, "owner": "ann2"}],
                                                  [{"device_id": "d2"}], version=2, with_schema=False))
     produce_events(kafka, cfg.events.topic, _events("d1", "d2"))
-    jobs.append(EnrichJob(cfg, spark, available_now=True))
-    jobs[1].run()
+    jobs.append(EnrichJob(cfg, available_now=True))
+    jobs[1].run(spark)
     second = Checkpoint(cfg.checkpoint).last_committed()
     assert first is not None and second is not None and second > first
     return Ran(cfg, path, first, second, jobs)

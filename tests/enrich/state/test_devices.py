@@ -7,11 +7,13 @@ from pathlib import Path
 
 from pyspark.sql import SparkSession
 
-from enrich.state.devices import RECORD, DeviceCount
+from enrich.checkpoint import CheckpointLayout
+from enrich.state.devices import DeviceCount
 
 
 def test_counts_merge_per_bucket_and_a_restart_resumes_from_the_record(spark: SparkSession, tmp_path: Path) -> None:
-    count = DeviceCount(spark.sparkContext, tmp_path)
+    ck = CheckpointLayout(tmp_path)
+    count = DeviceCount(spark.sparkContext, ck)
     assert count.total == 0                      # a new checkpoint: no state yet
     count.before_batch()
     count.accumulator.add({0: 3, 1: 2})
@@ -20,15 +22,16 @@ def test_counts_merge_per_bucket_and_a_restart_resumes_from_the_record(spark: Sp
     count.before_batch()
     count.accumulator.add({1: 0, 2: 4})          # bucket 1 emptied (TTL), bucket 0 not called
     assert count.after_batch(1) == 7
-    assert json.loads((tmp_path / RECORD).read_text()) == {"batch_id": 1, "buckets": {"0": 3, "1": 0, "2": 4}}
-    assert DeviceCount(spark.sparkContext, tmp_path).total == 7
+    assert json.loads(ck.devices.read_text()) == {"batch_id": 1, "buckets": {"0": 3, "1": 0, "2": 4}}
+    assert DeviceCount(spark.sparkContext, ck).total == 7
 
 
 def test_a_checkpoint_with_batches_but_no_record_has_no_count(spark: SparkSession, tmp_path: Path) -> None:
-    (tmp_path / "spark" / "commits").mkdir(parents=True)
-    (tmp_path / "spark" / "commits" / "0").write_text("v1\n")
-    count = DeviceCount(spark.sparkContext, tmp_path)
+    ck = CheckpointLayout(tmp_path)
+    ck.commits.mkdir(parents=True)
+    (ck.commits / "0").write_text("v1\n")
+    count = DeviceCount(spark.sparkContext, ck)
     count.before_batch()
     count.accumulator.add({0: 3})
     assert count.total is None and count.after_batch(1) is None
-    assert not (tmp_path / RECORD).exists()
+    assert not ck.devices.exists()

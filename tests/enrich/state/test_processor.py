@@ -13,7 +13,7 @@ from enrich.ipc import from_ipc, to_ipc
 from enrich.state import engine, packed
 from enrich.state.cache import LOCAL_DIRS, TableCache
 from enrich.state.engine import StateSpec
-from enrich.state.processor import DELTAS, FLAT, LATE, STATE_NAME, TS_US, DeviceStateProcessor
+from enrich.state.processor import DELTAS, FLAT, LATE, STATE_NAME, TS_US, DeviceStateProcessor, bucket_table
 
 HOUR_US = 3600 * 10**6
 T0_US = int(datetime(2026, 1, 1, tzinfo=UTC).timestamp()) * 10**6
@@ -60,10 +60,7 @@ def make_tester() -> TwsTester:
 def stored(t: TwsTester) -> pa.Table:
     """Bucket 3's table as stored: the base, then the changes stored since, in order."""
     value = t.peekValueState(STATE_NAME, 3)
-    table = engine.state_from_ipc(value[0], SPEC) if value is not None else SPEC.empty()
-    for _, rows, removed in sorted(t.peekListState(DELTAS, 3), key=lambda d: d[0]):
-        table = engine.merge(SPEC, table, engine.state_from_ipc(rows, SPEC), from_ipc(removed).column(0))
-    return table
+    return bucket_table(SPEC, value[0] if value is not None else None, t.peekListState(DELTAS, 3))
 
 
 def test_one_call_per_bucket_keeps_every_device() -> None:
@@ -209,13 +206,20 @@ def test_a_batch_stores_what_it_changed_until_the_changes_outweigh_the_base() ->
     assert base is not None and t.peekListState(DELTAS, 3) == []
     run(t, rows([("d0", 1, 2.0, 2)], 4))
     assert t.peekValueState(STATE_NAME, 3) == base and len(t.peekListState(DELTAS, 3)) == 1
-    run(t, rows([("d1", 2, 2.0, 2), ("d2", 2, 2.0, 2)], 5))  # 3 rows changed since the base of 4
-    assert t.peekValueState(STATE_NAME, 3) == base and len(t.peekListState(DELTAS, 3)) == 2
+    run(t, rows([("d1", 2, 2.0, 2), ("d2", 2, 2.0, 2), ("d0", 2, 3.0, 3)], 5))  # 3 rows changed since the base of 4
+    deltas = t.peekListState(DELTAS, 3)
+    assert t.peekValueState(STATE_NAME, 3) == base and len(deltas) == 2
+    # The changes are applied in the order they were stored, whatever order a reader returns them in
+    # (Spark's state reader, for the lookup): d0's second change wins.
+    for given in (deltas, deltas[::-1]):
+        table = bucket_table(SPEC, base[0], given)
+        assert dict(zip(table.column(engine.KEY).to_pylist(), table.column(engine.EVENTS).to_pylist(),
+                        strict=True)) == {"d0": 3, "d1": 2, "d2": 2, "d3": 1}
     run(t, rows([("d3", 3, 2.0, 2), ("d4", 3, 1.0, 1)], 7))  # 5 would outweigh it: a new base
     assert t.peekValueState(STATE_NAME, 3) != base and t.peekListState(DELTAS, 3) == []
     table = stored(t)
     assert dict(zip(table.column(engine.KEY).to_pylist(), table.column(engine.EVENTS).to_pylist(),
-                    strict=True)) == {"d0": 2, "d1": 2, "d2": 2, "d3": 2, "d4": 1}
+                    strict=True)) == {"d0": 3, "d1": 2, "d2": 2, "d3": 2, "d4": 1}
     # Expiry stores the keys it dropped; the devices the next call sees are the ones stored.
     t.setWatermark((T0_US + 2 * 10**6 + HOUR_US) // 1000)
     assert sorted(stored(t).column(engine.KEY).to_pylist()) == ["d3", "d4"]

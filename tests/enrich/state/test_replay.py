@@ -92,7 +92,7 @@ def make_config(kafka: dict[str, str], unique: Callable[[str], str], tmp_path: P
 
 
 def run(spark: SparkSession, data: dict[str, Any]) -> None:
-    EnrichJob(config.parse(data, "test.yaml"), spark, available_now=True).run()
+    EnrichJob(config.parse(data, "test.yaml"), available_now=True).run(spark)
 
 
 def roll_back(spark_checkpoint: Path, batch: int) -> None:

@@ -45,7 +45,7 @@ def make_config(kafka: dict[str, str], unique: Callable[[str], str], tmp_path: P
 
 
 def run(spark: SparkSession, data: dict[str, Any]) -> None:
-    EnrichJob(config.parse(data, "test.yaml"), spark, available_now=True).run()
+    EnrichJob(config.parse(data, "test.yaml"), available_now=True).run(spark)
 
 
 def outputs(kafka: dict[str, str], topic: str) -> dict[int, dict[str, Any]]:
@@ -250,12 +250,12 @@ def test_parquet_output_carries_the_state_struct(spark: SparkSession, kafka: dic
         {"device_id": "a", "ts": at(0), "temp": 10.0, "n": 1}, {"device_id": "a", "ts": at(1), "temp": 20.0, "n": 2},
         {"device_id": "b", "ts": at(5), "temp": 1.0, "n": 3}, {"device_id": "b", "ts": at(0), "temp": 2.0, "n": 4},
         {"device_id": "a", "ts": at(3), "temp": 30.0, "n": 5}])
-    job = EnrichJob(config.parse(data, "test.yaml"), spark, available_now=True)
-    job.run()
+    job = EnrichJob(config.parse(data, "test.yaml"), available_now=True)
+    job.run(spark)
     # The Parquet sink counts what it wrote from the files' footers; the job counts late events (n=5,
     # at 3m, in a batch whose watermark is 5m - 1m); unmatched events are not counted with Parquet.
-    assert job.metrics is not None
-    value = job.metrics.registry.get_sample_value
+    assert job.started.metrics is not None
+    value = job.started.metrics.registry.get_sample_value
     assert [value("refstream_enrich_events_total", {"result": r}) for r in ("enriched", "late", "unmatched")] == \
         [5, 1, None]
     rows = sorted((r for d in sorted(out.glob("batch_id=*")) for r in pq.read_table(d).to_pylist()),
@@ -306,7 +306,8 @@ def test_events_left_to_from_json_are_counted_like_the_others(spark: SparkSessio
 @pytest.mark.integration
 def test_the_buckets_are_spread_evenly_over_the_state_partitions(spark: SparkSession, kafka: dict[str, str],
                                                                   unique: Callable[[str], str], tmp_path: Path) -> None:
-    from enrich.state.checkpoint import PARTITIONS, RECORD
+    from enrich.checkpoint import CheckpointLayout
+    from enrich.state.checkpoint import PARTITIONS
     from enrich.state.layout import BucketLayout
 
     data = make_config(kafka, unique, tmp_path, buckets=8)
@@ -316,13 +317,13 @@ def test_the_buckets_are_spread_evenly_over_the_state_partitions(spark: SparkSes
                    [{"device_id": f"d{i}", "ts": at(i / 60), "temp": 1.0, "n": i} for i in range(200)])
     run(spark, data)
     partitions = int(spark.conf.get("spark.sql.shuffle.partitions") or 0)
-    checkpoint = Path(data["checkpoint"])
-    assert json.loads((checkpoint / RECORD).read_text())[PARTITIONS] == partitions
+    checkpoint = CheckpointLayout(Path(data["checkpoint"]))
+    assert json.loads(checkpoint.state_record.read_text())[PARTITIONS] == partitions
     layout = BucketLayout.balanced(8, partitions)
     # Where Spark's state store holds each bucket's table: the partition the layout chose for it.
-    rows = (spark.read.format("statestore").option("path", str(checkpoint / "spark"))
+    rows = (spark.read.format("statestore").option("path", str(checkpoint.spark))
             .option("stateVarName", "devices").load().select("partition_id", "key._bucket").collect())
     held = {r["_bucket"]: r["partition_id"] for r in rows}
     assert len(rows) == 8 and sorted(held) == sorted(layout.ids)
     assert [held[g] for g in layout.ids] == [b % partitions for b in range(8)]
-    assert sum(json.loads((checkpoint / "refstream" / "devices.json").read_text())["buckets"].values()) == 200
+    assert sum(json.loads(checkpoint.devices.read_text())["buckets"].values()) == 200

@@ -1,0 +1,231 @@
+"""The enrichment job's plan: its stages in the order the data flows, built once from the config,
+the events' schema and the published schemas of the datasets it joins.
+
+::
+
+    read      Kafka records of events.topic                                  (the streaming plan)
+    parse     JSON against events.schema: the event fields and _error         (the streaming plan)
+    join      the broadcast joins the state needs (their columns are          (the streaming plan,
+              aggregated, or other such joins join on them)                    before the state step)
+    state     the keyed state step: the partitioned joins, then the device    (the state step)
+              state; + state, _late
+    join      the other broadcast joins                                       (the join pass, in foreachBatch)
+    sink      Kafka, Parquet or the console; dead letters to their topic
+
+Without ``state:`` there is no state step: every join is a broadcast join of the join pass. Every
+consumer of the plan takes it from here: the job (:mod:`enrich.job`), the state step
+(:mod:`enrich.state.stream`), ``enrich validate --explain`` and ``enrich lookup --state``. This is
+the only module that calls :func:`enrich.join.plan`.
+
+Building a plan needs an active SparkContext (Spark parses ``events.schema`` and the published
+types) but no query, broker or executor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from pyspark.sql.pandas.types import from_arrow_type
+from pyspark.sql.types import BooleanType, StructField, StructType
+
+from enrich import events, join
+from enrich.checkpoint import CheckpointLayout
+from enrich.config import EnrichConfig, JoinConfig
+from enrich.join import JoinSpec
+from enrich.state.dimension import PartitionedDim, partitioned_dim
+from enrich.state.engine import StateSpec
+from enrich.state.plan import output_fields, resolve
+from refstream.contract import DatasetSchema
+from refstream.errors import ConfigError
+
+__all__ = ["JoinPass", "Pipeline", "Stage", "StatePlan"]
+
+#: What a stage does.
+StageKind = Literal["read", "parse", "join", "state", "sink"]
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One step of the plan: what it is, where it runs, and the columns it adds."""
+
+    kind: StageKind
+    name: str
+    where: str
+    adds: tuple[str, ...] = ()
+
+    def line(self) -> str:
+        adds = f": + {', '.join(self.adds)}" if self.adds else ""
+        return f"{self.kind} {self.name} ({self.where}){adds}"
+
+
+@dataclass(frozen=True)
+class JoinPass:
+    """The broadcast joins of the join pass, resolved against the published schemas of one moment
+    (a dataset's schema may change while the job runs: the job plans its pass again then)."""
+
+    schemas: Mapping[str, DatasetSchema]
+    specs: tuple[JoinSpec, ...]
+    columns: tuple[str, ...]        # the output's columns (internal ones left out)
+    schema: StructType              # the pass's output rows
+    fast_schema: StructType         # the same when the pass parses the events itself (enrich.fastparse)
+
+
+@dataclass(frozen=True)
+class StatePlan:
+    """The state step and what runs in the streaming plan around it."""
+
+    spec: StateSpec
+    before: tuple[JoinConfig, ...]      # broadcast joins run in the plan, before the step
+    before_specs: tuple[JoinSpec, ...]  # their specs, inner off: the step counts every event first
+    inner: tuple[str, ...]              # the ``matched`` columns of the inner ones among them
+    joined: StructType                  # parsed events and the ``before`` joins' columns: the step's input
+    dims: tuple[PartitionedDim, ...]    # the partitioned joins, inside the step
+    passed: tuple[StructField, ...]     # the columns the step passes through: ``joined``'s, the dims'
+    schema: StructType                  # the step's output: ``passed``, ``state``, ``_late``
+
+
+@dataclass(frozen=True)
+class Pipeline:
+    """The job's plan (see the module doc). Build it with :meth:`build`."""
+
+    cfg: EnrichConfig
+    timezone: str
+    events: StructType                  # the event fields (events.schema)
+    parsed: StructType                  # events.parse's columns
+    state: StatePlan | None
+    after: tuple[JoinConfig, ...]       # the broadcast joins of the join pass
+    join_pass: JoinPass                 # as planned against the schemas the plan was built with
+    checkpoint: CheckpointLayout
+
+    @classmethod
+    def build(cls, cfg: EnrichConfig, schemas: Mapping[str, DatasetSchema], *, timezone: str = "UTC") -> Pipeline:
+        """The plan of ``cfg`` against ``schemas`` (every joined dataset's published schema); a
+        :class:`ConfigError` naming the key and column at fault when the config does not fit them."""
+        missing = [ds for ds in cfg.datasets if ds not in schemas]
+        if missing:
+            raise ValueError(f"no published schema given for dataset(s) {missing}")
+        event_schema = events.event_schema(cfg.events.schema, cfg.events.required, cfg.source)
+        parsed = events.parsed_schema(event_schema)
+        state = _state_plan(cfg, parsed, schemas, timezone) if cfg.state is not None else None
+        after = tuple(j for j in cfg.broadcast_joins if state is None or j not in state.before)
+        first = _join_pass(cfg, after, schemas, state.schema if state is not None else parsed, timezone)
+        return cls(cfg=cfg, timezone=timezone, events=event_schema, parsed=parsed, state=state, after=after,
+                   join_pass=first, checkpoint=CheckpointLayout(cfg.checkpoint))
+
+    @property
+    def broadcast_datasets(self) -> dict[str, str]:
+        """dataset -> changelog topic of the datasets the driver pins and ships."""
+        return self.cfg.broadcast_datasets
+
+    def replan(self, schemas: Mapping[str, DatasetSchema]) -> JoinPass:
+        """The join pass against ``schemas`` (the broadcast datasets' current published schemas):
+        :attr:`join_pass` when they are the ones it was planned with."""
+        if all(self.join_pass.schemas.get(ds) == s for ds, s in schemas.items()):
+            return self.join_pass
+        before = self.state.schema if self.state is not None else self.parsed
+        return _join_pass(self.cfg, self.after, {**self.join_pass.schemas, **schemas}, before, self.timezone)
+
+    def stages(self) -> list[Stage]:
+        """The plan's stages in the order the data flows."""
+        cfg = self.cfg
+        ev = cfg.events
+        out = [Stage("read", ev.topic, f"Kafka, starting {ev.starting_offsets}, at most "
+                                       f"{cfg.max_events_per_batch:,} events per batch"),
+               Stage("parse", "events.schema", "pyarrow where exact, else from_json" if ev.parser == "auto"
+                     else "from_json", tuple(self.events.fieldNames()))]
+        if self.state is not None:
+            st = self.state
+            for j, s in zip(st.before, st.before_specs, strict=True):
+                out.append(_join_stage(j, s, "in the plan, before the state step"))
+            for d in st.dims:
+                j = cfg.partitioned_joins[d.index]
+                out.append(_join_stage(j, dataclasses.replace(d.join, inner=d.inner), "partitioned, in the state step"))
+            assert cfg.state is not None
+            out.append(Stage("state", f"keyed by {cfg.state.key}", f"{cfg.state.buckets} buckets, ttl "
+                             f"{cfg.state.ttl}, watermark {cfg.state.watermark}", ("state", "_late")))
+        for j, s in zip(self.after, self.join_pass.specs, strict=True):
+            out.append(_join_stage(j, s, "in the join pass"))
+        o = cfg.output
+        target = {"kafka": f"Kafka topic {o.topic}, exactly once per batch", "parquet": f"Parquet files in {o.path}",
+                  "console": f"the console, {o.rows} rows per batch"}[o.kind]
+        out.append(Stage("sink", o.kind, f"{target}; dead letters to {cfg.dead_letter_topic}"))
+        return out
+
+    def explain(self) -> list[str]:
+        """:meth:`stages` as numbered lines, then the output's columns."""
+        lines = [f"{self.cfg.source}: the job's plan, in order"]
+        lines += [f"  {i}. {s.line()}" for i, s in enumerate(self.stages(), 1)]
+        lines.append(f"  output columns: {', '.join(self.join_pass.columns)}")
+        return lines
+
+
+def _join_stage(j: JoinConfig, spec: JoinSpec, where: str) -> Stage:
+    strategy = "broadcast" if j.strategy == "broadcast" and "partitioned" not in where else ""
+    how = f"{j.how}{', ' + strategy if strategy else ''}"
+    return Stage("join", j.dataset, f"{how}, {where}", (*[out for _, out in spec.columns], spec.matched))
+
+
+def _join_pass(cfg: EnrichConfig, joins: Sequence[JoinConfig], schemas: Mapping[str, DatasetSchema],
+               before: StructType, timezone: str) -> JoinPass:
+    specs, out_schema = join.plan(joins, schemas, before, timezone=timezone, source=cfg.source)
+    _, fast_schema = join.plan(joins, schemas, events.fast_schema(before), timezone=timezone, source=cfg.source)
+    columns = tuple(f.name for f in out_schema.fields if f.name not in events.INTERNAL)
+    return JoinPass({ds: schemas[ds] for ds in cfg.broadcast_datasets}, tuple(specs), columns, out_schema,
+                    fast_schema)
+
+
+def _state_plan(cfg: EnrichConfig, parsed: StructType, schemas: Mapping[str, DatasetSchema],
+                timezone: str) -> StatePlan:
+    """Which broadcast joins run before the step, the partitioned ones inside it, and the step's
+    output; the ``state:`` section checked against the columns it can see."""
+    assert cfg.state is not None
+    src = cfg.source
+    # Every column a join can add, in the order the job adds them: the state section may name any of
+    # them, and is refused below if it names one that cannot reach the step.
+    _, with_dims = join.plan(cfg.partitioned_joins, schemas, parsed, timezone=timezone, source=src)
+    _, enriched = join.plan(cfg.broadcast_joins, schemas, with_dims, timezone=timezone, source=src)
+    spec = resolve(cfg.state, enriched, timezone=timezone, source=src)
+    before = _needed_by_state(cfg, schemas, with_dims, timezone)
+    # Each of these needs its on: columns from the events: a column of a partitioned join (added
+    # inside the step) or of a join left to the join pass is named by the plan's error.
+    specs, joined = join.plan(before, schemas, parsed, timezone=timezone, source=src)
+    inner = tuple(s.matched for s in specs if s.inner)
+    # An inner join drops its unmatched events after the state counted them, as it does after the step.
+    specs = [dataclasses.replace(s, inner=False) for s in specs]
+    dim_specs, _ = join.plan(cfg.partitioned_joins, schemas, joined, timezone=timezone, source=src)
+    dims = tuple(partitioned_dim(i, j.dataset, j.topic, schemas[j.dataset], dataclasses.replace(s, inner=False),
+                                 s.inner)
+                 for i, (j, s) in enumerate(zip(cfg.partitioned_joins, dim_specs, strict=True)))
+    inside = set(joined.fieldNames()) | {out for d in dims for _, out in d.join.columns}
+    for name in cfg.state.columns:
+        if name not in inside:
+            where = "key" if name == cfg.state.key else f"aggregates.{name}"
+            raise ConfigError(f"{src}: state.{where}: {name!r} comes from a join that cannot run before "
+                              "the state step (docs/state.md)")
+    passed = [StructField(f.name, f.dataType, True) for f in joined.fields]
+    for d in dims:
+        passed += [StructField(out, from_arrow_type(t), True)
+                   for (_, out), t in zip(d.join.columns, d.join.out_types, strict=True)]
+        passed.append(StructField(d.join.matched, BooleanType(), True))
+    schema = StructType(passed + output_fields(spec))
+    return StatePlan(spec=spec, before=tuple(before), before_specs=tuple(specs), inner=inner, joined=joined,
+                     dims=dims, passed=tuple(passed), schema=schema)
+
+
+def _needed_by_state(cfg: EnrichConfig, schemas: Mapping[str, DatasetSchema], with_dims: StructType,
+                     timezone: str) -> list[JoinConfig]:
+    """The broadcast joins the state step needs, in configured order: those adding a column
+    ``state:`` names, and those their ``on`` columns come from."""
+    assert cfg.state is not None
+    joins = cfg.broadcast_joins
+    specs, _ = join.plan(joins, schemas, with_dims, timezone=timezone, source=cfg.source)
+    needed, chosen = set(cfg.state.columns), set()
+    for _ in range(len(specs)):
+        for i, s in enumerate(specs):
+            if i not in chosen and ({out for _, out in s.columns} | {s.matched}) & needed:
+                chosen.add(i)
+                needed |= {e for e, _ in s.pairs}
+    return [j for i, j in enumerate(joins) if i in chosen]
