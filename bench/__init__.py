@@ -1,1 +1,2 @@
-"""Benchmarks (``python -m bench.<name>``); results in docs/benchmarks.md."""
+"""Benchmarks (``python -m bench.run NAME``, see bench/run.py); results in docs/benchmarks.md.
+Diagnostic tools (profilers, the event-log reader) are in :mod:`bench.tools`."""

@@ -248,7 +248,7 @@ class _Spies:
     ``foreachBatch``), ``<prefix>.source.<pid>`` (the Python data source's driver-side runners)."""
 
     def __init__(self, q: Any, prefix: Path, idle: bool, cpu_only: bool = False) -> None:
-        from bench import pyspy
+        from bench.tools import pyspy
 
         self._pyspy, self.prefix, self.idle, self.cpu_only = pyspy, prefix, idle, cpu_only
         self.started: list[Any] = []
@@ -537,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--py-spy", metavar="PREFIX", type=Path,
                     help="py-spy the job's Python processes in the last round, after its two warm-up batches, "
                     "into PREFIX.workers.<daemon pid>, PREFIX.driver and PREFIX.source.<pid> (raw format; summarise "
-                    "them with python -m bench.pyspy), and the CPU by process and JVM thread into PREFIX.cpu.txt; "
+                    "them with python -m bench.tools.pyspy), and the CPU by process and JVM thread into PREFIX.cpu.txt; "
                     "with --job-with-state, the stateful job's into PREFIX-state-r<round>.*")
     ap.add_argument("--py-spy-idle", action="store_true", help="with --py-spy: also the stacks of waiting threads")
     ap.add_argument("--cpu-only", action="store_true", help="with --py-spy: no sampling, only PREFIX-r<round>.cpu.txt, "

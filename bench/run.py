@@ -1,20 +1,19 @@
 """Benchmark entry point (``make bench ARGS="refresh --rows 1000000"``).
 
     python -m bench.run refresh [options of bench.refresh_bench]
-    python -m bench.run enrich  [options of bench.enrich_bench]
-    python -m bench.run encode  [options of bench.encode_bench]
     python -m bench.run readers [options of bench.refresh_readers]
-    python -m bench.run soak    [options of bench.soak]
-    python -m bench.run state_ops [options of bench.state_ops]
-    python -m bench.run state_profile [options of bench.state_profile]
+    python -m bench.run encode  [options of bench.encode_bench]
+    python -m bench.run enrich  [options of bench.enrich_bench]
+    python -m bench.run kafka_io [options of bench.kafka_io]
+    python -m bench.run cluster_cpu [options of bench.enrich_cluster_cpu]
     python -m bench.run partitioned [options of bench.partitioned_bench]
+    python -m bench.run state_ops [options of bench.state_ops]
     python -m bench.run state_restart [options of bench.state_restart]
-    python -m bench.run dimension_bootstrap [options of bench.dimension_bootstrap]
-    python -m bench.run eventlog [options of bench.eventlog]
-    python -m bench.run engine_apply [options of bench.engine_apply]
+    python -m bench.run soak    [options of bench.soak]
 
 Each benchmark is a module with a ``main(argv) -> int``; it is imported only when chosen, so one
-benchmark's missing or broken module does not stop the other.
+benchmark's missing or broken module does not stop the other. Their figures are in
+docs/benchmarks.md. The diagnostic tools (profilers, event-log reader) are in ``bench.tools``.
 """
 
 from __future__ import annotations
@@ -24,26 +23,26 @@ import sys
 
 BENCHMARKS = {
     "refresh": ("bench.refresh_bench", "refresher: full diff-mode `refresh run` vs. reading the table"),
-    "enrich": ("bench.enrich_bench", "enrichment job: throughput, latency and memory"),
-    "dimension_bootstrap": ("bench.dimension_bootstrap", "enrichment job: the driver's bootstrap of a broadcast "
-                            "dimension, step by step"),
-    "eventlog": ("bench.eventlog", "a Spark event log of a bench run: each batch's stages, their wall and task time"),
-    "encode": ("bench.encode_bench", "refresher: change rows to contract JSON, bulk vs row-wise encoders"),
     "readers": ("bench.refresh_readers", "refresher: a MariaDB table read by PyMySQL vs ConnectorX"),
-    "soak": ("bench.soak", "reliability: the topology under reference churn and SIGKILLs, then an accounting"),
-    "state_profile": ("bench.state_profile", "the state step against the same parse without it, optionally py-spy"),
+    "encode": ("bench.encode_bench", "refresher: change rows to contract JSON, bulk vs row-wise encoders"),
+    "enrich": ("bench.enrich_bench", "enrichment job against its baselines: throughput, state, latency, memory"),
+    "kafka_io": ("bench.kafka_io", "the job's Kafka source and transactional writer on their own"),
+    "cluster_cpu": ("bench.enrich_cluster_cpu", "enrichment job on a standalone cluster: the driver's share "
+                    "of the CPU"),
     "partitioned": ("bench.partitioned_bench", "partitioned vs broadcast dimension on a cluster: driver memory, "
                     "first batch, throughput"),
-    "state_restart": ("bench.state_restart", "state of N devices: checkpoint size, restart after SIGKILL until output"),
-    "engine_apply": ("bench.engine_apply", "the state engine's apply on one bucket (no Spark), per call"),
     "state_ops": ("bench.state_ops", "state store: per-key MapState calls vs one Arrow blob per group, per key"),
+    "state_restart": ("bench.state_restart", "state of N devices: checkpoint size, restart after SIGKILL until output"),
+    "soak": ("bench.soak", "reliability: the topology under reference churn and SIGKILLs, then an accounting"),
 }
 
 
 def usage() -> str:
     lines = ["usage: python -m bench.run {" + ",".join(BENCHMARKS) + "} [options]", ""]
-    lines += [f"  {name:<8} {what}" for name, (_, what) in BENCHMARKS.items()]
-    lines += ["", "`python -m bench.run NAME --help` lists a benchmark's options."]
+    width = max(map(len, BENCHMARKS))
+    lines += [f"  {name:<{width}}  {what}" for name, (_, what) in BENCHMARKS.items()]
+    lines += ["", "`python -m bench.run NAME --help` lists a benchmark's options; figures in docs/benchmarks.md.",
+              "Diagnostic tools: `python -m bench.tools.NAME --help` (bench/tools/__init__.py lists them)."]
     return "\n".join(lines)
 
 

@@ -6,7 +6,7 @@ No broker and no joins: this isolates the step (the Kafka source and sink cost t
 without it). Each run reads the same files, one per micro-batch (``maxFilesPerTrigger=1``), with a
 fresh checkpoint; the first two batches are warm-up.
 
-    python -m bench.run state_profile --events 400000 --devices 100000 --batch 100000 --repeat 3 \
+    python -m bench.tools.state_profile --events 400000 --devices 100000 --batch 100000 --repeat 3 \
         [--py-spy var/state-profile.txt]
 """
 
@@ -25,7 +25,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-from bench import pyspy
+from bench.tools import pyspy
 
 EVENT_SCHEMA = "device_id STRING, ts TIMESTAMP, temperature DOUBLE, battery DOUBLE"
 
@@ -85,7 +85,7 @@ def steady_rate(progress: list[dict[str, Any]], skip: int = 2) -> tuple[float, f
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="bench.run state_profile", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.tools.state_profile", description=__doc__.split("\n\n")[0])
     ap.add_argument("--events", type=int, default=400_000)
     ap.add_argument("--devices", type=int, default=100_000)
     ap.add_argument("--batch", type=int, default=100_000)

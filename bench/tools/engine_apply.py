@@ -6,7 +6,7 @@ events of random devices of the bucket, with the benchmark's aggregates (tempera
 max, mean; battery: last). The state is built by ``--warm`` earlier batches; each round times
 ``--calls`` calls on the same state and events and reports the median round.
 
-    python -m bench.run engine_apply --devices 15600 --events 3900 --repeat 5
+    python -m bench.tools.engine_apply --devices 15600 --events 3900 --repeat 5
 
 To compare two versions of the engine, run it from a snapshot of each (``git archive``).
 """
@@ -28,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     from enrich.state import engine
     from enrich.state.engine import StateSpec
 
-    ap = argparse.ArgumentParser(prog="python -m bench.run engine_apply", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m bench.tools.engine_apply", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--devices", type=int, default=15_600, help="devices of the bucket (default %(default)s)")
     ap.add_argument("--events", type=int, default=3_900, help="events of the timed batch (default %(default)s)")

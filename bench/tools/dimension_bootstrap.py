@@ -1,6 +1,6 @@
 """The driver's bootstrap of a broadcast dimension, step by step.
 
-    .venv/bin/python -m bench.dimension_bootstrap --rows 1000000 --repeat 2
+    .venv/bin/python -m bench.tools.dimension_bootstrap --rows 1000000 --repeat 2
 
 Publishes ``--rows`` device rows (``bench.enrich_data.publish_devices``) to an embedded broker (or
 ``--bootstrap``), then per round builds a fresh ``ChangelogFollower`` and ``DimensionState``, as the
@@ -22,7 +22,7 @@ from enrich.dimension.store import DimensionState
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.dimension_bootstrap", description=__doc__,
+    ap = argparse.ArgumentParser(prog="python -m bench.tools.dimension_bootstrap", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, default=1_000_000)
     ap.add_argument("--repeat", type=int, default=2)

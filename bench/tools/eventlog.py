@@ -2,7 +2,7 @@
 
 Run a bench with ``--conf spark.eventLog.enabled=true --conf spark.eventLog.dir=DIR``, then:
 
-    python -m bench.eventlog DIR/<application dir or file> [--min-ms 500] [--group job-description]
+    python -m bench.tools.eventlog DIR/<application dir or file> [--min-ms 500] [--group job-description]
 
 Prints, per Spark job that took at least ``--min-ms`` (a micro-batch of a query is one job, or more),
 its stages: tasks, the stage's wall time, the sum of its tasks' run time, the executors' JVM CPU
@@ -80,7 +80,7 @@ def summarise(path: Path, min_ms: int = 500) -> list[dict[str, Any]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.eventlog", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.tools.eventlog", description=__doc__.split("\n\n")[0])
     ap.add_argument("path", type=Path)
     ap.add_argument("--min-ms", type=int, default=500)
     args = ap.parse_args(argv)

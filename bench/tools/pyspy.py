@@ -13,7 +13,7 @@ frame first; with ``--subprocesses`` the process is the first frame). :func:`sum
 samples of such a file by the first matching rule over the stack (phase) and lists the top leaf
 frames:
 
-    python -m bench.pyspy FILE [--rules job] [--top 25]
+    python -m bench.tools.pyspy FILE [--rules job] [--top 25]
 """
 
 from __future__ import annotations
@@ -207,7 +207,7 @@ def summarise(stacks: Counter[str], rules: list[tuple[str, str]], top: int = 25)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m bench.pyspy", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.tools.pyspy", description=__doc__.split("\n\n")[0])
     ap.add_argument("files", nargs="+", type=Path, help="py-spy raw files (a prefix takes FILE.<pid> too)")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--exclude", default="", help="regular expression: stacks matching it are left out")
