@@ -21,7 +21,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -53,10 +52,10 @@ def write_batches(spark: Any, root: Path, events: int, devices: int, batch: int)
 def run(spark: Any, data: Path, work: Path, *, state: bool, buckets: int, fast: bool = True) -> list[dict[str, Any]]:
     from pyspark.sql.types import StructType
 
-    from enrich import events
-    from enrich.config import StateConfig
+    from enrich import config, events
     from enrich.fastparse import FastParser
-    from enrich.state.plan import resolve
+    from enrich.pipeline import Pipeline
+    from enrich.state.layout import BucketLayout
     from enrich.state.stream import PROVIDER_CONF, ROCKSDB, attach
 
     schema = StructType.fromDDL(EVENT_SCHEMA)
@@ -64,13 +63,16 @@ def run(spark: Any, data: Path, work: Path, *, state: bool, buckets: int, fast: 
            .option("maxFilesPerTrigger", 1).parquet(str(data)))
     parsed = events.parse(raw, schema, keep_source=True)
     if state:
-        cfg = StateConfig(key="device_id", timestamp="ts", ttl=timedelta(hours=1), watermark=timedelta(minutes=5),
-                          aggregates=(("temperature", ("last", "min", "max", "mean")), ("battery", ("last",))),
-                          buckets=buckets)
+        cfg = config.parse({
+            "kafka": {"bootstrap_servers": "127.0.0.1:9"}, "events": {"topic": "events", "schema": EVENT_SCHEMA},
+            "output": {"console": {}}, "dead_letter_topic": "dlq", "checkpoint": str(work),
+            "state": {"key": "device_id", "timestamp": "ts", "ttl": "1h", "watermark": "5m", "buckets": buckets,
+                      "aggregates": {"temperature": ["last", "min", "max", "mean"], "battery": ["last"]}}}, "bench")
         spark.conf.set(PROVIDER_CONF, ROCKSDB)
         parser = FastParser.for_schema(schema) if fast else None
-        parsed = attach(raw, schema, cfg, resolve(cfg, parsed.schema, timezone="UTC", source="bench"),
-                        parser=parser).frame()
+        pipeline = Pipeline.build(cfg, {}, timezone="UTC")
+        layout = BucketLayout.balanced(buckets, int(spark.conf.get("spark.sql.shuffle.partitions") or 4))
+        parsed = attach(raw, pipeline, layout, parser=parser).frame()
     q = (parsed.writeStream.format("noop").option("checkpointLocation", str(work))
          .trigger(availableNow=True).start())
     q.awaitTermination()
