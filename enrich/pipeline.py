@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Literal
 
 from pyspark.sql.pandas.types import from_arrow_type
@@ -139,15 +140,16 @@ class Pipeline:
         if self.state is not None:
             st = self.state
             for j, s in zip(st.before, st.before_specs, strict=True):
-                out.append(_join_stage(j, s, "in the plan, before the state step"))
+                out.append(_join_stage(j, s, "broadcast, in the plan before the state step"))
             for d in st.dims:
                 j = cfg.partitioned_joins[d.index]
-                out.append(_join_stage(j, dataclasses.replace(d.join, inner=d.inner), "partitioned, in the state step"))
+                out.append(_join_stage(j, d.join, "partitioned, in the state step"))
             assert cfg.state is not None
             out.append(Stage("state", f"keyed by {cfg.state.key}", f"{cfg.state.buckets} buckets, ttl "
-                             f"{cfg.state.ttl}, watermark {cfg.state.watermark}", ("state", "_late")))
+                             f"{_seconds(cfg.state.ttl)}, watermark {_seconds(cfg.state.watermark)}",
+                             ("state", "_late")))
         for j, s in zip(self.after, self.join_pass.specs, strict=True):
-            out.append(_join_stage(j, s, "in the join pass"))
+            out.append(_join_stage(j, s, "broadcast, in the join pass"))
         o = cfg.output
         target = {"kafka": f"Kafka topic {o.topic}, exactly once per batch", "parquet": f"Parquet files in {o.path}",
                   "console": f"the console, {o.rows} rows per batch"}[o.kind]
@@ -163,9 +165,12 @@ class Pipeline:
 
 
 def _join_stage(j: JoinConfig, spec: JoinSpec, where: str) -> Stage:
-    strategy = "broadcast" if j.strategy == "broadcast" and "partitioned" not in where else ""
-    how = f"{j.how}{', ' + strategy if strategy else ''}"
-    return Stage("join", j.dataset, f"{how}, {where}", (*[out for _, out in spec.columns], spec.matched))
+    on = ", ".join(f"{e} = {k}" for e, k in spec.pairs)
+    return Stage("join", j.dataset, f"{j.how}, on {on}, {where}", (*[out for _, out in spec.columns], spec.matched))
+
+
+def _seconds(d: timedelta) -> str:
+    return f"{d.total_seconds():g}s"
 
 
 def _join_pass(cfg: EnrichConfig, joins: Sequence[JoinConfig], schemas: Mapping[str, DatasetSchema],

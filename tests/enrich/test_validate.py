@@ -109,3 +109,69 @@ def test_json_log_format(tmp_path):
     records = [json.loads(line) for line in logged]
     assert [(r["level"], r["logger"], r["message"]) for r in records] == [("ERROR", "enrich", "enrich failed")]
     assert "Traceback" in records[0]["exc"] and "ConfigError" in records[0]["exc"]
+
+
+EXPLAINED = """\
+kafka: {{bootstrap_servers: "{bootstrap}"}}
+events: {{topic: {events}, schema: "device_id STRING, site_id STRING, ts TIMESTAMP, temp DOUBLE"}}
+joins:
+  - {{dataset: models, topic: {models}, on: {{model_id: id}}, columns: [model_name], how: inner}}
+  - {{dataset: sites, topic: {sites}, on: site_id}}
+  - {{dataset: devices, topic: {devices}, on: device_id, columns: [model_id], strategy: partitioned}}
+output: {{kafka: {{topic: out}}}}
+dead_letter_topic: dlq
+checkpoint: {checkpoint}
+state: {{key: device_id, timestamp: ts, buckets: 8, aggregates: {{temp: [mean], region: [last]}}}}
+"""
+
+
+def test_explain_prints_the_plan_in_order_with_the_columns_each_stage_adds(spark, kafka, unique, tmp_path, capsys):
+    from refstream.contract import Column, DatasetSchema
+    from tests.enrich.helpers import changelog, publish
+
+    topics = {n: unique(f"ref.{n}") for n in ("models", "sites", "devices")}
+    publish(kafka, topics["models"], changelog(DatasetSchema("models", ("id",), (
+        Column("id", "string"), Column("model_name", "string"), Column("vendor", "string")))))
+    publish(kafka, topics["sites"], changelog(DatasetSchema("sites", ("site_id",), (
+        Column("site_id", "string"), Column("region", "string"), Column("city", "string")))))
+    publish(kafka, topics["devices"], changelog(DatasetSchema("devices", ("device_id",), (
+        Column("device_id", "string"), Column("model_id", "string")))))
+    p = tmp_path / "enrich.yaml"
+    events = unique("ev")
+    p.write_text(EXPLAINED.format(bootstrap=kafka["bootstrap.servers"], events=events, checkpoint=tmp_path / "ck",
+                                  **topics))
+    assert main(["validate", "--config", str(p), "--explain"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    plan = out[out.index(f"{p}: the job's plan, in order"):-1]
+    # The state aggregates region: its join runs before the step; models joins on a column the
+    # partitioned join adds inside the step, so it runs in the join pass, after the state.
+    assert plan[1:] == [
+        f"  1. read {events} (Kafka, starting latest, at most 100,000 events per batch)",
+        "  2. parse events.schema (pyarrow where exact, else from_json): + device_id, site_id, ts, temp",
+        "  3. join sites (left, on site_id = site_id, broadcast, in the plan before the state step): + region, city, "
+        "_sites_matched",
+        "  4. join devices (left, on device_id = device_id, partitioned, in the state step): + model_id, "
+        "_devices_matched",
+        "  5. state keyed by device_id (8 buckets, ttl 3600s, watermark 300s): + state, _late",
+        "  6. join models (inner, on model_id = id, broadcast, in the join pass): + model_name, _models_matched",
+        "  7. sink kafka (Kafka topic out, exactly once per batch; dead letters to dlq)",
+        "  output columns: device_id, site_id, ts, temp, region, city, _sites_matched, model_id, _devices_matched, "
+        "state, _late, model_name, _models_matched",
+    ]
+    assert out[-1] == f"{p}: valid"
+    assert not (tmp_path / "ck").exists(), "validate writes no checkpoint"
+
+
+def test_explain_names_a_join_the_published_schema_refuses(spark, kafka, unique, tmp_path, capsys):
+    from refstream.contract import Column, DatasetSchema
+    from tests.enrich.helpers import changelog, publish
+
+    devices, sites = unique("ref.devices"), unique("ref.sites")
+    publish(kafka, devices, changelog(DatasetSchema("devices", ("device_id",), (
+        Column("device_id", "string"), Column("owner", "string")))))
+    publish(kafka, sites, changelog(DatasetSchema("sites", ("id",), (Column("id", "string"),))))
+    p = write(tmp_path, bootstrap=kafka["bootstrap.servers"], events=unique("ev"), devices=devices, sites=sites)
+    assert main(["validate", "--config", str(p), "--explain"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err == (f"enrich: {p}: joins[0] (devices): columns: ['site_id'] not in the published schema "
+                   "['device_id', 'owner']")

@@ -159,8 +159,10 @@ def test_state_of_a_broadcast_join_column(spark: SparkSession, kafka: dict[str, 
                                    for m, d in enumerate(["a", "b", "a"])])
     with caplog.at_level(logging.INFO, logger="enrich.job"):
         run(spark, data)
-    assert any("joined in the plan, before the state step (the state aggregates their columns): devices" in
-               r.getMessage() for r in caplog.records)
+    plan = [r.getMessage() for r in caplog.records if r.getMessage().startswith("plan: ")]
+    assert any("join devices (left, on device_id = device_id, broadcast, in the plan before the state step)" in line
+               for line in plan), plan
+    assert any("join sites (left, on site_id = site_id, broadcast, in the join pass)" in line for line in plan), plan
     # The owner changes; the next batch's events (and their state) see the version pinned for it.
     publish(kafka, devices, changelog(DEVICES, [{"device_id": "a", "owner": "bob"}, {"device_id": "b", "owner": "bo"}],
                                       version=2, with_schema=False))
