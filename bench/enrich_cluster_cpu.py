@@ -112,7 +112,7 @@ def sink_batches(log: Path) -> list[tuple[float, int]]:
         except ValueError:
             continue
         msg = rec.get("message", "")
-        if rec.get("logger") == "enrich.sinks.kafka" and msg.startswith("batch ") and " records and " in msg:
+        if rec.get("logger") == "enrich.sinks.kafka.sink" and msg.startswith("batch ") and " records and " in msg:
             out.append((datetime.fromisoformat(rec["time"]).timestamp(), int(msg.split(": ", 1)[1].split(" records")[0])))
     return out
 

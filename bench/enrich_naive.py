@@ -21,10 +21,10 @@ from pyspark.sql.types import StructType
 
 from bench.enrich_data import DEVICES, EVENT_DDL, JOIN_COLUMNS
 from enrich import events
-from enrich.kafka.offsets import EndOffsetProbe
-from enrich.kafka.options import SourceOptions
-from enrich.kafka.source import KafkaBatchReader, KafkaDataSource
 from enrich.sinks.abc import JSON_OPTIONS
+from enrich.source.kafka import KafkaBatchReader, KafkaDataSource
+from enrich.source.offsets import EndOffsetProbe
+from enrich.source.options import SourceOptions
 from refstream.compat import spark_schema
 from refstream.contract import SCHEMA_KEY
 

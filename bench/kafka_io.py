@@ -64,8 +64,8 @@ def plain_consume(settings: dict[str, str], topic: str, n: int) -> float:
 
 def spark_source(settings: dict[str, str], topic: str, n: int, master: str, max_per_trigger: int | None
                  ) -> tuple[float, float, int]:
-    from enrich.kafka import read_stream
     from enrich.session import build_session
+    from enrich.source import read_stream
 
     spark = build_session(master, "bench-kafka-io", {"spark.driver.memory": "2g"})
     try:
@@ -92,7 +92,7 @@ def spark_source(settings: dict[str, str], topic: str, n: int, master: str, max_
 
 
 def transactional_write(settings: dict[str, str], n: int, partitions: int, size: int, batch: int) -> float:
-    from enrich.kafka import TransactionalBatchWriter
+    from enrich.sinks.kafka.writer import TransactionalBatchWriter
 
     topic = f"bench-out-{uuid.uuid4().hex[:8]}"
     ensure_topic(settings, topic, partitions=partitions)

@@ -20,7 +20,7 @@ OnOffsetReset = Literal["fail", "earliest", "latest"]
 #: Which Kafka connector reads the events: this package's Python data source, or Spark's own
 #: (``builtin``, when its jar is on the classpath).
 EventSource = Literal["python", "builtin"]
-#: How event JSON is parsed: ``auto`` with pyarrow where that is exact (:mod:`enrich.fastparse`), else
+#: How event JSON is parsed: ``auto`` with pyarrow where that is exact (:mod:`enrich.events.fastparse`), else
 #: Spark's ``from_json``; ``spark`` always with ``from_json``.
 Parser = Literal["auto", "spark"]
 #: ``left`` keeps events without a match (nulls in the looked-up columns); ``inner`` drops them.

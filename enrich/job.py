@@ -4,7 +4,7 @@ One ``foreachBatch`` per micro-batch; the driver only plans it:
 1. pin: fix (or, on a replay, reuse) the changelog positions of every dimension for this batch id,
    bring the dimensions there and ship what changed (docs/dimension.md);
 2. parse the events (bad ones get ``_error``) and join them in one ``mapInArrow`` pass: with the
-   Kafka sink pyarrow parses what it parses exactly (``enrich.fastparse``), else ``from_json``;
+   Kafka sink pyarrow parses what it parses exactly (``enrich.events.fastparse``), else ``from_json``;
 3. the sink writes the good rows at most once per batch id: the Kafka sink in the tasks, each in its
    own transaction with its dead letters (a task that met an event pyarrow left to ``from_json``
    writes nothing, and its slot is written by a second, ``from_json``, plan of the same input); the
@@ -32,15 +32,15 @@ from pyspark.sql.streaming import DataStreamWriter, StreamingQuery
 from enrich import events, join
 from enrich.checkpoint import CheckpointLayout
 from enrich.config import EnrichConfig
-from enrich.deadletter import DeadLetters
 from enrich.dimension.changelog import ChangelogFollower
 from enrich.dimension.manager import Dimensions
 from enrich.dimension.ship import Shipper
 from enrich.dimension.versions import FileVersionLog
-from enrich.fastparse import FastParser
+from enrich.events.fastparse import FastParser
 from enrich.metrics import RESULTS, EnrichMetrics
 from enrich.pipeline import JoinPass, Pipeline
 from enrich.sinks import Counted, EnrichedBatch, Sink, make_sink
+from enrich.sinks.deadletter import DeadLetters
 from enrich.state.checkpoint import check_checkpoint
 from enrich.state.devices import DeviceCount
 from enrich.state.plan import LATE
@@ -215,7 +215,7 @@ class EnrichJob:
         return metrics
 
     def _read(self, spark: SparkSession) -> DataFrame:
-        from enrich.kafka import read_stream
+        from enrich.source import read_stream
 
         ev = self.cfg.events
         return read_stream(spark, self.cfg.kafka, [ev.topic], starting_offsets=ev.starting_offsets,
@@ -274,7 +274,7 @@ class EnrichJob:
         """The transactional id of this checkpoint's writer to ``topic``, created at first use and kept
         in the checkpoint (``CheckpointLayout.sink_identity``): a checkpoint moved to another path keeps its identity,
         so the restarted writer still fences its predecessor and finds its batch markers."""
-        from enrich.kafka import transactional_id_for
+        from enrich.sinks.kafka.writer import transactional_id_for
 
         path = self.layout.sink_identity
         ids: dict[str, str] = {}

@@ -31,7 +31,7 @@ from enrich.config import JoinConfig
 from enrich.dimension.ship import Shipped
 from enrich.dimension.store import DELETED
 from enrich.events import SLOW, FastEvents
-from enrich.fastparse import FastParser
+from enrich.events.fastparse import FastParser
 from enrich.ipc import from_ipc
 from enrich.worker import settle
 from refstream.compat import key_index, spark_schema

@@ -11,7 +11,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from enrich.kafka.offsets import from_json_offsets
+from enrich.source.offsets import from_json_offsets
 
 #: ``refstream_enrich_events_total``'s results; ``unmatched`` and ``late`` count among ``enriched``.
 RESULTS = ("enriched", "unmatched", "late", "dead_letter")

@@ -71,7 +71,7 @@ class JoinPass:
     specs: tuple[JoinSpec, ...]
     columns: tuple[str, ...]        # the output's columns (internal ones left out)
     schema: StructType              # the pass's output rows
-    fast_schema: StructType         # the same when the pass parses the events itself (enrich.fastparse)
+    fast_schema: StructType         # the same when the pass parses the events itself (enrich.events.fastparse)
 
 
 @dataclass(frozen=True)

@@ -53,7 +53,7 @@ def run(spark: Any, data: Path, work: Path, *, state: bool, buckets: int, fast: 
     from pyspark.sql.types import StructType
 
     from enrich import config, events
-    from enrich.fastparse import FastParser
+    from enrich.events.fastparse import FastParser
     from enrich.pipeline import Pipeline
     from enrich.state.layout import BucketLayout
     from enrich.state.stream import PROVIDER_CONF, ROCKSDB, attach

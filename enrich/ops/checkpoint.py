@@ -16,7 +16,7 @@ from typing import Any
 from enrich.checkpoint import CheckpointLayout
 from enrich.dimension.abc import Positions
 from enrich.dimension.versions import FileVersionLog
-from enrich.kafka.offsets import TP, from_json_offsets
+from enrich.source.offsets import TP, from_json_offsets
 from refstream.errors import DataError
 
 _BATCH = re.compile(r"^\d+$")

@@ -17,8 +17,8 @@ from typing import Any
 from confluent_kafka import OFFSET_END, KafkaException, TopicPartition
 
 from enrich.config import EnrichConfig
-from enrich.kafka.offsets import TP, EndOffsetProbe
 from enrich.ops.checkpoint import Checkpoint
+from enrich.source.offsets import TP, EndOffsetProbe
 from refstream import kafka as rkafka
 from refstream.errors import TransientError
 

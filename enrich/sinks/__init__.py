@@ -10,12 +10,12 @@ __all__ = ["Counted", "EnrichedBatch", "Sink", "make_sink"]
 
 def make_sink(cfg: EnrichConfig, scope: str | None = None, transactional_id: str | None = None) -> Sink:
     """The configured sink; ``scope`` identifies the query and ``transactional_id`` is the base of
-    the Kafka sink's transactional ids (see ``enrich.kafka.tasks``; default: ``output.transactional_id``,
+    the Kafka sink's transactional ids (see ``enrich.sinks.kafka.tasks``; default: ``output.transactional_id``,
     else derived from the checkpoint path)."""
     out = cfg.output
     if out.kind == "kafka":
-        from enrich.kafka import transactional_id_for
-        from enrich.sinks.kafka import KafkaSink
+        from enrich.sinks.kafka.sink import KafkaSink
+        from enrich.sinks.kafka.writer import transactional_id_for
 
         assert out.topic is not None
         tid = out.transactional_id or transactional_id or transactional_id_for(cfg.checkpoint, out.topic)

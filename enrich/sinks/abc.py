@@ -1,7 +1,7 @@
 """The sink interface: one micro-batch of enriched events in, its dead letters out.
 
 A sink must be idempotent per batch id (a batch replayed after a crash is written at most once)
-and returns the batch's dead-letter rows (``enrich.deadletter.COLUMNS``) for the dead-letter topic,
+and returns the batch's dead-letter rows (``enrich.sinks.deadletter.COLUMNS``) for the dead-letter topic,
 unless it writes them itself (``writes_dead_letters``: the Kafka sink, in the tasks' transactions).
 """
 
@@ -14,8 +14,8 @@ import pyarrow as pa
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
-from enrich.deadletter import COLUMNS as DEAD_COLUMNS
 from enrich.events import ERROR
+from enrich.sinks.deadletter import COLUMNS as DEAD_COLUMNS
 
 #: How enriched events are written as JSON: nulls kept (an unmatched join shows as nulls), microseconds kept.
 JSON_OPTIONS = {"ignoreNullFields": "false", "timestampFormat": "yyyy-MM-dd'T'HH:mm:ss.SSSSSSXXX",

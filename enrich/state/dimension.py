@@ -222,8 +222,8 @@ def published_schema(spark: SparkSession, settings: Mapping[str, str], dataset: 
                      timeout: float) -> DatasetSchema:
     """The last schema record of ``topic``, read by the executors (the driver gets schema records
     only); waits up to ``timeout`` seconds for one, as a broadcast dimension's bootstrap does."""
-    from enrich.kafka import register, source_options
-    from enrich.kafka.source import FORMAT
+    from enrich.source import register, source_options
+    from enrich.source.kafka import FORMAT
 
     register(spark)
     opts = source_options(settings, [topic], starting_offsets="earliest")

@@ -3,7 +3,7 @@
 Two ``mapInArrow`` passes (:class:`EventPacker`) bring the Kafka records to the step
 (``enrich.state.stream.attach``):
 
-1. *fast*: pyarrow parses the values it parses exactly (``enrich.fastparse``); those events go
+1. *fast*: pyarrow parses the values it parses exactly (``enrich.events.fastparse``); those events go
    through the in-plan joins, get ``_error`` when their state key or time is null, their event time
    in microseconds and their bucket's grouping key (:class:`enrich.state.layout.BucketLayout`, from
    Spark's own ``hash``),

@@ -37,10 +37,10 @@ from pyspark.sql.types import (
 
 from enrich import events
 from enrich.events import ERROR, FastEvents
-from enrich.fastparse import FastParser
-from enrich.kafka import read_stream
+from enrich.events.fastparse import FastParser
 from enrich.pipeline import Pipeline
 from enrich.session import SHUFFLE_PARTITIONS
+from enrich.source import read_stream
 from enrich.state import ingest, packed
 from enrich.state.cache import TableCache
 from enrich.state.checkpoint import check_checkpoint

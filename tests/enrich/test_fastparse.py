@@ -24,9 +24,9 @@ from pyspark.sql.types import (
 )
 
 from enrich import events, join
-from enrich.fastparse import FastParser
+from enrich.events.fastparse import FastParser
 from enrich.sinks.abc import EnrichedBatch
-from enrich.sinks.kafka import records_frame
+from enrich.sinks.kafka.sink import records_frame
 
 SCHEMA = StructType([StructField("device_id", StringType()), StructField("ts", TimestampType()),
                      StructField("temperature", DoubleType()), StructField("battery", IntegerType()),

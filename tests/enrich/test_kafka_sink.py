@@ -6,8 +6,9 @@ import pyarrow as pa
 import pytest
 from confluent_kafka import KafkaException, Producer
 
-import enrich.kafka.writer as writer_mod
-from enrich.kafka import TransactionalBatchWriter, read_stream, transactional_id_for
+import enrich.sinks.kafka.writer as writer_mod
+from enrich.sinks.kafka.writer import TransactionalBatchWriter, transactional_id_for
+from enrich.source import read_stream
 from refstream.kafka import ensure_topic, read_to_end
 
 HEADERS = pa.list_(pa.struct([("key", pa.string()), ("value", pa.binary())]))

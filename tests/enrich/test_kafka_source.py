@@ -10,9 +10,10 @@ from confluent_kafka import Producer
 from pyspark.sql import SparkSession
 from pyspark.sql.streaming.datasource import ReadAllAvailable
 
-from enrich.kafka import read_stream, source_options
-from enrich.kafka.fetch import OffsetRange, lost_offsets
-from enrich.kafka.offsets import (
+from enrich.source import read_stream, source_options
+from enrich.source.fetch import OffsetRange, lost_offsets
+from enrich.source.kafka import KafkaStreamReader
+from enrich.source.offsets import (
     TOPIC_IDS,
     EndOffsetProbe,
     ProbeResult,
@@ -23,8 +24,7 @@ from enrich.kafka.offsets import (
     to_json_offsets,
     topic_ids_of,
 )
-from enrich.kafka.options import SourceOptions
-from enrich.kafka.source import KafkaStreamReader
+from enrich.source.options import SourceOptions
 from refstream.errors import ConfigError, DataError
 from refstream.kafka import admin, ensure_topic, read_to_end
 
@@ -220,7 +220,7 @@ def test_offsets_json_is_canonical_and_starting_offsets_are_validated():
 
 
 def test_missing_options_are_named(spark):
-    from enrich.kafka import register
+    from enrich.source import register
 
     register(spark)
     bad: list[Callable[[], object]] = [
@@ -234,7 +234,7 @@ def test_missing_options_are_named(spark):
 
 
 def test_builtin_switch_uses_sparks_kafka_format_with_the_same_options(spark, kafka):
-    from enrich.kafka import source_options
+    from enrich.source import source_options
 
     opts = source_options(kafka, ["a", "b"], starting_offsets="earliest", max_offsets_per_trigger=5)
     assert opts == {"kafka.bootstrap.servers": kafka["bootstrap.servers"], "subscribe": "a,b",

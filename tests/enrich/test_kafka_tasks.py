@@ -1,4 +1,4 @@
-"""The executors' Kafka writer (``enrich.kafka.tasks``): one transaction per Spark task, with a
+"""The executors' Kafka writer (``enrich.sinks.kafka.tasks``): one transaction per Spark task, with a
 marker per slot; on real Spark (local) and the real broker."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import json
 import pytest
 from pyspark.sql import DataFrame, SparkSession
 
-from enrich.kafka.tasks import RESULT_DDL, TaskWriter, slot_id
-from enrich.kafka.writer import MARKER_SUFFIX, last_marker, written_ends
+from enrich.sinks.kafka.tasks import RESULT_DDL, TaskWriter, slot_id
+from enrich.sinks.kafka.writer import MARKER_SUFFIX, last_marker, written_ends
 from refstream.kafka import ensure_topic, producer
 from tests.enrich.helpers import read_settled
 

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 from confluent_kafka import Producer
 
-from enrich.kafka.offsets import EndOffsetProbe
+from enrich.source.offsets import EndOffsetProbe
 from refstream.kafka import ensure_topic
 
 

@@ -44,9 +44,12 @@ def write_config(path: Path, kafka: dict[str, str], unique: Callable[[str], str]
 
 
 def start_job(config: Path, log: Path, *extra: str, master: str = "local[2]",
-              env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYTHONPATH": str(ROOT), **(env or {})}
-    return subprocess.Popen([sys.executable, "-m", "enrich", "run", "--config", str(config), "--master", master,
+              kill: str | None = None) -> subprocess.Popen[bytes]:
+    """``enrich run`` as a process of its own; ``kill``: through the kill hook (tests/enrich/kill.py)
+    with this spec."""
+    env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYTHONPATH": str(ROOT)}
+    entry = ["tests.enrich.kill", kill] if kill is not None else ["enrich"]
+    return subprocess.Popen([sys.executable, "-m", *entry, "run", "--config", str(config), "--master", master,
                              *extra], cwd=ROOT, env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT,  # noqa: SIM115
                             start_new_session=True)
 
@@ -136,7 +139,6 @@ def test_a_python_worker_killed_inside_its_transaction_leaves_each_event_once(
     """The task of slot 0 in batch 1 kills its Python worker after sending its records and before
     its commit (test hook); Spark runs the task again (local[2,4]: up to 4 attempts), whose producer
     fences the dead one's transaction."""
-    from enrich.kafka.tasks import KILL_HOOK
 
     config = tmp_path / "enrich.yaml"
     cfg = write_config(config, kafka, unique)
@@ -146,7 +148,7 @@ def test_a_python_worker_killed_inside_its_transaction_leaves_each_event_once(
     produce_events(kafka, cfg["events"]["topic"], bad, partitions=2)
     flag = tmp_path / "killed"
     log = tmp_path / "job.log"
-    proc = start_job(config, log, "--available-now", master="local[2,4]", env={KILL_HOOK: f"1:0:{flag}"})
+    proc = start_job(config, log, "--available-now", master="local[2,4]", kill=f"1:0:{flag}")
     assert proc.wait(300) == 0, log.read_text()[-3000:]
     assert flag.exists(), "the hook did not fire"
     assert "Python worker exited unexpectedly" in log.read_text() or "crashed" in log.read_text()

@@ -20,7 +20,7 @@ from pyspark.sql.types import (
 
 from enrich import events
 from enrich.events import ERROR, FastEvents
-from enrich.fastparse import FastParser
+from enrich.events.fastparse import FastParser
 from enrich.ipc import from_ipc
 from enrich.state import ingest
 from enrich.state.layout import BucketLayout

@@ -29,7 +29,7 @@ from pyspark.sql import functions as F
 from enrich import config
 from enrich.ipc import to_ipc
 from enrich.job import EnrichJob
-from enrich.kafka.offsets import from_json_offsets
+from enrich.source.offsets import from_json_offsets
 from enrich.state import packed
 from enrich.state.processor import DeviceStateProcessor
 from refstream import kafka as rkafka

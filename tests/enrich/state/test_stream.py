@@ -216,13 +216,12 @@ def test_sigkill_then_restart_continues_every_device_count(kafka: dict[str, str]
     # committed one kills its Python worker inside its transaction (test hook), and Spark runs the
     # task again (local[2,4]), state step included. Any slot: a slot whose transaction the killed
     # run committed before Spark committed the batch skips it, and writes nothing to be killed in.
-    from enrich.kafka.tasks import KILL_HOOK
     from enrich.ops.checkpoint import Checkpoint
 
     last = Checkpoint(tmp_path / "checkpoint").last_committed()
     flag = tmp_path / "killed"
     proc = start_job(config, log, "--available-now", master="local[2,4]",
-                     env={KILL_HOOK: f"{0 if last is None else last + 1}+:*:{flag}"})
+                     kill=f"{0 if last is None else last + 1}+:*:{flag}")
     assert proc.wait(300) == 0, log.read_text()[-3000:]
     assert flag.exists(), "the hook did not fire"
     rows = [json.loads(m.value()) for m in read_all(kafka, out_topic)]

@@ -25,13 +25,13 @@ from pyspark.sql.types import (
     StructType,
 )
 
-from enrich.fastparse import FastParser
+from enrich.events.fastparse import FastParser
 from refstream.compat import CompatError, spark_ddl_type
 from refstream.errors import ConfigError
 
 ERROR = "_error"
 CORRUPT = "_corrupt_record"
-#: Set by the fast parser (``enrich.fastparse``) on events it leaves to Spark's ``from_json``.
+#: Set by the fast parser (``enrich.events.fastparse``) on events it leaves to Spark's ``from_json``.
 SLOW = "_slow"
 #: Kafka columns carried along for the dead-letter topic and the output key.
 SOURCE = {"_key": "key", "_value": "value", "_topic": "topic", "_partition": "partition", "_offset": "offset"}
@@ -123,7 +123,7 @@ def fast_schema(parsed: StructType) -> StructType:
 
 @dataclass(frozen=True)
 class FastEvents:
-    """The parse step of the fast path (``enrich.fastparse``), run in the join's ``mapInArrow``:
+    """The parse step of the fast path (``enrich.events.fastparse``), run in the join's ``mapInArrow``:
     Kafka columns in, :func:`fast_schema` rows out (``schema``, as Arrow): the event fields, a null
     ``_error``, the Kafka columns (``_value`` of the slow rows only) and ``_slow``. A slow row's
     fields are null: it must be parsed by :func:`parse` (``from_json``) instead."""

@@ -1,41 +1,11 @@
-"""Exactly-once output to Kafka from the executors: every Spark task of a micro-batch writes its own
-partition of the output in its own Kafka transaction (docs/architecture.md, "The Kafka sink's protocol").
-
-:class:`TaskWriter` is the function of a ``mapInArrow`` over the batch's output rows. In each task:
-
-1. *slot* = the task's partition index. The plan has no shuffle, so it is the index of the task's
-   input range (``KafkaStreamReader.partitions``: the same offsets give the same list), and a task
-   re-run, or the whole batch replayed after a crash, gets the same slot;
-2. a transactional producer with the id ``<base>-<slot>``: ``init_transactions`` fences any older
-   producer of that id - a zombie attempt of this task, the task of a killed run - and aborts its
-   open transaction;
-3. the last marker record of that id in ``<topic>.refstream-commits`` (key: the transactional id)
-   says which batch the slot committed last: at or past this batch, the task writes nothing;
-4. else, in one transaction: a ``begin`` record in the marker topic (with the output's written ends,
-   committed or not, probed before ``init_transactions``), the task's enriched events to the output topic and its dead
-   letters to the dead-letter topic (in row order: the order of events within an input partition is
-   kept), then the commit marker ``{"batch_id", "slot", ...}``.
-
-A row flagged ``_slow`` (an event the fast parser left to ``from_json``) makes the task abort its
-transaction and report ``redo``: the job writes that slot again from the ``from_json`` plan.
-
-One transactional id per slot and batches run one after the other, so one marker per id says it all
-(the marker topic is compacted: its size is bounded by the number of slots). The task returns one
-row of counts; the driver collects only those.
-
-Some Kafka-protocol brokers (the test broker among them) expose the records of an aborted
-transaction to read_committed readers. The ``begin`` record is how a task sees that this happened to
-its slot's previous attempt at the same batch: it is then the last record of the id, with no commit
-marker after it. Only then are the records visible since the ends that ``begin`` record names read
-back, and those equal to this task's records (same input, same output) are not written again. On Apache Kafka aborted records never show, and this path never runs.
-"""
+"""The task side of the Kafka output: :class:`TaskWriter`, the ``mapInArrow`` function that writes
+one task's rows in one Kafka transaction, by the protocol :mod:`enrich.sinks.kafka` describes."""
 
 from __future__ import annotations
 
 import json
 import logging
 import os
-import signal
 import socket
 import time
 from collections import Counter
@@ -48,11 +18,11 @@ from itertools import chain
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-from confluent_kafka import KafkaException
+from confluent_kafka import KafkaException, Producer
 
-from enrich.deadletter import COLUMNS as DEAD_COLUMNS
-from enrich.deadletter import to_records, too_large_error
-from enrich.kafka.writer import (
+from enrich.sinks.deadletter import COLUMNS as DEAD_COLUMNS
+from enrich.sinks.deadletter import to_records, too_large_error
+from enrich.sinks.kafka.writer import (
     abort,
     classify,
     commit,
@@ -73,61 +43,22 @@ log = logging.getLogger(__name__)
 
 ERROR = "_error"
 SLOW = "_slow"
-#: Optional flags of a row (``enrich.sinks.kafka.records_frame``): an event some join found no row
+#: Optional flags of a row (``enrich.sinks.kafka.sink.records_frame``): an event some join found no row
 #: for, and an event later than the watermark; a task counts those of the events it writes.
 UNMATCHED, LATE = "_unmatched", "_late"
 #: What a task returns to the driver: one row of counts, never an event. ``unmatched`` and ``late``
 #: count among ``records`` (the enriched events written).
 RESULT_DDL = ("slot INT, transactional_id STRING, records BIGINT, dead_letters BIGINT, unmatched BIGINT, "
               "late BIGINT, skipped BOOLEAN, redo BOOLEAN, leaked BIGINT, worker STRING, seconds DOUBLE")
-#: Environment variable of the test hook that kills a Python worker inside its transaction (read on
-#: the driver): ``<batch id>:<slot>:<flag file>``; the worker kills itself once, and creates the file.
-KILL_HOOK = "REFSTREAM_TEST_KILL_TASK"
-
-
 def slot_id(base: str, slot: int) -> str:
     """The transactional id of ``slot``'s tasks."""
     return f"{base}-{slot}"
 
 
 @dataclass(frozen=True)
-class KillPoint:
-    """Test hook: the first task of ``slot`` (None: any slot) that writes records in batch
-    ``batch_id`` (with ``later``: in that batch or a later one) kills its Python worker after sending
-    its first records inside the transaction, once (``flag`` is created first). From the environment:
-    ``BATCH[+]:SLOT|*:FLAG``."""
-
-    batch_id: int
-    slot: int | None
-    flag: str
-    later: bool = False
-
-    @classmethod
-    def from_env(cls, value: str | None) -> KillPoint | None:
-        if not value:
-            return None
-        batch, slot, flag = value.split(":", 2)
-        return cls(int(batch.rstrip("+")), None if slot == "*" else int(slot), flag, batch.endswith("+"))
-
-    def fire(self, batch_id: int, slot: int, p: object) -> None:
-        if batch_id < self.batch_id or (batch_id != self.batch_id and not self.later):
-            return
-        if self.slot is not None and slot != self.slot:
-            return
-        try:  # once, also when tasks of two slots get here together
-            fd = os.open(self.flag, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-        except FileExistsError:
-            return
-        os.write(fd, f"{os.getpid()}\n".encode())
-        os.close(fd)
-        p.flush(30)  # type: ignore[attr-defined]  # the records reach the broker, the commit never does
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-@dataclass(frozen=True)
 class TaskWriter:
     """The ``mapInArrow`` function that writes a task's rows (``key``, ``value`` - null for a dead
-    letter - and ``enrich.deadletter.COLUMNS``) to Kafka exactly once; yields one row of
+    letter - and ``enrich.sinks.deadletter.COLUMNS``) to Kafka exactly once; yields one row of
     :data:`RESULT_DDL`. Picklable: built on the driver per batch."""
 
     settings: dict[str, str]
@@ -138,7 +69,6 @@ class TaskWriter:
     scope: str | None
     batch_id: int
     timeout: float = 60.0
-    kill: KillPoint | None = None
 
     def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         from pyspark import TaskContext
@@ -176,8 +106,7 @@ class TaskWriter:
                     yield self._result(slot, started, redo=True)
                     return
                 tx.write(b)
-                if self.kill is not None:
-                    self.kill.fire(self.batch_id, slot, tx.producer)
+                self.sent(slot, tx.producer)
             tx.commit()
         finally:
             tx.close()
@@ -185,6 +114,10 @@ class TaskWriter:
                  tx.records, tx.dead, time.monotonic() - started)
         yield self._result(slot, started, records=tx.records, dead=tx.dead, leaked=tx.leaked_total,
                            unmatched=tx.flagged[UNMATCHED], late=tx.flagged[LATE])
+
+    def sent(self, slot: int, producer: Producer) -> None:
+        """Called after each chunk of the task's records went to ``producer`` inside the slot's open
+        transaction; nothing here. (The tests' kill hook overrides it: tests/enrich/kill.py.)"""
 
     def _result(self, slot: int, started: float, *, records: int = 0, dead: int = 0, skipped: bool = False,
                 redo: bool = False, leaked: int = 0, unmatched: int = 0, late: int = 0) -> pa.RecordBatch:

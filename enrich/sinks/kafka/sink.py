@@ -1,7 +1,7 @@
 """Kafka output: JSON values, key = the event's key, written by the executors, exactly once.
 
 The driver builds the batch's output rows (:func:`records_frame`: the enriched JSON of good events,
-the source columns of dead letters) and runs ``enrich.kafka.tasks.TaskWriter`` over them in a
+the source columns of dead letters) and runs ``enrich.sinks.kafka.tasks.TaskWriter`` over them in a
 ``mapInArrow``: each task commits its own partition of the output and of the dead letters in one
 Kafka transaction with a marker of (query, batch id, slot). The driver collects one row of counts
 per task, never an event.
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import functools
 import logging
-import os
 import time
 from collections.abc import Mapping
 
@@ -24,11 +23,11 @@ import pyarrow as pa
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
-from enrich.deadletter import COLUMNS as DEAD_COLUMNS
 from enrich.events import ERROR, SLOW
-from enrich.kafka.tasks import KILL_HOOK, LATE, RESULT_DDL, UNMATCHED, KillPoint, TaskWriter, summary
-from enrich.kafka.writer import MARKER_SUFFIX, committed_batch, last_marker
 from enrich.sinks.abc import Counted, EnrichedBatch
+from enrich.sinks.deadletter import COLUMNS as DEAD_COLUMNS
+from enrich.sinks.kafka.tasks import LATE, RESULT_DDL, UNMATCHED, TaskWriter, summary
+from enrich.sinks.kafka.writer import MARKER_SUFFIX
 from refstream.errors import TransientError
 from refstream.kafka import ensure_topic
 
@@ -52,12 +51,7 @@ class KafkaSink:
         self.marker_topic = topic + MARKER_SUFFIX
         ensure_topic(self.settings, self.marker_topic, partitions=1,
                      config={"cleanup.policy": "compact"})  # one marker per transactional id is enough
-        # A checkpoint written before the tasks wrote their own transactions has one marker, of the
-        # base id: batches at or below it are in Kafka already.
-        legacy = last_marker(self.settings, self.marker_topic, transactional_id, scope)
-        self.legacy_committed = None if legacy is None else committed_batch(legacy)
-        self.kill = KillPoint.from_env(os.environ.get(KILL_HOOK))
-        #: The tasks' result rows of the last batch written (``enrich.kafka.tasks.RESULT_DDL``).
+        #: The tasks' result rows of the last batch written (``enrich.sinks.kafka.tasks.RESULT_DDL``).
         self.last_results: list[dict[str, object]] = []
         #: Slots of the last batch written that are to be written again from ``from_json``'s parse.
         self.pending: tuple[int, ...] = ()
@@ -69,13 +63,9 @@ class KafkaSink:
         self.pending = ()
         self.last_results = []
         self.counted = Counted(0, 0, 0, 0)
-        if self.legacy_committed is not None and batch_id <= self.legacy_committed:
-            log.info("batch %d was committed to %s before (last %d): skipped", batch_id, self.topic,
-                     self.legacy_committed)
-            return empty
         t0 = time.monotonic()
         writer = TaskWriter(self.settings, self.topic, self.dead_letter_topic, self.marker_topic,
-                            self.transactional_id, self.scope, batch_id, kill=self.kill)
+                            self.transactional_id, self.scope, batch_id)
         try:
             rows = [r.asDict() for r in records_frame(batch).mapInArrow(writer, RESULT_DDL).collect()]
         except Exception as exc:

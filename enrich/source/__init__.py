@@ -1,10 +1,12 @@
-"""Kafka input and output of the enrichment job, built on PySpark's Python Data Source API and
+"""The job's source: Kafka topics read as a stream, built on PySpark's Python Data Source API and
 confluent-kafka (Spark's own Kafka connector jar is optional; ``builtin=True`` switches to it).
 
 - :func:`read_stream`: the streaming DataFrame of one or more topics (columns of Spark's Kafka source).
-- :class:`TransactionalBatchWriter`: exactly-once output of ``foreachBatch`` micro-batches.
+- :mod:`enrich.source.kafka`: the data source (``refstream-kafka``); :mod:`enrich.source.offsets`:
+  offsets, end-offset probes and admission control; :mod:`enrich.source.fetch`: a task's read of
+  its offset range; :mod:`enrich.source.options`: the reader's options.
 
-See docs/kafka-source.md for how offsets, end offsets, admission control and transactions work.
+See docs/kafka-source.md for how offsets, end offsets and admission control work.
 """
 
 from __future__ import annotations
@@ -13,11 +15,9 @@ from collections.abc import Mapping, Sequence
 
 from pyspark.sql import DataFrame, SparkSession
 
-from enrich.kafka.source import FORMAT, KafkaDataSource
-from enrich.kafka.writer import TransactionalBatchWriter, transactional_id_for
+from enrich.source.kafka import FORMAT, KafkaDataSource
 
-__all__ = ["FORMAT", "KafkaDataSource", "TransactionalBatchWriter", "read_stream", "register",
-           "source_options", "transactional_id_for"]
+__all__ = ["FORMAT", "KafkaDataSource", "read_stream", "register", "source_options"]
 
 
 def register(spark: SparkSession) -> None:

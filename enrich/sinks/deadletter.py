@@ -64,7 +64,7 @@ class DeadLetters:
     """Exactly-once writer of dead letters to ``topic``."""
 
     def __init__(self, settings: Mapping[str, str], topic: str, transactional_id: str, scope: str | None = None) -> None:
-        from enrich.kafka import TransactionalBatchWriter
+        from enrich.sinks.kafka.writer import TransactionalBatchWriter
 
         self.topic = topic
         self._writer = TransactionalBatchWriter(dict(settings), topic, transactional_id, scope=scope)

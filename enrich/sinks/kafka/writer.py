@@ -27,8 +27,8 @@ from types import TracebackType
 import pyarrow as pa
 from confluent_kafka import KafkaError, KafkaException, Producer
 
-from enrich.kafka.fetch import OffsetRange, read_range
-from enrich.kafka.offsets import EndOffsetProbe
+from enrich.source.fetch import OffsetRange, read_range
+from enrich.source.offsets import EndOffsetProbe
 from refstream.errors import TerminalError, TransientError
 from refstream.kafka import ensure_topic, producer
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from typing import Any, get_args
 
 from enrich.config import OnOffsetReset
-from enrich.kafka.offsets import TP, parse_starting_offsets
+from enrich.source.offsets import TP, parse_starting_offsets
 from refstream.errors import ConfigError
 
 KAFKA_PREFIX = "kafka."

@@ -1,9 +1,9 @@
 """The ``refstream-kafka`` streaming source: Spark's Kafka source rebuilt on the Python Data Source API.
 
 Driver side (:class:`KafkaStreamReader`, one long-lived instance per query): discovers partitions,
-finds end offsets with :class:`~enrich.kafka.offsets.EndOffsetProbe`, applies admission control
+finds end offsets with :class:`~enrich.source.offsets.EndOffsetProbe`, applies admission control
 (``maxOffsetsPerTrigger`` through ``latestOffset(start, limit)``) and plans one task per partition
-range. Executor side (:func:`~enrich.kafka.fetch.read_range`): reads each range exactly into Arrow
+range. Executor side (:func:`~enrich.source.fetch.read_range`): reads each range exactly into Arrow
 batches. Spark checkpoints the offsets; the source keeps no state of its own.
 """
 
@@ -24,8 +24,8 @@ from pyspark.sql.streaming.datasource import (
 )
 from pyspark.sql.types import StructType
 
-from enrich.kafka.fetch import SCHEMA_DDL, OffsetRange, read_range
-from enrich.kafka.offsets import (
+from enrich.source.fetch import SCHEMA_DDL, OffsetRange, read_range
+from enrich.source.offsets import (
     EARLIEST,
     LATEST,
     TP,
@@ -39,7 +39,7 @@ from enrich.kafka.offsets import (
     to_json_offsets,
     topic_ids_of,
 )
-from enrich.kafka.options import SourceOptions
+from enrich.source.options import SourceOptions
 from enrich.worker import settle
 from refstream.kafka import admin
 
