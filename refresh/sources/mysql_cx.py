@@ -1,7 +1,8 @@
 """MySQL/MariaDB read by ConnectorX (Rust, Arrow-native), into the same Arrow table as the PyMySQL path.
 
 ConnectorX reads the binary protocol into Arrow without a Python object per value, optionally in
-parallel key ranges. Its Arrow types are not the contract's, so the table is made identical to what
+parallel key ranges (:func:`ranges`: one statement per range, each on a connection of its own). Its
+Arrow types are not the contract's, so the table is made identical to what
 :mod:`refresh.sources.sql` reads with PyMySQL:
 
 - the column types come from the same result metadata (:func:`refresh.sources.sqltypes.mysql_type`
@@ -120,18 +121,30 @@ def select(columns: Sequence[Column], quote: Callable[[str], str], source: str, 
     return f"{sql} WHERE {where}" if where else sql
 
 
-def read(url: str, sql: str, settings: list[str], partition: tuple[str, int] | None) -> pa.Table:
-    """Run ``sql`` with ConnectorX (``settings``: statements each connection runs first). A Rust
-    panic (a value it refuses) becomes :class:`Unreadable`; server and connection errors stay
-    ConnectorX's ``RuntimeError`` (see :func:`server_error`)."""
+def ranges(column: str, low: int, high: int, n: int) -> list[str]:
+    """WHERE conditions splitting the integer ``column`` (quoted) into at most ``n`` ranges of about
+    equal width over ``[low, high]``. The first and the last are open-ended: together they take every
+    row, one inserted outside ``[low, high]`` after they were measured included."""
+    n = max(1, min(n, high - low + 1))
+    if n == 1:
+        return []
+    bounds = [low + (high - low + 1) * i // n for i in range(1, n)]
+    conds = [f"{column} < {bounds[0]}"]
+    conds += [f"{column} >= {a} AND {column} < {b}" for a, b in zip(bounds, bounds[1:], strict=False)]
+    conds.append(f"{column} >= {bounds[-1]}")
+    return conds
+
+
+def read(url: str, queries: Sequence[str], settings: list[str]) -> pa.Table:
+    """Run ``queries`` with ConnectorX, in parallel, each on a connection of its own, their rows in
+    one table (``settings``: statements each connection runs first). A Rust panic (a value it
+    refuses) becomes :class:`Unreadable`; server and connection errors stay ConnectorX's
+    ``RuntimeError`` (see :func:`server_error`)."""
     import connectorx as cx
 
-    kw: dict[str, Any] = {}
-    if partition is not None:
-        kw = {"partition_on": partition[0], "partition_num": partition[1]}
     try:
-        return cx.read_sql(url, sql, return_type="arrow", protocol="binary",
-                           pre_execution_query=settings or None, **kw)
+        return cx.read_sql(url, list(queries) if len(queries) > 1 else queries[0], return_type="arrow",
+                           protocol="binary", pre_execution_query=settings or None)
     except BaseException as exc:
         if type(exc).__name__ == "PanicException":  # pyo3's, a BaseException
             raise Unreadable(str(exc).strip().splitlines()[0] if str(exc).strip() else "a panic") from None
@@ -146,8 +159,8 @@ def server_error(exc: BaseException) -> int | None:
 
 def convert(dataset: str, table: pa.Table, columns: Sequence[Column], key: str | None) -> pa.Table:
     """ConnectorX's table as the PyMySQL path's: the contract's types, the same column order and, for a
-    read split on ``key``, the rows in key order again (ConnectorX hands the ranges back in the
-    order they finished; each range comes in key order)."""
+    read split into ranges of ``key``, the rows in key order again (ConnectorX hands the ranges back
+    in the order they finished; each range comes in key order)."""
     if key is not None:
         batches = [b for b in table.to_batches() if b.num_rows]
         batches.sort(key=lambda b: b.column(key)[0].as_py())

@@ -212,7 +212,12 @@ class SqlSource(IncrementalSource):
         """The read by ConnectorX: the column types from a PyMySQL query for no rows, then one
         ConnectorX read (the rows as the PyMySQL path would type them), handed out in chunks. A
         column or value ConnectorX cannot read exactly makes it read with PyMySQL (logged)."""
-        fields = self._describe()
+        where = None
+        if low is not None:
+            import pymysql.converters
+
+            where = f"{self._q(column)} >= {pymysql.converters.escape_item(low, 'utf8mb4')}"
+        fields, key, span = self._describe(where)
         try:
             columns = mysql_cx.plan(fields)
         except mysql_cx.Unreadable as exc:
@@ -220,21 +225,15 @@ class SqlSource(IncrementalSource):
                         self.dataset, exc)
             yield from self._driver_stream(column, low)
             return
-        key = mysql_cx.partition_key(fields) if self.cfg.read_partitions > 1 else None
-        if self.cfg.read_partitions > 1 and key is None:
-            log.info("dataset %s: read in one partition (read_partitions needs a primary key of one "
-                     "integer column)", self.dataset)
         tag = f"refresh_cx_{uuid.uuid4().hex[:12]}"
         source = self._q(self.cfg.table) if self.cfg.table else f"({self._base()})"
-        where = None
-        if low is not None:
-            import pymysql.converters
-
-            where = f"{self._q(column)} >= {pymysql.converters.escape_item(low, 'utf8mb4')}"
-        sql = mysql_cx.select(columns, self._q, source, tag, where)
+        parts = [] if key is None or span is None else \
+            mysql_cx.ranges(self._q(key), span[0], span[1], self.cfg.read_partitions)
+        queries = [mysql_cx.select(columns, self._q, source, tag, _both(where, part)) for part in parts] \
+            or [mysql_cx.select(columns, self._q, source, tag, where)]
         try:
-            table = mysql_cx.convert(self.dataset, self._cx_read(sql, tag, None if key is None else (
-                key, self.cfg.read_partitions)), columns, key)
+            table = mysql_cx.convert(self.dataset, self._cx_read(queries, tag), columns,
+                                     key if len(queries) > 1 else None)
         except mysql_cx.Unreadable as exc:
             log.warning("dataset %s: connectorx cannot read this table exactly (%s); reading with PyMySQL",
                         self.dataset, exc)
@@ -246,9 +245,11 @@ class SqlSource(IncrementalSource):
                                                   names=[c.name for c in columns])]
         yield from batches
 
-    def _describe(self) -> list[Any]:
+    def _describe(self, where: str | None) -> tuple[list[Any], str | None, tuple[int, int] | None]:
         """PyMySQL's field descriptors of the read's result (a query for no rows), which also checks
-        the table or query, bounded by the connect and read timeouts and interruptible."""
+        the table or query, bounded by the connect and read timeouts and interruptible; and, for a
+        read in ``read_partitions`` key ranges, the key column and its lowest and highest value in
+        the rows ``where`` selects (None: no rows)."""
         base = self._q(self.cfg.table) if self.cfg.table else f"({self._base()}) AS refresh_src"
         with self._errors("query"):
             raw = self.engine.raw_connection()
@@ -262,9 +263,19 @@ class SqlSource(IncrementalSource):
                 cur = driver.cursor()
                 cur.execute(f"SELECT * FROM {base} LIMIT 0")
                 fields = compat.pymysql_fields(cur)
+                key = mysql_cx.partition_key(fields) if self.cfg.read_partitions > 1 else None
+                span = None
+                if key is not None:
+                    cur.execute(f"SELECT MIN({self._q(key)}), MAX({self._q(key)}) FROM {base}"
+                                + (f" WHERE {where}" if where else ""))
+                    low, high = cur.fetchone()
+                    span = None if low is None else (int(low), int(high))
+                elif self.cfg.read_partitions > 1:
+                    log.info("dataset %s: read in one partition (read_partitions needs a primary key of one "
+                             "integer column)", self.dataset)
                 cur.close()
             ok = True
-            return fields
+            return fields, key, span
         finally:
             with self._lock:
                 self._active = None
@@ -273,7 +284,7 @@ class SqlSource(IncrementalSource):
             except Exception:  # noqa: BLE001 - closing a broken connection may fail too
                 log.debug("closing the connection failed", exc_info=True)
 
-    def _cx_read(self, sql: str, tag: str, partition: tuple[str, int] | None) -> pa.Table:
+    def _cx_read(self, queries: list[str], tag: str) -> pa.Table:
         """Run ConnectorX in a thread of its own and wait for it: :meth:`interrupt` kills its
         statements on the server and gives the wait up at once, even when the server cannot be
         reached to kill them (the thread then ends with its connection)."""
@@ -282,8 +293,8 @@ class SqlSource(IncrementalSource):
 
         def work() -> None:
             try:
-                out["table"] = mysql_cx.read(self._cx_url or "", sql, [self._session] if self._session else [],
-                                             partition)
+                out["table"] = mysql_cx.read(self._cx_url or "", queries,
+                                             [self._session] if self._session else [])
             except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
                 out["error"] = exc
             finally:
@@ -492,6 +503,10 @@ def _connect_args(url: sa.URL, cfg: SqlSourceConfig) -> dict[str, Any]:
         args["options"] = " ".join(([given] if isinstance(given, str) else list(given or ())) + options)
         have.discard("options")
     return {k: v for k, v in args.items() if k not in have}
+
+
+def _both(where: str | None, cond: str) -> str:
+    return f"({where}) AND {cond}" if where else cond
 
 
 def _statement_timed_out(exc: BaseException) -> bool:

@@ -16,6 +16,7 @@ import pytest
 import sqlalchemy as sa
 
 from refresh.config import SqlSourceConfig
+from refresh.sources import mysql_cx
 from refresh.sources.sql import SqlSource
 from refstream.errors import TerminalError, TransientError
 from tests.refresh.conftest import execute
@@ -113,12 +114,37 @@ def test_connectorx_query_source_and_reads_since_a_cursor(mysql_url: str, every_
 
 
 def test_connectorx_partitioned_read_keeps_the_key_order(mysql_url: str, mysql_engine: sa.Engine,
-                                                          unique) -> None:
+                                                          unique, monkeypatch: pytest.MonkeyPatch) -> None:
     t = unique("parts")
     execute(mysql_engine, f"CREATE TABLE {t} (id BIGINT PRIMARY KEY, v VARCHAR(20), p DECIMAL(12,2))",
             f"INSERT INTO {t} SELECT seq * 3, CONCAT('v', seq), seq / 100 FROM seq_1_to_30000")
+    reads = spy_reads(monkeypatch)
     by_pymysql, by_cx, _ = both(mysql_url, table=t, read_partitions=3, chunk_rows=1000)
     assert by_cx.equals(by_pymysql) and by_cx.num_rows == 30000
+    assert [len(queries) for queries in reads] == [3]  # one ConnectorX read of 3 key ranges
+
+
+def test_key_ranges_cover_every_value() -> None:
+    assert mysql_cx.ranges("`id`", 1, 10, 3) == ["`id` < 4", "`id` >= 4 AND `id` < 7", "`id` >= 7"]
+    assert mysql_cx.ranges("k", -5, -4, 8) == ["k < -4", "k >= -4"]  # no more ranges than values
+    assert mysql_cx.ranges("k", 7, 7, 4) == []  # one value: one statement, no condition
+    for low, high, n in ((0, 100, 7), (3, 4, 2), (-(2**63), 2**63 - 1, 16)):
+        conds = mysql_cx.ranges("k", low, high, n)
+        assert len(conds) == min(n, high - low + 1)
+        assert conds[0].startswith("k < ") and conds[-1].startswith("k >= ")
+
+
+def spy_reads(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+    """The statements of every ConnectorX read from now on, one list per read."""
+    reads: list[list[str]] = []
+    real = mysql_cx.read
+
+    def spy(url: str, queries: list[str], settings: list[str]) -> pa.Table:
+        reads.append(list(queries))
+        return real(url, queries, settings)
+
+    monkeypatch.setattr(mysql_cx, "read", spy)
+    return reads
 
 
 def test_zero_dates_and_geometry_fall_back_to_pymysql(mysql_url: str, mysql_engine: sa.Engine, unique,
