@@ -27,7 +27,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from refresh.sources.sqltypes import TextConverter, mysql_type
 from refstream.errors import DataError
@@ -46,6 +48,7 @@ _INTEGER = {1, 2, 3, 8, 9}
 _PRI_KEY = 2                             # field flag: part of the primary key
 _UTF8 = ("utf8", "utf8mb4", "utf8mb3")
 _SERVER_ERROR = re.compile(r"ERROR (\d+)")
+_ROW = "__refresh_row"
 
 
 class Unreadable(Exception):
@@ -133,6 +136,28 @@ def ranges(column: str, low: int, high: int, n: int) -> list[str]:
     conds += [f"{column} >= {a} AND {column} < {b}" for a, b in zip(bounds, bounds[1:], strict=False)]
     conds.append(f"{column} >= {bounds[-1]}")
     return conds
+
+
+def suspects(read: pa.Table, now: pa.Table, key: Sequence[str]) -> pa.Table:
+    """The dataset keys (columns ``key``) a read in key ranges cannot vouch for: read in two ranges,
+    or in ``now`` (the keys read in one statement after the ranges) but in no range. Each range's
+    statement sees its own moment, so a row whose primary key changed range in between (updated, or
+    deleted and inserted again under another id) shows in both ranges or in neither; a row inserted
+    into a range already read is missing too."""
+    key = list(key)
+    keys = read.select(key)
+    counts = keys.group_by(key, use_threads=False).aggregate([([], "count_all")])
+    twice = counts.filter(pc.greater(counts.column("count_all"), 1)).select(key)
+    missing = now.select(key).join(keys, key, join_type="left anti")
+    return pa.concat_tables([twice, missing.cast(twice.schema)])
+
+
+def rows_of(table: pa.Table, keys: pa.Table, key: Sequence[str], *, keep: bool) -> pa.Array:
+    """The indices, ascending, of the rows of ``table`` whose key is in ``keys`` (``keep``) or not."""
+    key = list(key)
+    indexed = table.select(key).append_column(_ROW, pa.array(np.arange(table.num_rows, dtype=np.int64)))
+    hit = indexed.join(keys, key, join_type="left semi" if keep else "left anti").column(_ROW)
+    return pc.take(hit, pc.sort_indices(hit)).combine_chunks()
 
 
 def read(url: str, queries: Sequence[str], settings: list[str]) -> pa.Table:

@@ -26,7 +26,9 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import sqlalchemy as sa
 from sqlalchemy.pool import NullPool
 
@@ -46,9 +48,10 @@ _UTF8 = ("utf8", "utf8mb4", "utf-8")
 class SqlSource(IncrementalSource):
     """A table (``SELECT *``) or a query of any SQLAlchemy URL."""
 
-    def __init__(self, dataset: str, cfg: SqlSourceConfig) -> None:
+    def __init__(self, dataset: str, cfg: SqlSourceConfig, key: Sequence[str] = ()) -> None:
         self.dataset = dataset
         self.cfg = cfg
+        self.key = tuple(key)  # the dataset's key (a read in key ranges checks it; () : unknown)
         if not cfg.url:
             raise TerminalError(f"dataset {dataset}: SQL source without url")
         try:
@@ -234,6 +237,13 @@ class SqlSource(IncrementalSource):
         try:
             table = mysql_cx.convert(self.dataset, self._cx_read(queries, tag), columns,
                                      key if len(queries) > 1 else None)
+            if len(queries) > 1 and key is not None:
+                checked = self._check_ranges(table, columns, key, source, tag, where)
+                if checked is None:
+                    del table  # before the whole table is read again
+                    checked = mysql_cx.convert(self.dataset, self._cx_read(
+                        [mysql_cx.select(columns, self._q, source, tag, where)], tag), columns, None)
+                table = checked
         except mysql_cx.Unreadable as exc:
             log.warning("dataset %s: connectorx cannot read this table exactly (%s); reading with PyMySQL",
                         self.dataset, exc)
@@ -244,6 +254,52 @@ class SqlSource(IncrementalSource):
             batches = [pa.RecordBatch.from_arrays([pa.array([], c.type) for c in columns],
                                                   names=[c.name for c in columns])]
         yield from batches
+
+    def _check_ranges(self, table: pa.Table, columns: list[mysql_cx.Column], pk: str, source: str, tag: str,
+                      where: str | None) -> pa.Table | None:
+        """``table``, read in ranges of the primary key ``pk``, made a state that every dataset key had
+        during the read; None: read it all again in one statement.
+
+        Each range's statement sees its own moment. A key whose row changed range between two of them
+        (``pk`` updated, or the row deleted and inserted again under another id) is read in both
+        ranges (a duplicate the run would refuse) or in neither (a tombstone for a row that never went
+        away). So the dataset's keys are read once more, in one statement, after the ranges: a key read
+        twice, or there now but in no range, is read again where it is now, in one statement, and
+        replaces what the ranges read of it (a key read twice and gone now is gone). Every other key
+        was read once, as it was at its range's moment. When ``pk`` is part of the key, a key cannot
+        change range and none of this is needed."""
+        key = list(self.key)
+        if pk in key or not set(key) <= set(table.column_names):
+            return table  # (key columns not in the data: the run refuses them itself)
+        narrow = [c for c in columns if c.name in key or c.name == pk]
+        now = mysql_cx.convert(self.dataset, self._cx_read(
+            [mysql_cx.select(narrow, self._q, source, tag, where)], tag), narrow, None)
+        doubt = mysql_cx.suspects(table, now, key)
+        if not doubt.num_rows:
+            return table
+        if doubt.num_rows > REREAD_KEYS:
+            log.warning("dataset %s: %d keys changed while the %s key ranges were read; reading again in one "
+                        "statement", self.dataset, doubt.num_rows, self.cfg.read_partitions)
+            return None
+        found = now.take(mysql_cx.rows_of(now, doubt, key, keep=True))
+        ids = ", ".join(str(int(i)) for i in pc.unique(found.column(pk)).to_pylist())
+        fresh = table.schema.empty_table()
+        if ids:
+            fresh = mysql_cx.convert(self.dataset, self._cx_read([mysql_cx.select(
+                columns, self._q, source, tag, _both(where, f"{self._q(pk)} IN ({ids})"))], tag), columns, None)
+            fresh = fresh.take(mysql_cx.rows_of(fresh, doubt, key, keep=True))
+        if len(mysql_cx.rows_of(found, fresh.select(key), key, keep=False)) or \
+                len(mysql_cx.suspects(fresh, fresh.slice(0, 0), key)):
+            # A key moved again (or is there twice) by now: only one statement can settle it.
+            log.warning("dataset %s: keys kept changing while the %s key ranges were read; reading again in "
+                        "one statement", self.dataset, self.cfg.read_partitions)
+            return None
+        log.info("dataset %s: %d key(s) changed range or were inserted while the %d key ranges were read: "
+                 "re-read (%d row(s) now)", self.dataset, doubt.num_rows, self.cfg.read_partitions, fresh.num_rows)
+        keep = np.ones(table.num_rows, bool)
+        keep[mysql_cx.rows_of(table, doubt, key, keep=True).to_numpy()] = False
+        # Filtered chunk by chunk (no copy of the whole table); the re-read rows come last.
+        return pa.concat_tables([table.filter(pa.array(keep)), fresh])
 
     def _describe(self, where: str | None) -> tuple[list[Any], str | None, tuple[int, int] | None]:
         """PyMySQL's field descriptors of the read's result (a query for no rows), which also checks
@@ -264,15 +320,16 @@ class SqlSource(IncrementalSource):
                 cur.execute(f"SELECT * FROM {base} LIMIT 0")
                 fields = compat.pymysql_fields(cur)
                 key = mysql_cx.partition_key(fields) if self.cfg.read_partitions > 1 else None
+                if self.cfg.read_partitions > 1 and (key is None or not self.key):
+                    log.info("dataset %s: read in one statement (read_partitions needs a primary key of one "
+                             "integer column%s)", self.dataset, "" if self.key else " and the dataset's key")
+                    key = None
                 span = None
                 if key is not None:
                     cur.execute(f"SELECT MIN({self._q(key)}), MAX({self._q(key)}) FROM {base}"
                                 + (f" WHERE {where}" if where else ""))
                     low, high = cur.fetchone()
                     span = None if low is None else (int(low), int(high))
-                elif self.cfg.read_partitions > 1:
-                    log.info("dataset %s: read in one partition (read_partitions needs a primary key of one "
-                             "integer column)", self.dataset)
                 cur.close()
             ok = True
             return fields, key, span
@@ -475,6 +532,10 @@ class _ErrorMap:
             raise TerminalError(f"{where}: {msg}") from exc
         return False
 
+
+#: A read in key ranges re-reads at most this many keys that changed range during the read (or were
+#: inserted into a range already read); more (a mass change) and it reads everything again at once.
+REREAD_KEYS = 10_000
 
 # MySQL server errors worth a retry (too many connections, shutdown, lock timeout, deadlock, query
 # interrupted, connection killed); client errors (2000+: cannot connect, server gone away) always are.

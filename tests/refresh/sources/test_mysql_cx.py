@@ -60,10 +60,10 @@ ROWS = [
 ]
 
 
-def both(url: str, **cfg: Any) -> tuple[pa.Table, pa.Table, SqlSource]:
-    """The table read by PyMySQL and by ConnectorX (and the ConnectorX source)."""
+def both(url: str, key: tuple[str, ...] = (), **cfg: Any) -> tuple[pa.Table, pa.Table, SqlSource]:
+    """The table read by PyMySQL and by ConnectorX (and the ConnectorX source; ``key``: the dataset's)."""
     by_pymysql = SqlSource("ds", SqlSourceConfig(url=url, reader="pymysql", **cfg)).read()
-    src = SqlSource("ds", SqlSourceConfig(url=url, reader="connectorx", **cfg))
+    src = SqlSource("ds", SqlSourceConfig(url=url, reader="connectorx", **cfg), key)
     assert src.reader == "connectorx"
     return by_pymysql, src.read(), src
 
@@ -119,9 +119,18 @@ def test_connectorx_partitioned_read_keeps_the_key_order(mysql_url: str, mysql_e
     execute(mysql_engine, f"CREATE TABLE {t} (id BIGINT PRIMARY KEY, v VARCHAR(20), p DECIMAL(12,2))",
             f"INSERT INTO {t} SELECT seq * 3, CONCAT('v', seq), seq / 100 FROM seq_1_to_30000")
     reads = spy_reads(monkeypatch)
-    by_pymysql, by_cx, _ = both(mysql_url, table=t, read_partitions=3, chunk_rows=1000)
+    by_pymysql, by_cx, _ = both(mysql_url, ("id",), table=t, read_partitions=3, chunk_rows=1000)
     assert by_cx.equals(by_pymysql) and by_cx.num_rows == 30000
     assert [len(queries) for queries in reads] == [3]  # one ConnectorX read of 3 key ranges
+    # A dataset key without the primary key: its keys are read once more, in one statement, to check
+    # that no row changed range during the read (none did: nothing else is read).
+    reads.clear()
+    _, by_cx, _ = both(mysql_url, ("p", "v"), table=t, read_partitions=3, chunk_rows=1000)
+    assert by_cx.equals(by_pymysql) and [len(queries) for queries in reads] == [3, 1]
+    assert reads[1][0].startswith(f"SELECT id, v, CAST(p AS CHAR) AS p FROM {t} AS refresh_cx_")
+    # Without the dataset's key (or a primary key of one integer column), one statement.
+    reads.clear()
+    assert both(mysql_url, table=t, read_partitions=3)[1].equals(by_pymysql) and reads == [[reads[0][0]]]
 
 
 def test_key_ranges_cover_every_value() -> None:
@@ -132,6 +141,18 @@ def test_key_ranges_cover_every_value() -> None:
         conds = mysql_cx.ranges("k", low, high, n)
         assert len(conds) == min(n, high - low + 1)
         assert conds[0].startswith("k < ") and conds[-1].startswith("k >= ")
+
+
+def test_keys_a_read_in_ranges_cannot_vouch_for() -> None:
+    read = pa.table({"id": [1, 2, 3, 9], "code": ["a", "b", "a", "c"], "n": [1, 1, 2, 1]})
+    now = pa.table({"code": ["a", "c", "d", "e", "b"], "n": [1, 1, 2, 2, 1]})
+    doubt = mysql_cx.suspects(read, now, ["code"])
+    assert sorted(doubt.column("code").to_pylist()) == ["a", "d", "e"]  # twice, not read, not read
+    doubt2 = mysql_cx.suspects(read, now, ["code", "n"])  # ("a", 1) and ("a", 2) are two keys
+    assert sorted(doubt2.to_pylist(), key=str) == [{"code": "d", "n": 2}, {"code": "e", "n": 2}]
+    assert mysql_cx.rows_of(read, doubt, ["code"], keep=True).to_pylist() == [0, 2]
+    assert mysql_cx.rows_of(read, doubt, ["code"], keep=False).to_pylist() == [1, 3]
+    assert mysql_cx.suspects(now, now.slice(0, 0), ["code"]).num_rows == 0
 
 
 def spy_reads(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
