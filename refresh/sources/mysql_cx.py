@@ -22,6 +22,7 @@ Arrow types are not the contract's, so the table is made identical to what
 from __future__ import annotations
 
 import functools
+import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -174,6 +175,28 @@ def read(url: str, queries: Sequence[str], settings: list[str]) -> pa.Table:
         if type(exc).__name__ == "PanicException":  # pyo3's, a BaseException
             raise Unreadable(str(exc).strip().splitlines()[0] if str(exc).strip() else "a panic") from None
         raise
+
+
+def running(url: str, tag: str, timeout: float) -> bool:
+    """Whether a statement naming ``tag`` runs on the server of ConnectorX's ``url``, asked on a
+    connection PyMySQL opens to it as ConnectorX would (same host, user, password and database)
+    within ``timeout`` seconds. PyMySQL's error when it cannot connect."""
+    from urllib.parse import unquote, urlsplit
+
+    import pymysql
+
+    u = urlsplit(url)
+    conn = pymysql.connect(host=u.hostname or "", port=u.port or 3306, user=unquote(u.username or ""),
+                           password=unquote(u.password or ""), database=unquote(u.path.lstrip("/")) or None,
+                           connect_timeout=max(1, math.ceil(timeout)), read_timeout=max(1, math.ceil(timeout)),
+                           write_timeout=max(1, math.ceil(timeout)), charset="utf8mb4")
+    try:
+        with conn.cursor() as cur:
+            cur.execute("SELECT 1 FROM information_schema.processlist WHERE INSTR(info, %s) > 0 "
+                        "AND id <> CONNECTION_ID() LIMIT 1", (tag,))
+            return cur.fetchone() is not None
+    finally:
+        conn.close()
 
 
 def server_error(exc: BaseException) -> int | None:

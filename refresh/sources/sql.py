@@ -344,9 +344,10 @@ class SqlSource(IncrementalSource):
     def _cx_read(self, queries: list[str], tag: str) -> pa.Table:
         """Run ConnectorX in a thread of its own and wait for it: :meth:`interrupt` kills its
         statements on the server and gives the wait up at once, even when the server cannot be
-        reached to kill them (the thread then ends with its connection)."""
+        reached to kill them (the thread then ends with its connection). A server that refuses
+        ConnectorX's connections fails the read within about ``connect_timeout`` (:meth:`_cx_watch`)."""
         out: dict[str, Any] = {}
-        done = threading.Event()
+        done, waiting = threading.Event(), threading.Event()
 
         def work() -> None:
             try:
@@ -362,19 +363,44 @@ class SqlSource(IncrementalSource):
             self._cx_abandon.clear()
         worker = threading.Thread(target=work, name=f"connectorx-{self.dataset}", daemon=True)
         worker.start()
+        waiting.set()
+        threading.Thread(target=self._cx_watch, args=(tag, done, waiting, out), name=f"connectorx-watch-{self.dataset}",
+                         daemon=True).start()
         try:
             while not done.wait(0.1):
                 if self._cx_abandon.is_set():
                     raise TransientError(f"dataset {self.dataset}: read on {self.describe()} interrupted")
         finally:
+            waiting.clear()
             with self._lock:
                 self._cx_tag = None
-        exc = out.get("error")
-        if exc is None:
+        if "table" in out:
             return out["table"]
+        exc = out.get("error")
+        if exc is None:  # ConnectorX still tries to connect: the watch's error tells why it cannot
+            log.debug("dataset %s: giving up the connectorx read (it cannot connect)", self.dataset)
+            with self._errors("connect"):
+                raise out["connect"]
         if isinstance(exc, mysql_cx.Unreadable) or not isinstance(exc, Exception):
             raise exc
         raise self._cx_error(exc) from exc
+
+    def _cx_watch(self, tag: str, done: threading.Event, waiting: threading.Event, out: dict[str, Any]) -> None:
+        """Until the read's statements run on the server, check every half second that the server takes
+        a connection like ConnectorX's (PyMySQL, within ``connect_timeout``): ConnectorX retries a
+        connection it cannot open (refused, bad password) for 30 s whatever ``connect_timeout`` says.
+        A check that cannot connect ends the wait with its error."""
+        limit = self.cfg.connect_timeout
+        timeout = limit.total_seconds() if limit is not None else 30.0  # "off": ConnectorX's own 30 s
+        while not done.wait(0.5) and waiting.is_set():
+            try:
+                if mysql_cx.running(self._cx_url or "", tag, timeout):
+                    return
+            except Exception as exc:  # noqa: BLE001 - handed to the waiting thread
+                if not done.is_set():
+                    out["connect"] = exc
+                    done.set()
+                return
 
     def _cx_error(self, exc: Exception) -> Exception:
         """ConnectorX's error as the PyMySQL path would raise it: a statement timeout or a server

@@ -237,3 +237,33 @@ def test_an_interrupt_ends_a_connectorx_read_and_its_statements(mysql_url: str, 
     while _statements(mysql_engine, f"{t}_v") and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _statements(mysql_engine, f"{t}_v") == []
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("change", "error", "message"), [
+    ("port", TransientError, "Can't connect to MySQL server"),    # nothing listens there
+    ("password", TerminalError, "Access denied for user 'root'"),  # the wrong password for root
+], ids=["refused", "bad-password"])
+def test_connectorx_fails_within_the_connect_timeout_when_it_cannot_connect(
+        mysql_url: str, mysql_engine: sa.Engine, unique, monkeypatch: pytest.MonkeyPatch,
+        change: str, error: type[Exception], message: str) -> None:
+    """The PyMySQL step (column types) connects; ConnectorX's own connections then fail, as when the
+    server goes away or the password changes in between: ConnectorX alone would retry for 30 s."""
+    from demo.broker import free_port
+
+    t = unique("down")
+    execute(mysql_engine, f"CREATE TABLE {t} (id INT PRIMARY KEY)", f"INSERT INTO {t} VALUES (1)")
+    real = mysql_cx.url_for
+
+    def url_for(host: str | None, port: int | None, user: str | None, password: str | None, *rest: Any) -> Any:
+        if change == "port":
+            return real(host, free_port(), user, password, *rest)
+        return real(host, port, user, "wrong", *rest)
+
+    monkeypatch.setattr(mysql_cx, "url_for", url_for)
+    src = SqlSource("cxdown", SqlSourceConfig(url=mysql_url, table=t, reader="connectorx",
+                                              connect_timeout=dt.timedelta(seconds=2)))
+    t0 = time.monotonic()
+    with pytest.raises(error, match=f"dataset cxdown: connect on .* table {t} failed: .*{message}"):
+        src.read()
+    assert time.monotonic() - t0 < 6  # about the 2 s connect_timeout, not ConnectorX's 30 s
