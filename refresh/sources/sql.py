@@ -51,7 +51,7 @@ class SqlSource(IncrementalSource):
     def __init__(self, dataset: str, cfg: SqlSourceConfig, key: Sequence[str] = ()) -> None:
         self.dataset = dataset
         self.cfg = cfg
-        self.key = tuple(key)  # the dataset's key (a read in key ranges checks it; () : unknown)
+        self.key = tuple(key)  # the dataset's key, which a read in key ranges checks (empty: unknown)
         if not cfg.url:
             raise TerminalError(f"dataset {dataset}: SQL source without url")
         try:
@@ -278,7 +278,7 @@ class SqlSource(IncrementalSource):
         if not doubt.num_rows:
             return table
         if doubt.num_rows > REREAD_KEYS:
-            log.warning("dataset %s: %d keys changed while the %s key ranges were read; reading again in one "
+            log.warning("dataset %s: %d keys changed while the %d key ranges were read; reading again in one "
                         "statement", self.dataset, doubt.num_rows, self.cfg.read_partitions)
             return None
         found = now.take(mysql_cx.rows_of(now, doubt, key, keep=True))
@@ -291,7 +291,7 @@ class SqlSource(IncrementalSource):
         if len(mysql_cx.rows_of(found, fresh.select(key), key, keep=False)) or \
                 len(mysql_cx.suspects(fresh, fresh.slice(0, 0), key)):
             # A key moved again (or is there twice) by now: only one statement can settle it.
-            log.warning("dataset %s: keys kept changing while the %s key ranges were read; reading again in "
+            log.warning("dataset %s: keys kept changing while the %d key ranges were read; reading again in "
                         "one statement", self.dataset, self.cfg.read_partitions)
             return None
         log.info("dataset %s: %d key(s) changed range or were inserted while the %d key ranges were read: "

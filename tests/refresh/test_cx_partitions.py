@@ -4,6 +4,7 @@ that always existed nor a duplicate refused for a row that moved."""
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import pyarrow as pa
@@ -26,7 +27,7 @@ def interleave(monkeypatch: pytest.MonkeyPatch, engine: sa.Engine, script: dict[
     every read, one list per read."""
     real = mysql_cx.read
     reads: list[list[str]] = []
-    count = iter(range(1_000_000))
+    count = itertools.count()
 
     def one(url: str, query: str, settings: list[str]) -> pa.Table:
         statements = script.get(next(count))
