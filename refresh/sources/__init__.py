@@ -11,7 +11,7 @@ def open_source(ds: DatasetConfig) -> Source:
     if isinstance(ds.source, SqlSourceConfig):
         from refresh.sources.sql import SqlSource
 
-        return SqlSource(ds.name, ds.source)
+        return SqlSource(ds.name, ds.source, ds.key)
     from refresh.sources.files import FileSource
 
     return FileSource(ds.name, ds.source)

@@ -1,7 +1,8 @@
 """MySQL/MariaDB read by ConnectorX (Rust, Arrow-native), into the same Arrow table as the PyMySQL path.
 
 ConnectorX reads the binary protocol into Arrow without a Python object per value, optionally in
-parallel key ranges. Its Arrow types are not the contract's, so the table is made identical to what
+parallel key ranges (:func:`ranges`: one statement per range, each on a connection of its own). Its
+Arrow types are not the contract's, so the table is made identical to what
 :mod:`refresh.sources.sql` reads with PyMySQL:
 
 - the column types come from the same result metadata (:func:`refresh.sources.sqltypes.mysql_type`
@@ -21,12 +22,15 @@ parallel key ranges. Its Arrow types are not the contract's, so the table is mad
 from __future__ import annotations
 
 import functools
+import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from refresh.sources.sqltypes import TextConverter, mysql_type
 from refstream.errors import DataError
@@ -45,6 +49,7 @@ _INTEGER = {1, 2, 3, 8, 9}
 _PRI_KEY = 2                             # field flag: part of the primary key
 _UTF8 = ("utf8", "utf8mb4", "utf8mb3")
 _SERVER_ERROR = re.compile(r"ERROR (\d+)")
+_ROW = "__refresh_row"
 
 
 class Unreadable(Exception):
@@ -120,22 +125,78 @@ def select(columns: Sequence[Column], quote: Callable[[str], str], source: str, 
     return f"{sql} WHERE {where}" if where else sql
 
 
-def read(url: str, sql: str, settings: list[str], partition: tuple[str, int] | None) -> pa.Table:
-    """Run ``sql`` with ConnectorX (``settings``: statements each connection runs first). A Rust
-    panic (a value it refuses) becomes :class:`Unreadable`; server and connection errors stay
-    ConnectorX's ``RuntimeError`` (see :func:`server_error`)."""
+def ranges(column: str, low: int, high: int, n: int) -> list[str]:
+    """WHERE conditions splitting the integer ``column`` (quoted) into at most ``n`` ranges of about
+    equal width over ``[low, high]``. The first and the last are open-ended: together they take every
+    row, one inserted outside ``[low, high]`` after they were measured included."""
+    n = max(1, min(n, high - low + 1))
+    if n == 1:
+        return []
+    bounds = [low + (high - low + 1) * i // n for i in range(1, n)]
+    conds = [f"{column} < {bounds[0]}"]
+    conds += [f"{column} >= {a} AND {column} < {b}" for a, b in zip(bounds, bounds[1:], strict=False)]
+    conds.append(f"{column} >= {bounds[-1]}")
+    return conds
+
+
+def suspects(read: pa.Table, now: pa.Table, key: Sequence[str]) -> pa.Table:
+    """The dataset keys (columns ``key``) a read in key ranges cannot vouch for: read in two ranges,
+    or in ``now`` (the keys read in one statement after the ranges) but in no range. Each range's
+    statement sees its own moment, so a row whose primary key changed range in between (updated, or
+    deleted and inserted again under another id) shows in both ranges or in neither; a row inserted
+    into a range already read is missing too."""
+    key = list(key)
+    keys = read.select(key)
+    counts = keys.group_by(key, use_threads=False).aggregate([([], "count_all")])
+    twice = counts.filter(pc.greater(counts.column("count_all"), 1)).select(key)
+    missing = now.select(key).join(keys, key, join_type="left anti")
+    return pa.concat_tables([twice, missing.cast(twice.schema)])
+
+
+def rows_of(table: pa.Table, keys: pa.Table, key: Sequence[str], *, keep: bool) -> pa.Array:
+    """The indices, ascending, of the rows of ``table`` whose key is in ``keys`` (``keep``) or not."""
+    key = list(key)
+    indexed = table.select(key).append_column(_ROW, pa.array(np.arange(table.num_rows, dtype=np.int64)))
+    hit = indexed.join(keys, key, join_type="left semi" if keep else "left anti").column(_ROW)
+    return pc.take(hit, pc.sort_indices(hit)).combine_chunks()
+
+
+def read(url: str, queries: Sequence[str], settings: list[str]) -> pa.Table:
+    """Run ``queries`` with ConnectorX, in parallel, each on a connection of its own, their rows in
+    one table (``settings``: statements each connection runs first). A Rust panic (a value it
+    refuses) becomes :class:`Unreadable`; server and connection errors stay ConnectorX's
+    ``RuntimeError`` (see :func:`server_error`)."""
     import connectorx as cx
 
-    kw: dict[str, Any] = {}
-    if partition is not None:
-        kw = {"partition_on": partition[0], "partition_num": partition[1]}
     try:
-        return cx.read_sql(url, sql, return_type="arrow", protocol="binary",
-                           pre_execution_query=settings or None, **kw)
+        return cx.read_sql(url, list(queries) if len(queries) > 1 else queries[0], return_type="arrow",
+                           protocol="binary", pre_execution_query=settings or None)
     except BaseException as exc:
         if type(exc).__name__ == "PanicException":  # pyo3's, a BaseException
             raise Unreadable(str(exc).strip().splitlines()[0] if str(exc).strip() else "a panic") from None
         raise
+
+
+def running(url: str, tag: str, timeout: float) -> bool:
+    """Whether a statement naming ``tag`` runs on the server of ConnectorX's ``url``, asked on a
+    connection PyMySQL opens to it as ConnectorX would (same host, user, password and database)
+    within ``timeout`` seconds. PyMySQL's error when it cannot connect."""
+    from urllib.parse import unquote, urlsplit
+
+    import pymysql
+
+    u = urlsplit(url)
+    conn = pymysql.connect(host=u.hostname or "", port=u.port or 3306, user=unquote(u.username or ""),
+                           password=unquote(u.password or ""), database=unquote(u.path.lstrip("/")) or None,
+                           connect_timeout=max(1, math.ceil(timeout)), read_timeout=max(1, math.ceil(timeout)),
+                           write_timeout=max(1, math.ceil(timeout)), charset="utf8mb4")
+    try:
+        with conn.cursor() as cur:
+            cur.execute("SELECT 1 FROM information_schema.processlist WHERE INSTR(info, %s) > 0 "
+                        "AND id <> CONNECTION_ID() LIMIT 1", (tag,))
+            return cur.fetchone() is not None
+    finally:
+        conn.close()
 
 
 def server_error(exc: BaseException) -> int | None:
@@ -146,8 +207,8 @@ def server_error(exc: BaseException) -> int | None:
 
 def convert(dataset: str, table: pa.Table, columns: Sequence[Column], key: str | None) -> pa.Table:
     """ConnectorX's table as the PyMySQL path's: the contract's types, the same column order and, for a
-    read split on ``key``, the rows in key order again (ConnectorX hands the ranges back in the
-    order they finished; each range comes in key order)."""
+    read split into ranges of ``key``, the rows in key order again (ConnectorX hands the ranges back
+    in the order they finished; each range comes in key order)."""
     if key is not None:
         batches = [b for b in table.to_batches() if b.num_rows]
         batches.sort(key=lambda b: b.column(key)[0].as_py())

@@ -26,7 +26,9 @@ import uuid
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import sqlalchemy as sa
 from sqlalchemy.pool import NullPool
 
@@ -46,9 +48,10 @@ _UTF8 = ("utf8", "utf8mb4", "utf-8")
 class SqlSource(IncrementalSource):
     """A table (``SELECT *``) or a query of any SQLAlchemy URL."""
 
-    def __init__(self, dataset: str, cfg: SqlSourceConfig) -> None:
+    def __init__(self, dataset: str, cfg: SqlSourceConfig, key: Sequence[str] = ()) -> None:
         self.dataset = dataset
         self.cfg = cfg
+        self.key = tuple(key)  # the dataset's key, which a read in key ranges checks (empty: unknown)
         if not cfg.url:
             raise TerminalError(f"dataset {dataset}: SQL source without url")
         try:
@@ -212,7 +215,12 @@ class SqlSource(IncrementalSource):
         """The read by ConnectorX: the column types from a PyMySQL query for no rows, then one
         ConnectorX read (the rows as the PyMySQL path would type them), handed out in chunks. A
         column or value ConnectorX cannot read exactly makes it read with PyMySQL (logged)."""
-        fields = self._describe()
+        where = None
+        if low is not None:
+            import pymysql.converters
+
+            where = f"{self._q(column)} >= {pymysql.converters.escape_item(low, 'utf8mb4')}"
+        fields, key, span = self._describe(where)
         try:
             columns = mysql_cx.plan(fields)
         except mysql_cx.Unreadable as exc:
@@ -220,21 +228,22 @@ class SqlSource(IncrementalSource):
                         self.dataset, exc)
             yield from self._driver_stream(column, low)
             return
-        key = mysql_cx.partition_key(fields) if self.cfg.read_partitions > 1 else None
-        if self.cfg.read_partitions > 1 and key is None:
-            log.info("dataset %s: read in one partition (read_partitions needs a primary key of one "
-                     "integer column)", self.dataset)
         tag = f"refresh_cx_{uuid.uuid4().hex[:12]}"
         source = self._q(self.cfg.table) if self.cfg.table else f"({self._base()})"
-        where = None
-        if low is not None:
-            import pymysql.converters
-
-            where = f"{self._q(column)} >= {pymysql.converters.escape_item(low, 'utf8mb4')}"
-        sql = mysql_cx.select(columns, self._q, source, tag, where)
+        parts = [] if key is None or span is None else \
+            mysql_cx.ranges(self._q(key), span[0], span[1], self.cfg.read_partitions)
+        queries = [mysql_cx.select(columns, self._q, source, tag, _both(where, part)) for part in parts] \
+            or [mysql_cx.select(columns, self._q, source, tag, where)]
         try:
-            table = mysql_cx.convert(self.dataset, self._cx_read(sql, tag, None if key is None else (
-                key, self.cfg.read_partitions)), columns, key)
+            table = mysql_cx.convert(self.dataset, self._cx_read(queries, tag), columns,
+                                     key if len(queries) > 1 else None)
+            if len(queries) > 1 and key is not None:
+                checked = self._check_ranges(table, columns, key, source, tag, where)
+                if checked is None:
+                    del table  # before the whole table is read again
+                    checked = mysql_cx.convert(self.dataset, self._cx_read(
+                        [mysql_cx.select(columns, self._q, source, tag, where)], tag), columns, None)
+                table = checked
         except mysql_cx.Unreadable as exc:
             log.warning("dataset %s: connectorx cannot read this table exactly (%s); reading with PyMySQL",
                         self.dataset, exc)
@@ -246,9 +255,57 @@ class SqlSource(IncrementalSource):
                                                   names=[c.name for c in columns])]
         yield from batches
 
-    def _describe(self) -> list[Any]:
+    def _check_ranges(self, table: pa.Table, columns: list[mysql_cx.Column], pk: str, source: str, tag: str,
+                      where: str | None) -> pa.Table | None:
+        """``table``, read in ranges of the primary key ``pk``, made a state that every dataset key had
+        during the read; None: read it all again in one statement.
+
+        Each range's statement sees its own moment. A key whose row changed range between two of them
+        (``pk`` updated, or the row deleted and inserted again under another id) is read in both
+        ranges (a duplicate the run would refuse) or in neither (a tombstone for a row that never went
+        away). So the dataset's keys are read once more, in one statement, after the ranges: a key read
+        twice, or there now but in no range, is read again where it is now, in one statement, and
+        replaces what the ranges read of it (a key read twice and gone now is gone). Every other key
+        was read once, as it was at its range's moment. When ``pk`` is part of the key, a key cannot
+        change range and none of this is needed."""
+        key = list(self.key)
+        if pk in key or not set(key) <= set(table.column_names):
+            return table  # (key columns not in the data: the run refuses them itself)
+        narrow = [c for c in columns if c.name in key or c.name == pk]
+        now = mysql_cx.convert(self.dataset, self._cx_read(
+            [mysql_cx.select(narrow, self._q, source, tag, where)], tag), narrow, None)
+        doubt = mysql_cx.suspects(table, now, key)
+        if not doubt.num_rows:
+            return table
+        if doubt.num_rows > REREAD_KEYS:
+            log.warning("dataset %s: %d keys changed while the %d key ranges were read; reading again in one "
+                        "statement", self.dataset, doubt.num_rows, self.cfg.read_partitions)
+            return None
+        found = now.take(mysql_cx.rows_of(now, doubt, key, keep=True))
+        ids = ", ".join(str(int(i)) for i in pc.unique(found.column(pk)).to_pylist())
+        fresh = table.schema.empty_table()
+        if ids:
+            fresh = mysql_cx.convert(self.dataset, self._cx_read([mysql_cx.select(
+                columns, self._q, source, tag, _both(where, f"{self._q(pk)} IN ({ids})"))], tag), columns, None)
+            fresh = fresh.take(mysql_cx.rows_of(fresh, doubt, key, keep=True))
+        if len(mysql_cx.rows_of(found, fresh.select(key), key, keep=False)) or \
+                len(mysql_cx.suspects(fresh, fresh.slice(0, 0), key)):
+            # A key moved again (or is there twice) by now: only one statement can settle it.
+            log.warning("dataset %s: keys kept changing while the %d key ranges were read; reading again in "
+                        "one statement", self.dataset, self.cfg.read_partitions)
+            return None
+        log.info("dataset %s: %d key(s) changed range or were inserted while the %d key ranges were read: "
+                 "re-read (%d row(s) now)", self.dataset, doubt.num_rows, self.cfg.read_partitions, fresh.num_rows)
+        keep = np.ones(table.num_rows, bool)
+        keep[mysql_cx.rows_of(table, doubt, key, keep=True).to_numpy()] = False
+        # Filtered chunk by chunk (no copy of the whole table); the re-read rows come last.
+        return pa.concat_tables([table.filter(pa.array(keep)), fresh])
+
+    def _describe(self, where: str | None) -> tuple[list[Any], str | None, tuple[int, int] | None]:
         """PyMySQL's field descriptors of the read's result (a query for no rows), which also checks
-        the table or query, bounded by the connect and read timeouts and interruptible."""
+        the table or query, bounded by the connect and read timeouts and interruptible; and, for a
+        read in ``read_partitions`` key ranges, the key column and its lowest and highest value in
+        the rows ``where`` selects (None: no rows)."""
         base = self._q(self.cfg.table) if self.cfg.table else f"({self._base()}) AS refresh_src"
         with self._errors("query"):
             raw = self.engine.raw_connection()
@@ -262,9 +319,20 @@ class SqlSource(IncrementalSource):
                 cur = driver.cursor()
                 cur.execute(f"SELECT * FROM {base} LIMIT 0")
                 fields = compat.pymysql_fields(cur)
+                key = mysql_cx.partition_key(fields) if self.cfg.read_partitions > 1 else None
+                if self.cfg.read_partitions > 1 and (key is None or not self.key):
+                    log.info("dataset %s: read in one statement (read_partitions needs a primary key of one "
+                             "integer column%s)", self.dataset, "" if self.key else " and the dataset's key")
+                    key = None
+                span = None
+                if key is not None:
+                    cur.execute(f"SELECT MIN({self._q(key)}), MAX({self._q(key)}) FROM {base}"
+                                + (f" WHERE {where}" if where else ""))
+                    low, high = cur.fetchone()
+                    span = None if low is None else (int(low), int(high))
                 cur.close()
             ok = True
-            return fields
+            return fields, key, span
         finally:
             with self._lock:
                 self._active = None
@@ -273,17 +341,18 @@ class SqlSource(IncrementalSource):
             except Exception:  # noqa: BLE001 - closing a broken connection may fail too
                 log.debug("closing the connection failed", exc_info=True)
 
-    def _cx_read(self, sql: str, tag: str, partition: tuple[str, int] | None) -> pa.Table:
+    def _cx_read(self, queries: list[str], tag: str) -> pa.Table:
         """Run ConnectorX in a thread of its own and wait for it: :meth:`interrupt` kills its
         statements on the server and gives the wait up at once, even when the server cannot be
-        reached to kill them (the thread then ends with its connection)."""
+        reached to kill them (the thread then ends with its connection). A server that refuses
+        ConnectorX's connections fails the read within about ``connect_timeout`` (:meth:`_cx_watch`)."""
         out: dict[str, Any] = {}
-        done = threading.Event()
+        done, waiting = threading.Event(), threading.Event()
 
         def work() -> None:
             try:
-                out["table"] = mysql_cx.read(self._cx_url or "", sql, [self._session] if self._session else [],
-                                             partition)
+                out["table"] = mysql_cx.read(self._cx_url or "", queries,
+                                             [self._session] if self._session else [])
             except BaseException as exc:  # noqa: BLE001 - handed to the waiting thread
                 out["error"] = exc
             finally:
@@ -294,19 +363,44 @@ class SqlSource(IncrementalSource):
             self._cx_abandon.clear()
         worker = threading.Thread(target=work, name=f"connectorx-{self.dataset}", daemon=True)
         worker.start()
+        waiting.set()
+        threading.Thread(target=self._cx_watch, args=(tag, done, waiting, out), name=f"connectorx-watch-{self.dataset}",
+                         daemon=True).start()
         try:
             while not done.wait(0.1):
                 if self._cx_abandon.is_set():
                     raise TransientError(f"dataset {self.dataset}: read on {self.describe()} interrupted")
         finally:
+            waiting.clear()
             with self._lock:
                 self._cx_tag = None
-        exc = out.get("error")
-        if exc is None:
+        if "table" in out:
             return out["table"]
+        exc = out.get("error")
+        if exc is None:  # ConnectorX still tries to connect: the watch's error tells why it cannot
+            log.debug("dataset %s: giving up the connectorx read (it cannot connect)", self.dataset)
+            with self._errors("connect"):
+                raise out["connect"]
         if isinstance(exc, mysql_cx.Unreadable) or not isinstance(exc, Exception):
             raise exc
         raise self._cx_error(exc) from exc
+
+    def _cx_watch(self, tag: str, done: threading.Event, waiting: threading.Event, out: dict[str, Any]) -> None:
+        """Until the read's statements run on the server, check every half second that the server takes
+        a connection like ConnectorX's (PyMySQL, within ``connect_timeout``): ConnectorX retries a
+        connection it cannot open (refused, bad password) for 30 s whatever ``connect_timeout`` says.
+        A check that cannot connect ends the wait with its error."""
+        limit = self.cfg.connect_timeout
+        timeout = limit.total_seconds() if limit is not None else 30.0  # "off": ConnectorX's own 30 s
+        while not done.wait(0.5) and waiting.is_set():
+            try:
+                if mysql_cx.running(self._cx_url or "", tag, timeout):
+                    return
+            except Exception as exc:  # noqa: BLE001 - handed to the waiting thread
+                if not done.is_set():
+                    out["connect"] = exc
+                    done.set()
+                return
 
     def _cx_error(self, exc: Exception) -> Exception:
         """ConnectorX's error as the PyMySQL path would raise it: a statement timeout or a server
@@ -465,6 +559,10 @@ class _ErrorMap:
         return False
 
 
+#: A read in key ranges re-reads at most this many keys that changed range during the read (or were
+#: inserted into a range already read); more (a mass change) and it reads everything again at once.
+REREAD_KEYS = 10_000
+
 # MySQL server errors worth a retry (too many connections, shutdown, lock timeout, deadlock, query
 # interrupted, connection killed); client errors (2000+: cannot connect, server gone away) always are.
 _MYSQL_TRANSIENT = {1040, 1053, 1205, 1213, 1317, 1927, 3024}
@@ -492,6 +590,10 @@ def _connect_args(url: sa.URL, cfg: SqlSourceConfig) -> dict[str, Any]:
         args["options"] = " ".join(([given] if isinstance(given, str) else list(given or ())) + options)
         have.discard("options")
     return {k: v for k, v in args.items() if k not in have}
+
+
+def _both(where: str | None, cond: str) -> str:
+    return f"({where}) AND {cond}" if where else cond
 
 
 def _statement_timed_out(exc: BaseException) -> bool:

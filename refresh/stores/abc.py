@@ -3,9 +3,9 @@
 Layout under ``state_dir/<dataset>/`` (the file store, :mod:`refresh.stores.files`):
 
 - ``state.json``     the committed state (:class:`CommittedState`), replaced atomically;
-- ``snapshot-<version>.arrow``  the published rows the state points at, Arrow IPC with LZ4 (earlier
-  releases wrote ``.parquet``, still read); older ones are removed after the state that replaced
-  them is durable;
+- ``snapshot-<version>.arrow``  the published rows the state points at, in the Arrow IPC file format
+  with LZ4 (the only snapshot format); older ones are removed after the state that replaced them is
+  durable;
 - ``status.json``    the last run and the last success (:class:`DatasetStatus`), written after every
   run, failed or not;
 - ``runs.jsonl``     the last runs (:class:`RunRecord`, one JSON object per line, oldest first; kept

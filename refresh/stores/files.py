@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import BinaryIO
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from refresh.errors import DatasetBusy, Stopped
 from refresh.stores.abc import (
@@ -222,29 +221,29 @@ def _offsets(dataset: str, path: Path, obj: object) -> dict[int, int] | None:
 
 
 def snapshot_name(version: int) -> str:
-    """The file a committed snapshot of ``version`` is stored in (Arrow IPC; older releases wrote
-    ``.parquet``, still read)."""
+    """The file a committed snapshot of ``version`` is stored in (the Arrow IPC file format: the one
+    snapshot format there is)."""
     return f"snapshot-{version:010d}{IPC_SUFFIX}"
 
 
-IPC_SUFFIX, PARQUET_SUFFIX = ".arrow", ".parquet"
+IPC_SUFFIX = ".arrow"
 
 
 def _snapshot_version(name: str) -> int | None:
     """The version in a snapshot file's name, None for another file."""
     stem, dot, suffix = name.partition(".")
-    if not stem.startswith("snapshot-") or dot + suffix not in (IPC_SUFFIX, PARQUET_SUFFIX):
+    if not stem.startswith("snapshot-") or dot + suffix != IPC_SUFFIX:
         return None
     digits = stem.removeprefix("snapshot-")
     return int(digits) if digits.isdigit() else None
 
 
 def open_snapshot_file(path: Path) -> SnapshotRows:
-    """A committed snapshot, by its file's format."""
-    return ParquetSnapshot(path) if path.suffix == PARQUET_SUFFIX else IpcSnapshot(path)
+    """A committed snapshot. Any other file than an Arrow IPC one fails (``pa.ArrowException``)."""
+    return IpcSnapshot(path)
 
 
-#: Rows per record batch (row group of a Parquet snapshot): the lazy diff reads one at a time.
+#: Rows per record batch of a snapshot: the lazy diff reads one at a time.
 ROW_GROUP = 1 << 20
 #: Arrow IPC with LZ4 frames compressed on pyarrow's thread pool: at 1M rows it writes in a fraction
 #: of Parquet's single-threaded encoding, and reads back without decoding (docs/benchmarks.md).
@@ -299,7 +298,7 @@ class _StagedFile(StagedSnapshot):
 
 class _FileSnapshot(SnapshotRows):
     """A snapshot file read column by column on demand, or whole in the background (``prefetch``).
-    A format gives :meth:`_read`, :meth:`_parts`, :meth:`_memory_size` and :meth:`_close`."""
+    The file format gives :meth:`_read`, :meth:`_parts`, :meth:`_memory_size` and :meth:`_close`."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -311,7 +310,7 @@ class _FileSnapshot(SnapshotRows):
 
     @abstractmethod
     def _parts(self, name: str) -> Iterator[pa.ChunkedArray]:
-        """One column, a part (row group, record batch) at a time, from the file."""
+        """One column, a part (record batch) at a time, from the file."""
 
     @abstractmethod
     def _memory_size(self) -> int:
@@ -378,30 +377,6 @@ class _FileSnapshot(SnapshotRows):
     def close(self) -> None:
         self._whole()  # the prefetch thread reads the file until it is done
         self._close()
-
-
-class ParquetSnapshot(_FileSnapshot):
-    """A snapshot as earlier releases wrote it: Parquet, a row group per part."""
-
-    def __init__(self, path: Path) -> None:
-        super().__init__(path)
-        self._file = pq.ParquetFile(path)
-        self.schema = self._file.schema_arrow
-        self.num_rows = self._file.metadata.num_rows
-
-    def _read(self, names: list[str] | None) -> pa.Table:
-        return self._file.read(columns=names)
-
-    def _parts(self, name: str) -> Iterator[pa.ChunkedArray]:
-        for i in range(self._file.num_row_groups):
-            yield self._file.read_row_group(i, columns=[name]).column(0)
-
-    def _memory_size(self) -> int:
-        md = self._file.metadata
-        return sum(md.row_group(i).total_byte_size for i in range(md.num_row_groups))
-
-    def _close(self) -> None:
-        self._file.close()
 
 
 class IpcSnapshot(_FileSnapshot):

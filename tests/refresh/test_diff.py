@@ -112,42 +112,35 @@ def test_window_and_upsert_into_build_the_incremental_snapshot() -> None:
 _FILES = itertools.count()
 
 
-def snapshot_file(table, path, fmt: str, part_rows: int | None = None):
-    """``table`` written as a committed snapshot of format ``fmt`` (``.arrow``: this release's,
-    ``.parquet``: earlier ones') in parts of ``part_rows``, opened as the store opens it."""
-    import pyarrow.parquet as pq
-
+def snapshot_file(table, path, part_rows: int | None = None):
+    """``table`` written as a committed snapshot in parts (record batches) of ``part_rows``, opened as
+    the store opens it."""
     from refresh.stores import files
 
-    path = path.with_name(f"{path.name}-{next(_FILES)}.{fmt}")  # never rewritten while open
-    if fmt == "parquet":
-        pq.write_table(table, path, row_group_size=part_rows)
-    else:
-        with pa.ipc.new_file(str(path), table.schema, options=files._IPC_WRITE) as w:
-            w.write_table(table, max_chunksize=part_rows)
+    path = path.with_name(f"{path.name}-{next(_FILES)}.arrow")  # never rewritten while open
+    with pa.ipc.new_file(str(path), table.schema, options=files._IPC_WRITE) as w:
+        w.write_table(table, max_chunksize=part_rows)
     return files.open_snapshot_file(path)
 
 
-@pytest.mark.parametrize("fmt", ["arrow", "parquet"])
-def test_lazy_snapshot_and_sliced_comparison_give_the_same_changes(tmp_path, monkeypatch, fmt: str) -> None:
+def test_lazy_snapshot_and_sliced_comparison_give_the_same_changes(tmp_path, monkeypatch) -> None:
     import refresh.diff as d
 
     old = t([{"id": i, "v": str(i), "w": float(i)} for i in range(100)])
     new = t([{"id": i, "v": str(i) if i % 7 else "x", "w": float(i) if i % 11 else -1.0} for i in range(5, 120)])
     expected = diff("ds", old, new, ["id"])
     monkeypatch.setattr(d, "COMPARE_SLICE", 8)
-    lazy = diff("ds", snapshot_file(old, tmp_path / "s", fmt), new, ["id"])
+    lazy = diff("ds", snapshot_file(old, tmp_path / "s"), new, ["id"])
     assert (lazy.inserts, lazy.updates, lazy.delete_count) == (expected.inserts, expected.updates, expected.delete_count)
     assert sorted(lazy.upserts.column("id").to_pylist()) == sorted(expected.upserts.column("id").to_pylist())
     assert expected.updates == len([i for i in range(5, 100) if i % 7 == 0 or i % 11 == 0])
     assert sorted(lazy.deletes.column("id").to_pylist()) == [0, 1, 2, 3, 4]
 
 
-@pytest.mark.parametrize("fmt", ["arrow", "parquet"])
 @pytest.mark.parametrize("seed", [1, 2, 3])
-def test_ordered_lazy_comparison_with_gaps_matches_the_eager_diff(tmp_path, monkeypatch, seed: int, fmt: str) -> None:
+def test_ordered_lazy_comparison_with_gaps_matches_the_eager_diff(tmp_path, monkeypatch, seed: int) -> None:
     """Rows deleted and inserted between matched ones (runs of matched rows with holes on both sides),
-    over many row groups and compare slices: the lazy, ordered comparison finds what the eager one does."""
+    over many parts and compare slices: the lazy, ordered comparison finds what the eager one does."""
     import random
 
     import refresh.diff as d
@@ -162,11 +155,11 @@ def test_ordered_lazy_comparison_with_gaps_matches_the_eager_diff(tmp_path, monk
     expected = diff("ds", old, new, ["id"])
     monkeypatch.setattr(d, "COMPARE_SLICE", 5)
     assert expected.updates > 0 and expected.inserts > 0 and expected.delete_count > 0
-    prefetched = snapshot_file(old, tmp_path / "s", fmt, 16)
+    prefetched = snapshot_file(old, tmp_path / "s", 16)
     assert prefetched.prefetch(1 << 20)  # read whole in the background: the same changes
-    lazy_one = snapshot_file(old, tmp_path / "s", fmt, 16)
+    lazy_one = snapshot_file(old, tmp_path / "s", 16)
     assert len(list(lazy_one.column_parts("id"))) == 19  # 300 rows in parts of 16
-    for snapshot in (snapshot_file(old, tmp_path / "s", fmt, 16), prefetched):
+    for snapshot in (snapshot_file(old, tmp_path / "s", 16), prefetched):
         lazy = diff("ds", snapshot, new, ["id"])
         assert (lazy.inserts, lazy.updates, lazy.delete_count) == \
             (expected.inserts, expected.updates, expected.delete_count)
@@ -174,27 +167,18 @@ def test_ordered_lazy_comparison_with_gaps_matches_the_eager_diff(tmp_path, monk
         assert lazy.deletes.to_pylist() == expected.deletes.to_pylist()
 
 
-def test_a_prefetch_is_bounded_and_a_failed_one_falls_back_to_reading_on_demand(tmp_path) -> None:
-    import pyarrow.parquet as pq
-
-    from refresh.stores.files import ParquetSnapshot
-
+def test_a_prefetch_is_bounded_and_a_failed_one_falls_back_to_reading_on_demand(tmp_path, monkeypatch) -> None:
     old = t([{"id": i, "v": str(i)} for i in range(50)])
     new = t([{"id": i, "v": str(i) if i % 5 else "x"} for i in range(50)])
-    pq.write_table(old, tmp_path / "s.parquet")
-    assert not ParquetSnapshot(tmp_path / "s.parquet").prefetch(10)  # larger than 10 bytes: on demand
-    failing = ParquetSnapshot(tmp_path / "s.parquet")
-    real = failing._file
+    assert not snapshot_file(old, tmp_path / "s").prefetch(10)  # larger than 10 bytes: on demand
+    failing = snapshot_file(old, tmp_path / "s")
+    real = failing._read
 
-    class Broken:
-        def __getattr__(self, name: str):
-            return getattr(real, name)
+    def broken(names):
+        if names is None:
+            raise OSError("disk went away")
+        return real(names)
 
-        def read(self, columns=None):
-            if columns is None:
-                raise OSError("disk went away")
-            return real.read(columns=columns)
-
-    failing._file = Broken()  # type: ignore[assignment]
+    monkeypatch.setattr(failing, "_read", broken)
     assert failing.prefetch(1 << 20)
     assert diff("ds", failing, new, ["id"]).updates == 10

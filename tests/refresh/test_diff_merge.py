@@ -8,12 +8,11 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 
 from refresh import diff as D
 from refresh.errors import DuplicateKey
-from refresh.stores.files import ParquetSnapshot
+from refresh.stores.files import _IPC_WRITE, open_snapshot_file
 
 
 def _sorted(cs: D.ChangeSet) -> tuple[list[str], list[str], int, int]:
@@ -61,7 +60,7 @@ def test_duplicate_keys_found_whatever_the_order() -> None:
         D.check_keys("ds", chunked, ["id"])
 
 
-def test_snapshot_compared_one_row_group_at_a_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_snapshot_compared_one_part_at_a_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     rng = np.random.default_rng(9)
     old_ids = np.unique(rng.integers(0, 400, 300))
     old = pa.table({"id": old_ids, "v": rng.integers(0, 4, len(old_ids)),
@@ -72,8 +71,9 @@ def test_snapshot_compared_one_row_group_at_a_time(tmp_path: Path, monkeypatch: 
                     "s": pa.array([None if i % 6 == 0 else f"s{i % 7}" for i in new_ids]),
                     "f": pa.array([float("nan") if i % 9 == 0 else i % 4 * 0.5 for i in new_ids])})
     new = pa.Table.from_batches(new.to_batches(max_chunksize=13))  # as read: many chunks
-    pq.write_table(old, tmp_path / "s.parquet", row_group_size=37)
-    snap = ParquetSnapshot(tmp_path / "s.parquet")
+    with pa.ipc.new_file(str(tmp_path / "s.arrow"), old.schema, options=_IPC_WRITE) as w:
+        w.write_table(old, max_chunksize=37)
+    snap = open_snapshot_file(tmp_path / "s.arrow")
     read: list[int] = []
     real = snap.column_parts
 

@@ -16,6 +16,7 @@ import pytest
 import sqlalchemy as sa
 
 from refresh.config import SqlSourceConfig
+from refresh.sources import mysql_cx
 from refresh.sources.sql import SqlSource
 from refstream.errors import TerminalError, TransientError
 from tests.refresh.conftest import execute
@@ -59,10 +60,10 @@ ROWS = [
 ]
 
 
-def both(url: str, **cfg: Any) -> tuple[pa.Table, pa.Table, SqlSource]:
-    """The table read by PyMySQL and by ConnectorX (and the ConnectorX source)."""
+def both(url: str, key: tuple[str, ...] = (), **cfg: Any) -> tuple[pa.Table, pa.Table, SqlSource]:
+    """The table read by PyMySQL and by ConnectorX (and the ConnectorX source; ``key``: the dataset's)."""
     by_pymysql = SqlSource("ds", SqlSourceConfig(url=url, reader="pymysql", **cfg)).read()
-    src = SqlSource("ds", SqlSourceConfig(url=url, reader="connectorx", **cfg))
+    src = SqlSource("ds", SqlSourceConfig(url=url, reader="connectorx", **cfg), key)
     assert src.reader == "connectorx"
     return by_pymysql, src.read(), src
 
@@ -113,12 +114,58 @@ def test_connectorx_query_source_and_reads_since_a_cursor(mysql_url: str, every_
 
 
 def test_connectorx_partitioned_read_keeps_the_key_order(mysql_url: str, mysql_engine: sa.Engine,
-                                                          unique) -> None:
+                                                          unique, monkeypatch: pytest.MonkeyPatch) -> None:
     t = unique("parts")
     execute(mysql_engine, f"CREATE TABLE {t} (id BIGINT PRIMARY KEY, v VARCHAR(20), p DECIMAL(12,2))",
             f"INSERT INTO {t} SELECT seq * 3, CONCAT('v', seq), seq / 100 FROM seq_1_to_30000")
-    by_pymysql, by_cx, _ = both(mysql_url, table=t, read_partitions=3, chunk_rows=1000)
+    reads = spy_reads(monkeypatch)
+    by_pymysql, by_cx, _ = both(mysql_url, ("id",), table=t, read_partitions=3, chunk_rows=1000)
     assert by_cx.equals(by_pymysql) and by_cx.num_rows == 30000
+    assert [len(queries) for queries in reads] == [3]  # one ConnectorX read of 3 key ranges
+    # A dataset key without the primary key: its keys are read once more, in one statement, to check
+    # that no row changed range during the read (none did: nothing else is read).
+    reads.clear()
+    _, by_cx, _ = both(mysql_url, ("p", "v"), table=t, read_partitions=3, chunk_rows=1000)
+    assert by_cx.equals(by_pymysql) and [len(queries) for queries in reads] == [3, 1]
+    assert reads[1][0].startswith(f"SELECT id, v, CAST(p AS CHAR) AS p FROM {t} AS refresh_cx_")
+    # Without the dataset's key (or a primary key of one integer column), one statement.
+    reads.clear()
+    assert both(mysql_url, table=t, read_partitions=3)[1].equals(by_pymysql) and reads == [[reads[0][0]]]
+
+
+def test_key_ranges_cover_every_value() -> None:
+    assert mysql_cx.ranges("`id`", 1, 10, 3) == ["`id` < 4", "`id` >= 4 AND `id` < 7", "`id` >= 7"]
+    assert mysql_cx.ranges("k", -5, -4, 8) == ["k < -4", "k >= -4"]  # no more ranges than values
+    assert mysql_cx.ranges("k", 7, 7, 4) == []  # one value: one statement, no condition
+    for low, high, n in ((0, 100, 7), (3, 4, 2), (-(2**63), 2**63 - 1, 16)):
+        conds = mysql_cx.ranges("k", low, high, n)
+        assert len(conds) == min(n, high - low + 1)
+        assert conds[0].startswith("k < ") and conds[-1].startswith("k >= ")
+
+
+def test_keys_a_read_in_ranges_cannot_vouch_for() -> None:
+    read = pa.table({"id": [1, 2, 3, 9], "code": ["a", "b", "a", "c"], "n": [1, 1, 2, 1]})
+    now = pa.table({"code": ["a", "c", "d", "e", "b"], "n": [1, 1, 2, 2, 1]})
+    doubt = mysql_cx.suspects(read, now, ["code"])
+    assert sorted(doubt.column("code").to_pylist()) == ["a", "d", "e"]  # twice, not read, not read
+    doubt2 = mysql_cx.suspects(read, now, ["code", "n"])  # ("a", 1) and ("a", 2) are two keys
+    assert sorted(doubt2.to_pylist(), key=str) == [{"code": "d", "n": 2}, {"code": "e", "n": 2}]
+    assert mysql_cx.rows_of(read, doubt, ["code"], keep=True).to_pylist() == [0, 2]
+    assert mysql_cx.rows_of(read, doubt, ["code"], keep=False).to_pylist() == [1, 3]
+    assert mysql_cx.suspects(now, now.slice(0, 0), ["code"]).num_rows == 0
+
+
+def spy_reads(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+    """The statements of every ConnectorX read from now on, one list per read."""
+    reads: list[list[str]] = []
+    real = mysql_cx.read
+
+    def spy(url: str, queries: list[str], settings: list[str]) -> pa.Table:
+        reads.append(list(queries))
+        return real(url, queries, settings)
+
+    monkeypatch.setattr(mysql_cx, "read", spy)
+    return reads
 
 
 def test_zero_dates_and_geometry_fall_back_to_pymysql(mysql_url: str, mysql_engine: sa.Engine, unique,
@@ -190,3 +237,33 @@ def test_an_interrupt_ends_a_connectorx_read_and_its_statements(mysql_url: str, 
     while _statements(mysql_engine, f"{t}_v") and time.monotonic() < deadline:
         time.sleep(0.1)
     assert _statements(mysql_engine, f"{t}_v") == []
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(("change", "error", "message"), [
+    ("port", TransientError, "Can't connect to MySQL server"),    # nothing listens there
+    ("password", TerminalError, "Access denied for user 'root'"),  # the wrong password for root
+], ids=["refused", "bad-password"])
+def test_connectorx_fails_within_the_connect_timeout_when_it_cannot_connect(
+        mysql_url: str, mysql_engine: sa.Engine, unique, monkeypatch: pytest.MonkeyPatch,
+        change: str, error: type[Exception], message: str) -> None:
+    """The PyMySQL step (column types) connects; ConnectorX's own connections then fail, as when the
+    server goes away or the password changes in between: ConnectorX alone would retry for 30 s."""
+    from demo.broker import free_port
+
+    t = unique("down")
+    execute(mysql_engine, f"CREATE TABLE {t} (id INT PRIMARY KEY)", f"INSERT INTO {t} VALUES (1)")
+    real = mysql_cx.url_for
+
+    def url_for(host: str | None, port: int | None, user: str | None, password: str | None, *rest: Any) -> Any:
+        if change == "port":
+            return real(host, free_port(), user, password, *rest)
+        return real(host, port, user, "wrong", *rest)
+
+    monkeypatch.setattr(mysql_cx, "url_for", url_for)
+    src = SqlSource("cxdown", SqlSourceConfig(url=mysql_url, table=t, reader="connectorx",
+                                              connect_timeout=dt.timedelta(seconds=2)))
+    t0 = time.monotonic()
+    with pytest.raises(error, match=f"dataset cxdown: connect on .* table {t} failed: .*{message}"):
+        src.read()
+    assert time.monotonic() - t0 < 6  # about the 2 s connect_timeout, not ConnectorX's 30 s

@@ -16,6 +16,7 @@ from refresh.errors import DatasetBusy, Stopped
 from refresh.stores.abc import CommittedState, DatasetStatus, RunRecord, RunResult
 from refresh.stores.files import FileStateStore
 from refstream.contract import DatasetSchema
+from refstream.errors import TerminalError
 
 
 def test_commit_round_trip_and_old_snapshots_removed(tmp_path: Path) -> None:
@@ -176,24 +177,21 @@ def test_lock_excludes_other_processes(tmp_path: Path) -> None:
         pass
 
 
-def test_a_parquet_snapshot_of_an_earlier_release_is_read_and_replaced(tmp_path: Path) -> None:
-    """Earlier releases wrote snapshots as Parquet: such a state still loads, and the next commit of a
-    new snapshot writes Arrow IPC and removes the Parquet file."""
+def test_an_empty_snapshot_and_a_snapshot_in_another_format(tmp_path: Path) -> None:
+    """Snapshots are Arrow IPC files, the only format: a state pointing at another file (Parquet, say)
+    fails naming the dataset and the file."""
     import pyarrow.parquet as pq
 
     store = FileStateStore(tmp_path)
     schema = DatasetSchema.from_arrow("d", ["id"], pa.schema([("id", pa.int64())]), 1)
     s1 = store.commit("d", CommittedState(version=1, schema=schema, rows=2), pa.table({"id": [1, 2]}))
-    (tmp_path / "d" / s1.snapshot).unlink()
     pq.write_table(pa.table({"id": [1, 2]}), tmp_path / "d" / "snapshot-0000000001.parquet")
     state = json.loads((tmp_path / "d" / "state.json").read_text())
     (tmp_path / "d" / "state.json").write_text(json.dumps({**state, "snapshot": "snapshot-0000000001.parquet"}))
-    old = store.load("d")
-    assert store.load_snapshot("d", old).column("id").to_pylist() == [1, 2]
-    assert store.open_snapshot("d", old).column("id").to_pylist() == [1, 2]
-    s2 = store.commit("d", CommittedState(version=2, schema=schema, rows=3), pa.table({"id": [1, 2, 3]}))
-    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["snapshot-0000000002.arrow", "state.json"]
-    assert store.load_snapshot("d", s2).column("id").to_pylist() == [1, 2, 3]
+    for read in (store.load_snapshot, store.open_snapshot):
+        with pytest.raises(TerminalError, match="dataset d: snapshot .*snapshot-0000000001.parquet is unreadable"):
+            read("d", store.load("d"))
+    assert store.load_snapshot("d", s1).column("id").to_pylist() == [1, 2]
     # An empty snapshot (every row deleted) is a file with the schema and no batch.
     s3 = store.commit("d", CommittedState(version=3, schema=schema, rows=0), pa.table({"id": pa.array([], pa.int64())}))
     empty = store.open_snapshot("d", s3)
