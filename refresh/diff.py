@@ -1,7 +1,7 @@
 """Vectorised change detection between two snapshots (pyarrow compute, no Python work per row).
 
-Both tables are first normalised to the contract's canonical Arrow types (:func:`normalize`), so a
-snapshot read back from Parquet and a fresh read compare column by column. Rows are matched on the
+Both tables are first normalised to the contract's canonical Arrow types (:func:`normalize`), so the
+stored snapshot and a fresh read compare column by column. Rows are matched on the
 key columns with a hash join of (key columns + row index) only; the non-key columns of matched rows
 are then compared vectorised. A key change falls out as a delete of the old key plus an insert of the
 new one; a delete and a re-insert between two refreshes as an update (or nothing, if equal).

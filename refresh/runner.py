@@ -31,7 +31,7 @@ import pyarrow as pa
 
 from refresh import incremental as inc
 from refresh.config import DatasetConfig, RefreshConfig
-from refresh.diff import ChangeSet, canonical_schema, check_keys, diff, normalize, upsert_into, within
+from refresh.diff import ChangeSet, check_keys, diff, normalize, upsert_into, within
 from refresh.errors import EmptySnapshot, Refused, Stopped, TooManyDeletes
 from refresh.publish import Publisher, transactional_id
 from refresh.sources import open_source
@@ -60,7 +60,7 @@ from refstream.retry import call_with_retry
 
 log = logging.getLogger(__name__)
 
-#: A published snapshot up to this size (Parquet's uncompressed bytes, about its Arrow size) is read
+#: A published snapshot up to this size (its Arrow size) is read
 #: whole while the source is read, which mostly waits on the database; a larger one is read a column
 #: and a row group at a time by the diff, so that two whole snapshots never sit in memory.
 PREFETCH_BYTES = 512 << 20
@@ -211,8 +211,6 @@ class Refresher:
         if not dry_run:
             Publisher.warm_up(self._publish_settings(ds))  # the producer gets ready while the source is read
         snapshot = self.store.open_snapshot(ds.name, state)
-        if snapshot is not None and canonical_schema(snapshot.schema, ds.name) != snapshot.schema:
-            snapshot = normalize(snapshot.read(), ds.name)  # written by an older release: convert it whole
         ends, lost = self._check_topic(ds, state, stop)
         full = full or lost is not None
         timer.mark("load")
