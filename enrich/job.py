@@ -31,6 +31,7 @@ from pyspark.sql.streaming import DataStreamWriter, StreamingQuery
 
 from enrich import events, join
 from enrich.checkpoint import CheckpointLayout
+from enrich.columns import ERROR, LATE
 from enrich.config import EnrichConfig
 from enrich.dimension.changelog import ChangelogFollower
 from enrich.dimension.manager import Dimensions
@@ -43,7 +44,6 @@ from enrich.sinks import Counted, EnrichedBatch, Sink, make_sink
 from enrich.sinks.deadletter import DeadLetters
 from enrich.state.checkpoint import check_checkpoint
 from enrich.state.devices import DeviceCount
-from enrich.state.plan import LATE
 from enrich.state.stream import StateStream
 from refstream import kafka as rkafka
 from refstream.atomic import write_bytes_atomic, write_json_atomic
@@ -396,15 +396,15 @@ class EnrichJob:
 
         def exact(df: DataFrame) -> EnrichedBatch:  # parsed by from_json, or the state step's packed rows
             if st.state is not None:
-                return EnrichedBatch(join.enrich(df, jp.specs, jp.schema, shipped, events.ERROR,
+                return EnrichedBatch(join.enrich(df, jp.specs, jp.schema, shipped, ERROR,
                                                  first=st.state.unpack), jp.columns, matched)
             parsed = events.parse(df, st.pipeline.events, self.cfg.events.required)
-            return EnrichedBatch(join.enrich(parsed, jp.specs, jp.schema, shipped, events.ERROR), jp.columns,
+            return EnrichedBatch(join.enrich(parsed, jp.specs, jp.schema, shipped, ERROR), jp.columns,
                                  matched)
 
         if st.fast is not None:
             batch = EnrichedBatch(join.enrich(events.source_columns(batch_df), jp.specs, jp.fast_schema, shipped,
-                                              events.ERROR, parser=st.fast,
+                                              ERROR, parser=st.fast,
                                               parsed_schema=events.fast_schema(st.pipeline.parsed)), jp.columns,
                                   matched)
         else:

@@ -27,10 +27,10 @@ from pyspark.sql import DataFrame
 from pyspark.sql.pandas.types import to_arrow_schema
 from pyspark.sql.types import BooleanType, StructField, StructType
 
+from enrich.columns import DELETED, SLOW
 from enrich.config import JoinConfig
 from enrich.dimension.ship import Shipped
-from enrich.dimension.store import DELETED
-from enrich.events import SLOW, FastEvents
+from enrich.events import FastEvents
 from enrich.events.fastparse import FastParser
 from enrich.ipc import from_ipc
 from enrich.worker import settle

@@ -34,6 +34,7 @@ from pyspark.sql.types import BooleanType, StructField, StructType
 
 from enrich import events, join
 from enrich.checkpoint import CheckpointLayout
+from enrich.columns import INTERNAL
 from enrich.config import EnrichConfig, JoinConfig
 from enrich.join import JoinSpec
 from enrich.state.dimension import PartitionedDim, partitioned_dim
@@ -177,7 +178,7 @@ def _join_pass(cfg: EnrichConfig, joins: Sequence[JoinConfig], schemas: Mapping[
                before: StructType, timezone: str) -> JoinPass:
     specs, out_schema = join.plan(joins, schemas, before, timezone=timezone, source=cfg.source)
     _, fast_schema = join.plan(joins, schemas, events.fast_schema(before), timezone=timezone, source=cfg.source)
-    columns = tuple(f.name for f in out_schema.fields if f.name not in events.INTERNAL)
+    columns = tuple(f.name for f in out_schema.fields if f.name not in INTERNAL)
     return JoinPass({ds: schemas[ds] for ds in cfg.broadcast_datasets}, tuple(specs), columns, out_schema,
                     fast_schema)
 

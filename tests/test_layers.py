@@ -91,3 +91,59 @@ def test_the_check_finds_upward_and_sideways_imports(tmp_path: Path) -> None:
         "enrich/__init__.py:2: enrich imports refresh.cli",
         "demo/__init__.py:2: demo imports tests.conftest",
     ]
+
+
+# Inside enrich/: modules of pure logic that the executors and the fast tests use without a JVM import
+# no pyspark; driver modules reach the executors' code only through the modules that plan it.
+PURE = ("enrich/columns.py", "enrich/ipc.py", "enrich/state/engine.py", "enrich/state/hashing.py",
+        "enrich/state/packed.py")
+EXECUTOR_ONLY = ("enrich.state.processor", "enrich.sinks.kafka.tasks", "enrich.source.fetch", "enrich.worker")
+DRIVER = ("enrich/job.py", "enrich/pipeline.py", "enrich/checkpoint.py", "enrich/validate.py", "enrich/cli.py",
+          "enrich/config.py", "enrich/session.py", "enrich/ops")
+
+
+def enrich_violations(root: Path) -> list[str]:
+    """Imports against the two rules above, as ``file:line: what``."""
+    found = []
+    for path in sorted((root / "enrich").rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        for line, module in _imported(tree, _package_of(path, root)):
+            if rel in PURE and module.split(".")[0] == "pyspark":
+                found.append(f"{rel}:{line}: pure module imports {module}")
+            if rel.startswith(DRIVER) and module in EXECUTOR_ONLY:
+                found.append(f"{rel}:{line}: driver module imports {module}")
+    return found
+
+
+def test_pure_modules_import_no_spark_and_the_driver_no_executor_module() -> None:
+    violations = enrich_violations(ROOT)
+    assert not violations, "\n".join(violations)
+
+
+def test_the_enrich_rules_find_what_they_forbid(tmp_path: Path) -> None:
+    files = {"enrich/state/engine.py": "import pyspark.sql\n",
+             "enrich/ops/device.py": "from enrich.state.processor import DeviceStateProcessor\n",
+             "enrich/job.py": "from enrich.state import stream\n"}
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert enrich_violations(tmp_path) == [
+        "enrich/ops/device.py:1: driver module imports enrich.state.processor",
+        "enrich/state/engine.py:1: pure module imports pyspark.sql"]
+
+
+def test_internal_column_names_have_one_home() -> None:
+    """A string constant that names an internal column is defined in enrich/columns.py only."""
+    import enrich.columns as columns
+
+    names = {v for k, v in vars(columns).items() if k.isupper() and isinstance(v, str)}
+    found = []
+    for path in sorted((ROOT / "enrich").rglob("*.py")):
+        if path.name == "columns.py":
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and node.value.value in names:
+                found.append(f"{path.relative_to(ROOT).as_posix()}:{node.lineno}: {node.value.value!r}")
+    assert not found, "\n".join(found)

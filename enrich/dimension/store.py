@@ -16,14 +16,13 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from enrich.columns import DELETED, KEY_BYTES
 from enrich.dimension.abc import Record
 from refstream import contract
 from refstream.errors import ContractError
 
 log = logging.getLogger(__name__)
 
-KEY = "__key"          # canonical key bytes (driver only)
-DELETED = "__deleted"  # overlay rows that are tombstones
 
 
 @dataclass(frozen=True)
@@ -70,7 +69,7 @@ class DimensionState:
             # Each overlay key replaces (or deletes) its base row, if any; each upsert is a row.
             if self.base is not None and base:
                 keys = pa.array(list(self.overlay), pa.binary())
-                rows -= int(pc.sum(pc.is_in(keys, value_set=self.base.column(KEY))).as_py() or 0)
+                rows -= int(pc.sum(pc.is_in(keys, value_set=self.base.column(KEY_BYTES))).as_py() or 0)
             rows += sum(1 for v in self.overlay.values() if v is not None)
         self._rows = (gens, rows)
         return rows
@@ -128,11 +127,11 @@ class DimensionState:
             return
         upserts = [(k, v) for k, v in self.overlay.items() if v is not None]
         fresh = self._decode(upserts)
-        fresh = fresh.append_column(KEY, pa.array([k for k, _ in upserts], pa.binary()))
+        fresh = fresh.append_column(KEY_BYTES, pa.array([k for k, _ in upserts], pa.binary()))
         if self.base is None:
             base = fresh
         elif self.overlay:
-            keep = pc.invert(pc.is_in(self.base.column(KEY), value_set=pa.array(list(self.overlay), pa.binary())))
+            keep = pc.invert(pc.is_in(self.base.column(KEY_BYTES), value_set=pa.array(list(self.overlay), pa.binary())))
             base = pa.concat_tables([self.base.filter(keep), fresh])
         else:
             base = self.base
@@ -206,4 +205,4 @@ def _conform(table: pa.Table, schema: contract.DatasetSchema) -> pa.Table:
                 log.warning("dataset %s: column %s cannot be cast to %s; nulls until rows are re-published",
                             schema.dataset, f.name, f.type)
         cols.append(pa.nulls(table.num_rows, f.type))
-    return pa.Table.from_arrays(cols + [table.column(KEY)], names=schema.names + [KEY])
+    return pa.Table.from_arrays(cols + [table.column(KEY_BYTES)], names=schema.names + [KEY_BYTES])

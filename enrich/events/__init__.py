@@ -25,17 +25,11 @@ from pyspark.sql.types import (
     StructType,
 )
 
+from enrich.columns import CORRUPT, ERROR, INTERNAL, SLOW, SOURCE
 from enrich.events.fastparse import FastParser
 from refstream.compat import CompatError, spark_ddl_type
 from refstream.errors import ConfigError
 
-ERROR = "_error"
-CORRUPT = "_corrupt_record"
-#: Set by the fast parser (``enrich.events.fastparse``) on events it leaves to Spark's ``from_json``.
-SLOW = "_slow"
-#: Kafka columns carried along for the dead-letter topic and the output key.
-SOURCE = {"_key": "key", "_value": "value", "_topic": "topic", "_partition": "partition", "_offset": "offset"}
-INTERNAL = (ERROR, *SOURCE, SLOW)
 #: The types of the Kafka columns :data:`SOURCE` carries (both Kafka sources give these).
 SOURCE_TYPES: dict[str, DataType] = {"_key": BinaryType(), "_value": BinaryType(), "_topic": StringType(),
                                      "_partition": IntegerType(), "_offset": LongType()}

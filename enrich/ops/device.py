@@ -21,12 +21,13 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 
 from enrich.checkpoint import CheckpointLayout
+from enrich.columns import BUCKET
 from enrich.config import EnrichConfig
 from enrich.ops.checkpoint import Checkpoint
 from enrich.pipeline import Pipeline
 from enrich.state import engine
 from enrich.state.checkpoint import check_checkpoint
-from enrich.state.processor import BUCKET, DELTAS, STATE_NAME, bucket_table, stored_spec
+from enrich.state.stored import DELTAS, STATE_NAME, bucket_table, stored_spec
 from enrich.state.stream import CHANGELOG_CONF, CHANGELOG_DEFAULT, PROVIDER_CONF, ROCKSDB
 from refstream.errors import ConfigError, DataError
 

@@ -14,7 +14,7 @@ import pyarrow as pa
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
-from enrich.events import ERROR
+from enrich.columns import ERROR
 from enrich.sinks.deadletter import COLUMNS as DEAD_COLUMNS
 
 #: How enriched events are written as JSON: nulls kept (an unmatched join shows as nulls), microseconds kept.

@@ -31,6 +31,7 @@ import pyarrow.compute as pc
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
+from enrich.columns import KEY_BYTES
 from enrich.dimension.store import decode_rows
 from enrich.join import JoinSpec, Lookup, join_table
 from refstream import contract
@@ -38,9 +39,6 @@ from refstream.contract import DatasetSchema
 from refstream.errors import ContractError, TransientError
 
 log = logging.getLogger(__name__)
-
-#: The canonical key bytes of each stored row (what changelog records are matched on).
-KEY_BYTES = "__key"
 
 
 @dataclass(frozen=True)

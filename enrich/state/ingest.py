@@ -26,12 +26,11 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from enrich.events import ERROR, SLOW, SOURCE, FastEvents
+from enrich.columns import BUCKET, ERROR, MAX_TS, ROWS, SLOW, SOURCE, TS_US
+from enrich.events import FastEvents
 from enrich.join import JoinSpec, Lookup, PlanEnricher
 from enrich.state import packed
 from enrich.state.layout import BucketLayout
-from enrich.state.packed import BUCKET, MAX_TS, ROWS
-from enrich.state.processor import TS_US
 from enrich.worker import settle
 
 #: The Kafka columns of a record the fast pass leaves to ``from_json``, as the source names them.

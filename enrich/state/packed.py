@@ -22,11 +22,12 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from enrich.columns import BUCKET, MAX_TS, ROWS
 from enrich.ipc import from_ipc, to_ipc
 
-#: The packed rows' columns: the grouping bucket, the greatest event time of the chunk (what Spark's
-#: watermark is taken on), and the chunk's events as an Arrow IPC stream.
-BUCKET, MAX_TS, ROWS = "_bucket", "_max_ts", "rows"
+# The packed rows' columns: the grouping bucket (BUCKET), the greatest event time of the chunk (MAX_TS:
+# what Spark's watermark is taken on), and the chunk's events as an Arrow IPC stream (ROWS).
+
 #: Rows per packed chunk at most: bounds one packed value's size (and the processor's memory per read).
 CHUNK_ROWS = 65536
 #: The kind of packed events (the default); a partitioned dimension's records are ``dim<index>``.

@@ -16,13 +16,11 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
+from enrich.columns import LATE, STATE
 from enrich.config import StateConfig
 from enrich.state import hashing
 from enrich.state.engine import StateSpec
 from refstream.errors import ConfigError
-
-#: The columns the state step adds to every event: the device's state struct and the late flag.
-STATE, LATE = "state", "_late"
 
 
 def resolve(cfg: StateConfig, enriched: StructType, *, timezone: str = "UTC", source: str = "config") -> StateSpec:

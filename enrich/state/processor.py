@@ -23,9 +23,8 @@ fields (``_state_<field>``, times in microseconds) and ``_late``; the streaming 
 
 from __future__ import annotations
 
-import dataclasses
 import uuid
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -39,35 +38,25 @@ from pyspark.sql.streaming.stateful_processor import (
     StatefulProcessorHandle,
     TimerValues,
 )
-from pyspark.sql.types import BinaryType, LongType, StringType, StructField, StructType
 
-from enrich.events import ERROR
+from enrich.columns import ERROR, FLAT, LATE
 from enrich.ipc import from_ipc, to_ipc
 from enrich.state import engine, packed
 from enrich.state.cache import TableCache
 from enrich.state.dimension import CACHE, PartitionedDim, Version, apply_changes, conform, lookup
 from enrich.state.engine import StateSpec
+from enrich.state.stored import (
+    DELTA_SCHEMA,
+    DELTAS,
+    DIM_SCHEMA,
+    SIZES_SCHEMA,
+    STATE_NAME,
+    TOKEN_SCHEMA,
+    VALUE_SCHEMA,
+    bucket_table,
+)
 from enrich.worker import settle
 from refstream.contract import DatasetSchema
-
-#: The state variable holding a bucket's device table (its base: see :class:`DeviceStateProcessor`),
-#: and its schema; ``devicesv`` holds the token naming the table's version in the executors' local
-#: cache (:mod:`enrich.state.cache`); ``devicesd`` the changes stored since the base (a list, in
-#: order: ``seq`` counts up), ``devicesn`` the rows they hold and the base's.
-STATE_NAME = "devices"
-VALUE_SCHEMA = StructType([StructField("table", BinaryType(), False)])
-DELTAS = STATE_NAME + "d"
-DELTA_SCHEMA = StructType([StructField("seq", LongType(), False), StructField("rows", BinaryType(), False),
-                           StructField("removed", BinaryType(), False)])
-SIZES_SCHEMA = StructType([StructField("appended", LongType(), False), StructField("base", LongType(), False)])
-#: A partitioned dimension's state variables: ``dim<index>``, a bucket's rows and the schema last
-#: applied; ``dim<index>v``, a token naming that version (new at every change), which Python workers
-#: cache the decoded rows and their index under (``enrich.state.dimension.CACHE``).
-DIM_SCHEMA = StructType([StructField("table", BinaryType(), False), StructField("schema", BinaryType(), False)])
-TOKEN_SCHEMA = StructType([StructField("token", StringType(), False)])
-#: Columns the plan adds before the step, and the prefix of the flat state fields it emits.
-BUCKET, TS_US, FLAT = "_bucket", "_ts_us", "_state_"
-LATE = "_late"
 
 
 class BucketCounts(AccumulatorParam[dict[int, int]]):
@@ -84,12 +73,6 @@ class BucketCounts(AccumulatorParam[dict[int, int]]):
     def addInPlace(self, value1: dict[int, int], value2: dict[int, int]) -> dict[int, int]:
         value1.update(value2)
         return value1
-
-
-def stored_spec(spec: StateSpec) -> StateSpec:
-    """The engine's spec as the processor runs it: event times as int64 microseconds in ``_ts_us``;
-    the stored bucket tables (``first_seen``, ``last_seen``) are laid out by it."""
-    return dataclasses.replace(spec, timestamp=TS_US, timestamp_type=pa.int64())
 
 
 class DeviceStateProcessor(StatefulProcessor):
@@ -265,16 +248,6 @@ class DeviceStateProcessor(StatefulProcessor):
             want = self._types.get(c)
             arrays.append(a.cast(want) if want is not None and a.type != want else a)
         return pa.Table.from_arrays(arrays, names=cols)
-
-
-def bucket_table(spec: StateSpec, base: bytes | None, deltas: Iterable[tuple[Any, bytes, bytes]]) -> pa.Table:
-    """A bucket's device table as stored: its ``base`` (the :data:`STATE_NAME` value; None: none)
-    with the changes stored since (the :data:`DELTAS` list's ``(seq, rows, removed)``, in any order)
-    applied in ``seq`` order. ``spec``: the stored spec (:func:`stored_spec`)."""
-    table = spec.empty() if base is None else engine.state_from_ipc(base, spec)
-    for _, rows, removed in sorted(deltas, key=lambda d: int(d[0])):
-        table = engine.merge(spec, table, engine.state_from_ipc(rows, spec), from_ipc(removed).column(0).combine_chunks())
-    return table
 
 
 def _watermark_us(timer_values: TimerValues) -> int | None:

@@ -36,7 +36,8 @@ from pyspark.sql.types import (
 )
 
 from enrich import events
-from enrich.events import ERROR, FastEvents
+from enrich.columns import BUCKET, ERROR, FLAT, LATE, MAX_TS, ROWS, STATE
+from enrich.events import FastEvents
 from enrich.events.fastparse import FastParser
 from enrich.pipeline import Pipeline
 from enrich.session import SHUFFLE_PARTITIONS
@@ -47,9 +48,8 @@ from enrich.state.checkpoint import check_checkpoint
 from enrich.state.dimension import PartitionedDim
 from enrich.state.ingest import EventPacker
 from enrich.state.layout import BucketLayout
-from enrich.state.packed import MAX_TS, ROWS
-from enrich.state.plan import LATE, STATE
-from enrich.state.processor import BUCKET, FLAT, DeviceStateProcessor, stored_spec
+from enrich.state.processor import DeviceStateProcessor
+from enrich.state.stored import stored_spec
 from refstream import contract
 
 #: Spark's state store provider for the step (set by the job; ``transformWithStateInPandas`` needs it).

@@ -6,8 +6,9 @@ from decimal import Decimal
 
 import pytest
 
+from enrich.columns import DELETED
 from enrich.dimension.abc import Record
-from enrich.dimension.store import DELETED, DimensionState
+from enrich.dimension.store import DimensionState
 from refstream import contract
 from refstream.contract import Column, DatasetSchema
 from refstream.errors import ContractError

@@ -23,10 +23,10 @@ import pyarrow as pa
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 
-from enrich.events import ERROR, SLOW
+from enrich.columns import ERROR, LATE, SLOW, UNMATCHED
 from enrich.sinks.abc import Counted, EnrichedBatch
 from enrich.sinks.deadletter import COLUMNS as DEAD_COLUMNS
-from enrich.sinks.kafka.tasks import LATE, RESULT_DDL, UNMATCHED, TaskWriter, summary
+from enrich.sinks.kafka.tasks import RESULT_DDL, TaskWriter, summary
 from enrich.sinks.kafka.writer import MARKER_SUFFIX
 from refstream.errors import TransientError
 from refstream.kafka import ensure_topic

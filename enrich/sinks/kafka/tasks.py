@@ -20,6 +20,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from confluent_kafka import KafkaException, Producer
 
+from enrich.columns import ERROR, LATE, SLOW, UNMATCHED
 from enrich.sinks.deadletter import COLUMNS as DEAD_COLUMNS
 from enrich.sinks.deadletter import to_records, too_large_error
 from enrich.sinks.kafka.writer import (
@@ -41,11 +42,8 @@ from refstream.kafka import producer
 
 log = logging.getLogger(__name__)
 
-ERROR = "_error"
-SLOW = "_slow"
-#: Optional flags of a row (``enrich.sinks.kafka.sink.records_frame``): an event some join found no row
-#: for, and an event later than the watermark; a task counts those of the events it writes.
-UNMATCHED, LATE = "_unmatched", "_late"
+# A row's optional flags (enrich.sinks.kafka.sink.records_frame), UNMATCHED and LATE: an event some join
+# found no row for, and an event later than the watermark; a task counts those of the events it writes.
 #: What a task returns to the driver: one row of counts, never an event. ``unmatched`` and ``late``
 #: count among ``records`` (the enriched events written).
 RESULT_DDL = ("slot INT, transactional_id STRING, records BIGINT, dead_letters BIGINT, unmatched BIGINT, "

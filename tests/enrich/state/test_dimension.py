@@ -9,9 +9,9 @@ from datetime import UTC, datetime
 import pyarrow as pa
 import pytest
 
+from enrich.columns import KEY_BYTES
 from enrich.join import JoinSpec
 from enrich.state.dimension import (
-    KEY_BYTES,
     PartitionedDim,
     Version,
     VersionCache,

@@ -19,12 +19,12 @@ from pyspark.sql.types import (
 )
 
 from enrich import events
-from enrich.events import ERROR, FastEvents
+from enrich.columns import BUCKET, ERROR, MAX_TS, ROWS
+from enrich.events import FastEvents
 from enrich.events.fastparse import FastParser
 from enrich.ipc import from_ipc
 from enrich.state import ingest
 from enrich.state.layout import BucketLayout
-from enrich.state.packed import BUCKET, MAX_TS, ROWS
 
 SCHEMA = StructType([StructField("device_id", StringType()), StructField("ts", TimestampType()),
                      StructField("temp", DoubleType())])

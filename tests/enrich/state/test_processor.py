@@ -9,11 +9,13 @@ import pandas as pd
 import pyarrow as pa
 from pyspark.sql.streaming.tws_tester import TwsTester
 
+from enrich.columns import FLAT, LATE, TS_US
 from enrich.ipc import from_ipc, to_ipc
 from enrich.state import engine, packed
 from enrich.state.cache import LOCAL_DIRS, TableCache
 from enrich.state.engine import StateSpec
-from enrich.state.processor import DELTAS, FLAT, LATE, STATE_NAME, TS_US, DeviceStateProcessor, bucket_table
+from enrich.state.processor import DeviceStateProcessor
+from enrich.state.stored import DELTAS, STATE_NAME, bucket_table
 
 HOUR_US = 3600 * 10**6
 T0_US = int(datetime(2026, 1, 1, tzinfo=UTC).timestamp()) * 10**6

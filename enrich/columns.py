@@ -1,0 +1,41 @@
+"""The internal column names of the job's rows, in one place. Nothing here is a user's column: an
+event field or a join column that clashes with one of these is refused when the pipeline is planned.
+
+Events (:mod:`enrich.events`): ``_error`` (why a row is a dead letter, null for a good event), the
+Kafka columns kept as ``_key``, ``_value``, ``_topic``, ``_partition``, ``_offset``, and ``_slow`` (an
+event the fast parser left to ``from_json``). The state step (:mod:`enrich.state`) adds ``state`` and
+``_late``, and uses ``_bucket``, ``_ts_us``, ``_max_ts``, ``_state_<field>`` and the packed ``rows`` on
+its way. The Kafka sink's rows (:mod:`enrich.sinks.kafka`) flag ``_unmatched`` events.
+"""
+
+from __future__ import annotations
+
+__all__ = ["BUCKET", "CORRUPT", "DELETED", "ERROR", "FLAT", "INTERNAL", "KEY_BYTES", "LATE", "MAX_TS", "ROWS", "SLOW",
+           "SOURCE", "STATE", "TS_US", "UNMATCHED"]
+
+#: Why an event is a dead letter (null for a good one).
+ERROR = "_error"
+#: ``from_json``'s column of a value that does not fit the schema.
+CORRUPT = "_corrupt_record"
+#: Set by the fast parser (``enrich.events.fastparse``) on events it leaves to Spark's ``from_json``.
+SLOW = "_slow"
+#: Kafka columns carried along for the dead-letter topic and the output key: internal name -> Kafka's.
+SOURCE = {"_key": "key", "_value": "value", "_topic": "topic", "_partition": "partition", "_offset": "offset"}
+#: The columns the output leaves out.
+INTERNAL = (ERROR, *SOURCE, SLOW)
+
+#: The columns the state step adds to every event: the device's state struct and the late flag.
+STATE, LATE = "state", "_late"
+#: The state step's grouping key, and each event's time in microseconds on its way through the step.
+BUCKET, TS_US = "_bucket", "_ts_us"
+#: The prefix of the flat state fields the step emits (folded into ``state`` after it).
+FLAT = "_state_"
+#: A packed chunk's greatest event time (the watermark's column) and its Arrow IPC rows.
+MAX_TS, ROWS = "_max_ts", "rows"
+#: A dimension row's canonical key bytes (the broadcast store's, a partitioned dimension's stored rows).
+KEY_BYTES = "__key"
+#: A broadcast dimension's overlay row that is a tombstone.
+DELETED = "__deleted"
+
+#: The Kafka sink's flag of an event some join found no row for.
+UNMATCHED = "_unmatched"
