@@ -103,7 +103,8 @@ class Started:
 
 class EnrichJob:
     """The streaming query of one config: :meth:`start` plans and starts it on a SparkSession and
-    returns it; :meth:`run` starts it and blocks until it ends (available-now) or :meth:`stop`.
+    returns it (:meth:`close`, or leaving a ``with`` block, stops it and releases what it opened);
+    :meth:`run` starts it and blocks until it ends (available-now) or :meth:`stop`.
 
     ``available_now``: process what the topics hold now, then stop. ``retry``: the policy of every
     transient failure the driver retries (a dimension bootstrap, a batch's write, a worker start)."""
@@ -335,7 +336,14 @@ class EnrichJob:
         self._stop.set()
 
     def close(self) -> None:
+        """Stop the query if it runs and release what :meth:`start` opened."""
         self._stack.close()
+
+    def __enter__(self) -> EnrichJob:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _stop_query(self) -> None:
         if self.query is not None and self.query.isActive:
