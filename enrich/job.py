@@ -286,7 +286,7 @@ class EnrichJob:
                 raise TerminalError(f"{path}: not a sink identity file ({exc}); restore it from a backup of the "
                                     "checkpoint, or reset the checkpoint") from None
         if topic not in ids:
-            # Derived from the path once (what checkpoints written before this file used), then kept.
+            # Derived from the path at the first start, then kept: a moved checkpoint keeps it.
             ids[topic] = transactional_id_for(self.cfg.checkpoint, topic)
             write_json_atomic(path, {"transactional_ids": ids})
         return ids[topic]

@@ -10,8 +10,8 @@ since the restart have not touched keep the count recorded there.
 Exact across task retries and recomputations: a bucket's count is absolute, not a difference, and
 every attempt at it within a batch computes the same one (same state version, same input); Spark
 merges the updates of successful task attempts only. A batch replayed after a crash reports the same
-counts again. What it cannot know is the count of a checkpoint whose state was written by a job
-without this record (an older version): there the count stays unknown and the gauge is not set.
+counts again. A checkpoint that has committed batches but lost this record (restored in part) has an
+unknown count: the gauge is not set.
 """
 
 from __future__ import annotations

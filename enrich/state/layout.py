@@ -10,8 +10,7 @@ non-negative integer that Spark hashes to partition ``b % partitions``: each par
 
 The layout depends on the number of state partitions, which Spark fixes at a checkpoint's first
 batch (``spark.sql.shuffle.partitions``, kept in its offset log); the job records it with the state
-settings (:mod:`enrich.state.checkpoint`). A checkpoint recorded before layouts existed keeps the
-bucket number as the grouping key (:meth:`BucketLayout.plain`).
+settings (:mod:`enrich.state.checkpoint`).
 """
 
 from __future__ import annotations
@@ -37,7 +36,7 @@ class BucketLayout:
 
     @classmethod
     def plain(cls, buckets: int) -> BucketLayout:
-        """Bucket ``b`` grouped as ``b`` (checkpoints recorded before layouts)."""
+        """Bucket ``b`` grouped as ``b``: the hash's own bucket numbers, which :meth:`balanced` renumbers."""
         return cls(tuple(range(buckets)))
 
     @classmethod
