@@ -13,6 +13,26 @@ from refstream.config import Section, allowed_values, kafka_settings, load_confi
 from refstream.contract import default_topic
 from refstream.metrics import MetricsConfig, parse_metrics
 
+__all__ = [
+    "DEFAULT_MAX_EVENTS_PER_BATCH",
+    "EnrichConfig",
+    "EventSource",
+    "EventsConfig",
+    "JoinConfig",
+    "JoinHow",
+    "JoinStrategy",
+    "OnOffsetReset",
+    "OutputConfig",
+    "OutputKind",
+    "Parser",
+    "StartingOffsets",
+    "StateAgg",
+    "StateConfig",
+    "load",
+    "load_config",
+    "parse",
+]
+
 #: Where a new query starts reading the events.
 StartingOffsets = Literal["latest", "earliest"]
 #: What the job does when the events topic was deleted and recreated or its offsets went backwards:

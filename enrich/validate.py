@@ -13,6 +13,8 @@ from enrich.config import EnrichConfig
 from refstream import kafka
 from refstream.errors import one_line
 
+__all__ = ["BROKER_TIMEOUT", "check_schema", "connect", "plan"]
+
 #: How long the broker may take to answer a metadata request.
 BROKER_TIMEOUT = 10.0
 

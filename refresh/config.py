@@ -20,6 +20,23 @@ from refstream.errors import ConfigError, ContractError
 from refstream.metrics import MetricsConfig, parse_metrics
 from refstream.retry import RetryPolicy
 
+__all__ = [
+    "DatasetConfig",
+    "FileFormat",
+    "FileSourceConfig",
+    "IncrementalConfig",
+    "Mode",
+    "RefreshConfig",
+    "Schedule",
+    "SourceConfig",
+    "SourceKind",
+    "SqlReader",
+    "SqlSourceConfig",
+    "default_max_age",
+    "is_mysql_url",
+    "load_config",
+]
+
 #: How a dataset is refreshed: diff every row against the published snapshot, or read from a cursor.
 Mode = Literal["diff", "incremental"]
 #: What a source reads: a SQL table or query, or files.

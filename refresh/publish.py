@@ -25,6 +25,8 @@ from refstream import kafka
 from refstream.contract import TOPIC_CONFIG, Message, MessageBatch
 from refstream.kafka import ensure_topic, partitions_of
 
+__all__ = ["Publisher", "transactional_id"]
+
 log = logging.getLogger(__name__)
 
 # Producers created ahead of a publish (see Publisher.warm_up), by settings.

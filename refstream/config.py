@@ -17,6 +17,20 @@ import yaml
 
 from refstream.errors import ConfigError
 
+__all__ = [
+    "Section",
+    "allowed_values",
+    "duration_arg",
+    "format_duration",
+    "kafka_settings",
+    "load_config_data",
+    "load_yaml",
+    "parse_duration",
+    "redact_url",
+    "substitute_env",
+    "substitute_env_values",
+]
+
 _ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, None: 1}

@@ -34,6 +34,26 @@ from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec
 from refstream.errors import TransientError
 from refstream.retry import RetryPolicy
 
+__all__ = [
+    "CONSUMERS",
+    "PRODUCERS",
+    "ClientCache",
+    "ConsumerRole",
+    "Preset",
+    "ProducerRole",
+    "admin",
+    "consumer",
+    "end_offsets",
+    "ensure_topic",
+    "offset_of",
+    "partition_of",
+    "partitions_of",
+    "producer",
+    "read_to_end",
+    "shared_consumer",
+    "topic_of",
+]
+
 log = logging.getLogger(__name__)
 
 

@@ -14,6 +14,8 @@ from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Literal, get_args
 
+__all__ = ["CHATTY", "FORMAT", "LOG_FORMATS", "JsonFormatter", "LogFormat", "setup_logging"]
+
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 #: Libraries that log every request at INFO/DEBUG; kept at WARNING.
 CHATTY = ("py4j", "urllib3")
