@@ -22,8 +22,9 @@ __all__ = ["CHATTY", "FORMAT", "LOG_FORMATS", "JsonFormatter", "LogFormat", "Rep
            "setup_logging"]
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-#: Libraries that log every request at INFO/DEBUG; kept at WARNING.
-CHATTY = ("py4j", "urllib3")
+#: Libraries that log every request at INFO/DEBUG (APScheduler: every job added, run and removed,
+#: which the daemon's own lines already say); kept at WARNING.
+CHATTY = ("py4j", "urllib3", "apscheduler")
 #: ``--log-format`` of the CLIs: lines for people, or one JSON object per line for log collectors.
 LogFormat = Literal["text", "json"]
 LOG_FORMATS: tuple[str, ...] = get_args(LogFormat)
