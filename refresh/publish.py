@@ -45,9 +45,8 @@ class _Client:
     def __init__(self, settings: Mapping[str, str]) -> None:
         self.errors: list[str] = []
         self._lock = threading.Lock()
-        # librdkafka's own log lines (e.g. "connection refused") go through logging, not stderr.
-        self.producer = kafka.producer(settings, role="publisher", logger=logging.getLogger("refresh.kafka"),
-                                       on_delivery=self._on_delivery, **{"delivery.report.only.error": True})
+        self.producer = kafka.producer(settings, role="publisher", on_delivery=self._on_delivery,
+                                       **{"delivery.report.only.error": True})
 
     def _on_delivery(self, err: Any, msg: Any) -> None:
         if err is not None:
