@@ -22,6 +22,8 @@ from refstream.config import duration_arg
 from refstream.errors import ConfigError, RefstreamError, one_line
 from refstream.logs import LOG_FORMATS, setup_logging
 
+__all__ = ["lookup", "main", "parser", "run", "status", "validate"]
+
 log = logging.getLogger("enrich")
 
 

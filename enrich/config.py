@@ -3,14 +3,35 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal, get_args
 
-from refstream.config import Section, allowed_values, kafka_settings, load_yaml
+from refstream.config import Section, allowed_values, kafka_settings, load_config_data
 from refstream.contract import default_topic
 from refstream.metrics import MetricsConfig, parse_metrics
+
+__all__ = [
+    "DEFAULT_MAX_EVENTS_PER_BATCH",
+    "EnrichConfig",
+    "EventSource",
+    "EventsConfig",
+    "JoinConfig",
+    "JoinHow",
+    "JoinStrategy",
+    "OnOffsetReset",
+    "OutputConfig",
+    "OutputKind",
+    "Parser",
+    "StartingOffsets",
+    "StateAgg",
+    "StateConfig",
+    "load",
+    "load_config",
+    "parse",
+]
 
 #: Where a new query starts reading the events.
 StartingOffsets = Literal["latest", "earliest"]
@@ -153,11 +174,24 @@ class EnrichConfig:
         return out
 
 
+def load_config(path_or_mapping: str | os.PathLike[str] | Mapping[str, Any], *,
+                source: str | None = None) -> EnrichConfig:
+    """Read and validate a job config: a YAML file, or a mapping of the same shape (``${VAR}``
+    substituted into its string values as in a file). Either gets the same checks, and
+    :class:`~refstream.errors.ConfigError` names the file (for a mapping: ``source``, default
+    ``config``) and the bad key."""
+    data, src = load_config_data(path_or_mapping, source)
+    return parse(data, src)
+
+
 def load(path: str | os.PathLike[str]) -> EnrichConfig:
-    return parse(load_yaml(path), str(path))
+    """Read and validate a job config file (:func:`load_config` of a path)."""
+    return load_config(path)
 
 
-def parse(data: dict[str, Any], source: str = "config") -> EnrichConfig:
+def parse(data: Mapping[str, Any], source: str = "config") -> EnrichConfig:
+    """Validate config data already read (no ``${VAR}`` substitution: :func:`load_config` does it);
+    errors name ``source`` and the key."""
     top = Section(data, "", source)
     settings = kafka_settings(top.section("kafka"))
 

@@ -20,6 +20,8 @@ from refstream.config import duration_arg
 from refstream.errors import ConfigError, one_line
 from refstream.logs import LOG_FORMATS, setup_logging
 
+__all__ = ["DEFAULT_CONFIG", "build_parser", "main"]
+
 log = logging.getLogger(__name__)
 
 DEFAULT_CONFIG = "conf/refresh.yaml"

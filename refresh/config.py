@@ -8,16 +8,34 @@ absolute, so a later ``chdir`` changes nothing.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import ClassVar, Literal, get_args
+from typing import Any, ClassVar, Literal, get_args
 
-from refstream.config import Section, kafka_settings, load_yaml, redact_url
+from refstream.config import Section, kafka_settings, load_config_data, redact_url
 from refstream.contract import TOPIC_CONFIG, check_type, default_topic
 from refstream.errors import ConfigError, ContractError
 from refstream.metrics import MetricsConfig, parse_metrics
 from refstream.retry import RetryPolicy
+
+__all__ = [
+    "DatasetConfig",
+    "FileFormat",
+    "FileSourceConfig",
+    "IncrementalConfig",
+    "Mode",
+    "RefreshConfig",
+    "Schedule",
+    "SourceConfig",
+    "SourceKind",
+    "SqlReader",
+    "SqlSourceConfig",
+    "default_max_age",
+    "is_mysql_url",
+    "load_config",
+]
 
 #: How a dataset is refreshed: diff every row against the published snapshot, or read from a cursor.
 Mode = Literal["diff", "incremental"]
@@ -137,7 +155,7 @@ class DatasetConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class RefreshConfig:
-    path: Path
+    path: Path              # the file loaded; for a mapping, the name its errors use
     kafka: dict[str, str]
     state_dir: Path
     datasets: dict[str, DatasetConfig]
@@ -162,11 +180,15 @@ def _abs(p: str) -> str:
     return p if os.path.isabs(p) else os.path.abspath(p)
 
 
-def load_config(path: str | os.PathLike[str]) -> RefreshConfig:
-    """Read and validate a refresher config; :class:`ConfigError` names the file and the bad key."""
-    p = Path(path)
-    src = str(p)
-    root = Section(load_yaml(p), "", src)
+def load_config(path_or_mapping: str | os.PathLike[str] | Mapping[str, Any], *,
+                source: str | None = None) -> RefreshConfig:
+    """Read and validate a refresher config: a YAML file, or a mapping of the same shape (``${VAR}``
+    substituted into its string values as in a file). Either gets the same checks, and
+    :class:`ConfigError` names the file (for a mapping: ``source``, default ``config``) and the bad key.
+    """
+    data, src = load_config_data(path_or_mapping, source)
+    p = Path(src)
+    root = Section(data, "", src)
     kafka = kafka_settings(root.section("kafka"))
     state_dir = Path(_abs(root.get("state_dir", str, "var/refresh")))
     retry = _retry(root.section("retry", {}))

@@ -77,6 +77,8 @@ if TYPE_CHECKING:
     from refresh.runner import RunResult
     from refstream.metrics import MetricsServer
 
+__all__ = ["LOCK", "NEXT_RUNS", "Daemon", "DaemonOptions", "DatasetRunner", "daemon_dir", "run_daemon"]
+
 log = logging.getLogger(__name__)
 
 NEXT_RUNS = "next_runs.json"

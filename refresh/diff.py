@@ -21,6 +21,19 @@ from refresh.stores.abc import SnapshotRows
 from refstream.contract import encode_key, type_from_arrow
 from refstream.errors import ContractError, DataError
 
+__all__ = [
+    "COMPARE_SLICE",
+    "ChangeSet",
+    "canonical_schema",
+    "canonical_type",
+    "check_keys",
+    "diff",
+    "normalize",
+    "take_rows",
+    "upsert_into",
+    "within",
+]
+
 _OLD, _NEW = "__refresh_old_row", "__refresh_new_row"
 
 

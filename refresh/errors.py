@@ -4,6 +4,17 @@ from __future__ import annotations
 
 from refstream.errors import DataError, RefstreamError, TransientError
 
+__all__ = [
+    "DatasetBusy",
+    "DuplicateKey",
+    "EmptySnapshot",
+    "FileNotStable",
+    "PublishError",
+    "Refused",
+    "Stopped",
+    "TooManyDeletes",
+]
+
 
 class DatasetBusy(RefstreamError):
     """Another process or thread is refreshing the dataset (raised by ``run(wait=False)``)."""

@@ -27,6 +27,8 @@ import pyarrow.compute as pc
 from refstream.contract import type_from_arrow
 from refstream.errors import DataError
 
+__all__ = ["advance", "column_type", "from_json", "null_cursors", "to_json", "window_start"]
+
 
 def to_json(value: Any) -> Any:
     """A cursor value as stored in state.json."""

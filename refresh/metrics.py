@@ -15,6 +15,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from refresh.stores.abc import RunOutcome, RunRecord, StateStore
 
+__all__ = ["DURATION_BUCKETS", "RefreshMetrics"]
+
 #: Run durations: a small table refreshes in well under a second, a large one in minutes.
 DURATION_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800)
 

@@ -12,6 +12,8 @@ from datetime import UTC, datetime
 
 from refresh.stores.abc import DatasetStatus, RunRecord
 
+__all__ = ["render", "sparkline"]
+
 _CSS = """
 body{font:14px/1.4 system-ui,sans-serif;margin:1.5em;color:#222}
 h1{font-size:1.3em;margin:0 0 .2em}

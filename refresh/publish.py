@@ -25,6 +25,8 @@ from refstream import kafka
 from refstream.contract import TOPIC_CONFIG, Message, MessageBatch
 from refstream.kafka import ensure_topic, partitions_of
 
+__all__ = ["Publisher", "transactional_id"]
+
 log = logging.getLogger(__name__)
 
 # Producers created ahead of a publish (see Publisher.warm_up), by settings.
@@ -43,9 +45,8 @@ class _Client:
     def __init__(self, settings: Mapping[str, str]) -> None:
         self.errors: list[str] = []
         self._lock = threading.Lock()
-        # librdkafka's own log lines (e.g. "connection refused") go through logging, not stderr.
-        self.producer = kafka.producer(settings, role="publisher", logger=logging.getLogger("refresh.kafka"),
-                                       on_delivery=self._on_delivery, **{"delivery.report.only.error": True})
+        self.producer = kafka.producer(settings, role="publisher", on_delivery=self._on_delivery,
+                                       **{"delivery.report.only.error": True})
 
     def _on_delivery(self, err: Any, msg: Any) -> None:
         if err is not None:

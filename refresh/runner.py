@@ -58,6 +58,15 @@ from refstream.errors import TransientError, one_line
 from refstream.kafka import end_offsets
 from refstream.retry import call_with_retry
 
+__all__ = [
+    "PREFETCH_BYTES",
+    "Refresher",
+    "RunResult",
+    "check_deletes",
+    "describe_schema_change",
+    "topic_lost",
+]
+
 log = logging.getLogger(__name__)
 
 #: A published snapshot up to this size (its Arrow size) is read

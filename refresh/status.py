@@ -12,6 +12,8 @@ from refresh.stores.abc import RunKind, RunOutcome
 from refresh.stores.files import FileStateStore
 from refstream.config import format_duration
 
+__all__ = ["NEXT_RUNS", "StatusRow", "format_status", "read_next_runs", "read_status", "unhealthy"]
+
 log = logging.getLogger(__name__)
 
 NEXT_RUNS = "_daemon/next_runs.json"

@@ -17,6 +17,8 @@ from refresh.sources import open_source
 from refstream import kafka
 from refstream.errors import one_line
 
+__all__ = ["BROKER_TIMEOUT", "connect", "duration", "plan"]
+
 log = logging.getLogger(__name__)
 
 #: How long the broker may take to answer a metadata request.

@@ -44,6 +44,8 @@ from watchdog.observers import Observer
 
 from refresh.sources.files import FileStats, stat_files
 
+__all__ = ["FileWatcher", "split_pattern"]
+
 log = logging.getLogger(__name__)
 
 # Events that can change a file's content or presence. "opened" and "closed_no_write" are not here:

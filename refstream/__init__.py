@@ -7,6 +7,8 @@ writes. It imports no other package of the project (see docs/architecture.md, "W
 
 import importlib.metadata
 
+__all__ = ["__version__", "version"]
+
 
 def version() -> str:
     """The installed version of the ``refstream`` distribution (pyproject.toml's), as every CLI's

@@ -11,6 +11,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
+__all__ = ["fsync_dir", "write_atomic", "write_bytes_atomic", "write_json_atomic"]
+
 
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)

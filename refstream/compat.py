@@ -28,6 +28,25 @@ from refstream.errors import TerminalError
 if TYPE_CHECKING:
     from pyspark.sql.types import DataType, StructType
 
+__all__ = [
+    "PANDAS_SUPPORTED",
+    "PYMYSQL_SUPPORTED",
+    "PYSPARK_SUPPORTED",
+    "CompatError",
+    "KeyIndex",
+    "PyMySQLStream",
+    "key_index",
+    "pymysql_abandon",
+    "pymysql_fields",
+    "pymysql_shutdown",
+    "pymysql_stream",
+    "pymysql_text_cursor",
+    "spark_ddl_type",
+    "spark_schema",
+    "supported",
+    "version",
+]
+
 log = logging.getLogger(__name__)
 
 #: Versions each private use was checked against: [low, high).

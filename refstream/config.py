@@ -17,6 +17,20 @@ import yaml
 
 from refstream.errors import ConfigError
 
+__all__ = [
+    "Section",
+    "allowed_values",
+    "duration_arg",
+    "format_duration",
+    "kafka_settings",
+    "load_config_data",
+    "load_yaml",
+    "parse_duration",
+    "redact_url",
+    "substitute_env",
+    "substitute_env_values",
+]
+
 _ENV = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(ms|s|m|h|d)?\s*$")
 _UNITS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, None: 1}
@@ -82,6 +96,36 @@ def load_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ConfigError(f"{p}: top level must be a mapping, got {type(data).__name__}")
     return data
+
+
+def substitute_env_values(data: Any, source: str, path: str = "") -> Any:
+    """A copy of ``data`` (a config read some other way than from YAML: nested mappings and lists)
+    with environment variables substituted into its string values, as :func:`load_yaml` does for a
+    file; keys are left alone. An unset variable without default is an error naming the key path."""
+    if isinstance(data, str):
+        if "${" not in data:
+            return data
+        return substitute_env(data, f"{source}: {path or '<top>'}")
+    if isinstance(data, Mapping):
+        return {k: substitute_env_values(v, source, f"{path}.{k}" if path else str(k)) for k, v in data.items()}
+    if isinstance(data, list):
+        return [substitute_env_values(v, source, f"{path}[{i}]") for i, v in enumerate(data)]
+    return data
+
+
+def load_config_data(config: str | os.PathLike[str] | Mapping[str, Any],
+                     source: str | None = None) -> tuple[dict[str, Any], str]:
+    """The data of a config and the name its errors use: a YAML file read by :func:`load_yaml` (named
+    by its path; ``source`` is for mappings only), or a mapping given from Python (named ``source``,
+    default ``"config"``), its values put through the same ``${VAR}`` substitution. Either then goes
+    through the same checks, so the same content fails with the same message."""
+    if isinstance(config, str | os.PathLike):
+        return load_yaml(config), str(Path(config))
+    name = source if source is not None else "config"
+    if not isinstance(config, Mapping):
+        raise ConfigError(f"{name}: top level must be a mapping or a file path, got {type(config).__name__}")
+    data: dict[str, Any] = substitute_env_values(config, name)
+    return data, name
 
 
 _SECRET_PARAM = re.compile(r"(?i)([?&;](?:[^=&;#]*(?:password|passwd|pwd|secret|token)[^=&;#]*)=)[^&;#]*")

@@ -48,6 +48,47 @@ import pyarrow.json as pajson
 from refstream.encode import dumps, encode_batches, fix_floats
 from refstream.errors import ContractError
 
+__all__ = [
+    "CONTRACT_VERSION",
+    "DECIMAL128_DIGITS",
+    "DECIMAL256_DIGITS",
+    "HEARTBEAT_KEY",
+    "H_CONTRACT",
+    "H_DATASET",
+    "H_OP",
+    "H_VERSION",
+    "OP_DELETE",
+    "OP_HEARTBEAT",
+    "OP_SCHEMA",
+    "OP_UPSERT",
+    "SCHEMA_KEY",
+    "SIMPLE_TYPES",
+    "TOPIC_CONFIG",
+    "Change",
+    "Column",
+    "DatasetSchema",
+    "Message",
+    "MessageBatch",
+    "check_type",
+    "decimal_type",
+    "decode",
+    "decode_values",
+    "default_topic",
+    "delete_batches",
+    "delete_messages",
+    "encode_key",
+    "encode_row",
+    "header_map",
+    "headers",
+    "heartbeat_message",
+    "schema_message",
+    "type_from_arrow",
+    "type_to_arrow",
+    "type_to_spark",
+    "upsert_batches",
+    "upsert_messages",
+]
+
 CONTRACT_VERSION = 1
 
 H_OP, H_DATASET, H_VERSION, H_CONTRACT = "op", "dataset", "version", "contract"

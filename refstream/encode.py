@@ -27,6 +27,17 @@ import pyarrow.compute as pc
 
 from refstream.errors import ContractError
 
+__all__ = [
+    "BATCH_ROWS",
+    "default",
+    "dumps",
+    "encode_batch",
+    "encode_batches",
+    "fix_floats",
+    "fragments",
+    "timedelta_str",
+]
+
 #: Rows encoded per kernel pass: large enough to amortise the per-call cost of the kernels, small enough
 #: that a batch's JSON stays a few tens of MB and publishing can start early.
 BATCH_ROWS = 65_536

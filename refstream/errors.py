@@ -6,6 +6,16 @@ terminal errors (bad configuration, bad data) are reported once and never retrie
 
 from __future__ import annotations
 
+__all__ = [
+    "ConfigError",
+    "ContractError",
+    "DataError",
+    "RefstreamError",
+    "TerminalError",
+    "TransientError",
+    "one_line",
+]
+
 
 class RefstreamError(Exception):
     """Base class of every error refstream raises on purpose."""

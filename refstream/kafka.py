@@ -2,6 +2,14 @@
 admin client (the tuning of each role lives in :data:`PRODUCERS` and :data:`CONSUMERS`), topic
 creation, and reading a topic to its end.
 
+librdkafka's own log lines (a reconnect attempt to a broker that is down: about 20 a second per
+client) go through Python logging, to :data:`LIBRDKAFKA_LOG` unless a client's settings name another
+``logger``, with a line that repeats logged once per :data:`REPEAT_WINDOW` with its count
+(:class:`refstream.logs.RepeatSuppressor`). confluent-kafka delivers them when the client is polled:
+producers and consumers are polled by their owners (they must be, for deliveries and records); admin
+clients, whose results come on a thread of their own, are polled here, once a second, by a daemon
+thread that also logs the counts of the windows that have passed.
+
 Reading "to the end" never trusts ListOffsets alone: some Kafka-protocol brokers report the base
 offset of the last record batch + 1 as the end. We consume with ``enable.partition.eof`` and stop at
 the EOF event, which comes from the high watermark in Fetch responses (right on every broker).
@@ -15,6 +23,7 @@ import os
 import threading
 import time
 import uuid
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -32,9 +41,102 @@ from confluent_kafka import (
 from confluent_kafka.admin import AdminClient, NewTopic, OffsetSpec
 
 from refstream.errors import TransientError
+from refstream.logs import RepeatSuppressor
 from refstream.retry import RetryPolicy
 
+__all__ = [
+    "CONSUMERS",
+    "PRODUCERS",
+    "LIBRDKAFKA_LOG",
+    "REPEAT_WINDOW",
+    "ClientCache",
+    "ConsumerRole",
+    "Preset",
+    "ProducerRole",
+    "admin",
+    "consumer",
+    "end_offsets",
+    "ensure_topic",
+    "offset_of",
+    "partition_of",
+    "partitions_of",
+    "producer",
+    "read_to_end",
+    "shared_consumer",
+    "topic_of",
+]
+
 log = logging.getLogger(__name__)
+
+#: Where librdkafka's own log lines go, at the level librdkafka gives them (an error is an ERROR).
+LIBRDKAFKA_LOG = logging.getLogger("librdkafka")
+#: A librdkafka line repeated within this many seconds is logged once, then once per window with its count.
+REPEAT_WINDOW = 60.0
+_PUMP_EVERY = 1.0   # seconds between two polls of the admin clients (and checks of the windows)
+
+_suppressors: dict[str, RepeatSuppressor] = {}          # by the name of the logger they front
+_polled: weakref.WeakSet[AdminClient] = weakref.WeakSet()
+_pump_lock = threading.Lock()
+_pump_pid: int | None = None
+_pump_stop = threading.Event()
+
+
+def _with_logger(conf: dict[str, Any]) -> dict[str, Any]:
+    """``conf`` with librdkafka's log lines sent to Python logging (its ``logger``, or
+    :data:`LIBRDKAFKA_LOG`) through the :class:`RepeatSuppressor` of that logger."""
+    target = conf.get("logger") or LIBRDKAFKA_LOG
+    if isinstance(target, logging.Logger):
+        with _pump_lock:
+            suppressor = _suppressors.get(target.name)
+            if suppressor is None:
+                suppressor = _suppressors[target.name] = RepeatSuppressor(target, REPEAT_WINDOW)
+        conf["logger"] = suppressor
+    _start_pump()
+    return conf
+
+
+def _start_pump() -> None:
+    """Start this process's log pump, once (a forked child starts its own)."""
+    global _pump_pid
+    with _pump_lock:
+        if _pump_pid == os.getpid():
+            return
+        _pump_pid = os.getpid()
+    threading.Thread(target=_pump, name="librdkafka-log", daemon=True).start()
+
+
+def _pump() -> None:
+    while not _pump_stop.wait(_PUMP_EVERY):
+        _pump_once()
+
+
+def _pump_once() -> None:
+    for client in list(_polled):
+        try:
+            client.poll(0)
+        except Exception:  # noqa: BLE001 - a client being let go: its lines go with it
+            pass
+    for suppressor in list(_suppressors.values()):
+        suppressor.flush()
+
+
+def _after_fork_in_child() -> None:
+    # The parent's clients and pump thread do not survive a fork; a lock held there at the fork
+    # would never be released here.
+    global _pump_lock, _pump_pid, _polled
+    _pump_lock, _pump_pid, _polled = threading.Lock(), None, weakref.WeakSet()
+    _suppressors.clear()
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+@atexit.register  # registered before _close_shared, so it runs after it: closing logs too
+def _flush_logs_at_exit() -> None:
+    _pump_stop.set()
+    _pump_once()
+    for suppressor in list(_suppressors.values()):
+        suppressor.flush(everything=True)
 
 
 @dataclass(frozen=True)
@@ -110,14 +212,14 @@ _GROUP_PREFIX = {"reader": "refstream", "probe": "refstream-probe", "fetch": "re
 def producer(settings: Mapping[str, Any], *, role: ProducerRole = "plain", **overrides: Any) -> Producer:
     """A new producer for ``role`` (see :data:`PRODUCERS`); ``overrides`` (librdkafka names, pass
     dotted ones as ``**{"linger.ms": 5}``) win over ``settings``, the role's forced settings win over both."""
-    return Producer(PRODUCERS[role].conf(settings, overrides))
+    return Producer(_with_logger(PRODUCERS[role].conf(settings, overrides)))
 
 
 def consumer(settings: Mapping[str, Any], *, role: ConsumerRole = "reader", **overrides: Any) -> Consumer:
     """A new consumer for ``role`` (see :data:`CONSUMERS`) that never joins its group: the caller
     assigns partitions and tracks offsets."""
     conf = {"group.id": f"{_GROUP_PREFIX[role]}-{uuid.uuid4().hex[:12]}", **CONSUMERS[role].conf(settings, overrides)}
-    return Consumer(conf)
+    return Consumer(_with_logger(conf))
 
 
 C = TypeVar("C")
@@ -168,14 +270,21 @@ class ClientCache(Generic[C]):
             self._release(c)
 
 
-_ADMINS: ClientCache[AdminClient] = ClientCache(lambda s: AdminClient(dict(s)))
+def _new_admin(settings: Mapping[str, Any]) -> AdminClient:
+    client = AdminClient(_with_logger(dict(settings)))
+    with _pump_lock:
+        _polled.add(client)  # nobody else polls an admin client: the pump serves its log lines
+    return client
+
+
+_ADMINS: ClientCache[AdminClient] = ClientCache(_new_admin)
 
 
 def admin(settings: Mapping[str, Any], *, cached: bool = True) -> AdminClient:
     """An admin client for ``settings``; cached ones are shared (admin clients are thread-safe), so
     checking a topic does not open new broker connections each time. ``cached=False`` for a
     throw-away client, e.g. probing a broker that is still starting."""
-    return _ADMINS.get(settings) if cached else AdminClient(dict(settings))
+    return _ADMINS.get(settings) if cached else _new_admin(settings)
 
 
 _SHARED: dict[str, ClientCache[Consumer]] = {}

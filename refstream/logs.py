@@ -9,14 +9,22 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
-from collections.abc import Iterable
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Literal, get_args
 
+__all__ = ["CHATTY", "FORMAT", "LOG_FORMATS", "JsonFormatter", "LogFormat", "RepeatSuppressor", "line_key",
+           "setup_logging"]
+
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-#: Libraries that log every request at INFO/DEBUG; kept at WARNING.
-CHATTY = ("py4j", "urllib3")
+#: Libraries that log every request at INFO/DEBUG (APScheduler: every job added, run and removed,
+#: which the daemon's own lines already say); kept at WARNING.
+CHATTY = ("py4j", "urllib3", "apscheduler")
 #: ``--log-format`` of the CLIs: lines for people, or one JSON object per line for log collectors.
 LogFormat = Literal["text", "json"]
 LOG_FORMATS: tuple[str, ...] = get_args(LogFormat)
@@ -63,3 +71,86 @@ def setup_logging(level: int | str = logging.INFO, *, debug: bool = False,
         logging.basicConfig(level=level, handlers=[handler], force=force)
     for name in quiet:
         logging.getLogger(name).setLevel(logging.WARNING)
+
+
+# What makes two occurrences of one line differ: client instance names (``rdkafka#producer-7``) and
+# free-standing numbers (timings ``after 3ms``, ``0.12ms``, counts ``1/1``). Numbers inside an address
+# (``127.0.0.1:9092``, ``kafka-1:9092``) touch a ``.``, ``:``, ``-`` or a letter and are kept: two
+# brokers' failures stay two lines.
+_CLIENT = re.compile(r"(#(?:producer|consumer)-)\d+")
+_NUMBER = re.compile(r"(?<![\w.:-])\d+(?:\.\d+)?(?:ms|us|s)?(?![\w.:])")
+
+
+def line_key(text: str) -> str:
+    """``text`` with its volatile numbers replaced by ``#``: lines with the same key are one line
+    repeated, for :class:`RepeatSuppressor`."""
+    return _NUMBER.sub("#", _CLIENT.sub(r"\1#", text))
+
+
+@dataclass(frozen=True)
+class _Window:
+    start: float        # when the line was first let through (or the last count logged)
+    repeats: int        # occurrences held back since
+    level: int
+    text: str           # the latest occurrence
+
+
+class RepeatSuppressor:
+    """A front for ``logger`` that logs a line the first time and, while it repeats within ``window``
+    seconds, counts it instead; once the window has passed it logs the latest occurrence once more,
+    with ``(repeated N times in the last 60 s)``, and counts on. A line that did not repeat in its
+    window is forgotten. Lines are the same when their level and :func:`line_key` are.
+
+    It has the ``log(level, msg, *args)`` of a :class:`logging.Logger`, which is what confluent-kafka's
+    ``logger`` client setting calls, so the lines keep the logger's level and handlers (format).
+    :meth:`flush` logs the counts of windows that have passed: call it every second or so, since a
+    line that stops repeating brings no call of its own. Thread-safe."""
+
+    def __init__(self, logger: logging.Logger, window: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.logger, self.window, self._clock = logger, window, clock
+        self._windows: dict[tuple[int, str], _Window] = {}
+        self._lock = threading.Lock()
+
+    def log(self, level: int, msg: str, *args: object) -> None:
+        """Log ``msg % args`` at ``level``, or count it if it repeats a line of the current window."""
+        if not self.logger.isEnabledFor(level):
+            return  # a line nobody sees is not counted either
+        text = msg % args if args else msg
+        key = (level, line_key(text))
+        now = self._clock()
+        with self._lock:
+            due = self._take_due(now)
+            w = self._windows.get(key)
+            if w is None:
+                self._windows[key] = _Window(now, 0, level, text)
+            else:
+                self._windows[key] = _Window(w.start, w.repeats + 1, level, text)
+        self._emit(due)
+        if w is None:
+            self.logger.log(level, "%s", text)
+
+    def flush(self, *, everything: bool = False) -> None:
+        """Log the count of every window that has passed (``everything``: of every window, as at exit)."""
+        now = self._clock()
+        with self._lock:
+            due = self._take_due(now, everything=everything)
+        self._emit(due)
+
+    def _take_due(self, now: float, *, everything: bool = False) -> list[tuple[_Window, float]]:
+        """Windows to report (with the seconds they covered); each one with repeats starts anew."""
+        due = []
+        for key, w in list(self._windows.items()):
+            if now - w.start < self.window and not everything:
+                continue
+            if w.repeats:
+                due.append((w, min(now - w.start, self.window)))
+                self._windows[key] = _Window(now, 0, w.level, w.text)
+            else:
+                del self._windows[key]
+        return due
+
+    def _emit(self, due: list[tuple[_Window, float]]) -> None:
+        for w, span in due:
+            self.logger.log(w.level, "%s (repeated %d time%s in the last %d s)", w.text, w.repeats,
+                            "" if w.repeats == 1 else "s", max(1, round(span)))

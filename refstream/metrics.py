@@ -21,6 +21,8 @@ from refstream.config import Section
 if TYPE_CHECKING:  # the config side is loaded by every command; the client only by the daemons
     from prometheus_client import CollectorRegistry
 
+__all__ = ["MetricsConfig", "MetricsServer", "Page", "parse_metrics"]
+
 log = logging.getLogger(__name__)
 
 

@@ -19,6 +19,8 @@ from typing import TypeVar
 
 from refstream.errors import TransientError
 
+__all__ = ["RetryPolicy", "call_with_retry"]
+
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")

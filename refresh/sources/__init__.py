@@ -5,6 +5,8 @@ from __future__ import annotations
 from refresh.config import DatasetConfig, SqlSourceConfig
 from refresh.sources.abc import Source
 
+__all__ = ["open_source"]
+
 
 def open_source(ds: DatasetConfig) -> Source:
     """The source of ``ds`` (imports the implementation it needs only)."""

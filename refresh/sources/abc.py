@@ -14,6 +14,8 @@ from typing import Any
 
 import pyarrow as pa
 
+__all__ = ["IncrementalSource", "Progress", "Source", "collect"]
+
 #: Called with the number of rows read so far (progress bars).
 Progress = Callable[[int], None]
 

@@ -38,6 +38,8 @@ from refresh.sources.abc import Progress, Source, collect
 from refstream.contract import type_to_arrow
 from refstream.errors import DataError
 
+__all__ = ["FileSource", "FileStats", "stat_files"]
+
 log = logging.getLogger(__name__)
 
 _BLOCK = 16 << 20

@@ -35,6 +35,19 @@ import pyarrow.compute as pc
 from refresh.sources.sqltypes import TextConverter, mysql_type
 from refstream.errors import DataError
 
+__all__ = [
+    "Column",
+    "Unreadable",
+    "available",
+    "convert",
+    "partition_key",
+    "plan",
+    "read",
+    "select",
+    "server_error",
+    "url_for",
+]
+
 # PyMySQL FIELD_TYPE codes (see refresh.sources.sqltypes).
 _NATIVE = {1, 2, 3, 8, 9, 13,            # TINYINT, SMALLINT, INT, BIGINT, MEDIUMINT, YEAR
            5,                            # DOUBLE

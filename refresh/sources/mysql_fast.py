@@ -21,6 +21,8 @@ import pymysql.err
 
 from refstream.compat import PyMySQLStream, pymysql_stream
 
+__all__ = ["ColumnReader", "Columns", "gather"]
+
 
 class Columns:
     """One chunk of a MySQL text result as one Arrow binary array per column (raw value bytes)."""

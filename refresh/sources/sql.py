@@ -40,6 +40,8 @@ from refresh.sources.sqltypes import TextConverter, fits, mysql_type, pg_type, u
 from refstream import compat
 from refstream.errors import DataError, TerminalError, TransientError
 
+__all__ = ["SqlSource"]
+
 log = logging.getLogger(__name__)
 
 _UTF8 = ("utf8", "utf8mb4", "utf-8")

@@ -27,6 +27,8 @@ import pyarrow.compute as pc
 from refstream.contract import decimal_type
 from refstream.errors import DataError
 
+__all__ = ["TextConverter", "fits", "mysql_type", "parse_time", "pg_type", "unify", "value_fixer"]
+
 log = logging.getLogger(__name__)
 
 # PyMySQL FIELD_TYPE codes.

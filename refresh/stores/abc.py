@@ -25,6 +25,19 @@ import pyarrow as pa
 
 from refstream.contract import DatasetSchema
 
+__all__ = [
+    "RUN_HISTORY",
+    "CommittedState",
+    "DatasetStatus",
+    "RunKind",
+    "RunOutcome",
+    "RunRecord",
+    "RunResult",
+    "SnapshotRows",
+    "StagedSnapshot",
+    "StateStore",
+]
+
 #: Runs kept per dataset in the run history.
 RUN_HISTORY = 50
 

@@ -32,6 +32,17 @@ from refstream.contract import DatasetSchema
 from refstream.errors import TerminalError
 from refstream.retry import RetryPolicy
 
+__all__ = [
+    "IPC_SUFFIX",
+    "ROW_GROUP",
+    "STATE_FORMAT",
+    "FileStateStore",
+    "IpcSnapshot",
+    "open_snapshot_file",
+    "snapshot_name",
+    "write_snapshot",
+]
+
 log = logging.getLogger(__name__)
 
 STATE_FORMAT = 1

@@ -1,10 +1,14 @@
 from __future__ import annotations
 
+import subprocess
+import sys
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import yaml
 
+import enrich
 from enrich import config
 from refstream.errors import ConfigError
 
@@ -129,3 +133,70 @@ def test_unset_environment_variable_names_file_and_line(tmp_path: Path, monkeypa
     path.write_text("events: {topic: e, schema: 'x INT'}\nkafka:\n  bootstrap_servers: ${NO_SUCH_BOOTSTRAP}\n")
     with pytest.raises(ConfigError, match=rf"^{path}:3: environment variable NO_SUCH_BOOTSTRAP is not set"):
         config.load(path)
+
+
+# The Python API: enrich.load_config(mapping) applies exactly the checks a YAML file gets.
+
+def test_a_mapping_loads_as_the_same_yaml_file_does(tmp_path: Path) -> None:
+    path = tmp_path / "enrich.yaml"
+    path.write_text(yaml.safe_dump(BASE))
+    assert enrich.load_config(BASE, source=str(path)) == config.load(path) == enrich.load_config(path)
+    assert enrich.load_config(BASE).source == "config"
+    assert enrich.load_config(BASE).trigger == timedelta(milliseconds=500)
+
+
+@pytest.mark.parametrize(("patch", "error"), [
+    ({"triger": "1s"}, "<top>: unknown key(s): triger"),
+    ({"events": {"topic": "e", "schema": "x INT", "sheme": 1}}, "events: unknown key(s): sheme"),
+    ({"joins": [{"dataset": "d", "on": "x", "colums": ["a"]}]}, "joins[0]: unknown key(s): colums"),
+    ({"checkpoint": 3}, "checkpoint: expected str, got 3"),
+    ({"max_events_per_batch": "lots"}, "max_events_per_batch: expected int, got 'lots'"),
+    ({"trigger": "soon"}, "trigger: 'soon' is not a duration"),
+    ({"output": {"kafka": {"topic": ["o"]}}}, "output.kafka.topic: expected str, got ['o']"),
+])
+def test_a_bad_mapping_fails_with_the_message_of_the_same_yaml_file(tmp_path: Path, patch: dict,
+                                                                    error: str) -> None:
+    data = {**BASE, **patch}
+    path = tmp_path / "enrich.yaml"
+    path.write_text(yaml.safe_dump(data))
+    with pytest.raises(ConfigError) as from_file:
+        enrich.load_config(path)
+    with pytest.raises(ConfigError) as named:
+        enrich.load_config(data, source=str(path))
+    with pytest.raises(ConfigError) as unnamed:
+        enrich.load_config(data)
+    message = str(from_file.value)
+    assert message.startswith(f"{path}: {error}") and "\n" not in message
+    assert str(named.value) == message
+    assert str(unnamed.value) == "config" + message.removeprefix(str(path))
+
+
+def test_a_mapping_gets_the_environment_substitution_of_a_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("API_BOOTSTRAP", "broker:1234")
+    monkeypatch.delenv("API_TRIGGER", raising=False)
+    data = {**BASE, "kafka": {"bootstrap_servers": "${API_BOOTSTRAP}"}, "trigger": "${API_TRIGGER:-2s}",
+            "max_events_per_batch": "${API_MAX_EVENTS:-500}",
+            "joins": [{"dataset": "devices", "on": "device_id", "prefix": "${API_PREFIX:-}"}]}
+    cfg = enrich.load_config(data)
+    assert cfg.kafka == {"bootstrap.servers": "broker:1234"}
+    assert cfg.trigger == timedelta(seconds=2) and cfg.max_events_per_batch == 500  # then typed, as from a file
+    assert cfg.joins[0].prefix == ""
+    monkeypatch.delenv("API_BOOTSTRAP")
+    with pytest.raises(ConfigError, match=r"^config: kafka.bootstrap_servers: environment variable API_BOOTSTRAP "
+                                          r"is not set$"):
+        enrich.load_config(data)
+    with pytest.raises(ConfigError, match=r"^config: top level must be a mapping or a file path, got list"):
+        enrich.load_config([BASE])  # type: ignore[arg-type]
+
+
+def test_enrich_load_config_does_not_import_pyspark() -> None:
+    # In a child process: this test session has imported pyspark already (under a second).
+    code = ("import sys, enrich\n"
+            "cfg = enrich.load_config({'kafka': {'bootstrap_servers': 'h:1'}, 'events': {'topic': 'e', "
+            "'schema': 'x INT'}, 'output': {'console': {}}, 'dead_letter_topic': 'd', 'checkpoint': 'c'})\n"
+            "assert cfg.output.kind == 'console'\n"
+            "assert 'pyspark' not in sys.modules, sorted(m for m in sys.modules if m.startswith('pyspark'))\n"
+            "assert enrich.EnrichJob.__name__ == 'EnrichJob' and 'pyspark' in sys.modules\n")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[2], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr

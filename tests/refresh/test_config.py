@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
+import yaml
 
+import refresh
 from refresh.config import SqlSourceConfig, load_config
 from refstream.errors import ConfigError
 
@@ -144,3 +147,81 @@ def test_shipped_example_loads() -> None:
     cfg = load_config(ROOT / "conf" / "refresh.yaml")
     assert set(cfg.datasets) >= {"devices", "models", "sites"}
     assert cfg.datasets["models"].mode == "incremental"
+
+
+# The Python API: refresh.load_config(mapping) applies exactly the checks a YAML file gets.
+
+def mapping_config() -> dict:
+    return {
+        "kafka": {"bootstrap_servers": "127.0.0.1:9", "security.protocol": "PLAINTEXT"},
+        "state_dir": "var/refresh",
+        "datasets": {
+            "devices": {"source": {"url": "sqlite:///ref.db", "table": "devices", "read_timeout": "90s"},
+                        "key": ["device_id"], "schedule": {"every": "6h"}, "heartbeat": "off"},
+            "sites": {"source": {"path": "data/sites.csv"}, "key": "site_id", "watch": True},
+        },
+    }
+
+
+def yaml_file(tmp_path: Path, data: dict) -> Path:
+    p = tmp_path / "api.yaml"
+    p.write_text(yaml.safe_dump(data))
+    return p
+
+
+def test_a_mapping_loads_as_the_same_yaml_file_does(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    path = yaml_file(tmp_path, mapping_config())
+    from_mapping = refresh.load_config(mapping_config(), source=str(path))
+    assert from_mapping == load_config(path)
+    assert from_mapping.datasets["devices"].schedule.every == timedelta(hours=6)
+    assert from_mapping.state_dir == tmp_path / "var" / "refresh"  # relative to the working directory, too
+    assert refresh.load_config(mapping_config()).path == Path("config")
+
+
+@pytest.mark.parametrize(("change", "error"), [
+    (lambda c: c["datasets"]["devices"]["source"].update(tabel="x"),
+     "datasets.devices.source: unknown key(s): tabel"),
+    (lambda c: c.update(retires={"attempts": 3}), "<top>: unknown key(s): retires"),
+    (lambda c: c["datasets"]["devices"].update(partitions="many"),
+     "datasets.devices.partitions: expected int, got 'many'"),
+    (lambda c: c["datasets"]["devices"]["schedule"].update(every="6x"),
+     "datasets.devices.schedule.every: '6x' is not a duration"),
+    (lambda c: c["datasets"]["sites"].update(watch="yes"), "datasets.sites.watch: expected bool, got 'yes'"),
+    (lambda c: c.update(kafka=["127.0.0.1:9"]), "kafka: must be a mapping, got list"),
+])
+def test_a_bad_mapping_fails_with_the_message_of_the_same_yaml_file(tmp_path: Path, change: Any, error: str) -> None:
+    data = mapping_config()
+    change(data)
+    path = yaml_file(tmp_path, data)
+    with pytest.raises(ConfigError) as from_file:
+        load_config(path)
+    with pytest.raises(ConfigError) as named:
+        refresh.load_config(data, source=str(path))
+    with pytest.raises(ConfigError) as unnamed:
+        refresh.load_config(data)
+    message = str(from_file.value)
+    assert message.startswith(f"{path}: {error}") and "\n" not in message
+    assert str(named.value) == message
+    assert str(unnamed.value) == "config" + message.removeprefix(str(path))
+
+
+def test_a_mapping_gets_the_environment_substitution_of_a_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("API_BROKER", "broker:9092")
+    monkeypatch.setenv("API_DB_URL", "mysql+pymysql://u:p#w: d@db/ref")  # '#' and ': ' come through as set
+    monkeypatch.delenv("API_EVERY", raising=False)
+    data = mapping_config()
+    data["kafka"]["bootstrap_servers"] = "${API_BROKER}"
+    data["datasets"]["devices"]["source"]["url"] = "${API_DB_URL}"
+    data["datasets"]["devices"]["schedule"]["every"] = "${API_EVERY:-30m}"  # substituted, then a duration
+    data["datasets"]["devices"]["partitions"] = "${API_PARTITIONS:-3}"
+    cfg = refresh.load_config(data)
+    devices = cfg.datasets["devices"]
+    assert cfg.kafka["bootstrap.servers"] == "broker:9092"
+    assert isinstance(devices.source, SqlSourceConfig) and devices.source.url == "mysql+pymysql://u:p#w: d@db/ref"
+    assert devices.schedule.every == timedelta(minutes=30) and devices.partitions == 3
+    assert data["kafka"]["bootstrap_servers"] == "${API_BROKER}"  # the caller's mapping is left as it was
+    monkeypatch.delenv("API_BROKER")
+    with pytest.raises(ConfigError, match=r"^config: kafka.bootstrap_servers: environment variable API_BROKER "
+                                          r"is not set$"):
+        refresh.load_config(data)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -605,6 +606,44 @@ def test_sigint_stops_the_daemon_cleanly(kafka: dict[str, str], tmp_path: Path,
     text = (tmp_path / "daemon.log").read_text()
     assert "SIGINT received" in text and "refresh daemon stopped" in text and "Traceback" not in text
     assert not (daemon_dir(cfg) / NEXT_RUNS).exists()
+
+
+@pytest.mark.integration  # a daemon process for a minute of wall-clock time
+def test_a_daemon_whose_broker_is_down_logs_few_lines_and_says_why(tmp_path: Path) -> None:
+    """librdkafka retries a broker that is down about 20 times a second per client, a line each: its
+    lines come through logging, a repeated one once per minute with its count. The daemon's first
+    minute, start-up and shutdown included, stays under 20 lines and says it cannot reach Kafka."""
+    f = tmp_path / "sites.csv"
+    f.write_text("site_id,name\n1,a\n")
+    cfgp = write_config(tmp_path, {"bootstrap.servers": f"127.0.0.1:{free_port()}"}, f"""
+        sites:
+          source: {{path: {f}}}
+          key: [site_id]
+          schedule: {{every: 1h}}
+    """)
+    with (tmp_path / "daemon.log").open("w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "refresh", "--config", str(cfgp), "daemon"], cwd=ROOT,
+                                stdout=log, stderr=subprocess.STDOUT)
+        try:
+            time.sleep(60)
+            assert proc.poll() is None, (tmp_path / "daemon.log").read_text()[-3000:]
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(60) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    lines = (tmp_path / "daemon.log").read_text().splitlines()
+    shown = "\n".join(lines)
+    assert len(lines) < 20, shown
+    assert any("cannot reach Kafka" in line for line in lines), shown
+    # librdkafka's lines: in the format of every other line (none from its own stderr writer), the
+    # connection failure once at first and then with the counts of its repeats (hundreds of them).
+    assert all(re.match(r"\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} [A-Z]+ [\w.]+: ", line) for line in lines), shown
+    failed = [line for line in lines if " librdkafka: " in line and "Connection refused" in line]
+    assert len(failed) >= 2 and " ERROR librdkafka: " in failed[0] and "(repeated" not in failed[0], shown
+    counts = [re.search(r"\(repeated (\d+) times? in the last \d+ s\)$", line) for line in failed[1:]]
+    assert all(counts) and sum(int(m.group(1)) for m in counts if m) >= 100, shown
 
 
 class TcpRelay:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import logging
+
 from refstream import kafka
+from refstream.logs import RepeatSuppressor
 
 
 def test_role_defaults_give_way_to_settings_and_forced_settings_do_not():
@@ -44,3 +47,36 @@ def test_client_cache_keys_by_settings_and_lets_the_least_recently_used_go():
     assert len(made) == 3
     cache.clear()
     assert len(closed) == 3
+
+
+def test_every_client_logs_through_one_repeat_suppressor_per_logger(monkeypatch):
+    built: list[tuple[str, dict]] = []
+
+    class Fake:
+        def __init__(self, conf: dict) -> None:
+            built.append((type(self).__name__, conf))
+
+        def close(self) -> None:
+            pass
+
+    for name in ("Producer", "Consumer", "AdminClient"):
+        monkeypatch.setattr(kafka, name, type(name, (Fake,), {}))
+    monkeypatch.setattr(kafka, "_ADMINS", kafka.ClientCache(kafka._new_admin))
+    monkeypatch.setattr(kafka, "_SHARED", {})
+    settings = {"bootstrap.servers": "127.0.0.1:1"}
+    kafka.producer(settings, role="publisher")
+    kafka.consumer(settings, role="probe")
+    kafka.shared_consumer({**settings, "x": 1}, role="fetch")
+    admin = kafka.admin(settings)
+    kafka.admin(settings, cached=False)
+    tail = logging.getLogger("demo.tail")
+    kafka.consumer(settings, logger=tail)  # a caller's logger: its repeats are counted too
+
+    assert [kind for kind, _ in built] == ["Producer", "Consumer", "Consumer", "AdminClient", "AdminClient",
+                                           "Consumer"]
+    loggers = [conf["logger"] for _, conf in built]
+    assert all(isinstance(lg, RepeatSuppressor) for lg in loggers)
+    # One suppressor per logger, shared by its clients: a line repeated by several clients counts once.
+    assert all(lg is loggers[0] for lg in loggers[:5]) and loggers[0].logger is kafka.LIBRDKAFKA_LOG
+    assert loggers[5].logger is tail and loggers[0].window == kafka.REPEAT_WINDOW == 60.0
+    assert admin in set(kafka._polled)  # admin clients are polled by the log pump: nobody else polls them

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import logging
 import subprocess
 import sys
 from datetime import datetime, timedelta
 
 import pytest
 
-from refstream.logs import setup_logging
+from refstream.logs import RepeatSuppressor, line_key, setup_logging
 
 SCRIPT = """
 import logging, sys
@@ -68,3 +69,77 @@ def test_json_format_is_one_object_per_line_with_the_exception():
 def test_an_unknown_format_is_refused():
     with pytest.raises(ValueError, match="log format 'xml' is not one of text, json"):
         setup_logging(log_format="xml")  # type: ignore[arg-type]
+
+
+FAIL = ("FAIL [rdkafka#producer-{n}] [thrd:127.0.0.1:9092/bootstrap]: 127.0.0.1:9092/bootstrap: Connect to "
+        "ipv4#127.0.0.1:9092 failed: Connection refused (after {ms}ms in state CONNECT)")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def suppressor(caplog: pytest.LogCaptureFixture, level: int = logging.INFO) -> tuple[RepeatSuppressor, Clock]:
+    logger = logging.getLogger("refstream.test.repeats")
+    caplog.set_level(level, logger=logger.name)
+    clock = Clock()
+    return RepeatSuppressor(logger, 60.0, clock=clock), clock
+
+
+def logged(caplog: pytest.LogCaptureFixture) -> list[tuple[str, str]]:
+    return [(r.levelname, r.getMessage()) for r in caplog.records if r.name == "refstream.test.repeats"]
+
+
+def test_a_repeated_line_is_logged_once_then_once_per_window_with_its_count(caplog):
+    s, clock = suppressor(caplog)
+    for i in range(1200):  # a broker down: 20 lines a second for a minute, from three clients
+        clock.now = i / 20
+        s.log(logging.ERROR, "%s", FAIL.format(n=i % 3, ms=i % 7))
+    s.flush()
+    assert logged(caplog) == [("ERROR", FAIL.format(n=0, ms=0))]  # 59.95 s: the window is still open
+    clock.now = 60.0
+    s.flush()
+    assert logged(caplog)[1:] == [("ERROR", FAIL.format(n=1199 % 3, ms=1199 % 7)
+                                   + " (repeated 1199 times in the last 60 s)")]
+    clock.now = 61.0
+    s.log(logging.ERROR, "%s", FAIL.format(n=4, ms=0))  # counted in the next window
+    clock.now = 121.0
+    s.flush()
+    assert logged(caplog)[2:] == [("ERROR", FAIL.format(n=4, ms=0) + " (repeated 1 time in the last 60 s)")]
+    # A window without repeats is forgotten: the line, when it comes back, is new.
+    clock.now = 190.0
+    s.flush()
+    s.log(logging.ERROR, "%s", FAIL.format(n=5, ms=3))
+    assert len(logged(caplog)) == 4 and logged(caplog)[3] == ("ERROR", FAIL.format(n=5, ms=3))
+
+
+def test_other_lines_levels_and_addresses_are_not_counted_together(caplog):
+    s, clock = suppressor(caplog, logging.WARNING)
+    other_broker = FAIL.replace("127.0.0.1:9092", "127.0.0.2:9092")
+    for text, level in [(FAIL.format(n=1, ms=0), logging.ERROR), (other_broker.format(n=1, ms=0), logging.ERROR),
+                        (FAIL.format(n=1, ms=0), logging.WARNING), ("1/1 brokers are down", logging.ERROR),
+                        ("2/2 brokers are down", logging.ERROR), ("a debug line", logging.INFO)]:
+        s.log(level, "%s", text)
+    assert [m for _, m in logged(caplog)] == [FAIL.format(n=1, ms=0), other_broker.format(n=1, ms=0),
+                                              FAIL.format(n=1, ms=0), "1/1 brokers are down"]
+    assert [lv for lv, _ in logged(caplog)][:3] == ["ERROR", "ERROR", "WARNING"]
+    # At exit every count is logged, over the seconds its window really covered.
+    clock.now = 12.2
+    s.flush(everything=True)
+    assert logged(caplog)[4:] == [("ERROR", "2/2 brokers are down (repeated 1 time in the last 12 s)")]
+
+
+@pytest.mark.parametrize(("a", "b", "same"), [
+    (FAIL.format(n=1, ms=0), FAIL.format(n=12, ms=1503), True),
+    ("Disconnected (after 0.123ms in state UP, 3 identical error(s) suppressed)",
+     "Disconnected (after 12.5ms in state UP, 40 identical error(s) suppressed)", True),
+    ("kafka-1:9092/1: Connect failed", "kafka-2:9092/2: Connect failed", False),
+    ("10.0.0.1:9092: Connect failed", "10.0.0.2:9092: Connect failed", False),
+    ("broker 10.0.0.1:9092", "broker 10.0.0.1:9093", False),
+])
+def test_line_key_drops_timings_counts_and_client_names_not_addresses(a: str, b: str, same: bool) -> None:
+    assert (line_key(a) == line_key(b)) is same
