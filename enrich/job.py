@@ -274,7 +274,7 @@ class EnrichJob:
     def _transactional_id(self, topic: str) -> str:
         """The transactional id of this checkpoint's writer to ``topic``, created at first use and kept
         in the checkpoint (``CheckpointLayout.sink_identity``): a checkpoint moved to another path keeps its identity,
-        so the restarted writer still fences its predecessor and finds its batch markers."""
+        so the restarted writer still fences its predecessor and finds its ledger."""
         from enrich.sinks.kafka.writer import transactional_id_for
 
         path = self.layout.sink_identity
@@ -292,7 +292,7 @@ class EnrichJob:
         return ids[topic]
 
     def _scope(self) -> str:
-        """Identity of this checkpoint's query: output markers of an earlier query that used the same
+        """Identity of this checkpoint's query: the ledgers of an earlier query that used the same
         checkpoint path (since deleted) must not make the new query's batch ids look committed."""
         path = self.layout.scope
         if path.exists():

@@ -3,7 +3,7 @@
 The driver builds the batch's output rows (:func:`records_frame`: the enriched JSON of good events,
 the source columns of dead letters) and runs ``enrich.sinks.kafka.tasks.TaskWriter`` over them in a
 ``mapInArrow``: each task commits its own partition of the output and of the dead letters in one
-Kafka transaction with a marker of (query, batch id, slot). The driver collects one row of counts
+Kafka transaction, recorded in its slot's ledger (:mod:`enrich.sinks.kafka.ledger`). The driver collects one row of counts
 per task, never an event.
 
 A task whose rows hold an event the fast parser left to ``from_json`` (``_slow``) writes nothing and
@@ -26,10 +26,9 @@ from pyspark.sql import functions as F
 from enrich.columns import ERROR, LATE, SLOW, UNMATCHED
 from enrich.sinks.abc import Counted, EnrichedBatch
 from enrich.sinks.deadletter import COLUMNS as DEAD_COLUMNS
+from enrich.sinks.kafka.ledger import ensure_ledger
 from enrich.sinks.kafka.tasks import RESULT_DDL, TaskWriter, summary
-from enrich.sinks.kafka.writer import MARKER_SUFFIX
 from refstream.errors import TransientError
-from refstream.kafka import ensure_topic
 
 log = logging.getLogger(__name__)
 
@@ -48,9 +47,7 @@ class KafkaSink:
         self.topic, self.dead_letter_topic = topic, dead_letter_topic
         self.transactional_id, self.scope = transactional_id, scope
         self.settings = dict(settings)
-        self.marker_topic = topic + MARKER_SUFFIX
-        ensure_topic(self.settings, self.marker_topic, partitions=1,
-                     config={"cleanup.policy": "compact"})  # one marker per transactional id is enough
+        self.ledger_topic = ensure_ledger(self.settings, topic)
         #: The tasks' result rows of the last batch written (``enrich.sinks.kafka.tasks.RESULT_DDL``).
         self.last_results: list[dict[str, object]] = []
         #: Slots of the last batch written that are to be written again from ``from_json``'s parse.
@@ -64,13 +61,13 @@ class KafkaSink:
         self.last_results = []
         self.counted = Counted(0, 0, 0, 0)
         t0 = time.monotonic()
-        writer = TaskWriter(self.settings, self.topic, self.dead_letter_topic, self.marker_topic,
+        writer = TaskWriter(self.settings, self.topic, self.dead_letter_topic, self.ledger_topic,
                             self.transactional_id, self.scope, batch_id)
         try:
             rows = [r.asDict() for r in records_frame(batch).mapInArrow(writer, RESULT_DDL).collect()]
         except Exception as exc:
             # A task that failed transiently (broker away) fails the Spark job: the batch is tried
-            # again, and the tasks that committed skip it by their markers.
+            # again, and the tasks that committed skip it by their ledgers.
             text = str(exc)
             if _TRANSIENT in text:
                 raise TransientError(text[text.rindex(_TRANSIENT) + len(_TRANSIENT):].splitlines()[0]) from exc

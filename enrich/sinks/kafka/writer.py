@@ -1,10 +1,10 @@
-"""Exactly-once output of micro-batches to Kafka, for ``foreachBatch`` on the driver.
+"""The transaction helpers of the Kafka output, and its writer of whole micro-batches for
+``foreachBatch`` on the driver (the dead letters of the other sinks).
 
-Each micro-batch is produced in ONE Kafka transaction together with a commit marker record
-``{"batch_id": n, ...}`` in the marker topic ``<topic>.refstream-commits`` (key: the transactional
-id). The marker commits atomically with the data, so "batch n is in Kafka" and "the marker says n"
-are the same fact. After a crash Spark replays the last uncommitted batch with the same batch id;
-the writer reads the last marker of its transactional id and skips every batch id at or below it.
+:class:`TransactionalBatchWriter` produces each micro-batch in ONE Kafka transaction and records the
+batch id in its ledger in the same transaction (:mod:`enrich.sinks.kafka.ledger`), so "batch n is in
+Kafka" and "the ledger says n" are the same fact. After a crash Spark replays the last uncommitted
+batch with the same batch id; the writer reads its ledger and skips every batch id at or below it.
 A read_committed consumer therefore sees each event once.
 
 The transactional id must be stable for one query (same checkpoint -> same id: see
@@ -15,27 +15,24 @@ run and aborts whatever it left open.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import os
 import time
 from collections import Counter
 from collections.abc import Mapping
-from datetime import UTC, datetime
 from types import TracebackType
 
 import pyarrow as pa
 from confluent_kafka import KafkaError, KafkaException, Producer
 
+from enrich.sinks.kafka.ledger import Ledger, ensure_ledger
 from enrich.source.fetch import OffsetRange, read_range
 from enrich.source.offsets import EndOffsetProbe
 from refstream.errors import TerminalError, TransientError
-from refstream.kafka import ensure_topic, producer
+from refstream.kafka import producer
 
 log = logging.getLogger(__name__)
 
-MARKER_SUFFIX = ".refstream-commits"
-_MARKER_WINDOW = 1000  # offsets read back per step when looking for the last marker
 #: Bytes a record costs besides its key, value and headers when librdkafka checks it against
 #: ``message.max.bytes`` (record framing; generous: a record near the limit is refused, never the batch).
 RECORD_OVERHEAD = 1024
@@ -53,44 +50,6 @@ def transactional_id_for(checkpoint: str | os.PathLike[str], topic: str) -> str:
     never fence each other."""
     digest = hashlib.sha256(f"{os.path.abspath(os.fspath(checkpoint))}\0{topic}".encode()).hexdigest()
     return f"refstream-enrich-{digest[:20]}"
-
-
-def last_marker(settings: Mapping[str, str], marker_topic: str, key: str, scope: str | None, *,
-                timeout: float = 60.0) -> dict | None:
-    """The last visible record of ``key`` in ``marker_topic`` (partition 0) whose scope is ``scope``
-    (any scope when None), or None. Read backwards from the end in growing windows: the markers of
-    other ids written since are skipped quickly."""
-    probe = EndOffsetProbe(settings)
-    try:
-        tp = (marker_topic, 0)
-        res = probe.probe([tp])
-        end, low = res.end[tp], max(res.low.get(tp, 0), 0)
-    finally:
-        probe.close()
-    want = key.encode()
-    stop, window = end, _MARKER_WINDOW
-    while stop > low:
-        start = max(low, stop - window)
-        found: dict | None = None
-        for batch in read_range(settings, OffsetRange(marker_topic, 0, start, stop), poll_timeout_s=timeout):
-            keys = batch.column(0).to_pylist()
-            values = batch.column(1).to_pylist()
-            for k, v in zip(keys, values, strict=True):
-                if k == want:
-                    marker = json.loads(v)
-                    if scope is None or marker.get("scope") == scope:
-                        found = marker  # offset order: the last one wins
-        if found is not None:
-            return found
-        stop, window = start, window * 8
-    return None
-
-
-def committed_batch(marker: Mapping[str, object]) -> int | None:
-    """The last batch id committed according to a marker record: its ``batch_id``, or for the
-    record that opens a transaction (``begin``) the batch committed before it."""
-    value = marker.get("batch_id", marker.get("committed"))
-    return None if value is None else int(str(value))
 
 
 def produce_all(producer: Producer, topic: str, values: list, keys: list | None, headers: list | None) -> None:
@@ -208,43 +167,37 @@ class TransactionalBatchWriter:
     """Writes whole micro-batches to ``topic`` exactly once.
 
     ``settings``: librdkafka settings (``bootstrap.servers``...). ``scope``: optional identity of the
-    query incarnation (e.g. the streaming query id); markers from another scope do not count, so a
+    query incarnation (e.g. the streaming query id); a ledger of another scope does not count, so a
     query started on a fresh checkpoint (batch ids from 0 again) is not mistaken for a replay.
     """
 
     def __init__(self, settings: Mapping[str, str], topic: str, transactional_id: str, *,
-                 scope: str | None = None, marker_topic: str | None = None, timeout: float = 60.0) -> None:
+                 scope: str | None = None, timeout: float = 60.0) -> None:
         self.topic = topic
         self.transactional_id = transactional_id
         self.scope = scope
-        self.marker_topic = marker_topic or topic + MARKER_SUFFIX
         self._settings = dict(settings)
         self._timeout = timeout
         self.record_limit = record_limit(self._settings)
-        ensure_topic(self._settings, self.marker_topic, partitions=1,
-                     config={"cleanup.policy": "compact"})  # one marker per transactional id is enough
+        self.ledger_topic = ensure_ledger(self._settings, topic)
+        self._ledger = Ledger(self._settings, self.ledger_topic, transactional_id, scope, timeout=timeout)
         self._producer = producer(self._settings, role="transactional", **{"transactional.id": transactional_id})
         before = self._visible_ends()
         try:
             # Fences an older producer with this id and completes or aborts its open transaction.
             self._producer.init_transactions(timeout)
+            self._last = self._ledger.read().committed
         except KafkaException as exc:
             raise self._classify(exc, "init_transactions") from None
-        self._last = self._read_last_marker()
         self._leaked = self._read_leaked(before, self._visible_ends())
         log.info("transactional writer %s -> %s ready; last committed batch %s", transactional_id, topic,
                  self._last)
 
-    # -- markers -----------------------------------------------------------------------------------
+    # -- ledger ------------------------------------------------------------------------------------
 
     def last_committed_batch(self) -> int | None:
         """The highest batch id committed by this transactional id (and scope), or None."""
         return self._last
-
-    def _read_last_marker(self) -> int | None:
-        marker = last_marker(self._settings, self.marker_topic, self.transactional_id, self.scope,
-                             timeout=self._timeout)
-        return None if marker is None else committed_batch(marker)
 
     def _visible_ends(self) -> dict[tuple[str, int], int]:
         return visible_ends(self._settings, [self.topic])
@@ -255,7 +208,7 @@ class TransactionalBatchWriter:
 
         Apache Kafka aborts the open transaction of a fenced producer: nothing appears. Some
         Kafka-protocol brokers instead expose it, so a batch the previous run was writing when it
-        died is (partly) visible although its marker never committed. Those records are remembered
+        died is (partly) visible although its ledger never committed. Those records are remembered
         and left out when Spark replays that batch (its content is the same: same input, same
         output), so a read_committed consumer still sees each record once."""
         leaked = read_identities(self._settings, before, after, self._timeout)
@@ -268,7 +221,7 @@ class TransactionalBatchWriter:
 
     def write(self, batch_id: int, table: pa.Table | pa.RecordBatch) -> int:
         """Produce ``table`` (columns ``value`` BINARY, optional ``key`` BINARY and ``headers``
-        ARRAY<STRUCT<key STRING, value BINARY>>) and the marker of ``batch_id`` in one transaction.
+        ARRAY<STRUCT<key STRING, value BINARY>>) and ``batch_id`` in its ledger in one transaction.
         Returns the number of records written: 0 for a batch id already committed (a replay) or an
         empty table. Raises :class:`TransientError` when the transaction was aborted (the caller
         fails the batch; Spark retries it) and :class:`TerminalError` when this writer was fenced."""
@@ -296,13 +249,10 @@ class TransactionalBatchWriter:
         try:
             p.begin_transaction()
             self._produce_all(values, keys, headers)
-            # Data before marker: a broker that exposes a dead writer's transaction must never show
-            # a marker without all of its batch.
+            # Data before the ledger: a broker that exposes a dead writer's transaction must never
+            # show the batch committed without all of its records.
             p.flush(self._timeout)
-            marker = {"batch_id": batch_id, "topic": self.topic, "records": n, "scope": self.scope,
-                      "committed_at": datetime.now(UTC).isoformat()}
-            p.produce(self.marker_topic, json.dumps(marker).encode(), key=self.transactional_id.encode(),
-                      partition=0)
+            self._ledger.commit_in(p, batch_id)
             self._commit()
         except KafkaException as exc:
             err = self._classify(exc, f"batch {batch_id}")
@@ -346,6 +296,7 @@ class TransactionalBatchWriter:
     def close(self) -> None:
         """Flush and release the producer (an open transaction is aborted by the broker later)."""
         self._producer.flush(self._timeout)
+        self._ledger.close()
 
     def __enter__(self) -> TransactionalBatchWriter:
         return self
