@@ -6,7 +6,6 @@ import pyarrow as pa
 import pytest
 from confluent_kafka import KafkaException, Producer
 
-import enrich.sinks.kafka.writer as writer_mod
 from enrich.sinks.kafka.writer import TransactionalBatchWriter, transactional_id_for
 from enrich.source import read_stream
 from refstream.kafka import ensure_topic, read_to_end
@@ -83,9 +82,10 @@ def test_crash_before_commit_then_replay_is_seen_once_and_the_zombie_is_fenced(k
     assert sorted(got) == sorted([b"b0-%d" % i for i in range(20)] + [b"b1-%d" % i for i in range(30)])
 
 
-def test_marker_is_found_behind_many_markers_of_other_queries(kafka, unique, monkeypatch):
-    monkeypatch.setattr(writer_mod, "_MARKER_WINDOW", 4)
-    topic = unique("out-markers")
+def test_the_ledger_is_per_writer_and_scope(kafka, unique):
+    """Another writer's batches on the same topic leave a writer's ledger alone; another scope (a
+    fresh checkpoint) starts empty."""
+    topic = unique("out-ledger")
     ensure_topic(kafka, topic, partitions=1)
     mine, other = unique("tid-mine"), unique("tid-other")
     with TransactionalBatchWriter(kafka, topic, mine, scope="run-1") as w:
