@@ -10,9 +10,9 @@ names a path under it. Every module that reads or writes the checkpoint takes it
         commits/<n>               exists once batch n has been written
         state/                    the state store (device state, partitioned dimensions)
       dimensions/<n>.json       the changelog positions batch n pinned (enrich.dimension.versions)
-      scope                     the query's identity in its output's batch markers
       refstream/
-        sink.json               the Kafka writers' transactional ids, fixed at first use
+        sink.json               the writers' identity: the query's scope and the base transactional
+                                ids, fixed at the first start (enrich.sinks.identity)
         shipped/                dimension versions written for the tasks of joins in the plan
         state.json              the state settings the stored state is laid out by (enrich.state.checkpoint)
         devices.json            devices in state per bucket (enrich.state.devices)
@@ -58,10 +58,6 @@ class CheckpointLayout:
     @property
     def dimensions(self) -> Path:
         return self.root / "dimensions"
-
-    @property
-    def scope(self) -> Path:
-        return self.root / "scope"
 
     @property
     def own(self) -> Path:

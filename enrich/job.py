@@ -14,12 +14,10 @@ One ``foreachBatch`` per micro-batch; the driver only plans it:
 from __future__ import annotations
 
 import functools
-import json
 import logging
 import re
 import threading
 import time
-import uuid
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,11 +40,11 @@ from enrich.metrics import RESULTS, EnrichMetrics
 from enrich.pipeline import JoinPass, Pipeline
 from enrich.sinks import Counted, EnrichedBatch, Sink, make_sink
 from enrich.sinks.deadletter import DeadLetters
+from enrich.sinks.identity import SinkIdentity
 from enrich.state.checkpoint import check_checkpoint
 from enrich.state.devices import DeviceCount
 from enrich.state.stream import StateStream
 from refstream import kafka as rkafka
-from refstream.atomic import write_bytes_atomic, write_json_atomic
 from refstream.errors import TerminalError, one_line
 from refstream.retry import RetryPolicy, call_with_retry
 
@@ -195,13 +193,15 @@ class EnrichJob:
         return pipeline
 
     def _sinks(self) -> tuple[Sink, DeadLetters | None]:
+        """The sink and, unless it writes them itself, the dead-letter writer, with the checkpoint's
+        writer identity (:mod:`enrich.sinks.identity`: a start that would change it is refused)."""
         cfg = self.cfg
-        scope = self._scope()
-        sink = make_sink(cfg, scope, self._transactional_id(cfg.output.topic) if cfg.output.topic else None)
+        ident = SinkIdentity.load(self.layout, cfg)
+        sink = make_sink(cfg, ident.scope, ident.id_of(cfg.output.topic) if cfg.output.topic else None)
         self._stack.callback(sink.close)
         dead = None
         if not sink.writes_dead_letters:
-            dead = DeadLetters(cfg.kafka, cfg.dead_letter_topic, self._dlq_transactional_id(), scope)
+            dead = DeadLetters(cfg.kafka, cfg.dead_letter_topic, ident.id_of(cfg.dead_letter_topic), ident.scope)
             self._stack.callback(dead.close)
         return sink, dead
 
@@ -265,41 +265,6 @@ class EnrichJob:
         query = writer.start()
         self._stack.callback(self._stop_query)
         return query
-
-    def _dlq_transactional_id(self) -> str:
-        if self.cfg.output.transactional_id:
-            return self.cfg.output.transactional_id + "-dlq"
-        return self._transactional_id(self.cfg.dead_letter_topic)
-
-    def _transactional_id(self, topic: str) -> str:
-        """The transactional id of this checkpoint's writer to ``topic``, created at first use and kept
-        in the checkpoint (``CheckpointLayout.sink_identity``): a checkpoint moved to another path keeps its identity,
-        so the restarted writer still fences its predecessor and finds its ledger."""
-        from enrich.sinks.kafka.writer import transactional_id_for
-
-        path = self.layout.sink_identity
-        ids: dict[str, str] = {}
-        if path.exists():
-            try:
-                ids = dict(json.loads(path.read_text(encoding="utf-8"))["transactional_ids"])
-            except (ValueError, KeyError, TypeError) as exc:
-                raise TerminalError(f"{path}: not a sink identity file ({exc}); restore it from a backup of the "
-                                    "checkpoint, or reset the checkpoint") from None
-        if topic not in ids:
-            # Derived from the path at the first start, then kept: a moved checkpoint keeps it.
-            ids[topic] = transactional_id_for(self.cfg.checkpoint, topic)
-            write_json_atomic(path, {"transactional_ids": ids})
-        return ids[topic]
-
-    def _scope(self) -> str:
-        """Identity of this checkpoint's query: the ledgers of an earlier query that used the same
-        checkpoint path (since deleted) must not make the new query's batch ids look committed."""
-        path = self.layout.scope
-        if path.exists():
-            return path.read_text(encoding="utf-8").strip()
-        scope = uuid.uuid4().hex
-        write_bytes_atomic(path, scope.encode("utf-8"))
-        return scope
 
     def run(self, spark: SparkSession) -> None:
         """Start on ``spark``, then wait until the query ends (available-now) or :meth:`stop` is

@@ -10,16 +10,14 @@ __all__ = ["Counted", "EnrichedBatch", "Sink", "make_sink"]
 
 def make_sink(cfg: EnrichConfig, scope: str | None = None, transactional_id: str | None = None) -> Sink:
     """The configured sink; ``scope`` identifies the query and ``transactional_id`` is the base of
-    the Kafka sink's transactional ids (see ``enrich.sinks.kafka.tasks``; default: ``output.transactional_id``,
-    else derived from the checkpoint path)."""
+    the Kafka sink's transactional ids (see :mod:`enrich.sinks.kafka`; the checkpoint's, from
+    :class:`enrich.sinks.identity.SinkIdentity`)."""
     out = cfg.output
     if out.kind == "kafka":
         from enrich.sinks.kafka.sink import KafkaSink
-        from enrich.sinks.kafka.writer import transactional_id_for
 
-        assert out.topic is not None
-        tid = out.transactional_id or transactional_id or transactional_id_for(cfg.checkpoint, out.topic)
-        return KafkaSink(cfg.kafka, out.topic, tid, cfg.dead_letter_topic, scope)
+        assert out.topic is not None and transactional_id is not None
+        return KafkaSink(cfg.kafka, out.topic, transactional_id, cfg.dead_letter_topic, scope)
     if out.kind == "parquet":
         from enrich.sinks.parquet import ParquetSink
 

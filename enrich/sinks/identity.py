@@ -1,0 +1,92 @@
+"""The identity of a checkpoint's transactional writers, fixed at the checkpoint's first start and
+kept in it (``CheckpointLayout.sink_identity``): the query's scope and the base transactional id of
+each topic it writes in transactions (the Kafka output, or the dead letters of the other sinks).
+
+A restart finds its ledgers (:mod:`enrich.sinks.kafka.ledger`) by them: a replayed batch whose
+writers had another scope or id, or whose ledger topic is gone, finds no record of what it wrote
+and writes it again. So a start that would change them under a checkpoint that has run is refused,
+with one line naming what changed, as the state settings are (:mod:`enrich.state.checkpoint`):
+
+- the record missing from a checkpoint Spark has planned a batch in;
+- ``output.kafka.transactional_id`` set to another id than the one recorded;
+- the ledger topic of a topic written before missing from the broker.
+
+A checkpoint moved to another path keeps its identity: the ids are recorded, not derived again.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from enrich.checkpoint import CheckpointLayout
+from enrich.config import EnrichConfig
+from enrich.sinks.kafka.ledger import ledger_topic
+from enrich.sinks.kafka.writer import transactional_id_for
+from refstream.atomic import write_json_atomic
+from refstream.errors import ConfigError
+from refstream.kafka import partitions_of
+
+__all__ = ["SinkIdentity"]
+
+_NEW = "point checkpoint: at a new directory to start over (the output starts at events.starting_offsets)"
+
+
+@dataclass(frozen=True)
+class SinkIdentity:
+    """``scope``: the query's; ``ids``: topic -> the base transactional id of its writers."""
+
+    scope: str
+    ids: Mapping[str, str]
+
+    def id_of(self, topic: str) -> str:
+        return self.ids[topic]
+
+    @classmethod
+    def load(cls, layout: CheckpointLayout, cfg: EnrichConfig, *, check_ledgers: bool = True) -> SinkIdentity:
+        """The checkpoint's identity for the topics ``cfg`` writes in transactions: recorded at its
+        first start, compared at every later one (see the module doc); ``check_ledgers``: also ask
+        the broker for the ledger topics of topics written before."""
+        path = layout.sink_identity
+        wanted = _wanted(cfg)
+        if path.exists():
+            try:
+                kept = json.loads(path.read_text(encoding="utf-8"))
+                scope, ids = str(kept["scope"]), {str(t): str(i) for t, i in dict(kept["transactional_ids"]).items()}
+            except (ValueError, KeyError, TypeError) as exc:
+                raise ConfigError(f"{path}: not a sink identity record ({exc}); restore it from a backup of the "
+                                  f"checkpoint, or {_NEW}") from None
+        elif layout.planned_any():
+            raise ConfigError(f"{path}: missing, and the checkpoint {layout.root} has run: its writers' identity "
+                              f"is lost and a pending batch would be written again; restore the file from a backup "
+                              f"of the checkpoint, or {_NEW}")
+        else:
+            scope, ids = uuid.uuid4().hex, {}
+        written = dict(ids)
+        for topic, configured in wanted.items():
+            if topic in ids and configured is not None and ids[topic] != configured:
+                raise ConfigError(f"{cfg.source}: output.kafka.transactional_id: {configured!r} differs from {ids[topic]!r}, which the "
+                                  f"checkpoint {layout.root} writes {topic} with: a pending batch would be written "
+                                  f"again; put it back, or {_NEW}")
+            if topic not in ids:
+                ids[topic] = configured or transactional_id_for(layout.root, topic)
+        if check_ledgers and layout.planned_any():
+            for topic in (t for t in wanted if t in written):
+                if not partitions_of(cfg.kafka, ledger_topic(topic)):
+                    raise ConfigError(f"{cfg.source}: the ledger topic {ledger_topic(topic)} of {topic} is gone "
+                                      f"(deleted?): the record of the batches the checkpoint {layout.root} wrote is "
+                                      f"lost and a pending batch would be written again; {_NEW}")
+        if not path.exists() or ids != written:
+            write_json_atomic(path, {"scope": scope, "transactional_ids": dict(sorted(ids.items()))})
+        return cls(scope, ids)
+
+
+def _wanted(cfg: EnrichConfig) -> dict[str, str | None]:
+    """The topics ``cfg`` writes in transactions, each with the id the config sets (None: derived)."""
+    out = cfg.output
+    if out.kind == "kafka":
+        assert out.topic is not None
+        return {out.topic: out.transactional_id}
+    return {cfg.dead_letter_topic: None}  # the driver's dead-letter writer (enrich.sinks.deadletter)

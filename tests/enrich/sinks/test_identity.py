@@ -1,0 +1,92 @@
+"""The checkpoint's writer identity (``enrich.sinks.identity``): recorded at the first start, and a
+start that would change it under a checkpoint that has run refused with one line naming it."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from enrich import config
+from enrich.checkpoint import CheckpointLayout
+from enrich.sinks.identity import SinkIdentity
+from enrich.sinks.kafka.ledger import ensure_ledger, ledger_topic
+from refstream.errors import ConfigError
+from refstream.kafka import admin
+
+
+def cfg(checkpoint: Path, bootstrap: str = "127.0.0.1:9", **output: Any) -> config.EnrichConfig:
+    return config.parse({
+        "kafka": {"bootstrap_servers": bootstrap}, "events": {"topic": "ev", "schema": "device_id STRING"},
+        "output": {"kafka": {"topic": "out", **output}}, "dead_letter_topic": "dlq",
+        "checkpoint": str(checkpoint)}, "test.yaml")
+
+
+def planned(layout: CheckpointLayout) -> None:
+    """Spark planned a batch here (an offset log entry)."""
+    layout.offsets.mkdir(parents=True, exist_ok=True)
+    (layout.offsets / "0").write_text("v1\n")
+
+
+def test_the_first_start_records_it_and_later_starts_and_moves_keep_it(tmp_path: Path) -> None:
+    layout = CheckpointLayout(tmp_path / "ck")
+    first = SinkIdentity.load(layout, cfg(layout.root), check_ledgers=False)
+    assert json.loads(layout.sink_identity.read_text()) == {"scope": first.scope,
+                                                             "transactional_ids": {"out": first.id_of("out")}}
+    planned(layout)
+    assert SinkIdentity.load(layout, cfg(layout.root), check_ledgers=False) == first
+    moved = CheckpointLayout(tmp_path / "elsewhere")
+    shutil.copytree(layout.root, moved.root)
+    assert SinkIdentity.load(moved, cfg(moved.root), check_ledgers=False) == first
+    # Parquet output: the dead letters' writer gets an id of its own, recorded beside.
+    parquet = config.parse({"kafka": {"bootstrap_servers": "127.0.0.1:9"},
+                            "events": {"topic": "ev", "schema": "device_id STRING"},
+                            "output": {"parquet": {"path": str(tmp_path / "pq")}}, "dead_letter_topic": "dlq",
+                            "checkpoint": str(moved.root)}, "test.yaml")
+    both = SinkIdentity.load(moved, parquet, check_ledgers=False)
+    assert both.scope == first.scope and both.id_of("out") == first.id_of("out") and "dlq" in both.ids
+
+
+def test_a_configured_id_is_recorded_and_another_one_later_refused(tmp_path: Path) -> None:
+    layout = CheckpointLayout(tmp_path / "ck")
+    assert SinkIdentity.load(layout, cfg(layout.root, transactional_id="job-a"), check_ledgers=False).id_of("out") \
+        == "job-a"
+    planned(layout)
+    with pytest.raises(ConfigError, match=r"^test\.yaml: output\.kafka\.transactional_id: 'job-b' differs from "
+                                          r"'job-a', which the checkpoint .* writes out with"):
+        SinkIdentity.load(layout, cfg(layout.root, transactional_id="job-b"), check_ledgers=False)
+
+
+def test_a_missing_or_damaged_record_of_a_checkpoint_that_has_run_is_refused(tmp_path: Path) -> None:
+    layout = CheckpointLayout(tmp_path / "ck")
+    SinkIdentity.load(layout, cfg(layout.root), check_ledgers=False)
+    planned(layout)
+    layout.sink_identity.write_text("{broken")
+    with pytest.raises(ConfigError, match=r"sink\.json: not a sink identity record"):
+        SinkIdentity.load(layout, cfg(layout.root), check_ledgers=False)
+    layout.sink_identity.unlink()
+    with pytest.raises(ConfigError, match=r"sink\.json: missing, and the checkpoint .* has run"):
+        SinkIdentity.load(layout, cfg(layout.root), check_ledgers=False)
+    assert not layout.sink_identity.exists(), "nothing recorded over it"
+
+
+def test_a_deleted_ledger_topic_is_refused(kafka: dict[str, str], unique: Callable[[str], str],
+                                          tmp_path: Path) -> None:
+    out = unique("out")
+    layout = CheckpointLayout(tmp_path / "ck")
+    conf = config.parse({
+        "kafka": {"bootstrap_servers": kafka["bootstrap.servers"]},
+        "events": {"topic": "ev", "schema": "device_id STRING"}, "output": {"kafka": {"topic": out}},
+        "dead_letter_topic": "dlq", "checkpoint": str(layout.root)}, "test.yaml")
+    SinkIdentity.load(layout, conf)       # a new checkpoint: nothing to check
+    ensure_ledger(kafka, out)             # what the sink creates at start
+    planned(layout)
+    SinkIdentity.load(layout, conf)
+    for f in admin(kafka).delete_topics([ledger_topic(out)]).values():
+        f.result()
+    with pytest.raises(ConfigError, match=rf"the ledger topic {ledger_topic(out)} of {out} is gone"):
+        SinkIdentity.load(layout, conf)
