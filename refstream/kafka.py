@@ -152,6 +152,8 @@ class Preset:
 
 
 ProducerRole = Literal["plain", "publisher", "transactional", "bulk"]
+#: The job's transactions' timeout (``transaction.timeout.ms`` of the ``transactional`` role).
+TRANSACTION_TIMEOUT_MS = 600_000
 ConsumerRole = Literal["reader", "probe", "fetch"]
 
 PRODUCERS: dict[str, Preset] = {
@@ -176,6 +178,11 @@ PRODUCERS: dict[str, Preset] = {
     # The job's exactly-once micro-batch writer (``transactional.id`` comes from the caller).
     "transactional": Preset({
         "linger.ms": 20, "batch.size": 1 << 20, "compression.type": "lz4",
+        # Set, not librdkafka's 60 s: a task's write window can be longer (the first batch of a large
+        # partitioned dimension, a cold restart), and a transaction past it is aborted by the broker
+        # and the task fenced. Within Kafka's default transaction.max.timeout.ms (15 min); a killed
+        # task's open transaction is aborted sooner by the same slot's next init_transactions.
+        "transaction.timeout.ms": str(TRANSACTION_TIMEOUT_MS),
         # Room for a whole micro-batch in the local queue: no stalls on a full queue mid-batch.
         "queue.buffering.max.messages": 1_000_000,
         # Java clients' partitioner: a key lands where Spark's Kafka sink would put it.

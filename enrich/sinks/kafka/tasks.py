@@ -35,7 +35,7 @@ from enrich.sinks.kafka.writer import (
 )
 from enrich.worker import settle
 from refstream.errors import TerminalError
-from refstream.kafka import producer
+from refstream.kafka import TRANSACTION_TIMEOUT_MS, producer
 
 log = logging.getLogger(__name__)
 
@@ -148,7 +148,7 @@ class _SlotTransaction:
         # ones: their probe can wait while another task's transaction is open on the same partitions
         # (seconds per task when the state step's tasks outnumber the cores, docs/benchmarks.md).
         self.before = written_ends(w.settings, topics)
-        self.open = False
+        self.open, self.began = False, time.monotonic()
         self.producer = producer(w.settings, role="transactional",
                                  **{"transactional.id": self.tid, "client.id": f"{self.tid}@{worker_name()}"})
         self.ledger = Ledger(w.settings, w.ledger_topic, self.tid, w.scope, timeout=w.timeout)
@@ -179,7 +179,7 @@ class _SlotTransaction:
         try:
             self.ledger.begin(w.batch_id, self.before)
             self.producer.begin_transaction()
-            self.open = True
+            self.open, self.began = True, time.monotonic()
         except KafkaException as exc:
             raise self._failed(exc) from None
 
@@ -236,7 +236,9 @@ class _SlotTransaction:
         self.ledger.close()
 
     def _failed(self, exc: KafkaException) -> Exception:
-        err = classify(exc, f"batch {self.w.batch_id} slot {self.slot}", self.tid, self.w.topic)
+        err = classify(exc, f"batch {self.w.batch_id} slot {self.slot}", self.tid, self.w.topic,
+                       open_for=time.monotonic() - self.began if self.open else None,
+                       timeout_ms=int(self.w.settings.get("transaction.timeout.ms", TRANSACTION_TIMEOUT_MS)))
         if not isinstance(err, TerminalError):
             abort(self.producer, self.w.timeout, self.w.topic)
         return err

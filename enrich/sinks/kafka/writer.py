@@ -29,7 +29,7 @@ from enrich.sinks.kafka.ledger import Ledger, ensure_ledger
 from enrich.source.fetch import OffsetRange, read_range
 from enrich.source.offsets import EndOffsetProbe
 from refstream.errors import TerminalError, TransientError
-from refstream.kafka import producer
+from refstream.kafka import TRANSACTION_TIMEOUT_MS, producer
 
 log = logging.getLogger(__name__)
 
@@ -108,11 +108,20 @@ def abort(producer: Producer, timeout: float, what: str) -> None:
         log.warning("abort of transaction on %s failed: %s", what, exc)
 
 
-def classify(exc: KafkaException, what: str, transactional_id: str, topic: str) -> Exception:
-    """A fenced or fatally failed producer is terminal; anything else transient."""
+def classify(exc: KafkaException, what: str, transactional_id: str, topic: str, *,
+             open_for: float | None = None, timeout_ms: int | None = None) -> Exception:
+    """A fenced or fatally failed producer is terminal, unless its transaction had been open for
+    most of its timeout (``open_for`` seconds of ``timeout_ms``): the broker then aborted it and
+    bumped the epoch, which fences the producer too, and the batch is worth trying again. Anything
+    else is transient."""
     err = _kafka_error(exc)
     if err is not None and (err.fatal() or err.code() in (KafkaError._FENCED, KafkaError.PRODUCER_FENCED,
                                                           KafkaError.INVALID_PRODUCER_EPOCH)):
+        timeout = (timeout_ms if timeout_ms is not None else TRANSACTION_TIMEOUT_MS) / 1000
+        if open_for is not None and open_for >= 0.9 * timeout:
+            return TransientError(f"{what}: the transaction of {transactional_id} on {topic} was open {open_for:.0f}s, "
+                                  f"past its timeout (transaction.timeout.ms {timeout:.0f}s), and the broker aborted "
+                                  f"it; the batch is written again: {err}")
         return TerminalError(f"{what}: transactional id {transactional_id} was fenced or failed "
                              f"fatally (another instance of this query is running?): {err}")
     return TransientError(f"{what}: Kafka transaction on {topic} failed: {exc}")
