@@ -13,6 +13,7 @@ One ``foreachBatch`` per micro-batch; the driver only plans it:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import re
@@ -28,6 +29,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.streaming import DataStreamWriter, StreamingQuery
 
 from enrich import events, join
+from enrich.accumulators import KeyedCounts
 from enrich.checkpoint import CheckpointLayout
 from enrich.columns import ERROR, LATE
 from enrich.config import EnrichConfig
@@ -210,8 +212,9 @@ class EnrichJob:
             return None
         from refstream.metrics import MetricsServer
 
-        # The results counted: the sink's, and the late events and dead letters the job counts.
-        metrics = EnrichMetrics(results=[r for r in RESULTS if r in ("late", "dead_letter") or r in sink.counts])
+        # The results counted: the sink's, and the unmatched and late events and dead letters the job counts.
+        metrics = EnrichMetrics(results=[r for r in RESULTS if r in ("unmatched", "late", "dead_letter")
+                                         or r in sink.counts])
         self._stack.enter_context(MetricsServer(self.cfg.metrics, metrics.registry))
         return metrics
 
@@ -366,14 +369,18 @@ class EnrichJob:
                                                    join.pinned_property(shipped, str(files.resolve())))
         jp = self._join_pass()
         matched = tuple(s.matched for s in jp.specs)
+        # A sink that does not count the unmatched events it writes (Parquet, console): the join pass
+        # counts them, per task, in the same pass.
+        unmatched = (None if "unmatched" in st.sink.counts
+                     else st.spark.sparkContext.accumulator({}, KeyedCounts()))
 
         def exact(df: DataFrame) -> EnrichedBatch:  # parsed by from_json, or the state step's packed rows
             if st.state is not None:
                 return EnrichedBatch(join.enrich(df, jp.specs, jp.schema, shipped, ERROR,
-                                                 first=st.state.unpack), jp.columns, matched)
+                                                 first=st.state.unpack, unmatched=unmatched), jp.columns, matched)
             parsed = events.parse(df, st.pipeline.events, self.cfg.events.required)
-            return EnrichedBatch(join.enrich(parsed, jp.specs, jp.schema, shipped, ERROR), jp.columns,
-                                 matched)
+            return EnrichedBatch(join.enrich(parsed, jp.specs, jp.schema, shipped, ERROR, unmatched=unmatched),
+                                 jp.columns, matched)
 
         if st.fast is not None:
             batch = EnrichedBatch(join.enrich(events.source_columns(batch_df), jp.specs, jp.fast_schema, shipped,
@@ -385,6 +392,8 @@ class EnrichJob:
         dead = call_with_retry(lambda: st.sink.write(batch_id, batch), what=f"batch {batch_id}: writing output",
                                policy=self.retry, stop=self._stop)
         counted = st.sink.counted
+        if unmatched is not None:
+            counted = dataclasses.replace(counted, unmatched=sum(unmatched.value.values()))
         redone = st.sink.pending
         if redone:
             # Tasks that met events the fast parser left to from_json wrote nothing: their input
@@ -404,8 +413,8 @@ class EnrichJob:
         return dead.num_rows, counted
 
     def _observe(self, t0: float, collected_dead: int, counted: Counted, *, late: int | None) -> None:
-        """The batch's metrics: what the sink counted, else what the driver has (dead letters it
-        collected, the late events the job counted); Parquet and console count no unmatched events."""
+        """The batch's metrics: what the sink counted, else what the job counted (dead letters it
+        collected, late events, the join pass's unmatched events)."""
         st = self.started
         if st.metrics is None:
             return

@@ -13,6 +13,7 @@ rows (``error_column`` set), which must reach the dead-letter topic.
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from collections import OrderedDict
@@ -23,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
+from pyspark.accumulators import Accumulator
 from pyspark.sql import DataFrame
 from pyspark.sql.pandas.types import to_arrow_schema
 from pyspark.sql.types import BooleanType, StructField, StructType
@@ -113,20 +115,23 @@ Step = Callable[[pa.RecordBatch], pa.Table]
 
 def enrich(df: DataFrame, specs: Sequence[JoinSpec], out_schema: StructType, shipped: Mapping[str, Shipped],
            error_column: str | None = None, parser: FastParser | None = None,
-           parsed_schema: StructType | None = None, first: Step | None = None) -> DataFrame:
+           parsed_schema: StructType | None = None, first: Step | None = None,
+           unmatched: Accumulator[dict[int, int]] | None = None) -> DataFrame:
     """``df`` with every join applied, in one ``mapInArrow`` pass.
 
     With a ``parser``, ``df`` holds the Kafka columns (``events.source_columns``) and the events are
     parsed in the same pass into ``parsed_schema`` (``events.fast_schema``) before the joins. With
     a ``first`` step, each Arrow batch of ``df`` goes through it before the joins (the state step's
-    packed rows: ``enrich.state.stream.Unpack``)."""
+    packed rows: ``enrich.state.stream.Unpack``). ``unmatched``: an accumulator of
+    :class:`enrich.accumulators.KeyedCounts` each task adds its good events some join found no row
+    for to, by partition (exact when a task is retried or its stage recomputed)."""
     if parser is not None:
         assert parsed_schema is not None and error_column is not None
         tz = df.sparkSession.conf.get("spark.sql.session.timeZone") or "UTC"
         first = FastEvents(parser, to_arrow_schema(parsed_schema, timezone=tz))
     if not specs and first is None:
         return df
-    return df.mapInArrow(Enricher(tuple(specs), dict(shipped), error_column, first), out_schema)
+    return df.mapInArrow(Enricher(tuple(specs), dict(shipped), error_column, first, unmatched), out_schema)
 
 
 # ------------------------------------------------------------------------------------ executors
@@ -245,8 +250,9 @@ class Enricher:
     """The ``mapInArrow`` function: every join, in order, on every batch of events."""
 
     def __init__(self, specs: tuple[JoinSpec, ...], shipped: dict[str, Shipped], error_column: str | None,
-                 parse: Step | None = None) -> None:
+                 parse: Step | None = None, unmatched: Accumulator[dict[int, int]] | None = None) -> None:
         self.specs, self.shipped, self.error_column, self.parse = specs, shipped, error_column, parse
+        self.unmatched = unmatched
 
     def lookups(self) -> dict[str, tuple[Lookup, Lookup | None]]:
         out = {}
@@ -260,11 +266,28 @@ class Enricher:
     def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         settle()
         lookups: dict[str, tuple[Lookup, Lookup | None]] | None = None
+        unmatched = 0
         for b in batches:
             if lookups is None:  # a task without rows fetches no version
                 lookups = self.lookups()
-            t = self.parse(b) if self.parse is not None else pa.Table.from_batches([b])
-            yield from self.join(t, lookups).to_batches()
+            t = self.join(self.parse(b) if self.parse is not None else pa.Table.from_batches([b]), lookups)
+            if self.unmatched is not None:
+                unmatched += self.count_unmatched(t)
+            yield from t.to_batches()
+        if self.unmatched is not None:
+            from pyspark import TaskContext
+
+            ctx = TaskContext.get()
+            self.unmatched.add({ctx.partitionId() if ctx is not None else 0: unmatched})
+
+    def count_unmatched(self, t: pa.Table) -> int:
+        """The good events of ``t`` (joined) some join found no row for."""
+        if not self.specs:
+            return 0
+        missed = functools.reduce(pc.or_, [pc.invert(pc.fill_null(t.column(s.matched), True)) for s in self.specs])
+        if self.error_column is not None:
+            missed = pc.and_(missed, pc.is_null(t.column(self.error_column)))
+        return int(pc.sum(pc.cast(missed, pa.int64())).as_py() or 0)
 
     def join(self, t: pa.Table, lookups: Mapping[str, tuple[Lookup, Lookup | None]]) -> pa.Table:
         """Every join, in order, on the events ``t``, with the versions of :meth:`lookups`."""

@@ -2,7 +2,7 @@
 over the state or per-event work on the driver.
 
 Every call of the stateful processor reports its bucket's device count (after the call) to a Spark
-accumulator of :class:`~enrich.state.processor.BucketCounts`; after each micro-batch the driver
+accumulator of :class:`~enrich.accumulators.KeyedCounts` (by bucket); after each micro-batch the driver
 merges those into its count per bucket and keeps them in ``CheckpointLayout.devices``
 (written before Spark commits the batch), the base a restarted job starts from: buckets the batches
 since the restart have not touched keep the count recorded there.
@@ -22,8 +22,8 @@ import logging
 from pyspark import SparkContext
 from pyspark.accumulators import Accumulator
 
+from enrich.accumulators import KeyedCounts
 from enrich.checkpoint import CheckpointLayout
-from enrich.state.processor import BucketCounts
 from refstream.atomic import write_json_atomic
 
 log = logging.getLogger(__name__)
@@ -33,7 +33,7 @@ class DeviceCount:
     """The driver's side: the accumulator the step reports to, and the count per bucket."""
 
     def __init__(self, sc: SparkContext, checkpoint: CheckpointLayout) -> None:
-        self.accumulator: Accumulator[dict[int, int]] = sc.accumulator({}, BucketCounts())
+        self.accumulator: Accumulator[dict[int, int]] = sc.accumulator({}, KeyedCounts())
         self.path = checkpoint.devices
         self.buckets: dict[int, int] | None = self._load(checkpoint)
 

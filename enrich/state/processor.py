@@ -31,7 +31,7 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
-from pyspark.accumulators import Accumulator, AccumulatorParam
+from pyspark.accumulators import Accumulator
 from pyspark.sql.streaming.stateful_processor import (
     ExpiredTimerInfo,
     StatefulProcessor,
@@ -59,27 +59,11 @@ from enrich.worker import settle
 from refstream.contract import DatasetSchema
 
 
-class BucketCounts(AccumulatorParam[dict[int, int]]):
-    """An accumulator of devices per bucket: ``{bucket: devices in its state after its call}``.
-
-    Merging keeps the latest value per bucket, so updating it twice with the same value changes
-    nothing: every attempt at a bucket's call within one micro-batch (a retried task, a recomputed
-    stage) starts from the same state version with the same input and reports the same count. The
-    driver empties it before each batch and reads it after the batch's sink has written."""
-
-    def zero(self, value: dict[int, int]) -> dict[int, int]:
-        return {}
-
-    def addInPlace(self, value1: dict[int, int], value2: dict[int, int]) -> dict[int, int]:
-        value1.update(value2)
-        return value1
-
-
 class DeviceStateProcessor(StatefulProcessor):
     """One call per bucket and micro-batch: apply its events to its devices' state (see module doc).
 
     ``spec`` is the engine's spec with ``_ts_us`` as the timestamp; ``columns`` the event columns
-    passed through, in output order; ``devices`` an accumulator of :class:`BucketCounts` each call
+    passed through, in output order; ``devices`` an accumulator of :class:`enrich.accumulators.KeyedCounts` each call
     reports its bucket's device count to; ``dims`` the partitioned dimensions, whose joins add their
     columns after ``columns`` (:mod:`enrich.state.dimension`); ``cache`` where the executors keep a
     copy of each bucket table they stored (None: every call reads it from the state store)."""

@@ -91,7 +91,7 @@ def attach(raw: DataFrame, pipeline: Pipeline, layout: BucketLayout, changelogs:
     step with the partitioned dimensions' ``changelogs`` (one stream each, in the plan's order,
     unioned with the events by bucket). Rows travel to the step parsed and packed
     (:mod:`enrich.state.ingest`, with the fast ``parser`` if given) and through it packed
-    (:mod:`enrich.state.packed`). ``devices``: an accumulator of ``processor.BucketCounts`` the step
+    (:mod:`enrich.state.packed`). ``devices``: an accumulator of ``enrich.accumulators.KeyedCounts`` the step
     reports each bucket's device count to. ``cache``: where the executors keep a copy of the bucket
     tables they store (:mod:`enrich.state.cache`; None: none)."""
     cfg, st = pipeline.cfg, pipeline.state

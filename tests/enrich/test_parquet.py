@@ -63,3 +63,31 @@ def test_update_while_running_and_idempotent_replay(spark: SparkSession, kafka: 
         EnrichJob(cfg, available_now=True).run(spark)
     assert f"batch {last}: " in caplog.text and "not written again" in caplog.text, "the batch was not replayed"
     assert sorted(r["n"] for r in parquet_rows(out)) == list(range(10)), "the replayed batch is not written twice"
+
+
+def test_unmatched_events_are_counted_by_the_join_pass(spark: SparkSession, kafka: dict[str, str],
+                                                       unique: Callable[[str], str], tmp_path: Path) -> None:
+    """Parquet output counts the unmatched events it writes (refstream_enrich_events_total), in the
+    pass that joins: equal to the written rows whose join found nothing."""
+    from enrich import config
+
+    out = tmp_path / "out"
+    cfg = config.parse({
+        "kafka": {"bootstrap_servers": kafka["bootstrap.servers"]},
+        "events": {"topic": unique("events"), "schema": "device_id STRING, n INT", "starting_offsets": "earliest"},
+        "joins": [{"dataset": "devices", "topic": unique("ref.devices"), "on": "device_id"}],
+        "output": {"parquet": {"path": str(out)}}, "dead_letter_topic": unique("dlq"),
+        "checkpoint": str(tmp_path / "checkpoint"), "max_events_per_batch": 7, "metrics": {"port": 0},
+    }, "test.yaml")
+    publish(kafka, cfg.joins[0].topic, changelog(SCHEMA, [{"device_id": "d1", "owner": "ann", "price": "1"}]))
+    produce_events(kafka, cfg.events.topic, [{"device_id": f"d{i % 3 + 1}", "n": i} for i in range(20)]
+                   + [b"not json"], partitions=2)
+    job = EnrichJob(cfg, available_now=True)
+    job.run(spark)
+    assert job.started.metrics is not None
+    value = job.started.metrics.registry.get_sample_value
+    rows = parquet_rows(out)
+    missed = sum(1 for r in rows if not r["_devices_matched"])
+    assert (len(rows), missed) == (20, 13)
+    assert value("refstream_enrich_events_total", {"result": "unmatched"}) == missed
+    assert value("refstream_enrich_events_total", {"result": "dead_letter"}) == 1

@@ -1,0 +1,24 @@
+"""Spark accumulators the job counts with on the executors and reads on the driver, exact under task
+retries and recomputed stages."""
+
+from __future__ import annotations
+
+from pyspark.accumulators import AccumulatorParam
+
+__all__ = ["KeyedCounts"]
+
+
+class KeyedCounts(AccumulatorParam[dict[int, int]]):
+    """Counts keyed by what produced them (a state bucket, a task's partition): ``{key: count}``.
+
+    Merging keeps the latest value per key, so adding the same value twice changes nothing: every
+    attempt at a key within one micro-batch (a retried task, a recomputed stage) sees the same input
+    and reports the same count; Spark merges successful attempts only. The driver empties it before a
+    batch and sums or merges it after the batch's write."""
+
+    def zero(self, value: dict[int, int]) -> dict[int, int]:
+        return {}
+
+    def addInPlace(self, value1: dict[int, int], value2: dict[int, int]) -> dict[int, int]:
+        value1.update(value2)
+        return value1
