@@ -31,9 +31,25 @@ def local_cores(master: str | None) -> int | None:
     return (os.cpu_count() or 1) if m.group(1) == "*" else max(int(m.group(1)), 1)
 
 
+def submitted_conf() -> dict[str, str]:
+    """The Spark configuration of a driver JVM that runs before the session is built, i.e. under
+    ``spark-submit``: its ``--conf``, ``--properties-file`` and ``spark-defaults.conf``. Empty when
+    :func:`build_session` will start the JVM itself (its settings are then the builder's)."""
+    if "PYSPARK_GATEWAY_PORT" not in os.environ:
+        return {}
+    from pyspark import SparkConf, SparkContext
+
+    SparkContext._ensure_initialized()  # connects to spark-submit's JVM
+    return dict(SparkConf().getAll())
+
+
 def session_conf(conf: Mapping[str, str] | None = None, *, ui: bool = False,
-                 master: str | None = None) -> dict[str, str]:
+                 master: str | None = None, preset: Mapping[str, str] | None = None) -> dict[str, str]:
     """The settings :func:`build_session` gives the builder: its defaults, then ``conf`` over them.
+
+    A default is left out when ``preset`` (:func:`submitted_conf`) holds its key: ``spark-submit
+    --conf spark.sql.shuffle.partitions=...`` must win, since a stateful checkpoint keeps that
+    number for life.
 
     ``ui=False`` turns Spark's UI off (tests, ``enrich validate``, benchmarks). ``ui=True`` leaves the
     key to Spark, whose default is on (port 4040, else the next free one), so that ``conf``,
@@ -55,7 +71,7 @@ def session_conf(conf: Mapping[str, str] | None = None, *, ui: bool = False,
     }
     if not ui:
         defaults["spark.ui.enabled"] = "false"
-    merged = {**defaults, **dict(conf or {})}
+    merged = {**{k: v for k, v in defaults.items() if k not in (preset or {})}, **dict(conf or {})}
     if master is not None and not master.startswith("local"):
         mine = merged.get("spark.driver.extraJavaOptions", "")
         if "TieredStopAtLevel" not in mine and "TieredCompilation" not in mine:
@@ -67,8 +83,9 @@ def build_session(master: str | None = "local[*]", app_name: str = "refstream-en
                   conf: Mapping[str, str] | None = None, *, ui: bool = False) -> SparkSession:
     """A SparkSession whose Python workers run this interpreter, unless ``spark.pyspark.python`` says.
 
-    ``master=None`` keeps whatever ``spark-submit`` set (its JVM runs already: pass it
-    ``--driver-java-options`` yourself, :data:`DRIVER_JIT` on a cluster). Python workers must import this venv's
+    ``master=None`` keeps whatever ``spark-submit`` set, and a key its configuration holds keeps its
+    value over the job's defaults (its JVM runs already: pass it ``--driver-java-options`` yourself,
+    :data:`DRIVER_JIT` on a cluster). Python workers must import this venv's
     packages, so PYSPARK_PYTHON defaults to ``sys.executable``. PySpark takes the workers' Python from
     PYSPARK_PYTHON alone (``spark.pyspark.python`` is read by ``spark-submit``, not by a session built
     in a running interpreter), so a ``spark.pyspark.python`` in ``conf`` is put there: e.g.
@@ -83,7 +100,7 @@ def build_session(master: str | None = "local[*]", app_name: str = "refstream-en
     builder = SparkSession.builder.appName(app_name)
     if master:
         builder = builder.master(master)
-    for k, v in session_conf(conf, ui=ui, master=master).items():
+    for k, v in session_conf(conf, ui=ui, master=master, preset=submitted_conf()).items():
         builder = builder.config(k, v)
     spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel(os.environ.get("REFSTREAM_SPARK_LOG_LEVEL", "WARN"))
