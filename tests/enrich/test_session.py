@@ -1,13 +1,14 @@
 """What ``enrich run`` asks of Spark: the UI on unless the config's ``spark:`` section turns it off,
 and the executors' Python from ``spark.pyspark.python``. Checked on the settings the session is
-built from (no JVM); tests/enrich/test_cluster_packed.py runs the latter on a cluster. The job's
-defaults under ``spark-submit`` are checked on a real driver."""
+built from (no JVM); tests/enrich/test_cluster_packed.py runs the latter on a cluster. The UI's
+actions and address, and the job's defaults under ``spark-submit``, are checked on real drivers."""
 
 from __future__ import annotations
 
 import json
 import os
 import subprocess
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 
@@ -18,7 +19,7 @@ import yaml
 import enrich.session
 from enrich import config
 from enrich.cli import main
-from enrich.session import CLUSTER_PARTITIONS, SHUFFLE_PARTITIONS, session_conf
+from enrich.session import CLUSTER_PARTITIONS, SHUFFLE_PARTITIONS, UI_DEFAULTS, session_conf
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -160,6 +161,23 @@ def probe(tmp_path: Path, argv: list[str], master: str | None, conf: dict[str, s
     return json.loads(line.removeprefix("PROBE "))
 
 
+@pytest.mark.integration  # starts a JVM
+def test_the_ui_kills_nothing_and_a_local_driver_listens_on_loopback_only(tmp_path: Path) -> None:
+    """Anyone who reaches the UI could kill the micro-batch (and so the job) or stall executors: those
+    actions are off, and a local master's UI is not reachable from other machines at all."""
+    keys = [*UI_DEFAULTS, "spark.ui.enabled"]
+    # tests/spark-conf's spark-defaults.conf turns the UI off: the config's spark: section turns it on.
+    got = probe(tmp_path, [sys.executable], "local[1]",
+                {"spark.ui.enabled": "true", "spark.ui.threadDumpsEnabled": "true"}, keys)
+    assert got["conf"] == {"spark.ui.killEnabled": "false", "spark.ui.heapHistogramEnabled": "false",
+                           "spark.ui.threadDumpsEnabled": "true",  # a user's setting wins
+                           "spark.ui.enabled": "true"}, got
+    assert got["loopback_status"] == 200, got
+    assert got["listen"] and set(got["listen"]) <= {"127.0.0.1", "::ffff:127.0.0.1", "::1"}, got
+    # This machine's other addresses (if any) refuse the UI's port.
+    assert all(r == "ConnectionRefusedError" for r in got["others"].values()), got
+
+
 @pytest.mark.integration  # runs spark-submit
 def test_spark_submit_settings_win_over_the_jobs_defaults(tmp_path: Path) -> None:
     """Under spark-submit the JVM holds its --conf and spark-defaults.conf before the job builds its
@@ -185,6 +203,6 @@ def test_a_default_yields_to_a_preset_key() -> None:
     conf = session_conf({}, master="local[2]", preset=preset)
     # The preset values are Spark's already: the builder does not repeat them.
     assert SHUFFLE_PARTITIONS not in conf and "spark.ui.killEnabled" not in conf and "spark.ui.enabled" not in conf
-    assert conf["spark.sql.session.timeZone"] == "UTC"
+    assert conf["spark.ui.threadDumpsEnabled"] == "false" and conf["spark.sql.session.timeZone"] == "UTC"
     # The config's spark: section still wins over both.
     assert session_conf({SHUFFLE_PARTITIONS: "3"}, preset=preset)[SHUFFLE_PARTITIONS] == "3"
