@@ -1,5 +1,6 @@
 """A real standalone Spark cluster for tests: a master and two one-core workers started with
-pyspark's ``bin/spark-class``, stopped (process groups, TERM then KILL) when the test is done."""
+pyspark's ``bin/spark-class``, stopped (process groups, TERM then KILL) when the test is done, or
+for the ``cluster`` fixture (tests/enrich/conftest.py) when the session is."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyspark
@@ -24,6 +26,25 @@ def master_state(ui: int) -> dict:
     """The master's view (workers, applications) from its web UI's JSON."""
     with urllib.request.urlopen(f"http://127.0.0.1:{ui}/json/", timeout=5) as r:
         return json.loads(r.read())
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """A running cluster: its master's URL and UI port, and ``workdir`` (logs; ``work0``, ``work1``:
+    the workers' work dirs, where each application's executors run in ``workN/APP-ID/EXECUTOR-ID``)."""
+
+    master: str
+    ui: int
+    workdir: Path
+
+    def apps(self) -> list[dict]:
+        """The applications the master has seen, running or done."""
+        state = master_state(self.ui)
+        return [*state["activeapps"], *state["completedapps"]]
+
+    def executor_logs(self, worker: int, app_id: str) -> list[Path]:
+        """The stderr files of ``app_id``'s executors on worker ``worker`` (0 or 1)."""
+        return list((self.workdir / f"work{worker}" / app_id).glob("*/stderr"))
 
 
 @contextmanager
