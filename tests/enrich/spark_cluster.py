@@ -50,10 +50,12 @@ class Cluster:
 @contextmanager
 def standalone_cluster(workdir: Path, env: Mapping[str, str], cwd: Path | None = None) -> Iterator[tuple[str, int]]:
     """``(master URL, master UI port)`` of a cluster whose processes run with ``env`` (plus
-    SPARK_HOME, SPARK_LOCAL_IP and no worker cleanup); logs and work dirs ``work0``, ``work1`` in
+    SPARK_HOME, SPARK_LOCAL_IP, no worker cleanup and C1 only); logs and work dirs ``work0``, ``work1`` in
     ``workdir``."""
     full = {**env, "SPARK_HOME": str(SPARK_HOME), "SPARK_LOCAL_IP": "127.0.0.1",
-            "SPARK_WORKER_OPTS": "-Dspark.worker.cleanup.enabled=false"}
+            "SPARK_WORKER_OPTS": "-Dspark.worker.cleanup.enabled=false",
+            # C1 only, as the tests' drivers and executors (tests/spark-conf): less CPU to start.
+            "SPARK_DAEMON_JAVA_OPTS": "-XX:TieredStopAtLevel=1"}
 
     def spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
         return subprocess.Popen([str(SPARK_HOME / "bin" / "spark-class"), *args], env=full, cwd=cwd,
