@@ -1,11 +1,11 @@
 # refstream: `make demo` runs everything on embedded defaults; `make test` runs the test suite,
-# `make test-fast` its fast tier.
+# `make test-fast` its fast tier, `make test-integration` the rest.
 SHELL := bash
 PY ?= python3
 VENV ?= .venv
 VPY := $(VENV)/bin/python
 
-.PHONY: venv demo test test-fast lint bench constraints clean
+.PHONY: venv demo test test-fast test-integration lint bench constraints clean
 
 # Everything (the `test` extra holds the refresher, the job, the demo and the test tools) at the
 # versions pinned in constraints.txt, which CI and the Dockerfile install as well.
@@ -25,13 +25,17 @@ demo: venv
 # (its non-librdkafka lines are shown), and the summary's FAILED/ERROR lines are printed last.
 test: lint
 	@mkdir -p var
-	@set -o pipefail; $(VPY) -u -m pytest -q -rfE --durations=15 2>var/test-stderr.log | tee var/test.log; rc=$$?; \
+	@set -o pipefail; $(VPY) -u -m pytest -q -rfE --durations=25 2>var/test-stderr.log | tee var/test.log; rc=$$?; \
 	  grep -v '^%[0-9]|' var/test-stderr.log | tail -n 40; \
 	  grep -E '^(FAILED|ERROR) ' var/test.log; tail -n 1 var/test.log; exit $$rc
 
 # Pure-logic tests only: no Spark, MariaDB or broker (tests/conftest.py marks the rest `integration`).
 test-fast: lint
 	$(VPY) -m pytest -q -m "not integration"
+
+# The other tier: the tests that need Spark, the broker, MariaDB or child processes.
+test-integration: lint
+	$(VPY) -m pytest -q -rfE --durations=25 -m integration
 
 # ruff, then mypy over the four packages (configured in pyproject.toml).
 lint: venv

@@ -5,7 +5,8 @@ from __future__ import annotations
 import os
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 
 from pyspark.sql import SparkSession
 
@@ -19,6 +20,15 @@ DRIVER_JIT = "-XX:TieredStopAtLevel=1"
 SHUFFLE_PARTITIONS = "spark.sql.shuffle.partitions"
 CLUSTER_PARTITIONS = 4
 
+#: What anyone who reaches the driver's UI could do to the job, off unless a setting turns it on:
+#: kill a job or stage (the micro-batch, and so the query), take executors' thread dumps, and take
+#: heap histograms (``jcmd GC.class_histogram``: a full GC of the executor).
+UI_DEFAULTS = {
+    "spark.ui.killEnabled": "false",
+    "spark.ui.threadDumpsEnabled": "false",
+    "spark.ui.heapHistogramEnabled": "false",
+}
+
 
 def local_cores(master: str | None) -> int | None:
     """The task slots of a ``local``, ``local[N]``, ``local[*]`` or ``local[N,F]`` master; None for any
@@ -31,13 +41,30 @@ def local_cores(master: str | None) -> int | None:
     return (os.cpu_count() or 1) if m.group(1) == "*" else max(int(m.group(1)), 1)
 
 
+def submitted_conf() -> dict[str, str]:
+    """The Spark configuration of a driver JVM that runs before the session is built, i.e. under
+    ``spark-submit``: its ``--conf``, ``--properties-file`` and ``spark-defaults.conf``. Empty when
+    :func:`build_session` will start the JVM itself (its settings are then the builder's)."""
+    if "PYSPARK_GATEWAY_PORT" not in os.environ:
+        return {}
+    from pyspark import SparkConf, SparkContext
+
+    SparkContext._ensure_initialized()  # connects to spark-submit's JVM
+    return dict(SparkConf().getAll())
+
+
 def session_conf(conf: Mapping[str, str] | None = None, *, ui: bool = False,
-                 master: str | None = None) -> dict[str, str]:
+                 master: str | None = None, preset: Mapping[str, str] | None = None) -> dict[str, str]:
     """The settings :func:`build_session` gives the builder: its defaults, then ``conf`` over them.
+
+    A default is left out when ``preset`` (:func:`submitted_conf`) holds its key: ``spark-submit
+    --conf spark.sql.shuffle.partitions=...`` must win, since a stateful checkpoint keeps that
+    number for life.
 
     ``ui=False`` turns Spark's UI off (tests, ``enrich validate``, benchmarks). ``ui=True`` leaves the
     key to Spark, whose default is on (port 4040, else the next free one), so that ``conf``,
     ``spark-submit --conf`` or a ``spark-defaults.conf`` in ``SPARK_CONF_DIR`` can turn it off.
+    Either way :data:`UI_DEFAULTS` turn off the UI's kill links, thread dumps and heap histograms.
 
     With a ``master`` other than ``local...``, :data:`DRIVER_JIT` is added to
     ``spark.driver.extraJavaOptions`` unless that names a tiered compilation setting of its own.
@@ -52,10 +79,11 @@ def session_conf(conf: Mapping[str, str] | None = None, *, ui: bool = False,
         "spark.sql.session.timeZone": "UTC",
         "spark.sql.execution.arrow.pyspark.enabled": "true",
         "spark.executorEnv.PYSPARK_PYTHON": os.environ.get("PYSPARK_PYTHON", sys.executable),
+        **UI_DEFAULTS,
     }
     if not ui:
         defaults["spark.ui.enabled"] = "false"
-    merged = {**defaults, **dict(conf or {})}
+    merged = {**{k: v for k, v in defaults.items() if k not in (preset or {})}, **dict(conf or {})}
     if master is not None and not master.startswith("local"):
         mine = merged.get("spark.driver.extraJavaOptions", "")
         if "TieredStopAtLevel" not in mine and "TieredCompilation" not in mine:
@@ -63,12 +91,30 @@ def session_conf(conf: Mapping[str, str] | None = None, *, ui: bool = False,
     return merged
 
 
+@contextmanager
+def _loopback_driver(master: str | None) -> Iterator[None]:
+    """Spark binds its UI to ``SPARK_LOCAL_IP``, else to every interface, and has no setting for the
+    UI alone; the variable also sets the driver's own addresses. A local master's driver needs none
+    beyond this machine, so the JVM it starts here gets 127.0.0.1 unless the environment names an
+    address. A cluster's executors must reach the driver: there it is left to the user (README)."""
+    if master is None or not master.startswith("local") or "SPARK_LOCAL_IP" in os.environ:
+        yield
+        return
+    os.environ["SPARK_LOCAL_IP"] = "127.0.0.1"  # read by the JVM launch only
+    try:
+        yield
+    finally:
+        del os.environ["SPARK_LOCAL_IP"]
+
+
 def build_session(master: str | None = "local[*]", app_name: str = "refstream-enrich",
                   conf: Mapping[str, str] | None = None, *, ui: bool = False) -> SparkSession:
     """A SparkSession whose Python workers run this interpreter, unless ``spark.pyspark.python`` says.
 
-    ``master=None`` keeps whatever ``spark-submit`` set (its JVM runs already: pass it
-    ``--driver-java-options`` yourself, :data:`DRIVER_JIT` on a cluster). Python workers must import this venv's
+    ``master=None`` keeps whatever ``spark-submit`` set, and a key its configuration holds keeps its
+    value over the job's defaults (its JVM runs already: pass it ``--driver-java-options`` yourself,
+    :data:`DRIVER_JIT` on a cluster). A local master's driver listens on 127.0.0.1 only
+    (:func:`_loopback_driver`). Python workers must import this venv's
     packages, so PYSPARK_PYTHON defaults to ``sys.executable``. PySpark takes the workers' Python from
     PYSPARK_PYTHON alone (``spark.pyspark.python`` is read by ``spark-submit``, not by a session built
     in a running interpreter), so a ``spark.pyspark.python`` in ``conf`` is put there: e.g.
@@ -83,8 +129,9 @@ def build_session(master: str | None = "local[*]", app_name: str = "refstream-en
     builder = SparkSession.builder.appName(app_name)
     if master:
         builder = builder.master(master)
-    for k, v in session_conf(conf, ui=ui, master=master).items():
+    for k, v in session_conf(conf, ui=ui, master=master, preset=submitted_conf()).items():
         builder = builder.config(k, v)
-    spark = builder.getOrCreate()
+    with _loopback_driver(master):
+        spark = builder.getOrCreate()
     spark.sparkContext.setLogLevel(os.environ.get("REFSTREAM_SPARK_LOG_LEVEL", "WARN"))
     return spark

@@ -41,7 +41,8 @@ SERVICE_FIXTURES = frozenset({
     "mysql_engine",                                       # tests/refresh/conftest.py
     "init_db",                                            # tests/demo/conftest.py
     "spark",                                              # tests/enrich/conftest.py
-    "cluster",                                            # tests/enrich/test_cluster.py
+    "cluster",                                            # tests/enrich/conftest.py: a standalone cluster
+    "bare_cluster",                                       # tests/enrich/test_cluster_packed.py: another
     "stack",                                              # tests/demo/test_native_topology.py
     "chromium",                                           # tests/conftest.py: a headless browser
     # Not a service, but the OS file watcher on wall-clock debounce windows: seconds per test.

@@ -1,5 +1,6 @@
 """A real standalone Spark cluster for tests: a master and two one-core workers started with
-pyspark's ``bin/spark-class``, stopped (process groups, TERM then KILL) when the test is done."""
+pyspark's ``bin/spark-class``, stopped (process groups, TERM then KILL) when the test is done, or
+for the ``cluster`` fixture (tests/enrich/conftest.py) when the session is."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyspark
@@ -26,13 +28,34 @@ def master_state(ui: int) -> dict:
         return json.loads(r.read())
 
 
+@dataclass(frozen=True)
+class Cluster:
+    """A running cluster: its master's URL and UI port, and ``workdir`` (logs; ``work0``, ``work1``:
+    the workers' work dirs, where each application's executors run in ``workN/APP-ID/EXECUTOR-ID``)."""
+
+    master: str
+    ui: int
+    workdir: Path
+
+    def apps(self) -> list[dict]:
+        """The applications the master has seen, running or done."""
+        state = master_state(self.ui)
+        return [*state["activeapps"], *state["completedapps"]]
+
+    def executor_logs(self, worker: int, app_id: str) -> list[Path]:
+        """The stderr files of ``app_id``'s executors on worker ``worker`` (0 or 1)."""
+        return list((self.workdir / f"work{worker}" / app_id).glob("*/stderr"))
+
+
 @contextmanager
 def standalone_cluster(workdir: Path, env: Mapping[str, str], cwd: Path | None = None) -> Iterator[tuple[str, int]]:
     """``(master URL, master UI port)`` of a cluster whose processes run with ``env`` (plus
-    SPARK_HOME, SPARK_LOCAL_IP and no worker cleanup); logs and work dirs ``work0``, ``work1`` in
+    SPARK_HOME, SPARK_LOCAL_IP, no worker cleanup and C1 only); logs and work dirs ``work0``, ``work1`` in
     ``workdir``."""
     full = {**env, "SPARK_HOME": str(SPARK_HOME), "SPARK_LOCAL_IP": "127.0.0.1",
-            "SPARK_WORKER_OPTS": "-Dspark.worker.cleanup.enabled=false"}
+            "SPARK_WORKER_OPTS": "-Dspark.worker.cleanup.enabled=false",
+            # C1 only, as the tests' drivers and executors (tests/spark-conf): less CPU to start.
+            "SPARK_DAEMON_JAVA_OPTS": "-XX:TieredStopAtLevel=1"}
 
     def spawn(args: list[str], log: Path) -> subprocess.Popen[bytes]:
         return subprocess.Popen([str(SPARK_HOME / "bin" / "spark-class"), *args], env=full, cwd=cwd,

@@ -5,21 +5,20 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
 from refstream.contract import Column, DatasetSchema
 from tests.enrich.helpers import changelog, produce_events, publish, read_all
-from tests.enrich.spark_cluster import master_state, standalone_cluster
+from tests.enrich.spark_cluster import Cluster
 from tests.enrich.test_restart import start_job, write_config
 
 SCHEMA = DatasetSchema("devices", ("device_id",), (Column("device_id", "string"), Column("owner", "string")))
 
-pytestmark = pytest.mark.integration  # starts a Spark master and workers itself
+pytestmark = pytest.mark.integration  # submits to the `cluster` fixture's master and workers
 
 
 def driver_jvm_args(pid: int, timeout: float = 300) -> list[str]:
@@ -38,17 +37,10 @@ def driver_jvm_args(pid: int, timeout: float = 300) -> list[str]:
     raise AssertionError(f"process {pid} started no JVM in {timeout}s")
 
 
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[tuple[str, int]]:
-    with standalone_cluster(tmp_path, {**os.environ, "PYSPARK_PYTHON": sys.executable}) as master:
-        yield master
-
-
-def test_job_on_a_two_worker_standalone_cluster(cluster: tuple[str, int], kafka: dict[str, str],
+def test_job_on_a_two_worker_standalone_cluster(cluster: Cluster, kafka: dict[str, str],
                                                 unique: Callable[[str], str], tmp_path: Path) -> None:
     """The output is produced by the executors' Python workers, and no task sends event rows to the
     driver: every task's result (Spark's event log, ``Result Size``) is a row of counts."""
-    master, ui = cluster
     config = tmp_path / "enrich.yaml"
     events_dir = tmp_path / "events"
     events_dir.mkdir()
@@ -65,7 +57,15 @@ def test_job_on_a_two_worker_standalone_cluster(cluster: tuple[str, int], kafka:
     produce_events(kafka, cfg["events"]["topic"], [{"device_id": f"d{i % 6}", "n": i} for i in range(total)],
                    partitions=2)
     log = tmp_path / "job.log"
-    proc = start_job(config, log, "--available-now", master=master)
+    # The tests' spark-defaults.conf gives every driver C1 only: this one must get it from the job
+    # (DRIVER_JIT), so it runs with that file less that line.
+    conf_dir = tmp_path / "spark-conf"
+    conf_dir.mkdir()
+    defaults = (Path(os.environ["SPARK_CONF_DIR"]) / "spark-defaults.conf").read_text().splitlines(keepends=True)
+    (conf_dir / "spark-defaults.conf").write_text(
+        "".join(line for line in defaults if not line.startswith("spark.driver.defaultJavaOptions")))
+    earlier = {a["id"] for a in cluster.apps()}  # the cluster is the session's: other tests' jobs ran on it
+    proc = start_job(config, log, "--available-now", master=cluster.master, env={"SPARK_CONF_DIR": str(conf_dir)})
     jvm = driver_jvm_args(proc.pid)
     rc = proc.wait(600)  # a standalone cluster on a loaded 2-core machine
     assert "-XX:TieredStopAtLevel=1" in jvm, jvm  # enrich.session.DRIVER_JIT
@@ -74,10 +74,11 @@ def test_job_on_a_two_worker_standalone_cluster(cluster: tuple[str, int], kafka:
     assert sorted(r["n"] for r in rows) == list(range(total))
     assert all(r["owner"] == f"o{r['n'] % 6}" for r in rows if r["n"] % 6 < 5)
     assert all(r["_devices_matched"] is False for r in rows if r["n"] % 6 == 5)
-    apps = master_state(ui)["completedapps"] + master_state(ui)["activeapps"]
-    assert any(a["name"] == "refstream-enrich" for a in apps), "the job did not run on the cluster"
+    apps = [a for a in cluster.apps() if a["id"] not in earlier]
+    assert [a["name"] for a in apps] == ["refstream-enrich"], "the job did not run on the cluster"
+    app = apps[0]["id"]
     for i in range(2):  # each worker launched an executor for the job
-        assert list((tmp_path / f"work{i}").glob("app-*/*/stderr")), f"worker {i} ran no executor"
+        assert cluster.executor_logs(i, app), f"worker {i} ran no executor"
 
     # Who wrote: every task reports its Python worker (host:pid:working directory); on a cluster the
     # working directory is its executor's, under a worker's work dir.
@@ -85,7 +86,7 @@ def test_job_on_a_two_worker_standalone_cluster(cluster: tuple[str, int], kafka:
                for w in line.split("writers: ", 1)[1].split(", ")]
     assert len(writers) >= 4, log.read_text()[-3000:]  # 4 batches of 1000 events, 2 tasks each
     dirs = {w.split(" in ", 1)[1].split(":", 2)[2] for w in writers}
-    assert all(Path(d).parent.parent.name in ("work0", "work1") for d in dirs), dirs
+    assert all(Path(d).parent.parent.name in ("work0", "work1") and Path(d).parent.name == app for d in dirs), dirs
     assert {Path(d).parent.parent.name for d in dirs} == {"work0", "work1"}, "both executors write"
     assert str(proc.pid) not in {w.split(" in ", 1)[1].split(":")[1] for w in writers}
 

@@ -1,20 +1,27 @@
 """What ``enrich run`` asks of Spark: the UI on unless the config's ``spark:`` section turns it off,
 and the executors' Python from ``spark.pyspark.python``. Checked on the settings the session is
-built from (no JVM); tests/enrich/test_cluster_packed.py runs the latter on a cluster."""
+built from (no JVM); tests/enrich/test_cluster_packed.py runs the latter on a cluster. The UI's
+actions and address, and the job's defaults under ``spark-submit``, are checked on real drivers."""
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+import pyspark
 import pytest
 import yaml
 
 import enrich.session
 from enrich import config
 from enrich.cli import main
-from enrich.session import session_conf
+from enrich.session import CLUSTER_PARTITIONS, SHUFFLE_PARTITIONS, UI_DEFAULTS, session_conf
+
+ROOT = Path(__file__).resolve().parents[2]
 
 BASE = {
     "kafka": {"bootstrap_servers": "127.0.0.1:9092"},
@@ -108,3 +115,94 @@ def test_a_local_master_gets_a_shuffle_partition_per_task_slot(master: str | Non
     # State partitions beyond a local master's slots run in waves, each paying its per-batch costs.
     assert session_conf({}, master=master)["spark.sql.shuffle.partitions"] == partitions
     assert session_conf({"spark.sql.shuffle.partitions": "8"}, master=master)["spark.sql.shuffle.partitions"] == "8"
+
+
+# A driver that builds its session as `enrich run` does and prints what Spark made of it: the given
+# keys' values, and where its UI listens. Argument: JSON {"master", "conf", "keys"}.
+PROBE = """
+import json, socket, subprocess, sys, urllib.parse, urllib.request
+import psutil
+from enrich.session import build_session
+
+arg = json.loads(sys.argv[1])
+spark = build_session(arg["master"], "refstream-session-probe", arg["conf"], ui=True)
+out = {"conf": {k: spark.conf.get(k, None) for k in arg["keys"]}}
+url = spark.sparkContext.uiWebUrl
+if url:
+    port = urllib.parse.urlsplit(url).port
+    out["listen"] = sorted({c.laddr.ip for c in psutil.net_connections("inet")
+                            if c.status == psutil.CONN_LISTEN and c.laddr.port == port})
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=30) as r:
+        out["loopback_status"] = r.status
+    hosts = subprocess.run(["hostname", "-I"], capture_output=True, text=True).stdout.split()
+    out["others"] = {}
+    for ip in (h for h in hosts if ":" not in h and not h.startswith("127.")):
+        try:
+            socket.create_connection((ip, port), timeout=5).close()
+            out["others"][ip] = "connected"
+        except OSError as exc:
+            out["others"][ip] = type(exc).__name__
+print("PROBE " + json.dumps(out), flush=True)
+spark.stop()
+"""
+
+
+def probe(tmp_path: Path, argv: list[str], master: str | None, conf: dict[str, str], keys: list[str],
+          env: Mapping[str, str] | None = None) -> dict:
+    script = tmp_path / "probe.py"
+    script.write_text(PROBE)
+    arg = json.dumps({"master": master, "conf": conf, "keys": keys})
+    full = {k: v for k, v in os.environ.items() if k != "SPARK_LOCAL_IP"}
+    full.update(PYTHONPATH=str(ROOT), **(env or {}))
+    done = subprocess.run([*argv, str(script), arg], cwd=tmp_path, env=full, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    (line,) = [ln for ln in done.stdout.splitlines() if ln.startswith("PROBE ")]
+    return json.loads(line.removeprefix("PROBE "))
+
+
+@pytest.mark.integration  # starts a JVM
+def test_the_ui_kills_nothing_and_a_local_driver_listens_on_loopback_only(tmp_path: Path) -> None:
+    """Anyone who reaches the UI could kill the micro-batch (and so the job) or stall executors: those
+    actions are off, and a local master's UI is not reachable from other machines at all."""
+    keys = [*UI_DEFAULTS, "spark.ui.enabled"]
+    # tests/spark-conf's spark-defaults.conf turns the UI off: the config's spark: section turns it on.
+    got = probe(tmp_path, [sys.executable], "local[1]",
+                {"spark.ui.enabled": "true", "spark.ui.threadDumpsEnabled": "true"}, keys)
+    assert got["conf"] == {"spark.ui.killEnabled": "false", "spark.ui.heapHistogramEnabled": "false",
+                           "spark.ui.threadDumpsEnabled": "true",  # a user's setting wins
+                           "spark.ui.enabled": "true"}, got
+    assert got["loopback_status"] == 200, got
+    assert got["listen"] and set(got["listen"]) <= {"127.0.0.1", "::ffff:127.0.0.1", "::1"}, got
+    # This machine's other addresses (if any) refuse the UI's port.
+    assert all(r == "ConnectionRefusedError" for r in got["others"].values()), got
+
+
+@pytest.mark.integration  # runs spark-submit
+def test_spark_submit_settings_win_over_the_jobs_defaults(tmp_path: Path) -> None:
+    """Under spark-submit the JVM holds its --conf and spark-defaults.conf before the job builds its
+    session: a default fills only a key that holds nothing (shuffle partitions are kept by a stateful
+    checkpoint for life)."""
+    submit = [str(Path(pyspark.__file__).parent / "bin" / "spark-submit"), "--master", "local[1]"]
+    keys = [SHUFFLE_PARTITIONS, "spark.sql.execution.arrow.pyspark.enabled"]
+    # tests/spark-conf/spark-defaults.conf (SPARK_CONF_DIR) sets neither key.
+    got = probe(tmp_path, [*submit, "--conf", f"{SHUFFLE_PARTITIONS}=7"], None, {}, keys)
+    assert got["conf"] == {SHUFFLE_PARTITIONS: "7", "spark.sql.execution.arrow.pyspark.enabled": "true"}, got
+    # Without a --conf the job's default applies, and a spark-defaults.conf setting wins as well.
+    conf_dir = tmp_path / "spark-conf"
+    conf_dir.mkdir()
+    (conf_dir / "spark-defaults.conf").write_text("spark.ui.enabled false\n"
+                                                  "spark.sql.execution.arrow.pyspark.enabled false\n")
+    got = probe(tmp_path, submit, None, {}, keys, env={"SPARK_CONF_DIR": str(conf_dir)})
+    assert got["conf"] == {SHUFFLE_PARTITIONS: str(CLUSTER_PARTITIONS),
+                           "spark.sql.execution.arrow.pyspark.enabled": "false"}, got
+
+
+def test_a_default_yields_to_a_preset_key() -> None:
+    preset = {SHUFFLE_PARTITIONS: "7", "spark.ui.killEnabled": "true", "spark.ui.enabled": "true"}
+    conf = session_conf({}, master="local[2]", preset=preset)
+    # The preset values are Spark's already: the builder does not repeat them.
+    assert SHUFFLE_PARTITIONS not in conf and "spark.ui.killEnabled" not in conf and "spark.ui.enabled" not in conf
+    assert conf["spark.ui.threadDumpsEnabled"] == "false" and conf["spark.sql.session.timeZone"] == "UTC"
+    # The config's spark: section still wins over both.
+    assert session_conf({SHUFFLE_PARTITIONS: "3"}, preset=preset)[SHUFFLE_PARTITIONS] == "3"

@@ -17,15 +17,15 @@ import yaml
 
 from refstream.contract import Column, DatasetSchema
 from tests.enrich.helpers import changelog, produce_events, publish, read_all
+from tests.enrich.spark_cluster import Cluster
 from tests.enrich.state.test_partitioned import SITES
-from tests.enrich.test_cluster import cluster  # noqa: F401 - the fixture
 from tests.enrich.test_restart import start_job, write_config
 
 SCHEMA = DatasetSchema("devices", ("device_id",), (Column("device_id", "string"), Column("owner", "string")))
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 DEVICES, TOTAL = 10, 999  # with the dead letter, two micro-batches of 500
 
-pytestmark = pytest.mark.integration  # starts a Spark master and workers itself
+pytestmark = pytest.mark.integration  # submits to the `cluster` fixture's master and workers
 
 
 def at(seconds: int) -> str:
@@ -36,10 +36,9 @@ def temperature(n: int) -> float | None:
     return None if n % 11 == 0 else round(15 + (n * 7919 % 200) / 10, 1)
 
 
-def test_device_state_and_a_partitioned_dimension_on_a_two_worker_standalone_cluster(cluster: tuple[str, int],  # noqa: F811 - the fixture
+def test_device_state_and_a_partitioned_dimension_on_a_two_worker_standalone_cluster(cluster: Cluster,
                                                          kafka: dict[str, str], unique: Callable[[str], str],
                                                          tmp_path: Path) -> None:
-    master, _ = cluster
     config = tmp_path / "enrich.yaml"
     cfg = write_config(config, kafka, unique, max_events_per_batch=500,
                        events={"topic": unique("events"), "starting_offsets": "earliest",
@@ -62,10 +61,13 @@ def test_device_state_and_a_partitioned_dimension_on_a_two_worker_standalone_clu
               for n in range(TOTAL)]
     produce_events(kafka, cfg["events"]["topic"], [*events, {"device_id": None, "ts": at(0), "n": -1}], partitions=2)
     log = tmp_path / "job.log"
-    proc = start_job(config, log, "--available-now", master=master)
+    earlier = {a["id"] for a in cluster.apps()}  # the cluster is the session's: other tests' jobs ran on it
+    proc = start_job(config, log, "--available-now", master=cluster.master)
     assert proc.wait(600) == 0, log.read_text()[-4000:]  # a standalone cluster on a loaded 2-core machine: 5+ min seen
+    apps = [a["id"] for a in cluster.apps() if a["id"] not in earlier]
+    assert len(apps) == 1, apps
     for i in range(2):  # each worker launched an executor for the job
-        assert list((tmp_path / f"work{i}").glob("app-*/*/stderr")), f"worker {i} ran no executor"
+        assert cluster.executor_logs(i, apps[0]), f"worker {i} ran no executor"
 
     rows = [json.loads(m.value()) for m in read_all(kafka, cfg["output"]["kafka"]["topic"])]
     got = Counter(r["n"] for r in rows)
