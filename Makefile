@@ -26,7 +26,7 @@ demo: venv
 test: lint
 	@mkdir -p var
 	@set -o pipefail; $(VPY) -u -m pytest -q -rfE --durations=25 2>var/test-stderr.log | tee var/test.log; rc=$$?; \
-	  grep -v '^%[0-9]|' var/test-stderr.log | tail -n 40; \
+	  grep -v -E '^%[0-9]\||\[rdkafka#' var/test-stderr.log | tail -n 40; \
 	  grep -E '^(FAILED|ERROR) ' var/test.log; tail -n 1 var/test.log; exit $$rc
 
 # Pure-logic tests only: no Spark, MariaDB or broker (tests/conftest.py marks the rest `integration`).
