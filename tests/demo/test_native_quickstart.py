@@ -68,3 +68,8 @@ def test_readme_native_commands_run_on_the_demo_seed(tmp_path: Path) -> None:
             available |= set(j.columns or ())
         checked = cli("enrich", "validate", "--config", "conf/enrich.yaml", "--connect", cwd=tmp_path, env=env)
         assert checked.returncode == 0, checked.stdout + checked.stderr
+        explained = cli("enrich", "validate", "--config", "conf/enrich.yaml", "--explain", cwd=tmp_path, env=env)
+        assert explained.returncode == 0, explained.stdout + explained.stderr
+        stages = [line for line in explained.stdout.splitlines() if line.startswith("  ") and ". " in line[:6]]
+        assert [line.split()[1] for line in stages][:2] == ["read", "parse"] and "sink" in stages[-1], stages
+        assert {line.split()[2] for line in stages if line.split()[1] == "join"} == set(job.datasets), stages

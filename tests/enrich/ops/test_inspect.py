@@ -87,7 +87,7 @@ def ran(spark: SparkSession, kafka: dict[str, str], tmp_path_factory: pytest.Tem
 
 
 def test_the_jobs_metrics_count_what_its_batches_did(ran: Ran) -> None:
-    m = [j.metrics for j in ran.jobs]
+    m = [j.started.metrics for j in ran.jobs]
     assert m[0] is not None and m[1] is not None
     v = [x.registry.get_sample_value for x in m]
     assert (v[0]("refstream_enrich_events_total", {"result": "enriched"}),
