@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.accumulators import Accumulator
-from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.pandas.types import from_arrow_type, to_arrow_schema
 from pyspark.sql.types import (
@@ -216,13 +216,31 @@ def _packed_events(raw: DataFrame, pipeline: Pipeline, parser: FastParser | None
     return clocked(parsed_rest).mapInArrow(packer(packed_spark, None), packed_spark)
 
 
+def changelog_key(dim: PartitionedDim, key_type: DataType) -> Column:
+    """The key of a changelog record of ``dim`` as the events' key column (of ``key_type``) would
+    hold it: read from the key's JSON as the contract writes the published key type, then cast.
+    Binary is base64 text there (the events' BINARY holds the decoded bytes); a TIMESTAMP without
+    zone is read as UTC, as the join matches it (``enrich.join``: Arrow's cast keeps UTC values),
+    whatever the session's time zone. A key that does not fit ``key_type`` (1000 for a TINYINT)
+    is null: no event can have it, and ANSI casts would fail the query."""
+    name = [k for _, k in dim.join.pairs][0]
+    quoted = name.replace("'", "\\'")
+    text = F.get_json_object(F.col("key").cast("string"), f"$['{quoted}']")
+    published = dim.schema.type_of(name)
+    value = text
+    if published == "binary":
+        value = F.unbase64(text)
+    elif published == "timestamp" and isinstance(key_type, TimestampType):
+        value = F.concat(text, F.lit("Z"))
+    return value.try_cast(key_type)
+
+
 def _changelog_rows(changelog: DataFrame, dim: PartitionedDim, key_type: DataType, layout: BucketLayout,
                     packed_spark: StructType, packed_arrow: pa.Schema) -> DataFrame:
     """A partitioned dimension's changelog stream packed like the events: each record in the bucket
-    of its key (read from the key's JSON and cast to the event key's type, so it hashes as the
-    events do), a schema record in every bucket, no heartbeat."""
-    name = [k for _, k in dim.join.pairs][0].replace("'", "\\'")
-    key = F.get_json_object(F.col("key").cast("string"), f"$['{name}']").cast(key_type)
+    of its key (:func:`changelog_key`, so it hashes as the events do), a schema record in every
+    bucket, no heartbeat."""
+    key = changelog_key(dim, key_type)
     schema_record = F.col("key") == F.lit(contract.SCHEMA_KEY)
     targets = F.when(schema_record, layout.all()).otherwise(F.array(layout.column(key)))
     records = (changelog.where(F.col("key") != F.lit(contract.HEARTBEAT_KEY))
