@@ -4,14 +4,14 @@ event field or a join column that clashes with one of these is refused when the 
 Events (:mod:`enrich.events`): ``_error`` (why a row is a dead letter, null for a good event), the
 Kafka columns kept as ``_key``, ``_value``, ``_topic``, ``_partition``, ``_offset``, and ``_slow`` (an
 event the fast parser left to ``from_json``). The state step (:mod:`enrich.state`) adds ``state`` and
-``_late``, and uses ``_bucket``, ``_ts_us``, ``_max_ts``, ``_state_<field>`` and the packed ``rows`` on
-its way. The Kafka sink's rows (:mod:`enrich.sinks.kafka`) flag ``_unmatched`` events.
+``_late``, and uses ``_bucket``, ``_ts_us``, ``_max_ts``, ``_batch_time``, ``_state_<field>`` and the packed
+``rows`` on its way. The Kafka sink's rows (:mod:`enrich.sinks.kafka`) flag ``_unmatched`` events.
 """
 
 from __future__ import annotations
 
-__all__ = ["BUCKET", "CORRUPT", "DELETED", "ERROR", "FLAT", "INTERNAL", "KEY_BYTES", "LATE", "MAX_TS", "ROWS", "SLOW",
-           "SOURCE", "STATE", "TS_US", "UNMATCHED"]
+__all__ = ["BATCH_TIME", "BUCKET", "CORRUPT", "DELETED", "ERROR", "FLAT", "INTERNAL", "KEY_BYTES", "LATE", "MAX_TS",
+           "ROWS", "SLOW", "SOURCE", "STATE", "TS_US", "UNMATCHED"]
 
 #: Why an event is a dead letter (null for a good one).
 ERROR = "_error"
@@ -32,6 +32,9 @@ BUCKET, TS_US = "_bucket", "_ts_us"
 FLAT = "_state_"
 #: A packed chunk's greatest event time (the watermark's column) and its Arrow IPC rows.
 MAX_TS, ROWS = "_max_ts", "rows"
+#: The micro-batch's time (``current_timestamp()``, kept in the offset log): what an event's time is
+#: checked against for ``state.max_future_skew`` on its way into the state step.
+BATCH_TIME = "_batch_time"
 #: A dimension row's canonical key bytes (the broadcast store's, a partitioned dimension's stored rows).
 KEY_BYTES = "__key"
 #: A broadcast dimension's overlay row that is a tombstone.

@@ -100,12 +100,14 @@ class StateConfig:
     its last event time plus ``ttl``; ``aggregates`` pairs a column with the aggregates kept of it.
 
     Devices are hashed into ``buckets`` groups, each one value in Spark's state store; the count is
-    fixed by a checkpoint's first run (docs/state.md)."""
+    fixed by a checkpoint's first run (docs/state.md). An event more than ``max_future_skew`` ahead
+    of the batch's time is a dead letter (None: no limit)."""
 
     key: str
     timestamp: str
     ttl: timedelta = timedelta(hours=1)
     watermark: timedelta = timedelta(minutes=5)
+    max_future_skew: timedelta | None = timedelta(hours=1)
     aggregates: tuple[tuple[str, tuple[StateAgg, ...]], ...] = ()
     buckets: int = 64
 
@@ -317,6 +319,7 @@ def _state(sec: Section) -> StateConfig:
     if ttl <= timedelta(0):
         raise sec.error("must be positive", "ttl")
     watermark = sec.duration("watermark", timedelta(minutes=5))
+    max_future_skew = sec.optional_duration("max_future_skew", timedelta(hours=1))
     buckets = sec.get("buckets", int, 64)
     if buckets <= 0:
         raise sec.error("must be positive", "buckets")
@@ -337,7 +340,7 @@ def _state(sec: Section) -> StateConfig:
             raise aggs.error(f"an aggregate is listed twice: {names}", column)
         aggregates.append((column, tuple(names)))
     aggs.done()
-    cfg = StateConfig(key=key, timestamp=timestamp, ttl=ttl, watermark=watermark,
+    cfg = StateConfig(key=key, timestamp=timestamp, ttl=ttl, watermark=watermark, max_future_skew=max_future_skew,
                       aggregates=tuple(aggregates), buckets=buckets)
     sec.done()
     return cfg

@@ -428,3 +428,4 @@ class EnrichJob:
         progress = self.query.lastProgress if self.query is not None else None
         if progress:
             st.metrics.progress(progress.get("sources") or [])
+            st.metrics.event_time(progress.get("eventTime"))

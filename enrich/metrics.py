@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterable, Mapping
+from datetime import datetime
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -38,6 +39,7 @@ class EnrichMetrics:
         self.lag = Gauge("refstream_enrich_input_lag_records", "Events topic end offset minus processed offset "
                          "(from the query's last progress)", ["partition"], registry=r)
         self.devices: Gauge | None = None  # with state: only, once the count is known
+        self.watermark: Gauge | None = None  # with state: only, once Spark has one
         self._changed_ms: dict[str, int | None] = {}
         for result in results:
             self.events.labels(result)
@@ -79,6 +81,25 @@ class EnrichMetrics:
             end, latest = _offsets(src.get("endOffset")), _offsets(src.get("latestOffset"))
             for (topic, part), top in latest.items():
                 self.lag.labels(f"{topic}/{part}").set(max(0, top - end.get((topic, part), 0)))
+
+    def event_time(self, event_time: Mapping[str, Any] | None) -> None:
+        """Set ``refstream_enrich_watermark_seconds`` from a ``StreamingQueryProgress``'s ``eventTime``:
+        the watermark its batch ran with. Not exported before the query has one (Spark reports the
+        epoch), nor without a watermark at all (no ``state:``)."""
+        value = (event_time or {}).get("watermark")
+        if not isinstance(value, str):
+            return
+        try:
+            seconds = datetime.fromisoformat(value).timestamp()
+        except ValueError:
+            return
+        if seconds <= 0:
+            return
+        if self.watermark is None:
+            self.watermark = Gauge("refstream_enrich_watermark_seconds", "Event-time watermark of the state step "
+                                   "(greatest event time seen, dead letters left out, minus state.watermark), "
+                                   "from the query's last progress", registry=self.registry)
+        self.watermark.set(seconds)
 
 
 def _offsets(value: Any) -> dict[tuple[str, int], int]:

@@ -14,7 +14,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, ClassVar, Literal, get_args
 
-from refstream.config import Section, kafka_settings, load_config_data, redact_url
+from refstream.config import Section, is_off, kafka_settings, load_config_data, redact_url
 from refstream.contract import TOPIC_CONFIG, check_type, default_topic
 from refstream.errors import ConfigError, ContractError
 from refstream.metrics import MetricsConfig, parse_metrics
@@ -249,7 +249,7 @@ def _dataset(name: str, sec: Section) -> DatasetConfig:
     if not 0.0 <= max_delete_fraction <= 1.0:
         raise sec.error(f"must be between 0 and 1, got {max_delete_fraction}", "max_delete_fraction")
     min_compaction_lag = sec.duration("min_compaction_lag", timedelta(hours=24))
-    heartbeat = _optional_duration(sec, "heartbeat", timedelta(minutes=1))
+    heartbeat = sec.optional_duration("heartbeat", timedelta(minutes=1))
     max_age = sec.duration("max_age", default_max_age(schedule))
     if max_age is not None and max_age.total_seconds() <= 0:
         raise sec.error("must be positive", "max_age")
@@ -293,7 +293,7 @@ def _source(sec: Section) -> SourceConfig:
         if (table is None) == (query is None):
             raise sec.error("give exactly one of table or query")
         d = SqlSourceConfig(url=url)
-        timeouts = {f"{name}_timeout": _optional_duration(sec, f"{name}_timeout", getattr(d, f"{name}_timeout"))
+        timeouts = {f"{name}_timeout": sec.optional_duration(f"{name}_timeout", getattr(d, f"{name}_timeout"))
                     for name in ("connect", "read", "statement")}
         reader: SqlReader = sec.choice("reader", SqlReader, d.reader)
         if reader != "auto" and not is_mysql_url(url):
@@ -357,18 +357,6 @@ def _schedule(sec: Section) -> Schedule:
     return Schedule(every=every, cron=cron)
 
 
-def _optional_duration(sec: Section, name: str, default: timedelta | None) -> timedelta | None:
-    """A duration that ``off`` (or ``0``) turns off: None."""
-    value = sec.raw(name, default)
-    if value is False or (isinstance(value, str) and value.strip().lower() in _OFF):
-        return None
-    out = sec.duration(name, default)
-    return None if out is not None and out.total_seconds() == 0 else out
-
-
-_OFF = ("off", "none", "never")
-
-
 def _incremental(sec: Section) -> IncrementalConfig | None:
     """The ``incremental:`` section (None without ``column``). ``reconcile.every`` (or
     ``reconcile_every``) defaults to daily; ``reconcile: off`` turns it off."""
@@ -380,14 +368,14 @@ def _incremental(sec: Section) -> IncrementalConfig | None:
         raise sec.error("must not be negative", "numeric_lag")
     reconcile_every = d.reconcile_every
     rec = sec.raw("reconcile", None)
-    if rec is False or (isinstance(rec, str) and rec.strip().lower() in _OFF):
+    if is_off(rec):
         reconcile_every = None
     elif rec is not None:
         rsec = sec.section("reconcile")
-        reconcile_every = _optional_duration(rsec, "every", d.reconcile_every)
+        reconcile_every = rsec.optional_duration("every", d.reconcile_every)
         rsec.done()
     elif sec.has("reconcile_every"):
-        reconcile_every = _optional_duration(sec, "reconcile_every", d.reconcile_every)
+        reconcile_every = sec.optional_duration("reconcile_every", d.reconcile_every)
     sec.raw("reconcile_every", None)
     sec.done()
     if column is None:

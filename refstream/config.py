@@ -18,10 +18,12 @@ import yaml
 from refstream.errors import ConfigError
 
 __all__ = [
+    "OFF_WORDS",
     "Section",
     "allowed_values",
     "duration_arg",
     "format_duration",
+    "is_off",
     "kafka_settings",
     "load_config_data",
     "load_yaml",
@@ -216,6 +218,14 @@ class Section:
         except ValueError as exc:
             raise self.error(str(exc), name) from None
 
+    def optional_duration(self, name: str, default: timedelta | None) -> timedelta | None:
+        """A duration that ``off`` (also ``none``, ``never``, YAML's bare ``off``: false) or ``0``
+        turns off: None."""
+        if is_off(self.raw(name, default)):
+            return None
+        out = self.duration(name, default)
+        return None if out is not None and out.total_seconds() == 0 else out
+
     def str_list(self, name: str, default: Any = ...) -> list[str]:
         value = self.raw(name, default)
         if isinstance(value, str):
@@ -231,6 +241,15 @@ class Section:
         extra = sorted(set(self.data) - self._seen)
         if extra:
             raise self.error(f"unknown key(s): {', '.join(map(str, extra))}")
+
+
+#: The words that turn an optional setting off (YAML 1.1 reads a bare ``off`` as false).
+OFF_WORDS = ("off", "none", "never")
+
+
+def is_off(value: Any) -> bool:
+    """Whether a config value turns its setting off: false, or one of :data:`OFF_WORDS`."""
+    return value is False or (isinstance(value, str) and value.strip().lower() in OFF_WORDS)
 
 
 def allowed_values(choices: Any) -> tuple[str, ...]:

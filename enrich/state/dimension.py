@@ -19,6 +19,7 @@ schema records: the driver receives those, never the rows.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections import OrderedDict
 from collections.abc import Mapping
@@ -196,6 +197,15 @@ class VersionCache:
     def put(self, token: str, version: Version) -> None:
         self._items[token] = version
         self._items.move_to_end(token)
+        self._evict()
+
+    def resize(self, limit: int) -> None:
+        """Hold at most ``limit`` bytes from now on (the least recently used out at once)."""
+        if limit != self.limit:
+            self.limit = limit
+            self._evict()
+
+    def _evict(self) -> None:
         total = sum(v.nbytes for v in self._items.values())
         while total > self.limit and len(self._items) > 1:
             _, dropped = self._items.popitem(last=False)
@@ -205,8 +215,38 @@ class VersionCache:
         return len(self._items)
 
 
-#: This Python worker's cache: its share of the partitioned dimensions, up to 512 MB (rows and index).
-CACHE = VersionCache(512 << 20)
+#: Where Spark puts a Python worker's memory budget, in MB: ``spark.executor.pyspark.memory`` divided
+#: by the executor's cores (``spark.executor.cores``; Spark takes 1 when it is not set), as each worker
+#: is one of that many running at once. Spark also makes it the worker's address-space limit
+#: (``RLIMIT_AS``): a cache that outgrew it would fail the worker with a MemoryError. Not set without
+#: ``spark.executor.pyspark.memory``.
+WORKER_MEMORY_ENV = "PYSPARK_EXECUTOR_MEMORY_MB"
+#: The cache's share of that budget: the same worker holds a call's events, its bucket's device
+#: table and their Arrow buffers besides.
+CACHE_SHARE = 0.5
+#: The cache's limit when Spark gives Python workers no budget (their memory then comes out of
+#: ``spark.executor.memoryOverhead``, unchecked): the size the benchmarks were measured with.
+DEFAULT_CACHE_BYTES = 512 << 20
+
+
+def cache_limit(environ: Mapping[str, str] | None = None) -> int:
+    """The version cache's limit in bytes for the Python worker whose environment is ``environ``
+    (default: this process's): :data:`CACHE_SHARE` of Spark's budget for it, else the default.
+
+    Read in the worker rather than computed on the driver: Spark derives the budget from the
+    executor's own resource profile (a stage's profile may differ from the session's settings), and
+    it is the limit the worker actually runs under."""
+    value = (os.environ if environ is None else environ).get(WORKER_MEMORY_ENV)
+    try:
+        mb = int(value) if value is not None else 0
+    except ValueError:
+        mb = 0
+    return int((mb << 20) * CACHE_SHARE) if mb > 0 else DEFAULT_CACHE_BYTES
+
+
+#: This Python worker's cache: its share of the partitioned dimensions (rows and index), sized by
+#: :func:`cache_limit` (the processor sizes it again when a task starts).
+CACHE = VersionCache(cache_limit())
 
 
 def lookup(dim: PartitionedDim, events: pa.Table, version: Version, error_column: str | None) -> pa.Table:

@@ -16,22 +16,30 @@ Two ``mapInArrow`` passes (:class:`EventPacker`) bring the Kafka records to the 
 So ``from_json`` runs on the rare values pyarrow leaves, never on the others, and the events cross
 from the JVM to Python once. Where the fast parser cannot parse the event schema, the first pass is
 left out and the second one takes every event from ``from_json``.
+
+An event more than ``state.max_future_skew`` ahead of its micro-batch's time (``_batch_time``: Spark's
+``current_timestamp()`` of the batch, recorded in the offset log, so a replay judges every event as
+the first attempt did) is a dead letter too. A dead letter's ``_ts_us`` is null: the watermark, taken
+on each packed chunk's greatest ``_ts_us``, never moves for it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from enrich.columns import BUCKET, ERROR, MAX_TS, ROWS, SLOW, SOURCE, TS_US
+from enrich.columns import BATCH_TIME, BUCKET, ERROR, MAX_TS, ROWS, SLOW, SOURCE, TS_US
 from enrich.events import FastEvents
 from enrich.join import JoinSpec, Lookup, PlanEnricher
 from enrich.state import packed
 from enrich.state.layout import BucketLayout
 from enrich.worker import settle
+from refstream.config import format_duration
 
 #: The Kafka columns of a record the fast pass leaves to ``from_json``, as the source names them.
 RAW = tuple(SOURCE.values())
@@ -47,6 +55,16 @@ def time_is_null(timestamp: str) -> str:
     return f"state.timestamp {timestamp} is null"
 
 
+def too_far_ahead(micros: int, skew: timedelta) -> str:
+    """The dead-letter reason of an event whose time (``micros`` since the epoch) is more than
+    ``skew`` ahead of its batch's time."""
+    try:
+        at = (datetime(1970, 1, 1, tzinfo=UTC) + timedelta(microseconds=micros)).isoformat().replace("+00:00", "Z")
+    except OverflowError:  # beyond year 9999 (Spark's TIMESTAMP goes further)
+        at = f"{micros} us after 1970-01-01T00:00:00Z"
+    return f"event time {at} is more than {format_duration(skew)} ahead of the clock"
+
+
 @dataclass(frozen=True)
 class EventPacker:
     """The ``mapInArrow`` function of either pass (see the module doc); picklable.
@@ -54,7 +72,9 @@ class EventPacker:
     ``events`` is the schema of the packed event tables, the same from both passes (the processor
     concatenates them): the parsed fields, ``_error``, the Kafka columns, the in-plan joins' columns
     and ``_ts_us``. ``out`` is the pass's output schema: the packed rows (``_bucket``, ``_max_ts``,
-    ``rows``) and, in the fast pass, the :data:`RAW` columns of the records it leaves."""
+    ``rows``) and, in the fast pass, the :data:`RAW` columns of the records it leaves.
+    ``max_future_skew``: how far ahead of the input's :data:`~enrich.columns.BATCH_TIME` an event
+    may be (None, or no such column: no limit)."""
 
     key: str
     timestamp: str
@@ -63,6 +83,7 @@ class EventPacker:
     out: pa.Schema
     joins: tuple[JoinSpec, ...] = ()
     parse: FastEvents | None = None     # set: the fast pass; None: the rest pass
+    max_future_skew: timedelta | None = None
 
     def __call__(self, batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         settle()
@@ -71,6 +92,7 @@ class EventPacker:
         for b in batches:
             if b.num_rows == 0:
                 continue
+            now_us = _batch_time_us(b)
             if self.parse is not None:
                 table, left = self._fast(b)
                 if left is not None:
@@ -88,7 +110,7 @@ class EventPacker:
                 if lookups is None:  # a task without rows fetches no version
                     lookups = enricher.lookups()
                 table = enricher.join(table, lookups)
-            for packed_batch in packed.pack([self._checked(table)], bucket=BUCKET, timestamp=TS_US,
+            for packed_batch in packed.pack([self._checked(table, now_us)], bucket=BUCKET, timestamp=TS_US,
                                             packed_schema=self._packed_schema()):
                 yield self._out(packed_batch, (BUCKET, MAX_TS, ROWS))
 
@@ -106,9 +128,10 @@ class EventPacker:
         raw = pa.RecordBatch.from_arrays([left.column(f"_{c}").combine_chunks() for c in RAW], names=list(RAW))
         return table.filter(pc.invert(slow)), self._out(raw, RAW)
 
-    def _checked(self, table: pa.Table) -> pa.Table:
-        """``table`` as the step takes it: ``_error`` set on events without a state key or time,
-        ``_value`` kept in dead letters only, ``_ts_us`` and ``_bucket`` added."""
+    def _checked(self, table: pa.Table, now_us: int | None = None) -> pa.Table:
+        """``table`` as the step takes it: ``_error`` set on events without a state key or time, or
+        too far ahead of the batch's time ``now_us``; ``_value`` kept in dead letters only;
+        ``_ts_us`` (null in dead letters) and ``_bucket`` added."""
         key, ts = table.column(self.key), table.column(self.timestamp)
         error = table.column(ERROR)
         no_key, no_ts = pc.is_null(key), pc.is_null(ts)
@@ -116,16 +139,33 @@ class EventPacker:
                            pc.if_else(no_key, pa.scalar(key_is_null(self.key)),
                                       pc.if_else(no_ts, pa.scalar(time_is_null(self.timestamp)),
                                                  pa.scalar(None, pa.string()))))
+        micros = ts.cast(pa.timestamp("us", ts.type.tz)).cast(pa.int64())
+        if self.max_future_skew is not None and now_us is not None:
+            error = self._ahead(error, micros, now_us + self.max_future_skew // timedelta(microseconds=1))
         table = table.set_column(table.schema.get_field_index(ERROR), ERROR, error)
         value = table.column("_value")
+        dead = pc.is_valid(error)
         table = table.set_column(table.schema.get_field_index("_value"), "_value",
-                                 pc.if_else(pc.is_valid(error), value, pa.scalar(None, value.type)))
-        micros = ts.cast(pa.timestamp("us", ts.type.tz)).cast(pa.int64())
-        table = table.append_column(TS_US, micros)
+                                 pc.if_else(dead, value, pa.scalar(None, value.type)))
+        # The state never applies a dead letter; nor may the watermark (each chunk's greatest _ts_us)
+        # move for one: a single clock years ahead would otherwise expire every device for good.
+        table = table.append_column(TS_US, pc.if_else(dead, pa.scalar(None, pa.int64()), micros))
         table = table.select(self.events.names)
         if table.schema != self.events:
             table = table.cast(self.events)
         return table.append_column(BUCKET, pa.array(self.layout.of(key), pa.int32()))
+
+    def _ahead(self, error: pa.ChunkedArray, micros: pa.ChunkedArray, limit_us: int) -> pa.ChunkedArray:
+        """``error`` with the reason of every event not yet a dead letter whose time is after ``limit_us``."""
+        ahead = pc.fill_null(pc.and_(pc.is_null(error), pc.greater(micros, limit_us)), False).combine_chunks()
+        if not pc.any(ahead).as_py():
+            return error
+        assert self.max_future_skew is not None
+        values = micros.combine_chunks()
+        reasons: list[str | None] = [None] * len(ahead)
+        for i in np.flatnonzero(ahead.to_numpy(zero_copy_only=False)):  # rare: a message for these only
+            reasons[i] = too_far_ahead(values[int(i)].as_py(), self.max_future_skew)
+        return pc.if_else(ahead, pa.array(reasons, pa.string()), error)
 
     def _packed_schema(self) -> pa.Schema:
         return pa.schema([self.out.field(BUCKET), self.out.field(MAX_TS), self.out.field(ROWS)])
@@ -137,6 +177,15 @@ class EventPacker:
         arrays = [c.combine_chunks() if isinstance(c, pa.ChunkedArray) else c for c in cols]
         arrays = [a if a.type == f.type else a.cast(f.type) for a, f in zip(arrays, self.out, strict=True)]
         return pa.RecordBatch.from_arrays(arrays, schema=self.out)
+
+
+def _batch_time_us(b: pa.RecordBatch) -> int | None:
+    """The micro-batch's time in ``b`` (the same in every row), in microseconds; None without it."""
+    if BATCH_TIME not in b.schema.names:
+        return None
+    col = b.column(BATCH_TIME)
+    now = pc.max(col.cast(pa.timestamp("us", col.type.tz)).cast(pa.int64())).as_py()
+    return int(now) if now is not None else None
 
 
 def events_schema(fields: pa.Schema) -> pa.Schema:

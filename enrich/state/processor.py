@@ -43,7 +43,7 @@ from enrich.columns import ERROR, FLAT, LATE
 from enrich.ipc import from_ipc, to_ipc
 from enrich.state import engine, packed
 from enrich.state.cache import TableCache
-from enrich.state.dimension import CACHE, PartitionedDim, Version, apply_changes, conform, lookup
+from enrich.state.dimension import CACHE, PartitionedDim, Version, apply_changes, cache_limit, conform, lookup
 from enrich.state.engine import StateSpec
 from enrich.state.stored import (
     DELTA_SCHEMA,
@@ -85,6 +85,8 @@ class DeviceStateProcessor(StatefulProcessor):
         self.sizes = handle.getValueState(STATE_NAME + "n", SIZES_SCHEMA)
         self.dim_values = [handle.getValueState(d.state_name, DIM_SCHEMA) for d in self.dims]
         self.dim_tokens = [handle.getValueState(d.state_name + "v", TOKEN_SCHEMA) for d in self.dims]
+        if self.dims:  # within this worker's share of spark.executor.pyspark.memory
+            CACHE.resize(cache_limit())
 
     def handleInputRows(self, key: Any, rows: Iterator[pd.DataFrame],  # type: ignore[override]
                         timerValues: TimerValues) -> Iterator[pd.DataFrame]:

@@ -6,10 +6,12 @@
 :mod:`enrich.state.processor`). The events are parsed, checked and packed on their way in
 (:mod:`enrich.state.ingest`) and stay packed through the step (:mod:`enrich.state.packed`): the
 stream :func:`attach` returns is the step's packed rows, and :class:`Unpack` turns them into
-events in the job's join pass. Events with a null key or time get ``_error`` set (the sink sends
-them to the dead-letter topic). Spark's watermark is taken on a column that is dropped before the
-step (each packed chunk's greatest event time): Spark would otherwise drop late rows silently in
-front of the processor; the processor flags late events instead, against the same watermark.
+events in the job's join pass. Events with a null key or time, or more than
+``state.max_future_skew`` ahead of the batch's time, get ``_error`` set (the sink sends them to the
+dead-letter topic). Spark's watermark is taken on a column that is dropped before the step (each
+packed chunk's greatest event time, dead letters left out): Spark would otherwise drop late rows
+silently in front of the processor; the processor flags late events instead, against the same
+watermark.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from dataclasses import dataclass
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.accumulators import Accumulator
-from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.pandas.types import from_arrow_type, to_arrow_schema
 from pyspark.sql.types import (
@@ -36,7 +38,7 @@ from pyspark.sql.types import (
 )
 
 from enrich import events
-from enrich.columns import BUCKET, ERROR, FLAT, LATE, MAX_TS, ROWS, STATE
+from enrich.columns import BATCH_TIME, BUCKET, ERROR, FLAT, LATE, MAX_TS, ROWS, STATE
 from enrich.events import FastEvents
 from enrich.events.fastparse import FastParser
 from enrich.pipeline import Pipeline
@@ -192,7 +194,15 @@ def _packed_events(raw: DataFrame, pipeline: Pipeline, parser: FastParser | None
     def packer(out: StructType, parse: FastEvents | None) -> EventPacker:
         return EventPacker(state_cfg.key, state_cfg.timestamp, layout,
                            ingest.events_schema(to_arrow_schema(st.joined, timezone=timezone)),
-                           to_arrow_schema(out, timezone=timezone), st.before_specs, parse)
+                           to_arrow_schema(out, timezone=timezone), st.before_specs, parse,
+                           state_cfg.max_future_skew)
+
+    def clocked(df: DataFrame) -> DataFrame:
+        # The batch's time, not each executor's clock: Spark records it in the offset log and a
+        # replayed batch gets the same value, so a replay judges every event as the first attempt did.
+        if state_cfg.max_future_skew is None:
+            return df
+        return df.withColumn(BATCH_TIME, F.current_timestamp())
 
     rest_input, carry = raw, ()
     if parser is not None:
@@ -200,19 +210,37 @@ def _packed_events(raw: DataFrame, pipeline: Pipeline, parser: FastParser | None
                             StructField(ROWS, BinaryType(), True),
                             *[StructField(c, raw.schema[c].dataType, True) for c in ingest.RAW]])
         fast = FastEvents(parser, to_arrow_schema(events.fast_schema(pipeline.parsed), timezone=timezone))
-        rest_input = events.source_columns(raw).mapInArrow(packer(first, fast), first)
+        rest_input = clocked(events.source_columns(raw)).mapInArrow(packer(first, fast), first)
         carry = (BUCKET, MAX_TS, ROWS)  # type: ignore[assignment]
     parsed_rest = events.parse(rest_input, pipeline.events, cfg.events.required, keep_source=True, carry=carry)
-    return parsed_rest.mapInArrow(packer(packed_spark, None), packed_spark)
+    return clocked(parsed_rest).mapInArrow(packer(packed_spark, None), packed_spark)
+
+
+def changelog_key(dim: PartitionedDim, key_type: DataType) -> Column:
+    """The key of a changelog record of ``dim`` as the events' key column (of ``key_type``) would
+    hold it: read from the key's JSON as the contract writes the published key type, then cast.
+    Binary is base64 text there (the events' BINARY holds the decoded bytes); a TIMESTAMP without
+    zone is read as UTC, as the join matches it (``enrich.join``: Arrow's cast keeps UTC values),
+    whatever the session's time zone. A key that does not fit ``key_type`` (1000 for a TINYINT)
+    is null: no event can have it, and ANSI casts would fail the query."""
+    name = [k for _, k in dim.join.pairs][0]
+    quoted = name.replace("'", "\\'")
+    text = F.get_json_object(F.col("key").cast("string"), f"$['{quoted}']")
+    published = dim.schema.type_of(name)
+    value = text
+    if published == "binary":
+        value = F.unbase64(text)
+    elif published == "timestamp" and isinstance(key_type, TimestampType):
+        value = F.concat(text, F.lit("Z"))
+    return value.try_cast(key_type)
 
 
 def _changelog_rows(changelog: DataFrame, dim: PartitionedDim, key_type: DataType, layout: BucketLayout,
                     packed_spark: StructType, packed_arrow: pa.Schema) -> DataFrame:
     """A partitioned dimension's changelog stream packed like the events: each record in the bucket
-    of its key (read from the key's JSON and cast to the event key's type, so it hashes as the
-    events do), a schema record in every bucket, no heartbeat."""
-    name = [k for _, k in dim.join.pairs][0].replace("'", "\\'")
-    key = F.get_json_object(F.col("key").cast("string"), f"$['{name}']").cast(key_type)
+    of its key (:func:`changelog_key`, so it hashes as the events do), a schema record in every
+    bucket, no heartbeat."""
+    key = changelog_key(dim, key_type)
     schema_record = F.col("key") == F.lit(contract.SCHEMA_KEY)
     targets = F.when(schema_record, layout.all()).otherwise(F.array(layout.column(key)))
     records = (changelog.where(F.col("key") != F.lit(contract.HEARTBEAT_KEY))

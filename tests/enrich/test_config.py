@@ -87,6 +87,10 @@ def test_parse_full_shape() -> None:
      "state.aggregates.t: an aggregate is listed twice"),
     ({"state": {"key": "d", "timestamp": "ts", "aggregates": ["t"]}}, "state.aggregates: must be a mapping"),
     ({"state": {"key": "d", "timestamp": "ts", "tll": "1h"}}, "state: unknown key(s): tll"),
+    ({"state": {"key": "d", "timestamp": "ts", "max_future_skew": "soon"}},
+     "state.max_future_skew: 'soon' is not a duration"),
+    ({"state": {"key": "d", "timestamp": "ts", "max_future_skew": True}},
+     "state.max_future_skew: True is not a duration"),
 ])
 def test_errors_name_the_key(patch: dict, message: str) -> None:
     with pytest.raises(ConfigError) as exc:
@@ -118,6 +122,18 @@ def test_state_section() -> None:
                                           "buckets": 8}})
     assert cfg.state is not None and cfg.state.aggregates == ()
     assert (cfg.state.ttl, cfg.state.watermark, cfg.state.buckets) == (timedelta(minutes=30), timedelta(0), 8)
+
+
+@pytest.mark.parametrize(("value", "skew"), [(..., timedelta(hours=1)), ("10m", timedelta(minutes=10)),
+                                             (90, timedelta(seconds=90)), ("off", None), (False, None),
+                                             ("0s", None)])
+def test_state_max_future_skew(value: object, skew: timedelta | None) -> None:
+    """How far ahead of the job's clock an event may be: a duration, ``off`` (YAML reads a bare off
+    as false) or 0 to turn the check off; 1h when absent."""
+    state = {"key": "device_id", "timestamp": "ts", **({} if value is ... else {"max_future_skew": value})}
+    cfg = config.parse({**BASE, "state": state})
+    assert cfg.state is not None and cfg.state.max_future_skew == skew
+    assert yaml.safe_load("max_future_skew: off") == {"max_future_skew": False}
 
 
 def test_env_substitution_and_shipped_config(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

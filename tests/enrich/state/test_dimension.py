@@ -133,3 +133,19 @@ def test_the_version_cache_keeps_the_recently_used_within_its_bytes() -> None:
     versions["t3"].index  # noqa: B018 - built: the version now counts its index too
     cache.put("t3", versions["t3"])
     assert len(cache) < 3 and cache.get("t3") is versions["t3"]
+    cache.resize(1)                                      # smaller: the least recent go at once
+    assert len(cache) == 1 and cache.get("t3") is versions["t3"]
+
+
+@pytest.mark.parametrize(("environ", "limit"), [
+    ({"PYSPARK_EXECUTOR_MEMORY_MB": "4096"}, 2048 << 20),    # spark.executor.pyspark.memory 8g over 2 cores
+    ({"PYSPARK_EXECUTOR_MEMORY_MB": "300"}, 150 << 20),
+    ({}, 512 << 20),                                          # not set: Spark bounds no Python worker
+    ({"PYSPARK_EXECUTOR_MEMORY_MB": "lots"}, 512 << 20),
+])
+def test_the_version_cache_takes_half_of_the_python_workers_memory(environ: dict[str, str], limit: int) -> None:
+    """Spark gives each Python worker ``spark.executor.pyspark.memory`` divided by the executor's
+    cores, in its environment (and as its address-space limit); the cache takes half of it."""
+    from enrich.state.dimension import cache_limit
+
+    assert cache_limit(environ) == limit

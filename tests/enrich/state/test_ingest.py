@@ -3,7 +3,9 @@ leaves the rest as Kafka records; the rest pass packs ``from_json``'s events ali
 
 from __future__ import annotations
 
+import dataclasses
 import json
+from datetime import UTC, datetime, timedelta
 
 import pyarrow as pa
 from pyspark.sql.pandas.types import to_arrow_schema
@@ -19,7 +21,7 @@ from pyspark.sql.types import (
 )
 
 from enrich import events
-from enrich.columns import BUCKET, ERROR, MAX_TS, ROWS
+from enrich.columns import BATCH_TIME, BUCKET, ERROR, MAX_TS, ROWS
 from enrich.events import FastEvents
 from enrich.events.fastparse import FastParser
 from enrich.ipc import from_ipc
@@ -96,10 +98,35 @@ def test_the_fast_pass_packs_by_sparks_bucket_and_leaves_what_it_cannot_parse() 
                                                "state.timestamp ts is null"]
     # The source bytes stay in the dead letters only.
     assert table.column("_value").to_pylist() == [None, None, None, values[4], values[5]]
+    # A dead letter has no event time in the step: the watermark (the chunks' greatest) ignores it.
     assert table.column("_ts_us").to_pylist() == [1_767_225_601_000_000, 1_767_225_603_000_000,
-                                                  1_767_225_602_000_000, 1_767_225_604_000_000, None]
+                                                  1_767_225_602_000_000, None, None]
     greatest = {r[BUCKET]: r[MAX_TS] for b in out for r in b.to_pylist() if r[ROWS] is not None}
-    assert max(v for v in greatest.values() if v is not None).second == 4
+    assert max(v for v in greatest.values() if v is not None).second == 3
+
+
+def test_an_event_too_far_ahead_of_the_batch_time_is_a_dead_letter_that_moves_no_watermark() -> None:
+    now = datetime(2026, 1, 1, 0, 10, tzinfo=UTC)
+    values = [*GOOD, ev("d1", "2026-01-01T01:10:00Z"), ev("d2", "2026-01-01T01:10:00.000001Z"),
+              ev("d9", "2031-05-06T07:08:09.5Z"), ev(None, "2031-05-06T07:08:09Z")]
+    batch = kafka(values)
+    batch = batch.append_column(BATCH_TIME, pa.array([now] * batch.num_rows, pa.timestamp("us", tz="UTC")))
+    fast = dataclasses.replace(packer(FIRST, fast=True), max_future_skew=timedelta(hours=1))
+    out = list(fast([batch]))
+    table, _ = unpacked(out)
+    assert table.column(ERROR).to_pylist() == [
+        None, None, None, None,   # exactly 1h ahead is not more than 1h
+        "event time 2026-01-01T01:10:00.000001Z is more than 1h ahead of the clock",
+        "event time 2031-05-06T07:08:09.500000Z is more than 1h ahead of the clock",
+        "state.key device_id is null"]
+    assert table.column("_value").to_pylist()[4:] == values[4:]
+    assert table.column("_ts_us").to_pylist()[4:] == [None, None, None]
+    greatest = [r[MAX_TS] for b in out for r in b.to_pylist() if r[ROWS] is not None]
+    assert max(v for v in greatest if v is not None) == datetime(2026, 1, 1, 1, 10, tzinfo=UTC)
+    # Off, or without the batch's time, no event is judged by its time.
+    for unchecked, given in ((dataclasses.replace(fast, max_future_skew=None), batch), (fast, kafka(values))):
+        table, _ = unpacked(list(unchecked([given])))
+        assert table.column(ERROR).to_pylist()[:6] == [None] * 6
 
 
 def test_the_rest_pass_packs_parsed_events_like_the_fast_pass_and_passes_packed_rows_through() -> None:

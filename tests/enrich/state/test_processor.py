@@ -7,15 +7,19 @@ from datetime import UTC, datetime
 
 import pandas as pd
 import pyarrow as pa
+import pytest
 from pyspark.sql.streaming.tws_tester import TwsTester
 
 from enrich.columns import FLAT, LATE, TS_US
 from enrich.ipc import from_ipc, to_ipc
+from enrich.join import JoinSpec
 from enrich.state import engine, packed
 from enrich.state.cache import LOCAL_DIRS, TableCache
+from enrich.state.dimension import PartitionedDim, partitioned_dim
 from enrich.state.engine import StateSpec
 from enrich.state.processor import DeviceStateProcessor
 from enrich.state.stored import DELTAS, STATE_NAME, bucket_table
+from refstream.contract import Column, DatasetSchema
 
 HOUR_US = 3600 * 10**6
 T0_US = int(datetime(2026, 1, 1, tzinfo=UTC).timestamp()) * 10**6
@@ -130,16 +134,20 @@ def test_a_bucket_of_dead_letters_only_keeps_no_state() -> None:
     assert t.peekValueState(STATE_NAME, 3) is None and list(t.handle.listTimers()) == []
 
 
-def test_a_partitioned_dimension_is_applied_before_the_events_and_cached_per_version() -> None:
-    from enrich.join import JoinSpec
-    from enrich.state import dimension
-    from refstream import contract
-    from refstream.contract import Column, DatasetSchema
-
+def _owner_dim() -> PartitionedDim:
+    """A partitioned join on ``device_id`` adding ``owner``, as the pipeline plans it."""
     schema = DatasetSchema("devices", ("device_id",), (Column("device_id", "string"), Column("owner", "string")))
     spec = JoinSpec(dataset="devices", pairs=(("device_id", "device_id"),), key_types=(pa.string(),),
                     columns=(("owner", "owner"),), out_types=(pa.string(),), matched="_devices_matched", inner=False)
-    dim = dimension.partitioned_dim(0, "devices", "ref.devices", schema, spec, inner=False)
+    return partitioned_dim(0, "devices", "ref.devices", schema, spec, inner=False)
+
+
+def test_a_partitioned_dimension_is_applied_before_the_events_and_cached_per_version() -> None:
+    from enrich.state import dimension
+    from refstream import contract
+
+    dim = _owner_dim()
+    schema = dim.schema
     t = TwsTester(DeviceStateProcessor(SPEC, COLUMNS, dims=(dim,)), timeMode="EventTime",
                   eventTimeExtractor=lambda _: 2**62)
 
@@ -170,6 +178,19 @@ def test_a_partitioned_dimension_is_applied_before_the_events_and_cached_per_ver
     # The cache emptied (another worker): the stored rows are read.
     dimension.CACHE._items.clear()
     assert owners(rows([("a", 4, 1.0, 1), ("b", 5, 1.0, 1)], 4)) == ["ann", "bob"]
+
+
+def test_the_dimension_cache_is_sized_from_the_python_workers_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Spark puts ``spark.executor.pyspark.memory`` / executor cores in the worker's environment; the
+    processor sizes this worker's version cache from it before it uses the cache."""
+    from enrich.state import dimension
+
+    monkeypatch.setattr(dimension.CACHE, "limit", dimension.CACHE.limit)  # put back after the test
+    monkeypatch.setenv("PYSPARK_EXECUTOR_MEMORY_MB", "100")
+    t = TwsTester(DeviceStateProcessor(SPEC, COLUMNS, dims=(_owner_dim(),)), timeMode="EventTime",
+                  eventTimeExtractor=lambda _: 2**62)
+    run(t, rows([("a", 0, 1.0, 1)]))
+    assert dimension.CACHE.limit == 50 << 20
 
 
 def test_a_bucket_table_is_read_from_the_executor_cache_when_it_holds_the_stored_version(

@@ -328,3 +328,38 @@ def test_the_buckets_are_spread_evenly_over_the_state_partitions(spark: SparkSes
     assert len(rows) == 8 and sorted(held) == sorted(layout.ids)
     assert [held[g] for g in layout.ids] == [b % partitions for b in range(8)]
     assert sum(json.loads(checkpoint.devices.read_text())["buckets"].values()) == 200
+
+
+@pytest.mark.integration
+def test_an_event_from_the_future_is_a_dead_letter_and_moves_neither_watermark_nor_state(
+        spark: SparkSession, kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path) -> None:
+    """One device's clock years ahead: without a guard its event would move the watermark there for
+    good, the TTL would drop every device's state and every later event would be late. With the
+    default ``max_future_skew`` (1h) it is a dead letter and the others carry on."""
+    data = {**make_config(kafka, unique, tmp_path), "metrics": {"port": 0}}
+    publish(kafka, data["joins"][0]["topic"], changelog(DEVICES, [{"device_id": "a", "owner": "ann"}]))
+    future = (datetime.now(UTC) + timedelta(days=3 * 365)).replace(microsecond=0)
+    produce_events(kafka, data["events"]["topic"], [
+        # first batch (four events each): the future event among real ones
+        {"device_id": "a", "ts": at(0), "temp": 1.0, "n": 1},
+        {"device_id": "b", "ts": at(1), "temp": 2.0, "n": 2},
+        {"device_id": "z", "ts": future.strftime("%Y-%m-%dT%H:%M:%SZ"), "temp": 9.0, "n": 3},
+        {"device_id": "a", "ts": at(2), "temp": 3.0, "n": 4},
+        *[{"device_id": "ab"[i % 2], "ts": at(3 + i), "temp": float(i), "n": 5 + i} for i in range(8)],
+    ])
+    job = EnrichJob(config.parse(data, "test.yaml"), available_now=True)
+    job.run(spark)
+    out = outputs(kafka, data["output"]["kafka"]["topic"])
+    assert {n for n in out if out[n]["_late"]} == set()
+    dead = [(json.loads(m.value())["n"], dict(m.headers())["error"].decode())
+            for m in read_all(kafka, data["dead_letter_topic"])]
+    assert dead == [(3, f"event time {future:%Y-%m-%dT%H:%M:%SZ} is more than 1h ahead of the clock")]
+    assert sorted(out) == [1, 2, *range(4, 13)]
+    # Every later event of a and b counts on from their earlier ones: no state was dropped.
+    assert [out[n]["state"]["events"] for n in (1, 4, 5, 7, 9, 11)] == [1, 2, 3, 4, 5, 6]
+    assert [out[n]["state"]["events"] for n in (2, 6, 8, 10, 12)] == [1, 2, 3, 4, 5]
+    # The watermark the metric shows is the real events' (the greatest time, 10m, less 1m, as
+    # of the last progress the driver read), not the future event's.
+    assert job.started.metrics is not None
+    watermark = job.started.metrics.registry.get_sample_value("refstream_enrich_watermark_seconds")
+    assert watermark is not None and T0.timestamp() < watermark <= (T0 + timedelta(minutes=9)).timestamp()
