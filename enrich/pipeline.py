@@ -34,7 +34,7 @@ from pyspark.sql.types import BooleanType, StructField, StructType
 
 from enrich import events, join
 from enrich.checkpoint import CheckpointLayout
-from enrich.columns import INTERNAL
+from enrich.columns import BATCH_TIME, BUCKET, FLAT, INTERNAL, MAX_TS, TS_US
 from enrich.config import EnrichConfig, JoinConfig
 from enrich.join import JoinSpec
 from enrich.state.dimension import PartitionedDim, partitioned_dim
@@ -45,6 +45,9 @@ from refstream.errors import ConfigError
 
 __all__ = ["JoinPass", "Pipeline", "Stage", "StatePlan"]
 
+#: The columns the state step adds to the events on their way through it (an event field of that
+#: name would be overwritten).
+STEP_COLUMNS = frozenset({BUCKET, TS_US, MAX_TS, BATCH_TIME})
 #: What a stage does.
 StageKind = Literal["read", "parse", "join", "state", "sink"]
 
@@ -194,6 +197,10 @@ def _state_plan(cfg: EnrichConfig, parsed: StructType, schemas: Mapping[str, Dat
     _, with_dims = join.plan(cfg.partitioned_joins, schemas, parsed, timezone=timezone, source=src)
     _, enriched = join.plan(cfg.broadcast_joins, schemas, with_dims, timezone=timezone, source=src)
     spec = resolve(cfg.state, enriched, timezone=timezone, source=src)
+    taken = [f for f in parsed.fieldNames() if f in STEP_COLUMNS or f.startswith(FLAT)]
+    if taken:
+        raise ConfigError(f"{src}: events.schema: field(s) {taken} are names the state step uses for its own "
+                          f"columns ({', '.join(sorted(STEP_COLUMNS))}, {FLAT}*); rename them")
     before = _needed_by_state(cfg, schemas, with_dims, timezone)
     # Each of these needs its on: columns from the events: a column of a partitioned join (added
     # inside the step) or of a join left to the join pass is named by the plan's error.

@@ -1,0 +1,50 @@
+"""The job's one plan (``enrich.pipeline``), built against published schemas without a broker: the
+stages in order, where the joins run, and what it refuses (Spark parses the DDL: a session)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from pyspark.sql import SparkSession
+
+from enrich import config
+from enrich.pipeline import Pipeline
+from refstream.contract import Column, DatasetSchema
+from refstream.errors import ConfigError
+
+SCHEMAS = {
+    "devices": DatasetSchema("devices", ("device_id",), (Column("device_id", "string"), Column("model_id", "string"))),
+    "models": DatasetSchema("models", ("id",), (Column("id", "string"), Column("model_name", "string"))),
+    "sites": DatasetSchema("sites", ("site_id",), (Column("site_id", "string"), Column("region", "string"))),
+}
+
+
+def cfg(schema: str = "device_id STRING, site_id STRING, ts TIMESTAMP, temp DOUBLE", **state: Any) -> config.EnrichConfig:
+    return config.parse({
+        "kafka": {"bootstrap_servers": "127.0.0.1:9"}, "events": {"topic": "ev", "schema": schema},
+        "joins": [{"dataset": "models", "on": {"model_id": "id"}, "columns": ["model_name"]},
+                  {"dataset": "sites", "on": "site_id"},
+                  {"dataset": "devices", "on": "device_id", "strategy": "partitioned"}],
+        "output": {"kafka": {"topic": "out"}}, "dead_letter_topic": "dlq", "checkpoint": "ck",
+        "state": {"key": "device_id", "timestamp": "ts", "aggregates": {"temp": ["mean"], "region": ["last"]},
+                  **state}}, "test.yaml")
+
+
+def test_the_joins_the_state_needs_run_before_it_the_others_after(spark: SparkSession) -> None:
+    p = Pipeline.build(cfg(), SCHEMAS)
+    assert p.state is not None
+    assert [j.dataset for j in p.state.before] == ["sites"]           # the state aggregates region
+    assert [d.dataset for d in p.state.dims] == ["devices"]           # partitioned: inside the step
+    assert [j.dataset for j in p.after] == ["models"]                 # on model_id, which devices adds
+    assert [(s.kind, s.name) for s in p.stages()] == [
+        ("read", "ev"), ("parse", "events.schema"), ("join", "sites"), ("join", "devices"),
+        ("state", "keyed by device_id"), ("join", "models"), ("sink", "kafka")]
+    assert p.join_pass.columns[-4:] == ("state", "_late", "model_name", "_models_matched")
+    assert p.replan(dict(SCHEMAS)) == p.join_pass
+
+
+def test_an_event_field_named_like_a_column_of_the_state_step_is_refused(spark: SparkSession) -> None:
+    with pytest.raises(ConfigError, match=r"^test\.yaml: events\.schema: field\(s\) \['_bucket'\] are names the "
+                                          r"state step uses"):
+        Pipeline.build(cfg("device_id STRING, site_id STRING, ts TIMESTAMP, temp DOUBLE, _bucket INT"), SCHEMAS)
