@@ -30,7 +30,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from demo.broker import EmbeddedBroker
+from demo.broker import EmbeddedBroker, free_port
 from demo.processes import Child, ChildExited
 from demo.scenario import SUBJECT, ChangeNotSeen, Operator, Stopped, device_state, matched, say, stamp
 from demo.seed import MODELS, SITES, device, seed_database, write_sites
@@ -74,6 +74,10 @@ def demo_environment(workdir: Path, bootstrap: str, db_url: str) -> dict[str, st
     start in the work directory: a source tree the demo runs from without being installed goes on
     their PYTHONPATH (an installed package is found through the interpreter's site-packages)."""
     env = {"DEMO_BOOTSTRAP": bootstrap, "DEMO_DB_URL": db_url, "DEMO_DIR": str(workdir),
+           # Free ports for the refresher's and the job's /metrics (and the refresher's status page),
+           # and the job's Spark UI: printed at start.
+           "DEMO_REFRESH_METRICS_PORT": str(free_port()), "DEMO_ENRICH_METRICS_PORT": str(free_port()),
+           "DEMO_SPARK_UI_PORT": str(free_port()),
            "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable, "PYTHONUNBUFFERED": "1"}
     installed = {Path(p).resolve() for p in site.getsitepackages()}
     if PACKAGES not in installed:
@@ -144,9 +148,13 @@ class Demo:
             refresh_cmd = [sys.executable, "-m", "refresh", "--config", str(refresh_yaml)]
 
             self._start(stack, "refresher", [*refresh_cmd, "daemon"])
+            port = os.environ["DEMO_REFRESH_METRICS_PORT"]
+            say(f"           status page http://127.0.0.1:{port}/, metrics http://127.0.0.1:{port}/metrics")
             self._wait_for_changelogs(settings)
             self._start(stack, "enrichment job", [sys.executable, "-m", "enrich", "run", "--config",
                                                   str(enrich_yaml), "--master", self.args.master])
+            say(f"           metrics http://127.0.0.1:{os.environ['DEMO_ENRICH_METRICS_PORT']}/metrics, Spark UI "
+                f"http://127.0.0.1:{os.environ['DEMO_SPARK_UI_PORT']}/")
             self._start(stack, "simulator", [sys.executable, "-m", "demo.simulate", "--bootstrap",
                                              broker.bootstrap, "--topic", EVENTS_TOPIC, "--rate",
                                              f"{self.args.rate:g}", "--devices", str(self.args.devices),

@@ -10,6 +10,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import psutil
@@ -62,6 +63,16 @@ def test_demo_shows_every_change_in_the_enriched_output_and_stops_cleanly(tmp_pa
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     finished = done.wait(LIMIT + 60)
+    # The addresses the demo printed at start answer while it runs: the refresher's status page and
+    # both processes' metrics.
+    printed = "".join(lines)
+    pages = {}
+    for url in re.findall(r"(?:status page|metrics|Spark UI) (http://127\.0\.0\.1:\d+/[^\s,]*)", printed):
+        try:
+            with urllib.request.urlopen(url, timeout=10) as r:
+                pages[url] = r.read().decode("utf-8", "replace")
+        except OSError as exc:
+            pages[url] = f"unreachable: {exc}"
     # Ctrl-C as a user would press it, once the scenario is through.
     if proc.poll() is None:
         proc.send_signal(signal.SIGINT)
@@ -75,6 +86,12 @@ def test_demo_shows_every_change_in_the_enriched_output_and_stops_cleanly(tmp_pa
     err = proc.stderr.read()
     out = "".join(lines)
     assert finished, out + err
+    metrics = [text for url, text in pages.items() if url.endswith("/metrics")]
+    assert len(metrics) == 2 and any("refstream_refresh_runs_total" in t for t in metrics) \
+        and any("refstream_enrich_events_total" in t for t in metrics), pages
+    html = [text for url, text in pages.items() if not url.endswith("/metrics")]
+    assert len(html) == 2 and all("<html" in t.lower() for t in html), pages   # the status page, the Spark UI
+    assert any("devices" in t for t in html), pages
     assert proc.returncode == 0, f"exit {proc.returncode}\n{out}\n{err}"
 
     seen = {m.group("what").split()[0]: float(m.group("s")) for m in SEEN.finditer(out)}
