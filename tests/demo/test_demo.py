@@ -50,21 +50,24 @@ def test_demo_shows_every_change_in_the_enriched_output_and_stops_cleanly(tmp_pa
          "--devices", "2000", "--rate", "200", "--timeout", "60", "--startup-timeout", str(STARTUP)],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     lines: list[str] = []
-    done = threading.Event()
+    done, flowing = threading.Event(), threading.Event()
 
     def read() -> None:
         assert proc.stdout is not None
         for line in proc.stdout:
             lines.append(line)
+            if " -> model " in line:  # the first enriched event: every process runs
+                flowing.set()
             if "changes reached the enriched output" in line:
                 done.set()
+        flowing.set()
         done.set()
 
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
-    finished = done.wait(LIMIT + 60)
-    # The addresses the demo printed at start answer while it runs: the refresher's status page and
-    # both processes' metrics.
+    flowing.wait(LIMIT + 60)
+    # The addresses the demo printed at start answer while it runs (the operator's changes take tens
+    # of seconds from here): the refresher's status page and metrics, the job's metrics and Spark UI.
     printed = "".join(lines)
     pages = {}
     for url in re.findall(r"(?:status page|metrics|Spark UI) (http://127\.0\.0\.1:\d+/[^\s,]*)", printed):
@@ -73,6 +76,7 @@ def test_demo_shows_every_change_in_the_enriched_output_and_stops_cleanly(tmp_pa
                 pages[url] = r.read().decode("utf-8", "replace")
         except OSError as exc:
             pages[url] = f"unreachable: {exc}"
+    finished = done.wait(LIMIT + 60)
     # Ctrl-C as a user would press it, once the scenario is through.
     if proc.poll() is None:
         proc.send_signal(signal.SIGINT)
