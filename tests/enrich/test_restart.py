@@ -43,11 +43,11 @@ def write_config(path: Path, kafka: dict[str, str], unique: Callable[[str], str]
     return cfg
 
 
-def start_job(config: Path, log: Path, *extra: str, master: str = "local[2]",
-              kill: str | None = None) -> subprocess.Popen[bytes]:
-    """``enrich run`` as a process of its own; ``kill``: through the kill hook (tests/enrich/kill.py)
-    with this spec."""
-    env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYTHONPATH": str(ROOT)}
+def start_job(config: Path, log: Path, *extra: str, master: str = "local[2]", kill: str | None = None,
+              env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+    """``enrich run`` as a process of its own (``env``: more environment); ``kill``: through the kill
+    hook (tests/enrich/kill.py) with this spec."""
+    env = {**os.environ, "PYSPARK_PYTHON": sys.executable, "PYTHONPATH": str(ROOT), **(env or {})}
     entry = ["tests.enrich.kill", kill] if kill is not None else ["enrich"]
     return subprocess.Popen([sys.executable, "-m", *entry, "run", "--config", str(config), "--master", master,
                              *extra], cwd=ROOT, env=env, stdout=open(log, "ab"), stderr=subprocess.STDOUT,  # noqa: SIM115
