@@ -8,7 +8,7 @@ runs, for ``--duration`` seconds:
   (``python -m enrich run``, Kafka output) as separate process groups;
 - an event producer (every event carries a unique ``seq``), and a change driver updating, deleting
   and inserting device rows and rewriting the CSV;
-- a killer sending SIGKILL to the refresher's and the job's whole process groups at random
+- a killer sending SIGKILL to every process of the refresher and of the job at random
   (seeded) moments and restarting them; the job is killed only once it has committed a batch
   since its last start, so every kill lands on a running query.
 
@@ -229,7 +229,7 @@ class Soak:
     def _kill(self, name: str) -> None:
         child = self.children[name]
         assert child.proc is not None
-        os.killpg(child.proc.pid, signal.SIGKILL)  # the whole group: driver, JVM, Python workers
+        kill_session(child.proc.pid)  # everything it started: driver, JVM, PySpark's daemons and workers
         child.proc.wait(30)
         log.info("SIGKILL %s (pid %d)", name, child.proc.pid)
         self.children[name] = self._child(name)
@@ -369,6 +369,21 @@ class Soak:
         with engine.connect() as c:
             c.execute(sa.text(f"DROP DATABASE IF EXISTS `{self.db_name}`"))
         engine.dispose()
+
+
+def kill_session(sid: int) -> None:
+    """SIGKILL every process of session ``sid`` (a child started with ``start_new_session``). Its
+    process group is not enough for the job: PySpark's daemons put themselves, and the Python
+    workers they fork, in process groups of their own (``pyspark/daemon.py``), in the same session."""
+    os.killpg(sid, signal.SIGKILL)
+    for _ in range(2):  # a daemon may fork a worker meanwhile
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                # pid (comm) state ppid pgrp session ...: comm may hold spaces and parentheses
+                if int(stat.read_text().rsplit(")", 1)[1].split()[3]) == sid:
+                    os.kill(int(stat.parent.name), signal.SIGKILL)
+            except (OSError, ValueError, IndexError):  # gone meanwhile
+                continue
 
 
 @contextmanager
