@@ -5,17 +5,24 @@ runs, for ``--duration`` seconds:
 
 - MariaDB with a ``devices`` table, a ``sites.csv`` file, the broker (the embedded one unless
   ``--bootstrap``), the refresher daemon (``python -m refresh daemon``) and the job
-  (``python -m enrich run``, Kafka output) as separate process groups;
-- an event producer (every event carries a unique ``seq``), and a change driver updating, deleting
-  and inserting device rows and rewriting the CSV;
-- a killer sending SIGKILL to the refresher's and the job's whole process groups at random
+  (``python -m enrich run``, Kafka output) as separate process groups. The job keeps per-device
+  state (``state:`` keyed by the device, on the events' time) with the devices joined
+  ``partitioned`` inside the state step and ``sites`` broadcast after it, over 4 state partitions
+  on ``local[2]``: a batch's state tasks run in two waves;
+- an event producer (every event carries a unique ``seq`` and its produce time, in UTC, as ``ts``),
+  and a change driver updating, deleting and inserting device rows and rewriting the CSV;
+- a killer sending SIGKILL to every process of the refresher and of the job at random
   (seeded) moments and restarting them; the job is killed only once it has committed a batch
   since its last start, so every kill lands on a running query.
 
 Then, after a quiet period (every process running, one forced ``refresh run``): probe events, one
 per device key ever used, and the checks - every produced event in the ``read_committed`` output
 exactly once; the changelog topics, read through the contract, equal the database and the CSV; the
-probes' enrichment equals the database (deleted keys unmatched); ``refresh status --check`` passes.
+probes' enrichment equals the database (deleted keys unmatched); each device's last event in the
+output (its highest ``seq``: the probe) counts in ``state.events`` every event produced for the
+device, whether the database knew the device or not; ``refresh status --check`` passes. The state's
+watermark and TTL (a day each) keep every event on time and every device in state for any soak
+shorter than that.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from collections import Counter
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +79,9 @@ class Figures:
     duplicated: int = -1
     dimension_mismatches: list[str] = field(default_factory=list)
     probe_mismatches: list[str] = field(default_factory=list)
+    state_mismatches: list[str] = field(default_factory=list)  # devices whose final state.events is off
+    late: int = -1                  # output events flagged _late (their state is null): none expected
+    produce_failures: int = 0       # events whose delivery failed (not counted as produced)
     status_check: int = -1
 
     @property
@@ -79,7 +90,7 @@ class Figures:
 
     def ok(self) -> bool:
         return (self.lost == 0 and self.duplicated == 0 and not self.dimension_mismatches
-                and not self.probe_mismatches and self.status_check == 0)
+                and not self.probe_mismatches and not self.state_mismatches and self.status_check == 0)
 
 
 class Soak:
@@ -96,7 +107,7 @@ class Soak:
         self.topics = {"events": f"soak-{tag}.events", "out": f"soak-{tag}.enriched", "dlq": f"soak-{tag}.dlq",
                        "devices": f"soak-{tag}.ref.devices", "sites": f"soak-{tag}.ref.sites"}
         self.fig = Figures(seed=seed)
-        self.produced: set[int] = set()
+        self.produced: dict[int, str] = {}  # seq -> device of every event the broker acknowledged
         self.failed_produce = 0
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -137,17 +148,22 @@ class Soak:
         }
         enrich = {
             "kafka": {"bootstrap_servers": self.bootstrap},
-            "events": {"topic": self.topics["events"], "schema": "device_id STRING, seq BIGINT",
+            "events": {"topic": self.topics["events"], "schema": "device_id STRING, seq BIGINT, ts TIMESTAMP",
                        "starting_offsets": "earliest"},
+            # The event time is the wall clock: a day of watermark and of TTL keep every event on
+            # time (a late one would get a null state) and every device in state, across restarts.
+            "state": {"key": "device_id", "timestamp": "ts", "watermark": "24h", "ttl": "24h", "buckets": 16,
+                      "aggregates": {"seq": ["max"]}},
             "joins": [{"dataset": "devices", "topic": self.topics["devices"], "on": "device_id",
-                       "columns": ["owner", "site_id"]},
+                       "columns": ["owner", "site_id"], "strategy": "partitioned"},
                       {"dataset": "sites", "topic": self.topics["sites"], "on": "site_id", "columns": ["name"]}],
             "output": {"kafka": {"topic": self.topics["out"]}},
             "dead_letter_topic": self.topics["dlq"],
             "checkpoint": str(self.work / "checkpoint"),
             "trigger": "500ms",
             "max_events_per_batch": 5000,
-            "spark": {"spark.driver.memory": "1g", "spark.sql.shuffle.partitions": "2", "spark.ui.enabled": "false"},
+            # More state partitions than local[2]'s cores: a batch's state tasks run in waves.
+            "spark": {"spark.driver.memory": "1g", "spark.sql.shuffle.partitions": "4", "spark.ui.enabled": "false"},
         }
         self.refresh_yaml, self.enrich_yaml = self.work / "refresh.yaml", self.work / "enrich.yaml"
         self.refresh_yaml.write_text(yaml.safe_dump(refresh), encoding="utf-8")
@@ -179,10 +195,10 @@ class Soak:
         p = Producer({**self.kafka, "enable.idempotence": True, "linger.ms": 20})
 
         def delivered(err: Any, msg: Any) -> None:
-            seq = json.loads(msg.value())["seq"]
+            event = json.loads(msg.value())
             with self._lock:
                 if err is None:
-                    self.produced.add(seq)
+                    self.produced[event["seq"]] = event["device_id"]
                 else:
                     self.failed_produce += 1
 
@@ -190,8 +206,8 @@ class Soak:
         while not self._stop.is_set():
             for _ in range(20):
                 dev = f"d{self.rng.randrange(DEVICES + 20)}"
-                p.produce(self.topics["events"], json.dumps({"device_id": dev, "seq": seq}).encode(), dev.encode(),
-                          on_delivery=delivered)
+                p.produce(self.topics["events"], json.dumps({"device_id": dev, "seq": seq, "ts": now()}).encode(),
+                          dev.encode(), on_delivery=delivered)
                 seq += 1
             p.poll(0)
             time.sleep(0.1)
@@ -229,7 +245,7 @@ class Soak:
     def _kill(self, name: str) -> None:
         child = self.children[name]
         assert child.proc is not None
-        os.killpg(child.proc.pid, signal.SIGKILL)  # the whole group: driver, JVM, Python workers
+        kill_session(child.proc.pid)  # everything it started: driver, JVM, PySpark's daemons and workers
         child.proc.wait(30)
         log.info("SIGKILL %s (pid %d)", name, child.proc.pid)
         self.children[name] = self._child(name)
@@ -305,11 +321,11 @@ class Soak:
         p = Producer({**self.kafka, "enable.idempotence": True})
         keys = [f"d{i}" for i in range(DEVICES + 20)]
         for i, dev in enumerate(keys):
-            p.produce(self.topics["events"], json.dumps({"device_id": dev, "seq": PROBE_BASE + i}).encode(),
+            p.produce(self.topics["events"], json.dumps({"device_id": dev, "seq": PROBE_BASE + i, "ts": now()}).encode(),
                       dev.encode())
         assert p.flush(30) == 0
         f.probes = len(keys)
-        expected = self.produced | {PROBE_BASE + i for i in range(len(keys))}
+        expected = set(self.produced) | {PROBE_BASE + i for i in range(len(keys))}
         deadline = time.monotonic() + 300
         while True:
             out = self._output()
@@ -318,9 +334,11 @@ class Soak:
                 break
             self.children["job"].check()
             time.sleep(2)
-        f.events = len(self.produced)
+        f.events, f.produce_failures = len(self.produced), self.failed_produce
         f.lost = len(expected - set(seqs))
         f.duplicated = sum(c - 1 for c in seqs.values() if c > 1)
+        f.late = sum(1 for e in out if e.get("_late"))
+        f.state_mismatches = self._state_mismatches(out, keys)
         probes = {e["device_id"]: e for e in out if int(e["seq"]) >= PROBE_BASE}
         for dev in keys:
             e, row = probes.get(dev), db.get(dev)
@@ -334,6 +352,26 @@ class Soak:
                 f.probe_mismatches.append(f"{dev}: enriched {e.get('owner')}/{e.get('site_id')}/{e.get('name')}, "
                                           f"database {row['owner']}/{row['site_id']}/{self.sites.get(row['site_id'])}")
         f.status_check = self._refresh_cli("status", "--check").returncode
+
+    def _state_mismatches(self, out: list[dict[str, Any]], keys: list[str]) -> list[str]:
+        """Devices whose last output event (highest ``seq``) does not count, in ``state.events``,
+        every event produced for the device: the acknowledged ones and its probe. Unmatched devices
+        count too (the state keeps every event with a key); there are no dead letters."""
+        produced = Counter(self.produced.values()) + Counter(keys)
+        last: dict[str, dict[str, Any]] = {}
+        for e in out:
+            dev = e["device_id"]
+            if dev not in last or int(e["seq"]) > int(last[dev]["seq"]):
+                last[dev] = e
+        bad = []
+        for dev in sorted(set(produced) | set(last)):
+            e = last.get(dev)
+            if e is None:
+                bad.append(f"{dev}: no output, {produced[dev]} produced")
+            elif (e.get("state") or {}).get("events") != produced[dev]:
+                bad.append(f"{dev}: state {e.get('state')} at seq {e['seq']} (late: {e.get('_late')}), "
+                           f"{produced[dev]} produced")
+        return bad
 
     # ------------------------------------------------------------------------------------ run
 
@@ -369,6 +407,26 @@ class Soak:
         with engine.connect() as c:
             c.execute(sa.text(f"DROP DATABASE IF EXISTS `{self.db_name}`"))
         engine.dispose()
+
+
+def kill_session(sid: int) -> None:
+    """SIGKILL every process of session ``sid`` (a child started with ``start_new_session``). Its
+    process group is not enough for the job: PySpark's daemons put themselves, and the Python
+    workers they fork, in process groups of their own (``pyspark/daemon.py``), in the same session."""
+    os.killpg(sid, signal.SIGKILL)
+    for _ in range(2):  # a daemon may fork a worker meanwhile
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                # pid (comm) state ppid pgrp session ...: comm may hold spaces and parentheses
+                if int(stat.read_text().rsplit(")", 1)[1].split()[3]) == sid:
+                    os.kill(int(stat.parent.name), signal.SIGKILL)
+            except (OSError, ValueError, IndexError):  # gone meanwhile
+                continue
+
+
+def now() -> str:
+    """The wall clock in UTC as the events' ``ts``."""
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
 @contextmanager

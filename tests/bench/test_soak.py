@@ -1,6 +1,8 @@
 """The kill-everything soak (bench/soak.py) for three minutes: MariaDB, the broker, the refresher
-daemon and the job as process groups, reference churn, and at least five SIGKILLs of each process.
-Nothing may be lost or duplicated and the final dimensions must equal the database."""
+daemon and the job (per-device state, a partitioned join, 4 state partitions on 2 cores) as
+processes, reference churn, and at least five SIGKILLs of each process. Nothing may be lost or
+duplicated, each device's final state must count every event produced for it, and the final
+dimensions must equal the database."""
 
 from __future__ import annotations
 
@@ -30,4 +32,5 @@ def test_soak_with_sigkills_loses_and_duplicates_nothing(kafka: dict[str, str], 
     assert (fig.lost, fig.duplicated) == (0, 0), f"seed {seed}: {report}"
     assert fig.dimension_mismatches == [], f"seed {seed}: {report}"
     assert fig.probe_mismatches == [], f"seed {seed}: {report}"
+    assert (fig.late, fig.state_mismatches) == (0, []), f"seed {seed}: {report}"
     assert fig.status_check == 0, f"seed {seed}: refresh status --check failed; logs in {tmp_path}"

@@ -1,38 +1,63 @@
-"""The kill hook of the restart tests: a Kafka sink task that kills its own Python worker inside its
-transaction, after sending its first records and before its commit.
+"""The kill hook of the restart tests: a Kafka sink task that, inside its transaction, after sending
+its first records and before its commit, kills its own Python worker - or the whole job.
 
-Run the job through it: ``python -m tests.enrich.kill BATCH[+]:SLOT|*:FLAG run --config F ...``. It
-replaces the sink's task writer with :class:`KillingTaskWriter` and runs ``enrich``'s CLI; the
+Run the job through it: ``python -m tests.enrich.kill [job:]BATCH[+]:SLOT|*:FLAG run --config F ...``.
+It replaces the sink's task writer with :class:`KillingTaskWriter` and runs ``enrich``'s CLI; the
 writer travels to the workers pickled (its class by reference: the workers import this module, so
 ``tests`` must be on their ``PYTHONPATH``). The first task of ``SLOT`` (``*``: any) writing records in
-batch ``BATCH`` (``+``: or a later one) kills its worker, once: ``FLAG`` is created first.
+batch ``BATCH`` (``+``: or a later one) fires, once: ``FLAG`` is created first.
+
+- Without ``job:`` it kills its worker (Spark runs the task again).
+- With ``job:`` the picked task waits until another slot of the same batch has committed it (that
+  slot's ledger says so), then begins its transaction, sends its first records and SIGKILLs every
+  process of the job: a crash that leaves the batch committed in one slot and open in another. The
+  job must have been started in a session of its own (``start_new_session``): PySpark's daemons put
+  themselves and their workers in process groups of their own, so the job's processes are those of
+  the driver's session. It appends what it found to ``FLAG`` as a JSON line (:func:`read_note`).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import sys
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
+import pyarrow as pa
 from confluent_kafka import Producer
 
-from enrich.sinks.kafka.tasks import TaskWriter
+from enrich.sinks.kafka.ledger import Ledger
+from enrich.sinks.kafka.tasks import TaskWriter, slot_id
+
+MODULE = "tests.enrich.kill"
+JOB = "job:"
+#: The other slots a ``job:`` kill looks at: the tests' batches have fewer.
+SLOTS = 8
+#: How long a ``job:`` kill waits for another slot's commit before it kills the job all the same
+#: (its note then says ``other: null``, for the test to fail on).
+WAIT_S = 120.0
 
 
 @dataclass(frozen=True)
 class KillPoint:
-    """Which task kills its worker (see the module doc); ``from_spec`` reads ``BATCH[+]:SLOT|*:FLAG``."""
+    """Which task fires (see the module doc); ``from_spec`` reads ``[job:]BATCH[+]:SLOT|*:FLAG``."""
 
     batch_id: int
     slot: int | None
     flag: str
     later: bool = False
+    job: bool = False   # kill the whole job once another slot of the batch has committed
 
     @classmethod
     def from_spec(cls, value: str) -> KillPoint:
-        batch, slot, flag = value.split(":", 2)
-        return cls(int(batch.rstrip("+")), None if slot == "*" else int(slot), flag, batch.endswith("+"))
+        job = value.startswith(JOB)
+        batch, slot, flag = value.removeprefix(JOB).split(":", 2)
+        return cls(int(batch.rstrip("+")), None if slot == "*" else int(slot), flag, batch.endswith("+"), job)
 
     def picks(self, batch_id: int, slot: int) -> bool:
         """Whether the task of ``slot`` in ``batch_id`` is the one (the first time only)."""
@@ -49,14 +74,115 @@ class KillPoint:
         return True
 
 
+# The tasks a ``job:`` kill picked in this worker: (batch, slot) -> the other slot found committed.
+_HELD: dict[tuple[int, int], int | None] = {}
+
+
 @dataclass(frozen=True)
 class KillingTaskWriter(TaskWriter):
     kill: KillPoint | None = None
 
+    def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        if self.kill is not None and self.kill.job:
+            batches = self._held(batches)
+        return super().__call__(batches)
+
+    def _held(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        """The task's input; a picked task's first rows held back until another slot has committed
+        the batch. Held before the task's transaction begins (its producer and ledger are set up
+        meanwhile), not after: the test broker hides a transaction's commit, ledger offsets included,
+        while an older transaction is open on a partition it wrote - every output partition here."""
+        from pyspark import TaskContext
+
+        first = next(batches, None)
+        if first is None:
+            return
+        ctx = TaskContext.get()
+        slot = ctx.partitionId() if ctx is not None else 0
+        assert self.kill is not None
+        if self.kill.picks(self.batch_id, slot):
+            _HELD[(self.batch_id, slot)] = self._another_slot_committed(slot)
+        yield first
+        yield from batches
+
     def sent(self, slot: int, producer: Producer) -> None:
-        if self.kill is not None and self.kill.picks(self.batch_id, slot):
+        if self.kill is None:
+            return
+        if self.kill.job:
+            if (self.batch_id, slot) not in _HELD:
+                return
             producer.flush(30)  # the records reach the broker, the commit never does
+            note = {"batch": self.batch_id, "slot": slot, "other": _HELD[(self.batch_id, slot)],
+                    "base_id": self.base_id, "scope": self.scope, "ledger_topic": self.ledger_topic,
+                    "session": os.getsid(0)}
+            with open(self.kill.flag, "a", encoding="utf-8") as f:
+                f.write(json.dumps(note) + "\n")
+            kill_session()
+        elif self.kill.picks(self.batch_id, slot):
+            producer.flush(30)
             os.kill(os.getpid(), signal.SIGKILL)
+
+    def _another_slot_committed(self, slot: int) -> int | None:
+        """The first other slot whose ledger shows this batch committed, polled for up to
+        :data:`WAIT_S` (None: none did)."""
+        ledgers = {s: Ledger(self.settings, self.ledger_topic, slot_id(self.base_id, s), self.scope, timeout=10)
+                   for s in range(SLOTS) if s != slot}
+        try:
+            deadline = time.monotonic() + WAIT_S
+            while time.monotonic() < deadline:
+                for s, ledger in ledgers.items():
+                    committed = ledger.read().committed
+                    if committed is not None and committed >= self.batch_id:
+                        return s
+                time.sleep(0.1)
+            return None
+        finally:
+            for ledger in ledgers.values():
+                ledger.close()
+
+
+def session_pids(sid: int) -> list[int]:
+    """The processes of session ``sid`` (Linux ``/proc``)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:  # gone meanwhile
+            continue
+        # pid (comm) state ppid pgrp session ...: comm may hold spaces and parentheses
+        if int(stat.rsplit(")", 1)[1].split()[3]) == sid:
+            pids.append(int(entry.name))
+    return pids
+
+
+def kill_session() -> None:
+    """SIGKILL every process of the job - its driver's session: driver, JVM, PySpark's daemons and
+    their workers - this one last. Refused (this worker only is killed) unless the session's leader
+    is the job run through this module: started otherwise, the session could be a terminal's."""
+    sid, me = os.getsid(0), os.getpid()
+    try:
+        leader = Path(f"/proc/{sid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        leader = []
+    if MODULE.encode() not in leader:
+        print(f"kill hook: session {sid} is not the job's own; killing this worker only", file=sys.stderr)
+        os.kill(me, signal.SIGKILL)
+    for _ in range(2):  # a daemon may fork a worker meanwhile
+        for pid in session_pids(sid):
+            if pid != me:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+    os.kill(me, signal.SIGKILL)
+
+
+def read_note(flag: str | Path) -> dict[str, Any] | None:
+    """What a ``job:`` kill found (the JSON line it appended to its flag), or None."""
+    lines = Path(flag).read_text(encoding="utf-8").splitlines()
+    return json.loads(lines[-1]) if len(lines) > 1 else None
 
 
 def main(argv: list[str]) -> int:
@@ -64,9 +190,10 @@ def main(argv: list[str]) -> int:
 
     from enrich import cli
     from enrich.sinks.kafka import sink
+    from tests.enrich import kill  # this module by its name, not as __main__: pickled by reference
 
-    point = KillPoint.from_spec(argv[0])
-    sink.TaskWriter = functools.partial(KillingTaskWriter, kill=point)  # type: ignore[misc]
+    point = kill.KillPoint.from_spec(argv[0])
+    sink.TaskWriter = functools.partial(kill.KillingTaskWriter, kill=point)  # type: ignore[misc]
     return cli.main(argv[1:])
 
 

@@ -1,0 +1,103 @@
+"""The job SIGKILLed while one slot of a micro-batch has committed its Kafka transaction and another
+has not, then restarted, ten times over: every event once in the read_committed output.
+
+Each start runs through the kill hook (tests/enrich/kill.py, ``job:``): the first slot with records
+to write in a batch after the one killed last waits until another slot's ledger shows that batch
+committed, then sends its records and kills every process of the job inside its transaction. The
+restart replays the batch: the committed slot must skip it by its ledger, the other write it once
+(on the test broker its killed attempt's records show to read_committed readers, and the slot leaves
+them out). Stateless, the cheapest job with two slots a batch: the events topic has two partitions,
+each batch reads both. (The soak, bench/soak.py, kills a job with state at random moments.)
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import signal
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from enrich.ops.checkpoint import Checkpoint
+from enrich.sinks.kafka.ledger import Entry, Ledger
+from enrich.sinks.kafka.tasks import slot_id
+from refstream.contract import Column, DatasetSchema
+from tests.enrich.helpers import changelog, produce_events, publish, read_all
+from tests.enrich.kill import read_note, session_pids
+from tests.enrich.test_restart import start_job, write_config
+
+# Eleven starts of the job, 20-35 s each here (Spark, then the replayed batch's first tasks): 4-6
+# minutes, more on a loaded machine than the suite's 600 s allow.
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
+
+DEVICES = DatasetSchema("devices", ("device_id",), (Column("device_id", "string"), Column("owner", "string")))
+KILLS = 10
+TOTAL, PER_BATCH = 4000, 100   # 40 batches: the kills and their replays use about 20
+
+
+def ledger_entry(kafka: dict[str, str], note: dict[str, Any], slot: int) -> Entry:
+    """What the ledger of ``slot`` says, in the query a kill hook's ``note`` describes."""
+    ledger = Ledger(kafka, note["ledger_topic"], slot_id(note["base_id"], slot), note["scope"])
+    try:
+        return ledger.read()
+    finally:
+        ledger.close()
+
+
+def test_kills_between_two_slots_commits_leave_each_event_once(
+        kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path) -> None:
+    config = tmp_path / "enrich.yaml"
+    cfg = write_config(config, kafka, unique, max_events_per_batch=PER_BATCH)
+    publish(kafka, cfg["joins"][0]["topic"], changelog(DEVICES, [{"device_id": "d1", "owner": "o1"}]))
+    produce_events(kafka, cfg["events"]["topic"],
+                   [{"device_id": f"d{i % 12}", "n": i} for i in range(TOTAL)], partitions=2)
+    out_topic = cfg["output"]["kafka"]["topic"]
+    checkpoint = Path(cfg["checkpoint"])
+    log = tmp_path / "job.log"
+
+    killed: list[int] = []
+    for k in range(KILLS):
+        flag = tmp_path / f"killed-{k}"
+        after = killed[-1] + 1 if killed else 0
+        proc = start_job(config, log, "--available-now", kill=f"job:{after}+:*:{flag}")
+        rc = proc.wait(300)
+        note = read_note(flag) if flag.exists() else None
+        assert rc == -signal.SIGKILL and note is not None, f"kill {k}: exit {rc}, no kill: {log.read_text()[-3000:]}"
+        assert note["other"] is not None, f"kill {k}: no other slot committed batch {note['batch']}: {note}"
+        assert note["session"] == proc.pid
+        batch = note["batch"]
+        assert batch >= after
+        # The whole job is gone (PySpark's daemons and workers included), and the crash left the
+        # batch committed in one slot's ledger, begun and not committed in the other's, not in Spark's.
+        deadline = time.monotonic() + 10
+        while session_pids(proc.pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert session_pids(proc.pid) == [], "a process of the killed job survived"
+
+        for slot, committed in ((note["other"], True), (note["slot"], False)):
+            entry = ledger_entry(kafka, note, slot)
+            assert (entry.committed is not None and entry.committed >= batch) == committed, (slot, entry)
+            if not committed:
+                assert entry.begun == batch, (slot, entry)
+        last = Checkpoint(checkpoint).last_committed()
+        assert last is None or last < batch
+        killed.append(batch)
+
+    proc = start_job(config, log, "--available-now")
+    assert proc.wait(300) == 0, log.read_text()[-3000:]
+    rows = [json.loads(m.value()) for m in read_all(kafka, out_topic)]
+    got = Counter(r["n"] for r in rows)
+    assert set(got) == set(range(TOTAL)), f"lost: {sorted(set(range(TOTAL)) - set(got))[:20]}"
+    assert [n for n, c in got.items() if c > 1] == [], f"written twice: {sorted(n for n, c in got.items() if c > 1)[:20]}"
+    assert {r["owner"] for r in rows if r["device_id"] == "d1"} == {"o1"}
+    assert read_all(kafka, cfg["dead_letter_topic"]) == []
+    # Each killed batch was replayed, and the slot that had committed it skipped it.
+    text = log.read_text()
+    for batch in killed:
+        skipped = [int(n) for n in re.findall(rf"batch {batch}: \d+ records .*? \((\d+) skipped as committed", text)]
+        assert skipped and max(skipped) >= 1, f"batch {batch}: no replay skipped a committed slot ({skipped})"
