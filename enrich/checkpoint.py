@@ -11,6 +11,7 @@ names a path under it. Every module that reads or writes the checkpoint takes it
         state/                    the state store (device state, partitioned dimensions)
       dimensions/<n>.json       the changelog positions batch n pinned (enrich.dimension.versions)
       refstream/
+        job.lock                held shared by every running job, exclusively by ``enrich rescale``
         sink.json               the writers' identity: the query's scope and the base transactional
                                 ids, fixed at the first start (enrich.sinks.identity)
         shipped/                dimension versions written for the tasks of joins in the plan
@@ -24,16 +25,27 @@ Spark's part belongs to Spark; the job writes the rest, each file atomically
 
 from __future__ import annotations
 
+import fcntl
 import json
-from collections.abc import Mapping
+import os
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from refstream.atomic import write_json_atomic
 from refstream.contract import DatasetSchema
-from refstream.errors import ContractError, DataError
+from refstream.errors import ContractError, DataError, TerminalError
 
-__all__ = ["CheckpointLayout"]
+__all__ = ["CheckpointBusy", "CheckpointLayout"]
+
+#: Spark's number of shuffle (and so state) partitions, as its offset log records it per batch.
+_SHUFFLE_PARTITIONS = "spark.sql.shuffle.partitions"
+
+
+class CheckpointBusy(TerminalError):
+    """The checkpoint's lock is held: by a running job (an exclusive holder is refused), or by
+    ``enrich rescale`` (a job is refused)."""
 
 
 @dataclass(frozen=True)
@@ -65,6 +77,10 @@ class CheckpointLayout:
         return self.root / "refstream"
 
     @property
+    def lock(self) -> Path:
+        return self.own / "job.lock"
+
+    @property
     def sink_identity(self) -> Path:
         return self.own / "sink.json"
 
@@ -92,6 +108,61 @@ class CheckpointLayout:
         """Whether Spark has committed a batch here."""
         return any(self.commits.glob("[0-9]*"))
 
+    def planned(self) -> list[int]:
+        """The batch ids in Spark's offset log, ascending."""
+        return _ids(self.offsets)
+
+    def committed(self) -> list[int]:
+        """The batch ids in Spark's commit log, ascending."""
+        return _ids(self.commits)
+
+    def recorded_partitions(self, batch_id: int) -> int | None:
+        """The number of state partitions Spark recorded for ``batch_id`` in its offset log (the one
+        it runs the batch with, whatever the session says); None when the entry or the number is missing."""
+        path = self.offsets / str(batch_id)
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+            conf = json.loads(lines[1]).get("conf", {}) if len(lines) > 1 else {}
+            value = conf.get(_SHUFFLE_PARTITIONS)
+            return None if value is None else int(value)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, AttributeError) as exc:
+            raise DataError(f"{path}: unreadable offset log entry ({exc})") from None
+
+    def unfinished_rescale(self) -> int | None:
+        """The number of state partitions of a rescale Spark began and did not commit, if the last
+        batch is one: planned and not committed, with another number than the batch before it (how
+        Spark's offline repartition tells its own batches). It must be finished with that number
+        before the query runs again (the batch has no input to replay, and its state is half written)."""
+        planned, committed = self.planned(), self.committed()
+        if not planned or (committed and committed[-1] >= planned[-1]) or planned[-1] == 0:
+            return None
+        last, before = self.recorded_partitions(planned[-1]), self.recorded_partitions(planned[-1] - 1)
+        return last if last is not None and before is not None and last != before else None
+
+    @contextmanager
+    def held(self, *, exclusive: bool = False) -> Iterator[None]:
+        """Hold the checkpoint's lock (:attr:`lock`) while the block runs: shared by every running
+        job, exclusive for ``enrich rescale``, which rewrites Spark's state while no job runs. Never
+        waits: a :class:`CheckpointBusy` naming the holder when the other kind holds it. A lock is
+        released with its process, however that ends. On storage without working ``flock`` (some
+        network file systems) the lock shows only the holders on the same machine."""
+        self.own.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if exclusive:
+                    raise CheckpointBusy(f"{self.root}: the job is running on this checkpoint (it holds {self.lock}); "
+                                         "stop it (SIGTERM lets it finish its batch) and try again") from None
+                raise CheckpointBusy(f"{self.root}: enrich rescale is rewriting this checkpoint's state (it holds "
+                                     f"{self.lock}); start the job once it has finished") from None
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
     def write_schemas(self, schemas: Mapping[str, DatasetSchema]) -> None:
         """Keep the published schemas the pipeline was planned with, for planning it again without
         the broker (``enrich lookup --state``)."""
@@ -108,3 +179,9 @@ class CheckpointLayout:
             raise DataError(f"{path}: missing; the job has not started on this checkpoint") from None
         except (ValueError, AttributeError, ContractError) as exc:
             raise DataError(f"{path}: not a schema record ({exc}); start the job once to write it again") from None
+
+
+def _ids(log: Path) -> list[int]:
+    if not log.is_dir():
+        return []
+    return sorted(int(p.name) for p in log.iterdir() if p.name.isdigit())

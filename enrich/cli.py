@@ -1,7 +1,8 @@
 """``enrich run --config conf/enrich.yaml [--master local[*]] [--available-now] [--debug]``,
 ``enrich validate --config conf/enrich.yaml [--connect]``, ``enrich status --config F [--json] [--check
 --max-age 10m]``, ``enrich lookup --config F DATASET KEY [--batch N]``, ``enrich lookup --config F --state
-DEVICE [--batch N]``; ``--version``, ``--log-format text|json``.
+DEVICE [--batch N]``, ``enrich rescale --config F --partitions N [--master M]``; ``--version``,
+``--log-format text|json``.
 
 Also runs under ``spark-submit`` (``spark-submit -m enrich`` is not a thing; submit ``enrich/__main__.py``
 or a one-line script calling :func:`main`): without ``--master`` the master set by spark-submit is kept.
@@ -22,7 +23,7 @@ from refstream.config import duration_arg
 from refstream.errors import ConfigError, RefstreamError, one_line
 from refstream.logs import LOG_FORMATS, setup_logging
 
-__all__ = ["lookup", "main", "parser", "run", "status", "validate"]
+__all__ = ["lookup", "main", "parser", "rescale", "run", "status", "validate"]
 
 log = logging.getLogger("enrich")
 
@@ -68,7 +69,25 @@ def parser() -> argparse.ArgumentParser:
     lk.add_argument("--state", metavar="DEVICE", default=None,
                     help="print this device's state (its state.key value) from the checkpoint instead")
     lk.add_argument("--batch", type=int, default=None, help="a committed batch id (default: the last one)")
+
+    rs = sub.add_parser("rescale", parents=[common],
+                        help="move the device state of a stopped job (its last batch committed) to N state "
+                             "partitions (docs/state.md); exit 2 when refused, nothing changed")
+    rs.add_argument("--partitions", type=_positive, required=True, metavar="N",
+                    help="the number of state partitions (best a number that divides state.buckets)")
+    rs.add_argument("--master", default=None,
+                    help="Spark master to rewrite the state with (default: the one spark-submit set, else local[*])")
     return p
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive number")
+    return n
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -84,6 +103,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return status(args)
         if args.command == "lookup":
             return lookup(args)
+        if args.command == "rescale":
+            return rescale(args)
         return run(args)
     except ModuleNotFoundError as exc:
         if exc.name not in ("pyspark", "pandas", "py4j"):
@@ -203,3 +224,24 @@ def lookup(args: argparse.Namespace) -> int:
         print(f"enrich: warning: {res.topic} no longer holds every record below the positions of batch "
               f"{res.batch_id} (compaction or a recreated topic): the row is what it still holds", file=sys.stderr)
     return 0 if res.found == "present" else 1
+
+
+def rescale(args: argparse.Namespace) -> int:
+    """Prints what it did (or that there was nothing to do), and a warning line when the buckets
+    spread unevenly over the new number; exit 2 with one line when refused (nothing changed)."""
+    from enrich import config
+    from enrich.ops.rescale import RescaleRefused
+    from enrich.ops.rescale import rescale as move
+
+    cfg = config.load(args.config)
+    master = args.master or (None if os.environ.get("PYSPARK_GATEWAY_PORT") else "local[*]")
+    try:
+        res = move(cfg, args.partitions, master=master)
+    except RescaleRefused as exc:
+        _fail(args, exc)
+        return 2
+    for line in res.lines():
+        print(line)
+    for warning in res.warnings:
+        print(f"enrich: warning: {warning}", file=sys.stderr)
+    return 0

@@ -135,11 +135,13 @@ class EnrichJob:
 
     def start(self, spark: SparkSession) -> StreamingQuery:
         """Plan the query on ``spark`` and start it: the output topics, the dimensions' bootstrap,
-        the pipeline (:mod:`enrich.pipeline`), the sink, the metrics, the stream, the query."""
+        the pipeline (:mod:`enrich.pipeline`), the sink, the metrics, the stream, the query. The
+        checkpoint's lock is held, shared, until :meth:`close`: ``enrich rescale`` refuses to run
+        meanwhile, and a start while it runs is refused (:class:`enrich.checkpoint.CheckpointBusy`)."""
+        self._stack.enter_context(self.layout.held())
         # events.schema is checked before the broker is touched (the pipeline parses it again).
         events.event_schema(self.cfg.events.schema, self.cfg.events.required, self.cfg.source)
         self._ensure_topics()
-        self.layout.root.mkdir(parents=True, exist_ok=True)
         dims = self._dimensions(spark)
         pipeline = self._plan(spark, dims)
         sink, dead = self._sinks()

@@ -71,7 +71,7 @@ def run(spark: Any, data: Path, work: Path, *, state: bool, buckets: int, fast: 
         spark.conf.set(PROVIDER_CONF, ROCKSDB)
         parser = FastParser.for_schema(schema) if fast else None
         pipeline = Pipeline.build(cfg, {}, timezone="UTC")
-        layout = BucketLayout.balanced(buckets, int(spark.conf.get("spark.sql.shuffle.partitions") or 4))
+        layout = BucketLayout.even(buckets, int(spark.conf.get("spark.sql.shuffle.partitions") or 4))
         parsed = attach(raw, pipeline, layout, parser=parser).frame()
     q = (parsed.writeStream.format("noop").option("checkpointLocation", str(work))
          .trigger(availableNow=True).start())

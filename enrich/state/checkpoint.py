@@ -2,8 +2,12 @@
 
 The device state kept in Spark's state store is laid out by the ``state:`` settings (key, bucket
 count, aggregates and their types); a start with other settings would misread it. So the first
-start records them and every later start compares. It also records the number of state partitions
-its first batch will have, which the buckets' grouping keys are spread over (:mod:`enrich.state.layout`).
+start records them and every later start compares. It also records the buckets' grouping keys
+(``bucket_ids``, :mod:`enrich.state.layout`: chosen at the first start, even over the number of
+state partitions it starts with and every number that divides the bucket count, and kept for the
+life of the state) and the number of state partitions (``state_partitions``: the first batch's,
+then each ``enrich rescale``'s, :mod:`enrich.ops.rescale`; Spark's offset log holds the number it
+runs with).
 """
 
 from __future__ import annotations
@@ -21,8 +25,12 @@ from enrich.state.layout import BucketLayout
 from refstream.atomic import write_json_atomic
 from refstream.errors import ConfigError
 
-#: The record's number of state partitions the bucket layout is spread over.
+#: The record's number of state partitions: the one Spark's offset log holds, as of the last start or rescale.
 PARTITIONS = "state_partitions"
+#: The record's grouping key of each bucket (:class:`enrich.state.layout.BucketLayout`).
+BUCKET_IDS = "bucket_ids"
+
+_RESTORE = "restore it from a backup of the checkpoint, or start a new checkpoint"
 
 
 def record(cfg: StateConfig, spec: StateSpec, dims: Sequence[PartitionedDim] = ()) -> dict[str, Any]:
@@ -40,8 +48,9 @@ def check_checkpoint(layout: CheckpointLayout, cfg: StateConfig | None, spec: St
                      partitions: int | None = None) -> BucketLayout | None:
     """Record the state settings in a new checkpoint; refuse a start whose settings differ from the
     recorded ones (or that adds or removes ``state:`` against a checkpoint that has run). Returns the
-    checkpoint's bucket layout (None without ``state:``): a new checkpoint's is spread over
-    ``partitions`` state partitions, which a new record needs."""
+    checkpoint's bucket layout (None without ``state:``): a new checkpoint's is even over
+    ``partitions`` state partitions (the number its first batch will have, which a new record
+    needs) and over every number that divides ``state.buckets``."""
     checkpoint, path = layout.root, layout.state_record
     if not path.exists():
         if cfg is None:
@@ -54,14 +63,10 @@ def check_checkpoint(layout: CheckpointLayout, cfg: StateConfig | None, spec: St
             raise ConfigError(f"{source}: state: the checkpoint {checkpoint} has no device state yet; the job "
                               "has not started on it")
         assert spec is not None
-        kept = {**record(cfg, spec, dims), PARTITIONS: partitions}
-        write_json_atomic(path, kept)
-        return bucket_layout(kept, cfg, path)
-    try:
-        kept = json.loads(path.read_text(encoding="utf-8"))
-    except ValueError as exc:
-        raise ConfigError(f"{path}: not a state record ({exc}); restore it from a backup of the checkpoint, "
-                          "or start a new checkpoint") from None
+        even = BucketLayout.even(cfg.buckets, partitions)
+        write_json_atomic(path, {**record(cfg, spec, dims), BUCKET_IDS: list(even.ids), PARTITIONS: partitions})
+        return even
+    kept = read_record(path)
     new = "point checkpoint: at a new directory to start over (device state starts empty)"
     if cfg is None:
         raise ConfigError(f"{source}: state: the checkpoint {checkpoint} keeps device state; put the state: "
@@ -76,13 +81,42 @@ def check_checkpoint(layout: CheckpointLayout, cfg: StateConfig | None, spec: St
             raise ConfigError(f"{source}: {what} changed against the checkpoint {checkpoint}, whose device state "
                               f"was kept with {json.dumps(kept.get(name))}, now {json.dumps(now[name])}; "
                               f"put it back, or {new}")
-    return bucket_layout(kept, cfg, path)
+    state_partitions(kept, path)
+    return bucket_layout(kept, path)
 
 
-def bucket_layout(kept: dict[str, Any], cfg: StateConfig, path: Path) -> BucketLayout:
-    """The bucket layout of the record at ``path``."""
+def read_record(path: Path) -> dict[str, Any]:
+    """The state record at ``path``; a :class:`ConfigError` naming it when it is not one."""
+    try:
+        kept = json.loads(path.read_text(encoding="utf-8"))
+    except ValueError as exc:
+        raise ConfigError(f"{path}: not a state record ({exc}); {_RESTORE}") from None
+    if not isinstance(kept, dict):
+        raise ConfigError(f"{path}: not a state record (not a JSON object); {_RESTORE}")
+    return kept
+
+
+def state_partitions(kept: dict[str, Any], path: Path) -> int:
+    """The record's number of state partitions (``path``: where it was read, for the error)."""
     partitions = kept.get(PARTITIONS)
     if isinstance(partitions, bool) or not isinstance(partitions, int) or partitions < 1:
-        raise ConfigError(f"{path}: {PARTITIONS}: {partitions!r} is not a number of state partitions; restore "
-                          "it from a backup of the checkpoint, or start a new checkpoint")
-    return BucketLayout.balanced(cfg.buckets, partitions)
+        raise ConfigError(f"{path}: {PARTITIONS}: {partitions!r} is not a number of state partitions; {_RESTORE}")
+    return partitions
+
+
+def bucket_layout(kept: dict[str, Any], path: Path) -> BucketLayout:
+    """The record's bucket layout: one distinct non-negative int32 grouping key per bucket."""
+    ids, buckets = kept.get(BUCKET_IDS), kept.get("buckets")
+    if (not isinstance(ids, list) or len(ids) != buckets or len(set(ids)) != len(ids)
+            or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 2**31 for i in ids)):
+        raise ConfigError(f"{path}: {BUCKET_IDS}: not one distinct grouping key per bucket ({buckets!r} buckets); "
+                          f"{_RESTORE}")
+    return BucketLayout(tuple(ids))
+
+
+def record_partitions(layout: CheckpointLayout, partitions: int) -> None:
+    """Record ``partitions`` as the checkpoint's number of state partitions (after a rescale)."""
+    path = layout.state_record
+    kept = read_record(path)
+    if kept.get(PARTITIONS) != partitions:
+        write_json_atomic(path, {**kept, PARTITIONS: partitions})

@@ -17,6 +17,7 @@ watermark.
 from __future__ import annotations
 
 import functools
+import logging
 import uuid
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -53,6 +54,9 @@ from enrich.state.layout import BucketLayout
 from enrich.state.processor import DeviceStateProcessor
 from enrich.state.stored import stored_spec
 from refstream import contract
+from refstream.errors import ConfigError
+
+log = logging.getLogger(__name__)
 
 #: Spark's state store provider for the step (set by the job; ``transformWithStateInPandas`` needs it).
 ROCKSDB = "org.apache.spark.sql.execution.streaming.state.RocksDBStateStoreProvider"
@@ -69,15 +73,35 @@ CHANGELOG_DEFAULT = "true"  # the job's setting when the user has none
 
 def state_step(spark: SparkSession, pipeline: Pipeline, raw: DataFrame,
                devices: Accumulator[dict[int, int]] | None = None, parser: FastParser | None = None) -> StateStream:
-    """The job's hook: check the pipeline's state step against the checkpoint, set the RocksDB state
-    store, and return the ``raw`` Kafka stream through :func:`attach` (``devices``, ``parser``: see
-    there), the partitioned dimensions' changelogs read as streams beside it."""
+    """The job's hook: check the pipeline's state step against the checkpoint (a start on a rescale
+    that did not finish is refused; a warning when the config's ``spark.sql.shuffle.partitions`` is
+    not the number the checkpoint runs with, or the buckets spread unevenly over it), set the
+    RocksDB state store, and return the ``raw`` Kafka stream through :func:`attach` (``devices``,
+    ``parser``: see there), the partitioned dimensions' changelogs read as streams beside it."""
     cfg, st = pipeline.cfg, pipeline.state
     assert cfg.state is not None and st is not None
+    ck = pipeline.checkpoint
+    pending = ck.unfinished_rescale()
+    if pending is not None:
+        raise ConfigError(f"{cfg.source}: the checkpoint {ck.root}: a rescale to {pending} state partitions did not "
+                          f"finish; run enrich rescale --partitions {pending} again before the job")
     # A new checkpoint's state partitions: Spark keeps this number in the offset log at its first batch.
-    layout = check_checkpoint(pipeline.checkpoint, cfg.state, st.spec, cfg.source, st.dims,
-                              partitions=int(spark.conf.get(SHUFFLE_PARTITIONS) or "200"))
+    session = int(spark.conf.get(SHUFFLE_PARTITIONS) or "200")
+    layout = check_checkpoint(ck, cfg.state, st.spec, cfg.source, st.dims, partitions=session)
     assert layout is not None
+    planned = ck.planned()
+    recorded = ck.recorded_partitions(planned[-1]) if planned else None
+    configured = cfg.spark_conf.get(SHUFFLE_PARTITIONS)
+    if recorded is not None and configured is not None and configured.strip() != str(recorded):
+        log.warning("%s: spark: %s is %s, ignored: the checkpoint %s keeps its state in %d state partitions, and "
+                    "Spark runs with the number its offset log holds (enrich rescale --partitions N changes it)",
+                    cfg.source, SHUFFLE_PARTITIONS, configured, ck.root, recorded)
+    partitions = recorded or session
+    spread = layout.spread(partitions)
+    if max(spread) - min(spread) > 1:
+        log.warning("%s: state.buckets %d are spread %d to %d over the %d state partitions (even over a number "
+                    "that divides %d)", cfg.source, layout.buckets, min(spread), max(spread), partitions,
+                    layout.buckets)
     spark.conf.set(PROVIDER_CONF, ROCKSDB)
     if spark.conf.get(CHANGELOG_CONF, None) is None:
         spark.conf.set(CHANGELOG_CONF, CHANGELOG_DEFAULT)

@@ -10,7 +10,7 @@ import pytest
 
 from enrich.checkpoint import CheckpointLayout
 from enrich.config import StateConfig
-from enrich.state.checkpoint import PARTITIONS, check_checkpoint
+from enrich.state.checkpoint import BUCKET_IDS, PARTITIONS, check_checkpoint, record_partitions
 from enrich.state.engine import StateSpec
 from enrich.state.layout import BucketLayout
 from refstream.errors import ConfigError
@@ -54,15 +54,26 @@ def test_a_damaged_record_is_an_error_naming_it(tmp_path: Path) -> None:
         check_checkpoint(ck, CFG, SPEC)
 
 
-def test_a_new_checkpoint_spreads_its_buckets_over_its_state_partitions(tmp_path: Path) -> None:
+def test_a_new_checkpoint_records_its_bucket_layout_and_state_partitions(tmp_path: Path) -> None:
     ck = CheckpointLayout(tmp_path)
     with pytest.raises(ConfigError, match="has no device state yet"):
         check_checkpoint(ck, CFG, SPEC)     # a lookup before the first start
-    assert check_checkpoint(ck, CFG, SPEC, partitions=4) == BucketLayout.balanced(64, 4)
-    assert json.loads(ck.state_record.read_text())[PARTITIONS] == 4
-    # Spark keeps the first run's number of partitions: a later start with another one keeps the layout.
-    assert check_checkpoint(ck, CFG, SPEC, partitions=8) == BucketLayout.balanced(64, 4)
-    assert check_checkpoint(ck, CFG, SPEC) == BucketLayout.balanced(64, 4)
+    assert check_checkpoint(ck, CFG, SPEC, partitions=4) == BucketLayout.even(64)
+    kept = json.loads(ck.state_record.read_text())
+    assert kept[PARTITIONS] == 4 and kept[BUCKET_IDS] == list(BucketLayout.even(64).ids)
+    # The layout is the record's, whatever the number of partitions a later start or a rescale has.
+    assert check_checkpoint(ck, CFG, SPEC, partitions=8) == BucketLayout.even(64)
+    record_partitions(ck, 2)
+    assert json.loads(ck.state_record.read_text()) == {**kept, PARTITIONS: 2}
+    assert check_checkpoint(ck, CFG, SPEC) == BucketLayout.even(64)
+
+
+def test_a_start_with_a_number_that_does_not_divide_the_buckets_is_even_over_it(tmp_path: Path) -> None:
+    ck = CheckpointLayout(tmp_path)
+    layout = check_checkpoint(ck, CFG, SPEC, partitions=12)
+    assert layout == BucketLayout.even(64, 12) and layout is not None
+    assert max(layout.spread(12)) - min(layout.spread(12)) == 1 and layout.spread(4) == [16] * 4
+    assert json.loads(ck.state_record.read_text())[BUCKET_IDS] == list(layout.ids)
 
 
 @pytest.mark.parametrize("damaged", [None, "four", True, 0])
@@ -73,4 +84,16 @@ def test_a_damaged_number_of_state_partitions_is_an_error_naming_it(tmp_path: Pa
     ck.state_record.write_text(json.dumps({**kept, PARTITIONS: damaged}))
     with pytest.raises(ConfigError, match=rf"state\.json: state_partitions: {damaged!r} is not a number of state "
                                           "partitions"):
+        check_checkpoint(ck, CFG, SPEC)
+
+
+@pytest.mark.parametrize("damaged", [None, [1, 2, 3], list(range(63)) + [0], list(range(63)) + [-1],
+                                     list(range(63)) + ["x"], list(range(63)) + [2**31]])
+def test_a_damaged_bucket_layout_is_an_error_naming_it(tmp_path: Path, damaged: object) -> None:
+    ck = CheckpointLayout(tmp_path)
+    check_checkpoint(ck, CFG, SPEC, partitions=4)
+    kept = json.loads(ck.state_record.read_text())
+    ck.state_record.write_text(json.dumps({**kept, BUCKET_IDS: damaged}))
+    with pytest.raises(ConfigError, match=r"state\.json: bucket_ids: not one distinct grouping key per bucket "
+                                          r"\(64 buckets\)"):
         check_checkpoint(ck, CFG, SPEC)

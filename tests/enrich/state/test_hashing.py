@@ -45,26 +45,29 @@ CASES = [
 def test_numpy_hash_and_bucket_are_sparks(spark: SparkSession, ddl: str, arrow: pa.DataType,
                                           values: list[object]) -> None:
     df = spark.createDataFrame([(v,) for v in values], f"k {ddl}")
-    balanced = BucketLayout.balanced(64, 4)
-    rows = df.select(F.hash("k").alias("h"), BucketLayout.plain(64).column(F.col("k")).alias("b"),
-                     BucketLayout.plain(7).column(F.col("k")).alias("b7"),
-                     balanced.column(F.col("k")).alias("g")).collect()
+    layout = BucketLayout.even(64, 12)
+    rows = df.select(F.hash("k").alias("h"), F.pmod(F.hash("k"), F.lit(64)).alias("b"),
+                     F.pmod(F.hash("k"), F.lit(7)).alias("b7"), layout.column(F.col("k")).alias("g")).collect()
     arr = pa.array(values, arrow)
     assert spark_hash(arr).tolist() == [r.h for r in rows]
     assert buckets_of(arr, 64).tolist() == [r.b for r in rows]
     assert buckets_of(arr, 7).tolist() == [r.b7 for r in rows]
-    assert balanced.of(arr).tolist() == [r.g for r in rows]
+    assert layout.of(arr).tolist() == [r.g for r in rows]
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("partitions", [2, 4, 8])
-def test_sparks_shuffle_puts_the_balanced_grouping_keys_where_the_layout_says(spark: SparkSession,
-                                                                              partitions: int) -> None:
-    # The state step's shuffle is hash partitioning on _bucket, as repartition(n, column) is.
-    layout = BucketLayout.balanced(64, partitions)
+@pytest.mark.parametrize(("partitions", "start"), [(2, None), (4, None), (8, None), (12, 12), (4, 12)])
+def test_sparks_shuffle_puts_the_grouping_keys_where_the_layout_says(spark: SparkSession, partitions: int,
+                                                                     start: int | None) -> None:
+    # The state step's shuffle is hash partitioning on _bucket, as repartition(n, column) is, and as
+    # Spark's offline state repartition re-hashes the grouping keys.
+    layout = BucketLayout.even(64, start)
     df = spark.createDataFrame([(i,) for i in layout.ids], "_bucket int").repartition(partitions, "_bucket")
     where = dict(df.select("_bucket", F.spark_partition_id().alias("p")).collect())  # type: ignore[arg-type]
-    assert [where[i] for i in layout.ids] == [b % partitions for b in range(64)]
+    assert [where[i] for i in layout.ids] == layout.partitions(partitions).tolist()
+    assert max(layout.spread(partitions)) - min(layout.spread(partitions)) <= 1
+    if 64 % partitions == 0:
+        assert [where[i] for i in layout.ids] == [b % partitions for b in range(64)]
 
 
 def test_chunked_sliced_and_large_arrays_hash_alike() -> None:

@@ -41,7 +41,7 @@ FIRST = to_arrow_schema(StructType([StructField(BUCKET, IntegerType()), StructFi
                                     StructField("partition", IntegerType()), StructField("offset", LongType())]),
                         timezone="UTC")
 EVENTS = ingest.events_schema(to_arrow_schema(PARSED, timezone="UTC"))
-LAYOUT = BucketLayout.balanced(8, 4)
+LAYOUT = BucketLayout.even(8)
 
 
 def packer(out: pa.Schema, fast: bool) -> ingest.EventPacker:

@@ -198,7 +198,7 @@ def test_a_changelog_key_lands_in_the_bucket_of_its_events_for_every_key_type(
     st = Pipeline.build(cfg, {"things": schema}).state
     assert st is not None
     key_type_ = st.joined["k"].dataType
-    layout = BucketLayout.balanced(8, 2)
+    layout = BucketLayout.even(8)
     naive = dataset_type == "timestamp"
     messages = [m for m in changelog(schema, [{"k": _naive(k) if naive else k, "owner": "o"} for k in [*keys, *outside]],
                                      with_schema=False)]

@@ -308,7 +308,7 @@ def test_events_left_to_from_json_are_counted_like_the_others(spark: SparkSessio
 def test_the_buckets_are_spread_evenly_over_the_state_partitions(spark: SparkSession, kafka: dict[str, str],
                                                                   unique: Callable[[str], str], tmp_path: Path) -> None:
     from enrich.checkpoint import CheckpointLayout
-    from enrich.state.checkpoint import PARTITIONS
+    from enrich.state.checkpoint import BUCKET_IDS, PARTITIONS
     from enrich.state.layout import BucketLayout
 
     data = make_config(kafka, unique, tmp_path, buckets=8)
@@ -319,8 +319,9 @@ def test_the_buckets_are_spread_evenly_over_the_state_partitions(spark: SparkSes
     run(spark, data)
     partitions = int(spark.conf.get("spark.sql.shuffle.partitions") or 0)
     checkpoint = CheckpointLayout(Path(data["checkpoint"]))
-    assert json.loads(checkpoint.state_record.read_text())[PARTITIONS] == partitions
-    layout = BucketLayout.balanced(8, partitions)
+    layout = BucketLayout.even(8)   # partitions (2 here) divides 8
+    kept = json.loads(checkpoint.state_record.read_text())
+    assert kept[PARTITIONS] == partitions and kept[BUCKET_IDS] == list(layout.ids)
     # Where Spark's state store holds each bucket's table: the partition the layout chose for it.
     rows = (spark.read.format("statestore").option("path", str(checkpoint.spark))
             .option("stateVarName", "devices").load().select("partition_id", "key._bucket").collect())
