@@ -77,14 +77,17 @@ def setup_logging(level: int | str = logging.INFO, *, debug: bool = False,
 # free-standing numbers (timings ``after 3ms``, ``0.12ms``, counts ``1/1``). Numbers inside an address
 # (``127.0.0.1:9092``, ``kafka-1:9092``) touch a ``.``, ``:``, ``-`` or a letter and are kept: two
 # brokers' failures stay two lines.
+# librdkafka's own suppression (``..., 3 identical error(s) suppressed)``) is a repeat of the line
+# without it.
 _CLIENT = re.compile(r"(#(?:producer|consumer)-)\d+")
 _NUMBER = re.compile(r"(?<![\w.:-])\d+(?:\.\d+)?(?:ms|us|s)?(?![\w.:])")
+_SUPPRESSED = re.compile(r", \d+ identical error\(s\) suppressed\)")
 
 
 def line_key(text: str) -> str:
     """``text`` with its volatile numbers replaced by ``#``: lines with the same key are one line
     repeated, for :class:`RepeatSuppressor`."""
-    return _NUMBER.sub("#", _CLIENT.sub(r"\1#", text))
+    return _NUMBER.sub("#", _CLIENT.sub(r"\1#", _SUPPRESSED.sub(")", text)))
 
 
 @dataclass(frozen=True)
