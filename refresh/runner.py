@@ -33,7 +33,7 @@ import pyarrow as pa
 from refresh import incremental as inc
 from refresh.config import DatasetConfig, RefreshConfig
 from refresh.diff import ChangeSet, check_keys, diff, normalize, upsert_into, within
-from refresh.errors import EmptySnapshot, Refused, Stopped, TooManyDeletes
+from refresh.errors import EmptySnapshot, Refused, Stopped, TooManyDeletes, TopicChanged
 from refresh.publish import Publisher, transactional_id
 from refresh.sources import open_source
 from refresh.sources.abc import IncrementalSource, Source
@@ -313,14 +313,14 @@ class Refresher:
             self.store.reserve(ds.name, version)
             published = self._publish(ds, schema, changes, version, with_schema=with_schema, stop=stop,
                                       tombstones_as=state.schema if old_key is not None else None,
-                                      deleted_at=step.observed_at, complete=complete)
+                                      deleted_at=step.observed_at, complete=complete, checked=ends)
             ends = self._published_ends(ds, stop, ends)
         elif state.version:
             # Nothing changed: the run's completeness goes out all the same, in a heartbeat (readers
             # also see the dataset is current as of this run: its age is the refresher's health, not
             # how often the data changes). The topic's new end is committed below, so the next run's
             # topic check expects it. ``published`` counts changes; the heartbeat is not one.
-            self._heartbeat(ds, state.version, complete, stop)
+            self._heartbeat(ds, state.version, complete, stop, checked=ends)
             ends = self._published_ends(ds, stop, ends)
         timer.mark("publish")
         # The transaction committed: commit even if a stop was requested meanwhile (it is quick,
@@ -490,18 +490,23 @@ class Refresher:
 
     def _published_ends(self, ds: DatasetConfig, stop: threading.Event | None,
                         before: dict[int, int] | None) -> dict[int, int] | None:
-        """The topic's end offsets right after a publish, for the next run's check. If the broker
-        cannot say now (the publish itself stands), the ends found ``before`` it: a topic only grows,
-        so they still tell the next run of a topic deleted, recreated or emptied meanwhile, where
-        None (nothing known before either) lets it only record them. Every run publishes (its
-        heartbeat at least), so a broker going away just after one must not leave it None."""
+        """The topic's end offsets right after a publish, for the next run's check; if the broker
+        cannot say now (the publish itself stands), those found ``before`` it, the run's check: a
+        topic only grows, so they still tell the next run of a topic deleted, recreated or emptied,
+        where None would let it only record what it finds. Ends below ``before`` mean the run
+        published to another topic than the one it checked (recreated meanwhile): the run fails
+        uncommitted (:class:`TopicChanged`), and the next run republishes."""
         try:
             ends = self._end_offsets(ds, stop)
         except TransientError as exc:
             log.warning("dataset %s: cannot read the end offsets of %s after publishing (%s); recording "
                         "those from before it", ds.name, ds.topic, exc)
             return before
-        return ends if ends is not None else before
+        if before is not None and (ends is None or any(ends.get(p, -1) < e for p, e in before.items())):
+            raise TopicChanged(f"dataset {ds.name}: topic {ds.topic} ends at {ends} after this run "
+                               f"published to it, below the {before} it checked (recreated meanwhile?); "
+                               f"nothing committed, the next run checks it again")
+        return ends
 
     def _end_offsets(self, ds: DatasetConfig, stop: threading.Event | None) -> dict[int, int] | None:
         return self._retry(lambda: end_offsets(self.config.kafka, ds.topic),
@@ -544,12 +549,13 @@ class Refresher:
 
     # ------------------------------------------------------------------------------- publishing
     def _heartbeat(self, ds: DatasetConfig, version: int, complete: datetime,
-                   stop: threading.Event | None) -> int:
+                   stop: threading.Event | None, checked: dict[int, int] | None) -> int:
         """A run without changes: its completeness record alone, to every partition, in one
         transaction."""
         def attempt() -> int:
             with self.publisher_factory(self._publish_settings(ds)) as pub:
                 parts = pub.prepare(ds.topic, ds.partitions, ds.topic_config)
+                _same_partitions(ds, checked, parts)
                 beat = heartbeat_message(ds.name, version, _utcnow(), complete)
                 return pub.publish(ds.topic, [], last_to_every_partition=[beat], partitions=parts, stop=stop)
 
@@ -562,10 +568,11 @@ class Refresher:
 
     def _publish(self, ds: DatasetConfig, schema: DatasetSchema, changes: ChangeSet, version: int, *,
                  with_schema: bool, stop: threading.Event | None, deleted_at: datetime, complete: datetime,
-                 tombstones_as: DatasetSchema | None = None) -> int:
+                 checked: dict[int, int] | None, tombstones_as: DatasetSchema | None = None) -> int:
         """The run's transaction: schema records, tombstones (valid from ``deleted_at``), upserts (each
         from its own time), the completeness record last on every partition. Returns the messages
-        published, completeness records left out (they change nothing)."""
+        published, completeness records left out (they change nothing). ``checked``: the topic's
+        ends when the run checked it (None: it had none)."""
         # Tombstones carry the key bytes the rows were published with (the old key on a re-key).
         tomb_schema = tombstones_as or schema
 
@@ -576,6 +583,7 @@ class Refresher:
         def attempt() -> int:
             with self.publisher_factory(self._publish_settings(ds)) as pub:
                 parts = pub.prepare(ds.topic, ds.partitions, ds.topic_config)
+                _same_partitions(ds, checked, parts)
                 beat = heartbeat_message(ds.name, version, _utcnow(), complete)
                 sent = pub.publish(ds.topic, messages(),
                                    to_every_partition=[schema_message(schema)] if with_schema else [],
@@ -671,6 +679,15 @@ def _interrupted_by(stop: threading.Event | None, source: Source) -> Iterator[No
         if interrupting.is_set():
             # Let the server-side cancel finish before the process may exit (bounded: a stop is due).
             watcher.join(5)
+
+
+def _same_partitions(ds: DatasetConfig, checked: dict[int, int] | None, parts: list[int]) -> None:
+    """Refuse to publish to a topic whose partitions are not those the run checked: it was recreated
+    (or repartitioned) since, and this run's changes and completeness were made for the other one."""
+    if checked is not None and sorted(checked) != parts:
+        raise TopicChanged(f"dataset {ds.name}: topic {ds.topic} has partitions {parts}, not the "
+                           f"{sorted(checked)} this run checked (recreated meanwhile?); nothing published, "
+                           f"the next run checks it again")
 
 
 def _array(values: pa.ChunkedArray | pa.Array | None) -> pa.Array | None:

@@ -20,6 +20,7 @@ from refresh.errors import (
     EmptySnapshot,
     PublishError,
     TooManyDeletes,
+    TopicChanged,
 )
 from refresh.publish import Publisher
 from refresh.runner import Refresher
@@ -751,3 +752,32 @@ def test_a_run_with_new_or_gone_keys_stages_its_snapshot_before_comparing_values
     assert (r.inserts, r.updates, r.deletes) == (0, 1, 0)
     assert events == ["compare", "stage"]
     assert sorted(x.name for x in store_dir.glob("*snapshot*")) == ["snapshot-0000000003.arrow"]
+
+
+@pytest.mark.parametrize("partitions", [1, 2])
+def test_a_topic_recreated_during_a_run_gets_nothing_committed_and_the_next_run_republishes(
+        make_config, mysql_engine, mysql_url, unique, kafka, partitions: int):
+    """Every run publishes (its heartbeat at least), so a topic replaced between a run's check and its
+    publish must not be taken for the one checked: with other partitions nothing is published to it,
+    with the same ones its ends, found below those checked, fail the run before its commit."""
+    from refstream.kafka import ensure_topic
+
+    t, topic = unique("swap"), unique("ref.swap")
+    execute(mysql_engine, f"CREATE TABLE {t} (id INT PRIMARY KEY, v VARCHAR(5))", f"INSERT INTO {t} VALUES (1,'a')")
+    cfg = make_config({"s": mysql_dataset(mysql_url, t, topic)})
+    Refresher(cfg).run("s")
+    committed = FileStateStore(cfg.state_dir).load("s")
+
+    class Swapping(Publisher):
+        def prepare(self, *args, **kwargs):  # the topic recreated just after the run's check
+            delete_topic(kafka, topic)
+            ensure_topic(kafka, topic, partitions=partitions)
+            return super().prepare(*args, **kwargs)
+
+    with pytest.raises(TopicChanged, match=f"dataset s: topic {topic} "):
+        Refresher(cfg, publisher_factory=Swapping).run("s")
+    assert FileStateStore(cfg.state_dir).load("s") == committed
+    beats = [r for r in read_topic(kafka, topic, heartbeats=True) if r.op == contract.OP_HEARTBEAT]
+    assert len(beats) == (1 if partitions == 1 else 0)  # published, or refused before publishing
+    r = Refresher(cfg).run("s")
+    assert r.kind == "republish" and table_view(read_topic(kafka, topic)) == {'{"id":1}': {"id": 1, "v": "a"}}
