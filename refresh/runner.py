@@ -264,9 +264,9 @@ class Refresher:
             if step is None:
                 kind: RunKind = "republish" if lost is not None else "full" if full else \
                     "reconcile" if ds.mode == "incremental" else "diff"
-                # Inserted or deleted keys settle that this run commits a new snapshot: staging it
-                # then overlaps its write with the comparison of the matched rows. (A re-key's
-                # snapshot is only known after _rekeyed.)
+                # Inserted or deleted keys settle that this run commits a new snapshot: staged then,
+                # its write is ready to start the moment the comparison of the matched rows has given
+                # every row its valid-from time. (A re-key's snapshot is only known after _rekeyed.)
                 step = self._full_read(ds, state, snapshot, source, stop, timer, kind=kind,
                                        allow_empty=ds.allow_empty or allow_deletes, rekey_from=old_key,
                                        on_change=stage if old_key is None and not dry_run else None)
