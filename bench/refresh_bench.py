@@ -99,13 +99,16 @@ def last_run(cfg: Path) -> dict[str, Any]:
 
 
 def verify_topic(kafka: dict[str, str], topic: str, runs: list[dict[str, Any]]) -> dict[int, int]:
-    """Messages per version on the topic must equal what each run reported as published."""
-    from refstream.contract import H_VERSION, header_map
+    """Messages per version on the topic must equal what each run reported as published (heartbeats,
+    each run's completeness records, left out: they are not changes)."""
+    from refstream.contract import H_OP, H_VERSION, OP_HEARTBEAT, header_map
     from refstream.kafka import read_to_end
 
     per_version: Counter[int] = Counter()
     for m in read_to_end(kafka, topic, timeout=60):
-        per_version[int(header_map(m.headers())[H_VERSION])] += 1
+        headers = header_map(m.headers())
+        if headers.get(H_OP) != OP_HEARTBEAT:
+            per_version[int(headers[H_VERSION])] += 1
     for r in runs:
         if per_version.get(r["version"], 0) != r["published"]:
             raise SystemExit(f"version {r['version']}: {per_version.get(r['version'], 0)} messages on "

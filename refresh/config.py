@@ -7,6 +7,7 @@ absolute, so a later ``chdir`` changes nothing.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -36,6 +37,8 @@ __all__ = [
     "is_mysql_url",
     "load_config",
 ]
+
+log = logging.getLogger(__name__)
 
 #: How a dataset is refreshed: diff every row against the published snapshot, or read from a cursor.
 Mode = Literal["diff", "incremental"]
@@ -143,9 +146,6 @@ class DatasetConfig:
     min_compaction_lag: timedelta = timedelta(hours=24)
     # `refresh status --check` fails when the last successful run is older than this (None: no limit).
     max_age: timedelta | None = None
-    # A run without changes publishes a heartbeat record (readers see the dataset is current), at most
-    # once per this interval (None: never).
-    heartbeat: timedelta | None = timedelta(minutes=1)
 
     @property
     def topic_config(self) -> dict[str, str]:
@@ -249,7 +249,13 @@ def _dataset(name: str, sec: Section) -> DatasetConfig:
     if not 0.0 <= max_delete_fraction <= 1.0:
         raise sec.error(f"must be between 0 and 1, got {max_delete_fraction}", "max_delete_fraction")
     min_compaction_lag = sec.duration("min_compaction_lag", timedelta(hours=24))
-    heartbeat = sec.optional_duration("heartbeat", timedelta(minutes=1))
+    # Every run now publishes its completeness, in a heartbeat when it has no changes: an interval
+    # that held heartbeats back would hold the completeness back with them. The key is still
+    # accepted (its value checked), so configs that set it keep loading.
+    if sec.raw("heartbeat", None) is not None:
+        sec.optional_duration("heartbeat", None)
+        log.warning("%s: %s is no longer used and can be removed: every run publishes its completeness "
+                    "in a heartbeat record", sec.source, sec.key("heartbeat"))
     max_age = sec.duration("max_age", default_max_age(schedule))
     if max_age is not None and max_age.total_seconds() <= 0:
         raise sec.error("must be positive", "max_age")
@@ -257,7 +263,7 @@ def _dataset(name: str, sec: Section) -> DatasetConfig:
     return DatasetConfig(name=name, topic=topic, key=key, mode=mode, schedule=schedule, watch=watch,
                          source=source, incremental=incremental, allow_empty=allow_empty, partitions=partitions,
                          max_delete_fraction=max_delete_fraction, min_compaction_lag=min_compaction_lag,
-                         max_age=max_age, heartbeat=heartbeat)
+                         max_age=max_age)
 
 
 def default_max_age(schedule: Schedule) -> timedelta | None:

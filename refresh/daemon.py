@@ -25,6 +25,13 @@ running refresh finishes or aborts before its commit, everything is released thr
 and the process exits 0. A second signal exits at once (safe: nothing is committed before the broker
 acknowledged it, and the next run republishes).
 
+Heartbeats: the daemon has no timer of its own that publishes one. Each run it starts (scheduled, at
+start-up, on a file change, a retry) reads the source, and ends its transaction with a heartbeat
+carrying its completeness - as of its own read, the changes it found with it, or alone when it found
+none. A heartbeat therefore always means "the source was checked then"; a run that cannot read the
+source (or publish) publishes none, so a dataset's completeness, and its age in the job, stop moving
+while its source is unreachable, however long the daemon keeps running.
+
 ``<state_dir>/_daemon/next_runs.json`` (``{dataset: ISO time}`` of the datasets with a run planned) is
 kept current for ``refresh status``; ``<state_dir>/_daemon/daemon.lock`` keeps a second daemon off the same state.
 """

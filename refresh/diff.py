@@ -5,6 +5,10 @@ stored snapshot and a fresh read compare column by column. Rows are matched on t
 key columns with a hash join of (key columns + row index) only; the non-key columns of matched rows
 are then compared vectorised. A key change falls out as a delete of the old key plus an insert of the
 new one; a delete and a re-insert between two refreshes as an update (or nothing, if equal).
+
+Given the times a changed row would be valid from (``fresh``) and those the published rows were
+valid from, the diff also gives each row of the new snapshot its time: an unchanged row keeps the
+published one, any other row takes its fresh one.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import pyarrow.compute as pc
 
 from refresh.errors import DuplicateKey
 from refresh.stores.abc import SnapshotRows
-from refstream.contract import encode_key, type_from_arrow
+from refstream.contract import TIME_TYPE, encode_key, type_from_arrow
 from refstream.errors import ContractError, DataError
 
 __all__ = [
@@ -45,6 +49,10 @@ class ChangeSet:
     deletes: pa.Table
     inserts: int
     updates: int
+    #: Per upsert, the time its row is valid from (``timestamp[us, UTC]``); None: not computed.
+    valid_from: pa.Array | None = None
+    #: Per row of the diff's new snapshot, the time it is valid from; None: not computed.
+    snapshot_valid_from: pa.Array | None = None
 
     @property
     def delete_count(self) -> int:
@@ -335,8 +343,19 @@ def take_rows(table: pa.Table, rows: pa.Array) -> pa.Table:
     return out.take(_int64(inverse))
 
 
+def _times(values: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """NULL-free times as int64 microseconds, in a numpy array of their own (written to)."""
+    arr = values.cast(TIME_TYPE).cast(pa.int64())
+    return _int_values(_arr(arr) if isinstance(arr, pa.ChunkedArray) else arr).copy()
+
+
+def _timestamps(values: np.ndarray) -> pa.Array:
+    return _int64(values).cast(TIME_TYPE)
+
+
 def diff(dataset: str, old: pa.Table | SnapshotRows | None, new: pa.Table, key: Sequence[str], *,
-         republish_all: bool = False, on_change: Callable[[], None] | None = None) -> ChangeSet:
+         republish_all: bool = False, on_change: Callable[[], None] | None = None,
+         fresh: pa.Array | None = None, old_valid_from: pa.Array | pa.ChunkedArray | None = None) -> ChangeSet:
     """Changes that turn ``old`` (the published snapshot, or None) into ``new``.
 
     Both must be normalised and ``new`` key-checked. ``old`` may be read lazily (:class:`SnapshotRows`):
@@ -346,10 +365,17 @@ def diff(dataset: str, old: pa.Table | SnapshotRows | None, new: pa.Table, key: 
     called once the keys show that there are changes (rows inserted or deleted, or a schema change),
     before the values of the matched rows are compared: the caller can start work that only a run with
     changes needs.
+
+    ``fresh`` (per row of ``new``, NULL-free) is when each row would be valid from if it changed now;
+    with it the result carries ``valid_from`` (per upsert) and ``snapshot_valid_from`` (per row of
+    ``new``): ``old_valid_from`` (per row of ``old``) for an unchanged row, ``fresh`` for the others.
+    Without ``old_valid_from`` (a snapshot written before valid-from times were kept) every row takes
+    its fresh time.
     """
     key = list(key)
     if old is None or old.num_rows == 0:
-        return ChangeSet(new, new.select(key).slice(0, 0), new.num_rows, 0)
+        times = None if fresh is None else fresh.cast(TIME_TYPE)
+        return ChangeSet(new, new.select(key).slice(0, 0), new.num_rows, 0, times, times)
     ins, dels, mn, mo = _match(old, new, key)
     comparable = old.schema == new.schema
     if on_change is not None and (len(ins) or len(dels) or (not comparable and len(mn))):
@@ -359,13 +385,21 @@ def diff(dataset: str, old: pa.Table | SnapshotRows | None, new: pa.Table, key: 
     else:
         upd = mn
     deletes = old.select(key).take(dels)
-    if republish_all:
-        upserts = new
-    else:
-        rows = pa.concat_arrays([ins, upd])
-        upserts = take_rows(new, rows)
+    rows = pa.concat_arrays([ins, upd])
+    upserts = new if republish_all else take_rows(new, rows)
+    valid_from = snapshot_valid_from = None
+    if fresh is not None:
+        now = _times(fresh)
+        times = now.copy()
+        if old_valid_from is not None and len(mn):
+            # Matched rows keep their published time, then the changed ones among them take fresh.
+            times[_int_values(mn)] = _times(old_valid_from)[_int_values(mo)]
+            changed = _int_values(upd)
+            times[changed] = now[changed]
+        snapshot_valid_from = _timestamps(times)
+        valid_from = snapshot_valid_from if republish_all else fresh.take(rows).cast(TIME_TYPE)
     # Tombstones keep the old key types: they must carry the key bytes that were published.
-    return ChangeSet(upserts, deletes, len(ins), len(upd))
+    return ChangeSet(upserts, deletes, len(ins), len(upd), valid_from, snapshot_valid_from)
 
 
 def within(old: pa.Table | None, rows: pa.Table, key: Sequence[str]) -> pa.Table | None:

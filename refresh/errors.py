@@ -13,6 +13,7 @@ __all__ = [
     "Refused",
     "Stopped",
     "TooManyDeletes",
+    "TopicChanged",
 ]
 
 
@@ -51,3 +52,10 @@ class PublishError(TransientError):
 
 class Stopped(RefstreamError):
     """The run was interrupted by its ``stop`` event before anything was committed."""
+
+
+class TopicChanged(RefstreamError):
+    """The topic changed between a run's check of it and its publish (deleted and recreated, or
+    repartitioned): nothing was published to it, since what the run would publish, its completeness
+    above all, was computed for the topic it checked. Not retried within the run: the next run's
+    check sees what the topic holds (and republishes a lost one)."""

@@ -13,21 +13,40 @@ the clock is read in UTC, and caps ``timestamp_tz`` cursors as well as naive one
 
 Rows whose cursor is NULL never match the window: only a reconcile (a full read) sees them, and it
 counts them in a warning.
+
+Time (the contract's ``valid_from`` and ``complete_as_of``): a row is valid from its cursor value when
+the cursor is a time - the row says when it changed - and from the database clock at the start of
+the read otherwise (a NULL cursor, an integer or text one). A run is complete as of that clock minus
+``lag``: a row committed later carries a cursor value above it, as the lag assumes.
 """
 
 from __future__ import annotations
 
-from datetime import UTC, date, datetime, timedelta
+from datetime import UTC, date, datetime, time, timedelta
 from decimal import Decimal
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from refstream.contract import type_from_arrow
+from refstream.contract import TIME_TYPE, type_from_arrow
 from refstream.errors import DataError
 
-__all__ = ["advance", "column_type", "from_json", "null_cursors", "to_json", "window_start"]
+__all__ = [
+    "TIME_CURSORS",
+    "advance",
+    "column_type",
+    "complete_as_of",
+    "from_json",
+    "null_cursors",
+    "to_json",
+    "utc",
+    "valid_from",
+    "window_start",
+]
+
+#: Cursor types whose values are times a row is valid from.
+TIME_CURSORS = ("timestamp", "timestamp_tz", "date")
 
 
 def to_json(value: Any) -> Any:
@@ -103,3 +122,38 @@ def _comparable(a: Any, b: Any) -> bool:
     if isinstance(a, date) and isinstance(b, date):
         return True
     return isinstance(a, int | float | Decimal) and isinstance(b, int | float | Decimal)
+
+
+def utc(clock: Any) -> datetime:
+    """A database clock reading (naive UTC: every session reads in UTC) as an aware UTC time."""
+    if not isinstance(clock, datetime):
+        raise DataError(f"the database clock read {clock!r}, not a time")
+    return clock.replace(tzinfo=UTC) if clock.tzinfo is None else clock.astimezone(UTC)
+
+
+def valid_from(rows: pa.Table, column: str, at: datetime) -> pa.Array:
+    """When each row of ``rows`` is valid from (``timestamp[us, UTC]``): its ``column`` value where the
+    cursor is a time (a naive one read as UTC, a date as its midnight) and not NULL, else ``at``."""
+    if column not in rows.column_names or column_type(rows, column) not in TIME_CURSORS:
+        return pa.repeat(pa.scalar(at, TIME_TYPE), rows.num_rows)
+    col = rows.column(column)
+    if pa.types.is_date(col.type):
+        col = pc.cast(col, pa.timestamp("us"))
+    # Through the epoch count: a naive time is UTC (sessions read in UTC), a zoned one is converted.
+    times = pc.cast(pc.cast(pc.cast(col, pa.timestamp("us", tz=col.type.tz)), pa.int64()), TIME_TYPE)
+    filled = pc.fill_null(times, pa.scalar(at, TIME_TYPE))
+    return filled.combine_chunks() if isinstance(filled, pa.ChunkedArray) else filled
+
+
+def complete_as_of(at: datetime, cursor_type: str | None, lag: timedelta) -> datetime:
+    """The completeness of an incremental run whose read began at ``at`` (the database clock): every
+    row committed later has a cursor value above ``at - lag`` (the lag's premise), hence a later
+    valid-from time. A date cursor: the end of the day before that bound's (a row committed later may
+    still carry the bound's date, valid from its midnight). An integer or text cursor: ``at`` itself,
+    the time its rows are valid from."""
+    if cursor_type in ("timestamp", "timestamp_tz"):
+        return at - lag
+    if cursor_type == "date":
+        day = (at - lag).date()
+        return datetime.combine(day, time(), tzinfo=UTC) - timedelta(microseconds=1)
+    return at

@@ -22,7 +22,7 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 
 from refresh.errors import PublishError, Stopped
 from refstream import kafka
-from refstream.contract import TOPIC_CONFIG, Message, MessageBatch
+from refstream.contract import H_VALID_FROM, TOPIC_CONFIG, Message, MessageBatch
 from refstream.kafka import ensure_topic, partitions_of
 
 __all__ = ["Publisher", "transactional_id"]
@@ -139,19 +139,23 @@ class Publisher:
         return parts
 
     def publish(self, topic: str, messages: Iterable[Message | MessageBatch], *,
-                to_every_partition: Iterable[Message] = (),
+                to_every_partition: Iterable[Message] = (), last_to_every_partition: Iterable[Message] = (),
                 partitions: list[int] | None = None, flush_timeout: float = 120.0,
                 stop: threading.Event | None = None) -> int:
         """Produce ``to_every_partition`` (schema records) to each partition, then ``messages`` (records
-        or batches of records) by key; wait until every one is delivered and commit the transaction.
-        Returns the number of messages published. On any failure (or ``stop``) the transaction is
-        aborted: nothing becomes visible."""
+        or batches of records) by key, then ``last_to_every_partition`` (completeness records) to each
+        partition; wait until every one is delivered and commit the transaction. Returns the number of
+        messages published. On any failure (or ``stop``) the transaction is aborted: nothing becomes
+        visible."""
         p = self.producer()
+        last = list(last_to_every_partition)
         if self.transactional_id is None:
-            return self._produce_all(p, topic, messages, to_every_partition, partitions, flush_timeout, stop)
+            return self._produce_all(p, topic, messages, to_every_partition, last, partitions, flush_timeout,
+                                     stop)
         self._begin(p, topic)
         try:
-            sent = self._produce_all(p, topic, messages, to_every_partition, partitions, flush_timeout, stop)
+            sent = self._produce_all(p, topic, messages, to_every_partition, last, partitions, flush_timeout,
+                                     stop)
             self._commit(p, topic, sent)
         except BaseException:
             self._abort(p, topic)
@@ -159,8 +163,8 @@ class Publisher:
         return sent
 
     def _produce_all(self, p: Producer, topic: str, messages: Iterable[Message | MessageBatch],
-                     to_every_partition: Iterable[Message], partitions: list[int] | None,
-                     flush_timeout: float, stop: threading.Event | None) -> int:
+                     to_every_partition: Iterable[Message], last_to_every_partition: list[Message],
+                     partitions: list[int] | None, flush_timeout: float, stop: threading.Event | None) -> int:
         errors = self._get_client().errors
         errors.clear()
         sent = 0
@@ -186,6 +190,12 @@ class Publisher:
                                   f"nothing committed")
                 if errors:
                     break
+        if not errors:
+            # After every record of the run on each partition: what they say holds for all of them.
+            for m in last_to_every_partition:
+                for part in partitions or [0]:
+                    self._produce(p, topic, m.key, m.value, m.headers, part)
+                    sent += 1
         deadline = time.monotonic() + flush_timeout
         while len(p) > 0 and time.monotonic() < deadline:
             p.flush(min(1.0, max(0.0, deadline - time.monotonic())))
@@ -203,13 +213,18 @@ class Publisher:
         producer's batch API cannot carry headers); a full local queue waits for the broker."""
         produce = p.produce
         h: Any = batch.headers  # the client's stubs want a list of (str, str | bytes | None)
-        keys, values = batch.keys, batch.values
+        keys, values, valid_from = batch.keys, batch.values, batch.valid_from
         i, n = 0, len(keys)
         while i < n:
             try:
-                while i < n:
-                    produce(topic, values[i], keys[i], headers=h)
-                    i += 1
+                if valid_from is None:
+                    while i < n:
+                        produce(topic, values[i], keys[i], headers=h)
+                        i += 1
+                else:  # a header list per record: its own valid_from last
+                    while i < n:
+                        produce(topic, values[i], keys[i], headers=[*h, (H_VALID_FROM, valid_from[i])])
+                        i += 1
             except BufferError:
                 p.poll(0.05)  # local queue full: let the broker's acknowledgements drain it
             except KafkaException as exc:

@@ -3,10 +3,11 @@
 Order of a run (under the dataset's lock):
     load committed state -> check that the topic still holds what the state says was published
     (otherwise the run republishes everything) -> read the source (retried while the database is
-    unreachable) -> normalise and check keys -> compute the change set (a re-key when `key:` changed) ->
-    refuse it if it deletes too much (a partial source) -> publish (schema record first if the columns
-    changed) in one Kafka transaction, wait for every acknowledgement and the commit -> note the topic's
-    end offsets -> commit snapshot + state atomically -> record the run's status.
+    unreachable) -> normalise and check keys -> compute the change set (a re-key when `key:` changed) and
+    each row's valid-from time -> refuse it if it deletes too much (a partial source) -> publish (schema
+    record first if the columns changed, the run's completeness record last on every partition) in one
+    Kafka transaction, wait for every acknowledgement and the commit -> note the topic's end offsets ->
+    commit snapshot (with the rows' valid-from times) + state atomically -> record the run's status.
 Any failure before the commit leaves the committed state as it was (an unfinished transaction is aborted:
 read_committed readers see nothing of it): the next run computes the same changes again (or more) and
 republishes them.
@@ -17,11 +18,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import math
 import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future
 from contextlib import ExitStack
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -32,7 +33,7 @@ import pyarrow as pa
 from refresh import incremental as inc
 from refresh.config import DatasetConfig, RefreshConfig
 from refresh.diff import ChangeSet, check_keys, diff, normalize, upsert_into, within
-from refresh.errors import EmptySnapshot, Refused, Stopped, TooManyDeletes
+from refresh.errors import EmptySnapshot, Refused, Stopped, TooManyDeletes, TopicChanged
 from refresh.publish import Publisher, transactional_id
 from refresh.sources import open_source
 from refresh.sources.abc import IncrementalSource, Source
@@ -44,13 +45,19 @@ from refresh.stores.abc import (
     SnapshotRows,
     StagedSnapshot,
     StateStore,
+    check_columns,
+    split_valid_from,
+    with_valid_from,
 )
 from refresh.stores.files import FileStateStore
 from refstream.config import format_duration
 from refstream.contract import (
+    TIME_TYPE,
     DatasetSchema,
     delete_batches,
+    format_time,
     heartbeat_message,
+    parse_time,
     schema_message,
     upsert_batches,
 )
@@ -88,17 +95,21 @@ class _Step:
     schema: DatasetSchema
     changes: ChangeSet
     snapshot: pa.Table | None      # the new published rows (None: unchanged)
+    snapshot_valid_from: pa.Array | None  # per row of ``snapshot``, the time it is valid from
     total: int
     watermark: Any
     watermark_type: str | None
     last_reconcile: str | None
+    observed_at: datetime          # when the read began: what it found gone is gone from then
+    complete_as_of: datetime       # every change valid at or before it is in the changelog after this run
+    rewrite: bool = False          # the committed snapshot has no valid-from times: store them anyway
     staged: StagedSnapshot | None = None   # ``snapshot`` being written ahead of the commit
 
     def replaces_snapshot(self, state: CommittedState) -> bool:
         """Whether committing this step writes ``snapshot`` over the committed one: a new snapshot
-        that differs in rows or columns, or the first one."""
+        that differs in rows or columns, the first one, or one that gains its valid-from times."""
         return self.snapshot is not None and bool(
-            self.changes or not self.schema.same_columns(state.schema) or not state.snapshot)
+            self.changes or self.rewrite or not self.schema.same_columns(state.schema) or not state.snapshot)
 
 
 class _Phases:
@@ -130,7 +141,6 @@ class Refresher:
         self.progress = sys.stderr.isatty() if progress is None else progress
         #: Called with every recorded run (the daemon's metrics).
         self.on_run = on_run
-        self._beat: dict[str, float] = {}  # dataset -> when this process last published to its topic
 
     # --------------------------------------------------------------------------------- public
     def run(self, dataset: str, *, full: bool = False, reconcile: bool = False, wait: bool = True,
@@ -180,8 +190,11 @@ class Refresher:
         return call_with_retry(fn, what=what, policy=self.config.retry, stop=stop)
 
     def _read(self, ds: DatasetConfig, what: str, read: Callable[[Callable[[int], None] | None], pa.Table],
-              prior: DatasetSchema | None, stop: threading.Event | None, source: Source) -> pa.Table:
-        def attempt() -> pa.Table:
+              prior: DatasetSchema | None, stop: threading.Event | None, source: Source,
+              clock: Callable[[], Any] = _utcnow) -> tuple[pa.Table, Any]:
+        """The rows ``read`` returns, normalised, and ``clock``'s reading when the attempt that read
+        them began (the database's clock for an incremental dataset, else this host's)."""
+        def attempt() -> tuple[pa.Table, Any]:
             with ExitStack() as stack:
                 stack.enter_context(_interrupted_by(stop, source))
                 bar = None
@@ -199,6 +212,7 @@ class Refresher:
                         bar.update(n - bar.n)
 
                 try:
+                    started = clock()
                     table = read(cb)
                 except Exception as exc:
                     if stop is not None and stop.is_set() and not isinstance(exc, Stopped):
@@ -208,7 +222,8 @@ class Refresher:
                     raise
             if stop is not None and stop.is_set():
                 raise Stopped(f"dataset {ds.name}: stopped after reading; nothing published")
-            return normalize(_fill_null_types(table, prior), ds.name)
+            check_columns(ds.name, table)
+            return normalize(_fill_null_types(table, prior), ds.name), started
 
         return self._retry(attempt, f"dataset {ds.name}: read {what}", stop)
 
@@ -231,12 +246,14 @@ class Refresher:
 
         old_key = self._rekey_from(ds, state)
         # The new snapshot is written in the background while the run goes on (the rest of the diff,
-        # the publish) and committed only after the acknowledgements; every way out discards it.
+        # the publish) and committed only after the acknowledgements; every way out discards it. Its
+        # valid-from column comes once the diff knows which rows changed: the write waits for it.
         staged: list[StagedSnapshot] = []
+        valid_from: Future[pa.Array] = Future()
 
         def stage(rows: pa.Table) -> None:
             if not staged:
-                staged.append(self.store.stage_snapshot(ds.name, version, rows))
+                staged.append(self.store.stage_snapshot(ds.name, version, rows, valid_from))
 
         try:
             step: _Step | None = None
@@ -247,19 +264,19 @@ class Refresher:
             if step is None:
                 kind: RunKind = "republish" if lost is not None else "full" if full else \
                     "reconcile" if ds.mode == "incremental" else "diff"
-                # Inserted or deleted keys settle that this run commits a new snapshot: staging it
-                # then overlaps its write with the comparison of the matched rows. (A re-key's
-                # snapshot is only known after _rekeyed.)
+                # Inserted or deleted keys settle that this run commits a new snapshot: staged then,
+                # its write is ready to start the moment the comparison of the matched rows has given
+                # every row its valid-from time. (A re-key's snapshot is only known after _rekeyed.)
                 step = self._full_read(ds, state, snapshot, source, stop, timer, kind=kind,
-                                       allow_empty=ds.allow_empty or allow_deletes,
-                                       compare=old_key is None,
+                                       allow_empty=ds.allow_empty or allow_deletes, rekey_from=old_key,
                                        on_change=stage if old_key is None and not dry_run else None)
             if old_key is not None:
                 step = self._rekeyed(ds, snapshot, step, old_key)
             del snapshot  # the old rows are not needed any more: free them before publishing
             if not dry_run and step.replaces_snapshot(state):
-                assert step.snapshot is not None
+                assert step.snapshot is not None and step.snapshot_valid_from is not None
                 stage(step.snapshot)
+                valid_from.set_result(step.snapshot_valid_from)
                 step = dataclasses.replace(step, staged=staged[0])
             return self._publish_and_commit(ds, state, step, version, ends, lost, old_key, timer, t0,
                                             stop=stop, allow_deletes=allow_deletes, full=full, dry_run=dry_run)
@@ -283,39 +300,47 @@ class Refresher:
         with_schema = schema_changed or full
         schema = dataclasses.replace(schema, version=version) if with_schema else (state.schema or schema)
 
+        # What this run read makes the changelog complete as of its time; never back below what an
+        # earlier run published (a claim once true stays true).
+        complete = step.complete_as_of
+        if state.complete_as_of is not None:
+            complete = max(complete, parse_time(state.complete_as_of))
         if dry_run:
             return self._dry_result(ds, state, step, version, with_schema, schema_changed, ends, lost,
-                                    timer, t0)
+                                    timer, t0, complete)
         published = 0
         if changes or with_schema:
             self.store.reserve(ds.name, version)
             published = self._publish(ds, schema, changes, version, with_schema=with_schema, stop=stop,
-                                      tombstones_as=state.schema if old_key is not None else None)
-            ends = self._published_ends(ds, stop)
-            self._beat[ds.name] = time.monotonic()
-        elif (ds.heartbeat is not None and state.version
-              and time.monotonic() - self._beat.get(ds.name, -math.inf) >= ds.heartbeat.total_seconds()):
-            # Nothing changed: tell readers the dataset is current as of this run (its age is the
-            # refresher's health, not how often the data changes). The topic's new end is committed
-            # below, so the next run's topic check expects it.
-            # ``published`` counts changes; the heartbeat is not one.
-            self._heartbeat(ds, state.version, _utcnow(), stop)
-            ends = self._published_ends(ds, stop)
-            self._beat[ds.name] = time.monotonic()
+                                      tombstones_as=state.schema if old_key is not None else None,
+                                      deleted_at=step.observed_at, complete=complete, checked=ends)
+            ends = self._published_ends(ds, stop, ends)
+        elif state.version:
+            # Nothing changed: the run's completeness goes out all the same, in a heartbeat (readers
+            # also see the dataset is current as of this run: its age is the refresher's health, not
+            # how often the data changes). The topic's new end is committed below, so the next run's
+            # topic check expects it. ``published`` counts changes; the heartbeat is not one.
+            self._heartbeat(ds, state.version, complete, stop, checked=ends)
+            ends = self._published_ends(ds, stop, ends)
         timer.mark("publish")
         # The transaction committed: commit even if a stop was requested meanwhile (it is quick,
         # and stopping here would only make the next run publish the same changes again).
+        stored: pa.Table | StagedSnapshot | None = None
+        if step.replaces_snapshot(state):
+            assert step.snapshot is not None and step.snapshot_valid_from is not None
+            stored = step.staged or with_valid_from(step.snapshot, step.snapshot_valid_from)
         self.store.commit(ds.name, CommittedState(
             version=version, schema=schema, snapshot=state.snapshot, rows=step.total,
             watermark=step.watermark, watermark_type=step.watermark_type,
-            last_reconcile=step.last_reconcile, topic=ds.topic, offsets=ends),
-            step.staged or step.snapshot if step.replaces_snapshot(state) else None)
+            last_reconcile=step.last_reconcile, complete_as_of=format_time(complete), topic=ds.topic,
+            offsets=ends), stored)
         timer.mark("commit")
         seconds = round(time.monotonic() - t0, 3)
         result = RunResult(dataset=ds.name, ok=True, version=version, rows=step.rows_read,
                            inserts=changes.inserts, updates=changes.updates, deletes=changes.delete_count,
                            published=published, seconds=seconds, kind=step.kind, watermark=step.watermark,
-                           schema_changed=schema_changed, phases=timer.phases, reason=lost)
+                           schema_changed=schema_changed, phases=timer.phases, reason=lost,
+                           complete_as_of=format_time(complete))
         log.info("dataset %s: version %d (%s): read %d rows, %d inserts, %d updates, %d deletes, "
                  "%d messages published in %.2fs (%s)", ds.name, version, step.kind, result.rows,
                  result.inserts, result.updates, result.deletes, published, seconds, timer)
@@ -323,7 +348,7 @@ class Refresher:
 
     def _dry_result(self, ds: DatasetConfig, state: CommittedState, step: _Step, version: int,
                     with_schema: bool, schema_changed: bool, ends: dict[int, int] | None, lost: str | None,
-                    timer: _Phases, t0: float) -> RunResult:
+                    timer: _Phases, t0: float, complete: datetime) -> RunResult:
         """What a run would publish, as a :class:`RunResult` (``published``: deletes, upserts and one
         schema record per partition when the schema goes out); nothing is published or committed."""
         changes = step.changes
@@ -336,53 +361,69 @@ class Refresher:
         return RunResult(dataset=ds.name, ok=True, version=state.version, rows=step.rows_read,
                          inserts=changes.inserts, updates=changes.updates, deletes=changes.delete_count,
                          published=would, seconds=seconds, kind=step.kind, watermark=state.watermark,
-                         schema_changed=schema_changed, phases=timer.phases, reason=lost)
+                         schema_changed=schema_changed, phases=timer.phases, reason=lost,
+                         complete_as_of=format_time(complete))
 
-    def _incremental(self, ds: DatasetConfig, state: CommittedState, published: SnapshotRows | pa.Table,
+    def _incremental(self, ds: DatasetConfig, state: CommittedState, published: SnapshotRows,
                      source: IncrementalSource, stop: threading.Event | None, timer: _Phases) -> _Step | None:
         """Rows from the watermark (minus the lag) on, compared with the published ones; None when the
         columns changed and a full read must decide instead."""
         assert ds.incremental is not None  # only incremental datasets come here
         col = ds.incremental.column
-        snapshot = published.read() if isinstance(published, SnapshotRows) else published
+        snapshot, published_from = published.read(), published.valid_from()
         old_wm = inc.from_json(state.watermark, state.watermark_type)
         low = inc.window_start(old_wm, ds.incremental.lag, ds.incremental.numeric_lag)
-        db_now = self._retry(source.now, f"dataset {ds.name}: database clock", stop)
-        rows = self._read(ds, f"rows with {col} >= {low}", lambda cb: source.read_since(col, low, cb),
-                          state.schema, stop, source)
+        rows, db_now = self._read(ds, f"rows with {col} >= {low}", lambda cb: source.read_since(col, low, cb),
+                                  state.schema, stop, source, clock=source.now)
+        at = inc.utc(db_now)
         timer.mark("read")
         if rows.num_rows:
             check_keys(ds.name, rows, ds.key)
             if not DatasetSchema.from_arrow(ds.name, ds.key, rows.schema).same_columns(state.schema):
                 log.warning("dataset %s: columns changed since the last run; switching to a full read", ds.name)
                 return None
-            changes = diff(ds.name, within(snapshot, rows, ds.key), rows, ds.key)
+            changes = diff(ds.name, within(snapshot, rows, ds.key), rows, ds.key,
+                           fresh=inc.valid_from(rows, col, at))
         else:
             changes = ChangeSet(rows, rows.select(list(ds.key)), 0, 0)
-        new_snapshot = upsert_into(snapshot, changes.upserts, ds.key) if changes else None
+        new_snapshot = new_from = None
+        if changes or published_from is None:
+            # A snapshot written before valid-from times were kept gets the times this mode gives.
+            stored = with_valid_from(snapshot, published_from if published_from is not None
+                                     else inc.valid_from(snapshot, col, at))
+            if changes:
+                assert changes.valid_from is not None
+                stored = upsert_into(stored, with_valid_from(changes.upserts, changes.valid_from), ds.key)
+            new_snapshot, new_from = split_valid_from(stored)
         watermark = inc.to_json(inc.advance(old_wm, rows, col, db_now))
         wm_type = state.watermark_type or (inc.column_type(rows, col) if rows.num_rows else None)
         timer.mark("diff")
         schema = state.schema or DatasetSchema.from_arrow(ds.name, ds.key, rows.schema)
         total = new_snapshot.num_rows if new_snapshot is not None else snapshot.num_rows
         return _Step(kind="incremental", rows_read=rows.num_rows, schema=schema, changes=changes,
-                     snapshot=new_snapshot, total=total, watermark=watermark, watermark_type=wm_type,
-                     last_reconcile=state.last_reconcile)
+                     snapshot=new_snapshot, snapshot_valid_from=_array(new_from), total=total,
+                     watermark=watermark, watermark_type=wm_type, last_reconcile=state.last_reconcile,
+                     observed_at=at, rewrite=published_from is None,
+                     complete_as_of=inc.complete_as_of(at, inc.column_type(rows, col), ds.incremental.lag))
 
-    def _full_read(self, ds: DatasetConfig, state: CommittedState, snapshot: SnapshotRows | pa.Table | None,
+    def _full_read(self, ds: DatasetConfig, state: CommittedState, snapshot: SnapshotRows | None,
                    source: Source,
                    stop: threading.Event | None, timer: _Phases, *, kind: RunKind,
-                   allow_empty: bool = False, compare: bool = True,
+                   allow_empty: bool = False, rekey_from: tuple[str, ...] | None = None,
                    on_change: Callable[[pa.Table], None] | None = None) -> _Step:
         """Every row, diffed with the published snapshot (``kind`` full also republishes every row;
-        ``compare=False`` publishes every row as new, for a re-key); an empty read is refused unless
-        ``allow_empty``."""
+        ``rekey_from``: the rows were published under that key, and every row goes out again); an
+        empty read is refused unless ``allow_empty``."""
         cursor = ds.incremental
-        db_now = self._retry(source.now, f"dataset {ds.name}: database clock", stop) \
-            if cursor is not None and isinstance(source, IncrementalSource) else None
-        if compare and isinstance(snapshot, SnapshotRows) and snapshot.prefetch(PREFETCH_BYTES):
+        clock: Callable[[], Any] = _utcnow
+        if cursor is not None and isinstance(source, IncrementalSource):
+            clock = source.now
+        by_db = clock is not _utcnow
+        if isinstance(snapshot, SnapshotRows) and snapshot.prefetch(PREFETCH_BYTES):
             log.debug("dataset %s: reading the published snapshot during the source read", ds.name)
-        rows = self._read(ds, "snapshot", source.read, state.schema, stop, source)
+        rows, started = self._read(ds, "snapshot", source.read, state.schema, stop, source, clock=clock)
+        # An incremental dataset's times are the database's; a file's, when its settled set was read.
+        at = inc.utc(started) if by_db else (source.read_started or started)
         timer.mark("read")
         if rows.num_rows == 0 and not allow_empty:
             raise EmptySnapshot(
@@ -396,15 +437,28 @@ class Refresher:
             rows = normalize(snapshot.schema.empty_table(), ds.name)
         check_keys(ds.name, rows, ds.key)
         schema = DatasetSchema.from_arrow(ds.name, ds.key, rows.schema)
-        changes = diff(ds.name, snapshot if compare else None, rows, ds.key,
-                       republish_all=kind in ("full", "republish"),
-                       on_change=None if on_change is None else lambda: on_change(rows))
+        fresh = inc.valid_from(rows, cursor.column, at) if cursor is not None \
+            else pa.repeat(pa.scalar(at, TIME_TYPE), rows.num_rows)
+        published_from = snapshot.valid_from() if snapshot is not None else None
+        match, old = list(ds.key), snapshot
+        if rekey_from is not None:
+            # Every row goes out under the new key, yet an unchanged one keeps its time: rows are
+            # matched on both keys' columns, on which the old rows and the new are each unique.
+            match = list(dict.fromkeys([*rekey_from, *ds.key]))
+            if snapshot is None or not all(c in snapshot.schema.names and c in rows.column_names for c in match):
+                old = None
+        changes = diff(ds.name, old, rows, match,
+                       republish_all=kind in ("full", "republish") or rekey_from is not None,
+                       on_change=None if on_change is None else lambda: on_change(rows),
+                       fresh=fresh, old_valid_from=published_from if old is not None else None)
         watermark, wm_type, last_reconcile = state.watermark, state.watermark_type, state.last_reconcile
+        complete = at
         if cursor is not None:
             col = cursor.column
             watermark = inc.to_json(inc.advance(inc.from_json(state.watermark, state.watermark_type), rows,
-                                                col, db_now))
+                                                col, started if by_db else None))
             wm_type = inc.column_type(rows, col)
+            complete = inc.complete_as_of(at, wm_type, cursor.lag)
             last_reconcile = _utcnow().isoformat()
             nulls = inc.null_cursors(rows, col)
             if nulls:
@@ -414,7 +468,10 @@ class Refresher:
                             f"every {format_duration(every)}" if every is not None else "off: only on demand")
         timer.mark("diff")
         return _Step(kind=kind, rows_read=rows.num_rows, schema=schema, changes=changes, snapshot=rows,
-                     total=rows.num_rows, watermark=watermark, watermark_type=wm_type, last_reconcile=last_reconcile)
+                     snapshot_valid_from=changes.snapshot_valid_from, total=rows.num_rows,
+                     watermark=watermark, watermark_type=wm_type, last_reconcile=last_reconcile,
+                     observed_at=at, complete_as_of=complete,
+                     rewrite=snapshot is not None and published_from is None)
 
     # ---------------------------------------------------------------- the topic as part of the state
     def _check_topic(self, ds: DatasetConfig, state: CommittedState,
@@ -431,15 +488,25 @@ class Refresher:
                         ds.name, ds.topic, reason)
         return ends, reason
 
-    def _published_ends(self, ds: DatasetConfig, stop: threading.Event | None) -> dict[int, int] | None:
-        """The topic's end offsets right after a publish, for the next run's check; None (the next run
-        records them instead of comparing) if the broker cannot say now: the publish itself stands."""
+    def _published_ends(self, ds: DatasetConfig, stop: threading.Event | None,
+                        before: dict[int, int] | None) -> dict[int, int] | None:
+        """The topic's end offsets right after a publish, for the next run's check; if the broker
+        cannot say now (the publish itself stands), those found ``before`` it, the run's check: a
+        topic only grows, so they still tell the next run of a topic deleted, recreated or emptied,
+        where None would let it only record what it finds. Ends below ``before`` mean the run
+        published to another topic than the one it checked (recreated meanwhile): the run fails
+        uncommitted (:class:`TopicChanged`), and the next run republishes."""
         try:
-            return self._end_offsets(ds, stop)
+            ends = self._end_offsets(ds, stop)
         except TransientError as exc:
-            log.warning("dataset %s: cannot read the end offsets of %s after publishing (%s); the next "
-                        "run records them", ds.name, ds.topic, exc)
-            return None
+            log.warning("dataset %s: cannot read the end offsets of %s after publishing (%s); recording "
+                        "those from before it", ds.name, ds.topic, exc)
+            return before
+        if before is not None and (ends is None or any(ends.get(p, -1) < e for p, e in before.items())):
+            raise TopicChanged(f"dataset {ds.name}: topic {ds.topic} ends at {ends} after this run "
+                               f"published to it, below the {before} it checked (recreated meanwhile?); "
+                               f"nothing committed, the next run checks it again")
+        return ends
 
     def _end_offsets(self, ds: DatasetConfig, stop: threading.Event | None) -> dict[int, int] | None:
         return self._retry(lambda: end_offsets(self.config.kafka, ds.topic),
@@ -462,11 +529,12 @@ class Refresher:
         return tuple(state.schema.key)
 
     @staticmethod
-    def _rekeyed(ds: DatasetConfig, published: SnapshotRows | pa.Table | None, step: _Step,
+    def _rekeyed(ds: DatasetConfig, published: SnapshotRows | None, step: _Step,
                  old_key: tuple[str, ...]) -> _Step:
         """A re-key's change set: a tombstone for every key published under ``old_key`` and every
-        current row under the new key (``step`` read them all as inserts), published in the run's
-        one transaction, so the compacted topic ends with exactly the new-keyed rows."""
+        current row under the new key (``step`` read them all, each with its valid-from time),
+        published in the run's one transaction, so the compacted topic ends with exactly the
+        new-keyed rows."""
         old_keys = published.select(list(old_key)) if published is not None else None
         if old_keys is None:
             # No snapshot of what was published (state written without one): nothing to tombstone.
@@ -475,16 +543,21 @@ class Refresher:
             old_keys = step.changes.upserts.select(list(ds.key)).slice(0, 0)
         log.warning("dataset %s: re-key %s -> %s: %d tombstone(s) for the old keys, %d row(s) under the new key",
                     ds.name, list(old_key), list(ds.key), old_keys.num_rows, step.changes.upserts.num_rows)
-        changes = ChangeSet(step.changes.upserts, old_keys, step.changes.upserts.num_rows, 0)
+        changes = ChangeSet(step.changes.upserts, old_keys, step.changes.upserts.num_rows, 0,
+                            step.changes.valid_from, step.changes.snapshot_valid_from)
         return dataclasses.replace(step, changes=changes)
 
     # ------------------------------------------------------------------------------- publishing
-    def _heartbeat(self, ds: DatasetConfig, version: int, at: datetime, stop: threading.Event | None) -> int:
+    def _heartbeat(self, ds: DatasetConfig, version: int, complete: datetime,
+                   stop: threading.Event | None, checked: dict[int, int] | None) -> int:
+        """A run without changes: its completeness record alone, to every partition, in one
+        transaction."""
         def attempt() -> int:
             with self.publisher_factory(self._publish_settings(ds)) as pub:
-                pub.prepare(ds.topic, ds.partitions, ds.topic_config)
-                return pub.publish(ds.topic, [], to_every_partition=[heartbeat_message(ds.name, version, at)],
-                                   partitions=[0], stop=stop)
+                parts = pub.prepare(ds.topic, ds.partitions, ds.topic_config)
+                _same_partitions(ds, checked, parts)
+                beat = heartbeat_message(ds.name, version, _utcnow(), complete)
+                return pub.publish(ds.topic, [], last_to_every_partition=[beat], partitions=parts, stop=stop)
 
         return self._retry(attempt, f"dataset {ds.name}: heartbeat to {ds.topic}", stop)
 
@@ -494,21 +567,28 @@ class Refresher:
         return {**self.config.kafka, "transactional.id": transactional_id(self.config.refresher_id, ds.name)}
 
     def _publish(self, ds: DatasetConfig, schema: DatasetSchema, changes: ChangeSet, version: int, *,
-                 with_schema: bool, stop: threading.Event | None,
-                 tombstones_as: DatasetSchema | None = None) -> int:
+                 with_schema: bool, stop: threading.Event | None, deleted_at: datetime, complete: datetime,
+                 checked: dict[int, int] | None, tombstones_as: DatasetSchema | None = None) -> int:
+        """The run's transaction: schema records, tombstones (valid from ``deleted_at``), upserts (each
+        from its own time), the completeness record last on every partition. Returns the messages
+        published, completeness records left out (they change nothing). ``checked``: the topic's
+        ends when the run checked it (None: it had none)."""
         # Tombstones carry the key bytes the rows were published with (the old key on a re-key).
         tomb_schema = tombstones_as or schema
 
         def messages() -> Iterator[Any]:
-            yield from delete_batches(tomb_schema, changes.deletes, version)
-            yield from upsert_batches(schema, changes.upserts, version)
+            yield from delete_batches(tomb_schema, changes.deletes, version, valid_from=deleted_at)
+            yield from upsert_batches(schema, changes.upserts, version, valid_from=changes.valid_from)
 
         def attempt() -> int:
             with self.publisher_factory(self._publish_settings(ds)) as pub:
                 parts = pub.prepare(ds.topic, ds.partitions, ds.topic_config)
-                return pub.publish(ds.topic, messages(),
+                _same_partitions(ds, checked, parts)
+                beat = heartbeat_message(ds.name, version, _utcnow(), complete)
+                sent = pub.publish(ds.topic, messages(),
                                    to_every_partition=[schema_message(schema)] if with_schema else [],
-                                   partitions=parts, stop=stop)
+                                   last_to_every_partition=[beat], partitions=parts, stop=stop)
+                return sent - len(parts)
 
         return self._retry(attempt, f"dataset {ds.name}: publish to {ds.topic}", stop)
 
@@ -599,6 +679,19 @@ def _interrupted_by(stop: threading.Event | None, source: Source) -> Iterator[No
         if interrupting.is_set():
             # Let the server-side cancel finish before the process may exit (bounded: a stop is due).
             watcher.join(5)
+
+
+def _same_partitions(ds: DatasetConfig, checked: dict[int, int] | None, parts: list[int]) -> None:
+    """Refuse to publish to a topic whose partitions are not those the run checked: it was recreated
+    (or repartitioned) since, and this run's changes and completeness were made for the other one."""
+    if checked is not None and sorted(checked) != parts:
+        raise TopicChanged(f"dataset {ds.name}: topic {ds.topic} has partitions {parts}, not the "
+                           f"{sorted(checked)} this run checked (recreated meanwhile?); nothing published, "
+                           f"the next run checks it again")
+
+
+def _array(values: pa.ChunkedArray | pa.Array | None) -> pa.Array | None:
+    return values.combine_chunks() if isinstance(values, pa.ChunkedArray) else values
 
 
 def _fill_null_types(table: pa.Table, prior: DatasetSchema | None) -> pa.Table:

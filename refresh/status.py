@@ -44,6 +44,9 @@ class StatusRow(TypedDict):
     rows: int
     watermark: Any
     last_reconcile: str | None
+    # Every change of the source valid at or before this time is in the changelog (the completeness
+    # the last successful run published; contract time text), None before the first.
+    complete_as_of: str | None
     last_run: str | None
     last_result: RunOutcome | None
     last_error: str | None
@@ -75,6 +78,7 @@ def read_status(config: RefreshConfig) -> list[StatusRow]:
             "watch": ds.watch,
             "version": state.version, "rows": state.rows,
             "watermark": state.watermark, "last_reconcile": state.last_reconcile,
+            "complete_as_of": state.complete_as_of,
             "last_run": st.last_run.finished if st.last_run else None,
             "last_result": last.outcome if last else None,
             "last_error": last.error if last else None, "last_kind": last.kind if last else None,
@@ -123,7 +127,7 @@ def _aware(t: datetime) -> datetime:
 def format_status(rows: list[StatusRow]) -> str:
     """A human table of :func:`read_status`."""
     head = ["DATASET", "MODE", "VERSION", "ROWS", "LAST RUN", "RESULT", "CHANGES +/~/-", "PUBLISHED",
-            "WATERMARK", "NEXT RUN"]
+            "COMPLETE AS OF", "WATERMARK", "NEXT RUN"]
     table = [head]
     for r in rows:
         ch = r["last_changes"]
@@ -131,7 +135,7 @@ def format_status(rows: list[StatusRow]) -> str:
         table.append([
             r["dataset"], r["mode"], str(r["version"]), str(r["rows"]), _short(r["last_run"]), result,
             f"{ch['inserts']}/{ch['updates']}/{ch['deletes']}" if ch else "-",
-            str(r["last_published"]) if r["last_published"] is not None else "-",
+            str(r["last_published"]) if r["last_published"] is not None else "-", _short(r["complete_as_of"]),
             str(r["watermark"]) if r["watermark"] is not None else "-", _short(r["next_run"]),
         ])
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]

@@ -11,15 +11,40 @@ Records
                       of any refresh whose columns differ from the last published schema, so a reader
                       that applies records in offset order always knows the types of what follows.
     *heartbeat* key = ``__heartbeat__`` (never a JSON object either)
-              value = ``{"dataset": ..., "version": n, "at": "<ISO time of the run>"}``; published
-                      (to partition 0, in the run's transaction) by a refresh that found no change,
-                      so a reader knows the dataset is current as of that run even when the data
-                      has not changed for days. It changes no row: readers skip it (a reader that
-                      predates it logs it as an unknown op and skips it), and compaction keeps only
-                      the latest one, since every heartbeat has the same key.
+              value = ``{"dataset": ..., "version": n, "at": "<ISO time of the run>",
+                      "complete_as_of": "<time>"}``; the run's *completeness record*: every
+                      successful run writes one to every partition as the last records of its
+                      transaction, after its changes, or alone when it found none. It changes no row:
+                      readers skip it (a reader that predates it logs it as an unknown op and skips
+                      it), and compaction keeps only the latest one per partition, since every
+                      heartbeat has the same key.
 
 Headers (UTF-8 strings): ``op`` = ``upsert`` | ``delete`` | ``schema`` | ``heartbeat``; ``dataset``; ``version`` = a
 decimal integer that grows with every refresh of the dataset; ``contract`` = :data:`CONTRACT_VERSION`.
+Times are ISO 8601 in UTC with microseconds and a ``Z``, ``2024-05-01T12:00:00.000000Z``
+(:func:`format_time`, :func:`parse_time`):
+
+``valid_from`` (upserts and tombstones)
+    The time from which the record holds: an upsert's row is the key's row from then on, a
+    tombstone says the key is gone from then on. ``mode: diff`` and files: the time the run's read
+    began (for files, the read of the settled file set), the first moment the refresher knew the row;
+    ``mode: incremental``: the row's cursor value when the cursor is a time (a naive one read as
+    UTC, a date as its midnight), else - an integer or text cursor, a row whose cursor is NULL, a
+    tombstone (found by a reconcile) - the database clock when the run's read began. A row
+    republished unchanged (``--full``, a republish of a lost topic, a re-key) keeps the time it was
+    first published with. Records written before valid-from times existed have no such header.
+``complete_as_of`` (heartbeats)
+    The run's completeness: every change of the source valid at or before this time is in the
+    changelog, in this transaction or an earlier one. ``mode: diff`` and files: the time the run's
+    read began; ``mode: incremental``: the database clock when the read began minus ``lag`` (the
+    bound the window read up to, for a time cursor; a date cursor: the end of the day before that
+    bound's day; an integer or text cursor: the read's start, its rows carrying that time), never
+    below what an earlier run published. A reader has applied a dataset completely as of the
+    smallest ``complete_as_of`` of the latest heartbeats it read on each of the topic's partitions
+    (:func:`complete_as_of`): a partition's heartbeat follows every record of its run on that
+    partition, and the transaction makes the run visible on every partition or none.
+    Only a run that read the source publishes one (a run that fails publishes nothing), so a
+    dataset's completeness moves only when its source was checked.
 
 JSON encoding of values: DECIMAL as a string with its exact digits; DATE ``YYYY-MM-DD``;
 DATETIME ``2024-05-01T12:00:00[.ffffff]``; TIMESTAMP WITH TIME ZONE the same with an offset
@@ -36,10 +61,10 @@ import math
 import re
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import date, datetime
+from datetime import UTC, date, datetime
 from decimal import Decimal
 from itertools import repeat
-from typing import Any
+from typing import Any, TypeAlias
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -53,9 +78,11 @@ __all__ = [
     "DECIMAL128_DIGITS",
     "DECIMAL256_DIGITS",
     "HEARTBEAT_KEY",
+    "H_COMPLETE_AS_OF",
     "H_CONTRACT",
     "H_DATASET",
     "H_OP",
+    "H_VALID_FROM",
     "H_VERSION",
     "OP_DELETE",
     "OP_HEARTBEAT",
@@ -63,13 +90,16 @@ __all__ = [
     "OP_UPSERT",
     "SCHEMA_KEY",
     "SIMPLE_TYPES",
+    "TIME_TYPE",
     "TOPIC_CONFIG",
     "Change",
     "Column",
     "DatasetSchema",
     "Message",
     "MessageBatch",
+    "ValidFrom",
     "check_type",
+    "complete_as_of",
     "decimal_type",
     "decode",
     "decode_values",
@@ -78,9 +108,12 @@ __all__ = [
     "delete_messages",
     "encode_key",
     "encode_row",
+    "format_time",
+    "format_times",
     "header_map",
     "headers",
     "heartbeat_message",
+    "parse_time",
     "schema_message",
     "type_from_arrow",
     "type_to_arrow",
@@ -92,6 +125,7 @@ __all__ = [
 CONTRACT_VERSION = 1
 
 H_OP, H_DATASET, H_VERSION, H_CONTRACT = "op", "dataset", "version", "contract"
+H_VALID_FROM, H_COMPLETE_AS_OF = "valid_from", "complete_as_of"
 OP_UPSERT, OP_DELETE, OP_SCHEMA, OP_HEARTBEAT = "upsert", "delete", "schema", "heartbeat"
 SCHEMA_KEY = b"__schema__"
 HEARTBEAT_KEY = b"__heartbeat__"
@@ -255,6 +289,55 @@ class DatasetSchema:
             raise ContractError(f"malformed schema record: {exc}") from None
 
 
+# ------------------------------------------------------------------------------------------- times
+
+#: The Arrow type of valid-from times and completeness in memory.
+TIME_TYPE = pa.timestamp("us", tz="UTC")
+
+
+def format_time(t: datetime) -> str:
+    """The contract's text of a time: ISO 8601 in UTC with microseconds and ``Z``
+    (``2024-05-01T12:00:00.000000Z``); a naive time is taken as UTC."""
+    if t.tzinfo is not None:
+        t = t.astimezone(UTC).replace(tzinfo=None)
+    return t.isoformat(timespec="microseconds") + "Z"
+
+
+def parse_time(text: str | bytes) -> datetime:
+    """A time written by :func:`format_time` (any ISO 8601 form is accepted; without an offset it is
+    UTC), as an aware UTC datetime."""
+    try:
+        t = datetime.fromisoformat(text.decode() if isinstance(text, bytes) else text)
+    except (ValueError, UnicodeDecodeError):
+        raise ContractError(f"{text!r} is not an ISO 8601 time") from None
+    return t.replace(tzinfo=UTC) if t.tzinfo is None else t.astimezone(UTC)
+
+
+def format_times(times: pa.Array | pa.ChunkedArray) -> list[bytes]:
+    """:func:`format_time` of every value of a NULL-free timestamp array, with Arrow kernels (a million
+    in about 0.3 s, where ``strftime`` with a zone takes seconds)."""
+    if times.null_count:
+        raise ContractError("a time to format is NULL")
+    # As naive UTC: casting a zoned timestamp to text converts through the time zone database.
+    naive = pc.cast(pc.cast(times, pa.int64()), pa.timestamp("us"))
+    text = pc.replace_substring(pc.cast(naive, pa.string()), " ", "T", max_replacements=1)
+    return pc.cast(pc.binary_join_element_wise(text, "Z", ""), pa.binary()).to_pylist()
+
+
+def complete_as_of(latest: Mapping[int, datetime | None], partitions: Iterable[int]) -> datetime | None:
+    """How complete a reader's copy of a dataset is: given the ``complete_as_of`` of the latest
+    heartbeat it applied on each partition (``latest``, None or absent: none yet), the time up to
+    which it holds every change of the source - the smallest over the topic's ``partitions``, None
+    while one of them has none."""
+    out: datetime | None = None
+    for p in partitions:
+        t = latest.get(p)
+        if t is None:
+            return None
+        out = t if out is None or t < out else out
+    return out
+
+
 # ---------------------------------------------------------------------------------------- encoding
 
 # The row-wise encoding lives in refstream.encode, next to the bulk encoder that must match it byte for byte.
@@ -273,9 +356,12 @@ def encode_row(row: Mapping[str, Any]) -> bytes:
     return dumps({k: fix_floats(v) for k, v in row.items()})
 
 
-def headers(op: str, dataset: str, version: int) -> list[tuple[str, bytes]]:
-    return [(H_OP, op.encode()), (H_DATASET, dataset.encode()), (H_VERSION, str(version).encode()),
-            (H_CONTRACT, str(CONTRACT_VERSION).encode())]
+def headers(op: str, dataset: str, version: int, *, valid_from: datetime | None = None) -> list[tuple[str, bytes]]:
+    out = [(H_OP, op.encode()), (H_DATASET, dataset.encode()), (H_VERSION, str(version).encode()),
+           (H_CONTRACT, str(CONTRACT_VERSION).encode())]
+    if valid_from is not None:
+        out.append((H_VALID_FROM, format_time(valid_from).encode()))
+    return out
 
 
 @dataclass(frozen=True)
@@ -291,66 +377,110 @@ def schema_message(schema: DatasetSchema) -> Message:
     return Message(SCHEMA_KEY, schema.to_json(), headers(OP_SCHEMA, schema.dataset, schema.version))
 
 
-def heartbeat_message(dataset: str, version: int, at: datetime) -> Message:
-    """The record of a refresh that found no change: the dataset is current as of ``at``."""
-    value = json.dumps({"dataset": dataset, "version": version, "at": at.isoformat()}, separators=(",", ":"))
-    return Message(HEARTBEAT_KEY, value.encode(), headers(OP_HEARTBEAT, dataset, version))
+def heartbeat_message(dataset: str, version: int, at: datetime,
+                      complete_as_of: datetime | None = None) -> Message:
+    """The completeness record of a run, made at ``at``: every change valid at or before
+    ``complete_as_of`` is in the changelog (see the module's docstring)."""
+    body: dict[str, Any] = {"dataset": dataset, "version": version, "at": at.isoformat()}
+    h = headers(OP_HEARTBEAT, dataset, version)
+    if complete_as_of is not None:
+        body["complete_as_of"] = format_time(complete_as_of)
+        h.append((H_COMPLETE_AS_OF, body["complete_as_of"].encode()))
+    return Message(HEARTBEAT_KEY, json.dumps(body, separators=(",", ":")).encode(), h)
 
 
 @dataclass(frozen=True)
 class MessageBatch:
     """Changelog records sharing one set of headers, as parallel lists: what a publisher produces
-    without a :class:`Message` object per record (``values[i]`` None: a tombstone)."""
+    without a :class:`Message` object per record (``values[i]`` None: a tombstone). ``valid_from``,
+    when set, holds each record's own ``valid_from`` header value (appended to ``headers``)."""
 
     keys: list[bytes]
     values: Sequence[bytes | None]
     headers: list[tuple[str, bytes]]
+    valid_from: Sequence[bytes] | None = None
 
     def __len__(self) -> int:
         return len(self.keys)
 
+    def record_headers(self, i: int) -> list[tuple[str, bytes]]:
+        """The headers of record ``i``."""
+        return self.headers if self.valid_from is None else [*self.headers, (H_VALID_FROM, self.valid_from[i])]
+
     def messages(self) -> Iterator[Message]:
-        return map(Message, self.keys, self.values, repeat(self.headers))
+        if self.valid_from is None:
+            return map(Message, self.keys, self.values, repeat(self.headers))
+        return map(Message, self.keys, self.values, map(self.record_headers, range(len(self.keys))))
+
+
+#: When records are valid from: one time for all, or one per row (a timestamp array or a sequence).
+ValidFrom: TypeAlias = datetime | pa.Array | pa.ChunkedArray | Sequence[datetime] | None
+
+
+def _batches(op: str, schema: DatasetSchema, rows: pa.Table | pa.RecordBatch | Iterable[Mapping[str, Any]],
+             version: int, valid_from: ValidFrom, *, values: bool) -> Iterator[MessageBatch]:
+    """Records of ``op`` for every row of ``rows``: an Arrow table encoded in bulk, a batch at a time;
+    per-row valid-from times formatted a batch at a time too, and shared by the batch's records
+    when they are all one time (a diff run's changes)."""
+    if isinstance(valid_from, datetime) or valid_from is None:
+        h = headers(op, schema.dataset, version, valid_from=valid_from)
+        per_row: pa.ChunkedArray | None = None
+    else:
+        h = headers(op, schema.dataset, version)
+        per_row = (valid_from if isinstance(valid_from, pa.ChunkedArray) else pa.chunked_array(
+            [valid_from if isinstance(valid_from, pa.Array) else pa.array(list(valid_from), TIME_TYPE)]
+        )).cast(TIME_TYPE)
+    encoded: Iterable[tuple[list[bytes], list[bytes] | None]]
+    if isinstance(rows, pa.Table | pa.RecordBatch):
+        encoded, count = encode_batches(rows, schema.key, values=values), rows.num_rows
+    else:
+        listed = list(rows)
+        encoded = [([encode_key(schema.key, r) for r in listed],
+                    [encode_row(r) for r in listed] if values else None)] if listed else []
+        count = len(listed)
+    if per_row is not None and len(per_row) != count:
+        raise ContractError(f"dataset {schema.dataset}: {len(per_row)} valid-from times for {count} rows")
+    start = 0
+    for keys, vals in encoded:
+        n = len(keys)
+        out_vals: Sequence[bytes | None] = vals if vals is not None else [None] * n
+        if per_row is None:
+            yield MessageBatch(keys, out_vals, h)
+        else:
+            times = per_row.slice(start, n)
+            lo_hi = pc.min_max(times).as_py()
+            if lo_hi["min"] == lo_hi["max"]:
+                yield MessageBatch(keys, out_vals, [*h, (H_VALID_FROM, format_time(lo_hi["min"]).encode())])
+            else:
+                yield MessageBatch(keys, out_vals, h, format_times(times))
+        start += n
 
 
 def upsert_batches(schema: DatasetSchema, rows: pa.Table | Iterable[Mapping[str, Any]],
-                   version: int) -> Iterator[MessageBatch]:
-    """Upsert records for every row of ``rows`` in batches (an Arrow table is encoded in bulk)."""
-    h = headers(OP_UPSERT, schema.dataset, version)
-    if isinstance(rows, pa.Table | pa.RecordBatch):
-        for keys, values in encode_batches(rows, schema.key):
-            assert values is not None
-            yield MessageBatch(keys, values, h)
-        return
-    listed = list(rows)
-    if listed:
-        yield MessageBatch([encode_key(schema.key, r) for r in listed], [encode_row(r) for r in listed], h)
+                   version: int, *, valid_from: ValidFrom = None) -> Iterator[MessageBatch]:
+    """Upsert records for every row of ``rows`` in batches (an Arrow table is encoded in bulk), each
+    with the ``valid_from`` header when given: one time for every row, or one per row."""
+    return _batches(OP_UPSERT, schema, rows, version, valid_from, values=True)
 
 
 def delete_batches(schema: DatasetSchema, keys: pa.Table | Iterable[Mapping[str, Any]],
-                   version: int) -> Iterator[MessageBatch]:
-    """Tombstones for every key row of ``keys`` in batches (only the key columns are read)."""
-    h = headers(OP_DELETE, schema.dataset, version)
-    if isinstance(keys, pa.Table | pa.RecordBatch):
-        for key_bytes, _ in encode_batches(keys, schema.key, values=False):
-            yield MessageBatch(key_bytes, [None] * len(key_bytes), h)
-        return
-    listed = list(keys)
-    if listed:
-        yield MessageBatch([encode_key(schema.key, r) for r in listed], [None] * len(listed), h)
+                   version: int, *, valid_from: ValidFrom = None) -> Iterator[MessageBatch]:
+    """Tombstones for every key row of ``keys`` in batches (only the key columns are read), with
+    ``valid_from`` as for :func:`upsert_batches`."""
+    return _batches(OP_DELETE, schema, keys, version, valid_from, values=False)
 
 
 def upsert_messages(schema: DatasetSchema, rows: pa.Table | Iterable[Mapping[str, Any]],
-                    version: int) -> Iterator[Message]:
+                    version: int, *, valid_from: ValidFrom = None) -> Iterator[Message]:
     """Upsert records for every row of ``rows``, one :class:`Message` each."""
-    for batch in upsert_batches(schema, rows, version):
+    for batch in upsert_batches(schema, rows, version, valid_from=valid_from):
         yield from batch.messages()
 
 
 def delete_messages(schema: DatasetSchema, keys: pa.Table | Iterable[Mapping[str, Any]],
-                    version: int) -> Iterator[Message]:
+                    version: int, *, valid_from: ValidFrom = None) -> Iterator[Message]:
     """Tombstones for every key row of ``keys``, one :class:`Message` each."""
-    for batch in delete_batches(schema, keys, version):
+    for batch in delete_batches(schema, keys, version, valid_from=valid_from):
         yield from batch.messages()
 
 
@@ -373,6 +503,20 @@ class Change:
     key: bytes
     value: bytes | None
     schema: DatasetSchema | None = None
+    #: An upsert's or tombstone's ``valid_from`` header (None: a record written without one).
+    valid_from: datetime | None = None
+    #: A heartbeat's ``complete_as_of`` header (None: a heartbeat written without one).
+    complete_as_of: datetime | None = None
+
+
+def _time_header(h: Mapping[str, str], name: str, key: bytes) -> datetime | None:
+    text = h.get(name)
+    if not text:
+        return None
+    try:
+        return parse_time(text)
+    except ContractError:
+        raise ContractError(f"record {key!r}: bad {name} header {text!r}") from None
 
 
 def decode(key: bytes | None, value: bytes | None, hdrs: Any) -> Change:
@@ -392,12 +536,14 @@ def decode(key: bytes | None, value: bytes | None, hdrs: Any) -> Change:
         schema = DatasetSchema.from_json(value)
         return Change(op, h.get(H_DATASET, schema.dataset), version, key, value, schema)
     if op == OP_HEARTBEAT:
-        return Change(op, h.get(H_DATASET, ""), version, key, value)
+        return Change(op, h.get(H_DATASET, ""), version, key, value,
+                      complete_as_of=_time_header(h, H_COMPLETE_AS_OF, key))
     if op == OP_DELETE or value is None:
-        return Change(OP_DELETE, h.get(H_DATASET, ""), version, key, None)
+        return Change(OP_DELETE, h.get(H_DATASET, ""), version, key, None,
+                      valid_from=_time_header(h, H_VALID_FROM, key))
     if op != OP_UPSERT:
         raise ContractError(f"record {key!r}: unknown op header {op!r}")
-    return Change(op, h.get(H_DATASET, ""), version, key, value)
+    return Change(op, h.get(H_DATASET, ""), version, key, value, valid_from=_time_header(h, H_VALID_FROM, key))
 
 
 def decode_values(schema: DatasetSchema, values: Sequence[bytes]) -> pa.Table:

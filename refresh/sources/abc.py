@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
+from datetime import datetime
 from typing import Any
 
 import pyarrow as pa
@@ -24,6 +25,9 @@ class Source(ABC):
     """A dataset's rows at rest."""
 
     dataset: str
+    #: When the rows of the last read were taken, set by a source that knows better than its caller
+    #: when the read began (files: once they held still); None: the caller's own time applies.
+    read_started: datetime | None = None
 
     @abstractmethod
     def describe(self) -> str:

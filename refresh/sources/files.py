@@ -25,6 +25,7 @@ import os
 import re
 import time
 from collections.abc import Iterator
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pyarrow as pa
@@ -149,6 +150,7 @@ class FileSource(Source):
         deadline = time.monotonic() + self.cfg.stable_timeout.total_seconds()
         while True:
             before = self.wait_stable(deadline, progress)
+            started = datetime.now(UTC)
             files = self.files()
             tables: list[pa.Table] | None
             try:
@@ -159,6 +161,9 @@ class FileSource(Source):
                 tables = None  # a writer came back during the read: read again once settled
             after = stat_files(self.pattern)
             if tables is not None and after == before:
+                # The time of the read that counts (not of the wait for the files to settle): what
+                # the files said then, they said throughout the read.
+                self.read_started = started
                 return files, tables
             moved = _changed(before, after) or [self.pattern]
             if time.monotonic() > deadline:

@@ -4,8 +4,9 @@ Layout under ``state_dir/<dataset>/`` (the file store, :mod:`refresh.stores.file
 
 - ``state.json``     the committed state (:class:`CommittedState`), replaced atomically;
 - ``snapshot-<version>.arrow``  the published rows the state points at, in the Arrow IPC file format
-  with LZ4 (the only snapshot format); older ones are removed after the state that replaced them is
-  durable;
+  with LZ4 (the only snapshot format), with one more column, :data:`VALID_FROM_COLUMN`: the time each
+  row was published as valid from, so a row republished unchanged keeps it; older ones are removed
+  after the state that replaced them is durable;
 - ``status.json``    the last run and the last success (:class:`DatasetStatus`), written after every
   run, failed or not;
 - ``runs.jsonl``     the last runs (:class:`RunRecord`, one JSON object per line, oldest first; kept
@@ -17,13 +18,15 @@ from __future__ import annotations
 
 import dataclasses
 from abc import ABC, abstractmethod
+from concurrent.futures import Future
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import pyarrow as pa
 
-from refstream.contract import DatasetSchema
+from refstream.contract import TIME_TYPE, DatasetSchema
+from refstream.errors import DataError
 
 __all__ = [
     "RUN_HISTORY",
@@ -36,10 +39,38 @@ __all__ = [
     "SnapshotRows",
     "StagedSnapshot",
     "StateStore",
+    "TableSnapshot",
+    "VALID_FROM_COLUMN",
+    "check_columns",
+    "split_valid_from",
+    "with_valid_from",
 ]
 
 #: Runs kept per dataset in the run history.
 RUN_HISTORY = 50
+
+#: The snapshot column of each row's valid-from time (``timestamp[us, UTC]``); never a source column.
+VALID_FROM_COLUMN = "__refstream_valid_from"
+
+
+def with_valid_from(rows: pa.Table, valid_from: pa.Array | pa.ChunkedArray) -> pa.Table:
+    """``rows`` as a snapshot stores them: with their valid-from times as the last column."""
+    return rows.append_column(pa.field(VALID_FROM_COLUMN, TIME_TYPE, nullable=False), valid_from.cast(TIME_TYPE))
+
+
+def split_valid_from(table: pa.Table) -> tuple[pa.Table, pa.ChunkedArray | None]:
+    """A stored snapshot's rows and their valid-from times (None: written before they were kept)."""
+    i = table.schema.get_field_index(VALID_FROM_COLUMN)
+    if i < 0:
+        return table, None
+    return table.remove_column(i), table.column(i)
+
+
+def check_columns(dataset: str, rows: pa.Table) -> None:
+    """Refuse a source column named like the snapshot's own."""
+    if VALID_FROM_COLUMN in rows.column_names:
+        raise DataError(f"dataset {dataset}: column {VALID_FROM_COLUMN} is reserved for the refresher's "
+                        f"snapshot; rename it in the source")
 
 
 @dataclass(frozen=True)
@@ -53,6 +84,9 @@ class CommittedState:
     watermark: Any = None                 # incremental: highest cursor value published (JSON form)
     watermark_type: str | None = None     # contract type of the cursor column
     last_reconcile: str | None = None     # ISO time of the last full read (incremental mode)
+    # The last completeness published (contract time text): every change of the source valid at or
+    # before it is in the changelog.
+    complete_as_of: str | None = None
     topic: str | None = None              # the topic the rows were published to
     # The topic's end offset per partition, as ListOffsets reported it after the last publish: a topic
     # whose ends are found below these was deleted, recreated or emptied since (None: not recorded).
@@ -90,6 +124,7 @@ class RunResult:
     interrupted: bool = False     # cut short by a stop request: nothing committed, not a failure
     refused: bool = False         # a guard refused the change set: nothing published nor committed
     reason: str | None = None     # why a ``republish`` run republished everything
+    complete_as_of: str | None = None  # the completeness the run published (contract time text)
 
     @property
     def outcome(self) -> RunOutcome:
@@ -152,7 +187,8 @@ class DatasetStatus:
 class SnapshotRows(ABC):
     """The published rows, read a column at a time: the diff needs the key columns of every row
     and then one value column after the other, so the old snapshot never sits in memory whole.
-    Offers the subset of :class:`pyarrow.Table` the diff uses."""
+    Offers the subset of :class:`pyarrow.Table` the diff uses; ``schema`` and the reads hold the
+    rows' own columns only, :meth:`valid_from` the times stored beside them."""
 
     schema: pa.Schema
     num_rows: int
@@ -169,6 +205,10 @@ class SnapshotRows(ABC):
     def read(self) -> pa.Table:
         """Every column of every row."""
 
+    @abstractmethod
+    def valid_from(self) -> pa.ChunkedArray | None:
+        """Each row's valid-from time (None: a snapshot written before they were kept)."""
+
     def prefetch(self, max_bytes: int) -> bool:
         """Start reading every column in the background when they take at most ``max_bytes`` in
         memory (the refresher calls it before it reads the source, which mostly waits on the
@@ -176,16 +216,54 @@ class SnapshotRows(ABC):
         return False
 
 
+class TableSnapshot(SnapshotRows):
+    """A snapshot held in memory (as :meth:`StateStore.load_snapshot` returns it)."""
+
+    def __init__(self, table: pa.Table) -> None:
+        self._rows, self._valid_from = split_valid_from(table)
+        self.schema = self._rows.schema
+        self.num_rows = self._rows.num_rows
+
+    def select(self, names: list[str]) -> pa.Table:
+        return self._rows.select(names)
+
+    def column(self, name: str) -> pa.ChunkedArray:
+        return self._rows.column(name)
+
+    def read(self) -> pa.Table:
+        return self._rows
+
+    def valid_from(self) -> pa.ChunkedArray | None:
+        return self._valid_from
+
+
 class StagedSnapshot:
     """A new snapshot handed to the store before its commit (:meth:`StateStore.stage_snapshot`), so
     that writing it can overlap the diff and the publish. It is not committed: until
     :meth:`StateStore.commit` is given it, nothing points at what it wrote. This base writes nothing
-    early (``commit`` then writes ``table`` itself)."""
+    early (``commit`` then writes ``table`` itself).
 
-    def __init__(self, table: pa.Table) -> None:
-        self.table = table
+    ``valid_from`` (the rows' valid-from column) may be a future the run resolves once its diff knows
+    which rows changed: the early write waits for it, and :meth:`discard` cancels it."""
+
+    def __init__(self, table: pa.Table, valid_from: Future[pa.Array] | pa.Array | None = None) -> None:
+        self._rows = table
+        self._valid_from = valid_from
         #: Set by the store's commit once the state pointing at it is durable.
         self.committed = False
+
+    @property
+    def table(self) -> pa.Table:
+        """What is stored: the rows, and their valid-from column once it is known (waits for it;
+        raises ``CancelledError`` once discarded)."""
+        vf = self._valid_from
+        if isinstance(vf, Future):
+            vf = vf.result()
+        return self._rows if vf is None else with_valid_from(self._rows, vf)
+
+    def _cancel(self) -> None:
+        if isinstance(self._valid_from, Future):
+            self._valid_from.cancel()  # a write waiting for it gives up
 
     def wait(self) -> str | None:
         """Wait for the early write and return what the store named it (None: nothing was written
@@ -195,6 +273,8 @@ class StagedSnapshot:
     def discard(self) -> None:
         """The run did not commit it: stop writing and remove what was written. A no-op once
         committed; idempotent."""
+        if not self.committed:
+            self._cancel()
 
 
 class StateStore(ABC):
@@ -212,11 +292,14 @@ class StateStore(ABC):
 
     @abstractmethod
     def load_snapshot(self, dataset: str, state: CommittedState) -> pa.Table | None:
-        """The published rows ``state`` points at, or None."""
+        """The published rows ``state`` points at as stored (their valid-from column included, if
+        any), or None."""
 
-    def open_snapshot(self, dataset: str, state: CommittedState) -> SnapshotRows | pa.Table | None:
-        """Like :meth:`load_snapshot`, but may read columns only when asked for (see SnapshotRows)."""
-        return self.load_snapshot(dataset, state)
+    def open_snapshot(self, dataset: str, state: CommittedState) -> SnapshotRows | None:
+        """The published rows ``state`` points at, or None; may read columns only when asked for
+        (see SnapshotRows)."""
+        table = self.load_snapshot(dataset, state)
+        return None if table is None else TableSnapshot(table)
 
     @abstractmethod
     def commit(self, dataset: str, state: CommittedState,
@@ -225,10 +308,12 @@ class StateStore(ABC):
         and then ``state``; returns the state as stored. Either the whole commit is visible
         afterwards or none of it."""
 
-    def stage_snapshot(self, dataset: str, version: int, table: pa.Table) -> StagedSnapshot:
-        """Start storing ``table`` as the snapshot of ``version`` in the background, invisible until
+    def stage_snapshot(self, dataset: str, version: int, table: pa.Table,
+                       valid_from: Future[pa.Array] | pa.Array | None = None) -> StagedSnapshot:
+        """Start storing ``table`` (with ``valid_from`` as its valid-from column, see
+        :class:`StagedSnapshot`) as the snapshot of ``version`` in the background, invisible until
         :meth:`commit` is given the result; the caller must commit or discard it."""
-        return StagedSnapshot(table)
+        return StagedSnapshot(table, valid_from)
 
     @abstractmethod
     def reserve(self, dataset: str, version: int) -> None:

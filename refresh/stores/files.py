@@ -20,6 +20,7 @@ import pyarrow as pa
 from refresh.errors import DatasetBusy, Stopped
 from refresh.stores.abc import (
     RUN_HISTORY,
+    VALID_FROM_COLUMN,
     CommittedState,
     DatasetStatus,
     RunRecord,
@@ -101,8 +102,8 @@ class FileStateStore(StateStore):
             schema=DatasetSchema.from_json(json.dumps(schema)) if schema else None,
             snapshot=obj.get("snapshot"), rows=int(obj.get("rows", 0)),
             watermark=obj.get("watermark"), watermark_type=obj.get("watermark_type"),
-            last_reconcile=obj.get("last_reconcile"), topic=obj.get("topic"),
-            offsets=_offsets(dataset, p, obj.get("offsets")),
+            last_reconcile=obj.get("last_reconcile"), complete_as_of=obj.get("complete_as_of"),
+            topic=obj.get("topic"), offsets=_offsets(dataset, p, obj.get("offsets")),
         )
 
     def load_snapshot(self, dataset: str, state: CommittedState) -> pa.Table | None:
@@ -110,7 +111,7 @@ class FileStateStore(StateStore):
             return None
         p = self.dir(dataset) / state.snapshot
         try:
-            return open_snapshot_file(p).read()
+            return open_snapshot_file(p).read_stored()
         except (OSError, pa.ArrowException) as exc:
             raise TerminalError(f"dataset {dataset}: snapshot {p} is unreadable ({exc}); "
                                 f"remove {self.dir(dataset) / 'state.json'} to start over") from None
@@ -145,7 +146,7 @@ class FileStateStore(StateStore):
             "schema": json.loads(state.schema.to_json()) if state.schema else None,
             "snapshot": state.snapshot, "rows": state.rows, "watermark": state.watermark,
             "watermark_type": state.watermark_type, "last_reconcile": state.last_reconcile,
-            "topic": state.topic,
+            "complete_as_of": state.complete_as_of, "topic": state.topic,
             "offsets": {str(p): o for p, o in sorted(state.offsets.items())} if state.offsets else None,
         }
         write_json_atomic(d / "state.json", obj)
@@ -165,8 +166,9 @@ class FileStateStore(StateStore):
                 p.unlink()
         return state
 
-    def stage_snapshot(self, dataset: str, version: int, table: pa.Table) -> StagedSnapshot:
-        return _StagedFile(self.dir(dataset) / snapshot_name(version), table)
+    def stage_snapshot(self, dataset: str, version: int, table: pa.Table,
+                       valid_from: concurrent.futures.Future[pa.Array] | pa.Array | None = None) -> StagedSnapshot:
+        return _StagedFile(self.dir(dataset) / snapshot_name(version), table, valid_from)
 
     # --------------------------------------------------------------------------------- versions
     def reserve(self, dataset: str, version: int) -> None:
@@ -249,7 +251,7 @@ def _snapshot_version(name: str) -> int | None:
     return int(digits) if digits.isdigit() else None
 
 
-def open_snapshot_file(path: Path) -> SnapshotRows:
+def open_snapshot_file(path: Path) -> IpcSnapshot:
     """A committed snapshot. Any other file than an Arrow IPC one fails (``pa.ArrowException``)."""
     return IpcSnapshot(path)
 
@@ -280,8 +282,9 @@ class _StagedFile(StagedSnapshot):
     is safe to take early: no committed state points at it (the version is above the committed
     one), and a commit of a later version removes it if this run never commits."""
 
-    def __init__(self, path: Path, table: pa.Table) -> None:
-        super().__init__(table)
+    def __init__(self, path: Path, table: pa.Table,
+                 valid_from: concurrent.futures.Future[pa.Array] | pa.Array | None = None) -> None:
+        super().__init__(table, valid_from)
         self.path = path
         self._stop = threading.Event()
         self._done: concurrent.futures.Future[None] = concurrent.futures.Future()
@@ -289,7 +292,8 @@ class _StagedFile(StagedSnapshot):
 
     def _write(self) -> None:
         try:
-            write_atomic(self.path, lambda f: write_snapshot(self.table, f, self._stop))
+            table = self.table  # waits for the valid-from column the run's diff is computing
+            write_atomic(self.path, lambda f: write_snapshot(table, f, self._stop))
             self._done.set_result(None)
         except BaseException as exc:
             self._done.set_exception(exc)
@@ -302,6 +306,7 @@ class _StagedFile(StagedSnapshot):
         if self.committed:
             return
         self._stop.set()
+        self._cancel()
         with contextlib.suppress(BaseException):
             self._done.result()
         self.path.unlink(missing_ok=True)
@@ -309,7 +314,10 @@ class _StagedFile(StagedSnapshot):
 
 class _FileSnapshot(SnapshotRows):
     """A snapshot file read column by column on demand, or whole in the background (``prefetch``).
-    The file format gives :meth:`_read`, :meth:`_parts`, :meth:`_memory_size` and :meth:`_close`."""
+    The file format gives :meth:`_read`, :meth:`_parts`, :meth:`_memory_size` and :meth:`_close`,
+    and sets ``schema`` (the rows' columns) and ``_stored`` (the file's, the valid-from one too)."""
+
+    _stored: pa.Schema
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -317,7 +325,7 @@ class _FileSnapshot(SnapshotRows):
 
     @abstractmethod
     def _read(self, names: list[str] | None) -> pa.Table:
-        """These columns (every one for None) of every row, from the file."""
+        """These columns (every stored one for None) of every row, from the file."""
 
     @abstractmethod
     def _parts(self, name: str) -> Iterator[pa.ChunkedArray]:
@@ -383,7 +391,21 @@ class _FileSnapshot(SnapshotRows):
 
     def read(self) -> pa.Table:
         whole = self._whole()
+        return whole.select(self.schema.names) if whole is not None else self._read(self.schema.names)
+
+    def read_stored(self) -> pa.Table:
+        """Every column as stored, the valid-from one included."""
+        whole = self._whole()
         return whole if whole is not None else self._read(None)
+
+    def valid_from(self) -> pa.ChunkedArray | None:
+        if self._stored.get_field_index(VALID_FROM_COLUMN) < 0:
+            return None
+        return self.column_stored(VALID_FROM_COLUMN)
+
+    def column_stored(self, name: str) -> pa.ChunkedArray:
+        whole = self._whole()
+        return whole.column(name) if whole is not None else self._read([name]).column(0)
 
     def close(self) -> None:
         self._whole()  # the prefetch thread reads the file until it is done
@@ -403,12 +425,14 @@ class IpcSnapshot(_FileSnapshot):
         super().__init__(path)
         self._source = pa.OSFile(str(path))
         reader = pa.ipc.open_file(self._source)
-        self.schema = reader.schema
+        self._stored = reader.schema
+        i = self._stored.get_field_index(VALID_FROM_COLUMN)
+        self.schema = self._stored if i < 0 else self._stored.remove(i)
         self.num_rows = reader.count_rows() if reader.num_record_batches else 0
         self._batches = reader.num_record_batches
 
     def _reader(self, names: list[str] | None) -> pa.ipc.RecordBatchFileReader:
-        fields = None if names is None else [self.schema.get_field_index(n) for n in names]
+        fields = None if names is None else [self._stored.get_field_index(n) for n in names]
         return pa.ipc.open_file(self._source, options=pa.ipc.IpcReadOptions(included_fields=fields))
 
     def _read(self, names: list[str] | None) -> pa.Table:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from datetime import UTC, datetime, timedelta
 from decimal import Decimal
 
 import pyarrow as pa
@@ -11,6 +12,8 @@ import pytest
 
 from refresh.diff import check_keys, diff, normalize, upsert_into, within
 from refresh.errors import DuplicateKey
+from refresh.stores.abc import with_valid_from
+from refstream.contract import TIME_TYPE
 from refstream.errors import DataError
 
 
@@ -182,3 +185,51 @@ def test_a_prefetch_is_bounded_and_a_failed_one_falls_back_to_reading_on_demand(
     monkeypatch.setattr(failing, "_read", broken)
     assert failing.prefetch(1 << 20)
     assert diff("ds", failing, new, ["id"]).updates == 10
+
+
+# ----------------------------------------------------------------------------- valid-from times
+
+T0, T1 = datetime(2024, 5, 1, tzinfo=UTC), datetime(2024, 6, 1, tzinfo=UTC)
+
+
+def at(when: datetime, n: int) -> pa.Array:
+    return pa.array([when] * n, TIME_TYPE)
+
+
+@pytest.mark.parametrize("republish_all", [False, True])
+def test_an_unchanged_row_keeps_its_time_and_a_changed_one_takes_the_fresh_one(
+        tmp_path, monkeypatch, republish_all: bool) -> None:
+    import refresh.diff as d
+
+    old = t([{"id": i, "v": str(i)} for i in range(50)])
+    old_from = pa.array([T0 + timedelta(seconds=i) for i in range(50)], TIME_TYPE)
+    new = t([{"id": i, "v": str(i) if i % 5 else "x"} for i in range(10, 60)])  # 10-49 matched, 1 in 5 changed
+    monkeypatch.setattr(d, "COMPARE_SLICE", 7)
+    expect = {i: T1 if i >= 50 or i % 5 == 0 else T0 + timedelta(seconds=i) for i in range(10, 60)}
+    stored = snapshot_file(with_valid_from(old, old_from), tmp_path / "s", 16)
+    for snapshot, times in ((old, old_from), (stored, stored.valid_from())):
+        ch = diff("ds", snapshot, new, ["id"], republish_all=republish_all, fresh=at(T1, new.num_rows),
+                  old_valid_from=times)
+        assert ch.snapshot_valid_from is not None and ch.valid_from is not None
+        assert dict(zip(new.column("id").to_pylist(), ch.snapshot_valid_from.to_pylist(), strict=True)) == expect
+        published = dict(zip(ch.upserts.column("id").to_pylist(), ch.valid_from.to_pylist(), strict=True))
+        assert published == (expect if republish_all else {i: T1 for i in published})
+        assert len(published) == (50 if republish_all else 18)
+
+
+def test_fresh_times_per_row_and_without_published_ones() -> None:
+    old = t([{"id": 1, "v": "a"}, {"id": 2, "v": "b"}])
+    new = t([{"id": 1, "v": "a"}, {"id": 2, "v": "B"}, {"id": 3, "v": "c"}])
+    fresh = pa.array([T1, T1 + timedelta(seconds=2), T1 + timedelta(seconds=3)], TIME_TYPE)  # a cursor's
+    ch = diff("ds", old, new, ["id"], fresh=fresh, old_valid_from=at(T0, 2))
+    assert ch.snapshot_valid_from.to_pylist() == [T0, fresh[1].as_py(), fresh[2].as_py()]
+    assert ch.valid_from.to_pylist() == [fresh[2].as_py(), fresh[1].as_py()]  # inserts, then updates
+    # A snapshot written before times were kept: every row takes its fresh time.
+    assert diff("ds", old, new, ["id"], fresh=fresh).snapshot_valid_from.to_pylist() == fresh.to_pylist()
+    # The first run: everything is new. Without fresh times, none are computed.
+    assert diff("ds", None, new, ["id"], fresh=fresh).valid_from.to_pylist() == fresh.to_pylist()
+    assert diff("ds", old, new, ["id"]).valid_from is None
+    # A schema change makes every matched row an update: fresh times throughout.
+    wider = new.append_column("w", pa.array([1, 2, 3]))
+    assert diff("ds", old, wider, ["id"], fresh=fresh, old_valid_from=at(T0, 2)).snapshot_valid_from.to_pylist() \
+        == fresh.to_pylist()

@@ -15,6 +15,7 @@ import logging
 import subprocess
 import sys
 import uuid
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -177,3 +178,22 @@ def test_delivery_failures_are_reported_without_a_callback_per_acknowledged_mess
                                            r"first error: t\[\w+\] key b'k\d': .*timed out"):
         pub.publish("t", [batch, Record(b"k3", b"3", [])], flush_timeout=20)
     pub.close()
+
+
+def test_records_carry_their_own_valid_from_and_the_last_ones_close_every_partition(kafka, unique) -> None:
+    topic = unique("ref.last")
+    schema = contract.DatasetSchema("d", ("k",), (contract.Column("k", "int64"),))
+    times = [datetime(2024, 5, 1, tzinfo=UTC) + timedelta(seconds=i) for i in range(6)]
+    beat = contract.heartbeat_message("d", 1, times[0], times[0])
+    with Publisher({**kafka, "transactional.id": topic}) as pub:
+        parts = pub.prepare(topic, 2)
+        sent = pub.publish(topic, contract.upsert_batches(schema, [{"k": i} for i in range(6)], 1, valid_from=times),
+                           to_every_partition=[contract.schema_message(schema)], last_to_every_partition=[beat],
+                           partitions=parts)
+    assert sent == 2 + 6 + 2
+    records = read_topic(kafka, topic, heartbeats=True)
+    assert {json.loads(r.key)["k"]: r.headers["valid_from"] for r in records if r.op == "upsert"} == {
+        i: contract.format_time(t) for i, t in enumerate(times)}
+    for part in parts:  # on each partition: the schema record first, the heartbeat last
+        ops = [r.op for r in sorted(records, key=lambda r: r.offset) if r.partition == part]
+        assert ops[0] == "schema" and ops[-1] == "heartbeat" and ops.count("heartbeat") == 1

@@ -7,16 +7,25 @@ import json
 import logging
 import threading
 import time
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 import sqlalchemy as sa
 
 from demo.broker import EmbeddedBroker, free_port
-from refresh.errors import DatasetBusy, DuplicateKey, EmptySnapshot, PublishError, TooManyDeletes
+from refresh.errors import (
+    DatasetBusy,
+    DuplicateKey,
+    EmptySnapshot,
+    PublishError,
+    TooManyDeletes,
+    TopicChanged,
+)
 from refresh.publish import Publisher
 from refresh.runner import Refresher
 from refresh.status import format_status, read_status
+from refresh.stores.abc import VALID_FROM_COLUMN
 from refresh.stores.files import FileStateStore
 from refstream import contract
 from refstream.errors import DataError, TerminalError, TransientError
@@ -56,7 +65,9 @@ def test_every_type_reaches_the_topic_encoded_by_the_contract(make_config, mysql
         "stamp": "timestamp", "bin": "binary", "name": "string", "n": "int64", "f": "float64"}
     rows = {r.key: r for r in records[1:]}
     first = rows['{"id":1,"k2":"ä"}'.encode()]
-    assert first.headers == {"op": "upsert", "dataset": "types", "version": "1", "contract": "1"}
+    assert {k: v for k, v in first.headers.items() if k != "valid_from"} == {
+        "op": "upsert", "dataset": "types", "version": "1", "contract": "1"}
+    assert contract.parse_time(first.headers["valid_from"]) <= datetime.now(UTC)
     assert json.loads(first.value) == {
         "id": 1, "k2": "ä", "price": "12345678901234567890.0123456789", "day": "2024-05-01",
         "at": "2024-05-01T12:00:00.123456", "stamp": "2024-05-01T12:00:00",
@@ -710,34 +721,63 @@ def test_a_run_with_new_or_gone_keys_stages_its_snapshot_before_comparing_values
                                  "max_delete_fraction": 1}})
     Refresher(cfg).run("sites")
     store_dir = cfg.state_dir / "sites"
-    seen: list[list[str]] = []
+    events: list[str] = []
     compare = diff_module._changed_rows
 
     def spy(*args, **kwargs):
-        seen.append(sorted(x.name for x in store_dir.glob("*snapshot*")))
+        events.append("compare")
         return compare(*args, **kwargs)
 
-    # The staged file is written in a thread: give it the time to appear before the comparison.
     real_stage = FileStateStore.stage_snapshot
 
-    def stage_and_wait(self, dataset, version, table):
-        staged = real_stage(self, dataset, version, table)
-        staged.wait()
-        return staged
+    def staging(self, dataset, version, table, valid_from=None):
+        events.append("stage")
+        return real_stage(self, dataset, version, table, valid_from)
 
     monkeypatch.setattr(diff_module, "_changed_rows", spy)
-    monkeypatch.setattr(FileStateStore, "stage_snapshot", stage_and_wait)
+    monkeypatch.setattr(FileStateStore, "stage_snapshot", staging)
     p.write_text("site_id,name\n1,a\n2,B\n4,d\n")  # an update, a delete, an insert
     r = Refresher(cfg).run("sites")
     assert (r.inserts, r.updates, r.deletes) == (1, 1, 1)
-    # Already written when the values were compared.
-    assert seen == [["snapshot-0000000001.arrow", "snapshot-0000000002.arrow"]]
-    assert FileStateStore(cfg.state_dir).load_snapshot("sites", FileStateStore(cfg.state_dir).load("sites")) \
-        .to_pylist() == [{"site_id": 1, "name": "a"}, {"site_id": 2, "name": "B"}, {"site_id": 4, "name": "d"}]
+    # Staged before the values were compared (its write waits for the rows' valid-from times, which
+    # the comparison settles, and overlaps the publish).
+    assert events == ["stage", "compare"]
+    stored = FileStateStore(cfg.state_dir).load_snapshot("sites", FileStateStore(cfg.state_dir).load("sites"))
+    assert stored.drop_columns([VALID_FROM_COLUMN]).to_pylist() == [
+        {"site_id": 1, "name": "a"}, {"site_id": 2, "name": "B"}, {"site_id": 4, "name": "d"}]
 
-    seen.clear()
+    events.clear()
     p.write_text("site_id,name\n1,A\n2,B\n4,d\n")  # only a value changes: staged after the comparison
     r = Refresher(cfg).run("sites")
     assert (r.inserts, r.updates, r.deletes) == (0, 1, 0)
-    assert seen == [["snapshot-0000000002.arrow"]]
+    assert events == ["compare", "stage"]
     assert sorted(x.name for x in store_dir.glob("*snapshot*")) == ["snapshot-0000000003.arrow"]
+
+
+@pytest.mark.parametrize("partitions", [1, 2])
+def test_a_topic_recreated_during_a_run_gets_nothing_committed_and_the_next_run_republishes(
+        make_config, mysql_engine, mysql_url, unique, kafka, partitions: int):
+    """Every run publishes (its heartbeat at least), so a topic replaced between a run's check and its
+    publish must not be taken for the one checked: with other partitions nothing is published to it,
+    with the same ones its ends, found below those checked, fail the run before its commit."""
+    from refstream.kafka import ensure_topic
+
+    t, topic = unique("swap"), unique("ref.swap")
+    execute(mysql_engine, f"CREATE TABLE {t} (id INT PRIMARY KEY, v VARCHAR(5))", f"INSERT INTO {t} VALUES (1,'a')")
+    cfg = make_config({"s": mysql_dataset(mysql_url, t, topic)})
+    Refresher(cfg).run("s")
+    committed = FileStateStore(cfg.state_dir).load("s")
+
+    class Swapping(Publisher):
+        def prepare(self, *args, **kwargs):  # the topic recreated just after the run's check
+            delete_topic(kafka, topic)
+            ensure_topic(kafka, topic, partitions=partitions)
+            return super().prepare(*args, **kwargs)
+
+    with pytest.raises(TopicChanged, match=f"dataset s: topic {topic} "):
+        Refresher(cfg, publisher_factory=Swapping).run("s")
+    assert FileStateStore(cfg.state_dir).load("s") == committed
+    beats = [r for r in read_topic(kafka, topic, heartbeats=True) if r.op == contract.OP_HEARTBEAT]
+    assert len(beats) == (1 if partitions == 1 else 0)  # published, or refused before publishing
+    r = Refresher(cfg).run("s")
+    assert r.kind == "republish" and table_view(read_topic(kafka, topic)) == {'{"id":1}': {"id": 1, "v": "a"}}

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import json
 import math
 from datetime import UTC, date, datetime, timedelta, timezone
 from decimal import Decimal
@@ -93,3 +94,65 @@ def test_one_rule_for_decimal_widths() -> None:
     assert c.type_to_arrow("decimal(12,2)") == c.decimal_type(12, 2)
     assert c.type_to_arrow("decimal(40,2)") == c.decimal_type(40, 2)
     assert (c.type_to_spark("decimal(38,2)"), c.type_to_spark("decimal(39,2)")) == ("DECIMAL(38,2)", "STRING")
+
+
+# ------------------------------------------------------------------------------- time in the changelog
+
+def test_times_are_iso_8601_utc_with_microseconds_and_z() -> None:
+    assert c.format_time(datetime(2024, 5, 1, 14, tzinfo=timezone(timedelta(hours=2)))) == "2024-05-01T12:00:00.000000Z"
+    assert c.format_time(datetime(2024, 5, 1, 12, 0, 0, 5)) == "2024-05-01T12:00:00.000005Z"  # naive: UTC
+    assert c.format_time(datetime(5, 1, 2, tzinfo=UTC)) == "0005-01-02T00:00:00.000000Z"
+    assert c.parse_time("2024-05-01T12:00:00.000005Z") == datetime(2024, 5, 1, 12, 0, 0, 5, tzinfo=UTC)
+    assert c.parse_time(b"2024-05-01T14:00:00+02:00") == datetime(2024, 5, 1, 12, tzinfo=UTC)
+    times = pa.array([datetime(2024, 5, 1, 12, 0, 0, 5, tzinfo=UTC), datetime(1, 1, 1, tzinfo=UTC),
+                      datetime(9999, 12, 31, 23, 59, 59, 999999, tzinfo=UTC)], c.TIME_TYPE)
+    assert c.format_times(times) == [c.format_time(t).encode() for t in times.to_pylist()]
+    with pytest.raises(ContractError, match="not an ISO 8601 time"):
+        c.parse_time("yesterday")
+
+
+def test_every_change_carries_its_valid_from_one_per_row_or_one_for_all() -> None:
+    schema = c.DatasetSchema("d", ("k",), (c.Column("k", "int64"), c.Column("v", "string")))
+    n = 70_000  # more than one bulk-encoded batch: each batch takes its own slice of the times
+    rows = pa.table({"k": pa.array(range(n), pa.int64()), "v": pa.array([str(i) for i in range(n)])})
+    base = datetime(2024, 5, 1, tzinfo=UTC)
+    times = pa.array([base + timedelta(seconds=i % 7) for i in range(n)], c.TIME_TYPE)
+    bulk = list(c.upsert_messages(schema, rows, 3, valid_from=times))
+    assert [c.decode(m.key, m.value, m.headers).valid_from for m in bulk] == times.to_pylist()
+    assert bulk[1].headers == [*c.headers("upsert", "d", 3), ("valid_from", b"2024-05-01T00:00:01.000000Z")]
+    # The row-wise path gives the same records; a list of times works too.
+    first = rows.slice(0, 10)
+    assert list(c.upsert_messages(schema, first.to_pylist(), 3, valid_from=times.slice(0, 10).to_pylist())) \
+        == bulk[:10]
+    # One time for every record: shared headers, in batches too.
+    tombs = list(c.delete_batches(schema, rows.select(["k"]), 3, valid_from=base))
+    assert all(b.valid_from is None and dict(b.headers)["valid_from"] == b"2024-05-01T00:00:00.000000Z"
+               for b in tombs)
+    change = c.decode(tombs[0].keys[0], None, tombs[0].headers)
+    assert (change.op, change.valid_from) == ("delete", base)
+    # Without: no header (records written before valid-from times existed decode with None).
+    old = next(c.upsert_messages(schema, [{"k": 1, "v": "a"}], 1))
+    assert "valid_from" not in dict(old.headers) and c.decode(old.key, old.value, old.headers).valid_from is None
+    with pytest.raises(ContractError, match="2 valid-from times for 1 rows"):
+        list(c.upsert_batches(schema, [{"k": 1, "v": "a"}], 1, valid_from=[base, base]))
+    with pytest.raises(ContractError, match=r"record b'\{\"k\":1\}': bad valid_from header 'soon'"):
+        c.decode(old.key, old.value, [*old.headers, ("valid_from", b"soon")])
+
+
+def test_a_heartbeat_carries_the_runs_completeness() -> None:
+    at, complete = datetime(2024, 5, 1, 12, 0, 1, tzinfo=UTC), datetime(2024, 5, 1, 12, tzinfo=UTC)
+    beat = c.heartbeat_message("d", 4, at, complete)
+    change = c.decode(beat.key, beat.value, beat.headers)
+    assert (change.op, change.version, change.complete_as_of, change.valid_from) == ("heartbeat", 4, complete, None)
+    assert dict(beat.headers)["complete_as_of"] == b"2024-05-01T12:00:00.000000Z"
+    assert json.loads(beat.value or b"")["complete_as_of"] == "2024-05-01T12:00:00.000000Z"
+    legacy = c.heartbeat_message("d", 4, at)  # as written before completeness existed
+    assert c.decode(legacy.key, legacy.value, legacy.headers).complete_as_of is None
+
+
+def test_a_readers_completeness_is_the_smallest_over_the_partitions() -> None:
+    t1, t2 = datetime(2024, 5, 1, 12, tzinfo=UTC), datetime(2024, 5, 1, 13, tzinfo=UTC)
+    assert c.complete_as_of({0: t2, 1: t1}, [0, 1]) == t1
+    assert c.complete_as_of({0: t2}, [0, 1]) is None          # partition 1: no heartbeat read yet
+    assert c.complete_as_of({0: t2, 1: None}, [0, 1]) is None
+    assert c.complete_as_of({0: t2, 5: t1}, [0]) == t2

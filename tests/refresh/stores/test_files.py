@@ -7,15 +7,25 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import Future
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pyarrow as pa
 import pytest
 
 from refresh.errors import DatasetBusy, Stopped
-from refresh.stores.abc import CommittedState, DatasetStatus, RunRecord, RunResult
+from refresh.stores.abc import (
+    VALID_FROM_COLUMN,
+    CommittedState,
+    DatasetStatus,
+    RunRecord,
+    RunResult,
+    TableSnapshot,
+    with_valid_from,
+)
 from refresh.stores.files import FileStateStore
-from refstream.contract import DatasetSchema
+from refstream.contract import TIME_TYPE, DatasetSchema
 from refstream.errors import TerminalError
 
 
@@ -59,7 +69,7 @@ def test_status_reads_and_writes_the_same_json(tmp_path: Path) -> None:
     assert st.last_run is not None and st.last_run.result.outcome == "failed" and st.consecutive_failures == 1
     store.write_status("d", st)
     # Read back the same, with the fields later releases added at their defaults.
-    newer = {"refused": False, "reason": None}
+    newer = {"refused": False, "reason": None, "complete_as_of": None}
     assert json.loads((tmp_path / "d" / "status.json").read_text()) == {
         **_STATUS, "last_success": {**_RUN, **newer}, "last_run": {**_STATUS["last_run"], **newer}}
     # A success resets the failures; an interrupted or refused run keeps them and is not one more.
@@ -196,3 +206,45 @@ def test_an_empty_snapshot_and_a_snapshot_in_another_format(tmp_path: Path) -> N
     s3 = store.commit("d", CommittedState(version=3, schema=schema, rows=0), pa.table({"id": pa.array([], pa.int64())}))
     empty = store.open_snapshot("d", s3)
     assert empty.num_rows == 0 and empty.read().num_rows == 0 and empty.schema.names == ["id"]
+
+
+def test_a_snapshot_keeps_each_rows_valid_from_beside_its_columns(tmp_path: Path) -> None:
+    """The diff sees the rows' own columns; the valid-from times come apart (None for a snapshot
+    written before they were kept), read lazily or from a prefetch alike."""
+    store = FileStateStore(tmp_path)
+    rows = pa.table({"id": [1, 2], "v": ["a", "b"]})
+    times = pa.array([datetime(2024, 5, 1, tzinfo=UTC), datetime(2024, 5, 2, tzinfo=UTC)], TIME_TYPE)
+    state = store.commit("d", CommittedState(version=1, rows=2), with_valid_from(rows, times))
+    assert store.load_snapshot("d", state).column_names == ["id", "v", VALID_FROM_COLUMN]  # as stored
+    for prefetch in (False, True):
+        snap = store.open_snapshot("d", state)
+        assert snap is not None
+        if prefetch:
+            assert snap.prefetch(1 << 30)
+        assert snap.schema == rows.schema and snap.read().equals(rows) and snap.select(["v"]).equals(rows.select(["v"]))
+        assert snap.valid_from().to_pylist() == times.to_pylist()
+    legacy = store.commit("d", CommittedState(version=2, rows=2), rows)
+    snap = store.open_snapshot("d", legacy)
+    assert snap is not None and snap.valid_from() is None and snap.read().equals(rows)
+    # In memory (a store without lazy reads) the same.
+    held = TableSnapshot(with_valid_from(rows, times))
+    assert held.schema == rows.schema and held.read().equals(rows) and held.valid_from().to_pylist() == times.to_pylist()
+
+
+def test_a_staged_snapshot_waits_for_its_valid_from_times_and_a_discard_does_not(tmp_path: Path) -> None:
+    store = FileStateStore(tmp_path)
+    rows = pa.table({"id": [1, 2]})
+    times = pa.array([datetime(2024, 5, 1, tzinfo=UTC)] * 2, TIME_TYPE)
+    pending: Future[pa.Array] = Future()
+    staged = store.stage_snapshot("d", 1, rows, pending)
+    time.sleep(0.2)
+    assert not (tmp_path / "d" / "snapshot-0000000001.arrow").exists()  # waiting for the times
+    pending.set_result(times)
+    state = store.commit("d", CommittedState(version=1, rows=2), staged)
+    assert store.load_snapshot("d", state).equals(with_valid_from(rows, times))
+    # A run that ends before its diff knew the times: the waiting write gives up at once.
+    dropped = store.stage_snapshot("d", 2, rows, Future())
+    started = time.monotonic()
+    dropped.discard()
+    assert time.monotonic() - started < 5
+    assert sorted(p.name for p in (tmp_path / "d").iterdir()) == ["snapshot-0000000001.arrow", "state.json"]
