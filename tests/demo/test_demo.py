@@ -43,7 +43,13 @@ def _leftovers(workdir: Path) -> list[psutil.Process]:
 @pytest.mark.timeout(LIMIT + 240)  # its own waits, not the suite's 600 s, bound it
 def test_demo_shows_every_change_in_the_enriched_output_and_stops_cleanly(tmp_path: Path) -> None:
     workdir = tmp_path / "demo"
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # The tests' Spark defaults turn every job's UI off: the demo's job gets them without that line,
+    # so the Spark UI it prints answers as it does under `make demo`.
+    conf = tmp_path / "spark-conf"
+    conf.mkdir()
+    defaults = (ROOT / "tests" / "spark-conf" / "spark-defaults.conf").read_text().splitlines()
+    (conf / "spark-defaults.conf").write_text("\n".join(x for x in defaults if not x.startswith("spark.ui.")) + "\n")
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "SPARK_CONF_DIR": str(conf)}
     env.pop("REF_DB_URL", None)  # the SQLite default
     proc = subprocess.Popen(
         [sys.executable, "-m", "demo", "--duration", str(LIMIT), "--workdir", str(workdir),

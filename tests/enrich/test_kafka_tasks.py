@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 from pyspark.sql import DataFrame, SparkSession
 
-from enrich.sinks.kafka.ledger import Ledger, ensure_ledger, shows_aborted
+from enrich.sinks.kafka.ledger import Ledger, ensure_ledger
 from enrich.sinks.kafka.tasks import RESULT_DDL, TaskWriter, slot_id
 from enrich.sinks.kafka.writer import written_ends
 from refstream.kafka import ensure_topic, producer
@@ -158,9 +158,12 @@ def test_a_task_begins_past_another_writer_s_open_transaction(spark: SparkSessio
 
 def test_a_slot_finds_its_commit_while_other_transactions_are_open(spark: SparkSession, kafka: dict[str, str],
                                                                    unique, topics) -> None:
-    """Another transaction open on every partition the writers touch - another job on the same
-    output, or a killed worker's until its timeout - began before the batch: a slot's own commit is
-    found all the same, and a replay or retry of the batch writes nothing again."""
+    """Another transaction open on the ledger topic - where a commit marker of a shared topic held
+    a slot's own commit back from it (the writers of another job, a killed worker's transaction until
+    its timeout) - began before the batch: a slot's own commit is found all the same, and a replay or
+    retry of the batch writes nothing again. (The test broker also hides a committed transaction
+    behind an older one open on a partition it wrote, so a transaction on the output's partitions
+    would hide the batch itself from every reader there; Apache Kafka does not.)"""
     import threading
 
     out, dlq, ledger = topics
@@ -168,16 +171,15 @@ def test_a_slot_finds_its_commit_while_other_transactions_are_open(spark: SparkS
     other = producer(kafka, role="transactional", **{"transactional.id": unique("other")})
     other.init_transactions(30)
     other.begin_transaction()
-    for topic in (out, dlq, ledger):
-        for part in range(3 if topic == out else 2 if topic == ledger else 1):
-            other.produce(topic, b"open", partition=part)
+    for part in range(2):
+        other.produce(ledger, b"open", partition=part)
     other.flush(30)
     try:
         df = rows(spark, 140)
         first = write(df, TaskWriter(kafka, out, dlq, ledger, base, "q", 7))
         assert sum(r["records"] for r in first) == 120 and not any(r["skipped"] for r in first)
         again = write(df, TaskWriter(kafka, out, dlq, ledger, base, "q", 7))
-        assert all(r["records"] == 0 for r in again), again
+        assert all(r["skipped"] and r["records"] == 0 for r in again), again
         # Two attempts at the next batch at once (a retry beside a speculative copy): the later one
         # fences the other, which fails; whatever each did, a further retry writes nothing again.
         failed: list[BaseException] = []
@@ -196,9 +198,7 @@ def test_a_slot_finds_its_commit_while_other_transactions_are_open(spark: SparkS
         write(df, TaskWriter(kafka, out, dlq, ledger, base, "q", 8))  # a further retry
     finally:
         other.abort_transaction(30)
-    # Every event once per batch in the log. Where the broker shows aborted records (the test broker)
-    # they count as written, and all of the log is read; it may also keep committed records from
-    # read_committed readers after the other transaction ended (see the first test).
-    settings = {**kafka, "isolation.level": "read_uncommitted"} if shows_aborted(kafka, ledger) else kafka
-    got = Counter(json.loads(m.value())["n"] for m in read_settled(settings, out, 243) if m.value() != b"open")
+    # Every event once per batch, as a read_committed consumer sees them (a broker that shows the
+    # fenced attempt's aborted records shows them once: the later attempt did not write them again).
+    got = Counter(json.loads(m.value())["n"] for m in read_settled(kafka, out, 240))
     assert set(got.values()) == {2} and len(got) == 120, "each event once per batch"

@@ -3,8 +3,8 @@ consumer group of its own (Kafka's transactional offset commits, KIP-447), never
 shared topic.
 
 A writer with transactional id ``T`` in a query of scope ``S`` owns the group ``T.S``. It keeps
-offsets on partitions of the ledger topic ``<output>.refstream-ledger`` (a namespace for the
-offsets; only :func:`shows_aborted` writes to it, an aborted record in partition :data:`PROBE`):
+offsets on partitions of the ledger topic ``<output>.refstream-ledger`` (two partitions, never
+written to: a namespace for the offsets):
 
 - partition 0 (:data:`COMMITTED`): ``batch + 1`` of the last batch committed, sent with
   ``send_offsets_to_transaction`` inside the batch's transaction: it commits with the data or not
@@ -25,8 +25,10 @@ the same batch begun and not committed reads the records visible past those ends
 them again. On Apache Kafka aborted records never show, and that read finds nothing. The test broker
 also keeps a committed transaction - its records and its offsets - hidden while an older
 transaction is open on a partition it wrote, so there a previous attempt that committed can look
-unfinished: on a broker that shows aborted records (:func:`shows_aborted`), the records past the
-ends are read uncommitted, and both kinds count as written.
+unfinished: the writer first waits (bounded) until the partitions' read_committed ends reach their
+written ends, so that every older transaction has ended, and then reads what a read_committed
+consumer sees. Only records a consumer sees count as written: reading uncommitted records would
+count an aborted attempt's as written wherever the broker hides them, and lose them.
 
 A broker drops a group's offsets ``offsets.retention.minutes`` (Kafka's default: 7 days) after its
 last commit, and with the topic they are on: a job stopped for longer, or whose ledger topic was
@@ -36,23 +38,18 @@ deleted, has lost the record of its last batch; the job refuses to start without
 
 from __future__ import annotations
 
-import threading
-import time
-import uuid
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from confluent_kafka import OFFSET_INVALID, Consumer, KafkaError, KafkaException, Producer, TopicPartition
+from confluent_kafka import OFFSET_INVALID, Consumer, KafkaException, Producer, TopicPartition
 
-from refstream.kafka import consumer, ensure_topic, producer
+from refstream.kafka import consumer, ensure_topic
 
-__all__ = ["BEGUN", "COMMITTED", "LEDGER_SUFFIX", "PROBE", "Entry", "Ledger", "ensure_ledger", "group_of", "ledger_topic",
-           "shows_aborted"]
+__all__ = ["BEGUN", "COMMITTED", "LEDGER_SUFFIX", "Entry", "Ledger", "ensure_ledger", "group_of", "ledger_topic"]
 
 LEDGER_SUFFIX = ".refstream-ledger"
-#: The ledger topic's partitions: the last batch committed, the last batch begun (``batch + 1``), and
-#: the partition of :func:`shows_aborted`'s probe.
-COMMITTED, BEGUN, PROBE = 0, 1, 2
+#: The ledger topic's partitions: the last batch committed, the last batch begun (``batch + 1``).
+COMMITTED, BEGUN = 0, 1
 
 TP = tuple[str, int]
 
@@ -65,7 +62,7 @@ def ledger_topic(topic: str) -> str:
 def ensure_ledger(settings: Mapping[str, str], topic: str) -> str:
     """Create ``topic``'s ledger topic if missing; its name."""
     name = ledger_topic(topic)
-    ensure_topic(settings, name, partitions=3)
+    ensure_topic(settings, name, partitions=2)
     return name
 
 
@@ -128,40 +125,3 @@ class Ledger:
     def close(self) -> None:
         self._consumer.close()
 
-
-_SHOWN: dict[str, bool] = {}
-_SHOWN_LOCK = threading.Lock()
-
-
-def shows_aborted(settings: Mapping[str, str], ledger: str, *, timeout: float = 30.0) -> bool:
-    """Whether the broker hands the records of an aborted transaction to read_committed readers
-    (Apache Kafka never does; the test broker does). Found once per process and broker by aborting a
-    record in ``ledger``'s partition :data:`PROBE` and reading it back."""
-    servers = str(settings.get("bootstrap.servers", ""))
-    with _SHOWN_LOCK:
-        if servers in _SHOWN:
-            return _SHOWN[servers]
-        p = producer(settings, role="transactional", **{"transactional.id": f"refstream-probe-{uuid.uuid4().hex}"})
-        offsets: list[int | None] = []
-        p.init_transactions(timeout)
-        p.begin_transaction()
-        p.produce(ledger, b"probe", partition=PROBE, on_delivery=lambda err, m: offsets.append(m.offset()))
-        p.flush(timeout)
-        p.abort_transaction(timeout)
-        c = consumer(settings, role="reader")
-        try:
-            c.assign([TopicPartition(ledger, PROBE, offsets[0] if offsets and offsets[0] is not None else 0)])
-            shown, deadline = False, time.monotonic() + timeout
-            while time.monotonic() < deadline:
-                m = c.poll(0.2)
-                if m is None:
-                    continue
-                if m.error() is None:
-                    shown = True
-                    break
-                if m.error().code() == KafkaError._PARTITION_EOF:  # type: ignore[union-attr]
-                    break
-        finally:
-            c.close()
-        _SHOWN[servers] = shown
-        return shown

@@ -21,7 +21,7 @@ from confluent_kafka import KafkaException, Producer
 from enrich.columns import ERROR, LATE, SLOW, UNMATCHED
 from enrich.sinks.deadletter import COLUMNS as DEAD_COLUMNS
 from enrich.sinks.deadletter import to_records, too_large_error
-from enrich.sinks.kafka.ledger import Ledger, shows_aborted
+from enrich.sinks.kafka.ledger import Ledger
 from enrich.sinks.kafka.writer import (
     abort,
     classify,
@@ -30,7 +30,7 @@ from enrich.sinks.kafka.writer import (
     produce_all,
     read_identities,
     record_limit,
-    visible_ends,
+    settled_ends,
     written_ends,
 )
 from enrich.worker import settle
@@ -162,14 +162,11 @@ class _SlotTransaction:
         self.leaked: Counter[tuple] = Counter()
         if entry.unfinished == w.batch_id:
             # The previous attempt at this batch began and its commit is not seen: on Apache Kafka it
-            # was aborted and none of its records show. A broker that shows aborted records (and may
-            # hide a committed transaction behind an older open one: the ledger module's doc) shows
-            # its records past the ends that attempt recorded: they count as written.
-            if shows_aborted(w.settings, w.ledger_topic, timeout=w.timeout):
-                self.leaked = read_identities({**w.settings, "isolation.level": "read_uncommitted"}, entry.ends,
-                                              written_ends(w.settings, topics), w.timeout)
-            else:
-                self.leaked = read_identities(w.settings, entry.ends, visible_ends(w.settings, topics), w.timeout)
+            # was aborted and none of its records show. Once every older transaction has ended (the
+            # ledger module's doc), the records a consumer sees past the ends that attempt recorded
+            # count as written: a broker that shows aborted records shows them there.
+            self.leaked = read_identities(w.settings, entry.ends, settled_ends(w.settings, topics, w.timeout),
+                                          w.timeout)
             log.warning("batch %d slot %d: the previous attempt began and its commit is not seen; %d of its "
                         "records are in the log already and will not be written again", w.batch_id, slot,
                         sum(self.leaked.values()))

@@ -148,6 +148,24 @@ def written_ends(settings: Mapping[str, str], topics: list[str]) -> dict[tuple[s
         probe.close()
 
 
+def settled_ends(settings: Mapping[str, str], topics: list[str], timeout: float,
+                 poll: float = 0.5) -> dict[tuple[str, int], int]:
+    """The read_committed ends of ``topics`` once they reach the written ends probed now, so that
+    every transaction older than this call has ended (committed or aborted); after ``timeout``
+    seconds, the read_committed ends as they are (a transaction still open is logged)."""
+    target = written_ends(settings, topics)
+    deadline = time.monotonic() + timeout
+    while True:
+        ends = visible_ends(settings, topics)
+        behind = {tp: (ends.get(tp, 0), end) for tp, end in target.items() if ends.get(tp, 0) < end}
+        if not behind or time.monotonic() >= deadline:
+            if behind:
+                log.warning("transactions still open on %s after %.0fs: records they hold are not counted",
+                            ", ".join(f"{t}/{p}" for t, p in sorted(behind)), timeout)
+            return ends
+        time.sleep(poll)
+
+
 def read_identities(settings: Mapping[str, str], before: Mapping[tuple[str, int], int],
                     after: Mapping[tuple[str, int], int], timeout: float = 60.0) -> Counter[tuple]:
     """The records between ``before`` and ``after`` (per partition), as :func:`identity` counts."""
