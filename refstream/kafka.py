@@ -361,7 +361,8 @@ def partitions_of(settings: Mapping[str, str], topic: str, timeout: float = 10.0
 def read_to_end(settings: Mapping[str, str], topic: str, start: Mapping[int, int] | None = None,
                 *, batch: int = 5000, timeout: float = 30.0) -> Iterator[Message]:
     """Yield every record of ``topic`` from ``start`` (partition -> offset; default: beginning) until
-    each partition reports EOF. Raises :class:`TransientError` if the end is not reached in ``timeout``
+    each partition has reported EOF once (a partition a producer keeps writing to would otherwise never
+    end the read; what arrives on it before the others end is still yielded). Raises :class:`TransientError` if the end is not reached in ``timeout``
     seconds without progress."""
     parts = partitions_of(settings, topic)
     if not parts:
@@ -386,7 +387,6 @@ def read_to_end(settings: Mapping[str, str], topic: str, start: Mapping[int, int
                         raise TransientError(f"reading {topic}: {err}")
                     raise KafkaException(err)
                 last_progress = time.monotonic()
-                pending.add(partition_of(m))  # EOF then more data (a producer is writing): keep going
                 yield m
     finally:
         c.close()
