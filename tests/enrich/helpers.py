@@ -11,6 +11,7 @@ from typing import Any
 
 from confluent_kafka import Producer
 
+from enrich.sinks.kafka.ledger import Entry, Ledger
 from refstream import contract
 from refstream import kafka as rkafka
 from refstream.contract import DatasetSchema, Message
@@ -61,6 +62,29 @@ def read_settled(settings: Mapping[str, str], topic: str, expect: int, timeout: 
         if len(got) >= expect or time.monotonic() > deadline:
             return got
         time.sleep(0.2)
+
+
+def ledger_entry(settings: Mapping[str, str], ledger: str, tid: str, scope: str,
+                 ends: Sequence[tuple[str, int]] | None = None) -> Entry:
+    """What the Kafka sink's ledger of ``tid`` (in ``scope``) on topic ``ledger`` says, the written
+    ``ends`` of those partitions as the writer would ask for them."""
+    book = Ledger(dict(settings), ledger, tid, scope, timeout=30)
+    try:
+        return book.read(ends) if ends is not None else book.read()
+    finally:
+        book.close()
+
+
+def open_transaction(settings: Mapping[str, str], tid: str, records: Iterable[tuple[str, int, bytes]]) -> Producer:
+    """A transactional producer with ``records`` (topic, partition, value) sent in a transaction left
+    open: the caller aborts it."""
+    other = rkafka.producer(settings, role="transactional", **{"transactional.id": tid})
+    other.init_transactions(30)
+    other.begin_transaction()
+    for topic, part, value in records:
+        other.produce(topic, value, partition=part)
+    other.flush(30)
+    return other
 
 
 def wait_for(predicate: Callable[[], bool], what: str, runner: threading.Thread, timeout: float = 120) -> None:

@@ -9,11 +9,11 @@ from collections import Counter
 import pytest
 from pyspark.sql import DataFrame, SparkSession
 
-from enrich.sinks.kafka.ledger import Ledger, ensure_ledger
+from enrich.sinks.kafka.ledger import ensure_ledger
 from enrich.sinks.kafka.tasks import RESULT_DDL, TaskWriter, slot_id
 from enrich.sinks.kafka.writer import written_ends
-from refstream.kafka import ensure_topic, producer
-from tests.enrich.helpers import read_settled
+from refstream.kafka import ensure_topic
+from tests.enrich.helpers import ledger_entry, open_transaction, read_settled
 
 ROWS = "key BINARY, value BINARY, _error STRING, _key BINARY, _value BINARY, _topic STRING, _partition INT, _offset BIGINT"
 
@@ -43,11 +43,7 @@ def topics(kafka: dict[str, str], unique) -> tuple[str, str, str]:
 
 def committed(kafka: dict[str, str], ledger: str, tid: str, scope: str) -> int | None:
     """The batch the ledger of ``tid`` (in ``scope``) says was committed last."""
-    book = Ledger(kafka, ledger, tid, scope, timeout=30)
-    try:
-        return book.read().committed
-    finally:
-        book.close()
+    return ledger_entry(kafka, ledger, tid, scope).committed
 
 
 def test_each_task_commits_its_rows_and_dead_letters_once_per_batch(spark: SparkSession, kafka: dict[str, str],
@@ -135,12 +131,7 @@ def test_a_task_begins_past_another_writer_s_open_transaction(spark: SparkSessio
     waiting for that transaction to end."""
     out, dlq, markers = topics
     base = unique("tid")
-    other = producer(kafka, role="transactional", **{"transactional.id": unique("other")})
-    other.init_transactions(30)
-    other.begin_transaction()
-    for i in range(50):
-        other.produce(out, b"open-%d" % i, partition=0)
-    other.flush(30)
+    other = open_transaction(kafka, unique("other"), [(out, 0, b"open-%d" % i) for i in range(50)])
     try:
         assert written_ends(kafka, [out])[(out, 0)] == 50
         res = write(rows(spark, 70), TaskWriter(kafka, out, dlq, markers, base, "q", 0))
@@ -148,11 +139,7 @@ def test_a_task_begins_past_another_writer_s_open_transaction(spark: SparkSessio
     finally:
         other.abort_transaction(30)
     for slot in (0, 1):
-        book = Ledger(kafka, markers, slot_id(base, slot), "q", timeout=30)
-        try:
-            entry = book.read([(out, 0)])
-        finally:
-            book.close()
+        entry = ledger_entry(kafka, markers, slot_id(base, slot), "q", [(out, 0)])
         assert (entry.begun, entry.committed) == (0, 0) and entry.ends[(out, 0)] >= 50, entry
 
 
@@ -168,12 +155,7 @@ def test_a_slot_finds_its_commit_while_other_transactions_are_open(spark: SparkS
 
     out, dlq, ledger = topics
     base = unique("tid")
-    other = producer(kafka, role="transactional", **{"transactional.id": unique("other")})
-    other.init_transactions(30)
-    other.begin_transaction()
-    for part in range(2):
-        other.produce(ledger, b"open", partition=part)
-    other.flush(30)
+    other = open_transaction(kafka, unique("other"), [(ledger, part, b"open") for part in range(2)])
     try:
         df = rows(spark, 140)
         first = write(df, TaskWriter(kafka, out, dlq, ledger, base, "q", 7))

@@ -26,10 +26,10 @@ from typing import Any
 import pytest
 
 from enrich.ops.checkpoint import Checkpoint
-from enrich.sinks.kafka.ledger import Entry, Ledger
+from enrich.sinks.kafka.ledger import Entry
 from enrich.sinks.kafka.tasks import slot_id
 from refstream.contract import Column, DatasetSchema
-from tests.enrich.helpers import changelog, produce_events, publish, read_all
+from tests.enrich.helpers import changelog, ledger_entry, produce_events, publish, read_all
 from tests.enrich.kill import read_note, session_pids
 from tests.enrich.test_restart import start_job, write_config
 
@@ -42,13 +42,9 @@ KILLS = int(os.environ.get("REFSTREAM_KILLS", "4"))
 TOTAL, PER_BATCH = 4000, 100   # 40 batches: the kills and their replays use about 20
 
 
-def ledger_entry(kafka: dict[str, str], note: dict[str, Any], slot: int) -> Entry:
+def slot_entry(kafka: dict[str, str], note: dict[str, Any], slot: int) -> Entry:
     """What the ledger of ``slot`` says, in the query a kill hook's ``note`` describes."""
-    ledger = Ledger(kafka, note["ledger_topic"], slot_id(note["base_id"], slot), note["scope"])
-    try:
-        return ledger.read()
-    finally:
-        ledger.close()
+    return ledger_entry(kafka, note["ledger_topic"], slot_id(note["base_id"], slot), note["scope"])
 
 
 def test_kills_between_two_slots_commits_leave_each_event_once(
@@ -82,7 +78,7 @@ def test_kills_between_two_slots_commits_leave_each_event_once(
         assert session_pids(proc.pid) == [], "a process of the killed job survived"
 
         for slot, committed in ((note["other"], True), (note["slot"], False)):
-            entry = ledger_entry(kafka, note, slot)
+            entry = slot_entry(kafka, note, slot)
             assert (entry.committed is not None and entry.committed >= batch) == committed, (slot, entry)
             if not committed:
                 assert entry.begun == batch, (slot, entry)

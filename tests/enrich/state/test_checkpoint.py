@@ -76,12 +76,18 @@ def test_a_start_with_a_number_that_does_not_divide_the_buckets_is_even_over_it(
     assert json.loads(ck.state_record.read_text())[BUCKET_IDS] == list(layout.ids)
 
 
-@pytest.mark.parametrize("damaged", [None, "four", True, 0])
-def test_a_damaged_number_of_state_partitions_is_an_error_naming_it(tmp_path: Path, damaged: object) -> None:
+def damaged_record(tmp_path: Path, field: str, value: object) -> CheckpointLayout:
+    """A checkpoint whose state.json, written by a first run on 4 partitions, has ``field`` set to ``value``."""
     ck = CheckpointLayout(tmp_path)
     check_checkpoint(ck, CFG, SPEC, partitions=4)
     kept = json.loads(ck.state_record.read_text())
-    ck.state_record.write_text(json.dumps({**kept, PARTITIONS: damaged}))
+    ck.state_record.write_text(json.dumps({**kept, field: value}))
+    return ck
+
+
+@pytest.mark.parametrize("damaged", [None, "four", True, 0])
+def test_a_damaged_number_of_state_partitions_is_an_error_naming_it(tmp_path: Path, damaged: object) -> None:
+    ck = damaged_record(tmp_path, PARTITIONS, damaged)
     with pytest.raises(ConfigError, match=rf"state\.json: state_partitions: {damaged!r} is not a number of state "
                                           "partitions"):
         check_checkpoint(ck, CFG, SPEC)
@@ -90,10 +96,7 @@ def test_a_damaged_number_of_state_partitions_is_an_error_naming_it(tmp_path: Pa
 @pytest.mark.parametrize("damaged", [None, [1, 2, 3], list(range(63)) + [0], list(range(63)) + [-1],
                                      list(range(63)) + ["x"], list(range(63)) + [2**31]])
 def test_a_damaged_bucket_layout_is_an_error_naming_it(tmp_path: Path, damaged: object) -> None:
-    ck = CheckpointLayout(tmp_path)
-    check_checkpoint(ck, CFG, SPEC, partitions=4)
-    kept = json.loads(ck.state_record.read_text())
-    ck.state_record.write_text(json.dumps({**kept, BUCKET_IDS: damaged}))
+    ck = damaged_record(tmp_path, BUCKET_IDS, damaged)
     with pytest.raises(ConfigError, match=r"state\.json: bucket_ids: not one distinct grouping key per bucket "
                                           r"\(64 buckets\)"):
         check_checkpoint(ck, CFG, SPEC)
