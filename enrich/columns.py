@@ -11,7 +11,8 @@ event the fast parser left to ``from_json``). The state step (:mod:`enrich.state
 from __future__ import annotations
 
 __all__ = ["BATCH_TIME", "BUCKET", "CORRUPT", "DELETED", "ERROR", "FLAT", "INTERNAL", "KEY_BYTES", "LATE", "MAX_TS",
-           "ROWS", "SLOW", "SOURCE", "STATE", "TS_US", "UNMATCHED"]
+           "ROWS", "SLOW", "SOURCE", "STATE", "TS_US", "UNMATCHED",
+           "VALID_FROM"]
 
 #: Why an event is a dead letter (null for a good one).
 ERROR = "_error"
@@ -37,8 +38,10 @@ MAX_TS, ROWS = "_max_ts", "rows"
 BATCH_TIME = "_batch_time"
 #: A dimension row's canonical key bytes (the broadcast store's, a partitioned dimension's stored rows).
 KEY_BYTES = "__key"
-#: A broadcast dimension's overlay row that is a tombstone.
+#: A broadcast dimension's overlay row that is a tombstone (an as-of dimension's version too).
 DELETED = "__deleted"
+#: When an as-of dimension's version holds from (its ``valid_from``, UTC microseconds).
+VALID_FROM = "__valid_from"
 
 #: The Kafka sink's flag of an event some join found no row for.
 UNMATCHED = "_unmatched"

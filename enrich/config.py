@@ -14,6 +14,7 @@ from refstream.contract import default_topic
 from refstream.metrics import MetricsConfig, parse_metrics
 
 __all__ = [
+    "DEFAULT_HISTORY",
     "DEFAULT_MAX_EVENTS_PER_BATCH",
     "EnrichConfig",
     "EventSource",
@@ -57,6 +58,8 @@ StateAgg = Literal["last", "min", "max", "mean"]
 
 #: Admission control when ``max_events_per_batch`` is not set: a micro-batch's memory stays bounded.
 DEFAULT_MAX_EVENTS_PER_BATCH = 100_000
+#: How far back from a key's newest version an as-of join keeps its versions, by default.
+DEFAULT_HISTORY = timedelta(days=7)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -88,6 +91,10 @@ class JoinConfig:
     how: JoinHow = "left"
     prefix: str = ""
     strategy: JoinStrategy = "broadcast"
+    #: Join each event with the row valid at its time (``state.timestamp``), not the newest one;
+    #: the dimension keeps each key's versions for ``history`` (enrich.dimension.history).
+    as_of: bool = False
+    history: timedelta = DEFAULT_HISTORY
 
     @property
     def matched_column(self) -> str:
@@ -224,6 +231,7 @@ def parse(data: Mapping[str, Any], source: str = "config") -> EnrichConfig:
     output = _output(top.section("output"))
     state = _state(top.section("state")) if top.has("state") else None
     _check_partitioned(top, joins, state)
+    _check_as_of(top, joins, state)
     # Always bounded: after downtime the backlog is read in batches of this size, not in one.
     max_events = top.get("max_events_per_batch", int, DEFAULT_MAX_EVENTS_PER_BATCH)
     if max_events <= 0:
@@ -281,7 +289,13 @@ def _join(sec: Section) -> JoinConfig:
         how=sec.choice("how", JoinHow, "left"),
         prefix=sec.get("prefix", str, ""),
         strategy=sec.choice("strategy", JoinStrategy, "broadcast"),
+        as_of=sec.get("as_of", bool, False),
+        history=sec.duration("history", DEFAULT_HISTORY),
     )
+    if cfg.history <= timedelta(0):
+        raise sec.error("must be positive", "history")
+    if sec.has("history") and not cfg.as_of:
+        raise sec.error("applies to as_of joins only; set as_of: true or remove it", "history")
     sec.done()
     return cfg
 
@@ -304,6 +318,21 @@ def _check_partitioned(top: Section, joins: tuple[JoinConfig, ...], state: State
                             f"{[e for e, _ in j.on]}; use broadcast for this dataset", where)
         if len(strategies[j.dataset]) > 1:
             raise top.error(f"dataset {j.dataset!r} is joined both partitioned and broadcast; pick one", where)
+
+
+def _check_as_of(top: Section, joins: tuple[JoinConfig, ...], state: StateConfig | None) -> None:
+    """An as-of join looks rows up at the event's time, ``state.timestamp``: it needs the section.
+    A dataset's driver or bucket copy is either a history or the latest rows, so every join of one
+    dataset agrees on ``as_of`` and ``history``."""
+    seen: dict[str, tuple[bool, timedelta]] = {}
+    for i, j in enumerate(joins):
+        if j.as_of and state is None:
+            raise top.error("as_of needs a state: section (an event's time is its state.timestamp)",
+                            f"joins[{i}].as_of")
+        first = seen.setdefault(j.dataset, (j.as_of, j.history))
+        if first != (j.as_of, j.history):
+            raise top.error(f"dataset {j.dataset!r} is joined with different as_of/history settings; "
+                            "give every join of it the same", f"joins[{i}].as_of")
 
 
 def _state(sec: Section) -> StateConfig:

@@ -172,7 +172,8 @@ class EnrichJob:
                 columns[j.dataset] = sorted(set(columns.get(j.dataset) or []) | set(j.columns))
         dims = Dimensions(cfg.broadcast_datasets, columns, lambda topic: ChangelogFollower(cfg.kafka, topic),
                           FileVersionLog(self.layout.dimensions), Shipper(spark.sparkContext),
-                          timeout=cfg.bootstrap_timeout.total_seconds())
+                          timeout=cfg.bootstrap_timeout.total_seconds(),
+                          history={j.dataset: j.history for j in cfg.broadcast_joins if j.as_of})
         self._stack.callback(dims.close)
         call_with_retry(dims.bootstrap, what="bootstrapping dimensions", policy=self.retry, stop=self._stop)
         return dims

@@ -29,7 +29,8 @@ from pyspark.sql import DataFrame
 from pyspark.sql.pandas.types import to_arrow_schema
 from pyspark.sql.types import BooleanType, StructField, StructType
 
-from enrich.columns import DELETED, SLOW
+from enrich.asof import CLIPPED, VersionIndex, micros, pick
+from enrich.columns import DELETED, SLOW, VALID_FROM
 from enrich.config import JoinConfig
 from enrich.dimension.ship import Shipped
 from enrich.events import FastEvents
@@ -54,11 +55,16 @@ class JoinSpec:
     out_types: tuple[pa.DataType, ...]        # Arrow types the output columns are sent to Spark as
     matched: str
     inner: bool
+    #: An as-of join's event time column (``state.timestamp``); None: the latest version.
+    time: str | None = None
 
 
 def plan(joins: Sequence[JoinConfig], schemas: Mapping[str, DatasetSchema], input_schema: StructType,
-         *, timezone: str = "UTC", source: str = "config") -> tuple[list[JoinSpec], StructType]:
-    """Resolve ``joins`` in order; returns the specs and the output schema of the enriched rows."""
+         *, timezone: str = "UTC", source: str = "config",
+         time_column: str | None = None) -> tuple[list[JoinSpec], StructType]:
+    """Resolve ``joins`` in order; returns the specs and the output schema of the enriched rows.
+    ``time_column`` is the events' time (``state.timestamp``), which as-of joins look rows up at;
+    the first of them adds :data:`~enrich.asof.CLIPPED` after its columns."""
     fields = list(input_schema.fields)
     names = {f.name for f in fields}
     specs = []
@@ -97,15 +103,22 @@ def plan(joins: Sequence[JoinConfig], schemas: Mapping[str, DatasetSchema], inpu
             raise ConfigError(f"{where}: column {j.matched_column!r} already exists")
         out_fields.append(StructField(j.matched_column, BooleanType(), False))
         names.add(j.matched_column)
-        fields.extend(out_fields)
         arrow_out = to_arrow_schema(StructType(out_fields[:-1]), timezone=timezone)
+        if j.as_of:
+            if time_column is None or time_column not in names:
+                raise ConfigError(f"{where}: as_of: the event time column {time_column!r} (state.timestamp) "
+                                  "is not among the columns")
+            if CLIPPED not in names:
+                out_fields.append(StructField(CLIPPED, BooleanType(), False))
+                names.add(CLIPPED)
+        fields.extend(out_fields)
         arrow_dim = schema.arrow_schema()
         specs.append(JoinSpec(
             dataset=j.dataset, pairs=tuple(pairs),
             key_types=tuple(arrow_dim.field(k).type for _, k in pairs),
             columns=tuple((c, j.prefix + c) for c in wanted),
             out_types=tuple(f.type for f in arrow_out),
-            matched=j.matched_column, inner=j.how == "inner"))
+            matched=j.matched_column, inner=j.how == "inner", time=time_column if j.as_of else None))
     return specs, StructType(fields)
 
 
@@ -154,6 +167,23 @@ class Lookup:
         return self.index.find(values)
 
 
+class AsOfLookup(Lookup):
+    """An as-of dimension's versions as executors use them (:mod:`enrich.asof`): every version of a
+    key with its ``__valid_from`` and ``__deleted``, indexed by key and time."""
+
+    def __init__(self, table: pa.Table, key: Sequence[str]) -> None:
+        self.table = table.combine_chunks()
+        values, _ = _key_values([self.table.column(k).combine_chunks() for k in key])
+        self.versions = VersionIndex(values, self.table.column(VALID_FROM).to_numpy(zero_copy_only=False))
+        self.gone: np.ndarray = self.table.column(DELETED).to_numpy(zero_copy_only=False)
+        self.deleted = self.gone
+
+
+def make_lookup(table: pa.Table, key: Sequence[str]) -> Lookup:
+    """The lookup of a shipped or stored version: as-of when it holds versions (``__valid_from``)."""
+    return AsOfLookup(table, key) if VALID_FROM in table.column_names else Lookup(table, key)
+
+
 # Reused Python workers keep these across micro-batches: an unchanged version costs a dict lookup.
 _BASES: OrderedDict[str, Lookup] = OrderedDict()
 _OVERLAYS: OrderedDict[str, Lookup] = OrderedDict()
@@ -165,7 +195,7 @@ def _cached(cache: OrderedDict[str, Lookup], ident: str, bc: object, key: Sequen
     if hit is not None:
         cache.move_to_end(ident)
         return hit
-    lookup = Lookup(from_ipc(bc.value), key)  # type: ignore[attr-defined]
+    lookup = make_lookup(from_ipc(bc.value), key)  # type: ignore[attr-defined]
     cache[ident] = lookup
     while len(cache) > keep:
         cache.popitem(last=False)
@@ -212,30 +242,24 @@ def join_table(t: pa.Table, spec: JoinSpec, base: Lookup, overlay: Lookup | None
     keys = [_align(t.column(ev).combine_chunks(), typ) for (ev, _), typ in zip(spec.pairs, spec.key_types,
                                                                                 strict=True)]
     values, nulls = _key_values(keys)
-    bi = base.find(values)
-    bi[nulls] = -1
-    if overlay is not None:
-        oi = overlay.find(values)
-        oi[nulls] = -1
-        from_ov = oi >= 0
-        assert overlay.deleted is not None
-        gone = np.zeros(len(oi), dtype=bool)
-        gone[from_ov] = overlay.deleted[oi[from_ov]]
-        matched = np.where(from_ov, ~gone, bi >= 0)
-        bi = np.where(from_ov, -1, bi)
-        oi = np.where(gone, -1, oi)
-        take_ov, take_base, pick = _indices(oi), _indices(bi), pa.array(from_ov)
+    take_ov: pa.Array | None = None
+    pick_ov: pa.Array | None = None
+    clipped: np.ndarray | None = None
+    if spec.time is not None:
+        take_base, take_ov, pick_ov, matched, clipped = _as_of(t, spec.time, values, nulls, base, overlay)
     else:
-        matched = bi >= 0
-        take_base = _indices(bi)
+        take_base, take_ov, pick_ov, matched = _latest(values, nulls, base, overlay)
     for (col, name), typ in zip(spec.columns, spec.out_types, strict=True):
         vals = base.table.column(col).take(take_base)
         if overlay is not None:
-            vals = pc.if_else(pick, overlay.table.column(col).take(take_ov), vals)
+            assert take_ov is not None and pick_ov is not None
+            vals = pc.if_else(pick_ov, overlay.table.column(col).take(take_ov), vals)
         if vals.type != typ:
             vals = pc.cast(vals, typ)
         t = t.append_column(name, vals)
     t = t.append_column(spec.matched, pa.array(matched, pa.bool_()))
+    if clipped is not None:
+        t = _with_clipped(t, clipped)
     if spec.inner:
         keep = matched
         if error_column is not None:
@@ -244,6 +268,57 @@ def join_table(t: pa.Table, spec: JoinSpec, base: Lookup, overlay: Lookup | None
             keep = keep | t.column(SLOW).to_numpy(zero_copy_only=False)
         t = t.filter(pa.array(keep))
     return t
+
+
+def _latest(values: np.ndarray, nulls: np.ndarray, base: Lookup, overlay: Lookup | None
+            ) -> tuple[pa.Array, pa.Array | None, pa.Array | None, np.ndarray]:
+    """The newest row of every key: the overlay's change, else the base's row."""
+    bi = base.find(values)
+    bi[nulls] = -1
+    if overlay is None:
+        return _indices(bi), None, None, bi >= 0
+    oi = overlay.find(values)
+    oi[nulls] = -1
+    from_ov = oi >= 0
+    assert overlay.deleted is not None
+    gone = np.zeros(len(oi), dtype=bool)
+    gone[from_ov] = overlay.deleted[oi[from_ov]]
+    matched = np.where(from_ov, ~gone, bi >= 0)
+    bi = np.where(from_ov, -1, bi)
+    oi = np.where(gone, -1, oi)
+    return _indices(bi), _indices(oi), pa.array(from_ov), matched
+
+
+def _as_of(t: pa.Table, time: str, values: np.ndarray, nulls: np.ndarray, base: Lookup, overlay: Lookup | None
+           ) -> tuple[pa.Array, pa.Array | None, pa.Array | None, np.ndarray, np.ndarray]:
+    """The version of every key valid at the event's ``time`` (:mod:`enrich.asof`); a tombstone
+    valid then is no match. Also returns the clipped flags."""
+    if not isinstance(base, AsOfLookup) or (overlay is not None and not isinstance(overlay, AsOfLookup)):
+        raise TypeError("an as-of join got a dimension version without valid-from times")
+    times, time_nulls = micros(t.column(time))
+    found_ov = overlay.versions.find(values, nulls, times, time_nulls) if overlay is not None else None
+    from_ov, row, clipped = pick(base.versions.find(values, nulls, times, time_nulls), found_ov)
+    has = row >= 0
+    gone = np.zeros(len(row), dtype=bool)
+    in_base = has & ~from_ov
+    gone[in_base] = base.gone[row[in_base]]
+    if overlay is not None:
+        in_ov = has & from_ov
+        gone[in_ov] = overlay.gone[row[in_ov]]
+    matched = has & ~gone
+    take_base = _indices(np.where(matched & ~from_ov, row, -1))
+    if overlay is None:
+        return take_base, None, None, matched, clipped
+    return take_base, _indices(np.where(matched & from_ov, row, -1)), pa.array(from_ov), matched, clipped
+
+
+def _with_clipped(t: pa.Table, clipped: np.ndarray) -> pa.Table:
+    """``t`` with :data:`CLIPPED` set where ``clipped`` (or where an earlier as-of join set it)."""
+    if CLIPPED in t.column_names:
+        i = t.schema.get_field_index(CLIPPED)
+        before = pc.fill_null(t.column(i), False).to_numpy(zero_copy_only=False)
+        return t.set_column(i, CLIPPED, pa.array(before | clipped, pa.bool_()))
+    return t.append_column(CLIPPED, pa.array(clipped, pa.bool_()))
 
 
 class Enricher:

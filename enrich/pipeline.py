@@ -33,6 +33,7 @@ from pyspark.sql.pandas.types import from_arrow_type
 from pyspark.sql.types import BooleanType, StructField, StructType
 
 from enrich import events, join
+from enrich.asof import CLIPPED
 from enrich.checkpoint import CheckpointLayout
 from enrich.columns import BATCH_TIME, BUCKET, FLAT, INTERNAL, MAX_TS, TS_US
 from enrich.config import EnrichConfig, JoinConfig
@@ -173,14 +174,19 @@ def _join_stage(j: JoinConfig, spec: JoinSpec, where: str) -> Stage:
     return Stage("join", j.dataset, f"{j.how}, on {on}, {where}", (*[out for _, out in spec.columns], spec.matched))
 
 
+def _time(cfg: EnrichConfig) -> str | None:
+    """The events' time column, which as-of joins look their rows up at."""
+    return cfg.state.timestamp if cfg.state is not None else None
+
+
 def _seconds(d: timedelta) -> str:
     return f"{d.total_seconds():g}s"
 
 
 def _join_pass(cfg: EnrichConfig, joins: Sequence[JoinConfig], schemas: Mapping[str, DatasetSchema],
                before: StructType, timezone: str) -> JoinPass:
-    specs, out_schema = join.plan(joins, schemas, before, timezone=timezone, source=cfg.source)
-    _, fast_schema = join.plan(joins, schemas, events.fast_schema(before), timezone=timezone, source=cfg.source)
+    specs, out_schema = join.plan(joins, schemas, before, timezone=timezone, source=cfg.source, time_column=_time(cfg))
+    _, fast_schema = join.plan(joins, schemas, events.fast_schema(before), timezone=timezone, source=cfg.source, time_column=_time(cfg))
     columns = tuple(f.name for f in out_schema.fields if f.name not in INTERNAL)
     return JoinPass({ds: schemas[ds] for ds in cfg.broadcast_datasets}, tuple(specs), columns, out_schema,
                     fast_schema)
@@ -194,8 +200,8 @@ def _state_plan(cfg: EnrichConfig, parsed: StructType, schemas: Mapping[str, Dat
     src = cfg.source
     # Every column a join can add, in the order the job adds them: the state section may name any of
     # them, and is refused below if it names one that cannot reach the step.
-    _, with_dims = join.plan(cfg.partitioned_joins, schemas, parsed, timezone=timezone, source=src)
-    _, enriched = join.plan(cfg.broadcast_joins, schemas, with_dims, timezone=timezone, source=src)
+    _, with_dims = join.plan(cfg.partitioned_joins, schemas, parsed, timezone=timezone, source=src, time_column=_time(cfg))
+    _, enriched = join.plan(cfg.broadcast_joins, schemas, with_dims, timezone=timezone, source=src, time_column=_time(cfg))
     spec = resolve(cfg.state, enriched, timezone=timezone, source=src)
     taken = [f for f in parsed.fieldNames() if f in STEP_COLUMNS or f.startswith(FLAT)]
     if taken:
@@ -204,13 +210,13 @@ def _state_plan(cfg: EnrichConfig, parsed: StructType, schemas: Mapping[str, Dat
     before = _needed_by_state(cfg, schemas, with_dims, timezone)
     # Each of these needs its on: columns from the events: a column of a partitioned join (added
     # inside the step) or of a join left to the join pass is named by the plan's error.
-    specs, joined = join.plan(before, schemas, parsed, timezone=timezone, source=src)
+    specs, joined = join.plan(before, schemas, parsed, timezone=timezone, source=src, time_column=_time(cfg))
     inner = tuple(s.matched for s in specs if s.inner)
     # An inner join drops its unmatched events after the state counted them, as it does after the step.
     specs = [dataclasses.replace(s, inner=False) for s in specs]
-    dim_specs, _ = join.plan(cfg.partitioned_joins, schemas, joined, timezone=timezone, source=src)
+    dim_specs, _ = join.plan(cfg.partitioned_joins, schemas, joined, timezone=timezone, source=src, time_column=_time(cfg))
     dims = tuple(partitioned_dim(i, j.dataset, j.topic, schemas[j.dataset], dataclasses.replace(s, inner=False),
-                                 s.inner)
+                                 s.inner, j.history if j.as_of else None)
                  for i, (j, s) in enumerate(zip(cfg.partitioned_joins, dim_specs, strict=True)))
     inside = set(joined.fieldNames()) | {out for d in dims for _, out in d.join.columns}
     for name in cfg.state.columns:
@@ -223,6 +229,8 @@ def _state_plan(cfg: EnrichConfig, parsed: StructType, schemas: Mapping[str, Dat
         passed += [StructField(out, from_arrow_type(t), True)
                    for (_, out), t in zip(d.join.columns, d.join.out_types, strict=True)]
         passed.append(StructField(d.join.matched, BooleanType(), True))
+        if d.join.time is not None and CLIPPED not in [f.name for f in passed]:
+            passed.append(StructField(CLIPPED, BooleanType(), True))
     schema = StructType(passed + output_fields(spec))
     return StatePlan(spec=spec, before=tuple(before), before_specs=tuple(specs), inner=inner, joined=joined,
                      dims=dims, passed=tuple(passed), schema=schema)
@@ -234,7 +242,7 @@ def _needed_by_state(cfg: EnrichConfig, schemas: Mapping[str, DatasetSchema], wi
     ``state:`` names, and those their ``on`` columns come from."""
     assert cfg.state is not None
     joins = cfg.broadcast_joins
-    specs, _ = join.plan(joins, schemas, with_dims, timezone=timezone, source=cfg.source)
+    specs, _ = join.plan(joins, schemas, with_dims, timezone=timezone, source=cfg.source, time_column=_time(cfg))
     needed, chosen = set(cfg.state.columns), set()
     for _ in range(len(specs)):
         for i, s in enumerate(specs):

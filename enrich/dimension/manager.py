@@ -11,8 +11,10 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 
 from enrich.dimension.abc import ChangeFeed, Positions, VersionLog
+from enrich.dimension.history import HistoryState
 from enrich.dimension.ship import Shipped, Shipper
 from enrich.dimension.store import DimensionState
 from refstream import contract
@@ -37,12 +39,14 @@ class _Dim:
 
 
 class Dimensions:
-    """Driver-side owner of every dimension: bootstrap, follow, pin, ship."""
+    """Driver-side owner of every dimension: bootstrap, follow, pin, ship. The datasets in ``history``
+    keep their versions that long (as-of joins: :class:`~enrich.dimension.history.HistoryState`)."""
 
     def __init__(self, datasets: Mapping[str, str], columns: Mapping[str, Sequence[str] | None],
                  feed_factory: Callable[[str], ChangeFeed], versions: VersionLog, shipper: Shipper,
-                 *, timeout: float = 60.0) -> None:
+                 *, timeout: float = 60.0, history: Mapping[str, timedelta] | None = None) -> None:
         self._factory = feed_factory
+        self._history = dict(history or {})  # the as-of datasets: how far back they keep versions
         self._topics = dict(datasets)
         self._columns = {ds: (list(c) if c is not None else None) for ds, c in columns.items()}
         self._versions = versions
@@ -56,7 +60,9 @@ class Dimensions:
         for _ in _OPEN_RETRY.until(self._timeout):
             try:
                 feed = self._factory(self._topics[dataset])
-                return _Dim(dataset, self._columns.get(dataset), feed, DimensionState(dataset))
+                history = self._history.get(dataset)
+                state = DimensionState(dataset) if history is None else HistoryState(dataset, history)
+                return _Dim(dataset, self._columns.get(dataset), feed, state)
             except TransientError as exc:
                 error = exc
                 log.info("dataset %s: %s; waiting", dataset, exc)

@@ -97,12 +97,16 @@ class DimensionState:
                     self._set_schema(ch.schema)
                     n += 1
                 continue
-            self.overlay.pop(ch.key, None)  # re-insert: the dict keeps the last change of a key last
-            self.overlay[ch.key] = ch.value
+            self._put(ch, rec)
             n += 1
         if n:
             self.overlay_gen += 1
         return n
+
+    def _put(self, ch: contract.Change, rec: Record) -> None:
+        """Keep one upsert or tombstone (the last change of a key replaces the one before)."""
+        self.overlay.pop(ch.key, None)  # re-insert: the dict keeps the last change of a key last
+        self.overlay[ch.key] = ch.value
 
     def _set_schema(self, schema: contract.DatasetSchema) -> None:
         log.info("dataset %s: schema %s (key %s)", self.dataset, schema.spark_ddl(), list(schema.key))
@@ -205,4 +209,5 @@ def _conform(table: pa.Table, schema: contract.DatasetSchema) -> pa.Table:
                 log.warning("dataset %s: column %s cannot be cast to %s; nulls until rows are re-published",
                             schema.dataset, f.name, f.type)
         cols.append(pa.nulls(table.num_rows, f.type))
-    return pa.Table.from_arrays(cols + [table.column(KEY_BYTES)], names=schema.names + [KEY_BYTES])
+    extra = [c for c in table.column_names if c not in schema.names and c.startswith("__")]  # KEY_BYTES, ...
+    return pa.Table.from_arrays(cols + [table.column(c) for c in extra], names=schema.names + extra)

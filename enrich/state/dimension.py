@@ -24,6 +24,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import timedelta
 
 import numpy as np
 import pandas as pd
@@ -32,9 +33,10 @@ import pyarrow.compute as pc
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
-from enrich.columns import KEY_BYTES
+from enrich.columns import DELETED, KEY_BYTES, VALID_FROM
+from enrich.dimension.history import prune, version_table
 from enrich.dimension.store import decode_rows
-from enrich.join import JoinSpec, Lookup, join_table
+from enrich.join import JoinSpec, Lookup, join_table, make_lookup
 from refstream import contract
 from refstream.contract import DatasetSchema
 from refstream.errors import ContractError, TransientError
@@ -57,6 +59,8 @@ class PartitionedDim:
     join: JoinSpec
     inner: bool
     stored: pa.Schema
+    #: An as-of join's: how far back each key keeps its versions (None: the latest row only).
+    history: timedelta | None = None
 
     @property
     def kind(self) -> str:
@@ -72,15 +76,18 @@ class PartitionedDim:
 
 
 def partitioned_dim(index: int, dataset: str, topic: str, schema: DatasetSchema, join: JoinSpec,
-                    inner: bool) -> PartitionedDim:
-    """The dimension of a join planned by :func:`enrich.join.plan` (``join``) with ``inner`` off."""
+                    inner: bool, history: timedelta | None = None) -> PartitionedDim:
+    """The dimension of a join planned by :func:`enrich.join.plan` (``join``) with ``inner`` off;
+    an as-of join's (``history`` set) keeps versions: ``__valid_from`` and ``__deleted`` besides."""
     key = [k for _, k in join.pairs]
     columns = tuple(c for c, _ in join.columns)
     arrow = schema.arrow_schema()
     fields = [pa.field(k, arrow.field(k).type) for k in key]
     fields += [pa.field(c, t) for (c, _), t in zip(join.columns, join.out_types, strict=True)]
     fields.append(pa.field(KEY_BYTES, pa.binary()))
-    return PartitionedDim(index, dataset, topic, schema, columns, join, inner, pa.schema(fields))
+    if history is not None:
+        fields += [pa.field(VALID_FROM, pa.int64()), pa.field(DELETED, pa.bool_())]
+    return PartitionedDim(index, dataset, topic, schema, columns, join, inner, pa.schema(fields), history)
 
 
 def check_schema(dim: PartitionedDim, schema: DatasetSchema) -> DatasetSchema:
@@ -133,21 +140,49 @@ def _apply_rows(dim: PartitionedDim, stored: pa.Table, schema: DatasetSchema, ke
     return stored.combine_chunks()
 
 
+def _apply_versions(dim: PartitionedDim, stored: pa.Table, schema: DatasetSchema, keys: list[bytes],
+                    values: list[bytes | None], valid_from: np.ndarray) -> pa.Table:
+    """Upserts and tombstones (in changelog order) added to an as-of dimension's versions ``stored``,
+    pruned to its history (:func:`enrich.dimension.history.prune`)."""
+    assert dim.history is not None
+    fresh = conform(dim, version_table(schema, keys, values, valid_from))
+    return prune(pa.concat_tables([stored, fresh]) if stored.num_rows else fresh, dim.history).combine_chunks()
+
+
+#: The changelog columns an as-of dimension's records carry besides ``partition``, ``offset``,
+#: ``key`` and ``value``: the ``valid_from`` header's text and the record's publish time.
+VALID_FROM_TEXT, PUBLISHED = "valid_from", "timestamp"
+
+
+def valid_from_micros(records: pa.Table) -> np.ndarray:
+    """Each record's ``valid_from`` in UTC microseconds: its header, else (written before valid-from
+    times existed) its publish time, else 0."""
+    text = records.column(VALID_FROM_TEXT)
+    at = pc.cast(pc.cast(text, pa.string()), pa.timestamp("us", tz="UTC"))
+    published = pc.cast(records.column(PUBLISHED), pa.timestamp("us", tz="UTC"))
+    return pc.cast(pc.coalesce(at, published), pa.int64()).fill_null(0).to_numpy(zero_copy_only=False)
+
+
 def apply_changes(dim: PartitionedDim, stored: pa.Table, schema: DatasetSchema,
                   records: pa.Table) -> tuple[pa.Table, DatasetSchema]:
     """One micro-batch of a bucket's changelog ``records`` (``partition``, ``offset``, ``key``,
-    ``value``) applied to its rows ``stored`` under the last applied ``schema``; returns both, new."""
+    ``value``; an as-of dimension's also ``valid_from``, ``timestamp``) applied to its rows
+    ``stored`` under the last applied ``schema``; returns both, new."""
     if records.num_rows == 0:
         return stored, schema
     records = records.take(pc.sort_indices(records, [("partition", "ascending"), ("offset", "ascending")]))
     keys: list[bytes] = records.column("key").to_pylist()
     values: list[bytes | None] = records.column("value").to_pylist()
+    times = valid_from_micros(records) if dim.history is not None else None
     start = 0
     for i, k in enumerate([*keys, None]):
         if i < len(keys) and k not in (contract.SCHEMA_KEY, contract.HEARTBEAT_KEY):
             continue
         run = [j for j in range(start, i) if keys[j] is not None]
-        if run:
+        if run and times is not None:
+            stored = _apply_versions(dim, stored, schema, [keys[j] for j in run], [values[j] for j in run],
+                                     times[run])
+        elif run:
             stored = _apply_rows(dim, stored, schema, [keys[j] for j in run], [values[j] for j in run])
         if i < len(keys) and k == contract.SCHEMA_KEY:
             value = values[i]
@@ -170,7 +205,7 @@ class Version:
     @property
     def index(self) -> Lookup:
         if self._index is None:
-            self._index = Lookup(self.rows.drop_columns([KEY_BYTES]), [k for _, k in self.dim.join.pairs])
+            self._index = make_lookup(self.rows.drop_columns([KEY_BYTES]), [k for _, k in self.dim.join.pairs])
         return self._index
 
     @property

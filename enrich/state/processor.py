@@ -39,6 +39,7 @@ from pyspark.sql.streaming.stateful_processor import (
     TimerValues,
 )
 
+from enrich.asof import CLIPPED
 from enrich.columns import ERROR, FLAT, LATE
 from enrich.ipc import from_ipc, to_ipc
 from enrich.state import engine, packed
@@ -103,6 +104,8 @@ class DeviceStateProcessor(StatefulProcessor):
         for dim, version in zip(self.dims, versions, strict=True):
             table = lookup(dim, table, version, ERROR)
             names += [out for _, out in dim.join.columns] + [dim.join.matched]
+            if dim.join.time is not None and CLIPPED not in names:
+                names.append(CLIPPED)
         ok = pc.is_null(table.column(ERROR)).to_numpy(zero_copy_only=False)
         events = self._events(table.filter(pa.array(ok)))
         applied = engine.apply(self.spec, self._load(), events, _watermark_us(timerValues))

@@ -48,7 +48,7 @@ from enrich.source import read_stream
 from enrich.state import ingest, packed
 from enrich.state.cache import TableCache
 from enrich.state.checkpoint import check_checkpoint
-from enrich.state.dimension import PartitionedDim
+from enrich.state.dimension import PUBLISHED, VALID_FROM_TEXT, PartitionedDim
 from enrich.state.ingest import EventPacker
 from enrich.state.layout import BucketLayout
 from enrich.state.processor import DeviceStateProcessor
@@ -267,8 +267,13 @@ def _changelog_rows(changelog: DataFrame, dim: PartitionedDim, key_type: DataTyp
     key = changelog_key(dim, key_type)
     schema_record = F.col("key") == F.lit(contract.SCHEMA_KEY)
     targets = F.when(schema_record, layout.all()).otherwise(F.array(layout.column(key)))
+    columns: list[Column | str] = ["partition", "offset", "key", "value"]
+    if dim.history is not None:  # versions: when each record holds from (enrich.state.dimension)
+        header = F.try_element_at(F.filter("headers", lambda h: h["key"] == F.lit(contract.H_VALID_FROM)),
+                                  F.lit(-1))
+        columns += [header["value"].cast("string").alias(VALID_FROM_TEXT), F.col("timestamp").alias(PUBLISHED)]
     records = (changelog.where(F.col("key") != F.lit(contract.HEARTBEAT_KEY))
-               .select(F.explode(targets).alias(BUCKET), "partition", "offset", "key", "value"))
+               .select(F.explode(targets).alias(BUCKET), *columns))
     return (records.mapInArrow(functools.partial(packed.pack, bucket=BUCKET, timestamp=None,
                                                  packed_schema=packed_arrow, kind=dim.kind), packed_spark)
             .drop(MAX_TS))

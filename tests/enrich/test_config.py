@@ -73,6 +73,17 @@ def test_parse_full_shape() -> None:
       "state": {"key": "d", "timestamp": "ts"}}, "joins[0].strategy: partitioned joins on state.key ('d') alone"),
     ({"joins": [{"dataset": "d", "on": "d", "strategy": "partitioned"}, {"dataset": "d", "on": "e", "prefix": "p"}],
       "state": {"key": "d", "timestamp": "ts"}}, "joins[0].strategy: dataset 'd' is joined both partitioned and"),
+    ({"joins": [{"dataset": "d", "on": "x", "as_of": True}]},
+     "joins[0].as_of: as_of needs a state: section (an event's time is its state.timestamp)"),
+    ({"joins": [{"dataset": "d", "on": "x", "as_of": "yes"}], "state": {"key": "d", "timestamp": "ts"}},
+     "joins[0].as_of: expected bool"),
+    ({"joins": [{"dataset": "d", "on": "x", "history": "1d"}]}, "joins[0].history: applies to as_of joins only"),
+    ({"joins": [{"dataset": "d", "on": "x", "as_of": True, "history": "0s"}], "state": {"key": "d", "timestamp": "ts"}},
+     "joins[0].history: must be positive"),
+    ({"joins": [{"dataset": "d", "on": "x", "as_of": True, "history": "long"}],
+      "state": {"key": "d", "timestamp": "ts"}}, "joins[0].history: 'long' is not a duration"),
+    ({"joins": [{"dataset": "d", "on": "x", "as_of": True}, {"dataset": "d", "on": "e", "prefix": "p"}],
+      "state": {"key": "d", "timestamp": "ts"}}, "joins[1].as_of: dataset 'd' is joined with different as_of"),
     ({"state": {"timestamp": "ts"}}, "state.key: is required"),
     ({"state": {"key": "device_id"}}, "state.timestamp: is required"),
     ({"state": {"key": "ts", "timestamp": "ts"}}, "state.timestamp: 'ts' is also the key"),
@@ -97,6 +108,14 @@ def test_errors_name_the_key(patch: dict, message: str) -> None:
         config.parse({**BASE, **patch}, "enrich.yaml")
     assert message in str(exc.value)
     assert str(exc.value).startswith("enrich.yaml: ")
+
+
+def test_as_of_join() -> None:
+    cfg = config.parse({**BASE, "state": {"key": "d", "timestamp": "ts"},
+                        "joins": [{"dataset": "d", "on": "x", "as_of": True, "history": "2d"},
+                                  {"dataset": "e", "on": "x", "as_of": True}, {"dataset": "f", "on": "x"}]})
+    assert [(j.as_of, j.history) for j in cfg.joins] == [(True, timedelta(days=2)), (True, timedelta(days=7)),
+                                                         (False, timedelta(days=7))]
 
 
 def test_state_section() -> None:

@@ -1,0 +1,157 @@
+"""An as-of dimension on the driver: every key's versions, pruned to the join's ``history``.
+
+A version is one changelog record of a key: its row (an upsert) or its absence (a tombstone), valid
+from the record's ``valid_from`` header (a record without one: from its publish time). Like
+:class:`~enrich.dimension.store.DimensionState`, the state is a *base* table and the changes since
+(here every version, not the last per key); executors look both up (:mod:`enrich.asof`), and
+compaction folds the changes into a new base and prunes it (:func:`prune`).
+
+Pruning keeps, per key, every version valid at some time within ``history`` counted back from the
+key's newest ``valid_from``: the versions from the cut on, and the one valid at the cut. So the
+oldest kept version always stays, and an event older than the cut gets that version, clipped.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from datetime import datetime, timedelta
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+
+from enrich.columns import DELETED, KEY_BYTES, VALID_FROM
+from enrich.dimension.abc import Record
+from enrich.dimension.store import DimensionState, Snapshot, decode_rows
+from refstream import contract
+from refstream.errors import ContractError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["HistoryState", "micros_of", "prune", "version_table"]
+
+_MAX = np.iinfo(np.int64).max
+
+
+def micros_of(t: datetime) -> int:
+    """An aware time as UTC microseconds since the epoch."""
+    return (t - datetime(1970, 1, 1, tzinfo=t.tzinfo)) // timedelta(microseconds=1)
+
+
+def prune(table: pa.Table, history: timedelta) -> pa.Table:
+    """The versions of ``table`` (``__key``, ``__valid_from`` and any other columns; rows in changelog
+    order) a key keeps: those valid at some time within ``history`` back from its newest
+    ``valid_from``, sorted by key, then time. Of versions of one key with equal times only the last
+    in the changelog stays (it is the one valid then)."""
+    if table.num_rows == 0:
+        return table
+    codes, _ = pd.factorize(table.column(KEY_BYTES).to_numpy(zero_copy_only=False))
+    vf = table.column(VALID_FROM).to_numpy(zero_copy_only=False).astype(np.int64)
+    order = np.lexsort((np.arange(len(vf)), vf, codes))
+    c, v = codes[order], vf[order]
+    same_next = np.append(c[1:] == c[:-1], False)
+    next_v = np.append(v[1:], _MAX)
+    group = np.cumsum(np.concatenate([[True], c[1:] != c[:-1]])) - 1
+    newest = v[np.flatnonzero(~same_next)][group]
+    cut = newest - history // timedelta(microseconds=1)
+    # A version holds until the key's next one: it was valid within the window when that is after the cut.
+    keep = ~same_next | ((next_v > cut) & (next_v != v))
+    return table.take(pa.array(order[keep]))
+
+
+def version_table(schema: contract.DatasetSchema, keys: Sequence[bytes], values: Sequence[bytes | None],
+                  valid_from: Sequence[int] | np.ndarray) -> pa.Table:
+    """Versions as a table: the schema's columns (a tombstone: its key columns, decoded from the key
+    JSON), ``__key``, ``__valid_from`` and ``__deleted``."""
+    rows = decode_rows(schema, [(k, v if v is not None else k) for k, v in zip(keys, values, strict=True)])
+    return (rows.append_column(KEY_BYTES, pa.array(list(keys), pa.binary()))
+            .append_column(VALID_FROM, pa.array(np.asarray(valid_from, dtype=np.int64), pa.int64()))
+            .append_column(DELETED, pa.array([v is None for v in values], pa.bool_())))
+
+
+class HistoryState(DimensionState):
+    """A :class:`DimensionState` that keeps versions for as-of joins (see the module doc)."""
+
+    def __init__(self, dataset: str, history: timedelta, **kwargs: int | float) -> None:
+        super().__init__(dataset, **kwargs)  # type: ignore[arg-type]
+        self.history = history
+        self.pending: list[tuple[bytes, bytes | None, int]] = []  # (key, value, valid_from) since the base
+
+    def __len__(self) -> int:
+        return (self.base.num_rows if self.base is not None else 0) + len(self.pending)
+
+    def _put(self, ch: contract.Change, rec: Record) -> None:
+        if ch.valid_from is not None:
+            at = micros_of(ch.valid_from)
+        else:  # written before valid-from times existed: valid from its publish time
+            at = rec.timestamp_ms * 1000 if rec.timestamp_ms is not None else 0
+        self.pending.append((ch.key, ch.value, at))
+
+    def live_rows(self) -> int:
+        """Keys whose newest version is a row (not a tombstone)."""
+        gens = (self.base_gen, self.overlay_gen)
+        if self._rows is not None and self._rows[0] == gens:
+            return self._rows[1]
+        keys: list[object] = []
+        gone: list[bool] = []
+        times: list[int] = []
+        if self.base is not None and self.base.num_rows:
+            keys += self.base.column(KEY_BYTES).to_pylist()
+            gone += self.base.column(DELETED).to_pylist()
+            times += self.base.column(VALID_FROM).to_pylist()
+        for k, v, at in self.pending:
+            keys.append(k)
+            gone.append(v is None)
+            times.append(at)
+        frame = pd.DataFrame({"k": keys, "gone": gone, "t": times})
+        newest = frame.sort_values("t", kind="stable").drop_duplicates("k", keep="last")
+        rows = int((~newest["gone"].astype(bool)).sum())
+        self._rows = (gens, rows)
+        return rows
+
+    def needs_compaction(self) -> bool:
+        if self.schema is not None and self.base is not None and self._base_key != self.schema.key:
+            return True
+        base_rows = self.base.num_rows if self.base is not None else 0
+        return self.base is None or len(self.pending) > max(self.compact_min, base_rows * self.compact_fraction)
+
+    def _pending_table(self) -> pa.Table:
+        assert self.schema is not None
+        return version_table(self.schema, [k for k, _, _ in self.pending], [v for _, v, _ in self.pending],
+                             [t for _, _, t in self.pending])
+
+    def compact(self) -> None:
+        """Fold the changes into a new base and prune it to ``history``."""
+        if self.schema is None:
+            return
+        fresh = self._pending_table()
+        if self.base is not None and self.pending:
+            both = pa.concat_tables([self.base, fresh.select(self.base.column_names)])
+        else:
+            both = self.base if self.base is not None else fresh
+        self.base = prune(both, self.history).combine_chunks()
+        self._base_key = self.schema.key
+        self.pending = []
+        self.base_gen += 1
+        self.overlay_gen += 1
+
+    def snapshot(self, columns: Sequence[str] | None = None) -> Snapshot:
+        """The versions for executors: the key, ``columns``, ``__valid_from`` and ``__deleted`` of the base
+        and of the changes since it (None when there are none)."""
+        if self.schema is None:
+            raise ContractError(f"dataset {self.dataset}: no schema record on its changelog yet")
+        if self.needs_compaction():
+            self.compact()
+        assert self.base is not None
+        wanted = list(self.schema.key) + [c for c in (columns or self.schema.names) if c not in self.schema.key]
+        missing = [c for c in wanted if c not in self.schema.names]
+        if missing:
+            raise ContractError(
+                f"dataset {self.dataset}: column(s) {', '.join(missing)} selected by a join are no longer "
+                f"in the published schema ({', '.join(self.schema.names)}); remove them from the join's "
+                f"columns: and restart the job")
+        wanted += [VALID_FROM, DELETED]
+        overlay = self._pending_table().select(wanted) if self.pending else None
+        return Snapshot(self.dataset, self.schema, self.base_gen, self.overlay_gen, self.base.select(wanted), overlay)
+
