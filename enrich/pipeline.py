@@ -171,7 +171,11 @@ class Pipeline:
 
 def _join_stage(j: JoinConfig, spec: JoinSpec, where: str) -> Stage:
     on = ", ".join(f"{e} = {k}" for e, k in spec.pairs)
-    return Stage("join", j.dataset, f"{j.how}, on {on}, {where}", (*[out for _, out in spec.columns], spec.matched))
+    adds = (*[out for _, out in spec.columns], spec.matched)
+    if spec.time is not None:  # every as-of join sets the flag; the first one adds it
+        where = f"as of {spec.time} (history {_seconds(j.history)}), {where}"
+        adds = (*adds, CLIPPED)
+    return Stage("join", j.dataset, f"{j.how}, on {on}, {where}", adds)
 
 
 def _time(cfg: EnrichConfig) -> str | None:

@@ -48,3 +48,29 @@ def test_an_event_field_named_like_a_column_of_the_state_step_is_refused(spark: 
     with pytest.raises(ConfigError, match=r"^test\.yaml: events\.schema: field\(s\) \['_bucket'\] are names the "
                                           r"state step uses"):
         Pipeline.build(cfg("device_id STRING, site_id STRING, ts TIMESTAMP, temp DOUBLE, _bucket INT"), SCHEMAS)
+
+
+def test_as_of_joins_add_the_clipped_flag_once_wherever_they_run(spark: SparkSession) -> None:
+    c = config.parse({**c_data(), "joins": [
+        {"dataset": "models", "on": {"model_id": "id"}, "columns": ["model_name"], "as_of": True, "history": "1d"},
+        {"dataset": "sites", "on": "site_id", "as_of": True},
+        {"dataset": "devices", "on": "device_id", "strategy": "partitioned", "as_of": True}]}, "test.yaml")
+    p = Pipeline.build(c, SCHEMAS)
+    assert p.state is not None
+    # sites (before the step) adds it; devices (inside) and models (after) set the same column
+    assert p.state.joined.fieldNames()[-3:] == ["region", "_sites_matched", "_as_of_clipped"]
+    assert [f.name for f in p.state.passed].count("_as_of_clipped") == 1
+    assert p.join_pass.columns.count("_as_of_clipped") == 1
+    assert p.join_pass.columns[-2:] == ("model_name", "_models_matched")
+    lines = p.explain()
+    assert any("join models (left, on model_id = id, as of ts (history 86400s)" in line for line in lines)
+    assert "_as_of_clipped" in lines[-1]
+    assert all(s.time == "ts" for s in p.join_pass.specs) and p.state.dims[0].history is not None
+    assert not any("_as_of_clipped" in line for line in Pipeline.build(cfg(), SCHEMAS).explain())
+
+
+def c_data() -> dict[str, Any]:
+    return {"kafka": {"bootstrap_servers": "127.0.0.1:9"},
+            "events": {"topic": "ev", "schema": "device_id STRING, site_id STRING, ts TIMESTAMP, temp DOUBLE"},
+            "output": {"kafka": {"topic": "out"}}, "dead_letter_topic": "dlq", "checkpoint": "ck",
+            "state": {"key": "device_id", "timestamp": "ts", "aggregates": {"temp": ["mean"], "region": ["last"]}}}
