@@ -7,10 +7,12 @@ numpy: the version with the greatest ``valid_from`` at or before the event's tim
 the one later in the changelog), else - the event is older than every version kept of its key - the
 oldest version, flagged as *clipped*. No per-row Python.
 
-The trick that keeps it vectorised: the versions' distinct times are ranked once, and each version
-gets the composite ``key_code * S + rank + 1``, sorted. An event of key code ``g`` whose time has
-``r`` distinct version times at or before it probes ``g * S + r``: the last version at or below
-that is the one valid at the event's time when it is of key ``g``.
+With few versions per key (at most :attr:`VersionIndex.SCAN`) an event's time is compared with each
+of its key's versions, sorted by time: the count at or before it is the position. With more, the
+versions' distinct times are ranked once and each version gets the composite ``key_code * S +
+rank + 1``, sorted; an event of key code ``g`` whose time has ``r`` distinct version times at or
+before it probes ``g * S + r``: the last version at or below that is the one valid at the event's
+time when it is of key ``g``.
 """
 
 from __future__ import annotations
@@ -59,46 +61,60 @@ class VersionIndex:
     """The versions of a dimension (``keys``: hashable key values, ``valid_from``: int64 microseconds,
     both one per row in changelog order) indexed for as-of probes. Built once per version shipped."""
 
+    #: Up to this many versions per key, a probe compares an event's time with each of its key's
+    #: versions (a few gathers per event); beyond, it uses one ``searchsorted`` over every version.
+    SCAN = 8
+
     def __init__(self, keys: np.ndarray, valid_from: np.ndarray) -> None:
         n = len(keys)
         codes, uniques = pd.factorize(keys, sort=False)
         codes = codes.astype(np.int64)
-        valid_from = np.asarray(valid_from, dtype=np.int64)
+        self.valid_from = np.asarray(valid_from, dtype=np.int64)
         # By key, then time, then changelog order: the last of equal times wins a probe.
-        self.order = np.lexsort((np.arange(n), valid_from, codes))
+        self.order = np.lexsort((np.arange(n), self.valid_from, codes))
         sorted_codes = codes[self.order]
-        self.valid_from = valid_from
-        sorted_times = valid_from[self.order]
-        self.times = np.unique(sorted_times)
-        self.stride = len(self.times) + 1
-        if len(uniques) and len(uniques) * self.stride >= 1 << 62:
-            raise ValueError(f"{len(uniques)} keys x {len(self.times)} distinct times overflow the as-of index")
-        self.composite = sorted_codes * self.stride + np.searchsorted(self.times, sorted_times) + 1
+        self.sorted_times = self.valid_from[self.order]
         self.starts = np.searchsorted(sorted_codes, np.arange(len(uniques), dtype=np.int64))
+        self.counts = np.diff(np.append(self.starts, n))
+        self.most = int(self.counts.max()) if len(self.counts) else 0
         self.index = key_index(np.asarray(uniques))
+        self.composite: np.ndarray | None = None
+        if self.most > self.SCAN:
+            sorted_all = np.sort(self.sorted_times)
+            self.times = sorted_all[np.concatenate([[True], sorted_all[1:] != sorted_all[:-1]])] if n else sorted_all
+            self.stride = len(self.times) + 1
+            if len(uniques) * self.stride >= 1 << 62:
+                raise ValueError(f"{len(uniques)} keys x {len(self.times)} distinct times overflow the as-of index")
+            self.composite = sorted_codes * self.stride + np.searchsorted(self.times, self.sorted_times) + 1
 
     def find(self, values: np.ndarray, nulls: np.ndarray, times: np.ndarray, time_nulls: np.ndarray) -> Found:
         """Probe every event: key ``values`` (null where ``nulls``), times in microseconds (unknown
         where ``time_nulls``: such an event finds no version and is not clipped)."""
         g = self.index.find(values)
-        g[nulls] = -1
+        g[nulls | time_nulls] = -1
         has = g >= 0
         gs = np.where(has, g, 0)
-        probe = gs * self.stride + np.searchsorted(self.times, times, side="right")
-        p = np.searchsorted(self.composite, probe, side="right") - 1
-        start = self.starts[gs] if len(self.starts) else np.zeros(len(g), dtype=np.int64)
-        ok = has & ~time_nulls & (p >= start)
-        rows = self.order[np.where(ok, p, 0)] if len(self.order) else np.zeros(len(g), dtype=np.int64)
-        first = self.order[start] if len(self.order) else np.zeros(len(g), dtype=np.int64)
-        pos = np.where(ok, rows, -1)
-        first = np.where(has & ~time_nulls, first, -1)
-        return Found(pos, first, _times(self.valid_from, pos), _times(self.valid_from, first))
-
-
-def _times(valid_from: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    if not len(valid_from):
-        return np.full(len(rows), _NONE, dtype=np.int64)
-    return np.where(rows >= 0, valid_from[np.where(rows >= 0, rows, 0)], _NONE)
+        if not len(self.order):
+            none = np.full(len(g), -1, dtype=np.int64)
+            return Found(none, none, np.full(len(g), _NONE), np.full(len(g), _NONE))
+        start = self.starts[gs]
+        if self.composite is None:
+            # How many of the key's versions (sorted by time) hold from at or before the event's time.
+            count = np.where(has, self.counts[gs], 0)
+            below = np.zeros(len(g), dtype=np.int64)
+            for j in range(self.most):
+                within = j < count
+                at = np.where(within, start + j, 0)
+                below += within & (self.sorted_times[at] <= times)
+            p = start + below - 1
+        else:
+            probe = gs * self.stride + np.searchsorted(self.times, times, side="right")
+            p = np.searchsorted(self.composite, probe, side="right") - 1
+        ok = has & (p >= start)
+        pos = np.where(ok, self.order[np.where(ok, p, 0)], -1)
+        first = np.where(has, self.order[start], -1)
+        return Found(pos, first, np.where(ok, self.sorted_times[np.where(ok, p, 0)], _NONE),
+                     np.where(has, self.sorted_times[start], _NONE))
 
 
 def pick(base: Found, overlay: Found | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -41,7 +41,7 @@ def child(versions: int, per_key: int) -> dict[str, float]:
     gc.collect()
     r2 = rss()
     v = lookup.versions
-    arrays = sum(a.nbytes for a in (v.order, v.valid_from, v.times, v.composite, v.starts))
+    arrays = sum(a.nbytes for a in (v.order, v.valid_from, v.sorted_times, v.starts, v.counts))
     del plain
     return {"versions": table.num_rows, "table": table.nbytes, "as_of_index_rss": r1 - r0, "index_arrays": arrays,
             "latest_table": latest.nbytes, "latest_index_rss": r2 - r1}

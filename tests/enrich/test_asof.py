@@ -6,6 +6,7 @@ from datetime import UTC, datetime, timedelta
 
 import numpy as np
 import pyarrow as pa
+import pytest
 
 from enrich.asof import CLIPPED, VersionIndex, micros
 from enrich.columns import DELETED, VALID_FROM
@@ -81,11 +82,14 @@ def test_a_second_as_of_join_keeps_an_earlier_clip() -> None:
     assert both.column_names == ["key", "ts", "v", "_d_matched", CLIPPED, "w", "_e_matched"]
 
 
-def test_the_index_matches_a_brute_force_lookup_on_random_versions() -> None:
+@pytest.mark.parametrize("scan", [0, 1000], ids=["searchsorted", "scan"])
+def test_the_index_matches_a_brute_force_lookup_on_random_versions(scan: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(VersionIndex, "SCAN", scan)
     rng = np.random.default_rng(7)
     keys = rng.integers(0, 50, 2000)
     times = rng.integers(0, 100, 2000) * 1000
     index = VersionIndex(keys, times)
+    assert (index.composite is None) == bool(scan)
     probe_keys, probe_times = rng.integers(0, 60, 3000), rng.integers(-5, 110, 3000) * 1000
     found = index.find(probe_keys, np.zeros(3000, bool), probe_times, np.zeros(3000, bool))
     for i in range(3000):
