@@ -11,7 +11,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 
 from enrich.dimension.abc import ChangeFeed, Positions, VersionLog
 from enrich.dimension.history import HistoryState
@@ -126,11 +126,22 @@ class Dimensions:
             positions[ds] = dim.feed.positions()
         if recorded is None:
             info = {ds: {"rows": dim.state.live_rows(), "version": dim.state.version,
-                         "changed_ms": dim.state.changed_ms} for ds, dim in self._dims.items()}
+                         "changed_ms": dim.state.changed_ms, "complete_as_of": self._complete(ds)}
+                    for ds, dim in self._dims.items()}
             self._versions.put(batch_id, positions, info)
         out = {ds: self._ship(dim) for ds, dim in self._dims.items()}
         self.last_pin_seconds = time.monotonic() - t0
         return out
+
+    def complete_as_of(self, dataset: str) -> datetime | None:
+        """The time up to which ``dataset``'s state holds every change of its source, by the
+        refresher's heartbeats (None until each changelog partition had one with a completeness)."""
+        dim = self._dims[dataset]
+        return dim.state.complete_as_of(dim.feed.positions())
+
+    def _complete(self, dataset: str) -> str | None:
+        at = self.complete_as_of(dataset)
+        return contract.format_time(at) if at is not None else None
 
     def _behind(self, ds: str, target: Positions) -> bool:
         dim = self._dims.get(ds)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -53,9 +54,16 @@ class DimensionState:
         self.version = 0
         self.changed_ms: int | None = None
         self._rows: tuple[tuple[int, int], int] | None = None  # (generations, live rows) cache
+        #: Per changelog partition, the greatest ``complete_as_of`` of the heartbeats applied.
+        self.heartbeats: dict[int, datetime] = {}
 
     def __len__(self) -> int:
         return (self.base.num_rows if self.base is not None else 0) + len(self.overlay)
+
+    def complete_as_of(self, partitions: Iterable[int]) -> datetime | None:
+        """How complete the applied changes are (:func:`refstream.contract.complete_as_of` over the
+        topic's ``partitions``): None until a heartbeat with a completeness arrived on each."""
+        return contract.complete_as_of(self.heartbeats, partitions)
 
     def live_rows(self) -> int:
         """Rows of the dimension now: the base less the keys the overlay deletes, plus the overlay's
@@ -90,6 +98,9 @@ class DimensionState:
                 self.changed_ms = max(self.changed_ms or 0, rec.timestamp_ms)
             self.version = max(self.version, ch.version)
             if ch.op == contract.OP_HEARTBEAT:
+                if ch.complete_as_of is not None and (
+                        rec.partition not in self.heartbeats or ch.complete_as_of > self.heartbeats[rec.partition]):
+                    self.heartbeats[rec.partition] = ch.complete_as_of
                 continue  # current as of its run (changed_ms above); no row changes
             if ch.op == contract.OP_SCHEMA:
                 assert ch.schema is not None

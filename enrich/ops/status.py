@@ -34,6 +34,7 @@ class DimensionStatus:
     changed_ms: int | None          # publish time of the newest change the batch applied
     age_seconds: float | None       # now - changed_ms
     positions: dict[int, int]
+    complete_as_of: str | None = None  # the batch's dimension held every change valid up to then
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -54,6 +55,7 @@ class JobStatus:
             "dimensions": [{"dataset": d.dataset, "topic": d.topic, "version": d.version, "rows": d.rows,
                             "changed_at": _iso(d.changed_ms / 1000) if d.changed_ms is not None else None,
                             "age_seconds": None if d.age_seconds is None else round(d.age_seconds, 3),
+                            "complete_as_of": d.complete_as_of,
                             "positions": {str(p): o for p, o in sorted(d.positions.items())}}
                            for d in self.dimensions],
             "input_lag": {f"{t}/{p}": lag for (t, p), lag in sorted(self.input_lag.items())},
@@ -94,7 +96,9 @@ def status(cfg: EnrichConfig, *, max_age: timedelta | None = None, now: float | 
         rows, version = facts.get("rows"), facts.get("version")
         dims.append(DimensionStatus(dataset=ds, topic=topic, version=int(version) if isinstance(version, int) else None,
                                     rows=int(rows) if isinstance(rows, int) else None, changed_ms=changed_ms,
-                                    age_seconds=age, positions=info.positions.get(ds, {})))
+                                    age_seconds=age, positions=info.positions.get(ds, {}),
+                                    complete_as_of=complete if isinstance(complete := facts.get("complete_as_of"), str)
+                                    else None))
         if max_age is not None and (age is None or age > max_age.total_seconds()):
             problems.append(f"dataset {ds}: the last batch ({last}) used a version "
                             + ("of unknown age" if age is None else f"{_human(age)} old")

@@ -20,8 +20,10 @@ from pyspark.sql import SparkSession
 
 from enrich import config
 from enrich.job import EnrichJob
+from enrich.ops.status import status
 from refresh.config import load_config
 from refresh.runner import Refresher
+from refstream.contract import parse_time
 from refstream.errors import ConfigError
 from tests.enrich.helpers import produce_events, read_all
 
@@ -109,6 +111,7 @@ def test_events_get_the_row_valid_at_their_time_and_a_backfill_writes_the_same(
             f"UPDATE {t_inc} SET owner = CONCAT(owner, '-new'), last_update = :c",
             params={"c": cursor2.replace(tzinfo=None)})
     time.sleep(1.2)  # past the incremental lag, so that the second run's window holds cursor2
+    before2 = datetime.now(UTC)
     refresher.run("dd")
     assert refresher.run("di").updates == 2
     after = datetime.now(UTC) + timedelta(seconds=1)
@@ -122,7 +125,8 @@ def test_events_get_the_row_valid_at_their_time_and_a_backfill_writes_the_same(
         {"device_id": 2, "ts": iso(after), "n": 6},  # dd deleted by then: no match
         {"device_id": 3, "ts": iso(mid), "n": 7},    # in neither
     ])
-    live = run_job(spark, kafka, job_config(kafka, unique, tmp_path, topics, strategy, "live"))
+    live_config = job_config(kafka, unique, tmp_path, topics, strategy, "live")
+    live = run_job(spark, kafka, live_config)
     got = {n: tuple(r[c] for c in REFERENCE) for n, r in live.items()}
     assert got == {
         1: ("d1", True, "i1", True, True),
@@ -133,6 +137,12 @@ def test_events_get_the_row_valid_at_their_time_and_a_backfill_writes_the_same(
         6: (None, False, "i2-new", True, False),
         7: (None, False, None, False, False),
     }
+
+    if strategy == "broadcast":  # the driver's copies: complete as of the second runs (status --json)
+        complete = {d.dataset: d.complete_as_of for d in status(config.parse(live_config, "test.yaml")).dimensions}
+        for ds in ("dd", "di"):  # dd: its read's start; di: the database clock at its read's start less the lag
+            at = parse_time(complete[ds] or "")
+            assert before2 - timedelta(seconds=1.5) <= at <= after, (ds, at, before2, after)
 
     # The rows change again; a backfill over the same events with a new checkpoint writes what the live job wrote.
     execute(mysql_url, f"UPDATE {t_diff} SET owner = 'd1-newer' WHERE id = 1",

@@ -116,3 +116,22 @@ def test_a_re_key_leaves_exactly_the_rows_published_under_the_new_key() -> None:
             if r["serial"] is not None:
                 (view.pop(r["serial"], None) if r.pop(DELETED) else view.__setitem__(r["serial"], r))
     assert sorted(view) == ["s-a", "s-b"]
+
+
+def test_completeness_is_the_least_of_each_partitions_latest_heartbeat() -> None:
+    from datetime import UTC, datetime, timedelta
+
+    t0 = datetime(2026, 1, 1, tzinfo=UTC)
+    s = DimensionState("devices")
+    beat = [contract.heartbeat_message("devices", v, t0, t0 + timedelta(minutes=v)) for v in range(4)]
+
+    def on(partition: int, m: contract.Message, offset: int) -> Record:
+        return Record(partition, offset, m.key, m.value, m.headers)
+
+    s.apply([on(0, beat[1], 0), on(0, contract.heartbeat_message("devices", 9, t0), 1)])  # none: says nothing
+    assert s.complete_as_of([0]) == t0 + timedelta(minutes=1)
+    assert s.complete_as_of([0, 1]) is None  # partition 1 has had no heartbeat yet
+    s.apply([on(1, beat[3], 0), on(0, beat[2], 2)])
+    assert s.complete_as_of([0, 1]) == t0 + timedelta(minutes=2)
+    s.apply([on(0, beat[0], 3)])  # an older one (a replayed run) does not move it back
+    assert s.complete_as_of([0, 1]) == t0 + timedelta(minutes=2)
