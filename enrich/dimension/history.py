@@ -20,6 +20,7 @@ from datetime import datetime, timedelta
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from enrich.columns import DELETED, KEY_BYTES, VALID_FROM
 from enrich.dimension.abc import Record
@@ -70,6 +71,16 @@ def version_table(schema: contract.DatasetSchema, keys: Sequence[bytes], values:
             .append_column(DELETED, pa.array([v is None for v in values], pa.bool_())))
 
 
+def _live(versions: pa.Table) -> int:
+    """Keys of a pruned version table (sorted by key, then time) whose newest version is a row."""
+    if versions.num_rows == 0:
+        return 0
+    keys = versions.column(KEY_BYTES).to_numpy(zero_copy_only=False)
+    last = np.append(keys[1:] != keys[:-1], True)
+    gone = versions.column(DELETED).to_numpy(zero_copy_only=False)
+    return int((last & ~gone).sum())
+
+
 class HistoryState(DimensionState):
     """A :class:`DimensionState` that keeps versions for as-of joins (see the module doc)."""
 
@@ -77,6 +88,7 @@ class HistoryState(DimensionState):
         super().__init__(dataset, **kwargs)  # type: ignore[arg-type]
         self.history = history
         self.pending: list[tuple[bytes, bytes | None, int]] = []  # (key, value, valid_from) since the base
+        self._base_live: tuple[int, int] | None = None  # (base generation, its live keys)
 
     def __len__(self) -> int:
         return (self.base.num_rows if self.base is not None else 0) + len(self.pending)
@@ -89,24 +101,26 @@ class HistoryState(DimensionState):
         self.pending.append((ch.key, ch.value, at))
 
     def live_rows(self) -> int:
-        """Keys whose newest version is a row (not a tombstone)."""
+        """Keys whose newest version is a row (not a tombstone): the base's count, computed once per
+        base, corrected for the keys the changes since touched (a scan of the base for those)."""
         gens = (self.base_gen, self.overlay_gen)
         if self._rows is not None and self._rows[0] == gens:
             return self._rows[1]
-        keys: list[object] = []
-        gone: list[bool] = []
-        times: list[int] = []
-        if self.base is not None and self.base.num_rows:
-            keys += self.base.column(KEY_BYTES).to_pylist()
-            gone += self.base.column(DELETED).to_pylist()
-            times += self.base.column(VALID_FROM).to_pylist()
-        for k, v, at in self.pending:
-            keys.append(k)
-            gone.append(v is None)
-            times.append(at)
-        frame = pd.DataFrame({"k": keys, "gone": gone, "t": times})
-        newest = frame.sort_values("t", kind="stable").drop_duplicates("k", keep="last")
-        rows = int((~newest["gone"].astype(bool)).sum())
+        if self._base_live is None or self._base_live[0] != self.base_gen:
+            self._base_live = (self.base_gen, _live(self.base) if self.base is not None else 0)
+        rows = self._base_live[1]
+        if self.pending:
+            touched = pa.array(list({k for k, _, _ in self.pending}), pa.binary())
+            frames = [pd.DataFrame({"k": [k for k, _, _ in self.pending], "t": [t for _, _, t in self.pending],
+                                    "gone": [v is None for _, v, _ in self.pending]})]
+            if self.base is not None and self.base.num_rows:
+                old = self.base.filter(pc.is_in(self.base.column(KEY_BYTES), value_set=touched))
+                rows -= _live(old)
+                frames.insert(0, pd.DataFrame({"k": old.column(KEY_BYTES).to_pylist(),
+                                               "t": old.column(VALID_FROM).to_pylist(),
+                                               "gone": old.column(DELETED).to_pylist()}))
+            newest = pd.concat(frames).sort_values("t", kind="stable").drop_duplicates("k", keep="last")
+            rows += int((~newest["gone"].astype(bool)).sum())
         self._rows = (gens, rows)
         return rows
 

@@ -90,3 +90,30 @@ def test_a_record_without_valid_from_is_valid_from_its_publish_time() -> None:
     at_ms = int(T0.timestamp() * 1000)
     state.apply([record(0, schema.key, schema.value, schema.headers), record(1, msg.key, msg.value, msg.headers, at_ms)])
     assert state.snapshot().base.column(VALID_FROM).to_pylist() == [at_ms * 1000]
+
+
+def test_live_rows_counts_the_keys_whose_newest_version_is_a_row() -> None:
+    import random
+
+    rng = random.Random(4)
+    state = HistoryState("devices", 3 * DAY, compact_min=5, compact_fraction=0.5)
+    schema = contract.schema_message(SCHEMA)
+    state.apply([record(0, schema.key, schema.value, schema.headers)])
+    newest: dict[int, tuple[float, bool]] = {}
+    offset = 1
+    for _ in range(30):
+        day = rng.uniform(0, 10)
+        ups = [{"id": rng.randint(1, 12), "owner": "x"} for _ in range(rng.randint(0, 3))]
+        dels = [{"id": rng.randint(1, 12)} for _ in range(rng.randint(0, 2))]
+        batch = changes(offset, ups, T0 + day * DAY, deletes=dels)
+        offset += len(batch)
+        state.apply(batch)
+        for r in ups:
+            if day >= newest.get(r["id"], (-1.0, False))[0]:
+                newest[r["id"]] = (day, False)
+        for r in dels:
+            if day >= newest.get(r["id"], (-1.0, False))[0]:
+                newest[r["id"]] = (day, True)
+        if rng.random() < 0.3:
+            state.snapshot()  # compacts now and then
+        assert state.live_rows() == sum(1 for _, gone in newest.values() if not gone)

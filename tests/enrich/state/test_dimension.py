@@ -149,3 +149,40 @@ def test_the_version_cache_takes_half_of_the_python_workers_memory(environ: dict
     from enrich.state.dimension import cache_limit
 
     assert cache_limit(environ) == limit
+
+
+def test_an_as_of_bucket_keeps_versions_pruned_and_looks_events_up_at_their_time() -> None:
+    import dataclasses
+    from datetime import timedelta
+
+    from enrich.asof import CLIPPED
+    from enrich.columns import DELETED, VALID_FROM
+
+    base = make_dim()
+    dim = partitioned_dim(0, "devices", "ref.devices", SCHEMA, dataclasses.replace(base.join, time="ts"),
+                          inner=False, history=timedelta(days=2))
+    assert dim.stored.names[-2:] == [VALID_FROM, DELETED]
+    t0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+    def at(days: float, *messages: contract.Message, first: int) -> pa.Table:
+        t = records(*messages, first=first)
+        stamp = contract.format_time(t0 + timedelta(days=days))
+        return (t.append_column("valid_from", pa.array([stamp] * t.num_rows))
+                .append_column("timestamp", pa.array([None] * t.num_rows, pa.timestamp("us", tz="UTC"))))
+
+    stored, schema = apply_changes(dim, dim.empty(), SCHEMA, at(0, contract.schema_message(SCHEMA), *upserts(
+        {"id": 1, "owner": "a0", "limit": 1.0}, {"id": 2, "owner": "b0", "limit": 2.0}), first=0))
+    stored, schema = apply_changes(dim, stored, schema, at(1, *upserts({"id": 1, "owner": "a1", "limit": 1.0}),
+                                                          first=3))
+    deleted = contract.delete_messages(SCHEMA, [{"id": 2}], 2, valid_from=t0 + timedelta(days=3))
+    stored, schema = apply_changes(dim, stored, schema, at(3, *deleted, *upserts({"id": 1, "owner": "a3",
+                                                                                    "limit": 1.0}), first=4))
+    # 1's newest is day 3, its cut day 1: a0 (until day 1) goes, a1 holds at the cut; 2 keeps both.
+    assert sorted(zip(stored.column("id").to_pylist(), stored.column("owner").to_pylist(), strict=True),
+                  key=str) == [(1, "a1"), (1, "a3"), (2, "b0"), (2, None)]
+    events = pa.table({"device_id": pa.array([1, 1, 1, 2, 2], pa.int64()),
+                       "ts": pa.array([t0 + timedelta(days=d) for d in (0.5, 2, 4, 2, 4)], pa.timestamp("us", tz="UTC"))})
+    out = lookup(dim, events, Version(dim, stored, schema), None)
+    assert out.column("owner").to_pylist() == ["a1", "a1", "a3", "b0", None]
+    assert out.column(CLIPPED).to_pylist() == [True, False, False, False, False]
+    assert out.column("_devices_matched").to_pylist() == [True, True, True, True, False]
