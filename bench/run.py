@@ -10,6 +10,7 @@
     python -m bench.run state_ops [options of bench.state_ops]
     python -m bench.run state_restart [options of bench.state_restart]
     python -m bench.run state_rescale [options of bench.state_rescale]
+    python -m bench.run state_savepoint [options of bench.state_savepoint]
     python -m bench.run soak    [options of bench.soak]
 
 Each benchmark is a module with a ``main(argv) -> int``; it is imported only when chosen, so one
@@ -35,6 +36,8 @@ BENCHMARKS = {
     "state_ops": ("bench.state_ops", "state store: per-key MapState calls vs one Arrow blob per group, per key"),
     "state_restart": ("bench.state_restart", "state of N devices: checkpoint size, restart after SIGKILL until output"),
     "state_rescale": ("bench.state_rescale", "state of N devices: enrich rescale to other numbers of state partitions"),
+    "state_savepoint": ("bench.state_savepoint", "state of N devices: enrich savepoint, a fork's first run vs a "
+                        "restart"),
     "soak": ("bench.soak", "reliability: the topology under reference churn and SIGKILLs, then an accounting"),
 }
 
