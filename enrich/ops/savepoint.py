@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import logging
+import shutil
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -127,18 +128,28 @@ def take(cfg: EnrichConfig, to: str | Path, *, spark: SparkSession | None = None
                   PARTITIONS: kept.get(PARTITIONS)},
         "devices": devices.num_rows,
     }
+    created = not directory.exists()
     directory.mkdir(parents=True, exist_ok=True)
-    _write_parquet(directory / STATE, to_rows(devices, st.spec, cfg.state.key))
-    dimension_rows: dict[str, int] = {}
-    for dim in st.dims:
-        rows, schema = stateread.dimension_rows(spark, ck, batch_id, dim)
-        name = f"{_DIMS}/{dim.dataset}.parquet"
-        _write_parquet(directory / name, rows)
-        dimension_rows[dim.dataset] = rows.num_rows
-        meta["partitioned"].append({"dataset": dim.dataset, "topic": dim.topic, "rows": name,
-                                    "offsets": _offsets(sources, dim.topic),
-                                    "schema": None if schema is None else json.loads(schema.to_json())})
-    write_json_atomic(directory / META, meta)
+    try:
+        _write_parquet(directory / STATE, to_rows(devices, st.spec, cfg.state.key))
+        dimension_rows: dict[str, int] = {}
+        for dim in st.dims:
+            rows, schema = stateread.dimension_rows(spark, ck, batch_id, dim)
+            name = f"{_DIMS}/{dim.dataset}.parquet"
+            _write_parquet(directory / name, rows)
+            dimension_rows[dim.dataset] = rows.num_rows
+            meta["partitioned"].append({"dataset": dim.dataset, "topic": dim.topic, "rows": name,
+                                        "offsets": _offsets(sources, dim.topic),
+                                        "schema": None if schema is None else json.loads(schema.to_json())})
+        write_json_atomic(directory / META, meta)
+    except BaseException:
+        # Leave the directory as it was (empty, or absent), so that the command can simply run again.
+        for path in [directory] if created else list(directory.iterdir()):
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+        raise
     seconds = time.monotonic() - t0
     log.info("%s: savepoint of batch %d written (%d devices) in %.1fs", directory, batch_id, devices.num_rows, seconds)
     return SavepointResult(directory=str(directory), checkpoint=str(ck.root), batch_id=batch_id,

@@ -134,7 +134,7 @@ def fork(spark: SparkSession, data: dict[str, Any], directory: Path) -> None:
 @pytest.mark.integration
 def test_two_forks_from_a_savepoint_write_what_the_original_job_writes(
         spark: SparkSession, kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path,
-        capsys: pytest.CaptureFixture[str]) -> None:
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """A savepoint after batch N of a job (partitioned dimension, aggregates, watermark); the job
     goes on over more events, and two new jobs forked from the savepoint read the same events: the
     first, same config, writes the same record for every later event (state, late flag, the
@@ -217,6 +217,15 @@ def test_two_forks_from_a_savepoint_write_what_the_original_job_writes(
     # A second fork into a checkpoint that has batches: refused.
     with pytest.raises(SavepointRefused, match="the checkpoint has batches already"):
         fork(spark, same, point)
+
+    # A savepoint that fails half way leaves no directory behind: the command can run again.
+    def fail(*_: Any) -> None:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(sp, "write_json_atomic", fail)
+    with pytest.raises(OSError, match="disk full"):
+        sp.take(config.parse(data, "test.yaml"), tmp_path / "again", spark=spark)
+    assert not (tmp_path / "again").exists()
 
 
 @pytest.fixture
