@@ -186,10 +186,10 @@ class DeviceStateProcessor(StatefulProcessor):
 
     def _watermark(self, timer_values: TimerValues) -> int | None:
         """The batch's watermark in microseconds, never below the floor (None: none yet)."""
-        ms = _watermark_us(timer_values)
+        us = _watermark_us(timer_values)
         if self.floor_us is None:
-            return ms
-        return self.floor_us if ms is None else max(ms, self.floor_us)
+            return us
+        return self.floor_us if us is None else max(us, self.floor_us)
 
     def close(self) -> None:
         pass
