@@ -125,7 +125,7 @@ def take(cfg: EnrichConfig, to: str | Path, *, spark: SparkSession | None = None
         "state": {**record(cfg.state, st.spec, st.dims), "key_type": str(st.spec.key_type),
                   "aggregate_types": {c: str(t) for c, _, t in st.spec.aggregates},
                   "ttl_s": cfg.state.ttl.total_seconds(), "watermark_s": cfg.state.watermark.total_seconds(),
-                  PARTITIONS: kept.get(PARTITIONS)},
+                  PARTITIONS: ck.recorded_partitions(batch_id) or kept.get(PARTITIONS)},
         "devices": devices.num_rows,
     }
     created = not directory.exists()
