@@ -10,6 +10,7 @@
     python -m bench.run state_ops [options of bench.state_ops]
     python -m bench.run state_restart [options of bench.state_restart]
     python -m bench.run state_rescale [options of bench.state_rescale]
+    python -m bench.run state_savepoint [options of bench.state_savepoint]
     python -m bench.run soak    [options of bench.soak]
     python -m bench.run asof    [options of bench.asof_bench]
 
@@ -37,6 +38,8 @@ BENCHMARKS = {
     "state_restart": ("bench.state_restart", "state of N devices: checkpoint size, restart after SIGKILL until output"),
     "state_rescale": ("bench.state_rescale", "state of N devices: enrich rescale to other numbers of state partitions"),
     "asof": ("bench.asof_bench", "as-of lookup against the latest-version lookup, per event (no Spark)"),
+    "state_savepoint": ("bench.state_savepoint", "state of N devices: enrich savepoint, a fork's first run vs a "
+                        "restart"),
     "soak": ("bench.soak", "reliability: the topology under reference churn and SIGKILLs, then an accounting"),
 }
 

@@ -1,7 +1,8 @@
 """``enrich run --config conf/enrich.yaml [--master local[*]] [--available-now] [--debug]``,
 ``enrich validate --config conf/enrich.yaml [--connect]``, ``enrich status --config F [--json] [--check
 --max-age 10m]``, ``enrich lookup --config F DATASET KEY [--batch N]``, ``enrich lookup --config F --state
-DEVICE [--batch N]``, ``enrich rescale --config F --partitions N [--master M]``; ``--version``,
+DEVICE [--batch N]``, ``enrich rescale --config F --partitions N [--master M]``, ``enrich savepoint --config F
+--to DIR [--master M]``, ``enrich run --config F --from-savepoint DIR``; ``--version``,
 ``--log-format text|json``.
 
 Also runs under ``spark-submit`` (``spark-submit -m enrich`` is not a thing; submit ``enrich/__main__.py``
@@ -23,7 +24,7 @@ from refstream.config import duration_arg
 from refstream.errors import ConfigError, RefstreamError, one_line
 from refstream.logs import LOG_FORMATS, setup_logging
 
-__all__ = ["lookup", "main", "parser", "rescale", "run", "status", "validate"]
+__all__ = ["lookup", "main", "parser", "rescale", "run", "savepoint", "status", "validate"]
 
 log = logging.getLogger("enrich")
 
@@ -43,6 +44,9 @@ def parser() -> argparse.ArgumentParser:
                           "set, else local[*])")
     run.add_argument("--available-now", action="store_true",
                      help="process what is in the topics now, then stop (backfills, tests)")
+    run.add_argument("--from-savepoint", metavar="DIR", default=None,
+                     help="start the config's (new) checkpoint from a savepoint (enrich savepoint): its state, "
+                          "offsets and dimension positions; exit 2 when the config cannot continue it")
     v = sub.add_parser("validate", parents=[common],
                        help="load and check the config (Spark parses events.schema in a local session), "
                             "print what would run; exit 0 when valid, else 1")
@@ -77,6 +81,12 @@ def parser() -> argparse.ArgumentParser:
                     help="the number of state partitions (best a number that divides state.buckets)")
     rs.add_argument("--master", default=None,
                     help="Spark master to rewrite the state with (default: the one spark-submit set, else local[*])")
+    sp = sub.add_parser("savepoint", parents=[common],
+                        help="write the device state of the last committed batch (the job stopped or running) "
+                             "to DIR/state.parquet, with DIR/savepoint.json (docs/state.md); exit 2 when refused")
+    sp.add_argument("--to", required=True, metavar="DIR", help="a new or empty directory")
+    sp.add_argument("--master", default=None,
+                    help="Spark master to read the state with (default: the one spark-submit set, else local[*])")
     return p
 
 
@@ -105,6 +115,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return lookup(args)
         if args.command == "rescale":
             return rescale(args)
+        if args.command == "savepoint":
+            return savepoint(args)
         return run(args)
     except ModuleNotFoundError as exc:
         if exc.name not in ("pyspark", "pandas", "py4j"):
@@ -171,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
     master = args.master or (None if os.environ.get("PYSPARK_GATEWAY_PORT") else "local[*]")
     # The job's UI is on (Spark's default) unless the config's spark: section turns it off.
     spark = build_session(master, "refstream-enrich", cfg.spark_conf, ui=True)
-    job = EnrichJob(cfg, available_now=args.available_now)
+    job = EnrichJob(cfg, available_now=args.available_now, from_savepoint=args.from_savepoint)
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
         log.info("signal %d: stopping after the current micro-batch", signum)
@@ -244,4 +256,15 @@ def rescale(args: argparse.Namespace) -> int:
         print(line)
     for warning in res.warnings:
         print(f"enrich: warning: {warning}", file=sys.stderr)
+    return 0
+
+
+def savepoint(args: argparse.Namespace) -> int:
+    """Prints what it wrote; exit 2 with one line when refused (nothing written)."""
+    from enrich import config
+    from enrich.ops.savepoint import take
+
+    master = args.master or (None if os.environ.get("PYSPARK_GATEWAY_PORT") else "local[*]")
+    for line in take(config.load(args.config), args.to, master=master).lines():
+        print(line)
     return 0

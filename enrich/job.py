@@ -45,7 +45,7 @@ from enrich.sinks.deadletter import DeadLetters
 from enrich.sinks.identity import SinkIdentity
 from enrich.state.checkpoint import check_checkpoint
 from enrich.state.devices import DeviceCount
-from enrich.state.stream import StateStream
+from enrich.state.stream import Fork, StateStream
 from refstream import kafka as rkafka
 from refstream.errors import TerminalError, one_line
 from refstream.retry import RetryPolicy, call_with_retry
@@ -107,10 +107,14 @@ class EnrichJob:
     :meth:`run` starts it and blocks until it ends (available-now) or :meth:`stop`.
 
     ``available_now``: process what the topics hold now, then stop. ``retry``: the policy of every
-    transient failure the driver retries (a dimension bootstrap, a batch's write, a worker start)."""
+    transient failure the driver retries (a dimension bootstrap, a batch's write, a worker start).
+    ``from_savepoint``: a savepoint directory to start the (new) checkpoint from (:mod:`enrich.ops.savepoint`)."""
 
-    def __init__(self, cfg: EnrichConfig, *, available_now: bool = False, retry: RetryPolicy = DEFAULT_RETRY) -> None:
+    def __init__(self, cfg: EnrichConfig, *, available_now: bool = False, retry: RetryPolicy = DEFAULT_RETRY,
+                 from_savepoint: str | Path | None = None) -> None:
         self.cfg, self.available_now, self.retry = cfg, available_now, retry
+        self.from_savepoint = from_savepoint
+        self._fork: tuple[str, Fork] | None = None
         self.layout = CheckpointLayout(cfg.checkpoint)
         self._stack = ExitStack()
         self._stop = threading.Event()
@@ -139,11 +143,22 @@ class EnrichJob:
         checkpoint's lock is held, shared, until :meth:`close`: ``enrich rescale`` refuses to run
         meanwhile, and a start while it runs is refused (:class:`enrich.checkpoint.CheckpointBusy`)."""
         self._stack.enter_context(self.layout.held())
+        saved = None
+        if self.from_savepoint is not None:
+            from enrich.ops import savepoint
+
+            savepoint.refuse_started(self.layout, self.from_savepoint)
+            saved = savepoint.load(self.from_savepoint)
         # events.schema is checked before the broker is touched (the pipeline parses it again).
         events.event_schema(self.cfg.events.schema, self.cfg.events.required, self.cfg.source)
         self._ensure_topics()
         dims = self._dimensions(spark)
         pipeline = self._plan(spark, dims)
+        if saved is not None:
+            saved.check(self.cfg, pipeline.state.spec if pipeline.state is not None else None)
+            self._fork = saved.fork(pipeline)
+            log.info("starting from the savepoint %s (batch %d of %s)", self.from_savepoint, saved.batch_id,
+                     saved.meta.get("checkpoint"))
         sink, dead = self._sinks()
         metrics = self._metrics(sink)
         raw = self._read(spark)
@@ -225,7 +240,8 @@ class EnrichJob:
         from enrich.source import read_stream
 
         ev = self.cfg.events
-        return read_stream(spark, self.cfg.kafka, [ev.topic], starting_offsets=ev.starting_offsets,
+        starting = self._fork[0] if self._fork is not None else ev.starting_offsets
+        return read_stream(spark, self.cfg.kafka, [ev.topic], starting_offsets=starting,
                            max_offsets_per_trigger=self.cfg.max_events_per_batch,
                            fail_on_data_loss=ev.fail_on_data_loss, on_offset_reset=ev.on_offset_reset,
                            builtin=ev.source == "builtin")
@@ -253,7 +269,8 @@ class EnrichJob:
             metrics.devices_in_state(devices.total)
         if pipeline.state.before:  # their tasks read the pinned versions from files (enrich.join.PlanEnricher)
             dims.shipper.write_to(self.layout.shipped)
-        state = state_step(spark, pipeline, raw, devices.accumulator, parser)
+        state = state_step(spark, pipeline, raw, devices.accumulator, parser,
+                           self._fork[1] if self._fork is not None else None)
         if state.cache is not None:  # after the query has stopped (the stack unwinds in reverse)
             self._stack.callback(state.cache.remove)
         return None, state, devices, state.packed

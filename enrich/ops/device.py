@@ -1,11 +1,11 @@
 """``enrich lookup --state DEVICE``: one device's state as a committed micro-batch left it.
 
-Read from the checkpoint with Spark's state data source (``spark.read.format("statestore")``), so it
-works while the job runs and after it stopped. The job's pipeline is planned again from the config
+Read from the checkpoint by :mod:`enrich.ops.stateread`, so it works while the job runs and after it
+stopped. The job's pipeline is planned again from the config
 and the published schemas the job recorded (:mod:`enrich.pipeline`), so the state is read with the
 spec, partitioned dimensions and bucket layout the job wrote it with. The state step keeps a table
 per hash bucket of devices (docs/state.md): only the device's bucket is taken from the scans, and
-its table rebuilt by the processor's own :func:`enrich.state.processor.bucket_table`.
+its table rebuilt.
 """
 
 from __future__ import annotations
@@ -17,18 +17,18 @@ from zoneinfo import ZoneInfo
 
 import pyarrow as pa
 import pyarrow.compute as pc
-from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
 from enrich.checkpoint import CheckpointLayout
-from enrich.columns import BUCKET
 from enrich.config import EnrichConfig
+from enrich.ops import stateread
 from enrich.ops.checkpoint import Checkpoint
+from enrich.ops.stateread import device_tables
 from enrich.pipeline import Pipeline
 from enrich.state import engine
 from enrich.state.checkpoint import check_checkpoint
-from enrich.state.stored import DELTAS, STATE_NAME, bucket_table, stored_spec
-from enrich.state.stream import CHANGELOG_CONF, CHANGELOG_DEFAULT, PROVIDER_CONF, ROCKSDB
+from enrich.state.stored import stored_spec
 from refstream.errors import ConfigError, DataError
 
 #: ``present``: the batch left state for the device; ``absent``: it never sent an event that was
@@ -78,21 +78,9 @@ def device_state(cfg: EnrichConfig, device: str, batch_id: int | None = None, *,
         raise ConfigError(f"device {device!r} is not a {key_type.simpleString()} (the type of state.key "
                           f"{cfg.state.key})")
 
-    def scan(name: str) -> DataFrame:
-        return (spark.read.format("statestore").option("path", str(ck.spark.resolve()))
-                .option("batchId", batch_id).option("stateVarName", name).load()
-                .filter(F.col(f"key.{BUCKET}") == bucket))
-
-    values = scan(STATE_NAME).select("value.table").collect()
-    found: dict[str, Any] | None = None
-    if values:
-        deltas = scan(DELTAS)
-        element = "list_element" if "list_element" in deltas.columns else "value"
-        changes = deltas.select(*(F.col(f"{element}.{c}") for c in ("seq", "rows", "removed"))).collect()
-        table = bucket_table(stored, values[0][0], [tuple(r) for r in changes])
-        hit = table.filter(pc.equal(table.column(engine.KEY), pa.scalar(key, st.spec.key_type)))
-        if hit.num_rows:
-            found = engine.finalize(stored, hit).to_pylist()[0]
+    table = device_tables(spark, ck, batch_id, stored, bucket)
+    hit = table.filter(pc.equal(table.column(engine.KEY), pa.scalar(key, st.spec.key_type)))
+    found: dict[str, Any] | None = engine.finalize(stored, hit).to_pylist()[0] if hit.num_rows else None
     if found is None:
         return DeviceStateResult(key=cfg.state.key, device=key, batch_id=batch_id, bucket=bucket, found="absent",
                                  state=None, expires_at=None)
@@ -112,9 +100,5 @@ def _iso(micros: int, zone: ZoneInfo) -> str:
 
 def session(cfg: EnrichConfig) -> SparkSession:
     """A small local Spark session for reading the checkpoint's state."""
-    from enrich.session import build_session
-
-    conf = {"spark.sql.session.timeZone": cfg.spark_conf.get("spark.sql.session.timeZone", "UTC"),
-            PROVIDER_CONF: ROCKSDB, "spark.ui.showConsoleProgress": "false",
-            CHANGELOG_CONF: cfg.spark_conf.get(CHANGELOG_CONF, CHANGELOG_DEFAULT)}  # as the job wrote it
-    return build_session("local[1]", "refstream-lookup", conf)
+    return stateread.session(cfg, "local[1]", "refstream-lookup",
+                             {"spark.sql.session.timeZone": cfg.spark_conf.get("spark.sql.session.timeZone", "UTC")})

@@ -39,6 +39,7 @@ from pyspark.sql import SparkSession
 from enrich.checkpoint import CheckpointBusy, CheckpointLayout
 from enrich.config import EnrichConfig
 from enrich.dimension.versions import FileVersionLog
+from enrich.ops import stateread
 from enrich.state.checkpoint import bucket_layout, read_record, record_partitions
 from enrich.state.layout import BucketLayout
 from refstream.errors import ConfigError, DataError, TerminalError
@@ -192,9 +193,4 @@ def _devices(ck: CheckpointLayout, layout: BucketLayout, where: list[int], parti
 def session(cfg: EnrichConfig, master: str | None) -> SparkSession:
     """A Spark session for the rescale: the config's ``spark:`` settings (storage, memory), the job's
     state store."""
-    from enrich.session import build_session
-    from enrich.state.stream import CHANGELOG_CONF, CHANGELOG_DEFAULT, PROVIDER_CONF, ROCKSDB
-
-    conf = {**cfg.spark_conf, PROVIDER_CONF: ROCKSDB, "spark.ui.showConsoleProgress": "false",
-            CHANGELOG_CONF: cfg.spark_conf.get(CHANGELOG_CONF, CHANGELOG_DEFAULT)}
-    return build_session(master, "refstream-rescale", conf)
+    return stateread.session(cfg, master, "refstream-rescale")

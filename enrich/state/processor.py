@@ -67,12 +67,16 @@ class DeviceStateProcessor(StatefulProcessor):
     passed through, in output order; ``devices`` an accumulator of :class:`enrich.accumulators.KeyedCounts` each call
     reports its bucket's device count to; ``dims`` the partitioned dimensions, whose joins add their
     columns after ``columns`` (:mod:`enrich.state.dimension`); ``cache`` where the executors keep a
-    copy of each bucket table they stored (None: every call reads it from the state store)."""
+    copy of each bucket table they stored (None: every call reads it from the state store).
+    ``floor_us``: a watermark floor (event time, microseconds): a job forked from a savepoint
+    (:mod:`enrich.ops.savepoint`) judges late events and expiry against the savepoint job's watermark
+    until its own passes it."""
 
     def __init__(self, spec: StateSpec, columns: tuple[str, ...],
                  devices: Accumulator[dict[int, int]] | None = None, dims: tuple[PartitionedDim, ...] = (),
-                 cache: TableCache | None = None) -> None:
+                 cache: TableCache | None = None, floor_us: int | None = None) -> None:
         self.spec, self.columns, self.devices, self.dims, self.cache = spec, columns, devices, dims, cache
+        self.floor_us = floor_us
         self._loaded: str | None = None
         self._sizes = (0, 0)
         self._types = {spec.key: spec.key_type, spec.timestamp: pa.int64(),
@@ -108,7 +112,7 @@ class DeviceStateProcessor(StatefulProcessor):
                 names.append(CLIPPED)
         ok = pc.is_null(table.column(ERROR)).to_numpy(zero_copy_only=False)
         events = self._events(table.filter(pa.array(ok)))
-        applied = engine.apply(self.spec, self._load(), events, _watermark_us(timerValues))
+        applied = engine.apply(self.spec, self._load(), events, self._watermark(timerValues))
         self._store(key, applied.state, applied.touched, applied.removed)
         at = np.full(table.num_rows, -1, dtype=np.int64)
         at[ok] = np.arange(int(ok.sum()))
@@ -158,9 +162,37 @@ class DeviceStateProcessor(StatefulProcessor):
 
     def handleExpiredTimer(self, key: Any, timerValues: TimerValues,
                            expiredTimerInfo: ExpiredTimerInfo) -> Iterator[pd.DataFrame]:
-        state, removed = engine.evict_keys(self.spec, self._load(), _watermark_us(timerValues))
+        state, removed = engine.evict_keys(self.spec, self._load(), self._watermark(timerValues))
         self._store(key, state, 0, removed)
         return iter(())
+
+    def handleInitialState(self, key: Any, initialState: pd.DataFrame,  # type: ignore[override]
+                           timerValues: TimerValues) -> None:
+        """A forked job's first batch (:func:`enrich.state.stream.initial_state`): the bucket's rows
+        of the savepoint, ``kind`` :data:`STATE_NAME` (devices, in the stored layout) or a partitioned
+        dimension's state name (its rows and published schema), each as Arrow IPC bytes; merged into
+        what the bucket holds (PySpark may hand a bucket's rows over in several calls)."""
+        settle()
+        for kind, data, schema in zip(initialState["kind"], initialState["table"], initialState["schema"],
+                                      strict=True):
+            rows = from_ipc(bytes(data))
+            if kind == STATE_NAME:
+                rows = rows.cast(self.spec.state_schema())
+                state = engine.merge(self.spec, self._load(), rows, pa.array([], self.spec.key_type))
+                self._store(key, state, rows.num_rows, None)
+                continue
+            i = next(n for n, d in enumerate(self.dims) if d.state_name == kind)
+            version = self._dimension(i, None)
+            merged = pa.concat_tables([version.rows, rows.cast(version.rows.schema)])
+            self.dim_values[i].update((to_ipc(merged), schema if schema else version.schema.to_json()))
+            self.dim_tokens[i].update((uuid.uuid4().hex,))
+
+    def _watermark(self, timer_values: TimerValues) -> int | None:
+        """The batch's watermark in microseconds, never below the floor (None: none yet)."""
+        us = _watermark_us(timer_values)
+        if self.floor_us is None:
+            return us
+        return self.floor_us if us is None else max(us, self.floor_us)
 
     def close(self) -> None:
         pass

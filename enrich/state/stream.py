@@ -19,9 +19,10 @@ from __future__ import annotations
 import functools
 import logging
 import uuid
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.accumulators import Accumulator
@@ -33,6 +34,7 @@ from pyspark.sql.types import (
     BooleanType,
     DataType,
     IntegerType,
+    StringType,
     StructField,
     StructType,
     TimestampType,
@@ -42,17 +44,18 @@ from enrich import events
 from enrich.columns import BATCH_TIME, BUCKET, ERROR, FLAT, LATE, MAX_TS, ROWS, STATE
 from enrich.events import FastEvents
 from enrich.events.fastparse import FastParser
+from enrich.ipc import to_ipc
 from enrich.pipeline import Pipeline
 from enrich.session import SHUFFLE_PARTITIONS
 from enrich.source import read_stream
-from enrich.state import ingest, packed
+from enrich.state import engine, ingest, packed
 from enrich.state.cache import TableCache
 from enrich.state.checkpoint import check_checkpoint
 from enrich.state.dimension import PUBLISHED, VALID_FROM_TEXT, PartitionedDim
 from enrich.state.ingest import EventPacker
 from enrich.state.layout import BucketLayout
 from enrich.state.processor import DeviceStateProcessor
-from enrich.state.stored import stored_spec
+from enrich.state.stored import STATE_NAME, stored_spec
 from refstream import contract
 from refstream.errors import ConfigError
 
@@ -71,13 +74,29 @@ CHANGELOG_CONF = "spark.sql.streaming.stateStore.rocksdb.changelogCheckpointing.
 CHANGELOG_DEFAULT = "true"  # the job's setting when the user has none
 
 
+@dataclass(frozen=True)
+class Fork:
+    """A new checkpoint's start from a savepoint (:mod:`enrich.ops.savepoint`): ``devices`` the
+    device table in the stored layout (:func:`enrich.state.stored.stored_spec`), ``dims`` each
+    partitioned dimension's rows and published schema (JSON) by state name, ``changelogs`` the
+    Spark starting offsets of their changelog topics (a topic missing: from the earliest), and
+    ``floor_us`` the savepoint job's watermark (event time, microseconds; None: it had none)."""
+
+    devices: pa.Table
+    dims: Mapping[str, tuple[pa.Table, bytes]]
+    changelogs: Mapping[str, str]
+    floor_us: int | None
+
+
 def state_step(spark: SparkSession, pipeline: Pipeline, raw: DataFrame,
-               devices: Accumulator[dict[int, int]] | None = None, parser: FastParser | None = None) -> StateStream:
+               devices: Accumulator[dict[int, int]] | None = None, parser: FastParser | None = None,
+               fork: Fork | None = None) -> StateStream:
     """The job's hook: check the pipeline's state step against the checkpoint (a start on a rescale
     that did not finish is refused; a warning when the config's ``spark.sql.shuffle.partitions`` is
     not the number the checkpoint runs with, or the buckets spread unevenly over it), set the
     RocksDB state store, and return the ``raw`` Kafka stream through :func:`attach` (``devices``,
-    ``parser``: see there), the partitioned dimensions' changelogs read as streams beside it."""
+    ``parser``: see there), the partitioned dimensions' changelogs read as streams beside it; with
+    a ``fork``, the step starts from its state, changelog offsets and watermark."""
     cfg, st = pipeline.cfg, pipeline.state
     assert cfg.state is not None and st is not None
     ck = pipeline.checkpoint
@@ -105,13 +124,50 @@ def state_step(spark: SparkSession, pipeline: Pipeline, raw: DataFrame,
     spark.conf.set(PROVIDER_CONF, ROCKSDB)
     if spark.conf.get(CHANGELOG_CONF, None) is None:
         spark.conf.set(CHANGELOG_CONF, CHANGELOG_DEFAULT)
-    changelogs = [read_stream(spark, cfg.kafka, [d.topic], starting_offsets="earliest") for d in st.dims]
-    return attach(raw, pipeline, layout, changelogs, devices, parser=parser, cache=TableCache(uuid.uuid4().hex))
+    starts = fork.changelogs if fork is not None else {}
+    changelogs = [read_stream(spark, cfg.kafka, [d.topic], starting_offsets=starts.get(d.topic, "earliest"))
+                  for d in st.dims]
+    initial = initial_state(spark, pipeline, layout, fork) if fork is not None else None
+    return attach(raw, pipeline, layout, changelogs, devices, parser=parser, cache=TableCache(uuid.uuid4().hex),
+                  initial=initial, floor_us=fork.floor_us if fork is not None else None)
+
+
+#: The initial state's rows: a bucket's grouping key, what they hold (``devices`` or a partitioned
+#: dimension's state name), the rows as Arrow IPC bytes, a dimension's published schema (JSON).
+INITIAL = StructType([StructField(BUCKET, IntegerType(), False), StructField("kind", StringType(), False),
+                      StructField("table", BinaryType(), False), StructField("schema", BinaryType(), True)])
+
+
+def initial_state(spark: SparkSession, pipeline: Pipeline, layout: BucketLayout, fork: Fork) -> DataFrame:
+    """The fork's state as ``transformWithStateInPandas``'s initial state: one row per bucket and
+    kind, each device (and dimension row) in the bucket of its key (``layout``, the new
+    checkpoint's). Built on the driver: the savepoint's tables are in its memory already."""
+    st = pipeline.state
+    assert st is not None
+    key_type = st.spec.key_type
+    rows: list[tuple[int, str, bytes, bytes | None]] = []
+
+    def split(kind: str, table: pa.Table, keys: pa.ChunkedArray | pa.Array, schema: bytes | None) -> None:
+        if not table.num_rows:
+            return
+        ids = layout.of(keys.cast(key_type))
+        for g in np.unique(ids).tolist():
+            rows.append((int(g), kind, to_ipc(table.filter(pa.array(ids == g))), schema))
+
+    split(STATE_NAME, fork.devices, fork.devices.column(engine.KEY), None)
+    for dim in st.dims:
+        if dim.state_name in fork.dims:
+            table, schema = fork.dims[dim.state_name]
+            split(dim.state_name, table, table.column([k for _, k in dim.join.pairs][0]), schema)
+    if not rows:  # nothing to start from: an empty initial state
+        return spark.createDataFrame([], INITIAL)
+    return spark.createDataFrame(rows, INITIAL)
 
 
 def attach(raw: DataFrame, pipeline: Pipeline, layout: BucketLayout, changelogs: Sequence[DataFrame] = (),
            devices: Accumulator[dict[int, int]] | None = None, *, parser: FastParser | None = None,
-           cache: TableCache | None = None) -> StateStream:
+           cache: TableCache | None = None, initial: DataFrame | None = None,
+           floor_us: int | None = None) -> StateStream:
     """The Kafka stream ``raw`` through the pipeline's state step (:class:`StateStream`): parsed,
     joined in the plan by the joins before the step, then keyed by bucket (``layout``) into the
     step with the partitioned dimensions' ``changelogs`` (one stream each, in the plan's order,
@@ -119,7 +175,9 @@ def attach(raw: DataFrame, pipeline: Pipeline, layout: BucketLayout, changelogs:
     (:mod:`enrich.state.ingest`, with the fast ``parser`` if given) and through it packed
     (:mod:`enrich.state.packed`). ``devices``: an accumulator of ``enrich.accumulators.KeyedCounts`` the step
     reports each bucket's device count to. ``cache``: where the executors keep a copy of the bucket
-    tables they store (:mod:`enrich.state.cache`; None: none)."""
+    tables they store (:mod:`enrich.state.cache`; None: none). ``initial``: the step's initial state
+    (:func:`initial_state`), read on a new checkpoint's first batch; ``floor_us``: its watermark floor
+    (:class:`enrich.state.processor.DeviceStateProcessor`)."""
     cfg, st = pipeline.cfg, pipeline.state
     assert cfg.state is not None and st is not None
     timezone = pipeline.timezone
@@ -136,14 +194,14 @@ def attach(raw: DataFrame, pipeline: Pipeline, layout: BucketLayout, changelogs:
     for dim, changelog in zip(st.dims, changelogs, strict=True):
         rows = rows.union(_changelog_rows(changelog, dim, key_type, layout, packed_spark, packed_arrow))
     inner = stored_spec(st.spec)
-    processor = DeviceStateProcessor(inner, columns, devices, st.dims, cache)
+    processor = DeviceStateProcessor(inner, columns, devices, st.dims, cache, floor_us)
     flat_type = inner.output_type()
     # What the processor's packed tables hold: the passed columns, the flat state fields, the late flag.
     flat_schema = StructType([*st.passed, *[StructField(FLAT + f.name, from_arrow_type(f.type), True)
                                             for f in flat_type], StructField(LATE, BooleanType(), True)])
     stepped = rows.groupBy(BUCKET).transformWithStateInPandas(
         processor, outputStructType=StructType([StructField(ROWS, BinaryType(), False)]), outputMode="Append",
-        timeMode="EventTime")
+        timeMode="EventTime", initialState=initial.groupBy(BUCKET) if initial is not None else None)
     unpack = Unpack(to_arrow_schema(flat_schema, timezone=timezone), to_arrow_schema(st.schema, timezone=timezone),
                     tuple(f.name for f in st.passed), st.inner)
     return StateStream(stepped, unpack, st.schema, cache)

@@ -248,3 +248,28 @@ def test_a_batch_stores_what_it_changed_until_the_changes_outweigh_the_base() ->
     assert sorted(stored(t).column(engine.KEY).to_pylist()) == ["d3", "d4"]
     out = run(t, rows([("d0", 7000, 1.0, 1), ("d4", 7000, 1.0, 1)], 9))
     assert out[FLAT + "events"].tolist() == [1, 2]
+
+
+def test_a_forks_initial_state_is_continued_and_its_watermark_floor_flags_late_events() -> None:
+    """A forked job's first batch: the bucket's devices from the savepoint (in two hand-overs, as
+    PySpark may split them) are continued, and an event at or before the savepoint's watermark (the
+    floor) is late although Spark's own watermark has not reached it."""
+    first = engine.apply(SPEC, SPEC.empty(), rows([("a", 1, 10.0, 1), ("a", 2, 20.0, None)]).select(
+        ["device_id", TS_US, "_partition", "_offset", "temperature", "battery"]), None).state
+    second = engine.apply(SPEC, SPEC.empty(), rows([("b", 3, 5.0, 7)]).select(
+        ["device_id", TS_US, "_partition", "_offset", "temperature", "battery"]), None).state
+    initial = [(3, pd.DataFrame({"kind": [STATE_NAME], "table": [to_ipc(t)], "schema": [None]}))
+               for t in (first, second)]
+    processor = DeviceStateProcessor(SPEC, COLUMNS, floor_us=T0_US + 100 * 10**6)
+    t = TwsTester(processor, timeMode="EventTime", eventTimeExtractor=lambda _: 2**62, initialStatePandas=initial)
+    assert sorted(stored(t).column(engine.KEY).to_pylist()) == ["a", "b"]
+    assert list(t.handle.listTimers()) == [(T0_US + 2 * 10**6 + HOUR_US) // 1000]   # a expires first
+    out = run(t, rows([("a", 50, 99.0, 9), ("a", 101, 30.0, None), ("b", 102, None, None)], 10))
+    assert out[LATE].tolist() == [True, False, False]
+    assert out[FLAT + "events"].tolist()[1:] == [3, 2]
+    assert out[FLAT + "temperature_mean"][1] == 20.0 and out[FLAT + "temperature_max"][2] == 5.0
+    assert out[FLAT + "battery_last"].tolist()[1:] == [1, 7]
+    # Without the floor the same event is applied: the floor is what makes it late.
+    plain = TwsTester(DeviceStateProcessor(SPEC, COLUMNS), timeMode="EventTime", eventTimeExtractor=lambda _: 2**62,
+                      initialStatePandas=initial)
+    assert run(plain, rows([("a", 50, 99.0, 9)], 10))[LATE].tolist() == [False]

@@ -1,0 +1,312 @@
+"""``enrich savepoint --config F --to DIR`` and ``enrich run --from-savepoint DIR``: the device state
+of a committed batch as files, and a new checkpoint started from them (docs/state.md, "Savepoints").
+
+A savepoint is taken from the last batch in Spark's commit log at the time of reading, whether the
+job runs or not: never from a batch that has not committed. It is a directory of
+
+* ``state.parquet``: one row per device, the ``state.key`` column and the ``state`` struct's fields
+  as plain columns (``events``, ``first_seen``, ``last_seen``, ``<column>_<agg>``), plus each
+  ``mean``'s accumulators (``<column>_mean_sum``, ``<column>_mean_count``) so a fork continues it
+  exactly;
+* ``dimensions/<dataset>.parquet``: each partitioned dimension's rows as the state step held them;
+* ``savepoint.json``: the batch id, the source offsets the batch read to (events and changelogs),
+  the broadcast dimensions' changelog positions, the watermark for the next batch, and the
+  settings the checkpoint fixes (``state.key`` and its type, aggregates and their types, TTL,
+  watermark, buckets, state partitions). Written last: a directory without it is no savepoint.
+
+Every file is written atomically (:mod:`refstream.atomic`). A fork (:meth:`Savepoint.fork`) starts
+a new checkpoint: the devices and dimension rows are the state step's initial state, the events
+and changelogs are read from the recorded offsets, and the step's watermark starts at the recorded
+one (:class:`enrich.state.stream.Fork`). A config that cannot continue the state is refused in one
+line naming the setting (:meth:`Savepoint.check`); an aggregate the savepoint does not hold starts
+empty (null until the device's next event).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+from pyspark.sql import SparkSession
+
+from enrich.checkpoint import CheckpointLayout
+from enrich.config import EnrichConfig
+from enrich.dimension.versions import FileVersionLog
+from enrich.ops import stateread
+from enrich.pipeline import Pipeline
+from enrich.source.offsets import from_json_offsets, to_json_offsets
+from enrich.state import engine
+from enrich.state.checkpoint import PARTITIONS, check_checkpoint, read_record, record
+from enrich.state.engine import StateSpec
+from enrich.state.stored import stored_spec
+from enrich.state.stream import Fork
+from refstream.atomic import write_atomic, write_json_atomic
+from refstream.errors import ConfigError, DataError
+
+__all__ = ["FORMAT", "Savepoint", "SavepointRefused", "SavepointResult", "load", "refuse_started", "take"]
+
+log = logging.getLogger(__name__)
+
+FORMAT = 1
+META, STATE = "savepoint.json", "state.parquet"
+_DIMS = "dimensions"
+_TS = pa.timestamp("us", tz="UTC")
+
+
+class SavepointRefused(ConfigError):
+    """A savepoint cannot be taken or forked from as asked; nothing was written. One line saying why."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SavepointResult:
+    directory: str
+    checkpoint: str
+    batch_id: int
+    devices: int
+    dimension_rows: dict[str, int]
+    seconds: float
+
+    def lines(self) -> list[str]:
+        dims = "".join(f", {n:,} row(s) of {ds}" for ds, n in self.dimension_rows.items())
+        return [f"{self.directory}: savepoint of batch {self.batch_id} of {self.checkpoint}: {self.devices:,} "
+                f"device(s){dims}, in {self.seconds:.1f}s"]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"directory": self.directory, "checkpoint": self.checkpoint, "batch_id": self.batch_id,
+                "devices": self.devices, "dimension_rows": self.dimension_rows, "seconds": self.seconds}
+
+
+def take(cfg: EnrichConfig, to: str | Path, *, spark: SparkSession | None = None,
+         master: str | None = "local[*]") -> SavepointResult:
+    """Write a savepoint of ``cfg``'s checkpoint to the directory ``to`` (new or empty): the state as
+    the last committed batch left it (see the module doc). ``spark``: the session to read with
+    (default: the active one, else a new one on ``master``)."""
+    directory = Path(to)
+    if cfg.state is None:
+        raise ConfigError(f"{cfg.source}: no state: section; a savepoint holds a job's device state")
+    if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
+        raise SavepointRefused(f"{directory}: not an empty directory; a savepoint is written to a new or empty one")
+    ck = CheckpointLayout(cfg.checkpoint)
+    if not ck.state_record.exists():
+        raise SavepointRefused(f"{ck.root}: the job has not run with state: on this checkpoint")
+    committed = ck.committed()
+    if not committed:
+        raise SavepointRefused(f"{ck.root}: no batch has been committed yet; a savepoint is taken of a committed one")
+    batch_id = committed[-1]  # the commit log's last at the time of reading: a running job may commit more
+    t0 = time.monotonic()
+    spark = spark or SparkSession.getActiveSession() or stateread.session(cfg, master, "refstream-savepoint")
+    timezone = cfg.spark_conf.get("spark.sql.session.timeZone", "UTC")
+    pipeline = Pipeline.build(cfg, ck.read_schemas(), timezone=timezone)
+    st = pipeline.state
+    assert st is not None
+    check_checkpoint(ck, cfg.state, st.spec, cfg.source, st.dims)  # the record exists: compares only
+    stored = stored_spec(st.spec)
+    devices = stateread.device_tables(spark, ck, batch_id, stored)
+    sources = _sources(ck, batch_id)
+    kept = read_record(ck.state_record)
+    meta: dict[str, Any] = {
+        "format": FORMAT, "batch_id": batch_id, "checkpoint": str(ck.root),
+        "taken_at": datetime.now(UTC).isoformat(timespec="seconds"),
+        "watermark_ms": _next_watermark(ck, batch_id),
+        "events": {"topic": cfg.events.topic, "offsets": _offsets(sources, cfg.events.topic)},
+        "broadcast": {ds: {str(p): o for p, o in pos.items()}
+                      for ds, pos in (FileVersionLog(ck.dimensions, create=False).get(batch_id) or {}).items()
+                      if ds in pipeline.broadcast_datasets},
+        "partitioned": [],
+        "state": {**record(cfg.state, st.spec, st.dims), "key_type": str(st.spec.key_type),
+                  "aggregate_types": {c: str(t) for c, _, t in st.spec.aggregates},
+                  "ttl_s": cfg.state.ttl.total_seconds(), "watermark_s": cfg.state.watermark.total_seconds(),
+                  PARTITIONS: ck.recorded_partitions(batch_id) or kept.get(PARTITIONS)},
+        "devices": devices.num_rows,
+    }
+    created = not directory.exists()
+    directory.mkdir(parents=True, exist_ok=True)
+    try:
+        _write_parquet(directory / STATE, to_rows(devices, st.spec, cfg.state.key))
+        dimension_rows: dict[str, int] = {}
+        for dim in st.dims:
+            rows, schema = stateread.dimension_rows(spark, ck, batch_id, dim)
+            name = f"{_DIMS}/{dim.dataset}.parquet"
+            _write_parquet(directory / name, rows)
+            dimension_rows[dim.dataset] = rows.num_rows
+            meta["partitioned"].append({"dataset": dim.dataset, "topic": dim.topic, "rows": name,
+                                        "offsets": _offsets(sources, dim.topic),
+                                        "schema": None if schema is None else json.loads(schema.to_json())})
+        write_json_atomic(directory / META, meta)
+    except BaseException:
+        # Leave the directory as it was (empty, or absent), so that the command can simply run again.
+        for path in [directory] if created else list(directory.iterdir()):
+            if path.is_dir():
+                shutil.rmtree(path, ignore_errors=True)
+            else:
+                path.unlink(missing_ok=True)
+        raise
+    seconds = time.monotonic() - t0
+    log.info("%s: savepoint of batch %d written (%d devices) in %.1fs", directory, batch_id, devices.num_rows, seconds)
+    return SavepointResult(directory=str(directory), checkpoint=str(ck.root), batch_id=batch_id,
+                           devices=devices.num_rows, dimension_rows=dimension_rows, seconds=seconds)
+
+
+def to_rows(stored: pa.Table, spec: StateSpec, key: str) -> pa.Table:
+    """The stored device table as the savepoint's rows: ``key``, the ``state`` fields, each mean's accumulators."""
+    state = engine.finalize(stored_spec(spec), stored)
+    cols: dict[str, pa.Array] = {key: stored.column(engine.KEY).combine_chunks()}
+    for field, child in zip(state.type, state.flatten(), strict=True):
+        cols[field.name] = child.cast(_TS) if field.name in ("first_seen", "last_seen") else child
+    for column, aggs, _ in spec.aggregates:
+        if "mean" in aggs:
+            cols[f"{column}_mean_sum"] = stored.column(f"{column}_sum").combine_chunks()
+            cols[f"{column}_mean_count"] = stored.column(f"{column}_count").combine_chunks()
+    return pa.table(cols)
+
+
+def from_rows(rows: pa.Table, spec: StateSpec, key: str) -> pa.Table:
+    """The savepoint's rows as the stored device table of ``spec``; an aggregate the rows do not hold
+    starts empty (null; a mean of no values)."""
+    stored = stored_spec(spec)
+    schema = stored.state_schema()
+    n = rows.num_rows
+    have = set(rows.column_names)
+    out: dict[str, pa.Array | pa.ChunkedArray] = {
+        engine.KEY: rows.column(key), engine.FIRST_SEEN: rows.column("first_seen").cast(_TS).cast(pa.int64()),
+        engine.LAST_SEEN: rows.column("last_seen").cast(_TS).cast(pa.int64()), engine.EVENTS: rows.column("events")}
+    for column, aggs, typ in spec.aggregates:
+        for agg in aggs:
+            if agg == "mean":
+                saved = f"{column}_mean_sum" in have
+                out[f"{column}_sum"] = rows.column(f"{column}_mean_sum") if saved else pa.array([0.0] * n)
+                out[f"{column}_count"] = rows.column(f"{column}_mean_count") if saved else pa.array([0] * n, pa.int64())
+            else:
+                name = f"{column}_{agg}"
+                out[name] = rows.column(name) if name in have else pa.nulls(n, typ)
+    return pa.Table.from_arrays([pc.cast(out[f.name], f.type) for f in schema], schema=schema)
+
+
+@dataclass(frozen=True)
+class Savepoint:
+    """A savepoint directory as :func:`load` read it."""
+
+    directory: Path
+    meta: dict[str, Any]
+
+    @property
+    def batch_id(self) -> int:
+        return int(self.meta["batch_id"])
+
+    def check(self, cfg: EnrichConfig, spec: StateSpec | None) -> None:
+        """Refuse (:class:`SavepointRefused`, one line naming the setting) a config whose state cannot
+        continue the savepoint's: another ``state.key`` or key type, another events topic, an
+        aggregate removed or an aggregated column of another type. Added aggregates, another TTL,
+        watermark, bucket count or number of state partitions are fine."""
+        if cfg.state is None:
+            raise SavepointRefused(f"{cfg.source}: no state: section; a savepoint starts a job's device state")
+        assert spec is not None
+        saved, where = self.meta["state"], f"the savepoint {self.directory}"
+        if saved["key"] != cfg.state.key:
+            raise SavepointRefused(f"{cfg.source}: state.key is {cfg.state.key!r}; {where} keeps device state by "
+                                   f"{saved['key']!r}")
+        if saved["key_type"] != str(spec.key_type):
+            raise SavepointRefused(f"{cfg.source}: state.key {cfg.state.key!r} is of type {spec.key_type}; in {where} "
+                                   f"it is {saved['key_type']}")
+        if self.meta["events"]["topic"] != cfg.events.topic:
+            raise SavepointRefused(f"{cfg.source}: events.topic is {cfg.events.topic!r}; {where} holds the offsets "
+                                   f"of {self.meta['events']['topic']!r}")
+        now = dict(cfg.state.aggregates)
+        for column, aggs in saved["aggregates"].items():
+            gone = [a for a in aggs if a not in now.get(column, ())]
+            if gone:
+                raise SavepointRefused(f"{cfg.source}: state.aggregates.{column}: {', '.join(gone)} removed; {where} "
+                                       f"keeps {column}: {aggs} (put it back: the state would lose it)")
+        types = saved.get("aggregate_types", {})
+        for column, _, typ in spec.aggregates:
+            if column in types and types[column] != str(typ):
+                raise SavepointRefused(f"{cfg.source}: state.aggregates.{column}: the column is {typ}; in {where} "
+                                       f"it is {types[column]}")
+
+    def fork(self, pipeline: Pipeline) -> tuple[str, Fork]:
+        """The events' starting offsets (Spark's JSON) and the state step's start, for ``pipeline``
+        (checked with :meth:`check`)."""
+        st = pipeline.state
+        assert st is not None and pipeline.cfg.state is not None
+        devices = from_rows(pq.read_table(self.directory / STATE), st.spec, pipeline.cfg.state.key)
+        dims: dict[str, tuple[pa.Table, bytes]] = {}
+        changelogs: dict[str, str] = {}
+        saved = {(d["dataset"], d["topic"]): d for d in self.meta.get("partitioned", [])}
+        for dim in st.dims:
+            entry = saved.get((dim.dataset, dim.topic))
+            if entry is None:  # a partitioned join the savepoint's job had not: read from the earliest
+                continue
+            changelogs[dim.topic] = json.dumps({dim.topic: entry["offsets"]})
+            if entry.get("schema") is not None:
+                dims[dim.state_name] = (pq.read_table(self.directory / entry["rows"]),
+                                        json.dumps(entry["schema"]).encode("utf-8"))
+        events = self.meta["events"]
+        watermark = self.meta.get("watermark_ms")
+        floor = int(watermark) * 1000 if watermark else None
+        return (json.dumps({events["topic"]: events["offsets"]}),
+                Fork(devices=devices, dims=dims, changelogs=changelogs, floor_us=floor))
+
+
+def load(directory: str | Path) -> Savepoint:
+    """The savepoint in ``directory``; a :class:`SavepointRefused` naming it when it holds none."""
+    path = Path(directory) / META
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise SavepointRefused(f"{directory}: no savepoint ({META} missing; enrich savepoint --to writes one)") from None
+    except ValueError as exc:
+        raise SavepointRefused(f"{path}: not a savepoint record ({exc})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise SavepointRefused(f"{path}: not a savepoint of format {FORMAT}")
+    return Savepoint(Path(directory), meta)
+
+
+def refuse_started(ck: CheckpointLayout, directory: str | Path) -> None:
+    """A fork starts a new checkpoint: refuse one Spark has planned batches in."""
+    if ck.planned_any():
+        raise SavepointRefused(f"{ck.root}: the checkpoint has batches already; --from-savepoint {directory} starts "
+                               "a new one (point checkpoint: at a new directory)")
+
+
+def _sources(ck: CheckpointLayout, batch_id: int) -> dict[tuple[str, int], int]:
+    """Every source's end offsets of ``batch_id`` (Spark's offset log: ``v1``, metadata, a line per source)."""
+    path = ck.offsets / str(batch_id)
+    out: dict[tuple[str, int], int] = {}
+    try:
+        for line in path.read_text(encoding="utf-8").splitlines()[2:]:
+            if line.strip() and line.strip() != "-":
+                out.update(from_json_offsets(json.loads(line)))
+    except (OSError, ValueError) as exc:
+        raise DataError(f"{path}: unreadable offset log entry ({exc})") from None
+    return out
+
+
+def _offsets(sources: dict[tuple[str, int], int], topic: str) -> dict[str, int]:
+    """``{partition: offset}`` of ``topic``, as Spark's offset JSON keys them."""
+    return dict(to_json_offsets({tp: o for tp, o in sources.items() if tp[0] == topic}).get(topic, {}))
+
+
+def _next_watermark(ck: CheckpointLayout, batch_id: int) -> int:
+    """The watermark (ms) Spark recorded at ``batch_id``'s commit for the batch after it (0: none yet)."""
+    path = ck.commits / str(batch_id)
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+        return int(json.loads(lines[1]).get("nextBatchWatermarkMs", 0)) if len(lines) > 1 else 0
+    except (OSError, ValueError, AttributeError) as exc:
+        raise DataError(f"{path}: unreadable commit log entry ({exc})") from None
+
+
+def _write_parquet(path: Path, table: pa.Table) -> None:
+    def write(f: BinaryIO) -> None:
+        pq.write_table(table, f)
+
+    write_atomic(path, write)

@@ -1,0 +1,85 @@
+"""Reading a checkpoint's device state in batch: one owner for the offline operations that read it
+(``enrich lookup --state``, :mod:`enrich.ops.device`; ``enrich savepoint``, :mod:`enrich.ops.savepoint`)
+and for the Spark session they and ``enrich rescale`` (:mod:`enrich.ops.rescale`) run in.
+
+The state is read with Spark's state data source (``spark.read.format("statestore")``) as of a
+committed batch, so it works while the job runs and after it stopped. The state step keeps a table
+per hash bucket of devices (:mod:`enrich.state.stored`): a base value and the changes stored since,
+rebuilt here by the processor's own :func:`enrich.state.stored.bucket_table`; a partitioned
+dimension keeps its rows of a bucket as one value, with the published schema last applied to them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import pyarrow as pa
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
+
+from enrich.checkpoint import CheckpointLayout
+from enrich.columns import BUCKET
+from enrich.config import EnrichConfig
+from enrich.ipc import from_ipc
+from enrich.state.dimension import PartitionedDim, conform
+from enrich.state.engine import StateSpec
+from enrich.state.stored import DELTAS, STATE_NAME, bucket_table
+from enrich.state.stream import CHANGELOG_CONF, CHANGELOG_DEFAULT, PROVIDER_CONF, ROCKSDB
+from refstream.contract import DatasetSchema
+
+__all__ = ["device_tables", "dimension_rows", "scan", "session"]
+
+
+def session(cfg: EnrichConfig, master: str | None, app: str, conf: Mapping[str, str] | None = None) -> SparkSession:
+    """A Spark session that reads and writes the job's state store as the job does: the config's
+    ``spark:`` settings (``conf`` in their place when given), the RocksDB provider, the changelog
+    checkpointing the job wrote with."""
+    from enrich.session import build_session
+
+    base = dict(cfg.spark_conf if conf is None else conf)
+    settings = {**base, PROVIDER_CONF: ROCKSDB, "spark.ui.showConsoleProgress": "false",
+                CHANGELOG_CONF: cfg.spark_conf.get(CHANGELOG_CONF, CHANGELOG_DEFAULT)}
+    return build_session(master, app, settings)
+
+
+def scan(spark: SparkSession, ck: CheckpointLayout, batch_id: int, name: str, bucket: int | None = None) -> DataFrame:
+    """The state variable ``name`` of every bucket (or of the one grouping key ``bucket``) as the
+    committed batch ``batch_id`` left it."""
+    df = (spark.read.format("statestore").option("path", str(ck.spark.resolve()))
+          .option("batchId", batch_id).option("stateVarName", name).load())
+    return df if bucket is None else df.filter(F.col(f"key.{BUCKET}") == bucket)
+
+
+def device_tables(spark: SparkSession, ck: CheckpointLayout, batch_id: int, stored: StateSpec,
+                  bucket: int | None = None) -> pa.Table:
+    """Every device's row of the stored state table (``stored``: :func:`enrich.state.stored.stored_spec`)
+    after ``batch_id``, of every bucket or of the one grouping key ``bucket``. The buckets' values are
+    collected to the driver: one row per bucket, its devices as Arrow IPC bytes."""
+    values = scan(spark, ck, batch_id, STATE_NAME, bucket).select(F.col(f"key.{BUCKET}").alias("b"),
+                                                                  "value.table").collect()
+    if not values:
+        return stored.empty()
+    deltas = scan(spark, ck, batch_id, DELTAS, bucket)
+    element = "list_element" if "list_element" in deltas.columns else "value"
+    changes: dict[int, list[tuple[int, bytes, bytes]]] = {}
+    for r in deltas.select(F.col(f"key.{BUCKET}").alias("b"),
+                           *(F.col(f"{element}.{c}") for c in ("seq", "rows", "removed"))).collect():
+        changes.setdefault(int(r[0]), []).append((r[1], r[2], r[3]))
+    tables = [bucket_table(stored, bytes(v[1]), changes.get(int(v[0]), ())) for v in values]
+    return pa.concat_tables(tables).combine_chunks()
+
+
+def dimension_rows(spark: SparkSession, ck: CheckpointLayout, batch_id: int,
+                   dim: PartitionedDim) -> tuple[pa.Table, DatasetSchema | None]:
+    """A partitioned dimension's rows over every bucket after ``batch_id``, in the types the job was
+    planned with, and the published schema last applied to them (None: no bucket holds any)."""
+    rows = scan(spark, ck, batch_id, dim.state_name).select("value.table", "value.schema").collect()
+    tables, schema = [], None
+    for table, text in rows:
+        got = from_ipc(bytes(table))
+        tables.append(got if got.schema == dim.stored else conform(dim, got))
+        found = DatasetSchema.from_json(bytes(text).decode("utf-8") if isinstance(text, bytes | bytearray) else text)
+        if schema is None or (found.version or 0) > (schema.version or 0):
+            schema = found
+    return (pa.concat_tables(tables).combine_chunks() if tables else dim.empty()), schema
+
