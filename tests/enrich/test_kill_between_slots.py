@@ -52,14 +52,19 @@ def lost_report(kafka: dict[str, str], topic: str, lost: set[int]) -> str:
     """Where the events missing from the read_committed output are: among the records a
     read_uncommitted reader sees (partition, offset), or nowhere."""
     time.sleep(5)
-    again = {json.loads(m.value())["n"] for m in read_all(kafka, topic)}
+    committed = read_all(kafka, topic)
+    again = {json.loads(m.value())["n"] for m in committed}
+    ends: dict[str, dict[int | None, int]] = {"committed": {}, "uncommitted": {}}
+    for m in committed:
+        ends["committed"][m.partition()] = max(ends["committed"].get(m.partition(), -1), m.offset() or 0)
     seen: dict[int, list[tuple[int | None, int | None]]] = {}
     for m in rkafka.read_to_end({**kafka, "isolation.level": "read_uncommitted"}, topic, timeout=20):
+        ends["uncommitted"][m.partition()] = max(ends["uncommitted"].get(m.partition(), -1), m.offset() or 0)
         n = json.loads(m.value())["n"]
         if n in lost:
             seen.setdefault(n, []).append((m.partition(), m.offset()))
     return (f"lost {len(lost)}: {sorted(lost)[:10]}..{sorted(lost)[-5:]}; read_committed 5 s later still lacks "
-            f"{len(lost - again)}; read_uncommitted has {len(seen)} of them, e.g. "
+            f"{len(lost - again)}; last offsets {ends}; read_uncommitted has {len(seen)} of them, e.g. "
             f"{sorted(seen.items())[:6]}; nowhere: {sorted(lost - set(seen))[:10]}")
 
 
