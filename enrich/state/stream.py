@@ -45,6 +45,7 @@ from enrich.events.fastparse import FastParser
 from enrich.pipeline import Pipeline
 from enrich.session import SHUFFLE_PARTITIONS
 from enrich.source import read_stream
+from enrich.source.tick import tick_stream
 from enrich.state import ingest, packed
 from enrich.state.cache import TableCache
 from enrich.state.checkpoint import check_checkpoint
@@ -53,6 +54,7 @@ from enrich.state.ingest import EventPacker
 from enrich.state.layout import BucketLayout
 from enrich.state.processor import DeviceStateProcessor
 from enrich.state.stored import stored_spec
+from enrich.state.wait import WaitSpec
 from refstream import contract
 from refstream.errors import ConfigError
 
@@ -87,7 +89,8 @@ def state_step(spark: SparkSession, pipeline: Pipeline, raw: DataFrame,
                           f"finish; run enrich rescale --partitions {pending} again before the job")
     # A new checkpoint's state partitions: Spark keeps this number in the offset log at its first batch.
     session = int(spark.conf.get(SHUFFLE_PARTITIONS) or "200")
-    layout = check_checkpoint(ck, cfg.state, st.spec, cfg.source, st.dims, partitions=session)
+    layout = check_checkpoint(ck, cfg.state, st.spec, cfg.source, st.dims, partitions=session,
+                              waits=bool(cfg.waits))
     assert layout is not None
     planned = ck.planned()
     recorded = ck.recorded_partitions(planned[-1]) if planned else None
@@ -106,12 +109,14 @@ def state_step(spark: SparkSession, pipeline: Pipeline, raw: DataFrame,
     if spark.conf.get(CHANGELOG_CONF, None) is None:
         spark.conf.set(CHANGELOG_CONF, CHANGELOG_DEFAULT)
     changelogs = [read_stream(spark, cfg.kafka, [d.topic], starting_offsets="earliest") for d in st.dims]
-    return attach(raw, pipeline, layout, changelogs, devices, parser=parser, cache=TableCache(uuid.uuid4().hex))
+    ticks = tick_stream(spark, layout.ids) if cfg.waits else None
+    return attach(raw, pipeline, layout, changelogs, devices, parser=parser, cache=TableCache(uuid.uuid4().hex),
+                  ticks=ticks)
 
 
 def attach(raw: DataFrame, pipeline: Pipeline, layout: BucketLayout, changelogs: Sequence[DataFrame] = (),
            devices: Accumulator[dict[int, int]] | None = None, *, parser: FastParser | None = None,
-           cache: TableCache | None = None) -> StateStream:
+           cache: TableCache | None = None, ticks: DataFrame | None = None) -> StateStream:
     """The Kafka stream ``raw`` through the pipeline's state step (:class:`StateStream`): parsed,
     joined in the plan by the joins before the step, then keyed by bucket (``layout``) into the
     step with the partitioned dimensions' ``changelogs`` (one stream each, in the plan's order,
@@ -119,7 +124,8 @@ def attach(raw: DataFrame, pipeline: Pipeline, layout: BucketLayout, changelogs:
     (:mod:`enrich.state.ingest`, with the fast ``parser`` if given) and through it packed
     (:mod:`enrich.state.packed`). ``devices``: an accumulator of ``enrich.accumulators.KeyedCounts`` the step
     reports each bucket's device count to. ``cache``: where the executors keep a copy of the bucket
-    tables they store (:mod:`enrich.state.cache`; None: none)."""
+    tables they store (:mod:`enrich.state.cache`; None: none). ``ticks``: the tick stream
+    (:mod:`enrich.source.tick`) when a join waits for completeness: it calls every bucket each trigger."""
     cfg, st = pipeline.cfg, pipeline.state
     assert cfg.state is not None and st is not None
     timezone = pipeline.timezone
@@ -135,8 +141,11 @@ def attach(raw: DataFrame, pipeline: Pipeline, layout: BucketLayout, changelogs:
     key_type = st.joined[cfg.state.key].dataType
     for dim, changelog in zip(st.dims, changelogs, strict=True):
         rows = rows.union(_changelog_rows(changelog, dim, key_type, layout, packed_spark, packed_arrow))
+    if ticks is not None:
+        rows = rows.union(ticks.select(F.col(BUCKET), F.col(ROWS)))
     inner = stored_spec(st.spec)
-    processor = DeviceStateProcessor(inner, columns, devices, st.dims, cache)
+    waits = WaitSpec.of(cfg.waits) if cfg.waits else None
+    processor = DeviceStateProcessor(inner, columns, devices, st.dims, cache, waits)
     flat_type = inner.output_type()
     # What the processor's packed tables hold: the passed columns, the flat state fields, the late flag.
     flat_schema = StructType([*st.passed, *[StructField(FLAT + f.name, from_arrow_type(f.type), True)
