@@ -17,7 +17,7 @@ from collections.abc import Iterator, Sequence
 
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
-from pyspark.sql.streaming.datasource import ReadLimit
+from pyspark.sql.streaming.datasource import ReadLimit, SupportsTriggerAvailableNow
 from pyspark.sql.types import StructType
 
 from enrich.state.packed import marker
@@ -50,17 +50,27 @@ class _Tick(InputPartition):
     pass
 
 
-class TickStreamReader(DataSourceStreamReader):
-    """Offsets ``{"ms": wall clock}``; every range holds one tick per bucket."""
+class TickStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
+    """Offsets ``{"ms": wall clock}``; every range holds one tick per bucket. Under
+    ``Trigger.AvailableNow`` the ticks stop at the time the run started: a source without it would
+    make Spark fall back to a single batch for the whole query (only a batch left uncommitted by a
+    crash, say, and none after it)."""
 
     def __init__(self, buckets: Sequence[int]) -> None:
         self.buckets = tuple(buckets)
+        self._until: int | None = None
 
     def initialOffset(self) -> dict:
         return {"ms": _now_ms()}
 
+    def prepareForTriggerAvailableNow(self) -> None:
+        self._until = _now_ms()
+
     def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
-        return {"ms": max(_now_ms(), int(start["ms"]) + 1)}
+        begin = int(start["ms"])
+        if self._until is not None:
+            return {"ms": max(begin, self._until)}  # one tick batch at most, up to the run's start
+        return {"ms": max(_now_ms(), begin + 1)}
 
     def partitions(self, start: dict, end: dict) -> Sequence[InputPartition]:
         return [_Tick(None)]
