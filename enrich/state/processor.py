@@ -156,7 +156,7 @@ class DeviceStateProcessor(StatefulProcessor):
         if table is None and held is None:
             return None
         facts = _batch_facts()
-        parts, dead, fresh = [], None, 0
+        parts, dead, fresh, before = [], None, 0, held.num_rows if held is not None else 0
         if table is not None:
             ok = pc.is_null(table.column(ERROR))
             dead = table.filter(pc.invert(ok))
@@ -166,11 +166,9 @@ class DeviceStateProcessor(StatefulProcessor):
             late = ts <= watermark_us if watermark_us is not None else np.zeros(fresh, dtype=bool)
             parts.append(wait.admit(good, facts).append_column(LATE_AT_READ, pa.array(late, pa.bool_())))
         if held is not None:
-            if parts and held.schema != parts[0].schema:  # held under an older plan's types
-                held = held.cast(parts[0].schema)
-            parts.insert(0, held)
+            parts.insert(0, _conform(held, parts[0].schema if parts else None, self.columns))
         split = wait.split(self.waits, facts, pa.concat_tables(parts), TS_US)
-        if fresh or split.released.num_rows:  # else the held rows stay as stored
+        if split.release[:before].any() or not split.release[before:].all():  # else they stay as stored
             if split.held.num_rows:
                 self.held.update((to_ipc(split.held),))
             else:
@@ -294,6 +292,21 @@ class DeviceStateProcessor(StatefulProcessor):
 
 #: The state variable of a bucket's events held for completeness (Arrow IPC bytes).
 HELD = "held"
+
+
+def _conform(held: pa.Table, schema: pa.Schema | None, columns: tuple[str, ...]) -> pa.Table:
+    """Rows held under an earlier plan (the job restarted with other event fields, or a dataset's
+    types changed) as ``schema``, this batch's events' (None: a tick alone, then the event
+    ``columns`` are made sure of): a column they lack is null, a type cast."""
+    if schema is None:
+        missing = [c for c in columns if c not in held.column_names]
+        for c in missing:
+            held = held.append_column(c, pa.nulls(held.num_rows))
+        return held
+    if held.schema == schema:
+        return held
+    return pa.Table.from_arrays([held.column(f.name).cast(f.type) if f.name in held.column_names
+                                 else pa.nulls(held.num_rows, f.type) for f in schema], schema=schema)
 
 
 def _batch_facts() -> wait.BatchFacts:

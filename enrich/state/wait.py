@@ -90,6 +90,7 @@ class Split:
     released: pa.Table
     provisional: np.ndarray
     held: pa.Table
+    release: np.ndarray  # per row of the pool, whether it was released
 
 
 def admit(events: pa.Table, facts: BatchFacts) -> pa.Table:
@@ -112,4 +113,4 @@ def split(spec: WaitSpec, facts: BatchFacts, pool: pa.Table, ts_us: str) -> Spli
         release &= complete | expired
         incomplete |= ~complete
     mask = pa.array(release)
-    return Split(pool.filter(mask), (incomplete & release)[release], pool.filter(pc.invert(mask)))
+    return Split(pool.filter(mask), (incomplete & release)[release], pool.filter(pc.invert(mask)), release)

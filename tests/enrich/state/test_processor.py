@@ -283,3 +283,13 @@ def test_held_events_wait_in_the_bucket_and_count_in_the_state_when_released(mon
     assert out[FLAT + "events"].tolist() == [1]
     assert t.peekValueState(proc.HELD, 3) is None
     assert stored(t).column(engine.KEY).to_pylist() == ["a", "b"]
+
+
+def test_rows_held_under_an_earlier_plan_fit_this_batchs_events() -> None:
+    from enrich.state.processor import _conform
+
+    held = pa.table({"device_id": ["a"], "n": pa.array([1], pa.int32())})
+    now = pa.schema([("device_id", pa.string()), ("n", pa.int64()), ("extra", pa.string())])
+    got = _conform(held, now, ())
+    assert got.schema == now and got.to_pylist() == [{"device_id": "a", "n": 1, "extra": None}]
+    assert _conform(held, None, ("device_id", "extra")).column("extra").null_count == 1  # a tick alone
