@@ -12,6 +12,7 @@
     python -m bench.run state_rescale [options of bench.state_rescale]
     python -m bench.run soak    [options of bench.soak]
     python -m bench.run asof    [options of bench.asof_bench]
+    python -m bench.run wait    [options of bench.wait_bench]
 
 Each benchmark is a module with a ``main(argv) -> int``; it is imported only when chosen, so one
 benchmark's missing or broken module does not stop the other. Their figures are in
@@ -37,6 +38,7 @@ BENCHMARKS = {
     "state_restart": ("bench.state_restart", "state of N devices: checkpoint size, restart after SIGKILL until output"),
     "state_rescale": ("bench.state_rescale", "state of N devices: enrich rescale to other numbers of state partitions"),
     "asof": ("bench.asof_bench", "as-of lookup against the latest-version lookup, per event (no Spark)"),
+    "wait": ("bench.wait_bench", "waiting for completeness: deciding and storing a bucket's held events (no Spark)"),
     "soak": ("bench.soak", "reliability: the topology under reference churn and SIGKILLs, then an accounting"),
 }
 
