@@ -52,6 +52,7 @@ from enrich.state.stored import (
     DELTA_SCHEMA,
     DELTAS,
     DIM_SCHEMA,
+    HELD,
     SIZES_SCHEMA,
     STATE_NAME,
     TOKEN_SCHEMA,
@@ -288,10 +289,6 @@ class DeviceStateProcessor(StatefulProcessor):
             want = self._types.get(c)
             arrays.append(a.cast(want) if want is not None and a.type != want else a)
         return pa.Table.from_arrays(arrays, names=cols)
-
-
-#: The state variable of a bucket's events held for completeness (Arrow IPC bytes).
-HELD = "held"
 
 
 def _conform(held: pa.Table, schema: pa.Schema | None, columns: tuple[str, ...]) -> pa.Table:

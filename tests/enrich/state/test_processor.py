@@ -18,7 +18,7 @@ from enrich.state.cache import LOCAL_DIRS, TableCache
 from enrich.state.dimension import PartitionedDim, partitioned_dim
 from enrich.state.engine import StateSpec
 from enrich.state.processor import DeviceStateProcessor
-from enrich.state.stored import DELTAS, STATE_NAME, bucket_table
+from enrich.state.stored import DELTAS, HELD, STATE_NAME, bucket_table
 from refstream.contract import Column, DatasetSchema
 
 HOUR_US = 3600 * 10**6
@@ -269,7 +269,7 @@ def test_held_events_wait_in_the_bucket_and_count_in_the_state_when_released(mon
                                   ("c", 1, 1.0, 1, "required field n is null")])))
     assert out["_offset"].tolist() == [0, 3] and out["_provisional"].tolist() == [False, False]
     assert out[FLAT + "events"].tolist()[0] == 1
-    assert t.peekValueState(proc.HELD, 3) is not None
+    assert t.peekValueState(HELD, 3) is not None
     # A tick alone: complete as of 25s now, the event at 20s is released final and counted then.
     facts["now"] = BatchFacts(T0_US // 1000 + 1000, {"owners": T0_US + 25 * 10**6})
     out = call(tick)
@@ -281,7 +281,7 @@ def test_held_events_wait_in_the_bucket_and_count_in_the_state_when_released(mon
     out = call(tick)
     assert out["_offset"].tolist() == [2] and out["_provisional"].tolist() == [True]
     assert out[FLAT + "events"].tolist() == [1]
-    assert t.peekValueState(proc.HELD, 3) is None
+    assert t.peekValueState(HELD, 3) is None
     assert stored(t).column(engine.KEY).to_pylist() == ["a", "b"]
 
 
