@@ -71,9 +71,9 @@ def test_as_of_joins_add_the_clipped_flag_once_wherever_they_run(spark: SparkSes
 
 def test_a_waiting_join_adds_provisional_and_cannot_run_before_the_step(spark: SparkSession) -> None:
     c = config.parse({**c_data(), "joins": [
+        {"dataset": "devices", "on": "device_id", "columns": ["model_id"]},
         {"dataset": "models", "on": {"model_id": "id"}, "columns": ["model_name"], "as_of": True, "wait": "complete",
          "max_wait": "2m"},
-        {"dataset": "devices", "on": "device_id", "columns": ["model_id"]},
         {"dataset": "sites", "on": "site_id"}]}, "test.yaml")
     p = Pipeline.build(c, SCHEMAS)
     assert p.state is not None and [f.name for f in p.state.passed][-1] == "_provisional"
