@@ -13,6 +13,7 @@
     python -m bench.run state_savepoint [options of bench.state_savepoint]
     python -m bench.run soak    [options of bench.soak]
     python -m bench.run asof    [options of bench.asof_bench]
+    python -m bench.run wait    [options of bench.wait_bench]
 
 Each benchmark is a module with a ``main(argv) -> int``; it is imported only when chosen, so one
 benchmark's missing or broken module does not stop the other. Their figures are in
@@ -40,6 +41,7 @@ BENCHMARKS = {
     "asof": ("bench.asof_bench", "as-of lookup against the latest-version lookup, per event (no Spark)"),
     "state_savepoint": ("bench.state_savepoint", "state of N devices: enrich savepoint, a fork's first run vs a "
                         "restart"),
+    "wait": ("bench.wait_bench", "waiting for completeness: deciding and storing a bucket's held events (no Spark)"),
     "soak": ("bench.soak", "reliability: the topology under reference churn and SIGKILLs, then an accounting"),
 }
 

@@ -10,7 +10,7 @@ event the fast parser left to ``from_json``). The state step (:mod:`enrich.state
 
 from __future__ import annotations
 
-__all__ = ["BATCH_TIME", "BUCKET", "CORRUPT", "DELETED", "ERROR", "FLAT", "INTERNAL", "KEY_BYTES", "LATE", "MAX_TS",
+__all__ = ["BATCH_TIME", "BUCKET", "CORRUPT", "DELETED", "ERROR", "FLAT", "INTERNAL", "KEY_BYTES", "LATE", "LATE_AT_READ", "MAX_TS", "PROVISIONAL",
            "ROWS", "SLOW", "SOURCE", "STATE", "TS_US", "UNMATCHED",
            "VALID_FROM"]
 
@@ -42,6 +42,12 @@ KEY_BYTES = "__key"
 DELETED = "__deleted"
 #: When an as-of dimension's version holds from (its ``valid_from``, UTC microseconds).
 VALID_FROM = "__valid_from"
+
+#: Set on every event when some join waits for completeness (``joins[].wait``): true on an event the
+#: state step released because ``max_wait`` expired before its datasets were complete as of its time.
+PROVISIONAL = "_provisional"
+#: A held event's late flag, as judged against the watermark of the batch that first read it.
+LATE_AT_READ = "_late_at_read"
 
 #: The Kafka sink's flag of an event some join found no row for.
 UNMATCHED = "_unmatched"

@@ -22,6 +22,7 @@ __all__ = [
     "JoinConfig",
     "JoinHow",
     "JoinStrategy",
+    "JoinWait",
     "OnOffsetReset",
     "OutputConfig",
     "OutputKind",
@@ -53,6 +54,8 @@ OutputKind = Literal["kafka", "parquet", "console"]
 #: driver holds it); ``partitioned`` keeps it in the keyed state next to the device state, hashed by
 #: the same key (it needs ``state:`` and joins on ``state.key``; docs/state.md).
 JoinStrategy = Literal["broadcast", "partitioned"]
+#: Whether an as-of join waits for its dataset's completeness before it joins an event.
+JoinWait = Literal["none", "complete"]
 #: A per-device aggregate of one column (nulls ignored): the latest value, the least, the greatest, the mean.
 StateAgg = Literal["last", "min", "max", "mean"]
 
@@ -60,6 +63,8 @@ StateAgg = Literal["last", "min", "max", "mean"]
 DEFAULT_MAX_EVENTS_PER_BATCH = 100_000
 #: How far back from a key's newest version an as-of join keeps its versions, by default.
 DEFAULT_HISTORY = timedelta(days=7)
+#: How long (processing time, from when the job first read it) an event waits for completeness at most.
+DEFAULT_MAX_WAIT = timedelta(minutes=15)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,6 +100,10 @@ class JoinConfig:
     #: the dimension keeps each key's versions for ``history`` (enrich.dimension.history).
     as_of: bool = False
     history: timedelta = DEFAULT_HISTORY
+    #: ``complete``: the state step holds an event until the dataset's completeness (the refresher's
+    #: ``complete_as_of``) reaches its time, or ``max_wait`` expires (enrich.state.wait).
+    wait: JoinWait = "none"
+    max_wait: timedelta = DEFAULT_MAX_WAIT
 
     @property
     def matched_column(self) -> str:
@@ -173,6 +182,11 @@ class EnrichConfig:
     def partitioned_joins(self) -> tuple[JoinConfig, ...]:
         """The joins kept in the keyed state, in configured order (inside the state step)."""
         return tuple(j for j in self.joins if j.strategy == "partitioned")
+
+    @property
+    def waits(self) -> dict[str, timedelta]:
+        """dataset -> ``max_wait`` of the datasets whose joins wait for completeness (``wait: complete``)."""
+        return {j.dataset: j.max_wait for j in self.joins if j.wait == "complete"}
 
     @property
     def broadcast_datasets(self) -> dict[str, str]:
@@ -291,11 +305,23 @@ def _join(sec: Section) -> JoinConfig:
         strategy=sec.choice("strategy", JoinStrategy, "broadcast"),
         as_of=sec.get("as_of", bool, False),
         history=sec.duration("history", DEFAULT_HISTORY),
+        wait=sec.choice("wait", JoinWait, "none"),
+        max_wait=sec.duration("max_wait", DEFAULT_MAX_WAIT),
     )
     if cfg.history <= timedelta(0):
         raise sec.error("must be positive", "history")
     if sec.has("history") and not cfg.as_of:
         raise sec.error("applies to as_of joins only; set as_of: true or remove it", "history")
+    if cfg.wait == "complete" and not cfg.as_of:
+        raise sec.error("complete needs as_of: true (an event waits until the dataset is complete as of its time)",
+                        "wait")
+    if cfg.wait == "complete" and cfg.strategy == "partitioned":
+        raise sec.error("complete applies to broadcast joins only (the driver tracks a broadcast dataset's "
+                        "completeness); use strategy: broadcast or wait: none", "wait")
+    if cfg.max_wait <= timedelta(0):
+        raise sec.error("must be positive", "max_wait")
+    if sec.has("max_wait") and cfg.wait != "complete":
+        raise sec.error("applies to joins with wait: complete only; set it or remove max_wait", "max_wait")
     sec.done()
     return cfg
 
@@ -324,15 +350,15 @@ def _check_as_of(top: Section, joins: tuple[JoinConfig, ...], state: StateConfig
     """An as-of join looks rows up at the event's time, ``state.timestamp``: it needs the section.
     A dataset's driver or bucket copy is either a history or the latest rows, so every join of one
     dataset agrees on ``as_of`` and ``history``."""
-    seen: dict[str, tuple[bool, timedelta]] = {}
+    seen: dict[str, tuple[bool, timedelta, str, timedelta]] = {}
     for i, j in enumerate(joins):
         if j.as_of and state is None:
             raise top.error("as_of needs a state: section (an event's time is its state.timestamp)",
                             f"joins[{i}].as_of")
-        first = seen.setdefault(j.dataset, (j.as_of, j.history))
-        if first != (j.as_of, j.history):
-            raise top.error(f"dataset {j.dataset!r} is joined with different as_of/history settings; "
-                            "give every join of it the same", f"joins[{i}].as_of")
+        first = seen.setdefault(j.dataset, (j.as_of, j.history, j.wait, j.max_wait))
+        if first != (j.as_of, j.history, j.wait, j.max_wait):
+            raise top.error(f"dataset {j.dataset!r} is joined with different as_of/history/wait/max_wait "
+                            "settings; give every join of it the same", f"joins[{i}].as_of")
 
 
 def _state(sec: Section) -> StateConfig:

@@ -46,6 +46,7 @@ from enrich.sinks.identity import SinkIdentity
 from enrich.state.checkpoint import check_checkpoint
 from enrich.state.devices import DeviceCount
 from enrich.state.stream import Fork, StateStream
+from enrich.state.wait import BatchFacts
 from refstream import kafka as rkafka
 from refstream.errors import TerminalError, one_line
 from refstream.retry import RetryPolicy, call_with_retry
@@ -384,9 +385,13 @@ class EnrichJob:
         shipped = call_with_retry(lambda: st.dims.pin(batch_id), what=f"batch {batch_id}: pinning dimensions",
                                   policy=self.retry, stop=self._stop)
         files = st.dims.shipper.files
-        if files is not None:  # joins in the plan: this batch's tasks learn its pinned versions here
-            st.spark.sparkContext.setLocalProperty(join.PINNED_PROPERTY,
-                                                   join.pinned_property(shipped, str(files.resolve())))
+        facts = None
+        if self.cfg.waits:  # the state step decides what it holds against the batch's recorded facts
+            at, complete = st.dims.batch_facts(batch_id, list(self.cfg.waits))
+            facts = BatchFacts.of(at, complete).to_json()
+        if files is not None or facts is not None:  # joins in the plan, or waiting: the tasks learn it here
+            st.spark.sparkContext.setLocalProperty(join.PINNED_PROPERTY, join.pinned_property(
+                shipped, str(files.resolve()) if files is not None else None, facts))
         jp = self._join_pass()
         matched = tuple(s.matched for s in jp.specs)
         # A sink that does not count the unmatched events it writes (Parquet, console): the join pass

@@ -379,11 +379,16 @@ class Enricher:
 PINNED_PROPERTY = "refstream.pinned"
 
 
-def pinned_property(shipped: Mapping[str, Shipped], files: str) -> str:
-    """The value of :data:`PINNED_PROPERTY` for one batch: every version's ids and key, and the
-    directory the shipper wrote them to."""
-    return json.dumps({"files": files, "dims": {ds: [list(s.key), s.base_id, s.overlay_id]
-                                                for ds, s in shipped.items()}})
+def pinned_property(shipped: Mapping[str, Shipped], files: str | None,
+                    wait: Mapping[str, object] | None = None) -> str:
+    """The value of :data:`PINNED_PROPERTY` for one batch: every version's ids and key, the
+    directory the shipper wrote them to (None: not written, no join in the plan reads them) and,
+    when a join waits for completeness, the batch's facts (``enrich.state.wait.BatchFacts``)."""
+    value: dict[str, object] = {"files": files, "dims": {ds: [list(s.key), s.base_id, s.overlay_id]
+                                                         for ds, s in shipped.items()}}
+    if wait is not None:
+        value["wait"] = dict(wait)
+    return json.dumps(value)
 
 
 class _FileBytes:

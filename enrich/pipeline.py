@@ -35,7 +35,7 @@ from pyspark.sql.types import BooleanType, StructField, StructType
 from enrich import events, join
 from enrich.asof import CLIPPED
 from enrich.checkpoint import CheckpointLayout
-from enrich.columns import BATCH_TIME, BUCKET, FLAT, INTERNAL, MAX_TS, TS_US
+from enrich.columns import BATCH_TIME, BUCKET, FLAT, INTERNAL, MAX_TS, PROVISIONAL, TS_US
 from enrich.config import EnrichConfig, JoinConfig
 from enrich.join import JoinSpec
 from enrich.state.dimension import PartitionedDim, partitioned_dim
@@ -48,7 +48,7 @@ __all__ = ["JoinPass", "Pipeline", "Stage", "StatePlan"]
 
 #: The columns the state step adds to the events on their way through it (an event field of that
 #: name would be overwritten).
-STEP_COLUMNS = frozenset({BUCKET, TS_US, MAX_TS, BATCH_TIME})
+STEP_COLUMNS = frozenset({BUCKET, TS_US, MAX_TS, BATCH_TIME, PROVISIONAL})
 #: What a stage does.
 StageKind = Literal["read", "parse", "join", "state", "sink"]
 
@@ -150,9 +150,11 @@ class Pipeline:
                 j = cfg.partitioned_joins[d.index]
                 out.append(_join_stage(j, d.join, "partitioned, in the state step"))
             assert cfg.state is not None
+            held = "".join(f", holds events until {ds} is complete as of their time (at most "
+                           f"{_seconds(w)})" for ds, w in cfg.waits.items())
             out.append(Stage("state", f"keyed by {cfg.state.key}", f"{cfg.state.buckets} buckets, ttl "
-                             f"{_seconds(cfg.state.ttl)}, watermark {_seconds(cfg.state.watermark)}",
-                             ("state", "_late")))
+                             f"{_seconds(cfg.state.ttl)}, watermark {_seconds(cfg.state.watermark)}{held}",
+                             ("state", "_late", *((PROVISIONAL,) if cfg.waits else ()))))
         for j, s in zip(self.after, self.join_pass.specs, strict=True):
             out.append(_join_stage(j, s, "broadcast, in the join pass"))
         o = cfg.output
@@ -212,6 +214,12 @@ def _state_plan(cfg: EnrichConfig, parsed: StructType, schemas: Mapping[str, Dat
         raise ConfigError(f"{src}: events.schema: field(s) {taken} are names the state step uses for its own "
                           f"columns ({', '.join(sorted(STEP_COLUMNS))}, {FLAT}*); rename them")
     before = _needed_by_state(cfg, schemas, with_dims, timezone)
+    for j in before:
+        if j.wait == "complete":  # the step holds events after these joins ran: they could not wait
+            i = cfg.joins.index(j)
+            raise ConfigError(f"{src}: joins[{i}].wait: complete is not possible for a join whose columns "
+                              "the state: section uses (it runs before the state step, which holds the "
+                              "events); use wait: none for it")
     # Each of these needs its on: columns from the events: a column of a partitioned join (added
     # inside the step) or of a join left to the join pass is named by the plan's error.
     specs, joined = join.plan(before, schemas, parsed, timezone=timezone, source=src, time_column=_time(cfg))
@@ -235,6 +243,8 @@ def _state_plan(cfg: EnrichConfig, parsed: StructType, schemas: Mapping[str, Dat
         passed.append(StructField(d.join.matched, BooleanType(), True))
         if d.join.time is not None and CLIPPED not in [f.name for f in passed]:
             passed.append(StructField(CLIPPED, BooleanType(), True))
+    if cfg.waits:  # every event says whether its joins are final (enrich.state.wait)
+        passed.append(StructField(PROVISIONAL, BooleanType(), True))
     schema = StructType(passed + output_fields(spec))
     return StatePlan(spec=spec, before=tuple(before), before_specs=tuple(specs), inner=inner, joined=joined,
                      dims=dims, passed=tuple(passed), schema=schema)

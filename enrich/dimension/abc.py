@@ -54,3 +54,6 @@ class VersionLog(Protocol):
 
     def latest(self) -> tuple[int, dict[str, Positions]] | None:
         """The highest batch id recorded and its positions."""
+
+    def info(self, batch_id: int) -> dict[str, dict[str, object]]:
+        """The ``info`` recorded with ``batch_id`` (empty when none)."""

@@ -125,8 +125,10 @@ class Dimensions:
                 dim.state.apply(dim.feed.read_to_end(self._timeout))
             positions[ds] = dim.feed.positions()
         if recorded is None:
+            now_ms = int(time.time() * 1000)  # the batch's time (enrich.state.wait): kept for its replays
             info = {ds: {"rows": dim.state.live_rows(), "version": dim.state.version,
-                         "changed_ms": dim.state.changed_ms, "complete_as_of": self._complete(ds)}
+                         "changed_ms": dim.state.changed_ms, "complete_as_of": self._complete(ds),
+                         "pinned_ms": now_ms}
                     for ds, dim in self._dims.items()}
             self._versions.put(batch_id, positions, info)
         out = {ds: self._ship(dim) for ds, dim in self._dims.items()}
@@ -138,6 +140,20 @@ class Dimensions:
         refresher's heartbeats (None until each changelog partition had one with a completeness)."""
         dim = self._dims[dataset]
         return dim.state.complete_as_of(dim.feed.positions())
+
+    def batch_facts(self, batch_id: int, datasets: Sequence[str]) -> tuple[int, dict[str, str | None]]:
+        """What :meth:`pin` recorded for ``batch_id`` before its first attempt: the batch's time
+        (epoch ms) and each of ``datasets``' ``complete_as_of``; a replay gets the same. A batch
+        recorded without them (by an older version) gets the time now and the completeness now."""
+        info = self._versions.info(batch_id)
+        times = [f["pinned_ms"] for f in info.values() if isinstance(f.get("pinned_ms"), int)]
+        at = int(times[0]) if times else int(time.time() * 1000)  # type: ignore[call-overload]
+        complete: dict[str, str | None] = {}
+        for ds in datasets:
+            facts = info.get(ds, {})
+            got = facts.get("complete_as_of") if "pinned_ms" in facts else self._complete(ds)
+            complete[ds] = got if isinstance(got, str) else None
+        return at, complete
 
     def _complete(self, dataset: str) -> str | None:
         at = self.complete_as_of(dataset)

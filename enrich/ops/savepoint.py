@@ -93,6 +93,9 @@ def take(cfg: EnrichConfig, to: str | Path, *, spark: SparkSession | None = None
     directory = Path(to)
     if cfg.state is None:
         raise ConfigError(f"{cfg.source}: no state: section; a savepoint holds a job's device state")
+    if cfg.waits:  # the events a waiting join holds are read (their offsets passed) but not in the state
+        raise SavepointRefused(f"{cfg.source}: joins wait for completeness ({', '.join(sorted(cfg.waits))}); "
+                               "a savepoint does not hold the events they hold")
     if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
         raise SavepointRefused(f"{directory}: not an empty directory; a savepoint is written to a new or empty one")
     ck = CheckpointLayout(cfg.checkpoint)

@@ -29,6 +29,8 @@ from refstream.errors import ConfigError
 PARTITIONS = "state_partitions"
 #: The record's grouping key of each bucket (:class:`enrich.state.layout.BucketLayout`).
 BUCKET_IDS = "bucket_ids"
+#: Whether the checkpoint's query waits for completeness (``joins[].wait``).
+WAITS = "waits"
 
 _RESTORE = "restore it from a backup of the checkpoint, or start a new checkpoint"
 
@@ -45,12 +47,15 @@ def record(cfg: StateConfig, spec: StateSpec, dims: Sequence[PartitionedDim] = (
 
 def check_checkpoint(layout: CheckpointLayout, cfg: StateConfig | None, spec: StateSpec | None,
                      source: str = "config", dims: Sequence[PartitionedDim] = (), *,
-                     partitions: int | None = None) -> BucketLayout | None:
+                     partitions: int | None = None, waits: bool | None = None) -> BucketLayout | None:
     """Record the state settings in a new checkpoint; refuse a start whose settings differ from the
     recorded ones (or that adds or removes ``state:`` against a checkpoint that has run). Returns the
     checkpoint's bucket layout (None without ``state:``): a new checkpoint's is even over
     ``partitions`` state partitions (the number its first batch will have, which a new record
-    needs) and over every number that divides ``state.buckets``."""
+    needs) and over every number that divides ``state.buckets``. ``waits``: whether some join waits
+    for completeness (``joins[].wait``), which adds an input to the query (the tick source) and
+    keeps held events in the state: a start that turns it on or off against a checkpoint that has
+    run is refused (None: not checked)."""
     checkpoint, path = layout.root, layout.state_record
     if not path.exists():
         if cfg is None:
@@ -64,7 +69,8 @@ def check_checkpoint(layout: CheckpointLayout, cfg: StateConfig | None, spec: St
                               "has not started on it")
         assert spec is not None
         even = BucketLayout.even(cfg.buckets, partitions)
-        write_json_atomic(path, {**record(cfg, spec, dims), BUCKET_IDS: list(even.ids), PARTITIONS: partitions})
+        write_json_atomic(path, {**record(cfg, spec, dims), BUCKET_IDS: list(even.ids), PARTITIONS: partitions,
+                                 WAITS: bool(waits)})
         return even
     kept = read_record(path)
     new = "point checkpoint: at a new directory to start over (device state starts empty)"
@@ -81,6 +87,16 @@ def check_checkpoint(layout: CheckpointLayout, cfg: StateConfig | None, spec: St
             raise ConfigError(f"{source}: {what} changed against the checkpoint {checkpoint}, whose device state "
                               f"was kept with {json.dumps(kept.get(name))}, now {json.dumps(now[name])}; "
                               f"put it back, or {new}")
+    was = bool(kept.get(WAITS, False))  # records from before joins[].wait: no waiting
+    if waits is not None and was != waits and layout.planned_any():
+        raise ConfigError(f"{source}: joins[].wait: complete " + (
+            "is new against the checkpoint {checkpoint}, whose query ran without it: waiting adds an input to "
+            "the query (the tick source), which Spark cannot add to a checkpoint" if waits else
+            "was removed against the checkpoint {checkpoint}, whose state may hold events waiting for "
+            "completeness and whose query has an input (the tick source) it would lose"
+        ).format(checkpoint=checkpoint) + f"; put it back, or {new}")
+    if waits is not None and was != waits:  # nothing ran yet: the record follows the config
+        write_json_atomic(path, {**kept, WAITS: waits})
     state_partitions(kept, path)
     return bucket_layout(kept, path)
 

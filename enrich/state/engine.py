@@ -163,11 +163,15 @@ def next_expiry(spec: StateSpec, state: pa.Table) -> int | None:
     return int(_micros(state.column(LAST_SEEN)).min()) + spec.ttl_us
 
 
-def apply(spec: StateSpec, state: pa.Table, events: pa.Table, watermark_us: int | None) -> Applied:
+def apply(spec: StateSpec, state: pa.Table, events: pa.Table, watermark_us: int | None,
+          late_at_read: np.ndarray | None = None) -> Applied:
     """Apply one micro-batch of one bucket's events to the bucket's state (see the module docstring).
 
     ``events`` holds at least the key, the timestamp, the tie columns and the aggregated columns;
     ``watermark_us`` is the batch's watermark in microseconds (None: nothing is late, nothing expires).
+    ``late_at_read``: which events are late, as judged when they were read (events held for
+    completeness, ``enrich.state.wait``, are judged against the watermark of the batch that read
+    them, not the one that releases them); None: judged against ``watermark_us``.
     """
     state, removed = evict_keys(spec, state, watermark_us)
     evicted = len(removed)
@@ -176,7 +180,10 @@ def apply(spec: StateSpec, state: pa.Table, events: pa.Table, watermark_us: int 
     ts_col = events.column(spec.timestamp).combine_chunks()
     ts = _micros(ts_col)
     valid = key.is_valid().to_numpy(zero_copy_only=False) & ts_col.is_valid().to_numpy(zero_copy_only=False)
-    late = valid & (ts <= watermark_us) if watermark_us is not None else np.zeros(n, dtype=bool)
+    if late_at_read is not None:
+        late = valid & late_at_read
+    else:
+        late = valid & (ts <= watermark_us) if watermark_us is not None else np.zeros(n, dtype=bool)
     use = np.flatnonzero(valid & ~late)
     out_type = spec.output_type()
     if len(use) == 0:

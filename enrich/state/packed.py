@@ -63,6 +63,12 @@ def pack(batches: Iterable[pa.RecordBatch], *, bucket: str, timestamp: str | Non
              pa.array(out_rows, pa.binary())], schema=packed_schema)
 
 
+def marker(kind: str) -> bytes:
+    """A packed value holding no rows, of ``kind``: it makes the processor call its bucket (the tick
+    source's rows, ``enrich.source.tick``); :func:`unpack_kinds` gives an empty table of it."""
+    return to_ipc(pa.table({}).replace_schema_metadata({_KIND: kind.encode()}))
+
+
 def unpack_rows(rows: Iterable[pd.DataFrame]) -> pa.Table:
     """The processor's input: the packed values (the last column; PySpark renames columns whose
     name starts with an underscore) as one table of events."""

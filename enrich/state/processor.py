@@ -23,6 +23,7 @@ fields (``_state_<field>``, times in microseconds) and ``_late``; the streaming 
 
 from __future__ import annotations
 
+import json
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -40,9 +41,10 @@ from pyspark.sql.streaming.stateful_processor import (
 )
 
 from enrich.asof import CLIPPED
-from enrich.columns import ERROR, FLAT, LATE
+from enrich.columns import ERROR, FLAT, LATE, LATE_AT_READ, PROVISIONAL, TS_US
 from enrich.ipc import from_ipc, to_ipc
-from enrich.state import engine, packed
+from enrich.join import PINNED_PROPERTY
+from enrich.state import engine, packed, wait
 from enrich.state.cache import TableCache
 from enrich.state.dimension import CACHE, PartitionedDim, Version, apply_changes, cache_limit, conform, lookup
 from enrich.state.engine import StateSpec
@@ -50,6 +52,7 @@ from enrich.state.stored import (
     DELTA_SCHEMA,
     DELTAS,
     DIM_SCHEMA,
+    HELD,
     SIZES_SCHEMA,
     STATE_NAME,
     TOKEN_SCHEMA,
@@ -67,16 +70,18 @@ class DeviceStateProcessor(StatefulProcessor):
     passed through, in output order; ``devices`` an accumulator of :class:`enrich.accumulators.KeyedCounts` each call
     reports its bucket's device count to; ``dims`` the partitioned dimensions, whose joins add their
     columns after ``columns`` (:mod:`enrich.state.dimension`); ``cache`` where the executors keep a
-    copy of each bucket table they stored (None: every call reads it from the state store).
-    ``floor_us``: a watermark floor (event time, microseconds): a job forked from a savepoint
-    (:mod:`enrich.ops.savepoint`) judges late events and expiry against the savepoint job's watermark
-    until its own passes it."""
+    copy of each bucket table they stored (None: every call reads it from the state store);
+    ``waits``: the datasets events wait for (:mod:`enrich.state.wait`; held events are kept in the
+    bucket's ``held`` state variable, and every event gets ``_provisional``); ``floor_us``: a watermark
+    floor (event time, microseconds): a job forked from a savepoint (:mod:`enrich.ops.savepoint`)
+    judges late events and expiry against the savepoint job's watermark until its own passes it."""
 
     def __init__(self, spec: StateSpec, columns: tuple[str, ...],
                  devices: Accumulator[dict[int, int]] | None = None, dims: tuple[PartitionedDim, ...] = (),
-                 cache: TableCache | None = None, floor_us: int | None = None) -> None:
+                 cache: TableCache | None = None, waits: wait.WaitSpec | None = None,
+                 floor_us: int | None = None) -> None:
         self.spec, self.columns, self.devices, self.dims, self.cache = spec, columns, devices, dims, cache
-        self.floor_us = floor_us
+        self.waits, self.floor_us = waits, floor_us
         self._loaded: str | None = None
         self._sizes = (0, 0)
         self._types = {spec.key: spec.key_type, spec.timestamp: pa.int64(),
@@ -92,6 +97,8 @@ class DeviceStateProcessor(StatefulProcessor):
         self.dim_tokens = [handle.getValueState(d.state_name + "v", TOKEN_SCHEMA) for d in self.dims]
         if self.dims:  # within this worker's share of spark.executor.pyspark.memory
             CACHE.resize(cache_limit())
+        if self.waits is not None:  # only then: a checkpoint without waiting keeps its state variables
+            self.held = handle.getValueState(HELD, VALUE_SCHEMA)
 
     def handleInputRows(self, key: Any, rows: Iterator[pd.DataFrame],  # type: ignore[override]
                         timerValues: TimerValues) -> Iterator[pd.DataFrame]:
@@ -100,6 +107,8 @@ class DeviceStateProcessor(StatefulProcessor):
         # A batch's changelog records come first: its events see the dimension as of their end.
         versions = [self._dimension(i, kinds.get(d.kind)) for i, d in enumerate(self.dims)]
         table = kinds.get(packed.EVENTS)
+        if self.waits is not None:  # a tick row (enrich.source.tick) calls every bucket each trigger
+            table = self._wait(table, self._watermark(timerValues))
         if table is None:
             return
         # Shuffle order is not stable: rows leave in source order, so a replay gives the same output.
@@ -111,8 +120,13 @@ class DeviceStateProcessor(StatefulProcessor):
             if dim.join.time is not None and CLIPPED not in names:
                 names.append(CLIPPED)
         ok = pc.is_null(table.column(ERROR)).to_numpy(zero_copy_only=False)
-        events = self._events(table.filter(pa.array(ok)))
-        applied = engine.apply(self.spec, self._load(), events, self._watermark(timerValues))
+        good = table.filter(pa.array(ok))
+        events = self._events(good)
+        late_at_read = None
+        if self.waits is not None:
+            names.append(PROVISIONAL)
+            late_at_read = good.column(LATE_AT_READ).to_numpy(zero_copy_only=False).astype(bool)
+        applied = engine.apply(self.spec, self._load(), events, self._watermark(timerValues), late_at_read)
         self._store(key, applied.state, applied.touched, applied.removed)
         at = np.full(table.num_rows, -1, dtype=np.int64)
         at[ok] = np.arange(int(ok.sum()))
@@ -134,6 +148,43 @@ class DeviceStateProcessor(StatefulProcessor):
         if keep is not None:
             out = out.filter(pc.or_(keep, pa.array(~ok)))
         yield packed.pack_output(out)
+
+    def _wait(self, table: pa.Table | None, watermark_us: int | None) -> pa.Table | None:
+        """This batch's events (``table``; None: a tick alone) and the bucket's held ones decided
+        (:func:`enrich.state.wait.split`): the held rows stored back, and the rows to go on returned
+        (the released ones and the dead letters, which never wait), with ``_late_at_read`` and
+        ``_provisional``; None when there are none."""
+        assert self.waits is not None
+        got = self.held.get()
+        held = from_ipc(got[0]) if got is not None else None
+        if table is None and held is None:
+            return None
+        facts = _batch_facts()
+        parts, dead, fresh, before = [], None, 0, held.num_rows if held is not None else 0
+        if table is not None:
+            ok = pc.is_null(table.column(ERROR))
+            dead = table.filter(pc.invert(ok))
+            good = table.filter(ok)
+            fresh = good.num_rows
+            ts = good.column(TS_US).to_numpy(zero_copy_only=False)
+            late = ts <= watermark_us if watermark_us is not None else np.zeros(fresh, dtype=bool)
+            parts.append(wait.admit(good, facts).append_column(LATE_AT_READ, pa.array(late, pa.bool_())))
+        if held is not None:
+            parts.insert(0, _conform(held, parts[0].schema if parts else None, self.columns))
+        split = wait.split(self.waits, facts, pa.concat_tables(parts), TS_US)
+        if split.release[:before].any() or not split.release[before:].all():  # else they stay as stored
+            if split.held.num_rows:
+                self.held.update((to_ipc(split.held),))
+            else:
+                self.held.clear()
+        out = split.released.append_column(PROVISIONAL, pa.array(split.provisional, pa.bool_()))
+        if dead is not None and dead.num_rows:
+            n = dead.num_rows
+            dead = (dead.append_column(wait.READ_MS, pa.nulls(n, pa.int64()))
+                    .append_column(LATE_AT_READ, pa.array([False] * n))
+                    .append_column(PROVISIONAL, pa.array([False] * n)))
+            out = pa.concat_tables([out, dead.cast(out.schema)])
+        return out if out.num_rows else None
 
     def _dimension(self, i: int, records: pa.Table | None) -> Version:
         """Dimension ``i``'s rows in this bucket, this batch's changelog ``records`` applied (and
@@ -269,6 +320,35 @@ class DeviceStateProcessor(StatefulProcessor):
             want = self._types.get(c)
             arrays.append(a.cast(want) if want is not None and a.type != want else a)
         return pa.Table.from_arrays(arrays, names=cols)
+
+
+def _conform(held: pa.Table, schema: pa.Schema | None, columns: tuple[str, ...]) -> pa.Table:
+    """Rows held under an earlier plan (the job restarted with other event fields, or a dataset's
+    types changed) as ``schema``, this batch's events' (None: a tick alone, then the event
+    ``columns`` are made sure of): a column they lack is null, a type cast."""
+    if schema is None:
+        missing = [c for c in columns if c not in held.column_names]
+        for c in missing:
+            held = held.append_column(c, pa.nulls(held.num_rows))
+        return held
+    if held.schema == schema:
+        return held
+    return pa.Table.from_arrays([held.column(f.name).cast(f.type) if f.name in held.column_names
+                                 else pa.nulls(held.num_rows, f.type) for f in schema], schema=schema)
+
+
+def _batch_facts() -> wait.BatchFacts:
+    """This batch's facts (:class:`enrich.state.wait.BatchFacts`), set by the driver with the
+    pinned versions (``enrich.join.PINNED_PROPERTY``)."""
+    from pyspark import TaskContext
+
+    ctx = TaskContext.get()
+    raw = ctx.getLocalProperty(PINNED_PROPERTY) if ctx is not None else None
+    facts = json.loads(raw).get("wait") if raw is not None else None
+    if facts is None:
+        raise RuntimeError(f"no batch facts in the {PINNED_PROPERTY} local property of this task: the state "
+                           "step ran outside a batch the job pinned")
+    return wait.BatchFacts.from_json(facts)
 
 
 def _watermark_us(timer_values: TimerValues) -> int | None:

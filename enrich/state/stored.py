@@ -17,7 +17,7 @@ from enrich.ipc import from_ipc
 from enrich.state import engine
 from enrich.state.engine import StateSpec
 
-__all__ = ["DELTAS", "DELTA_SCHEMA", "DIM_SCHEMA", "SIZES_SCHEMA", "STATE_NAME", "TOKEN_SCHEMA", "VALUE_SCHEMA",
+__all__ = ["DELTAS", "DELTA_SCHEMA", "DIM_SCHEMA", "HELD", "SIZES_SCHEMA", "STATE_NAME", "TOKEN_SCHEMA", "VALUE_SCHEMA",
            "bucket_table", "stored_spec"]
 
 #: The state variable holding a bucket's device table (its base: see :class:`DeviceStateProcessor`),
@@ -35,6 +35,9 @@ SIZES_SCHEMA = StructType([StructField("appended", LongType(), False), StructFie
 #: cache the decoded rows and their index under (``enrich.state.dimension.CACHE``).
 DIM_SCHEMA = StructType([StructField("table", BinaryType(), False), StructField("schema", BinaryType(), False)])
 TOKEN_SCHEMA = StructType([StructField("token", StringType(), False)])
+#: With ``joins[].wait``: a bucket's events held for completeness (``enrich.state.wait``), as one
+#: Arrow IPC value of :data:`VALUE_SCHEMA`; absent when none are held.
+HELD = "held"
 
 
 def stored_spec(spec: StateSpec) -> StateSpec:

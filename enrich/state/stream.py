@@ -48,6 +48,7 @@ from enrich.ipc import to_ipc
 from enrich.pipeline import Pipeline
 from enrich.session import SHUFFLE_PARTITIONS
 from enrich.source import read_stream
+from enrich.source.tick import tick_stream
 from enrich.state import engine, ingest, packed
 from enrich.state.cache import TableCache
 from enrich.state.checkpoint import check_checkpoint
@@ -56,6 +57,7 @@ from enrich.state.ingest import EventPacker
 from enrich.state.layout import BucketLayout
 from enrich.state.processor import DeviceStateProcessor
 from enrich.state.stored import STATE_NAME, stored_spec
+from enrich.state.wait import WaitSpec
 from refstream import contract
 from refstream.errors import ConfigError
 
@@ -106,7 +108,8 @@ def state_step(spark: SparkSession, pipeline: Pipeline, raw: DataFrame,
                           f"finish; run enrich rescale --partitions {pending} again before the job")
     # A new checkpoint's state partitions: Spark keeps this number in the offset log at its first batch.
     session = int(spark.conf.get(SHUFFLE_PARTITIONS) or "200")
-    layout = check_checkpoint(ck, cfg.state, st.spec, cfg.source, st.dims, partitions=session)
+    layout = check_checkpoint(ck, cfg.state, st.spec, cfg.source, st.dims, partitions=session,
+                              waits=bool(cfg.waits))
     assert layout is not None
     planned = ck.planned()
     recorded = ck.recorded_partitions(planned[-1]) if planned else None
@@ -128,8 +131,9 @@ def state_step(spark: SparkSession, pipeline: Pipeline, raw: DataFrame,
     changelogs = [read_stream(spark, cfg.kafka, [d.topic], starting_offsets=starts.get(d.topic, "earliest"))
                   for d in st.dims]
     initial = initial_state(spark, pipeline, layout, fork) if fork is not None else None
+    ticks = tick_stream(spark, layout.ids) if cfg.waits else None
     return attach(raw, pipeline, layout, changelogs, devices, parser=parser, cache=TableCache(uuid.uuid4().hex),
-                  initial=initial, floor_us=fork.floor_us if fork is not None else None)
+                  initial=initial, floor_us=fork.floor_us if fork is not None else None, ticks=ticks)
 
 
 #: The initial state's rows: a bucket's grouping key, what they hold (``devices`` or a partitioned
@@ -167,7 +171,7 @@ def initial_state(spark: SparkSession, pipeline: Pipeline, layout: BucketLayout,
 def attach(raw: DataFrame, pipeline: Pipeline, layout: BucketLayout, changelogs: Sequence[DataFrame] = (),
            devices: Accumulator[dict[int, int]] | None = None, *, parser: FastParser | None = None,
            cache: TableCache | None = None, initial: DataFrame | None = None,
-           floor_us: int | None = None) -> StateStream:
+           floor_us: int | None = None, ticks: DataFrame | None = None) -> StateStream:
     """The Kafka stream ``raw`` through the pipeline's state step (:class:`StateStream`): parsed,
     joined in the plan by the joins before the step, then keyed by bucket (``layout``) into the
     step with the partitioned dimensions' ``changelogs`` (one stream each, in the plan's order,
@@ -177,7 +181,8 @@ def attach(raw: DataFrame, pipeline: Pipeline, layout: BucketLayout, changelogs:
     reports each bucket's device count to. ``cache``: where the executors keep a copy of the bucket
     tables they store (:mod:`enrich.state.cache`; None: none). ``initial``: the step's initial state
     (:func:`initial_state`), read on a new checkpoint's first batch; ``floor_us``: its watermark floor
-    (:class:`enrich.state.processor.DeviceStateProcessor`)."""
+    (:class:`enrich.state.processor.DeviceStateProcessor`). ``ticks``: the tick stream
+    (:mod:`enrich.source.tick`) when a join waits for completeness: it calls every bucket each trigger."""
     cfg, st = pipeline.cfg, pipeline.state
     assert cfg.state is not None and st is not None
     timezone = pipeline.timezone
@@ -193,8 +198,11 @@ def attach(raw: DataFrame, pipeline: Pipeline, layout: BucketLayout, changelogs:
     key_type = st.joined[cfg.state.key].dataType
     for dim, changelog in zip(st.dims, changelogs, strict=True):
         rows = rows.union(_changelog_rows(changelog, dim, key_type, layout, packed_spark, packed_arrow))
+    if ticks is not None:
+        rows = rows.union(ticks.select(F.col(BUCKET), F.col(ROWS)))
     inner = stored_spec(st.spec)
-    processor = DeviceStateProcessor(inner, columns, devices, st.dims, cache, floor_us)
+    waits = WaitSpec.of(cfg.waits) if cfg.waits else None
+    processor = DeviceStateProcessor(inner, columns, devices, st.dims, cache, waits, floor_us)
     flat_type = inner.output_type()
     # What the processor's packed tables hold: the passed columns, the flat state fields, the late flag.
     flat_schema = StructType([*st.passed, *[StructField(FLAT + f.name, from_arrow_type(f.type), True)

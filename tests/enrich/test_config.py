@@ -84,6 +84,18 @@ def test_parse_full_shape() -> None:
       "state": {"key": "d", "timestamp": "ts"}}, "joins[0].history: 'long' is not a duration"),
     ({"joins": [{"dataset": "d", "on": "x", "as_of": True}, {"dataset": "d", "on": "e", "prefix": "p"}],
       "state": {"key": "d", "timestamp": "ts"}}, "joins[1].as_of: dataset 'd' is joined with different as_of"),
+    ({"joins": [{"dataset": "d", "on": "x", "wait": "complete"}], "state": {"key": "d", "timestamp": "ts"}},
+     "joins[0].wait: complete needs as_of: true"),
+    ({"joins": [{"dataset": "d", "on": "d", "as_of": True, "wait": "complete", "strategy": "partitioned"}],
+      "state": {"key": "d", "timestamp": "ts"}}, "joins[0].wait: complete applies to broadcast joins only"),
+    ({"joins": [{"dataset": "d", "on": "x", "as_of": True, "wait": "always"}], "state": {"key": "d", "timestamp": "ts"}},
+     "joins[0].wait: 'always' is not one of none, complete"),
+    ({"joins": [{"dataset": "d", "on": "x", "as_of": True, "max_wait": "1m"}], "state": {"key": "d", "timestamp": "ts"}},
+     "joins[0].max_wait: applies to joins with wait: complete only"),
+    ({"joins": [{"dataset": "d", "on": "x", "as_of": True, "wait": "complete", "max_wait": "0s"}],
+      "state": {"key": "d", "timestamp": "ts"}}, "joins[0].max_wait: must be positive"),
+    ({"joins": [{"dataset": "d", "on": "x", "as_of": True, "wait": "complete", "max_wait": "soon"}],
+      "state": {"key": "d", "timestamp": "ts"}}, "joins[0].max_wait: 'soon' is not a duration"),
     ({"state": {"timestamp": "ts"}}, "state.key: is required"),
     ({"state": {"key": "device_id"}}, "state.timestamp: is required"),
     ({"state": {"key": "ts", "timestamp": "ts"}}, "state.timestamp: 'ts' is also the key"),
@@ -116,6 +128,17 @@ def test_as_of_join() -> None:
                                   {"dataset": "e", "on": "x", "as_of": True}, {"dataset": "f", "on": "x"}]})
     assert [(j.as_of, j.history) for j in cfg.joins] == [(True, timedelta(days=2)), (True, timedelta(days=7)),
                                                          (False, timedelta(days=7))]
+
+
+def test_wait_for_completeness() -> None:
+    cfg = config.parse({**BASE, "state": {"key": "d", "timestamp": "ts"},
+                        "joins": [{"dataset": "d", "on": "x", "as_of": True, "wait": "complete", "max_wait": "2m"},
+                                  {"dataset": "e", "on": "x", "as_of": True, "wait": "complete"},
+                                  {"dataset": "f", "on": "x", "as_of": True}]})
+    assert [(j.wait, j.max_wait) for j in cfg.joins] == [("complete", timedelta(minutes=2)),
+                                                         ("complete", timedelta(minutes=15)),
+                                                         ("none", timedelta(minutes=15))]
+    assert cfg.waits == {"d": timedelta(minutes=2), "e": timedelta(minutes=15)}
 
 
 def test_state_section() -> None:

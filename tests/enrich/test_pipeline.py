@@ -69,6 +69,26 @@ def test_as_of_joins_add_the_clipped_flag_once_wherever_they_run(spark: SparkSes
     assert not any("_as_of_clipped" in line for line in Pipeline.build(cfg(), SCHEMAS).explain())
 
 
+def test_a_waiting_join_adds_provisional_and_cannot_run_before_the_step(spark: SparkSession) -> None:
+    c = config.parse({**c_data(), "joins": [
+        {"dataset": "devices", "on": "device_id", "columns": ["model_id"]},
+        {"dataset": "models", "on": {"model_id": "id"}, "columns": ["model_name"], "as_of": True, "wait": "complete",
+         "max_wait": "2m"},
+        {"dataset": "sites", "on": "site_id"}]}, "test.yaml")
+    p = Pipeline.build(c, SCHEMAS)
+    assert p.state is not None and [f.name for f in p.state.passed][-1] == "_provisional"
+    assert "_provisional" in p.join_pass.columns
+    assert any("holds events until models is complete as of their time (at most 120s)" in line
+               for line in p.explain())
+    assert "_provisional" not in Pipeline.build(cfg(), SCHEMAS).join_pass.columns
+    # sites' region is aggregated: its join runs before the step, which holds the events
+    before = config.parse({**c_data(), "joins": [
+        {"dataset": "sites", "on": "site_id", "as_of": True, "wait": "complete"}]}, "test.yaml")
+    with pytest.raises(ConfigError, match=r"^test\.yaml: joins\[0\]\.wait: complete is not possible for a join "
+                                          r"whose columns the state: section uses"):
+        Pipeline.build(before, SCHEMAS)
+
+
 def c_data() -> dict[str, Any]:
     return {"kafka": {"bootstrap_servers": "127.0.0.1:9"},
             "events": {"topic": "ev", "schema": "device_id STRING, site_id STRING, ts TIMESTAMP, temp DOUBLE"},

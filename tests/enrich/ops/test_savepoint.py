@@ -107,6 +107,18 @@ def test_refused_into_a_non_empty_directory_or_without_a_committed_batch(
     assert not (tmp_path / "new").exists()
 
 
+def test_refused_for_a_job_whose_joins_wait(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The events a waiting join holds are past the recorded offsets but in no device's state: a
+    savepoint would lose them."""
+    path = write_config(tmp_path, joins=[{"dataset": "owners", "on": "device_id", "as_of": True,
+                                          "wait": "complete"}])
+    checkpoint(tmp_path)
+    assert cli.main(["savepoint", "--config", str(path), "--to", str(tmp_path / "new")]) == 2
+    assert "joins wait for completeness (owners); a savepoint does not hold the events they hold" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "new").exists()
+
+
 def test_a_fork_is_refused_on_a_checkpoint_with_batches(tmp_path: Path) -> None:
     ck = checkpoint(tmp_path)
     batch(ck, 2, 2)

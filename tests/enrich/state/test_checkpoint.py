@@ -100,3 +100,26 @@ def test_a_damaged_bucket_layout_is_an_error_naming_it(tmp_path: Path, damaged: 
     with pytest.raises(ConfigError, match=r"state\.json: bucket_ids: not one distinct grouping key per bucket "
                                           r"\(64 buckets\)"):
         check_checkpoint(ck, CFG, SPEC)
+
+
+def test_waiting_turned_on_or_off_against_a_checkpoint_that_ran_is_refused(tmp_path: Path) -> None:
+    ck = CheckpointLayout(tmp_path)
+    check_checkpoint(ck, CFG, SPEC, partitions=2, waits=False)
+    check_checkpoint(ck, CFG, SPEC, waits=True)  # nothing ran yet: the record follows the config
+    assert json.loads(ck.state_record.read_text())["waits"] is True
+    ck.offsets.mkdir(parents=True)
+    (ck.offsets / "0").write_text("v1")
+    check_checkpoint(ck, CFG, SPEC, waits=True)
+    with pytest.raises(ConfigError, match=r"joins\[\]\.wait: complete was removed against the checkpoint .* \(the "
+                                          r"tick source"):
+        check_checkpoint(ck, CFG, SPEC, waits=False)
+    old = CheckpointLayout(tmp_path / "old")  # a record from before joins[].wait: no waiting
+    check_checkpoint(old, CFG, SPEC, partitions=2)
+    kept = json.loads(old.state_record.read_text())
+    del kept["waits"]
+    old.state_record.write_text(json.dumps(kept))
+    old.offsets.mkdir(parents=True)
+    (old.offsets / "0").write_text("v1")
+    check_checkpoint(old, CFG, SPEC, waits=False)
+    with pytest.raises(ConfigError, match=r"joins\[\]\.wait: complete is new against the checkpoint"):
+        check_checkpoint(old, CFG, SPEC, waits=True)

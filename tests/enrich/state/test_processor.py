@@ -18,7 +18,7 @@ from enrich.state.cache import LOCAL_DIRS, TableCache
 from enrich.state.dimension import PartitionedDim, partitioned_dim
 from enrich.state.engine import StateSpec
 from enrich.state.processor import DeviceStateProcessor
-from enrich.state.stored import DELTAS, STATE_NAME, bucket_table
+from enrich.state.stored import DELTAS, HELD, STATE_NAME, bucket_table
 from refstream.contract import Column, DatasetSchema
 
 HOUR_US = 3600 * 10**6
@@ -273,3 +273,48 @@ def test_a_forks_initial_state_is_continued_and_its_watermark_floor_flags_late_e
     plain = TwsTester(DeviceStateProcessor(SPEC, COLUMNS), timeMode="EventTime", eventTimeExtractor=lambda _: 2**62,
                       initialStatePandas=initial)
     assert run(plain, rows([("a", 50, 99.0, 9)], 10))[LATE].tolist() == [False]
+
+
+def test_held_events_wait_in_the_bucket_and_count_in_the_state_when_released(monkeypatch: pytest.MonkeyPatch) -> None:
+    from enrich.state import processor as proc
+    from enrich.state.wait import BatchFacts, WaitSpec
+
+    facts = {"now": BatchFacts(T0_US // 1000, {"owners": T0_US + 10 * 10**6})}
+    monkeypatch.setattr(proc, "_batch_facts", lambda: facts["now"])
+    t = TwsTester(DeviceStateProcessor(SPEC, COLUMNS, waits=WaitSpec.of({"owners": pd.Timedelta(minutes=15)})),
+                  timeMode="EventTime", eventTimeExtractor=lambda _: 2**62)
+    tick = pd.DataFrame({"_0": [3], "rows": [packed.marker("tick")]})
+
+    def call(frame: pd.DataFrame) -> pd.DataFrame:
+        out = t.testInPandas(3, frame)
+        return pa.concat_tables([from_ipc(v) for v in out[packed.ROWS]]).to_pandas() if len(out) else pd.DataFrame()
+
+    # Complete as of 10s: the event at 5s goes on, those at 20s and 30s wait; the dead letter never does.
+    out = call(packed_input(rows([("a", 5, 1.0, 1), ("a", 20, 2.0, 2), ("b", 30, 3.0, 3),
+                                  ("c", 1, 1.0, 1, "required field n is null")])))
+    assert out["_offset"].tolist() == [0, 3] and out["_provisional"].tolist() == [False, False]
+    assert out[FLAT + "events"].tolist()[0] == 1
+    assert t.peekValueState(HELD, 3) is not None
+    # A tick alone: complete as of 25s now, the event at 20s is released final and counted then.
+    facts["now"] = BatchFacts(T0_US // 1000 + 1000, {"owners": T0_US + 25 * 10**6})
+    out = call(tick)
+    assert out["_offset"].tolist() == [1] and out["_provisional"].tolist() == [False]
+    assert out[FLAT + "events"].tolist() == [2] and out[FLAT + "temperature_max"].tolist() == [2.0]
+    assert call(tick).empty  # nothing new to release
+    # 15 minutes after the first read, with no more completeness: the last one goes, provisional.
+    facts["now"] = BatchFacts(T0_US // 1000 + 15 * 60_000, {"owners": T0_US + 25 * 10**6})
+    out = call(tick)
+    assert out["_offset"].tolist() == [2] and out["_provisional"].tolist() == [True]
+    assert out[FLAT + "events"].tolist() == [1]
+    assert t.peekValueState(HELD, 3) is None
+    assert stored(t).column(engine.KEY).to_pylist() == ["a", "b"]
+
+
+def test_rows_held_under_an_earlier_plan_fit_this_batchs_events() -> None:
+    from enrich.state.processor import _conform
+
+    held = pa.table({"device_id": ["a"], "n": pa.array([1], pa.int32())})
+    now = pa.schema([("device_id", pa.string()), ("n", pa.int64()), ("extra", pa.string())])
+    got = _conform(held, now, ())
+    assert got.schema == now and got.to_pylist() == [{"device_id": "a", "n": 1, "extra": None}]
+    assert _conform(held, None, ("device_id", "extra")).column("extra").null_count == 1  # a tick alone
