@@ -72,7 +72,8 @@ CHANGELOG_DEFAULT = "true"  # the job's setting when the user has none
 
 
 def state_step(spark: SparkSession, pipeline: Pipeline, raw: DataFrame,
-               devices: Accumulator[dict[int, int]] | None = None, parser: FastParser | None = None) -> StateStream:
+               devices: Accumulator[dict[int, int]] | None = None, parser: FastParser | None = None,
+               call_counts: Accumulator[dict[int, dict[str, int]]] | None = None) -> StateStream:
     """The job's hook: check the pipeline's state step against the checkpoint (a start on a rescale
     that did not finish is refused; a warning when the config's ``spark.sql.shuffle.partitions`` is
     not the number the checkpoint runs with, or the buckets spread unevenly over it), set the
@@ -106,12 +107,14 @@ def state_step(spark: SparkSession, pipeline: Pipeline, raw: DataFrame,
     if spark.conf.get(CHANGELOG_CONF, None) is None:
         spark.conf.set(CHANGELOG_CONF, CHANGELOG_DEFAULT)
     changelogs = [read_stream(spark, cfg.kafka, [d.topic], starting_offsets="earliest") for d in st.dims]
-    return attach(raw, pipeline, layout, changelogs, devices, parser=parser, cache=TableCache(uuid.uuid4().hex))
+    return attach(raw, pipeline, layout, changelogs, devices, parser=parser, cache=TableCache(uuid.uuid4().hex),
+                  call_counts=call_counts)
 
 
 def attach(raw: DataFrame, pipeline: Pipeline, layout: BucketLayout, changelogs: Sequence[DataFrame] = (),
            devices: Accumulator[dict[int, int]] | None = None, *, parser: FastParser | None = None,
-           cache: TableCache | None = None) -> StateStream:
+           cache: TableCache | None = None,
+           call_counts: Accumulator[dict[int, dict[str, int]]] | None = None) -> StateStream:
     """The Kafka stream ``raw`` through the pipeline's state step (:class:`StateStream`): parsed,
     joined in the plan by the joins before the step, then keyed by bucket (``layout``) into the
     step with the partitioned dimensions' ``changelogs`` (one stream each, in the plan's order,
@@ -119,7 +122,8 @@ def attach(raw: DataFrame, pipeline: Pipeline, layout: BucketLayout, changelogs:
     (:mod:`enrich.state.ingest`, with the fast ``parser`` if given) and through it packed
     (:mod:`enrich.state.packed`). ``devices``: an accumulator of ``enrich.accumulators.KeyedCounts`` the step
     reports each bucket's device count to. ``cache``: where the executors keep a copy of the bucket
-    tables they store (:mod:`enrich.state.cache`; None: none)."""
+    tables they store (:mod:`enrich.state.cache`; None: none). ``call_counts``: an accumulator of
+    ``enrich.accumulators.KeyedTallies`` the step reports each bucket's call counts to."""
     cfg, st = pipeline.cfg, pipeline.state
     assert cfg.state is not None and st is not None
     timezone = pipeline.timezone
@@ -136,16 +140,18 @@ def attach(raw: DataFrame, pipeline: Pipeline, layout: BucketLayout, changelogs:
     for dim, changelog in zip(st.dims, changelogs, strict=True):
         rows = rows.union(_changelog_rows(changelog, dim, key_type, layout, packed_spark, packed_arrow))
     inner = stored_spec(st.spec)
-    processor = DeviceStateProcessor(inner, columns, devices, st.dims, cache)
-    flat_type = inner.output_type()
-    # What the processor's packed tables hold: the passed columns, the flat state fields, the late flag.
+    processor = DeviceStateProcessor(inner, columns, devices, st.dims, cache, st.calls, call_counts)
+    flat_type = [*inner.output_type(), *[pa.field(n, t) for n, t in (st.calls.result_columns() if st.calls else ())]]
+    # What the processor's packed tables hold: the passed columns, the flat state fields (the calls'
+    # results last), the late flag.
     flat_schema = StructType([*st.passed, *[StructField(FLAT + f.name, from_arrow_type(f.type), True)
                                             for f in flat_type], StructField(LATE, BooleanType(), True)])
     stepped = rows.groupBy(BUCKET).transformWithStateInPandas(
         processor, outputStructType=StructType([StructField(ROWS, BinaryType(), False)]), outputMode="Append",
         timeMode="EventTime")
     unpack = Unpack(to_arrow_schema(flat_schema, timezone=timezone), to_arrow_schema(st.schema, timezone=timezone),
-                    tuple(f.name for f in st.passed), st.inner)
+                    tuple(f.name for f in st.passed), st.inner,
+                    tuple(n for n, _ in st.calls.result_columns()) if st.calls else ())
     return StateStream(stepped, unpack, st.schema, cache)
 
 
@@ -179,6 +185,7 @@ class Unpack:
     out: pa.Schema
     passed: tuple[str, ...]
     inner: tuple[str, ...] = ()
+    calls: tuple[str, ...] = ()     # the calls' result columns: flat in the state and top-level
 
     def __call__(self, batch: pa.RecordBatch) -> pa.Table:
         rows = list(packed.unpack([batch], self.flat))
@@ -193,7 +200,8 @@ class Unpack:
         state = pa.StructArray.from_arrays(children, fields=list(state_type),
                                            mask=pc.is_null(t.column(FLAT + "events")).combine_chunks())
         late = pc.fill_null(t.column(LATE), False)
-        out = pa.Table.from_arrays([*(t.column(c) for c in self.passed), state, late], schema=self.out)
+        results = [t.column(FLAT + c) for c in self.calls]
+        out = pa.Table.from_arrays([*(t.column(c) for c in self.passed), *results, state, late], schema=self.out)
         if self.inner:
             keep = pc.is_valid(out.column(ERROR))
             matched = [pc.fill_null(out.column(m), False) for m in self.inner]
