@@ -138,7 +138,7 @@ class CallStep:
         st = {s: state.field(s).take(rows).to_pylist() for s in sorted(wanted_state)}
         dev = keys.take(rows).to_pylist()
         ts = ts_us[order].tolist()
-        seeds = stored.take(pa.array(at[order])).to_pylist() if stored.num_rows else None
+        seeds = (stored.take(pa.array(at[order], mask=at[order] < 0)).to_pylist() if stored.num_rows else None)
         record = CheckpointLayout(Path(self.checkpoint)).call_record(batch, bucket)
         recorded = read_record(record)
         run = _Run(self, recorded, f"{query}-{batch}-")

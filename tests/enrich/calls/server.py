@@ -5,7 +5,8 @@ the requests per path and per Idempotency-Key, keeps the bodies, and answers by 
 - ``/action``: ``{"action": "act-<score>"}``
 - ``/echo``: the body (or the GET query) back, under ``got``
 - ``/slow``: ``{"score": 1.0}`` after ``delay`` seconds
-- ``/status/<n>``: status ``n`` (``fail_first`` of each key first, then ``/score``'s answer)
+- ``/status/<n>``: status ``n`` (the first ``fail_first`` tries of each key, the next ``fail_next``
+  requests), else ``/score``'s answer
 - ``/bad``: not JSON; ``/partial``: JSON without ``level``.
 """
 
@@ -29,6 +30,7 @@ class Service:
     port: int = 0
     delay: float = 0.0
     fail_first: int = 0                 # /status/<n>: the first tries of each key fail with n
+    fail_next: int = 0                  # /status/<n>: the next requests fail with n, whatever their key
     down: bool = False                  # every path answers 503
     keys: Counter[str] = field(default_factory=Counter)
     paths: Counter[str] = field(default_factory=Counter)
@@ -50,7 +52,8 @@ class Service:
             await asyncio.sleep(self.delay)
             return web.json_response({"score": 1.0, "level": "slow"})
         if path.startswith("/status/"):
-            if self.keys[key] <= self.fail_first:
+            if self.fail_next > 0 or self.keys[key] <= self.fail_first:
+                self.fail_next -= 1
                 return web.Response(status=int(path.rsplit("/", 1)[1]))
             path = "/score"
         if path == "/score":
