@@ -9,6 +9,7 @@ sends the same ``Idempotency-Key``."""
 from __future__ import annotations
 
 import asyncio
+import atexit
 import json
 import logging
 from collections.abc import Awaitable
@@ -130,6 +131,7 @@ def client() -> Client:
     global _client
     if _client is None or _client.loop.is_closed():
         _client = Client()
+        atexit.register(_client.close)
     return _client
 
 

@@ -15,7 +15,7 @@ from pyspark.sql import SparkSession
 
 from enrich import config
 from enrich.job import EnrichJob
-from tests.enrich.calls.server import Service, free_port, serve
+from tests.enrich.calls.server import Service, serve
 from tests.enrich.helpers import produce_events, read_all
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
