@@ -57,7 +57,7 @@ log = logging.getLogger(__name__)
 DEFAULT_RETRY = RetryPolicy(attempts=5, initial=1.0, maximum=15.0)
 
 
-_OUR_ERROR = re.compile(r"refstream\.errors\.\w+: (.+)")
+_OUR_ERROR = re.compile(r"(?:refstream\.errors|enrich\.calls\.client)\.\w+: (.+)")
 
 
 def _plus(a: Counted, b: Counted) -> Counted:

@@ -227,7 +227,8 @@ def _packed_events(raw: DataFrame, pipeline: Pipeline, parser: FastParser | None
         return EventPacker(state_cfg.key, state_cfg.timestamp, layout,
                            ingest.events_schema(to_arrow_schema(st.joined, timezone=timezone)),
                            to_arrow_schema(out, timezone=timezone), st.before_specs, parse,
-                           state_cfg.max_future_skew)
+                           state_cfg.max_future_skew,
+                           keep_values=any(c.on_error == "dead_letter" for c in cfg.calls))
 
     def clocked(df: DataFrame) -> DataFrame:
         # The batch's time, not each executor's clock: Spark records it in the offset log and a

@@ -7,6 +7,8 @@ the requests per path and per Idempotency-Key, keeps the bodies, and answers by 
 - ``/slow``: ``{"score": 1.0}`` after ``delay`` seconds
 - ``/status/<n>``: status ``n`` (the first ``fail_first`` tries of each key, the next ``fail_next``
   requests), else ``/score``'s answer
+- ``/picky``: 503 for the devices in ``refuse``, else ``/score``'s answer
+- ``/unique``: a new score at every request (a count), after ``delay`` seconds
 - ``/bad``: not JSON; ``/partial``: JSON without ``level``.
 """
 
@@ -32,6 +34,8 @@ class Service:
     fail_first: int = 0                 # /status/<n>: the first tries of each key fail with n
     fail_next: int = 0                  # /status/<n>: the next requests fail with n, whatever their key
     down: bool = False                  # every path answers 503
+    refuse: set[str] = field(default_factory=set)   # /picky answers 503 for these devices
+    served: int = 0                     # /unique's answers so far
     keys: Counter[str] = field(default_factory=Counter)
     paths: Counter[str] = field(default_factory=Counter)
     bodies: list[tuple[str, Any]] = field(default_factory=list)
@@ -56,6 +60,14 @@ class Service:
                 self.fail_next -= 1
                 return web.Response(status=int(path.rsplit("/", 1)[1]))
             path = "/score"
+        if path == "/picky":
+            if body.get("device") in self.refuse:
+                return web.Response(status=503)
+            path = "/score"
+        if path == "/unique":
+            await asyncio.sleep(self.delay)
+            self.served += 1
+            return web.json_response({"score": float(self.served), "level": key})
         if path == "/score":
             await asyncio.sleep(self.delay)
             score = float(body.get("events") or 0) * 10 + float(body.get("mean") or 0)
