@@ -36,10 +36,14 @@ async def handle(request: web.Request) -> web.Response:
     return web.json_response(score(body))
 
 
+async def health(_: web.Request) -> web.Response:
+    return web.json_response({"ok": True})
+
+
 def app() -> web.Application:
     application = web.Application()
     application.router.add_post("/score", handle)
-    application.router.add_get("/health", lambda _: web.json_response({"ok": True}))
+    application.router.add_get("/health", health)
     return application
 
 
