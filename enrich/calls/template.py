@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 
+from enrich.columns import STATE  # the scope of ``{state.x}`` (the state struct's name); no call may be named so
+
 __all__ = ["STATE", "Ref", "Template", "query_params"]
 
-#: The scope of ``{state.x}``; no call may be named so.
-STATE = "state"
 _PLACEHOLDER = re.compile(r"\{([A-Za-z_][A-Za-z0-9_]*)(?:\.([A-Za-z_][A-Za-z0-9_]*))?\}")
 
 
