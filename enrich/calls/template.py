@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from decimal import Decimal
 from typing import Any
 
-from enrich.columns import STATE  # the scope of ``{state.x}`` (the state struct's name); no call may be named so
+# The scope of ``{state.x}`` is the state struct's name; no call may be named so.
+from enrich.columns import STATE
 
 __all__ = ["STATE", "Ref", "Template", "query_params"]
 
