@@ -64,3 +64,13 @@ def test_errors_name_the_file_the_call_and_the_key(calls: list[dict[str, Any]], 
 def test_calls_need_a_state_section() -> None:
     with pytest.raises(ConfigError, match="enrich.yaml: calls: calls need a state: section"):
         parse([call("a")], state=False)
+
+
+def test_validate_lists_the_calls_in_the_order_they_run() -> None:
+    from enrich.validate import plan
+
+    lines = plan(parse([call("b", needs=["a"], refresh="every event", on_error="dead_letter"),
+                        call("a", refresh="10m", method="GET")]))
+    assert [line for line in lines if line.startswith("  call ")] == [
+        "  call a: GET http://127.0.0.1:8085/a, refresh after 10m, on_error null: a_x",
+        "  call b: POST http://127.0.0.1:8085/b, refresh every event, on_error dead_letter, after a: b_x"]
