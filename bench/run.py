@@ -14,6 +14,7 @@
     python -m bench.run soak    [options of bench.soak]
     python -m bench.run asof    [options of bench.asof_bench]
     python -m bench.run wait    [options of bench.wait_bench]
+    python -m bench.run calls   [options of bench.calls]
 
 Each benchmark is a module with a ``main(argv) -> int``; it is imported only when chosen, so one
 benchmark's missing or broken module does not stop the other. Their figures are in
@@ -42,6 +43,8 @@ BENCHMARKS = {
     "state_savepoint": ("bench.state_savepoint", "state of N devices: enrich savepoint, a fork's first run vs a "
                         "restart"),
     "wait": ("bench.wait_bench", "waiting for completeness: deciding and storing a bucket's held events (no Spark)"),
+    "calls": ("bench.calls", "calls: in the state step: calls/s per task vs concurrency / latency, the job with "
+              "and without a call"),
     "soak": ("bench.soak", "reliability: the topology under reference churn and SIGKILLs, then an accounting"),
 }
 

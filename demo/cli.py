@@ -77,7 +77,7 @@ def demo_environment(workdir: Path, bootstrap: str, db_url: str) -> dict[str, st
            # Free ports for the refresher's and the job's /metrics (and the refresher's status page),
            # and the job's Spark UI: printed at start.
            "DEMO_REFRESH_METRICS_PORT": str(free_port()), "DEMO_ENRICH_METRICS_PORT": str(free_port()),
-           "DEMO_SPARK_UI_PORT": str(free_port()),
+           "DEMO_SPARK_UI_PORT": str(free_port()), "DEMO_RISK_PORT": str(free_port()),
            "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable, "PYTHONUNBUFFERED": "1"}
     installed = {Path(p).resolve() for p in site.getsitepackages()}
     if PACKAGES not in installed:
@@ -151,6 +151,8 @@ class Demo:
             port = os.environ["DEMO_REFRESH_METRICS_PORT"]
             say(f"           status page http://127.0.0.1:{port}/, metrics http://127.0.0.1:{port}/metrics")
             self._wait_for_changelogs(settings)
+            self._start(stack, "risk service", [sys.executable, "-m", "demo.risk", "--port",
+                                                os.environ["DEMO_RISK_PORT"]])
             self._start(stack, "enrichment job", [sys.executable, "-m", "enrich", "run", "--config",
                                                   str(enrich_yaml), "--master", self.args.master])
             say(f"           metrics http://127.0.0.1:{os.environ['DEMO_ENRICH_METRICS_PORT']}/metrics, Spark UI "

@@ -65,12 +65,15 @@ SUBJECT = 17
 
 def device_state(event: Event) -> str:
     """The device's running state an enriched event carries (the ``state:`` section of the demo's
-    enrich.yaml): its event count and temperature mean."""
+    enrich.yaml): its event count and temperature mean, and the risk score the ``calls:`` section's
+    call returned for it (demo/risk.py)."""
     state = event.get("state")
     if not state:
         return "late: no device state" if event.get("_late") else "no device state"
     mean = state.get("temperature_mean")
-    return f"events {state['events']}, temperature mean {'-' if mean is None else f'{mean:.1f}'}"
+    risk = state.get("risk_score")
+    shown = "-" if risk is None else f"{risk:.1f} ({state.get('risk_level')})"
+    return f"events {state['events']}, temperature mean {'-' if mean is None else f'{mean:.1f}'}, risk {shown}"
 
 
 def matched(event: Event, dataset: str, witness: str) -> bool:

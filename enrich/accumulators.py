@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pyspark.accumulators import AccumulatorParam
 
-__all__ = ["KeyedCounts"]
+__all__ = ["KeyedCounts", "KeyedTallies"]
 
 
 class KeyedCounts(AccumulatorParam[dict[int, int]]):
@@ -20,5 +20,19 @@ class KeyedCounts(AccumulatorParam[dict[int, int]]):
         return {}
 
     def addInPlace(self, value1: dict[int, int], value2: dict[int, int]) -> dict[int, int]:
+        value1.update(value2)
+        return value1
+
+
+class KeyedTallies(AccumulatorParam[dict[int, dict[str, int]]]):
+    """Tallies keyed by what produced them (a state bucket): ``{key: {label: count}}``, merged like
+    :class:`KeyedCounts` (the latest tally per key), so a retried or recomputed attempt at a key
+    replaces the one before instead of adding to it."""
+
+    def zero(self, value: dict[int, dict[str, int]]) -> dict[int, dict[str, int]]:
+        return {}
+
+    def addInPlace(self, value1: dict[int, dict[str, int]],
+                   value2: dict[int, dict[str, int]]) -> dict[int, dict[str, int]]:
         value1.update(value2)
         return value1

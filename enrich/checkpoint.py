@@ -18,6 +18,7 @@ names a path under it. Every module that reads or writes the checkpoint takes it
         state.json              the state settings the stored state is laid out by (enrich.state.checkpoint)
         devices.json            devices in state per bucket (enrich.state.devices)
         schemas.json            the published schemas the pipeline was last planned with (lookups)
+        calls/<batch>/<bucket>.json   the responses a bucket's calls received in a batch (enrich.calls.record)
 
 Spark's part belongs to Spark; the job writes the rest, each file atomically
 (:mod:`refstream.atomic`), and never a file of Spark's.
@@ -99,6 +100,14 @@ class CheckpointLayout:
     @property
     def schemas(self) -> Path:
         return self.own / "schemas.json"
+
+    @property
+    def calls(self) -> Path:
+        return self.own / "calls"
+
+    def call_record(self, batch_id: int, bucket: int) -> Path:
+        """Where the responses of ``bucket``'s calls in batch ``batch_id`` are kept."""
+        return self.calls / str(batch_id) / f"{bucket}.json"
 
     def planned_any(self) -> bool:
         """Whether Spark has planned a batch here (an offset log entry exists)."""

@@ -9,6 +9,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal, get_args
 
+from enrich.calls.config import CallConfig, parse_calls
 from refstream.config import Section, allowed_values, kafka_settings, load_config_data
 from refstream.contract import default_topic
 from refstream.metrics import MetricsConfig, parse_metrics
@@ -16,6 +17,7 @@ from refstream.metrics import MetricsConfig, parse_metrics
 __all__ = [
     "DEFAULT_HISTORY",
     "DEFAULT_MAX_EVENTS_PER_BATCH",
+    "CallConfig",
     "EnrichConfig",
     "EventSource",
     "EventsConfig",
@@ -163,6 +165,7 @@ class EnrichConfig:
     bootstrap_timeout: timedelta = timedelta(seconds=60)
     spark_conf: dict[str, str] = field(default_factory=dict)
     metrics: MetricsConfig | None = None       # /metrics of the job (None: off)
+    calls: tuple[CallConfig, ...] = ()         # external calls in the state step, ordered by needs
     source: str = "config"
 
     @property
@@ -246,6 +249,7 @@ def parse(data: Mapping[str, Any], source: str = "config") -> EnrichConfig:
     state = _state(top.section("state")) if top.has("state") else None
     _check_partitioned(top, joins, state)
     _check_as_of(top, joins, state)
+    calls = parse_calls(top, state is not None)
     # Always bounded: after downtime the backlog is read in batches of this size, not in one.
     max_events = top.get("max_events_per_batch", int, DEFAULT_MAX_EVENTS_PER_BATCH)
     if max_events <= 0:
@@ -267,6 +271,7 @@ def parse(data: Mapping[str, Any], source: str = "config") -> EnrichConfig:
         max_events_per_batch=max_events,
         bootstrap_timeout=top.duration("bootstrap_timeout", timedelta(seconds=60)),
         spark_conf=spark_conf,
+        calls=calls,
         source=source,
     )
     top.done()

@@ -17,19 +17,21 @@ import dataclasses
 import functools
 import logging
 import re
+import shutil
 import threading
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
+from pyspark.accumulators import Accumulator
 from pyspark.errors import StreamingQueryException
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.streaming import DataStreamWriter, StreamingQuery
 
 from enrich import events, join
-from enrich.accumulators import KeyedCounts
+from enrich.accumulators import KeyedCounts, KeyedTallies
 from enrich.checkpoint import CheckpointLayout
 from enrich.columns import ERROR, LATE
 from enrich.config import EnrichConfig
@@ -56,7 +58,7 @@ log = logging.getLogger(__name__)
 DEFAULT_RETRY = RetryPolicy(attempts=5, initial=1.0, maximum=15.0)
 
 
-_OUR_ERROR = re.compile(r"refstream\.errors\.\w+: (.+)")
+_OUR_ERROR = re.compile(r"(?:refstream\.errors|enrich\.calls\.client)\.\w+: (.+)")
 
 
 def _plus(a: Counted, b: Counted) -> Counted:
@@ -123,6 +125,7 @@ class EnrichJob:
         self._writer: DataStreamWriter | None = None
         self._started: Started | None = None
         self._pass: JoinPass | None = None
+        self._call_counts: Accumulator[dict[int, dict[str, int]]] | None = None  # with calls: only
         self.batches = 0
 
     @property
@@ -270,8 +273,10 @@ class EnrichJob:
             metrics.devices_in_state(devices.total)
         if pipeline.state.before:  # their tasks read the pinned versions from files (enrich.join.PlanEnricher)
             dims.shipper.write_to(self.layout.shipped)
+        if pipeline.state.calls is not None:
+            self._call_counts = spark.sparkContext.accumulator({}, KeyedTallies())
         state = state_step(spark, pipeline, raw, devices.accumulator, parser,
-                           self._fork[1] if self._fork is not None else None)
+                           self._fork[1] if self._fork is not None else None, self._call_counts)
         if state.cache is not None:  # after the query has stopped (the stack unwinds in reverse)
             self._stack.callback(state.cache.remove)
         return None, state, devices, state.packed
@@ -350,6 +355,8 @@ class EnrichJob:
         # writes (Kafka, in its tasks) reads the batch once; with the others the job counts the
         # batch's late events, so the batch is cached (they read it twice, too).
         st.devices.before_batch()
+        if self._call_counts is not None:
+            self._call_counts.value = {}
         if "late" in st.sink.counts:
             dead, counted = self._process_batch(batch_df, batch_id)
             late = counted.late
@@ -361,11 +368,32 @@ class EnrichJob:
             finally:
                 batch_df.unpersist()
         devices = st.devices.after_batch(batch_id)
+        if self._call_counts is not None:
+            self._after_calls(batch_id, st.metrics)
         log.info("batch %d: %d late event(s) written with a null state; %s device(s) in state", batch_id, late,
                  "unknown" if devices is None else devices)
         if st.metrics is not None:
             st.metrics.devices_in_state(devices)
         return self._observe(t0, dead, counted, late=late)
+
+    def _after_calls(self, batch_id: int, metrics: EnrichMetrics | None) -> None:
+        """The batch's call counts to the log and the metrics; the responses recorded for batches
+        before it dropped (each is committed: no replay reads them again)."""
+        assert self._call_counts is not None
+        counts: dict[tuple[str, str], int] = {}
+        for tally in self._call_counts.value.values():
+            for label, n in tally.items():
+                call, result = label.rsplit("|", 1)
+                counts[(call, result)] = counts.get((call, result), 0) + n
+        if counts:
+            log.info("batch %d: calls %s", batch_id, ", ".join(f"{c} {r} {n}" for (c, r), n in sorted(counts.items())))
+        if metrics is not None:
+            metrics.calls_made(counts)
+        root = self.layout.calls
+        if root.is_dir():
+            for d in root.iterdir():
+                if d.name.isdigit() and int(d.name) < batch_id:
+                    shutil.rmtree(d, ignore_errors=True)
 
     def _join_pass(self) -> JoinPass:
         """The join pass against the broadcast datasets' current published schemas (planned again

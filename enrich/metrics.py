@@ -40,6 +40,7 @@ class EnrichMetrics:
                          "(from the query's last progress)", ["partition"], registry=r)
         self.devices: Gauge | None = None  # with state: only, once the count is known
         self.watermark: Gauge | None = None  # with state: only, once Spark has one
+        self.calls: Counter | None = None  # with calls: only
         self._changed_ms: dict[str, int | None] = {}
         for result in results:
             self.events.labels(result)
@@ -68,6 +69,16 @@ class EnrichMetrics:
                                  "batch (counted exactly, also across task retries: each bucket's call reports its "
                                  "absolute count)", registry=self.registry)
         self.devices.set(devices)
+
+    def calls_made(self, counts: Mapping[tuple[str, str], int]) -> None:
+        """Add a batch's call counts, by ``(call, result)``, to ``refstream_enrich_calls_total``."""
+        if self.calls is None:
+            self.calls = Counter("refstream_enrich_calls", "External calls by call and result: ok, error, timeout "
+                                 "(the last try timed out), retried (tries after the first), replayed (a response "
+                                 "recorded by an earlier attempt of the batch, reused)", ["call", "result"],
+                                 registry=self.registry)
+        for (call, result), n in counts.items():
+            self.calls.labels(call, result).inc(n)
 
     def refresh_ages(self, now: float | None = None) -> None:
         now = time.time() if now is None else now

@@ -34,6 +34,9 @@ from pyspark.sql.types import BooleanType, StructField, StructType
 
 from enrich import events, join
 from enrich.asof import CLIPPED
+from enrich.calls.fields import columns as call_columns
+from enrich.calls.step import CallStep
+from enrich.calls.template import STATE as STATE_SCOPE
 from enrich.checkpoint import CheckpointLayout
 from enrich.columns import BATCH_TIME, BUCKET, FLAT, INTERNAL, MAX_TS, PROVISIONAL, TS_US
 from enrich.config import EnrichConfig, JoinConfig
@@ -90,7 +93,8 @@ class StatePlan:
     joined: StructType                  # parsed events and the ``before`` joins' columns: the step's input
     dims: tuple[PartitionedDim, ...]    # the partitioned joins, inside the step
     passed: tuple[StructField, ...]     # the columns the step passes through: ``joined``'s, the dims'
-    schema: StructType                  # the step's output: ``passed``, ``state``, ``_late``
+    schema: StructType                  # the step's output: ``passed``, the calls' columns, ``state``, ``_late``
+    calls: CallStep | None = None       # the external calls, inside the step (enrich.calls)
 
 
 @dataclass(frozen=True)
@@ -245,9 +249,31 @@ def _state_plan(cfg: EnrichConfig, parsed: StructType, schemas: Mapping[str, Dat
             passed.append(StructField(CLIPPED, BooleanType(), True))
     if cfg.waits:  # every event says whether its joins are final (enrich.state.wait)
         passed.append(StructField(PROVISIONAL, BooleanType(), True))
-    schema = StructType(passed + output_fields(spec))
+    calls = _check_calls(cfg, spec, [f.name for f in passed]) if cfg.calls else None
+    schema = StructType(passed + output_fields(spec, calls.result_columns() if calls is not None else ()))
     return StatePlan(spec=spec, before=tuple(before), before_specs=tuple(specs), inner=inner, joined=joined,
-                     dims=dims, passed=tuple(passed), schema=schema)
+                     dims=dims, passed=tuple(passed), schema=schema, calls=calls)
+
+
+def _check_calls(cfg: EnrichConfig, spec: StateSpec, passed: list[str]) -> CallStep:
+    """The calls' templates against what the step sees (the columns it passes, the state fields, the
+    calls' own results) and their result columns against those names."""
+    state_fields = [f.name for f in spec.output_type()]
+    results = [n for n, _ in call_columns(cfg.calls)]
+    for c in cfg.calls:
+        where = f"{cfg.source}: calls ({c.name}).body"
+        for ref in c.body.refs():
+            if ref.scope is None and ref.name not in passed:
+                raise ConfigError(f"{where}: {ref}: no such column before the state step (have: "
+                                  f"{', '.join(sorted(p for p in passed if not p.startswith('_')))})")
+            if ref.scope == STATE_SCOPE and ref.name not in state_fields + results:
+                raise ConfigError(f"{where}: {ref}: no such state field (have: {', '.join(state_fields + results)})")
+        for col in c.columns:
+            if col in passed or col in state_fields:
+                raise ConfigError(f"{cfg.source}: calls ({c.name}).response: result column {col!r} is also an "
+                                  "event column or a state field; rename the call or the field")
+    assert cfg.state is not None
+    return CallStep(cfg.calls, spec.key_type, str(cfg.checkpoint))
 
 
 def _needed_by_state(cfg: EnrichConfig, schemas: Mapping[str, DatasetSchema], with_dims: StructType,
@@ -258,6 +284,7 @@ def _needed_by_state(cfg: EnrichConfig, schemas: Mapping[str, DatasetSchema], wi
     joins = cfg.broadcast_joins
     specs, _ = join.plan(joins, schemas, with_dims, timezone=timezone, source=cfg.source, time_column=_time(cfg))
     needed, chosen = set(cfg.state.columns), set()
+    needed |= {r.name for c in cfg.calls for r in c.body.refs() if r.scope is None}
     for _ in range(len(specs)):
         for i, s in enumerate(specs):
             if i not in chosen and ({out for _, out in s.columns} | {s.matched}) & needed:

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from enrich.config import EnrichConfig
 from refstream import kafka
+from refstream.config import format_duration
 from refstream.errors import one_line
 
 if TYPE_CHECKING:
@@ -40,6 +41,10 @@ def plan(cfg: EnrichConfig) -> list[str]:
         cols = ", ".join(j.columns) if j.columns is not None else "every non-key column"
         lines.append(f"  join {j.dataset} ({j.how}) from {j.topic} on {on}: {cols}"
                      + (f" as {j.prefix}*" if j.prefix else ""))
+    for c in cfg.calls:  # in the order they run (needs first)
+        refresh = "once" if c.refresh is None else "every event" if c.every_event else f"after {format_duration(c.refresh)}"
+        lines.append(f"  call {c.name}: {c.method} {c.url}, refresh {refresh}, on_error {c.on_error}"
+                     + (f", after {', '.join(c.needs)}" if c.needs else "") + f": {', '.join(c.columns)}")
     lines.append(f"  output: {target}; dead letters to {cfg.dead_letter_topic}; checkpoint {cfg.checkpoint}; "
                  f"trigger {cfg.trigger.total_seconds():g}s, at most {cfg.max_events_per_batch:,} events per batch")
     return lines

@@ -84,6 +84,7 @@ class EventPacker:
     joins: tuple[JoinSpec, ...] = ()
     parse: FastEvents | None = None     # set: the fast pass; None: the rest pass
     max_future_skew: timedelta | None = None
+    keep_values: bool = False           # every event keeps ``_value`` (a call may make it a dead letter later)
 
     def __call__(self, batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         settle()
@@ -145,8 +146,9 @@ class EventPacker:
         table = table.set_column(table.schema.get_field_index(ERROR), ERROR, error)
         value = table.column("_value")
         dead = pc.is_valid(error)
-        table = table.set_column(table.schema.get_field_index("_value"), "_value",
-                                 pc.if_else(dead, value, pa.scalar(None, value.type)))
+        if not self.keep_values:
+            table = table.set_column(table.schema.get_field_index("_value"), "_value",
+                                     pc.if_else(dead, value, pa.scalar(None, value.type)))
         # The state never applies a dead letter; nor may the watermark (each chunk's greatest _ts_us)
         # move for one: a single clock years ahead would otherwise expire every device for good.
         table = table.append_column(TS_US, pc.if_else(dead, pa.scalar(None, pa.int64()), micros))

@@ -4,6 +4,8 @@ key and column at fault."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import pyarrow as pa
 from pyspark.sql.pandas.types import to_arrow_type
 from pyspark.sql.types import (
@@ -58,11 +60,14 @@ def resolve(cfg: StateConfig, enriched: StructType, *, timezone: str = "UTC", so
                      timestamp_type=pa.timestamp("us", tz=timezone))
 
 
-def output_fields(spec: StateSpec) -> list[StructField]:
-    """The Spark fields :func:`resolve`'s spec adds to every event: ``state`` then ``_late``."""
+def output_fields(spec: StateSpec, calls: Sequence[tuple[str, pa.DataType]] = ()) -> list[StructField]:
+    """The Spark fields :func:`resolve`'s spec adds to every event: the ``calls`` result columns
+    (``(name, arrow type)``), ``state`` (their fields at its end), then ``_late``."""
     from pyspark.sql.pandas.types import from_arrow_type
 
-    return [StructField(STATE, from_arrow_type(spec.output_type()), True), StructField(LATE, BooleanType(), False)]
+    state = pa.struct([*spec.output_type(), *[pa.field(n, t) for n, t in calls]])
+    return [*[StructField(n, from_arrow_type(t), True) for n, t in calls],
+            StructField(STATE, from_arrow_type(state), True), StructField(LATE, BooleanType(), False)]
 
 
 def _arrow(typ: DataType, timezone: str) -> pa.DataType:

@@ -41,6 +41,7 @@ from pyspark.sql.streaming.stateful_processor import (
 )
 
 from enrich.asof import CLIPPED
+from enrich.calls.step import KEY, BucketCalls, CallStep
 from enrich.columns import ERROR, FLAT, LATE, LATE_AT_READ, PROVISIONAL, TS_US
 from enrich.ipc import from_ipc, to_ipc
 from enrich.join import PINNED_PROPERTY
@@ -62,6 +63,9 @@ from enrich.state.stored import (
 from enrich.worker import settle
 from refstream.contract import DatasetSchema
 
+#: The state variable of a bucket's call results (``enrich.calls.step``), when the job has calls.
+CALLS_NAME = "calls"
+
 
 class DeviceStateProcessor(StatefulProcessor):
     """One call per bucket and micro-batch: apply its events to its devices' state (see module doc).
@@ -79,9 +83,11 @@ class DeviceStateProcessor(StatefulProcessor):
     def __init__(self, spec: StateSpec, columns: tuple[str, ...],
                  devices: Accumulator[dict[int, int]] | None = None, dims: tuple[PartitionedDim, ...] = (),
                  cache: TableCache | None = None, waits: wait.WaitSpec | None = None,
-                 floor_us: int | None = None) -> None:
+                 floor_us: int | None = None, calls: CallStep | None = None,
+                 call_counts: Accumulator[dict[int, dict[str, int]]] | None = None) -> None:
         self.spec, self.columns, self.devices, self.dims, self.cache = spec, columns, devices, dims, cache
         self.waits, self.floor_us = waits, floor_us
+        self.calls, self.call_counts = calls, call_counts
         self._loaded: str | None = None
         self._sizes = (0, 0)
         self._types = {spec.key: spec.key_type, spec.timestamp: pa.int64(),
@@ -95,6 +101,8 @@ class DeviceStateProcessor(StatefulProcessor):
         self.sizes = handle.getValueState(STATE_NAME + "n", SIZES_SCHEMA)
         self.dim_values = [handle.getValueState(d.state_name, DIM_SCHEMA) for d in self.dims]
         self.dim_tokens = [handle.getValueState(d.state_name + "v", TOKEN_SCHEMA) for d in self.dims]
+        # The calls' results per device (enrich.calls.step), beside the device table.
+        self.call_value = handle.getValueState(CALLS_NAME, VALUE_SCHEMA) if self.calls is not None else None
         if self.dims:  # within this worker's share of spark.executor.pyspark.memory
             CACHE.resize(cache_limit())
         if self.waits is not None:  # only then: a checkpoint without waiting keeps its state variables
@@ -135,6 +143,15 @@ class DeviceStateProcessor(StatefulProcessor):
         for field, child in zip(applied.column.type, applied.column.flatten(), strict=True):
             arrays.append(child.take(pick))
             names.append(FLAT + field.name)
+        if self.calls is not None:
+            state_col = applied.column.take(pick)
+            done = self._calls(int(key[0]), table, state_col, applied.state, applied.removed)
+            for name, values in done.columns.items():
+                arrays.append(values)
+                names.append(FLAT + name)
+            if any(r is not None for r in done.reasons):
+                err = names.index(ERROR)
+                arrays[err] = pc.coalesce(arrays[err], pa.array(done.reasons, pa.string()))
         arrays.append(applied.late.take(pick).fill_null(False))
         names.append(LATE)
         out = pa.Table.from_arrays(arrays, names=names)
@@ -215,6 +232,10 @@ class DeviceStateProcessor(StatefulProcessor):
                            expiredTimerInfo: ExpiredTimerInfo) -> Iterator[pd.DataFrame]:
         state, removed = engine.evict_keys(self.spec, self._load(), self._watermark(timerValues))
         self._store(key, state, 0, removed)
+        if self.calls is not None and self.call_value is not None:
+            kept = self.calls.keep(self._stored_calls(), state.column(engine.KEY))
+            if kept is not None:
+                self._store_calls(kept)
         return iter(())
 
     def handleInitialState(self, key: Any, initialState: pd.DataFrame,  # type: ignore[override]
@@ -244,6 +265,40 @@ class DeviceStateProcessor(StatefulProcessor):
         if self.floor_us is None:
             return us
         return self.floor_us if us is None else max(us, self.floor_us)
+
+    def _stored_calls(self) -> pa.Table | None:
+        assert self.call_value is not None
+        got = self.call_value.get()
+        return from_ipc(got[0]) if got is not None else None
+
+    def _store_calls(self, table: pa.Table) -> None:
+        assert self.call_value is not None
+        if table.num_rows:
+            self.call_value.update((to_ipc(table),))
+        else:
+            self.call_value.clear()
+
+    def _calls(self, bucket: int, table: pa.Table, state: pa.StructArray, devices: pa.Table,
+               removed: pa.Array | None) -> BucketCalls:
+        """The bucket's calls for this batch's events (after the state update), their results stored."""
+        assert self.calls is not None
+        stored = self._stored_calls()
+        kept = self.calls.keep(stored, devices.column(engine.KEY))
+        if removed is not None and len(removed) and stored is not None:
+            # A device whose state expired and came back in this batch starts without results.
+            gone = pc.is_in(stored.column(KEY), value_set=removed.cast(stored.schema.field(KEY).type))
+            kept = (kept if kept is not None else stored).filter(pc.invert(gone))
+        if kept is not None:
+            stored = kept
+        ts = np.asarray(table.column(TS_US).fill_null(0).to_numpy(), dtype=np.int64)
+        done = self.calls.run(bucket, table, self.spec.key, ts, state, stored)
+        if done.table is not None:
+            self._store_calls(done.table)
+        elif kept is not None:
+            self._store_calls(kept)
+        if self.call_counts is not None:
+            self.call_counts.add({bucket: {f"{c}|{r}": n for (c, r), n in done.counts.items()}})
+        return done
 
     def close(self) -> None:
         pass

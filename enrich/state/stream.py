@@ -92,7 +92,8 @@ class Fork:
 
 def state_step(spark: SparkSession, pipeline: Pipeline, raw: DataFrame,
                devices: Accumulator[dict[int, int]] | None = None, parser: FastParser | None = None,
-               fork: Fork | None = None) -> StateStream:
+               fork: Fork | None = None,
+               call_counts: Accumulator[dict[int, dict[str, int]]] | None = None) -> StateStream:
     """The job's hook: check the pipeline's state step against the checkpoint (a start on a rescale
     that did not finish is refused; a warning when the config's ``spark.sql.shuffle.partitions`` is
     not the number the checkpoint runs with, or the buckets spread unevenly over it), set the
@@ -133,7 +134,8 @@ def state_step(spark: SparkSession, pipeline: Pipeline, raw: DataFrame,
     initial = initial_state(spark, pipeline, layout, fork) if fork is not None else None
     ticks = tick_stream(spark, layout.ids) if cfg.waits else None
     return attach(raw, pipeline, layout, changelogs, devices, parser=parser, cache=TableCache(uuid.uuid4().hex),
-                  initial=initial, floor_us=fork.floor_us if fork is not None else None, ticks=ticks)
+                  initial=initial, floor_us=fork.floor_us if fork is not None else None, ticks=ticks,
+                  call_counts=call_counts)
 
 
 #: The initial state's rows: a bucket's grouping key, what they hold (``devices`` or a partitioned
@@ -171,7 +173,8 @@ def initial_state(spark: SparkSession, pipeline: Pipeline, layout: BucketLayout,
 def attach(raw: DataFrame, pipeline: Pipeline, layout: BucketLayout, changelogs: Sequence[DataFrame] = (),
            devices: Accumulator[dict[int, int]] | None = None, *, parser: FastParser | None = None,
            cache: TableCache | None = None, initial: DataFrame | None = None,
-           floor_us: int | None = None, ticks: DataFrame | None = None) -> StateStream:
+           floor_us: int | None = None, ticks: DataFrame | None = None,
+           call_counts: Accumulator[dict[int, dict[str, int]]] | None = None) -> StateStream:
     """The Kafka stream ``raw`` through the pipeline's state step (:class:`StateStream`): parsed,
     joined in the plan by the joins before the step, then keyed by bucket (``layout``) into the
     step with the partitioned dimensions' ``changelogs`` (one stream each, in the plan's order,
@@ -182,7 +185,9 @@ def attach(raw: DataFrame, pipeline: Pipeline, layout: BucketLayout, changelogs:
     tables they store (:mod:`enrich.state.cache`; None: none). ``initial``: the step's initial state
     (:func:`initial_state`), read on a new checkpoint's first batch; ``floor_us``: its watermark floor
     (:class:`enrich.state.processor.DeviceStateProcessor`). ``ticks``: the tick stream
-    (:mod:`enrich.source.tick`) when a join waits for completeness: it calls every bucket each trigger."""
+    (:mod:`enrich.source.tick`) when a join waits for completeness: it calls every bucket each trigger.
+    ``call_counts``: an accumulator of ``enrich.accumulators.KeyedTallies`` the step reports each
+    bucket's call counts to."""
     cfg, st = pipeline.cfg, pipeline.state
     assert cfg.state is not None and st is not None
     timezone = pipeline.timezone
@@ -202,16 +207,18 @@ def attach(raw: DataFrame, pipeline: Pipeline, layout: BucketLayout, changelogs:
         rows = rows.union(ticks.select(F.col(BUCKET), F.col(ROWS)))
     inner = stored_spec(st.spec)
     waits = WaitSpec.of(cfg.waits) if cfg.waits else None
-    processor = DeviceStateProcessor(inner, columns, devices, st.dims, cache, waits, floor_us)
-    flat_type = inner.output_type()
-    # What the processor's packed tables hold: the passed columns, the flat state fields, the late flag.
+    processor = DeviceStateProcessor(inner, columns, devices, st.dims, cache, waits, floor_us, st.calls, call_counts)
+    flat_type = [*inner.output_type(), *[pa.field(n, t) for n, t in (st.calls.result_columns() if st.calls else ())]]
+    # What the processor's packed tables hold: the passed columns, the flat state fields (the calls'
+    # results last), the late flag.
     flat_schema = StructType([*st.passed, *[StructField(FLAT + f.name, from_arrow_type(f.type), True)
                                             for f in flat_type], StructField(LATE, BooleanType(), True)])
     stepped = rows.groupBy(BUCKET).transformWithStateInPandas(
         processor, outputStructType=StructType([StructField(ROWS, BinaryType(), False)]), outputMode="Append",
         timeMode="EventTime", initialState=initial.groupBy(BUCKET) if initial is not None else None)
     unpack = Unpack(to_arrow_schema(flat_schema, timezone=timezone), to_arrow_schema(st.schema, timezone=timezone),
-                    tuple(f.name for f in st.passed), st.inner)
+                    tuple(f.name for f in st.passed), st.inner,
+                    tuple(n for n, _ in st.calls.result_columns()) if st.calls else ())
     return StateStream(stepped, unpack, st.schema, cache)
 
 
@@ -245,6 +252,7 @@ class Unpack:
     out: pa.Schema
     passed: tuple[str, ...]
     inner: tuple[str, ...] = ()
+    calls: tuple[str, ...] = ()     # the calls' result columns: flat in the state and top-level
 
     def __call__(self, batch: pa.RecordBatch) -> pa.Table:
         rows = list(packed.unpack([batch], self.flat))
@@ -259,7 +267,8 @@ class Unpack:
         state = pa.StructArray.from_arrays(children, fields=list(state_type),
                                            mask=pc.is_null(t.column(FLAT + "events")).combine_chunks())
         late = pc.fill_null(t.column(LATE), False)
-        out = pa.Table.from_arrays([*(t.column(c) for c in self.passed), state, late], schema=self.out)
+        results = [t.column(FLAT + c) for c in self.calls]
+        out = pa.Table.from_arrays([*(t.column(c) for c in self.passed), *results, state, late], schema=self.out)
         if self.inner:
             keep = pc.is_valid(out.column(ERROR))
             matched = [pc.fill_null(out.column(m), False) for m in self.inner]
@@ -285,7 +294,8 @@ def _packed_events(raw: DataFrame, pipeline: Pipeline, parser: FastParser | None
         return EventPacker(state_cfg.key, state_cfg.timestamp, layout,
                            ingest.events_schema(to_arrow_schema(st.joined, timezone=timezone)),
                            to_arrow_schema(out, timezone=timezone), st.before_specs, parse,
-                           state_cfg.max_future_skew)
+                           state_cfg.max_future_skew,
+                           keep_values=any(c.on_error == "dead_letter" for c in cfg.calls))
 
     def clocked(df: DataFrame) -> DataFrame:
         # The batch's time, not each executor's clock: Spark records it in the offset log and a

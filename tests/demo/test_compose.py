@@ -169,7 +169,7 @@ def kafka_listeners(compose: dict[str, Any]) -> dict[str, str]:
 
 def test_compose_parses_with_every_service_and_needs_its_secrets(compose: dict[str, Any]) -> None:
     services = compose["services"]
-    assert set(services) == {"mysql", "kafka", *PROJECT_SERVICES, *MONITORING}
+    assert set(services) == {"mysql", "kafka", *PROJECT_SERVICES, "risk", *MONITORING}
     assert services["mysql"]["image"].startswith("mysql:8")
     assert services["kafka"]["image"].startswith("apache/kafka:")
     # Secrets come from the environment only: without them the file does not even interpolate.
@@ -395,3 +395,18 @@ def test_prometheus_scrapes_both_processes_and_grafana_gets_the_dashboard(compos
     for svc in MONITORING:
         assert all(p.startswith("127.0.0.1:") for p in services[svc]["ports"])
     assert dashboard_metrics() >= {"refstream_refresh_runs", "refstream_enrich_events"}
+
+
+def test_the_risk_service_is_the_one_the_jobs_call_reaches(compose: dict[str, Any],
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    risk, job = compose["services"]["risk"], compose["services"]["enrich"]
+    assert risk["build"] == "." and risk["command"][:3] == ["python", "-m", "demo.risk"]
+    port = risk["command"][risk["command"].index("--port") + 1]
+    assert risk["command"][risk["command"].index("--host") + 1] == "0.0.0.0"
+    assert job["depends_on"]["risk"]["condition"] == "service_started"
+    for k, v in service_env(job).items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.delenv("RISK_URL", raising=False)
+    _, args = parse_cli(job["command"])
+    conf = load_enrich_config(host_path(job, args.config))
+    assert [c.url for c in conf.calls] == [f"http://risk:{port}/score"]

@@ -122,13 +122,16 @@ def test_demo_shows_every_change_in_the_enriched_output_and_stops_cleanly(tmp_pa
     # Device state (the state: section of demo/conf/enrich.yaml): the first event's line and every
     # change's line give the device's event count and running temperature mean. The first three
     # changes are shown by later and later events of d-17: its count grows.
-    assert re.search(r"^ +d-\d+ -> model .+, owner '.+', events \d+, temperature mean -?\d+\.\d$", out, re.M), out
+    # and the risk score its call (calls: in demo/conf/enrich.yaml, demo/risk.py) returned, kept in the state.
+    assert re.search(r"^ +d-\d+ -> model .+, owner '.+', events \d+, temperature mean -?\d+\.\d, "
+                     r"risk \d+\.\d \((?:low|high)\)$", out, re.M), out
     states = re.findall(r"^\[.{8}\] (\w+) .* seen in enriched output at .*, after \d+\.\d s "
-                        r"\((?:now unmatched; )?events (\d+), temperature mean -?\d+\.\d\)$", out, re.M)
+                        r"\((?:now unmatched; )?events (\d+), temperature mean -?\d+\.\d, "
+                        r"risk (?:-|\d+\.\d \((?:low|high)\))\)$", out, re.M)
     assert [w for w, _ in states] == ["UPDATE", "refresh", "EDIT", "DELETE", "INSERT"], out
     subject = [int(n) for _, n in states[:3]]
     assert subject == sorted(set(subject)), subject
-    for name in ("refresher", "enrichment job", "simulator", "broker"):
+    for name in ("refresher", "risk service", "enrichment job", "simulator", "broker"):
         assert f"stopped {name}\n" in out, out  # each stopped, and with exit code 0
 
     time.sleep(1)

@@ -57,6 +57,7 @@ def stack(init_db: str, kafka: dict[str, str], tmp_path: Path,
           unique: Callable[[str], str]) -> Iterator[dict[str, Any]]:
     compose = load_compose()
     prefix = unique("topo") + "."
+    risk_port = free_port()
     data = tmp_path / "data"
     data.mkdir()
     shutil.copy(ROOT / "conf" / "docker" / "data" / "sites.csv", data / "sites.csv")
@@ -66,14 +67,16 @@ def stack(init_db: str, kafka: dict[str, str], tmp_path: Path,
         "REFSTREAM_STATE_DIR": str(tmp_path / "state"), "REFRESH_EVERY": "2s", "TOPIC_PREFIX": prefix,
         "PYSPARK_PYTHON": sys.executable, "PYSPARK_DRIVER_PYTHON": sys.executable, "PYTHONUNBUFFERED": "1",
         "REFRESH_METRICS_PORT": str(free_port()), "ENRICH_METRICS_PORT": str(free_port()),
-        "METRICS_HOST": "127.0.0.1",
+        "METRICS_HOST": "127.0.0.1", "RISK_URL": f"http://127.0.0.1:{risk_port}",
     }
     children: dict[str, Child] = {}
     try:
-        for name in ("refresher", "simulator", "enrich"):
+        for name in ("refresher", "simulator", "risk", "enrich"):
             svc = compose["services"][name]
             env = {**os.environ, **service_env(svc), **env_overrides}
             argv = native_argv(svc["command"], kafka["bootstrap.servers"], prefix)
+            if name == "risk":
+                argv = [{"0.0.0.0": "127.0.0.1", "8085": str(risk_port)}.get(a, a) for a in argv]
             children[name] = Child(name, argv, tmp_path / f"{name}.log", env=env, cwd=ROOT).start()
         yield {"children": children, "prefix": prefix, "db": init_db, "logs": tmp_path, "env": env_overrides}
     finally:
@@ -110,6 +113,8 @@ def test_compose_topology_natively_enriches_and_follows_a_database_update(
         assert event["model_name"] == dict((m[0], m[1]) for m in MODELS)[d.model_id]
         assert event["site_name"] == dict((s[0], s[1]) for s in SITES)[d.site_id]
         assert isinstance(event["temperature"], float | int)
+        # The job's call of the risk service: its result in the event and in the device's state.
+        assert event["risk_level"] in ("low", "high") and event["state"]["risk_score"] == event["risk_score"]
         # Every changelog is published: the refresher's healthcheck (what the job's start waits for
         # under compose) now passes.
         health = run_healthcheck(load_compose()["services"]["refresher"], stack["env"])

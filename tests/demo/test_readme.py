@@ -71,6 +71,10 @@ trigger: 2s
 max_events_per_batch: 10
 bootstrap_timeout: 5s
 spark: {spark.driver.memory: 2g}
+calls:
+  - {name: a, url: "http://127.0.0.1:9/a", response: {x: DOUBLE}}
+  - {name: b, url: "http://127.0.0.1:9/b", method: GET, body: {v: "{a.x}"}, response: {y: STRING}, refresh: 10m,
+     timeout: 1s, retries: {attempts: 2, backoff: 10ms}, concurrency: 8, on_error: dead_letter, needs: [a]}
 """
 OUTPUTS = ("{kafka: {topic: out, transactional_id: tx}}", "{parquet: {path: var/out}}", "{console: {rows: 5}}")
 
@@ -123,7 +127,10 @@ def enrich_form(key: str) -> str:
     key = re.sub(r"^kafka\.(?!bootstrap_servers$).+", "kafka.<librdkafka setting>", key)
     key = re.sub(r"^spark\..+", "spark.<setting>", key)
     key = re.sub(r"^state\.aggregates\..+", "state.aggregates", key)
-    return "joins[]" if key == "joins" else re.sub(r"^joins\[\d+\]", "joins[]", key)
+    key = re.sub(r"^calls\[\d+\]\.response\..+", "calls[].response", key)
+    if key in ("joins", "calls"):
+        return key + "[]"
+    return re.sub(r"^(joins|calls)\[\d+\]", r"\1[]", key)
 
 
 def load_all_refresh(tmp_path: Path) -> RefreshConfig:
@@ -219,6 +226,7 @@ def test_readme_defaults_are_the_loaders_defaults(tmp_path: Path, monkeypatch: p
         "state.ttl": c.state.ttl, "state.watermark": c.state.watermark, "state.buckets": c.state.buckets,
         "output.console.rows": c.output.rows, "trigger": c.trigger,
         "max_events_per_batch": c.max_events_per_batch, "bootstrap_timeout": c.bootstrap_timeout,
+        "calls[]": c.calls,
     }
     for heading, actual in (("conf/refresh.yaml", refresh_actual), ("conf/enrich.yaml", enrich_actual)):
         table = readme_table(heading)

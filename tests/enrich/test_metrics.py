@@ -16,3 +16,14 @@ def test_the_watermark_comes_from_the_progress_once_spark_has_one() -> None:
         assert value("refstream_enrich_watermark_seconds") is None
     metrics.event_time({"avg": "2026-01-01T00:03:00.000Z", "watermark": "2026-01-01T00:01:30.250Z"})
     assert value("refstream_enrich_watermark_seconds") == datetime(2026, 1, 1, 0, 1, 30, 250000, tzinfo=UTC).timestamp()
+
+
+def test_calls_are_counted_by_call_and_result_once_there_are_calls() -> None:
+    m = EnrichMetrics()
+    assert m.registry.get_sample_value("refstream_enrich_calls_total", {"call": "risk", "result": "ok"}) is None
+    m.calls_made({("risk", "ok"): 3, ("risk", "retried"): 2})
+    m.calls_made({("risk", "ok"): 1, ("action", "replayed"): 4})
+    value = m.registry.get_sample_value
+    assert value("refstream_enrich_calls_total", {"call": "risk", "result": "ok"}) == 4
+    assert value("refstream_enrich_calls_total", {"call": "risk", "result": "retried"}) == 2
+    assert value("refstream_enrich_calls_total", {"call": "action", "result": "replayed"}) == 4

@@ -1,0 +1,170 @@
+"""The job with calls: end to end with Kafka output, a real HTTP service on 127.0.0.1 (issue 24):
+results in the events and in the state, refresh once / every event / a duration, a needs chain,
+the on_error modes, and the responses recorded for replays."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Callable, Iterator
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+from pyspark.sql import SparkSession
+
+from enrich import config
+from enrich.job import EnrichJob
+from enrich.pipeline import Pipeline
+from refstream.errors import ConfigError, TerminalError
+from tests.enrich.calls.server import Service, free_port, serve
+from tests.enrich.helpers import produce_events, read_all
+
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def at(minutes: float) -> str:
+    return (T0 + timedelta(minutes=minutes)).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+@pytest.fixture(scope="module")
+def service() -> Iterator[Service]:
+    with serve() as svc:
+        yield svc
+
+
+def job_config(kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path,
+               calls: list[dict[str, Any]], batch: int = 6) -> dict[str, Any]:
+    return {
+        "kafka": {"bootstrap_servers": kafka["bootstrap.servers"]},
+        "events": {"topic": unique("events"), "schema": "device_id STRING, ts TIMESTAMP, temp DOUBLE, n INT",
+                   "starting_offsets": "earliest"},
+        "output": {"kafka": {"topic": unique("enriched")}},
+        "dead_letter_topic": unique("dlq"),
+        "checkpoint": str(tmp_path / "checkpoint"),
+        "max_events_per_batch": batch,
+        "state": {"key": "device_id", "timestamp": "ts", "ttl": "1h", "watermark": "1h", "buckets": 4,
+                  "aggregates": {"temp": ["mean"]}},
+        "calls": calls,
+    }
+
+
+def run(spark: SparkSession, data: dict[str, Any], events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    produce_events(data["kafka_settings"], data["events"]["topic"], events)
+    cfg = {k: v for k, v in data.items() if k != "kafka_settings"}
+    EnrichJob(config.parse(cfg, "test.yaml"), available_now=True).run(spark)
+    out = [json.loads(m.value()) for m in read_all(data["kafka_settings"], data["output"]["kafka"]["topic"])]
+    return sorted(out, key=lambda e: e["n"])
+
+
+@pytest.mark.integration
+def test_results_feed_the_state_refreshed_once_every_event_and_chained(
+        spark: SparkSession, kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path,
+        service: Service) -> None:
+    calls = [
+        {"name": "action", "url": service.url("/action"), "needs": ["risk"], "refresh": "every event",
+         "body": {"device": "{device_id}", "score": "{risk.score}"}, "response": {"action": "STRING"}},
+        {"name": "risk", "url": service.url("/score"), "refresh": "once",
+         "body": {"device": "{device_id}", "mean": "{state.temp_mean}", "events": "{state.events}"},
+         "response": {"score": "DOUBLE", "level": "STRING"}},
+        {"name": "echo", "url": service.url("/echo"), "method": "GET", "refresh": "10m",
+         "body": {"d": "{device_id}", "t": "n={n} at {ts}", "missing": "{temp}"}, "response": {"got": "STRING"}},
+    ]
+    data = job_config(kafka, unique, tmp_path, calls)
+    data["kafka_settings"] = kafka
+    events = [{"device_id": f"d{i % 3}", "ts": at(i * 3), "temp": None if i == 6 else float(i), "n": i}
+              for i in range(12)]
+    out = run(spark, data, events)
+    assert [e["n"] for e in out] == list(range(12))
+    for e in out:
+        assert e["state"]["risk_score"] == e["risk_score"] and e["state"]["action_action"] == e["action_action"]
+    by_dev: dict[str, list[dict[str, Any]]] = {}
+    for e in out:
+        by_dev.setdefault(e["device_id"], []).append(e)
+    for dev, evs in by_dev.items():
+        # once: called at the device's first event, with its state including that event
+        first = evs[0]
+        assert first["risk_score"] == 10 + first["temp"]
+        assert all(e["risk_score"] == first["risk_score"] for e in evs), dev
+        assert [e["action_action"] for e in evs] == [f"act-{first['risk_score']}"] * len(evs)
+    # every event: one action call per event; once: one risk call per device; 10m: each 9 minutes apart
+    assert service.paths["/action"] == 12 and service.paths["/score"] == 3
+    # events of one device are 9 minutes apart: the 10m echo is called at its 1st, 3rd, ... event
+    assert service.paths["/echo"] == 6
+    gets = [b for p, b in service.bodies if p == "/echo"]
+    d0 = [b for b in gets if b["d"] == "d0"]
+    assert d0 == [{"d": "d0", "t": f"n=0 at {T0.isoformat()}", "missing": "0.0"},
+                  {"d": "d0", "t": f"n=6 at {(T0 + timedelta(minutes=18)).isoformat()}"}]  # a null left out
+
+
+@pytest.mark.integration
+def test_errors_follow_on_error_and_an_expired_device_is_called_again(
+        spark: SparkSession, kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    with serve(refuse={"d1"}) as svc:
+        once = {"body": {"device": "{device_id}", "mean": "{state.temp_mean}", "events": "{state.events}"},
+                "response": {"score": "DOUBLE"}, "retries": {"attempts": 1}}
+        calls = [{"name": "risk", "url": svc.url("/score"), **once},
+                 {"name": "picky", "url": svc.url("/picky"), "on_error": "dead_letter", **once},
+                 {"name": "down", "url": f"http://127.0.0.1:{free_port()}/x", "on_error": "null", **once}]
+        data = job_config(kafka, unique, tmp_path, calls, batch=3)
+        data["state"].update(ttl="5m", watermark="1m")
+        data["kafka_settings"] = kafka
+        # Three batches: the second moves the watermark past d0's and d1's expiry (0 + 5m); in the
+        # third they come back with a fresh state, and once calls them again.
+        events = [{"device_id": d, "ts": at(m), "temp": 1.0, "n": i} for i, (d, m) in enumerate(
+            [("d0", 0), ("d1", 0), ("d2", 0), ("d2", 20), ("d2", 20.5), ("d2", 21), ("d0", 22), ("d1", 22),
+             ("d2", 22)])]
+        produce_events(kafka, data["events"]["topic"], events[:3])
+        produce_events(kafka, data["events"]["topic"], events[3:6])
+        caplog.set_level(logging.INFO, logger="enrich")
+        out = run(spark, data, events[6:])
+    assert [e["n"] for e in out] == [0, 2, 3, 4, 5, 6, 8]     # d1's events are dead letters
+    assert [e["risk_score"] for e in out] == [11.0] * 7     # each call with events 1: 10 + 1
+    assert [e["state"]["events"] for e in out] == [1, 1, 2, 3, 4, 1, 5]
+    assert all(e["down_score"] is None and e["picky_score"] == e["risk_score"] for e in out)
+    assert svc.paths["/score"] == 5    # d0, d1, d2, then d0 and d1 again after their expiry
+    dead = read_all(kafka, data["dead_letter_topic"])
+    assert sorted(json.loads(m.value())["n"] for m in dead) == [1, 7]
+    assert {dict(m.headers())["error"] for m in dead} == {b"call picky failed: HTTP 503"}
+    # counted per batch; a failed once call is made again at the device's next event
+    assert "batch 0: calls down error 3, picky error 1, picky ok 2, risk ok 3" in caplog.text
+    assert sum(int(n) for n in re.findall(r"down error (\d+)", caplog.text)) == 9
+
+
+@pytest.mark.integration
+def test_on_error_fail_fails_the_batch(spark: SparkSession, kafka: dict[str, str], unique: Callable[[str], str],
+                                       tmp_path: Path) -> None:
+    calls = [{"name": "risk", "url": f"http://127.0.0.1:{free_port()}/x", "response": {"score": "DOUBLE"},
+              "retries": {"attempts": 1}, "on_error": "fail"}]
+    data = job_config(kafka, unique, tmp_path, calls)
+    data["kafka_settings"] = kafka
+    with pytest.raises(TerminalError, match="call risk failed for device d0: ClientConnectorError"):
+        run(spark, data, [{"device_id": "d0", "ts": at(0), "temp": 1.0, "n": 0}])
+    assert read_all(kafka, data["output"]["kafka"]["topic"]) == []
+
+
+@pytest.mark.integration
+def test_the_plan_checks_templates_against_the_columns_before_the_step(
+        spark: SparkSession, kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path) -> None:
+    def plan(body: dict[str, Any], **kw: Any) -> Pipeline:
+        calls = [{"name": "risk", "url": "http://127.0.0.1:1/x", "body": body, "response": {"score": "DOUBLE"},
+                  **kw}]
+        return Pipeline.build(config.parse(job_config(kafka, unique, tmp_path, calls), "enrich.yaml"), {})
+
+    p = plan({"d": "{device_id}", "m": "{state.temp_mean}", "s": "{state.risk_score}"})
+    assert p.state is not None and p.state.calls is not None
+    assert p.join_pass.columns[-4:] == ("n", "risk_score", "state", "_late")
+    assert p.state.schema["state"].dataType.fieldNames()[-2:] == ["temp_mean", "risk_score"]
+    with pytest.raises(ConfigError, match=r"enrich.yaml: calls \(risk\).body: \{site\}: no such column before the "
+                                          r"state step \(have: device_id, n, temp, ts\)"):
+        plan({"s": "{site}"})
+    with pytest.raises(ConfigError, match=r"\{state.temp_max\}: no such state field"):
+        plan({"s": "{state.temp_max}"})
+    with pytest.raises(ConfigError, match=r"result column 'risk_score' is also an event column"):
+        Pipeline.build(config.parse({**job_config(kafka, unique, tmp_path, [
+            {"name": "risk", "url": "http://127.0.0.1:1/x", "response": {"score": "DOUBLE"}}]),
+            "events": {"topic": "e", "schema": "device_id STRING, ts TIMESTAMP, temp DOUBLE, risk_score DOUBLE"}},
+            "enrich.yaml"), {})
