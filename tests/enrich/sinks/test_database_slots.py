@@ -91,17 +91,18 @@ def test_concurrent_attempt_waits_and_writes_nothing(db: tuple[TableSpec, Any]) 
     spec, conn = db
     second = connect(spec.url, spec.dialect)
     inside, release = threading.Event(), threading.Event()
-    results: list[int | None] = []
+    results: dict[str, int | None] = {}
 
     def hold() -> None:
         inside.set()
         assert release.wait(30)
 
-    first = threading.Thread(target=lambda: results.append(
-        write_slot(conn, spec, "q", 2, 3, rows(("a", 1, 1.0)), written=hold)))
+    first = threading.Thread(target=lambda: results.update(
+        first=write_slot(conn, spec, "q", 2, 3, rows(("a", 1, 1.0)), written=hold)))
     first.start()
     assert inside.wait(30)
-    other = threading.Thread(target=lambda: results.append(write_slot(second, spec, "q", 2, 3, rows(("z", 1, 1.0)))))
+    other = threading.Thread(target=lambda: results.update(
+        other=write_slot(second, spec, "q", 2, 3, rows(("z", 1, 1.0)))))
     other.start()
     other.join(1.0)
     assert other.is_alive(), "the second attempt did not wait for the first one's fence row"
@@ -109,5 +110,5 @@ def test_concurrent_attempt_waits_and_writes_nothing(db: tuple[TableSpec, Any]) 
     first.join(30)
     other.join(30)
     second.close()
-    assert results == [1, None]
+    assert results == {"first": 1, "other": None}
     assert list(table_rows(spec, conn)) == ["a"]
