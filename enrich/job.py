@@ -144,7 +144,7 @@ class EnrichJob:
         self._ensure_topics()
         dims = self._dimensions(spark)
         pipeline = self._plan(spark, dims)
-        sink, dead = self._sinks()
+        sink, dead = self._sinks(pipeline)
         metrics = self._metrics(sink)
         raw = self._read(spark)
         fast, state, devices, stream = self._stream(spark, pipeline, dims, sink, raw, metrics)
@@ -196,12 +196,13 @@ class EnrichJob:
             log.info("plan: %s", line.strip())
         return pipeline
 
-    def _sinks(self) -> tuple[Sink, DeadLetters | None]:
+    def _sinks(self, pipeline: Pipeline) -> tuple[Sink, DeadLetters | None]:
         """The sink and, unless it writes them itself, the dead-letter writer, with the checkpoint's
         writer identity (:mod:`enrich.sinks.identity`: a start that would change it is refused)."""
         cfg = self.cfg
         ident = SinkIdentity.load(self.layout, cfg)
-        sink = make_sink(cfg, ident.scope, ident.id_of(cfg.output.topic) if cfg.output.topic else None)
+        sink = make_sink(cfg, ident.scope, ident.id_of(cfg.output.topic) if cfg.output.topic else None,
+                         pipeline.events.fieldNames())
         self._stack.callback(sink.close)
         dead = None
         if not sink.writes_dead_letters:

@@ -28,10 +28,10 @@ def connect(url: str, dialect: DatabaseDialect) -> Any:
             import psycopg
 
             conninfo = "postgresql://" + url.split("://", 1)[1]  # libpq takes the URL without a driver suffix
-            conn = psycopg.connect(conninfo, autocommit=False)
-            conn.execute("SET TIME ZONE 'UTC'")
-            conn.commit()
-            return conn
+            pg = psycopg.connect(conninfo, autocommit=False)
+            pg.execute("SET TIME ZONE 'UTC'")
+            pg.commit()
+            return pg
         import pymysql
         from sqlalchemy.engine import make_url
 
