@@ -4,6 +4,7 @@ to its state (and the join columns of its latest event); devices whose state exp
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -14,6 +15,8 @@ from pyspark.sql import SparkSession
 
 from enrich import config
 from enrich.job import EnrichJob
+from enrich.ops.device import device_state
+from enrich.ops.state_db import device_state_from_database
 from enrich.sinks.database.connect import connect
 from refstream.contract import Column, DatasetSchema
 from tests.enrich.helpers import changelog, produce_events, publish
@@ -99,6 +102,16 @@ def test_state_rows_equal_the_devices_state(spark: SparkSession, kafka: dict[str
     assert {k: (r["owner"], bool(r["_devices_matched"])) for k, r in rows.items()} == {
         "a": ("ann", True), "b": (None, False), "c": (None, False)}
     assert "n" not in rows["a"] and "temp" not in rows["a"]     # the events' own columns are not state
+
+    # enrich lookup --state answers from the table what the checkpoint answers, without Spark.
+    cfg = config.parse(data, "test.yaml")
+    started = time.monotonic()
+    answer = device_state_from_database(cfg, "a")
+    assert time.monotonic() - started < 1.0
+    assert answer == {**device_state(cfg, "a", spark=spark).to_json(), "source": "database"}
+    assert answer["state"]["events"] == 3 and answer["batch_id"] is not None
+    absent = device_state_from_database(cfg, "zz")
+    assert (absent["found"], absent["state"], absent["source"]) == ("absent", None, "database")
 
     # A later run: its events move the watermark (33m - 1m) past a's and b's last_seen + 10m: their
     # state is dropped (in the batch Spark runs without data to move the watermark on), and so are
