@@ -17,6 +17,7 @@ from enrich.config import DatabaseOutput
 from enrich.sinks.database.connect import connect
 from enrich.sinks.database.slots import write_slot
 from enrich.sinks.database.tables import TableSpec, ensure_tables, table_spec
+from refstream.errors import ConfigError
 
 pytestmark = pytest.mark.integration
 
@@ -112,3 +113,16 @@ def test_concurrent_attempt_waits_and_writes_nothing(db: tuple[TableSpec, Any]) 
     second.close()
     assert results == {"first": 1, "other": None}
     assert list(table_rows(spec, conn)) == ["a"]
+
+
+def test_an_existing_table_without_a_column_is_refused(db: tuple[TableSpec, Any], unique: Callable[[str], str]) -> None:
+    spec, conn = db
+    wider = TableSpec(spec.url, spec.dialect, spec.table, spec.fence, (*spec.columns, ("owner", "TEXT")), spec.key)
+    with pytest.raises(ConfigError, match=r"output\.database\.table: .* exists without the column\(s\) \['owner'\]"):
+        ensure_tables(conn, wider)
+
+
+def test_a_join_column_named_like_a_state_field_is_refused() -> None:
+    out = DatabaseOutput(url="postgresql://h/d", table="t", write="state", dialect="postgresql")
+    with pytest.raises(ConfigError, match=r"the column\(s\) \['events'\] twice .* prefix:"):
+        table_spec(out, [*FIELDS, StructField("events", StringType())], ("device_id",))
