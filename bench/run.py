@@ -11,6 +11,7 @@
     python -m bench.run state_restart [options of bench.state_restart]
     python -m bench.run state_rescale [options of bench.state_rescale]
     python -m bench.run soak    [options of bench.soak]
+    python -m bench.run database_sink [options of bench.database_sink]
 
 Each benchmark is a module with a ``main(argv) -> int``; it is imported only when chosen, so one
 benchmark's missing or broken module does not stop the other. Their figures are in
@@ -35,6 +36,8 @@ BENCHMARKS = {
     "state_ops": ("bench.state_ops", "state store: per-key MapState calls vs one Arrow blob per group, per key"),
     "state_restart": ("bench.state_restart", "state of N devices: checkpoint size, restart after SIGKILL until output"),
     "state_rescale": ("bench.state_rescale", "state of N devices: enrich rescale to other numbers of state partitions"),
+    "database_sink": ("bench.database_sink", "enrichment job with output.database (write: state) vs Kafka "
+                      "output only"),
     "soak": ("bench.soak", "reliability: the topology under reference churn and SIGKILLs, then an accounting"),
 }
 

@@ -152,7 +152,8 @@ class EnrichJob:
         self._pass = pipeline.join_pass
         self.query = self._start_query(stream)
         log.info("enrichment query started: %s -> %s (checkpoint %s)", self.cfg.events.topic,
-                 self.cfg.output.topic or self.cfg.output.path or "console", self.cfg.checkpoint)
+                 self.cfg.output.topic or self.cfg.output.path or
+                 (self.cfg.output.database.table if self.cfg.output.database else "console"), self.cfg.checkpoint)
         return self.query
 
     def _ensure_topics(self) -> None:
