@@ -117,6 +117,11 @@ def upsert(cur: Any, dialect: DatabaseDialect, name: str, table: pa.Table, key: 
         tmp = q(f"_load_{name}")
         cur.execute(f"CREATE TEMPORARY TABLE IF NOT EXISTS {tmp} (LIKE {q(name)}) ON COMMIT DELETE ROWS")
         if _csv_ok(table):
+            # The session's time zone is UTC: times as UTC wall clock, which pyarrow writes about five
+            # times faster than with a zone.
+            for i, t in enumerate(table.schema.types):
+                if pa.types.is_timestamp(t) and t.tz is not None:
+                    table = table.set_column(i, table.column_names[i], table.column(i).cast(pa.timestamp(t.unit)))
             buf = io.BytesIO()
             pacsv.write_csv(table, buf, pacsv.WriteOptions(include_header=False, quoting_style="needed"))
             with cur.copy(f"COPY {tmp} ({names}) FROM STDIN (FORMAT csv)") as cp:

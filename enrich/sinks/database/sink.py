@@ -32,6 +32,7 @@ from enrich.sinks.abc import Counted, EnrichedBatch
 from enrich.sinks.database.connect import connect, quote, transient
 from enrich.sinks.database.slots import write_slot
 from enrich.sinks.database.tables import TableSpec, ensure_tables, table_spec
+from enrich.sinks.deadletter import COLUMNS as DEAD_COLUMNS
 from refstream.errors import RefstreamError, TransientError
 
 log = logging.getLogger(__name__)
@@ -42,11 +43,20 @@ __all__ = ["DatabaseSink", "DatabaseTaskWriter", "RowPlan", "row_plan"]
 POSITION = ("_topic", "_partition", "_offset")
 #: The state field that orders a device's events within a batch (the count after each event).
 COUNT = "events"
-#: What a task returns to the driver.
-RESULT_DDL = "slot INT, events BIGINT, late BIGINT, rows BIGINT, skipped BOOLEAN, seconds DOUBLE"
+#: The prefix of the dead-letter columns in the rows the tasks get and return.
+DEAD = "__dead"
+#: What a task returns to the driver: one row of counts, then its dead letters (``__dead_error``
+#: set), so that the batch is computed once, by the tasks, and never cached.
+RESULT_DDL = ("slot INT, events BIGINT, late BIGINT, rows BIGINT, skipped BOOLEAN, seconds DOUBLE, "
+              f"{DEAD}_error STRING, {DEAD}_key BINARY, {DEAD}_value BINARY, {DEAD}_topic STRING, "
+              f"{DEAD}_partition INT, {DEAD}_offset BIGINT")
 RESULT_SCHEMA = pa.schema([("slot", pa.int32()), ("events", pa.int64()), ("late", pa.int64()), ("rows", pa.int64()),
-                           ("skipped", pa.bool_()), ("seconds", pa.float64())])
+                           ("skipped", pa.bool_()), ("seconds", pa.float64()),
+                           (f"{DEAD}_error", pa.string()), (f"{DEAD}_key", pa.binary()),
+                           (f"{DEAD}_value", pa.binary()), (f"{DEAD}_topic", pa.string()),
+                           (f"{DEAD}_partition", pa.int32()), (f"{DEAD}_offset", pa.int64())])
 _TRANSIENT = "refstream.errors.TransientError: "
+DEAD_SCHEMA = pa.schema([(c, RESULT_SCHEMA.field(DEAD + c).type) for c in DEAD_COLUMNS])
 
 
 @dataclass(frozen=True)
@@ -182,7 +192,17 @@ class DatabaseTaskWriter:
         ctx = TaskContext.get()
         slot = ctx.partitionId() if ctx is not None else 0
         started = time.monotonic()
-        table, events, late = self.rows.table(list(batches))
+        good: list[pa.Table] = []
+        dead: list[pa.Table] = []
+        for b in batches:
+            t = pa.Table.from_batches([b])
+            if DEAD + ERROR in t.column_names:
+                bad = pc.is_valid(t.column(DEAD + ERROR))
+                if pc.any(bad).as_py():
+                    dead.append(t.filter(bad))
+                    t = t.filter(pc.invert(bad))
+            good.append(t)
+        table, events, late = self.rows.table(good)
         written: int | None = 0
         if table.num_rows:
             spec = self.rows.spec
@@ -197,6 +217,10 @@ class DatabaseTaskWriter:
         yield pa.RecordBatch.from_pylist([{"slot": slot, "events": events, "late": late, "rows": written or 0,
                                            "skipped": written is None, "seconds": time.monotonic() - started}],
                                          schema=RESULT_SCHEMA)
+        for t in dead:
+            cols = [t.column(f.name).cast(f.type) if f.name in t.column_names else pa.nulls(t.num_rows, f.type)
+                    for f in RESULT_SCHEMA]
+            yield from pa.Table.from_arrays(cols, schema=RESULT_SCHEMA).to_batches()
 
     def written(self, slot: int) -> None:
         """Called after the slot's rows went in, before its transaction commits; nothing here. (The
@@ -243,13 +267,14 @@ class DatabaseSink:
         t0 = time.monotonic()
         plan = self.plan(batch)
         writer = DatabaseTaskWriter(self.slot_rows(plan, batch), self.scope, batch_id)
-        df = batch.df.persist()
-        try:
-            frame = df.filter(F.col(ERROR).isNull()).select(*self.good_rows(plan, batch))
-            rows = run_tasks(frame, writer)
-            dead = batch.dead_letters()
-        finally:
-            df.unpersist()
+        failed = F.col(ERROR).isNotNull()
+        frame = batch.df.select(*self.good_rows(plan, batch),
+                                *[(F.col(c) if c == ERROR else F.when(failed, F.col(c))).alias(DEAD + c)
+                                  for c in DEAD_COLUMNS])
+        out = run_tasks(frame, writer)
+        rows = [r for r in out if r[DEAD + ERROR] is None]
+        dead = pa.Table.from_pylist([{c: r[DEAD + c] for c in DEAD_COLUMNS} for r in out if r[DEAD + ERROR] is not None],
+                                    schema=DEAD_SCHEMA)
         self.last_results = rows
         self.counted = Counted(enriched=sum(int(r["events"]) for r in rows), late=sum(int(r["late"]) for r in rows))
         log.info("batch %d: %d rows to %s by %d task(s) (%d skipped as committed) in %.2fs", batch_id,

@@ -4,6 +4,7 @@ to its state (and the join columns of its latest event); devices whose state exp
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
@@ -19,7 +20,7 @@ from enrich.ops.device import device_state
 from enrich.ops.state_db import device_state_from_database
 from enrich.sinks.database.connect import connect
 from refstream.contract import Column, DatasetSchema
-from tests.enrich.helpers import changelog, produce_events, publish
+from tests.enrich.helpers import changelog, produce_events, publish, read_all
 
 pytestmark = pytest.mark.integration
 
@@ -118,9 +119,13 @@ def test_state_rows_equal_the_devices_state(spark: SparkSession, kafka: dict[str
     # their rows; d is new, c goes on.
     publish(kafka, data["joins"][0]["topic"], changelog(DEVICES, [{"device_id": "d", "owner": "dan"}]))
     produce_events(kafka, events, [{"device_id": "d", "ts": iso(32), "temp": 7.0, "n": 9},
+                                   {"device_id": None, "ts": iso(32), "temp": 1.0, "n": 11},   # a dead letter
                                    {"device_id": "c", "ts": iso(33), "temp": None, "n": 10}])
     run(spark, data)
     rows = table(url, name)
     assert sorted(rows) == ["c", "d"]
     assert (rows["c"]["events"], rows["c"]["last_seen"], rows["c"]["temp_mean"]) == (3, at(33), 2.0)
     assert (rows["d"]["events"], rows["d"]["owner"]) == (1, "dan")
+    # The tasks hand the dead letters back; the driver writes them to their topic.
+    dead = [(json.loads(m.value())["n"], dict(m.headers())["error"]) for m in read_all(kafka, data["dead_letter_topic"])]
+    assert dead == [(11, b"state.key device_id is null")]
