@@ -1,8 +1,9 @@
 """The database output on the driver (:class:`DatabaseSink`) and in the tasks (:class:`DatabaseTaskWriter`).
 
-The driver selects the batch's rows as the table's columns and runs :class:`DatabaseTaskWriter`
-over them in a ``mapInArrow``; each task writes its slot by :func:`enrich.sinks.database.slots.write_slot`
-and returns one row of counts. The plan has no shuffle after the state step, so a device's events
+The driver selects the batch's rows as the table's columns (and the dead letters' columns) and runs
+:class:`DatabaseTaskWriter` over them in a ``mapInArrow``; each task writes its slot by
+:func:`enrich.sinks.database.slots.write_slot` and returns one row of counts and its dead letters,
+which the driver writes to their topic: the batch is computed once, never cached. The plan has no shuffle after the state step, so a device's events
 all reach the task of its state partition: ``write: state`` keeps, per device, the row of the event
 the state step applied last (the greatest ``events`` count), whose ``state`` is the device's state
 after the batch. After the tasks, the driver deletes the rows of devices whose state expired
