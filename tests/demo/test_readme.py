@@ -72,7 +72,8 @@ max_events_per_batch: 10
 bootstrap_timeout: 5s
 spark: {spark.driver.memory: 2g}
 """
-OUTPUTS = ("{kafka: {topic: out, transactional_id: tx}}", "{parquet: {path: var/out}}", "{console: {rows: 5}}")
+OUTPUTS = ("{kafka: {topic: out, transactional_id: tx}}", "{parquet: {path: var/out}}", "{console: {rows: 5}}",
+           "{database: {url: 'postgresql://u@h/d', table: t, write: state}, kafka: {topic: out}}")
 
 
 @pytest.fixture
