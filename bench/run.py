@@ -15,6 +15,7 @@
     python -m bench.run asof    [options of bench.asof_bench]
     python -m bench.run wait    [options of bench.wait_bench]
     python -m bench.run calls   [options of bench.calls]
+    python -m bench.run database_sink [options of bench.database_sink]
 
 Each benchmark is a module with a ``main(argv) -> int``; it is imported only when chosen, so one
 benchmark's missing or broken module does not stop the other. Their figures are in
@@ -45,6 +46,8 @@ BENCHMARKS = {
     "wait": ("bench.wait_bench", "waiting for completeness: deciding and storing a bucket's held events (no Spark)"),
     "calls": ("bench.calls", "calls: in the state step: calls/s per task vs concurrency / latency, the job with "
               "and without a call"),
+    "database_sink": ("bench.database_sink", "enrichment job with output.database (write: state) vs Kafka "
+                      "output only"),
     "soak": ("bench.soak", "reliability: the topology under reference churn and SIGKILLs, then an accounting"),
 }
 

@@ -139,6 +139,20 @@ class CheckpointLayout:
         except (OSError, ValueError, AttributeError) as exc:
             raise DataError(f"{path}: unreadable offset log entry ({exc})") from None
 
+    def batch_watermark_ms(self, batch_id: int) -> int | None:
+        """The event-time watermark Spark recorded for ``batch_id`` in its offset log (the one its
+        stateful step drops state by, a replay included); None when the entry is missing."""
+        path = self.offsets / str(batch_id)
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+            meta = json.loads(lines[1]) if len(lines) > 1 else {}
+            value = meta.get("batchWatermarkMs")
+            return None if value is None else int(value)
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError, AttributeError) as exc:
+            raise DataError(f"{path}: unreadable offset log entry ({exc})") from None
+
     def unfinished_rescale(self) -> int | None:
         """The number of state partitions of a rescale Spark began and did not commit, if the last
         batch is one: planned and not committed, with another number than the batch before it (how

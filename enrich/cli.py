@@ -71,7 +71,8 @@ def parser() -> argparse.ArgumentParser:
     lk.add_argument("dataset", nargs="?", help="a dataset the job joins")
     lk.add_argument("key", nargs="?", help="the key: its value, col=value,... or a JSON object")
     lk.add_argument("--state", metavar="DEVICE", default=None,
-                    help="print this device's state (its state.key value) from the checkpoint instead")
+                    help="print this device's state (its state.key value) instead: from output.database's "
+                         "table when it has write: state and no --batch is given, else from the checkpoint")
     lk.add_argument("--batch", type=int, default=None, help="a committed batch id (default: the last one)")
 
     rs = sub.add_parser("rescale", parents=[common],
@@ -222,9 +223,17 @@ def lookup(args: argparse.Namespace) -> int:
     from enrich import config
 
     if args.state is not None:
+        cfg = config.load(args.config)
+        db = cfg.output.database
+        if db is not None and db.write == "state" and args.batch is None:  # the table: no Spark session
+            from enrich.ops.state_db import device_state_from_database
+
+            answer = device_state_from_database(cfg, args.state)
+            print(json.dumps(answer, indent=2, default=str))
+            return 0 if answer["found"] == "present" else 1
         from enrich.ops.device import device_state
 
-        found = device_state(config.load(args.config), args.state, args.batch)
+        found = device_state(cfg, args.state, args.batch)
         print(json.dumps(found.to_json(), indent=2, default=str))
         return 0 if found.found == "present" else 1
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -10,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from enrich.calls.config import CallConfig, parse_calls
-from refstream.config import Section, allowed_values, kafka_settings, load_config_data
+from refstream.config import Section, allowed_values, kafka_settings, load_config_data, redact_url
 from refstream.contract import default_topic
 from refstream.metrics import MetricsConfig, parse_metrics
 
@@ -18,6 +19,8 @@ __all__ = [
     "DEFAULT_HISTORY",
     "DEFAULT_MAX_EVENTS_PER_BATCH",
     "CallConfig",
+    "DatabaseOutput",
+    "DatabaseWrite",
     "EnrichConfig",
     "EventSource",
     "EventsConfig",
@@ -50,8 +53,13 @@ EventSource = Literal["python", "builtin"]
 Parser = Literal["auto", "spark"]
 #: ``left`` keeps events without a match (nulls in the looked-up columns); ``inner`` drops them.
 JoinHow = Literal["left", "inner"]
-#: Where enriched events go; the key of the ``output:`` section.
-OutputKind = Literal["kafka", "parquet", "console"]
+#: Where enriched events go; the key of the ``output:`` section (``database`` alone, or with ``kafka``:
+#: the kind is then ``kafka`` and :attr:`OutputConfig.database` is set too).
+OutputKind = Literal["kafka", "parquet", "console", "database"]
+#: What ``output.database`` keeps: one row per device holding its current state, or one row per event.
+DatabaseWrite = Literal["state", "events"]
+#: The databases ``output.database.url`` may name (SQLAlchemy URL forms ``postgresql://``, ``mysql+pymysql://``).
+DatabaseDialect = Literal["postgresql", "mysql"]
 #: Where a join's dimension lives: ``broadcast`` ships every pinned version to the executors (the
 #: driver holds it); ``partitioned`` keeps it in the keyed state next to the device state, hashed by
 #: the same key (it needs ``state:`` and joins on ``state.key``; docs/state.md).
@@ -141,14 +149,37 @@ class StateConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class DatabaseOutput:
+    """``output.database``: the table the job writes exactly once (created if missing), its fence
+    table ``<table>_commits``, and what a row is (:data:`DatabaseWrite`)."""
+
+    url: str
+    table: str
+    write: DatabaseWrite
+    dialect: DatabaseDialect
+
+    @property
+    def fence(self) -> str:
+        """The table of the tasks' commits: (query_id, slot, batch_id)."""
+        return f"{self.table}_commits"
+
+    def describe(self) -> str:
+        """Where the rows go, for plans and logs (no password)."""
+        row = "one row per device (its state)" if self.write == "state" else "one row per event"
+        return f"table {self.table} of {redact_url(self.url)}, {row}, exactly once per batch"
+
+
+@dataclass(frozen=True, kw_only=True)
 class OutputConfig:
-    """The sink: ``topic`` and ``transactional_id`` are Kafka's, ``path`` Parquet's, ``rows`` the console's."""
+    """The sink: ``topic`` and ``transactional_id`` are Kafka's, ``path`` Parquet's, ``rows`` the
+    console's, ``database`` the database output's (alone, or with Kafka)."""
 
     kind: OutputKind
     topic: str | None = None
     path: Path | None = None
     transactional_id: str | None = None
     rows: int = 20               # console: rows shown per batch
+    database: DatabaseOutput | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -247,6 +278,9 @@ def parse(data: Mapping[str, Any], source: str = "config") -> EnrichConfig:
 
     output = _output(top.section("output"))
     state = _state(top.section("state")) if top.has("state") else None
+    if output.database is not None and output.database.write == "state" and state is None:
+        raise top.error("write: state needs a state: section (the job keeps no device state without one); "
+                        "add one or use write: events", "output.database.write")
     _check_partitioned(top, joins, state)
     _check_as_of(top, joins, state)
     calls = parse_calls(top, state is not None)
@@ -406,15 +440,42 @@ def _state(sec: Section) -> StateConfig:
     return cfg
 
 
+_TABLE = re.compile(r"[A-Za-z_][A-Za-z0-9_]{0,55}")  # room for the fence table's suffix in 64 characters
+_DIALECTS: dict[str, DatabaseDialect] = {"postgresql": "postgresql", "postgres": "postgresql",
+                                         "postgresql+psycopg": "postgresql", "mysql": "mysql",
+                                         "mysql+pymysql": "mysql", "mariadb": "mysql", "mariadb+pymysql": "mysql"}
+
+
+def _database(sec: Section) -> DatabaseOutput:
+    url = sec.get("url", str)
+    scheme = url.split("://", 1)[0] if "://" in url else ""
+    if scheme not in _DIALECTS:
+        raise sec.error("expected a postgresql://... or mysql+pymysql://... URL", "url")
+    table = sec.get("table", str)
+    if not _TABLE.fullmatch(table):
+        raise sec.error(f"{table!r} is not a table name (letters, digits, _; at most 56 characters)", "table")
+    out = DatabaseOutput(url=url, table=table, write=sec.choice("write", DatabaseWrite), dialect=_DIALECTS[scheme])
+    sec.done()
+    return out
+
+
 def _output(sec: Section) -> OutputConfig:
     kinds: list[OutputKind] = [k for k in get_args(OutputKind) if sec.has(k)]
+    database = _database(sec.section("database")) if "database" in kinds else None
+    if database is not None and kinds != ["database"]:
+        if kinds != ["kafka", "database"]:
+            raise sec.error("database: goes alone or with kafka:, not with parquet: or console:")
+        kinds = ["kafka"]
     if len(kinds) != 1:
         raise sec.error(f"needs exactly one of {', '.join(k + ':' for k in get_args(OutputKind))}")
     kind = kinds[0]
+    if kind == "database":
+        sec.done()
+        return OutputConfig(kind=kind, database=database)
     sub = sec.section(kind, {})
     if kind == "kafka":
         out = OutputConfig(kind=kind, topic=sub.get("topic", str),
-                           transactional_id=sub.get("transactional_id", str, None))
+                           transactional_id=sub.get("transactional_id", str, None), database=database)
     elif kind == "parquet":
         out = OutputConfig(kind=kind, path=Path(sub.get("path", str)))
     else:

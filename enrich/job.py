@@ -163,7 +163,7 @@ class EnrichJob:
             self._fork = saved.fork(pipeline)
             log.info("starting from the savepoint %s (batch %d of %s)", self.from_savepoint, saved.batch_id,
                      saved.meta.get("checkpoint"))
-        sink, dead = self._sinks()
+        sink, dead = self._sinks(pipeline)
         metrics = self._metrics(sink)
         raw = self._read(spark)
         fast, state, devices, stream = self._stream(spark, pipeline, dims, sink, raw, metrics)
@@ -171,7 +171,8 @@ class EnrichJob:
         self._pass = pipeline.join_pass
         self.query = self._start_query(stream)
         log.info("enrichment query started: %s -> %s (checkpoint %s)", self.cfg.events.topic,
-                 self.cfg.output.topic or self.cfg.output.path or "console", self.cfg.checkpoint)
+                 self.cfg.output.topic or self.cfg.output.path or
+                 (self.cfg.output.database.table if self.cfg.output.database else "console"), self.cfg.checkpoint)
         return self.query
 
     def _ensure_topics(self) -> None:
@@ -216,12 +217,13 @@ class EnrichJob:
             log.info("plan: %s", line.strip())
         return pipeline
 
-    def _sinks(self) -> tuple[Sink, DeadLetters | None]:
+    def _sinks(self, pipeline: Pipeline) -> tuple[Sink, DeadLetters | None]:
         """The sink and, unless it writes them itself, the dead-letter writer, with the checkpoint's
         writer identity (:mod:`enrich.sinks.identity`: a start that would change it is refused)."""
         cfg = self.cfg
         ident = SinkIdentity.load(self.layout, cfg)
-        sink = make_sink(cfg, ident.scope, ident.id_of(cfg.output.topic) if cfg.output.topic else None)
+        sink = make_sink(cfg, ident.scope, ident.id_of(cfg.output.topic) if cfg.output.topic else None,
+                         pipeline.events.fieldNames())
         self._stack.callback(sink.close)
         dead = None
         if not sink.writes_dead_letters:

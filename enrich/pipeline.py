@@ -163,7 +163,9 @@ class Pipeline:
             out.append(_join_stage(j, s, "broadcast, in the join pass"))
         o = cfg.output
         target = {"kafka": f"Kafka topic {o.topic}, exactly once per batch", "parquet": f"Parquet files in {o.path}",
-                  "console": f"the console, {o.rows} rows per batch"}[o.kind]
+                  "console": f"the console, {o.rows} rows per batch", "database": ""}[o.kind]
+        if o.database is not None:
+            target = "; ".join(t for t in (o.database.describe(), target) if t)
         out.append(Stage("sink", o.kind, f"{target}; dead letters to {cfg.dead_letter_topic}"))
         return out
 

@@ -32,7 +32,9 @@ def plan(cfg: EnrichConfig) -> list[str]:
     ev = cfg.events
     out = cfg.output
     target = {"kafka": f"Kafka topic {out.topic}", "parquet": f"Parquet files in {out.path}",
-              "console": f"the console ({out.rows} rows per batch)"}[out.kind]
+              "console": f"the console ({out.rows} rows per batch)", "database": ""}[out.kind]
+    if out.database is not None:
+        target = "; ".join(t for t in (out.database.describe(), target) if t)
     lines = [f"{cfg.source}: events from {ev.topic} (starting {ev.starting_offsets}, source {ev.source}, "
              f"parser {ev.parser}), broker {cfg.kafka.get('bootstrap.servers', '?')}",
              f"  schema: {ev.schema}" + (f"; required: {', '.join(ev.required)}" if ev.required else "")]

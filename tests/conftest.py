@@ -90,6 +90,26 @@ def mysql_url(mysql_server_url: str) -> Iterator[str]:
         engine.dispose()
 
 
+@pytest.fixture(scope="session")
+def pg_server_url() -> str:
+    return os.environ.get("REFSTREAM_TEST_POSTGRES", "postgresql://postgres@127.0.0.1:5432")
+
+
+@pytest.fixture(scope="session")
+def pg_url(pg_server_url: str) -> Iterator[str]:
+    """A PostgreSQL database of its own for the session (dropped at its end)."""
+    import psycopg
+
+    name = f"refstream_test_{uuid.uuid4().hex[:8]}"
+    with psycopg.connect(pg_server_url + "/postgres", autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+    try:
+        yield f"{pg_server_url}/{name}"
+    finally:
+        with psycopg.connect(pg_server_url + "/postgres", autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
 @pytest.fixture
 def unique() -> Callable[[str], str]:
     def make(prefix: str) -> str:

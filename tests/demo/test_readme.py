@@ -76,7 +76,8 @@ calls:
   - {name: b, url: "http://127.0.0.1:9/b", method: GET, body: {v: "{a.x}"}, response: {y: STRING}, refresh: 10m,
      timeout: 1s, retries: {attempts: 2, backoff: 10ms}, concurrency: 8, on_error: dead_letter, needs: [a]}
 """
-OUTPUTS = ("{kafka: {topic: out, transactional_id: tx}}", "{parquet: {path: var/out}}", "{console: {rows: 5}}")
+OUTPUTS = ("{kafka: {topic: out, transactional_id: tx}}", "{parquet: {path: var/out}}", "{console: {rows: 5}}",
+           "{database: {url: 'postgresql://u@h/d', table: t, write: state}, kafka: {topic: out}}")
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
 """The kill hook of the restart tests: a Kafka sink task that, inside its transaction, after sending
-its first records and before its commit, kills its own Python worker - or the whole job.
+its first records and before its commit, kills its own Python worker - or the whole job. A database
+sink task (``output.database`` alone) does the same after writing its rows, before its commit.
 
 Run the job through it: ``python -m tests.enrich.kill [job:]BATCH[+]:SLOT|*:FLAG run --config F ...``.
 It replaces the sink's task writer with :class:`KillingTaskWriter` and runs ``enrich``'s CLI; the
@@ -31,6 +32,8 @@ from typing import Any
 import pyarrow as pa
 from confluent_kafka import Producer
 
+from enrich.sinks.database.connect import connect
+from enrich.sinks.database.sink import DatabaseTaskWriter
 from enrich.sinks.kafka.ledger import Ledger
 from enrich.sinks.kafka.tasks import TaskWriter, slot_id
 
@@ -141,6 +144,45 @@ class KillingTaskWriter(TaskWriter):
                 ledger.close()
 
 
+@dataclass(frozen=True)
+class KillingDatabaseWriter(DatabaseTaskWriter):
+    """The database sink's task writer (``output.database`` alone) with the same kill points: the
+    picked task has written its rows, its transaction is open, then it kills (with ``job:``, once
+    another slot of the batch has its fence row committed)."""
+
+    kill: KillPoint | None = None
+
+    def written(self, slot: int) -> None:
+        if self.kill is None or not self.kill.picks(self.batch_id, slot):
+            return
+        if not self.kill.job:
+            os.kill(os.getpid(), signal.SIGKILL)
+        note = {"batch": self.batch_id, "slot": slot, "other": self._another_slot_committed(slot),
+                "scope": self.query_id, "session": os.getsid(0)}
+        with open(self.kill.flag, "a", encoding="utf-8") as f:
+            f.write(json.dumps(note) + "\n")
+        kill_session()
+
+    def _another_slot_committed(self, slot: int) -> int | None:
+        """The first other slot with a fence row of this batch, polled for up to :data:`WAIT_S`."""
+        spec = self.rows.spec
+        conn = connect(spec.url, spec.dialect)
+        try:
+            deadline = time.monotonic() + WAIT_S
+            while time.monotonic() < deadline:
+                with conn.cursor() as cur:
+                    cur.execute(f"SELECT slot FROM {spec.fence} WHERE query_id = %s AND batch_id = %s AND slot <> %s",
+                                (self.query_id, self.batch_id, slot))
+                    found = cur.fetchone()
+                conn.commit()
+                if found is not None:
+                    return int(found[0])
+                time.sleep(0.1)
+            return None
+        finally:
+            conn.close()
+
+
 def session_pids(sid: int) -> list[int]:
     """The processes of session ``sid`` (Linux ``/proc``)."""
     pids = []
@@ -189,11 +231,13 @@ def main(argv: list[str]) -> int:
     import functools
 
     from enrich import cli
+    from enrich.sinks.database import sink as database
     from enrich.sinks.kafka import sink
     from tests.enrich import kill  # this module by its name, not as __main__: pickled by reference
 
     point = kill.KillPoint.from_spec(argv[0])
     sink.TaskWriter = functools.partial(kill.KillingTaskWriter, kill=point)  # type: ignore[misc]
+    database.DatabaseTaskWriter = functools.partial(kill.KillingDatabaseWriter, kill=point)  # type: ignore[misc]
     return cli.main(argv[1:])
 
 

@@ -258,3 +258,47 @@ def test_enrich_load_config_does_not_import_pyspark() -> None:
     proc = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[2], capture_output=True,
                           text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
+
+
+STATE = {"key": "device_id", "timestamp": "ts"}
+
+
+def test_output_database_alone_or_with_kafka(monkeypatch: pytest.MonkeyPatch) -> None:
+    db = {"url": "postgresql://root@127.0.0.1:5432/test", "table": "device_state", "write": "state"}
+    cfg = config.parse({**BASE, "state": STATE, "output": {"database": db}})
+    assert cfg.output.kind == "database" and cfg.output.topic is None
+    assert cfg.output.database == config.DatabaseOutput(url=db["url"], table="device_state", write="state",
+                                                        dialect="postgresql")
+    assert cfg.output.database.fence == "device_state_commits"
+    both = config.parse({**BASE, "output": {"database": {**db, "url": "mysql+pymysql://root@h/test",
+                                                         "write": "events"}, "kafka": {"topic": "o"}}})
+    assert both.output.kind == "kafka" and both.output.topic == "o"
+    assert both.output.database is not None and both.output.database.dialect == "mysql"
+    # ${VAR} in the URL, as in every other value.
+    monkeypatch.setenv("DB_PASSWORD", "s3cret")
+    loaded = config.load_config({**BASE, "state": STATE, "output": {"database": {
+        **db, "url": "postgresql://app:${DB_PASSWORD}@db:5432/x"}}})
+    assert loaded.output.database is not None and loaded.output.database.url == "postgresql://app:s3cret@db:5432/x"
+    assert "s3cret" not in loaded.output.database.describe()
+
+
+@pytest.mark.parametrize(("output", "state", "message"), [
+    ({"database": {"url": "postgresql://h/d", "table": "t", "write": "rows"}}, STATE,
+     "output.database.write: 'rows' is not one of state, events"),
+    ({"database": {"url": "postgresql://h/d", "table": "t"}}, STATE, "output.database.write: is required"),
+    ({"database": {"url": "postgresql://h/d", "table": "t", "write": "state"}}, None,
+     "output.database.write: write: state needs a state: section"),
+    ({"database": {"url": "sqlite:///x.db", "table": "t", "write": "events"}}, None,
+     "output.database.url: expected a postgresql://... or mysql+pymysql://... URL"),
+    ({"database": {"url": "postgresql://h/d", "table": "a-b", "write": "events"}}, None,
+     "output.database.table: 'a-b' is not a table name"),
+    ({"database": {"url": "postgresql://h/d", "table": "t", "write": "events"}, "parquet": {"path": "p"}}, None,
+     "output: database: goes alone or with kafka:"),
+    ({"database": {"url": "postgresql://h/d", "table": "t", "write": "events", "mode": "x"}}, None,
+     "output.database: unknown key(s): mode"),
+])
+def test_output_database_errors_name_the_key(output: dict, state: dict | None, message: str) -> None:
+    data = {**BASE, "output": output, **({"state": state} if state else {})}
+    with pytest.raises(ConfigError) as exc:
+        config.parse(data, "enrich.yaml")
+    assert message in str(exc.value) and str(exc.value).startswith("enrich.yaml: ")

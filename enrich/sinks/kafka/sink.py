@@ -17,10 +17,10 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import pyarrow as pa
-from pyspark.sql import DataFrame
+from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
 from enrich.columns import ERROR, LATE, SLOW, UNMATCHED
@@ -61,10 +61,9 @@ class KafkaSink:
         self.last_results = []
         self.counted = Counted(0, 0, 0, 0)
         t0 = time.monotonic()
-        writer = TaskWriter(self.settings, self.topic, self.dead_letter_topic, self.ledger_topic,
-                            self.transactional_id, self.scope, batch_id)
+        writer = self.task_writer(batch_id, batch)
         try:
-            rows = [r.asDict() for r in records_frame(batch).mapInArrow(writer, RESULT_DDL).collect()]
+            rows = [r.asDict() for r in self.frame(batch).mapInArrow(writer, RESULT_DDL).collect()]
         except Exception as exc:
             # A task that failed transiently (broker away) fails the Spark job: the batch is tried
             # again, and the tasks that committed skip it by their ledgers.
@@ -88,11 +87,20 @@ class KafkaSink:
                             "shows aborted transactions) and were not written again", batch_id, r["slot"], r["leaked"])
         return empty
 
+    def task_writer(self, batch_id: int, batch: EnrichedBatch) -> TaskWriter:
+        """The tasks' writer of ``batch``."""
+        return TaskWriter(self.settings, self.topic, self.dead_letter_topic, self.ledger_topic,
+                          self.transactional_id, self.scope, batch_id)
+
+    def frame(self, batch: EnrichedBatch) -> DataFrame:
+        """What the tasks get of ``batch``: :func:`records_frame`."""
+        return records_frame(batch)
+
     def close(self) -> None:
         pass
 
 
-def records_frame(batch: EnrichedBatch) -> DataFrame:
+def records_frame(batch: EnrichedBatch, extra: Sequence[Column] = ()) -> DataFrame:
     """The batch's output rows in event order: ``key``, ``value`` (the JSON of a good event, null
     for a dead letter) and the dead-letter columns (``_key`` and ``_value`` of dead letters only;
     the positions of every row: a dead letter made later, ``too_large``, names its source), and
@@ -111,4 +119,4 @@ def records_frame(batch: EnrichedBatch) -> DataFrame:
         F.col("_key").alias("key"),
         F.when(good, batch.json_value()).cast("binary").alias("value"),
         *[F.col(c) if c in position else F.when(F.col(ERROR).isNotNull(), F.col(c)).alias(c) for c in DEAD_COLUMNS],
-        *([F.col(SLOW)] if slow else []), *flags)
+        *([F.col(SLOW)] if slow else []), *flags, *extra)

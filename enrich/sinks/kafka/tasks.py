@@ -8,10 +8,11 @@ import os
 import socket
 import time
 from collections import Counter
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import chain
+from typing import Protocol
 
 import numpy as np
 import pyarrow as pa
@@ -45,6 +46,20 @@ log = logging.getLogger(__name__)
 #: count among ``records`` (the enriched events written).
 RESULT_DDL = ("slot INT, transactional_id STRING, records BIGINT, dead_letters BIGINT, unmatched BIGINT, "
               "late BIGINT, skipped BOOLEAN, redo BOOLEAN, leaked BIGINT, worker STRING, seconds DOUBLE")
+
+
+class Companion(Protocol):
+    """Another output a task writes with its slot's Kafka transaction, committed just before it."""
+
+    def take(self, batch: pa.RecordBatch) -> pa.RecordBatch:
+        """Keep this output's part of ``batch``; the Kafka part (the other columns) back."""
+
+    def committing(self) -> None:
+        """Commit this output's part; called just before the Kafka transaction commits."""
+
+    def close(self) -> None: ...
+
+
 def slot_id(base: str, slot: int) -> str:
     """The transactional id of ``slot``'s tasks."""
     return f"{base}-{slot}"
@@ -83,6 +98,7 @@ class TaskWriter:
             tx.close()
             yield self._result(slot, started)
             return
+        companion = self.companion(slot)
         try:
             if tx.committed is not None and tx.committed >= self.batch_id:
                 for _ in batches:  # the input is consumed all the same
@@ -100,15 +116,22 @@ class TaskWriter:
                         pass
                     yield self._result(slot, started, redo=True)
                     return
-                tx.write(b)
+                tx.write(companion.take(b) if companion is not None else b)
                 self.sent(slot, tx.producer)
-            tx.commit()
+            tx.commit(companion.committing if companion is not None else None)
         finally:
             tx.close()
+            if companion is not None:
+                companion.close()
         log.info("batch %d slot %d (%s): %d records, %d dead letters in %.2fs", self.batch_id, slot, tx.tid,
                  tx.records, tx.dead, time.monotonic() - started)
         yield self._result(slot, started, records=tx.records, dead=tx.dead, leaked=tx.leaked_total,
                            unmatched=tx.flagged[UNMATCHED], late=tx.flagged[LATE])
+
+    def companion(self, slot: int) -> Companion | None:
+        """Another output written with the slot's transaction (None here: the database output's
+        writer, :mod:`enrich.sinks.database.kafka`, gives one)."""
+        return None
 
     def sent(self, slot: int, producer: Producer) -> None:
         """Called after each chunk of the task's records went to ``producer`` inside the slot's open
@@ -216,13 +239,21 @@ class _SlotTransaction:
         for f, col in flags.items():
             self.flagged[f] += int(pc.sum(pc.cast(col.fill_null(False), pa.int64())).as_py() or 0)
 
-    def commit(self) -> None:
+    def commit(self, committing: Callable[[], None] | None = None) -> None:
+        """Commit the transaction; ``committing`` runs just before, once every record and the
+        ledger's entry are in it (a failure there aborts the transaction)."""
         w = self.w
         if not self.open:
             self.begin()
         try:
             self.producer.flush(w.timeout)  # data before the ledger (see TransactionalBatchWriter.write)
             self.ledger.commit_in(self.producer, w.batch_id)
+            if committing is not None:
+                try:
+                    committing()
+                except Exception:
+                    self.abort()
+                    raise
             commit(self.producer, w.timeout, w.topic)
             self.open = False
         except KafkaException as exc:

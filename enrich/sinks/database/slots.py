@@ -1,0 +1,55 @@
+"""One task's write: its slot's rows and fence row in ONE database transaction.
+
+The fence row ``(query_id, slot, batch_id)`` is inserted first: when it is there already (the slot
+committed this batch before: a replay, a task re-run), nothing is written. An attempt that runs
+while another attempt of the same slot holds its fence row uncommitted waits on the primary key,
+and writes nothing once that one commits (or writes the slot if it rolled back)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import pyarrow as pa
+
+from enrich.sinks.database.connect import fence_insert, transient, upsert
+from enrich.sinks.database.tables import TableSpec
+from refstream.errors import RefstreamError
+
+log = logging.getLogger(__name__)
+
+__all__ = ["write_slot"]
+
+
+def write_slot(conn: Any, spec: TableSpec, query_id: str, slot: int, batch_id: int, rows: pa.Table, *,
+               written: Callable[[], None] | None = None) -> int | None:
+    """Write ``rows`` (the table's columns, unique by its key) and the slot's fence row in one
+    transaction on ``conn``; the number of rows written, or None when the fence row was there (a
+    replay: nothing written). ``written`` is called after the rows went in, before the commit
+    (the tests' kill hook). Database errors are raised as the job's transient or terminal errors."""
+    what = f"batch {batch_id} slot {slot}: writing {spec.table}"
+    try:
+        with conn.cursor() as cur:
+            if not fence_insert(cur, spec.dialect, spec.fence, query_id, slot, batch_id):
+                conn.rollback()
+                log.info("batch %d slot %d: committed to %s before; skipped", batch_id, slot, spec.table)
+                return None
+            upsert(cur, spec.dialect, spec.table, rows, spec.key)
+        if written is not None:
+            written()
+        conn.commit()
+    except RefstreamError:
+        _rollback(conn)
+        raise
+    except Exception as exc:  # noqa: BLE001 - the drivers' errors, classified by transient()
+        _rollback(conn)
+        raise transient(exc, what) from exc
+    return rows.num_rows
+
+
+def _rollback(conn: Any) -> None:
+    try:
+        conn.rollback()
+    except Exception as exc:  # noqa: BLE001 - the connection may be gone; the transaction with it
+        log.warning("rollback failed: %s", exc)

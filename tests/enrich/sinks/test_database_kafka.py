@@ -1,0 +1,107 @@
+"""``output.database`` together with ``output.kafka`` in the running job (real Spark, the real broker,
+the local PostgreSQL): a read_committed consumer that looks each record it sees up in the table
+always finds its row, and each event is written once to each side.
+
+The fence table gets a deferred trigger that sleeps at each slot's database commit: were a slot's
+Kafka transaction committed before (or while) its database transaction commits, the consumer would
+see its records for that long without their rows."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+from confluent_kafka import TopicPartition
+from pyspark.sql import SparkSession
+
+from enrich import config
+from enrich.job import EnrichJob
+from enrich.sinks.database.connect import connect
+from refstream import kafka as rkafka
+from tests.enrich.helpers import produce_events, read_all
+
+pytestmark = pytest.mark.integration
+
+TOTAL, PER_BATCH = 300, 60
+
+
+def slow_commits(url: str, fence: str) -> None:
+    """The fence table, created before the job does, with a trigger that sleeps 0.3 s at each commit."""
+    conn = connect(url, "postgresql")
+    try:
+        conn.execute(f'CREATE TABLE "{fence}" (query_id TEXT NOT NULL, slot INTEGER NOT NULL, '
+                     "batch_id BIGINT NOT NULL, PRIMARY KEY (query_id, slot, batch_id))")
+        conn.execute(f'CREATE FUNCTION "{fence}_sleep"() RETURNS trigger LANGUAGE plpgsql AS '
+                     "$$ BEGIN PERFORM pg_sleep(0.3); RETURN NULL; END $$")
+        conn.execute(f'CREATE CONSTRAINT TRIGGER slow_commit AFTER INSERT ON "{fence}" DEFERRABLE INITIALLY '
+                     f'DEFERRED FOR EACH ROW EXECUTE FUNCTION "{fence}_sleep"()')
+        conn.commit()
+    finally:
+        conn.close()
+
+
+def test_no_record_is_visible_before_its_row(spark: SparkSession, kafka: dict[str, str],
+                                             unique: Callable[[str], str], tmp_path: Path, pg_url: str) -> None:
+    table, out_topic = unique("events"), unique("enriched")
+    data: dict[str, Any] = {
+        "kafka": {"bootstrap_servers": kafka["bootstrap.servers"]},
+        "events": {"topic": unique("events"), "schema": "device_id STRING, n INT", "starting_offsets": "earliest"},
+        "output": {"database": {"url": pg_url, "table": table, "write": "events"}, "kafka": {"topic": out_topic}},
+        "dead_letter_topic": unique("dlq"),
+        "checkpoint": str(tmp_path / "checkpoint"),
+        "max_events_per_batch": PER_BATCH,
+    }
+    slow_commits(pg_url, f"{table}_commits")
+    produce_events(kafka, data["events"]["topic"], [{"device_id": f"d{i % 7}", "n": i} for i in range(TOTAL)],
+                   partitions=2)
+    rkafka.ensure_topic(kafka, out_topic)
+    seen: list[int] = []
+    missing: list[int] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        consumer = rkafka.consumer(kafka)
+        conn = connect(pg_url, "postgresql")
+        consumer.assign([TopicPartition(out_topic, p, 0) for p in rkafka.partitions_of(kafka, out_topic)])
+        try:
+            while not stop.is_set() and len(seen) < TOTAL:
+                msg = consumer.poll(0.1)
+                if msg is None or msg.error() is not None:
+                    continue
+                n = json.loads(msg.value())["n"]
+                seen.append(n)
+                if conn.execute(f'SELECT 1 FROM "{table}" WHERE n = %s', (n,)).fetchone() is None:
+                    missing.append(n)
+                conn.commit()
+        finally:
+            consumer.close()
+            conn.close()
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        EnrichJob(config.parse(data, "test.yaml"), available_now=True).run(spark)
+        deadline = time.monotonic() + 60
+        while watcher.is_alive() and len(seen) < TOTAL and time.monotonic() < deadline:
+            time.sleep(0.2)
+    finally:
+        stop.set()
+        watcher.join(10)
+    assert missing == [], f"records seen before their rows were in the table: {missing[:20]}"
+    assert sorted(seen) == list(range(TOTAL))
+    assert sorted(Counter(json.loads(m.value())["n"] for m in read_all(kafka, out_topic)).items()) == \
+        [(n, 1) for n in range(TOTAL)]
+    conn = connect(pg_url, "postgresql")
+    try:
+        rows = conn.execute(f'SELECT n, device_id, "_partition", "_offset" FROM "{table}" ORDER BY n').fetchall()
+        fenced = conn.execute(f'SELECT count(DISTINCT batch_id), count(*) FROM "{table}_commits"').fetchone()
+    finally:
+        conn.close()
+    assert [r[0] for r in rows] == list(range(TOTAL)) and rows[8][1] == "d1"
+    assert fenced is not None and fenced[0] >= TOTAL // PER_BATCH and fenced[1] > fenced[0]   # two slots a batch

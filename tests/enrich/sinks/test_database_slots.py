@@ -1,0 +1,128 @@
+"""The database sink's slots at component level, on the local PostgreSQL and MariaDB: the fence row
+and the rows commit in one transaction, a replay writes nothing, a concurrent attempt of the same
+slot writes nothing once the first commits."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from datetime import UTC, datetime
+from typing import Any
+
+import pyarrow as pa
+import pytest
+from pyspark.sql.types import DoubleType, LongType, StringType, StructField, TimestampType
+
+from enrich.config import DatabaseOutput
+from enrich.sinks.database.connect import connect
+from enrich.sinks.database.slots import write_slot
+from enrich.sinks.database.tables import TableSpec, ensure_tables, table_spec
+from refstream.errors import ConfigError
+
+pytestmark = pytest.mark.integration
+
+FIELDS = [StructField("device_id", StringType()), StructField("events", LongType()),
+          StructField("last_seen", TimestampType()), StructField("temp", DoubleType())]
+
+
+@pytest.fixture(params=["postgresql", "mysql"])
+def db(request: pytest.FixtureRequest, unique: Callable[[str], str]) -> tuple[TableSpec, Any]:
+    url = request.getfixturevalue("pg_url" if request.param == "postgresql" else "mysql_url")
+    out = DatabaseOutput(url=url, table=unique("state"), write="state", dialect=request.param)
+    spec = table_spec(out, FIELDS, ("device_id",))
+    conn = connect(url, out.dialect)
+    ensure_tables(conn, spec)
+    request.addfinalizer(conn.close)
+    return spec, conn
+
+
+def rows(*values: tuple[str, int, float | None]) -> pa.Table:
+    return pa.table({"device_id": [v[0] for v in values], "events": [v[1] for v in values],
+                     "last_seen": pa.array([datetime(2026, 1, 1, 0, v[1], tzinfo=UTC) for v in values],
+                                           pa.timestamp("us", tz="UTC")),
+                     "temp": [v[2] for v in values]})
+
+
+def table_rows(spec: TableSpec, conn: Any) -> dict[str, tuple]:
+    with conn.cursor() as cur:
+        cur.execute(f"SELECT device_id, events, last_seen, temp FROM {spec.table}")
+        got = {r[0]: (r[1], r[2].replace(tzinfo=UTC), r[3]) for r in cur.fetchall()}
+    conn.commit()
+    return got
+
+
+def fence_rows(spec: TableSpec, conn: Any) -> list[tuple]:
+    with conn.cursor() as cur:
+        cur.execute(f"SELECT query_id, slot, batch_id FROM {spec.fence} ORDER BY batch_id, slot")
+        got = [tuple(r) for r in cur.fetchall()]
+    conn.commit()
+    return got
+
+
+def test_replay_writes_nothing(db: tuple[TableSpec, Any]) -> None:
+    spec, conn = db
+    assert write_slot(conn, spec, "q", 0, 5, rows(("a", 1, 1.5), ("b", 2, None))) == 2
+    # The same batch again (a replay) with other rows: nothing of it is written.
+    assert write_slot(conn, spec, "q", 0, 5, rows(("a", 9, 9.0), ("c", 9, 9.0))) is None
+    # The next batch upserts.
+    assert write_slot(conn, spec, "q", 0, 6, rows(("a", 3, 2.5))) == 1
+    got = table_rows(spec, conn)
+    assert {k: (v[0], v[2]) for k, v in got.items()} == {"a": (3, 2.5), "b": (2, None)}
+    assert got["a"][1] == datetime(2026, 1, 1, 0, 3, tzinfo=UTC)
+    assert fence_rows(spec, conn) == [("q", 0, 5), ("q", 0, 6)]
+    # Another query (a new checkpoint: batch ids from 0 again) is not fenced by this one's rows.
+    assert write_slot(conn, spec, "other", 0, 5, rows(("d", 1, 0.0))) == 1
+
+
+def test_rows_and_fence_row_commit_together(db: tuple[TableSpec, Any]) -> None:
+    spec, conn = db
+
+    def crash() -> None:
+        raise RuntimeError("killed before the commit")
+
+    with pytest.raises(Exception, match="killed before the commit"):
+        write_slot(conn, spec, "q", 1, 7, rows(("a", 1, 1.0)), written=crash)
+    assert table_rows(spec, conn) == {} and fence_rows(spec, conn) == []
+    # The attempt after it writes the slot.
+    assert write_slot(conn, spec, "q", 1, 7, rows(("a", 1, 1.0))) == 1
+    assert list(table_rows(spec, conn)) == ["a"] and fence_rows(spec, conn) == [("q", 1, 7)]
+
+
+def test_concurrent_attempt_waits_and_writes_nothing(db: tuple[TableSpec, Any]) -> None:
+    spec, conn = db
+    second = connect(spec.url, spec.dialect)
+    inside, release = threading.Event(), threading.Event()
+    results: dict[str, int | None] = {}
+
+    def hold() -> None:
+        inside.set()
+        assert release.wait(30)
+
+    first = threading.Thread(target=lambda: results.update(
+        first=write_slot(conn, spec, "q", 2, 3, rows(("a", 1, 1.0)), written=hold)))
+    first.start()
+    assert inside.wait(30)
+    other = threading.Thread(target=lambda: results.update(
+        other=write_slot(second, spec, "q", 2, 3, rows(("z", 1, 1.0)))))
+    other.start()
+    other.join(1.0)
+    assert other.is_alive(), "the second attempt did not wait for the first one's fence row"
+    release.set()
+    first.join(30)
+    other.join(30)
+    second.close()
+    assert results == {"first": 1, "other": None}
+    assert list(table_rows(spec, conn)) == ["a"]
+
+
+def test_an_existing_table_without_a_column_is_refused(db: tuple[TableSpec, Any], unique: Callable[[str], str]) -> None:
+    spec, conn = db
+    wider = TableSpec(spec.url, spec.dialect, spec.table, spec.fence, (*spec.columns, ("owner", "TEXT")), spec.key)
+    with pytest.raises(ConfigError, match=r"output\.database\.table: .* exists without the column\(s\) \['owner'\]"):
+        ensure_tables(conn, wider)
+
+
+def test_a_join_column_named_like_a_state_field_is_refused() -> None:
+    out = DatabaseOutput(url="postgresql://h/d", table="t", write="state", dialect="postgresql")
+    with pytest.raises(ConfigError, match=r"the column\(s\) \['events'\] twice .* prefix:"):
+        table_spec(out, [*FIELDS, StructField("events", StringType())], ("device_id",))
