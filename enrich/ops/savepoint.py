@@ -24,19 +24,21 @@ empty (null until the device's next event).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import shutil
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
-from pyspark.sql import SparkSession
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql.pandas.types import to_arrow_schema
 
 from enrich.checkpoint import CheckpointLayout
 from enrich.config import EnrichConfig
@@ -49,7 +51,7 @@ from enrich.state.checkpoint import PARTITIONS, check_checkpoint, read_record, r
 from enrich.state.engine import StateSpec
 from enrich.state.stored import stored_spec
 from enrich.state.stream import Fork
-from refstream.atomic import write_atomic, write_json_atomic
+from refstream.atomic import write_json_atomic
 from refstream.errors import ConfigError, DataError
 
 __all__ = ["FORMAT", "Savepoint", "SavepointRefused", "SavepointResult", "load", "refuse_started", "take"]
@@ -109,8 +111,9 @@ def take(cfg: EnrichConfig, to: str | Path, *, spark: SparkSession | None = None
     st = pipeline.state
     assert st is not None
     check_checkpoint(ck, cfg.state, st.spec, cfg.source, st.dims)  # the record exists: compares only
-    stored = stored_spec(st.spec)
-    devices = stateread.device_tables(spark, ck, batch_id, stored)
+    key = cfg.state.key
+    devices = stateread.device_frame(spark, ck, batch_id, stored_spec(st.spec),
+                                     functools.partial(to_rows, spec=st.spec, key=key), rows_schema(st.spec, key))
     sources = _sources(ck, batch_id)
     kept = read_record(ck.state_record)
     meta: dict[str, Any] = {
@@ -126,18 +129,16 @@ def take(cfg: EnrichConfig, to: str | Path, *, spark: SparkSession | None = None
                   "aggregate_types": {c: str(t) for c, _, t in st.spec.aggregates},
                   "ttl_s": cfg.state.ttl.total_seconds(), "watermark_s": cfg.state.watermark.total_seconds(),
                   PARTITIONS: ck.recorded_partitions(batch_id) or kept.get(PARTITIONS)},
-        "devices": devices.num_rows,
     }
     created = not directory.exists()
     directory.mkdir(parents=True, exist_ok=True)
     try:
-        _write_parquet(directory / STATE, to_rows(devices, st.spec, cfg.state.key))
+        meta["devices"] = _write_parquet(spark, devices, directory / STATE)
         dimension_rows: dict[str, int] = {}
         for dim in st.dims:
-            rows, schema = stateread.dimension_rows(spark, ck, batch_id, dim)
+            rows, schema = stateread.dimension_frame(spark, ck, batch_id, dim)
             name = f"{_DIMS}/{dim.dataset}.parquet"
-            _write_parquet(directory / name, rows)
-            dimension_rows[dim.dataset] = rows.num_rows
+            dimension_rows[dim.dataset] = _write_parquet(spark, rows, directory / name)
             meta["partitioned"].append({"dataset": dim.dataset, "topic": dim.topic, "rows": name,
                                         "offsets": _offsets(sources, dim.topic),
                                         "schema": None if schema is None else json.loads(schema.to_json())})
@@ -151,9 +152,9 @@ def take(cfg: EnrichConfig, to: str | Path, *, spark: SparkSession | None = None
                 path.unlink(missing_ok=True)
         raise
     seconds = time.monotonic() - t0
-    log.info("%s: savepoint of batch %d written (%d devices) in %.1fs", directory, batch_id, devices.num_rows, seconds)
+    log.info("%s: savepoint of batch %d written (%d devices) in %.1fs", directory, batch_id, meta["devices"], seconds)
     return SavepointResult(directory=str(directory), checkpoint=str(ck.root), batch_id=batch_id,
-                           devices=devices.num_rows, dimension_rows=dimension_rows, seconds=seconds)
+                           devices=meta["devices"], dimension_rows=dimension_rows, seconds=seconds)
 
 
 def to_rows(stored: pa.Table, spec: StateSpec, key: str) -> pa.Table:
@@ -167,6 +168,11 @@ def to_rows(stored: pa.Table, spec: StateSpec, key: str) -> pa.Table:
             cols[f"{column}_mean_sum"] = stored.column(f"{column}_sum").combine_chunks()
             cols[f"{column}_mean_count"] = stored.column(f"{column}_count").combine_chunks()
     return pa.table(cols)
+
+
+def rows_schema(spec: StateSpec, key: str) -> pa.Schema:
+    """The schema of :func:`to_rows`' tables."""
+    return to_rows(stored_spec(spec).empty(), spec, key).schema
 
 
 def from_rows(rows: pa.Table, spec: StateSpec, key: str) -> pa.Table:
@@ -232,13 +238,18 @@ class Savepoint:
                 raise SavepointRefused(f"{cfg.source}: state.aggregates.{column}: the column is {typ}; in {where} "
                                        f"it is {types[column]}")
 
-    def fork(self, pipeline: Pipeline) -> tuple[str, Fork]:
+    def fork(self, spark: SparkSession, pipeline: Pipeline) -> tuple[str, Fork]:
         """The events' starting offsets (Spark's JSON) and the state step's start, for ``pipeline``
-        (checked with :meth:`check`)."""
+        (checked with :meth:`check`): the savepoint's files read by Spark, each device made a row of
+        the stored layout on the executors (:func:`from_rows`)."""
         st = pipeline.state
         assert st is not None and pipeline.cfg.state is not None
-        devices = from_rows(pq.read_table(self.directory / STATE), st.spec, pipeline.cfg.state.key)
-        dims: dict[str, tuple[pa.Table, bytes]] = {}
+        stored = stored_spec(st.spec).state_schema()
+        out = stateread.spark_schema(stored)
+        devices = spark.read.parquet(str(self.directory / STATE)).mapInArrow(
+            functools.partial(_stored_rows, spec=st.spec, key=pipeline.cfg.state.key,
+                              schema=to_arrow_schema(out, timezone="UTC")), out)
+        dims: dict[str, tuple[DataFrame, bytes]] = {}
         changelogs: dict[str, str] = {}
         saved = {(d["dataset"], d["topic"]): d for d in self.meta.get("partitioned", [])}
         for dim in st.dims:
@@ -247,13 +258,19 @@ class Savepoint:
                 continue
             changelogs[dim.topic] = json.dumps({dim.topic: entry["offsets"]})
             if entry.get("schema") is not None:
-                dims[dim.state_name] = (pq.read_table(self.directory / entry["rows"]),
+                dims[dim.state_name] = (spark.read.parquet(str(self.directory / entry["rows"])),
                                         json.dumps(entry["schema"]).encode("utf-8"))
         events = self.meta["events"]
         watermark = self.meta.get("watermark_ms")
         floor = int(watermark) * 1000 if watermark else None
         return (json.dumps({events["topic"]: events["offsets"]}),
                 Fork(devices=devices, dims=dims, changelogs=changelogs, floor_us=floor))
+
+
+def _stored_rows(batches: Iterator[pa.RecordBatch], *, spec: StateSpec, key: str,
+                 schema: pa.Schema) -> Iterator[pa.RecordBatch]:
+    for batch in batches:
+        yield from from_rows(pa.Table.from_batches([batch]), spec, key).cast(schema).to_batches()
 
 
 def load(directory: str | Path) -> Savepoint:
@@ -305,8 +322,8 @@ def _next_watermark(ck: CheckpointLayout, batch_id: int) -> int:
         raise DataError(f"{path}: unreadable commit log entry ({exc})") from None
 
 
-def _write_parquet(path: Path, table: pa.Table) -> None:
-    def write(f: BinaryIO) -> None:
-        pq.write_table(table, f)
-
-    write_atomic(path, write)
+def _write_parquet(spark: SparkSession, frame: DataFrame, path: Path) -> int:
+    """Write ``frame`` with Spark's Parquet writer (its tasks write the part files, its commit the
+    directory) and return its row count, read back from the part files' footers."""
+    frame.write.option("compression", "snappy").parquet(str(path))
+    return spark.read.parquet(str(path)).count()
