@@ -62,6 +62,7 @@ FORMAT = 1
 META, STATE = "savepoint.json", "state.parquet"
 _DIMS = "dimensions"
 _TS = pa.timestamp("us", tz="UTC")
+_TS_TYPE_CONF = "spark.sql.parquet.outputTimestampType"
 
 
 class SavepointRefused(ConfigError):
@@ -324,6 +325,17 @@ def _next_watermark(ck: CheckpointLayout, batch_id: int) -> int:
 
 def _write_parquet(spark: SparkSession, frame: DataFrame, path: Path) -> int:
     """Write ``frame`` with Spark's Parquet writer (its tasks write the part files, its commit the
-    directory) and return its row count, read back from the part files' footers."""
-    frame.write.option("compression", "snappy").parquet(str(path))
+    directory) and return its row count, read back from the part files' footers. Timestamps are
+    written as Parquet's TIMESTAMP_MICROS (UTC), not Spark's default INT96, so other tools read
+    them as timestamps in UTC; the session's setting is put back after (a streaming query running
+    in the session has its own copy of the settings)."""
+    before = spark.conf.get(_TS_TYPE_CONF, None)
+    spark.conf.set(_TS_TYPE_CONF, "TIMESTAMP_MICROS")
+    try:
+        frame.write.option("compression", "snappy").parquet(str(path))
+    finally:
+        if before is None:
+            spark.conf.unset(_TS_TYPE_CONF)
+        else:
+            spark.conf.set(_TS_TYPE_CONF, before)
     return spark.read.parquet(str(path)).count()

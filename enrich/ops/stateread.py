@@ -9,8 +9,8 @@ rebuilt here by the processor's own :func:`enrich.state.stored.bucket_table`; a 
 dimension keeps its rows of a bucket as one value, with the published schema last applied to them.
 
 :func:`device_frame` and :func:`dimension_frame` unpack every bucket on the executors (one row per
-device or dimension row, for a Spark writer), :func:`device_tables` collects buckets to the driver
-(for ``lookup --state``'s one bucket).
+device or dimension row, for a Spark writer); :func:`device_tables` collects buckets to the driver,
+for ``lookup --state``'s one bucket.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from enrich.state.stored import DELTAS, STATE_NAME, bucket_table
 from enrich.state.stream import CHANGELOG_CONF, CHANGELOG_DEFAULT, PROVIDER_CONF, ROCKSDB
 from refstream.contract import DatasetSchema
 
-__all__ = ["device_frame", "device_tables", "dimension_frame", "dimension_rows", "scan", "session",
+__all__ = ["device_frame", "device_tables", "dimension_frame", "scan", "session",
            "spark_schema"]
 
 
@@ -75,22 +75,6 @@ def device_tables(spark: SparkSession, ck: CheckpointLayout, batch_id: int, stor
         changes.setdefault(int(r[0]), []).append((r[1], r[2], r[3]))
     tables = [bucket_table(stored, bytes(v[1]), changes.get(int(v[0]), ())) for v in values]
     return pa.concat_tables(tables).combine_chunks()
-
-
-def dimension_rows(spark: SparkSession, ck: CheckpointLayout, batch_id: int,
-                   dim: PartitionedDim) -> tuple[pa.Table, DatasetSchema | None]:
-    """A partitioned dimension's rows over every bucket after ``batch_id``, in the types the job was
-    planned with, and the published schema last applied to them (None: no bucket holds any)."""
-    rows = scan(spark, ck, batch_id, dim.state_name).select("value.table", "value.schema").collect()
-    tables, schema = [], None
-    for table, text in rows:
-        got = from_ipc(bytes(table))
-        tables.append(got if got.schema == dim.stored else conform(dim, got))
-        found = DatasetSchema.from_json(bytes(text).decode("utf-8") if isinstance(text, bytes | bytearray) else text)
-        if schema is None or (found.version or 0) > (schema.version or 0):
-            schema = found
-    return (pa.concat_tables(tables).combine_chunks() if tables else dim.empty()), schema
-
 
 
 def spark_schema(schema: pa.Schema) -> StructType:

@@ -4,6 +4,7 @@ running job, and the refusals (no Spark for most of them)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import threading
@@ -17,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from pyspark.sql import SparkSession
+from pyspark.sql import DataFrame, SparkSession
 
 from enrich import cli, config
 from enrich.checkpoint import CheckpointLayout
@@ -127,6 +128,33 @@ def fork_config(data: dict[str, Any], unique: Callable[[str], str], tmp_path: Pa
     return out
 
 
+def _counted(real: Callable[..., Any], into: list[int]) -> Callable[..., Any]:
+    def spy(self: DataFrame, *args: Any, **kwargs: Any) -> Any:
+        got = real(self, *args, **kwargs)
+        into.append(len(got) if isinstance(got, list) else got.num_rows if isinstance(got, pa.Table) else len(got))
+        return got
+    return spy
+
+
+@contextlib.contextmanager
+def on_the_driver(spark: SparkSession) -> Iterator[dict[str, list[int]]]:
+    """What reaches the driver meanwhile: the row count of every DataFrame collected
+    (``collect``, ``toArrow``, ``toPandas``) and of every one created from local data."""
+    frame = type(spark.range(0))  # the session's DataFrame class (PySpark's classic one)
+    seen: dict[str, list[int]] = {"collected": [], "created": []}
+    real_create = SparkSession.createDataFrame
+
+    def create(self: SparkSession, data: Any, *args: Any, **kwargs: Any) -> DataFrame:
+        seen["created"].append(len(data) if isinstance(data, list) else -1)
+        return real_create(self, data, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("collect", "toArrow", "toPandas"):
+            mp.setattr(frame, name, _counted(getattr(frame, name), seen["collected"]))
+        mp.setattr(SparkSession, "createDataFrame", create)
+        yield seen
+
+
 def fork(spark: SparkSession, data: dict[str, Any], directory: Path) -> None:
     EnrichJob(config.parse(data, "test.yaml"), available_now=True, from_savepoint=directory).run(spark)
 
@@ -155,14 +183,22 @@ def test_two_forks_from_a_savepoint_write_what_the_original_job_writes(
     last = ck.committed()[-1]
 
     point = tmp_path / "savepoint"
-    assert cli.main(["savepoint", "--config", str(path), "--to", str(point)]) == 0
+    with on_the_driver(spark) as driver:
+        assert cli.main(["savepoint", "--config", str(path), "--to", str(point)]) == 0
     assert f"savepoint of batch {last} of" in capsys.readouterr().out
+    # No device nor bucket passed through the driver: what it collected is the dimension's schema
+    # (one value per version), and Spark's tasks wrote the part files.
+    assert driver["collected"] and max(driver["collected"]) <= 1, driver
+    parts = sorted((point / STATE).glob("part-*.parquet"))
+    assert parts and (point / STATE / "_SUCCESS").exists()
+    assert sorted((point / "dimensions" / "devices.parquet").glob("part-*.parquet"))
     meta = json.loads((point / META).read_text())
     assert meta["batch_id"] == last and meta["events"]["offsets"] == {"0": 30}
     # The watermark for the batch after it: the greatest event time (minute 29) less 1m.
     assert meta["watermark_ms"] == int((T0 + timedelta(minutes=28)).timestamp() * 1000)
     assert meta["state"]["key"] == "device_id" and meta["state"]["buckets"] == 4
     rows = pq.read_table(point / STATE)         # any tool reads it: one row per device
+    assert rows.schema.field("first_seen").type == pa.timestamp("us", tz="UTC")
     assert sorted(rows.column("device_id").to_pylist()) == sorted(f"d{i}" for i in range(10))
     assert set(rows.column("events").to_pylist()) == {3}
     d1 = rows.filter(pa.compute.equal(rows.column("device_id"), "d1")).to_pylist()[0]
@@ -181,7 +217,9 @@ def test_two_forks_from_a_savepoint_write_what_the_original_job_writes(
     assert original[100]["_late"] is True and original[100]["state"] is None
 
     same = fork_config(data, unique, tmp_path, "fork1")
-    fork(spark, same, point)
+    with on_the_driver(spark) as driver:
+        fork(spark, same, point)
+    assert not driver["created"]  # the initial state was built by Spark from the files, not on the driver
     forked = outputs(kafka, same["output"]["kafka"]["topic"])
     later_n = sorted(e["n"] for e in later)
     assert sorted(forked) == later_n
