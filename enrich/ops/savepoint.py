@@ -4,18 +4,21 @@ of a committed batch as files, and a new checkpoint started from them (docs/stat
 A savepoint is taken from the last batch in Spark's commit log at the time of reading, whether the
 job runs or not: never from a batch that has not committed. It is a directory of
 
-* ``state.parquet``: one row per device, the ``state.key`` column and the ``state`` struct's fields
-  as plain columns (``events``, ``first_seen``, ``last_seen``, ``<column>_<agg>``), plus each
-  ``mean``'s accumulators (``<column>_mean_sum``, ``<column>_mean_count``) so a fork continues it
-  exactly;
+* ``state.parquet``: a Parquet dataset directory (part files), one row per device, the
+  ``state.key`` column and the ``state`` struct's fields as plain columns (``events``,
+  ``first_seen``, ``last_seen``, ``<column>_<agg>``), plus each ``mean``'s accumulators
+  (``<column>_mean_sum``, ``<column>_mean_count``) so a fork continues it exactly;
 * ``dimensions/<dataset>.parquet``: each partitioned dimension's rows as the state step held them;
 * ``savepoint.json``: the batch id, the source offsets the batch read to (events and changelogs),
   the broadcast dimensions' changelog positions, the watermark for the next batch, and the
   settings the checkpoint fixes (``state.key`` and its type, aggregates and their types, TTL,
   watermark, buckets, state partitions). Written last: a directory without it is no savepoint.
 
-Every file is written atomically (:mod:`refstream.atomic`). A fork (:meth:`Savepoint.fork`) starts
-a new checkpoint: the devices and dimension rows are the state step's initial state, the events
+Nothing per device passes through the driver, either way: the buckets are read, unpacked
+(:func:`enrich.ops.stateread.device_frame`) and written as Parquet by Spark's tasks, and
+``savepoint.json`` is then written atomically by the driver (:mod:`refstream.atomic`). A fork
+(:meth:`Savepoint.fork`) starts a new checkpoint: the devices and dimension rows, read by Spark and
+packed per bucket on the executors, are the state step's initial state, the events
 and changelogs are read from the recorded offsets, and the step's watermark starts at the recorded
 one (:class:`enrich.state.stream.Fork`). A config that cannot continue the state is refused in one
 line naming the setting (:meth:`Savepoint.check`); an aggregate the savepoint does not hold starts
@@ -247,9 +250,12 @@ class Savepoint:
         assert st is not None and pipeline.cfg.state is not None
         stored = stored_spec(st.spec).state_schema()
         out = stateread.spark_schema(stored)
-        devices = spark.read.parquet(str(self.directory / STATE)).mapInArrow(
-            functools.partial(_stored_rows, spec=st.spec, key=pipeline.cfg.state.key,
-                              schema=to_arrow_schema(out, timezone="UTC")), out)
+        if _has_rows(self.directory / STATE):
+            devices = spark.read.parquet(str(self.directory / STATE)).mapInArrow(
+                functools.partial(_stored_rows, spec=st.spec, key=pipeline.cfg.state.key,
+                                  schema=to_arrow_schema(out, timezone="UTC")), out)
+        else:  # a savepoint of no device: Spark may have written no part file to read a schema from
+            devices = spark.createDataFrame([], out)
         dims: dict[str, tuple[DataFrame, bytes]] = {}
         changelogs: dict[str, str] = {}
         saved = {(d["dataset"], d["topic"]): d for d in self.meta.get("partitioned", [])}
@@ -258,7 +264,7 @@ class Savepoint:
             if entry is None:  # a partitioned join the savepoint's job had not: read from the earliest
                 continue
             changelogs[dim.topic] = json.dumps({dim.topic: entry["offsets"]})
-            if entry.get("schema") is not None:
+            if entry.get("schema") is not None and _has_rows(self.directory / entry["rows"]):
                 dims[dim.state_name] = (spark.read.parquet(str(self.directory / entry["rows"])),
                                         json.dumps(entry["schema"]).encode("utf-8"))
         events = self.meta["events"]
@@ -266,6 +272,12 @@ class Savepoint:
         floor = int(watermark) * 1000 if watermark else None
         return (json.dumps({events["topic"]: events["offsets"]}),
                 Fork(devices=devices, dims=dims, changelogs=changelogs, floor_us=floor))
+
+
+def _has_rows(path: Path) -> bool:
+    """Whether the Parquet file or dataset directory ``path`` has a data file (Spark writes none
+    for a DataFrame of no partitions)."""
+    return path.is_file() or any(path.glob("*.parquet"))
 
 
 def _stored_rows(batches: Iterator[pa.RecordBatch], *, spec: StateSpec, key: str,
