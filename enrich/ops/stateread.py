@@ -34,8 +34,7 @@ from enrich.state.stored import DELTAS, STATE_NAME, bucket_table
 from enrich.state.stream import CHANGELOG_CONF, CHANGELOG_DEFAULT, PROVIDER_CONF, ROCKSDB
 from refstream.contract import DatasetSchema
 
-__all__ = ["device_frame", "device_tables", "dimension_frame", "scan", "session",
-           "spark_schema"]
+__all__ = ["device_frame", "device_tables", "dimension_frame", "scan", "session", "spark_schema"]
 
 
 def session(cfg: EnrichConfig, master: str | None, app: str, conf: Mapping[str, str] | None = None) -> SparkSession:
@@ -111,8 +110,9 @@ def _bucket_rows(batches: Iterator[pa.RecordBatch], *, stored: StateSpec, rows: 
 
 def dimension_frame(spark: SparkSession, ck: CheckpointLayout, batch_id: int,
                     dim: PartitionedDim) -> tuple[DataFrame, DatasetSchema | None]:
-    """:func:`dimension_rows` unpacked on the executors: the rows as a DataFrame of ``dim.stored``'s
-    columns, and the published schema last applied to them (collected: one value per version)."""
+    """A partitioned dimension's rows over every bucket after ``batch_id``, unpacked on the executors
+    in the types the job was planned with (``dim.stored``), and the published schema last applied to
+    them (None: no bucket holds any; collected, one value per version)."""
     values = scan(spark, ck, batch_id, dim.state_name)
     schema = None
     for (text,) in values.select("value.schema").distinct().collect():
