@@ -160,7 +160,7 @@ class EnrichJob:
         pipeline = self._plan(spark, dims)
         if saved is not None:
             saved.check(self.cfg, pipeline.state.spec if pipeline.state is not None else None)
-            self._fork = saved.fork(pipeline)
+            self._fork = saved.fork(spark, pipeline)
             log.info("starting from the savepoint %s (batch %d of %s)", self.from_savepoint, saved.batch_id,
                      saved.meta.get("checkpoint"))
         sink, dead = self._sinks(pipeline)

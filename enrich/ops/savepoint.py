@@ -4,18 +4,21 @@ of a committed batch as files, and a new checkpoint started from them (docs/stat
 A savepoint is taken from the last batch in Spark's commit log at the time of reading, whether the
 job runs or not: never from a batch that has not committed. It is a directory of
 
-* ``state.parquet``: one row per device, the ``state.key`` column and the ``state`` struct's fields
-  as plain columns (``events``, ``first_seen``, ``last_seen``, ``<column>_<agg>``), plus each
-  ``mean``'s accumulators (``<column>_mean_sum``, ``<column>_mean_count``) so a fork continues it
-  exactly;
+* ``state.parquet``: a Parquet dataset directory (part files), one row per device, the
+  ``state.key`` column and the ``state`` struct's fields as plain columns (``events``,
+  ``first_seen``, ``last_seen``, ``<column>_<agg>``), plus each ``mean``'s accumulators
+  (``<column>_mean_sum``, ``<column>_mean_count``) so a fork continues it exactly;
 * ``dimensions/<dataset>.parquet``: each partitioned dimension's rows as the state step held them;
 * ``savepoint.json``: the batch id, the source offsets the batch read to (events and changelogs),
   the broadcast dimensions' changelog positions, the watermark for the next batch, and the
   settings the checkpoint fixes (``state.key`` and its type, aggregates and their types, TTL,
   watermark, buckets, state partitions). Written last: a directory without it is no savepoint.
 
-Every file is written atomically (:mod:`refstream.atomic`). A fork (:meth:`Savepoint.fork`) starts
-a new checkpoint: the devices and dimension rows are the state step's initial state, the events
+Nothing per device passes through the driver, either way: the buckets are read, unpacked
+(:func:`enrich.ops.stateread.device_frame`) and written as Parquet by Spark's tasks, and
+``savepoint.json`` is then written atomically by the driver (:mod:`refstream.atomic`). A fork
+(:meth:`Savepoint.fork`) starts a new checkpoint: the devices and dimension rows, read by Spark and
+packed per bucket on the executors, are the state step's initial state, the events
 and changelogs are read from the recorded offsets, and the step's watermark starts at the recorded
 one (:class:`enrich.state.stream.Fork`). A config that cannot continue the state is refused in one
 line naming the setting (:meth:`Savepoint.check`); an aggregate the savepoint does not hold starts
@@ -24,19 +27,21 @@ empty (null until the device's next event).
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import shutil
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
-from pyspark.sql import SparkSession
+from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql.pandas.types import to_arrow_schema
 
 from enrich.checkpoint import CheckpointLayout
 from enrich.config import EnrichConfig
@@ -49,7 +54,7 @@ from enrich.state.checkpoint import PARTITIONS, check_checkpoint, read_record, r
 from enrich.state.engine import StateSpec
 from enrich.state.stored import stored_spec
 from enrich.state.stream import Fork
-from refstream.atomic import write_atomic, write_json_atomic
+from refstream.atomic import write_json_atomic
 from refstream.errors import ConfigError, DataError
 
 __all__ = ["FORMAT", "Savepoint", "SavepointRefused", "SavepointResult", "load", "refuse_started", "take"]
@@ -60,6 +65,7 @@ FORMAT = 1
 META, STATE = "savepoint.json", "state.parquet"
 _DIMS = "dimensions"
 _TS = pa.timestamp("us", tz="UTC")
+_TS_TYPE_CONF = "spark.sql.parquet.outputTimestampType"
 
 
 class SavepointRefused(ConfigError):
@@ -112,8 +118,9 @@ def take(cfg: EnrichConfig, to: str | Path, *, spark: SparkSession | None = None
     st = pipeline.state
     assert st is not None
     check_checkpoint(ck, cfg.state, st.spec, cfg.source, st.dims)  # the record exists: compares only
-    stored = stored_spec(st.spec)
-    devices = stateread.device_tables(spark, ck, batch_id, stored)
+    key = cfg.state.key
+    devices = stateread.device_frame(spark, ck, batch_id, stored_spec(st.spec),
+                                     functools.partial(to_rows, spec=st.spec, key=key), rows_schema(st.spec, key))
     sources = _sources(ck, batch_id)
     kept = read_record(ck.state_record)
     meta: dict[str, Any] = {
@@ -129,18 +136,16 @@ def take(cfg: EnrichConfig, to: str | Path, *, spark: SparkSession | None = None
                   "aggregate_types": {c: str(t) for c, _, t in st.spec.aggregates},
                   "ttl_s": cfg.state.ttl.total_seconds(), "watermark_s": cfg.state.watermark.total_seconds(),
                   PARTITIONS: ck.recorded_partitions(batch_id) or kept.get(PARTITIONS)},
-        "devices": devices.num_rows,
     }
     created = not directory.exists()
     directory.mkdir(parents=True, exist_ok=True)
     try:
-        _write_parquet(directory / STATE, to_rows(devices, st.spec, cfg.state.key))
+        meta["devices"] = _write_parquet(spark, devices, directory / STATE)
         dimension_rows: dict[str, int] = {}
         for dim in st.dims:
-            rows, schema = stateread.dimension_rows(spark, ck, batch_id, dim)
+            rows, schema = stateread.dimension_frame(spark, ck, batch_id, dim)
             name = f"{_DIMS}/{dim.dataset}.parquet"
-            _write_parquet(directory / name, rows)
-            dimension_rows[dim.dataset] = rows.num_rows
+            dimension_rows[dim.dataset] = _write_parquet(spark, rows, directory / name)
             meta["partitioned"].append({"dataset": dim.dataset, "topic": dim.topic, "rows": name,
                                         "offsets": _offsets(sources, dim.topic),
                                         "schema": None if schema is None else json.loads(schema.to_json())})
@@ -154,9 +159,9 @@ def take(cfg: EnrichConfig, to: str | Path, *, spark: SparkSession | None = None
                 path.unlink(missing_ok=True)
         raise
     seconds = time.monotonic() - t0
-    log.info("%s: savepoint of batch %d written (%d devices) in %.1fs", directory, batch_id, devices.num_rows, seconds)
+    log.info("%s: savepoint of batch %d written (%d devices) in %.1fs", directory, batch_id, meta["devices"], seconds)
     return SavepointResult(directory=str(directory), checkpoint=str(ck.root), batch_id=batch_id,
-                           devices=devices.num_rows, dimension_rows=dimension_rows, seconds=seconds)
+                           devices=meta["devices"], dimension_rows=dimension_rows, seconds=seconds)
 
 
 def to_rows(stored: pa.Table, spec: StateSpec, key: str) -> pa.Table:
@@ -170,6 +175,11 @@ def to_rows(stored: pa.Table, spec: StateSpec, key: str) -> pa.Table:
             cols[f"{column}_mean_sum"] = stored.column(f"{column}_sum").combine_chunks()
             cols[f"{column}_mean_count"] = stored.column(f"{column}_count").combine_chunks()
     return pa.table(cols)
+
+
+def rows_schema(spec: StateSpec, key: str) -> pa.Schema:
+    """The schema of :func:`to_rows`' tables."""
+    return to_rows(stored_spec(spec).empty(), spec, key).schema
 
 
 def from_rows(rows: pa.Table, spec: StateSpec, key: str) -> pa.Table:
@@ -235,13 +245,21 @@ class Savepoint:
                 raise SavepointRefused(f"{cfg.source}: state.aggregates.{column}: the column is {typ}; in {where} "
                                        f"it is {types[column]}")
 
-    def fork(self, pipeline: Pipeline) -> tuple[str, Fork]:
+    def fork(self, spark: SparkSession, pipeline: Pipeline) -> tuple[str, Fork]:
         """The events' starting offsets (Spark's JSON) and the state step's start, for ``pipeline``
-        (checked with :meth:`check`)."""
+        (checked with :meth:`check`): the savepoint's files read by Spark, each device made a row of
+        the stored layout on the executors (:func:`from_rows`)."""
         st = pipeline.state
         assert st is not None and pipeline.cfg.state is not None
-        devices = from_rows(pq.read_table(self.directory / STATE), st.spec, pipeline.cfg.state.key)
-        dims: dict[str, tuple[pa.Table, bytes]] = {}
+        stored = stored_spec(st.spec).state_schema()
+        out = stateread.spark_schema(stored)
+        if _has_rows(self.directory / STATE):
+            devices = spark.read.parquet(str(self.directory / STATE)).mapInArrow(
+                functools.partial(_stored_rows, spec=st.spec, key=pipeline.cfg.state.key,
+                                  schema=to_arrow_schema(out, timezone="UTC")), out)
+        else:  # a savepoint of no device: Spark may have written no part file to read a schema from
+            devices = spark.createDataFrame([], out)
+        dims: dict[str, tuple[DataFrame, bytes]] = {}
         changelogs: dict[str, str] = {}
         saved = {(d["dataset"], d["topic"]): d for d in self.meta.get("partitioned", [])}
         for dim in st.dims:
@@ -249,14 +267,26 @@ class Savepoint:
             if entry is None:  # a partitioned join the savepoint's job had not: read from the earliest
                 continue
             changelogs[dim.topic] = json.dumps({dim.topic: entry["offsets"]})
-            if entry.get("schema") is not None:
-                dims[dim.state_name] = (pq.read_table(self.directory / entry["rows"]),
+            if entry.get("schema") is not None and _has_rows(self.directory / entry["rows"]):
+                dims[dim.state_name] = (spark.read.parquet(str(self.directory / entry["rows"])),
                                         json.dumps(entry["schema"]).encode("utf-8"))
         events = self.meta["events"]
         watermark = self.meta.get("watermark_ms")
         floor = int(watermark) * 1000 if watermark else None
         return (json.dumps({events["topic"]: events["offsets"]}),
                 Fork(devices=devices, dims=dims, changelogs=changelogs, floor_us=floor))
+
+
+def _has_rows(path: Path) -> bool:
+    """Whether the Parquet file or dataset directory ``path`` has a data file (Spark writes none
+    for a DataFrame of no partitions)."""
+    return path.is_file() or any(path.glob("*.parquet"))
+
+
+def _stored_rows(batches: Iterator[pa.RecordBatch], *, spec: StateSpec, key: str,
+                 schema: pa.Schema) -> Iterator[pa.RecordBatch]:
+    for batch in batches:
+        yield from from_rows(pa.Table.from_batches([batch]), spec, key).cast(schema).to_batches()
 
 
 def load(directory: str | Path) -> Savepoint:
@@ -308,8 +338,19 @@ def _next_watermark(ck: CheckpointLayout, batch_id: int) -> int:
         raise DataError(f"{path}: unreadable commit log entry ({exc})") from None
 
 
-def _write_parquet(path: Path, table: pa.Table) -> None:
-    def write(f: BinaryIO) -> None:
-        pq.write_table(table, f)
-
-    write_atomic(path, write)
+def _write_parquet(spark: SparkSession, frame: DataFrame, path: Path) -> int:
+    """Write ``frame`` with Spark's Parquet writer (its tasks write the part files, its commit the
+    directory) and return its row count, read back from the part files' footers. Timestamps are
+    written as Parquet's TIMESTAMP_MICROS (UTC), not Spark's default INT96, so other tools read
+    them as timestamps in UTC; the session's setting is put back after (a streaming query running
+    in the session has its own copy of the settings)."""
+    before = spark.conf.get(_TS_TYPE_CONF, None)
+    spark.conf.set(_TS_TYPE_CONF, "TIMESTAMP_MICROS")
+    try:
+        frame.write.option("compression", "snappy").parquet(str(path))
+    finally:
+        if before is None:
+            spark.conf.unset(_TS_TYPE_CONF)
+        else:
+            spark.conf.set(_TS_TYPE_CONF, before)
+    return spark.read.parquet(str(path)).count()

@@ -7,15 +7,22 @@ committed batch, so it works while the job runs and after it stopped. The state 
 per hash bucket of devices (:mod:`enrich.state.stored`): a base value and the changes stored since,
 rebuilt here by the processor's own :func:`enrich.state.stored.bucket_table`; a partitioned
 dimension keeps its rows of a bucket as one value, with the published schema last applied to them.
+
+:func:`device_frame` and :func:`dimension_frame` unpack every bucket on the executors (one row per
+device or dimension row, for a Spark writer); :func:`device_tables` collects buckets to the driver,
+for ``lookup --state``'s one bucket.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Iterator, Mapping
 
 import pyarrow as pa
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
+from pyspark.sql.pandas.types import from_arrow_type, to_arrow_schema
+from pyspark.sql.types import StructField, StructType
 
 from enrich.checkpoint import CheckpointLayout
 from enrich.columns import BUCKET
@@ -27,7 +34,7 @@ from enrich.state.stored import DELTAS, STATE_NAME, bucket_table
 from enrich.state.stream import CHANGELOG_CONF, CHANGELOG_DEFAULT, PROVIDER_CONF, ROCKSDB
 from refstream.contract import DatasetSchema
 
-__all__ = ["device_tables", "dimension_rows", "scan", "session"]
+__all__ = ["device_frame", "device_tables", "dimension_frame", "scan", "session", "spark_schema"]
 
 
 def session(cfg: EnrichConfig, master: str | None, app: str, conf: Mapping[str, str] | None = None) -> SparkSession:
@@ -69,17 +76,57 @@ def device_tables(spark: SparkSession, ck: CheckpointLayout, batch_id: int, stor
     return pa.concat_tables(tables).combine_chunks()
 
 
-def dimension_rows(spark: SparkSession, ck: CheckpointLayout, batch_id: int,
-                   dim: PartitionedDim) -> tuple[pa.Table, DatasetSchema | None]:
-    """A partitioned dimension's rows over every bucket after ``batch_id``, in the types the job was
-    planned with, and the published schema last applied to them (None: no bucket holds any)."""
-    rows = scan(spark, ck, batch_id, dim.state_name).select("value.table", "value.schema").collect()
-    tables, schema = [], None
-    for table, text in rows:
-        got = from_ipc(bytes(table))
-        tables.append(got if got.schema == dim.stored else conform(dim, got))
+def spark_schema(schema: pa.Schema) -> StructType:
+    """``schema`` as a Spark schema of nullable columns (what ``mapInArrow`` is told it returns)."""
+    return StructType([StructField(f.name, from_arrow_type(f.type), True) for f in schema])
+
+
+def device_frame(spark: SparkSession, ck: CheckpointLayout, batch_id: int, stored: StateSpec,
+                 rows: Callable[[pa.Table], pa.Table], schema: pa.Schema) -> DataFrame:
+    """Every device after ``batch_id`` as ``rows`` makes each bucket's stored table (``stored``:
+    :func:`enrich.state.stored.stored_spec`) into rows of ``schema``. Each bucket's base and changes
+    are brought together by a join, and its table rebuilt in a ``mapInArrow``: on the executors, a
+    bucket at a time; nothing per device reaches the driver."""
+    deltas = scan(spark, ck, batch_id, DELTAS)
+    element = "list_element" if "list_element" in deltas.columns else "value"
+    changes = (deltas.groupBy(F.col(f"key.{BUCKET}").alias("b"))
+               .agg(F.collect_list(F.struct(*(F.col(f"{element}.{c}").alias(c) for c in ("seq", "rows", "removed"))))
+                    .alias("deltas")))
+    bases = scan(spark, ck, batch_id, STATE_NAME).select(F.col(f"key.{BUCKET}").alias("b"),
+                                                        F.col("value.table").alias("base"))
+    out = spark_schema(schema)
+    return bases.join(changes, "b", "left").mapInArrow(
+        functools.partial(_bucket_rows, stored=stored, rows=rows, schema=to_arrow_schema(out, timezone="UTC")), out)
+
+
+def _bucket_rows(batches: Iterator[pa.RecordBatch], *, stored: StateSpec, rows: Callable[[pa.Table], pa.Table],
+                 schema: pa.Schema) -> Iterator[pa.RecordBatch]:
+    for batch in batches:
+        bases, deltas = batch.column("base"), batch.column("deltas")
+        for i in range(batch.num_rows):
+            changes = [(d["seq"], d["rows"], d["removed"]) for d in (deltas[i].as_py() or ())]
+            yield from rows(bucket_table(stored, bases[i].as_py(), changes)).cast(schema).to_batches()
+
+
+def dimension_frame(spark: SparkSession, ck: CheckpointLayout, batch_id: int,
+                    dim: PartitionedDim) -> tuple[DataFrame, DatasetSchema | None]:
+    """A partitioned dimension's rows over every bucket after ``batch_id``, unpacked on the executors
+    in the types the job was planned with (``dim.stored``), and the published schema last applied to
+    them (None: no bucket holds any; collected, one value per version)."""
+    values = scan(spark, ck, batch_id, dim.state_name)
+    schema = None
+    for (text,) in values.select("value.schema").distinct().collect():
         found = DatasetSchema.from_json(bytes(text).decode("utf-8") if isinstance(text, bytes | bytearray) else text)
         if schema is None or (found.version or 0) > (schema.version or 0):
             schema = found
-    return (pa.concat_tables(tables).combine_chunks() if tables else dim.empty()), schema
+    out = spark_schema(dim.stored)
+    return (values.select("value.table").mapInArrow(
+        functools.partial(_dimension_rows, dim=dim, schema=to_arrow_schema(out, timezone="UTC")), out), schema)
 
+
+def _dimension_rows(batches: Iterator[pa.RecordBatch], *, dim: PartitionedDim,
+                    schema: pa.Schema) -> Iterator[pa.RecordBatch]:
+    for batch in batches:
+        for data in batch.column("table").to_pylist():
+            got = from_ipc(data)
+            yield from (got if got.schema == dim.stored else conform(dim, got)).cast(schema).to_batches()

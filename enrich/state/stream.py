@@ -22,7 +22,6 @@ import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.accumulators import Accumulator
@@ -79,13 +78,13 @@ CHANGELOG_DEFAULT = "true"  # the job's setting when the user has none
 @dataclass(frozen=True)
 class Fork:
     """A new checkpoint's start from a savepoint (:mod:`enrich.ops.savepoint`): ``devices`` the
-    device table in the stored layout (:func:`enrich.state.stored.stored_spec`), ``dims`` each
-    partitioned dimension's rows and published schema (JSON) by state name, ``changelogs`` the
-    Spark starting offsets of their changelog topics (a topic missing: from the earliest), and
-    ``floor_us`` the savepoint job's watermark (event time, microseconds; None: it had none)."""
+    devices as rows of the stored layout (:func:`enrich.state.stored.stored_spec`), ``dims`` each
+    partitioned dimension's rows and published schema (JSON) by state name, all read by Spark;
+    ``changelogs`` the Spark starting offsets of their changelog topics (a topic missing: from the
+    earliest), and ``floor_us`` the savepoint job's watermark (event time, microseconds; None: it had none)."""
 
-    devices: pa.Table
-    dims: Mapping[str, tuple[pa.Table, bytes]]
+    devices: DataFrame
+    dims: Mapping[str, tuple[DataFrame, bytes]]
     changelogs: Mapping[str, str]
     floor_us: int | None
 
@@ -146,28 +145,33 @@ INITIAL = StructType([StructField(BUCKET, IntegerType(), False), StructField("ki
 
 def initial_state(spark: SparkSession, pipeline: Pipeline, layout: BucketLayout, fork: Fork) -> DataFrame:
     """The fork's state as ``transformWithStateInPandas``'s initial state: one row per bucket and
-    kind, each device (and dimension row) in the bucket of its key (``layout``, the new
-    checkpoint's). Built on the driver: the savepoint's tables are in its memory already."""
+    kind, each device (and dimension row) in the bucket of its key in the new checkpoint's
+    ``layout``, hashed as the events are (:meth:`BucketLayout.column`). Grouped by bucket and
+    packed on the executors: nothing per device passes through the driver."""
     st = pipeline.state
-    assert st is not None
-    key_type = st.spec.key_type
-    rows: list[tuple[int, str, bytes, bytes | None]] = []
-
-    def split(kind: str, table: pa.Table, keys: pa.ChunkedArray | pa.Array, schema: bytes | None) -> None:
-        if not table.num_rows:
-            return
-        ids = layout.of(keys.cast(key_type))
-        for g in np.unique(ids).tolist():
-            rows.append((int(g), kind, to_ipc(table.filter(pa.array(ids == g))), schema))
-
-    split(STATE_NAME, fork.devices, fork.devices.column(engine.KEY), None)
+    assert st is not None and pipeline.cfg.state is not None
+    key_type = st.joined[pipeline.cfg.state.key].dataType
+    out = _packed(fork.devices, engine.KEY, key_type, layout, STATE_NAME, None)
     for dim in st.dims:
         if dim.state_name in fork.dims:
             table, schema = fork.dims[dim.state_name]
-            split(dim.state_name, table, table.column([k for _, k in dim.join.pairs][0]), schema)
-    if not rows:  # nothing to start from: an empty initial state
-        return spark.createDataFrame([], INITIAL)
-    return spark.createDataFrame(rows, INITIAL)
+            out = out.unionByName(_packed(table, [k for _, k in dim.join.pairs][0], key_type, layout,
+                                          dim.state_name, schema))
+    return out
+
+
+def _packed(rows: DataFrame, key: str, key_type: DataType, layout: BucketLayout, kind: str,
+            schema: bytes | None) -> DataFrame:
+    """``rows`` as :data:`INITIAL` rows: a bucket's rows (by ``key``, cast to the events' ``key_type``)
+    as one Arrow IPC value of ``kind``."""
+    arrow = to_arrow_schema(INITIAL)
+
+    def pack(bucket: tuple[pa.Scalar, ...], table: pa.Table) -> pa.Table:
+        data = to_ipc(table.drop_columns([BUCKET]))
+        return pa.table([[bucket[0].as_py()], [kind], [data], [schema]], schema=arrow)
+
+    return rows.withColumn(BUCKET, layout.column(F.col(key).cast(key_type))).groupBy(BUCKET).applyInArrow(
+        pack, INITIAL)
 
 
 def attach(raw: DataFrame, pipeline: Pipeline, layout: BucketLayout, changelogs: Sequence[DataFrame] = (),

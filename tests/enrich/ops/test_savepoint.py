@@ -4,6 +4,7 @@ running job, and the refusals (no Spark for most of them)."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import threading
@@ -17,7 +18,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import yaml
-from pyspark.sql import SparkSession
+from pyspark.sql import DataFrame, SparkSession
 
 from enrich import cli, config
 from enrich.checkpoint import CheckpointLayout
@@ -28,7 +29,7 @@ from enrich.state import engine
 from enrich.state.engine import StateSpec
 from enrich.state.stored import stored_spec
 from refstream.errors import ConfigError
-from tests.enrich.helpers import changelog, produce_events, publish, read_all, wait_for
+from tests.enrich.helpers import changelog, produce_events, publish, read_all, read_settled, wait_for
 from tests.enrich.ops.test_rescale import batch, checkpoint, write_config
 from tests.enrich.state.test_stream import DEVICES, T0, at, make_config, outputs, run
 
@@ -139,6 +140,40 @@ def fork_config(data: dict[str, Any], unique: Callable[[str], str], tmp_path: Pa
     return out
 
 
+def _counted(real: Callable[..., Any], into: list[int]) -> Callable[..., Any]:
+    def spy(self: DataFrame, *args: Any, **kwargs: Any) -> Any:
+        got = real(self, *args, **kwargs)
+        into.append(len(got) if isinstance(got, list) else got.num_rows if isinstance(got, pa.Table) else len(got))
+        return got
+    return spy
+
+
+@contextlib.contextmanager
+def on_the_driver(spark: SparkSession) -> Iterator[dict[str, list[int]]]:
+    """What reaches the driver meanwhile: the row count of every DataFrame collected
+    (``collect``, ``toArrow``, ``toPandas``) and of every one created from local data."""
+    frame = type(spark.range(0))  # the session's DataFrame class (PySpark's classic one)
+    seen: dict[str, list[int]] = {"collected": [], "created": []}
+    real_create = SparkSession.createDataFrame
+
+    def create(self: SparkSession, data: Any, *args: Any, **kwargs: Any) -> DataFrame:
+        seen["created"].append(len(data) if isinstance(data, list) else -1)
+        return real_create(self, data, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        for name in ("collect", "toArrow", "toPandas"):
+            mp.setattr(frame, name, _counted(getattr(frame, name), seen["collected"]))
+        mp.setattr(SparkSession, "createDataFrame", create)
+        yield seen
+
+
+def settled(kafka: dict[str, str], topic: str, expect: int) -> dict[int, dict[str, Any]]:
+    """:func:`outputs` once the topic holds ``expect`` committed records (a read right after a
+    transaction's commit can stop short of its markers: :func:`tests.enrich.helpers.read_settled`)."""
+    read_settled(kafka, topic, expect)
+    return outputs(kafka, topic)
+
+
 def fork(spark: SparkSession, data: dict[str, Any], directory: Path) -> None:
     EnrichJob(config.parse(data, "test.yaml"), available_now=True, from_savepoint=directory).run(spark)
 
@@ -167,14 +202,22 @@ def test_two_forks_from_a_savepoint_write_what_the_original_job_writes(
     last = ck.committed()[-1]
 
     point = tmp_path / "savepoint"
-    assert cli.main(["savepoint", "--config", str(path), "--to", str(point)]) == 0
+    with on_the_driver(spark) as driver:
+        assert cli.main(["savepoint", "--config", str(path), "--to", str(point)]) == 0
     assert f"savepoint of batch {last} of" in capsys.readouterr().out
+    # No device nor bucket passed through the driver: what it collected is the dimension's schema
+    # (one value per version), and Spark's tasks wrote the part files.
+    assert driver["collected"] and max(driver["collected"]) <= 1, driver
+    parts = sorted((point / STATE).glob("part-*.parquet"))
+    assert parts and (point / STATE / "_SUCCESS").exists()
+    assert sorted((point / "dimensions" / "devices.parquet").glob("part-*.parquet"))
     meta = json.loads((point / META).read_text())
     assert meta["batch_id"] == last and meta["events"]["offsets"] == {"0": 30}
     # The watermark for the batch after it: the greatest event time (minute 29) less 1m.
     assert meta["watermark_ms"] == int((T0 + timedelta(minutes=28)).timestamp() * 1000)
     assert meta["state"]["key"] == "device_id" and meta["state"]["buckets"] == 4
     rows = pq.read_table(point / STATE)         # any tool reads it: one row per device
+    assert rows.schema.field("first_seen").type == pa.timestamp("us", tz="UTC")
     assert sorted(rows.column("device_id").to_pylist()) == sorted(f"d{i}" for i in range(10))
     assert set(rows.column("events").to_pylist()) == {3}
     d1 = rows.filter(pa.compute.equal(rows.column("device_id"), "d1")).to_pylist()[0]
@@ -189,12 +232,14 @@ def test_two_forks_from_a_savepoint_write_what_the_original_job_writes(
     later += [{"device_id": "d99", "ts": at(50), "temp": 1.0, "n": 101}]
     produce_events(kafka, events, later)
     run(spark, data)
-    original = outputs(kafka, data["output"]["kafka"]["topic"])
+    original = settled(kafka, data["output"]["kafka"]["topic"], 30 + len(later))
     assert original[100]["_late"] is True and original[100]["state"] is None
 
     same = fork_config(data, unique, tmp_path, "fork1")
-    fork(spark, same, point)
-    forked = outputs(kafka, same["output"]["kafka"]["topic"])
+    with on_the_driver(spark) as driver:
+        fork(spark, same, point)
+    assert not driver["created"]  # the initial state was built by Spark from the files, not on the driver
+    forked = settled(kafka, same["output"]["kafka"]["topic"], len(later))
     later_n = sorted(e["n"] for e in later)
     assert sorted(forked) == later_n
     differ = [n for n in later_n if forked[n] != original[n]]
@@ -204,7 +249,7 @@ def test_two_forks_from_a_savepoint_write_what_the_original_job_writes(
     added = fork_config(data, unique, tmp_path, "fork2")
     added["state"]["aggregates"]["n"] = ["min"]
     fork(spark, added, point)
-    second = outputs(kafka, added["output"]["kafka"]["topic"])
+    second = settled(kafka, added["output"]["kafka"]["topic"], len(later))
     assert sorted(second) == later_n
     for n in later_n:
         got, want = copy.deepcopy(second[n]), original[n]
@@ -293,3 +338,23 @@ def test_a_savepoint_of_a_running_job_is_its_last_committed_batch(
     want = Counter(f"d{n % 7}" for n in range(upto))
     assert dict(zip(rows.column("device_id").to_pylist(), rows.column("events").to_pylist(), strict=True)) == want
     assert len(read_all(kafka, data["output"]["kafka"]["topic"])) >= upto
+
+
+@pytest.mark.integration
+def test_a_savepoint_of_no_device_forks_an_empty_state(
+        spark: SparkSession, kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path) -> None:
+    """A committed batch that left no device (its events had no key): the savepoint holds none, and
+    a fork from it starts with an empty state at the recorded offsets."""
+    data = make_config(kafka, unique, tmp_path)
+    data["joins"] = []
+    events = data["events"]["topic"]
+    produce_events(kafka, events, [{"device_id": None, "ts": at(n), "temp": 1.0, "n": n} for n in range(2)])
+    run(spark, data)
+    point = tmp_path / "savepoint"
+    result = sp.take(config.parse(data, "test.yaml"), point, spark=spark)
+    assert result.devices == 0 and json.loads((point / META).read_text())["events"]["offsets"] == {"0": 2}
+    produce_events(kafka, events, [{"device_id": "a", "ts": at(3), "temp": 2.0, "n": 3}])
+    same = fork_config(data, unique, tmp_path, "fork")
+    fork(spark, same, point)
+    forked = settled(kafka, same["output"]["kafka"]["topic"], 1)
+    assert list(forked) == [3] and forked[3]["state"]["events"] == 1
