@@ -3,6 +3,8 @@ retries and recomputed stages."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from pyspark.accumulators import AccumulatorParam
 
 __all__ = ["KeyedCounts", "KeyedTallies"]
@@ -24,15 +26,15 @@ class KeyedCounts(AccumulatorParam[dict[int, int]]):
         return value1
 
 
-class KeyedTallies(AccumulatorParam[dict[int, dict[str, int]]]):
-    """Tallies keyed by what produced them (a state bucket): ``{key: {label: count}}``, merged like
+class KeyedTallies(AccumulatorParam[dict[int, dict[str, Any]]]):
+    """Tallies keyed by what produced them (a state bucket): ``{key: {label: value}}``, merged like
     :class:`KeyedCounts` (the latest tally per key), so a retried or recomputed attempt at a key
     replaces the one before instead of adding to it."""
 
-    def zero(self, value: dict[int, dict[str, int]]) -> dict[int, dict[str, int]]:
+    def zero(self, value: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
         return {}
 
-    def addInPlace(self, value1: dict[int, dict[str, int]],
-                   value2: dict[int, dict[str, int]]) -> dict[int, dict[str, int]]:
+    def addInPlace(self, value1: dict[int, dict[str, Any]],
+                   value2: dict[int, dict[str, Any]]) -> dict[int, dict[str, Any]]:
         value1.update(value2)
         return value1

@@ -23,6 +23,7 @@ import time
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from pyspark.accumulators import Accumulator
 from pyspark.errors import StreamingQueryException
@@ -32,6 +33,7 @@ from pyspark.sql.streaming import DataStreamWriter, StreamingQuery
 
 from enrich import events, join
 from enrich.accumulators import KeyedCounts, KeyedTallies
+from enrich.calls.step import read_tallies
 from enrich.checkpoint import CheckpointLayout
 from enrich.columns import ERROR, LATE
 from enrich.config import EnrichConfig
@@ -125,7 +127,7 @@ class EnrichJob:
         self._writer: DataStreamWriter | None = None
         self._started: Started | None = None
         self._pass: JoinPass | None = None
-        self._call_counts: Accumulator[dict[int, dict[str, int]]] | None = None  # with calls: only
+        self._call_counts: Accumulator[dict[int, dict[str, Any]]] | None = None  # with calls: only
         self.batches = 0
 
     @property
@@ -382,13 +384,11 @@ class EnrichJob:
         """The batch's call counts to the log and the metrics; the responses recorded for batches
         before it dropped (each is committed: no replay reads them again)."""
         assert self._call_counts is not None
-        counts: dict[tuple[str, str], int] = {}
-        for tally in self._call_counts.value.values():
-            for label, n in tally.items():
-                call, result = label.rsplit("|", 1)
-                counts[(call, result)] = counts.get((call, result), 0) + n
+        counts, failures = read_tallies(self._call_counts.value)
         if counts:
             log.info("batch %d: calls %s", batch_id, ", ".join(f"{c} {r} {n}" for (c, r), n in sorted(counts.items())))
+        for call, (n, first) in sorted(failures.items()):  # the executors' own lines stay in their logs
+            log.warning("batch %d: call %s failed %d time(s), e.g. %s", batch_id, call, n, first)
         if metrics is not None:
             metrics.calls_made(counts)
         root = self.layout.calls

@@ -17,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,7 +34,7 @@ from enrich.calls.record import read_record, write_record
 from enrich.calls.template import STATE, Ref
 from enrich.checkpoint import CheckpointLayout
 
-__all__ = ["BucketCalls", "CallStep", "KEY"]
+__all__ = ["FAILED", "BucketCalls", "CallStep", "KEY", "read_tallies"]
 
 log = logging.getLogger(__name__)
 
@@ -42,18 +42,28 @@ KEY = "_key"
 #: Spark's local properties of a micro-batch's jobs: the query's id (kept in its checkpoint, the same
 #: across restarts) and the batch id.
 QUERY_ID, BATCH_ID = "sql.streaming.queryId", "streaming.sql.batchId"
+#: A tally's label suffix of a call's failures (not a result of ``refstream_enrich_calls_total``).
+FAILED = "!failed"
 
 
 @dataclass(frozen=True)
 class BucketCalls:
     """:meth:`CallStep.run`'s result: per result column its values per event (input order); per
     event the dead-letter reason (None: none); the bucket's new call table (None: unchanged);
-    counts by ``(call, result)``."""
+    counts by ``(call, result)``; per call that failed, how often and its first error."""
 
     columns: dict[str, pa.Array]
     reasons: list[str | None]
     table: pa.Table | None
     counts: dict[tuple[str, str], int] = field(default_factory=dict)
+    errors: dict[str, tuple[int, str]] = field(default_factory=dict)
+
+    def tally(self) -> dict[str, Any]:
+        """What the bucket reports to the driver (the job's ``KeyedTallies`` accumulator):
+        ``"<call>|<result>"`` -> n, and ``"<call>|!failed"`` -> ``[n, first error]``."""
+        out: dict[str, Any] = {f"{c}|{r}": n for (c, r), n in self.counts.items()}
+        out.update({f"{c}|{FAILED}": [n, first] for c, (n, first) in self.errors.items()})
+        return out
 
 
 @dataclass(frozen=True)
@@ -73,6 +83,22 @@ class CallStep:
             fields += [pa.field(f"{c.name}__ok", pa.bool_()), pa.field(f"{c.name}__at", pa.int64())]
             fields += [pa.field(col, ARROW[t]) for col, (_, t) in zip(c.columns, c.response, strict=True)]
         return pa.schema(fields)
+
+    def conform(self, table: pa.Table) -> pa.Table:
+        """A stored call table in :meth:`schema`: the calls configured may have changed since it was
+        stored (``calls:`` added, a call added or removed, a response field added or retyped). A
+        call with a column missing or of another type starts over (all its columns null: made again
+        at the device's next event); columns of calls no longer configured are dropped."""
+        schema = self.schema()
+        if table.schema == schema:
+            return table
+        have = {f.name: f.type for f in table.schema}
+        cols = [table.column(KEY).cast(self.key_type)]
+        for c in self.calls:
+            names = [f"{c.name}__ok", f"{c.name}__at", *c.columns]
+            kept = all(have.get(n) == schema.field(n).type for n in names)
+            cols += [table.column(n) if kept else pa.nulls(table.num_rows, schema.field(n).type) for n in names]
+        return pa.Table.from_arrays(cols, schema=schema)
 
     def result_columns(self) -> list[tuple[str, pa.DataType]]:
         return [(col, ARROW[t]) for c in self.calls for col, (_, t) in zip(c.columns, c.response, strict=True)]
@@ -202,7 +228,7 @@ class CallStep:
         touched = pa.Table.from_pylist(sorted(finals, key=lambda r: r[KEY]), schema=self.schema())
         untouched = stored.filter(pc.invert(pc.is_in(stored.column(KEY), value_set=touched.column(KEY))))
         new = pa.concat_tables([untouched, touched]).combine_chunks()
-        return BucketCalls(columns, out_reasons, new, run.counts)
+        return BucketCalls(columns, out_reasons, new, run.counts, run.errors)
 
 
 def _set(cur: dict[str, Any], c: CallConfig, ok: bool, ts: int, values: Mapping[str, Any] | None) -> None:
@@ -269,6 +295,18 @@ def _ids() -> tuple[str, int]:
     return query, int(batch)
 
 
-def counts_by_label(counts: Sequence[tuple[tuple[str, str], int]]) -> dict[str, int]:
-    """Counts as the accumulator carries them: ``"<call>|<result>"`` -> n."""
-    return {f"{c}|{r}": n for (c, r), n in counts}
+def read_tallies(tallies: Mapping[int, Mapping[str, Any]]) -> tuple[dict[tuple[str, str], int],
+                                                                     dict[str, tuple[int, str]]]:
+    """The buckets' tallies (:meth:`BucketCalls.tally`, keyed by bucket) summed: counts by ``(call,
+    result)``, and per failing call its failures and the first error of the lowest bucket."""
+    counts: dict[tuple[str, str], int] = {}
+    failures: dict[str, tuple[int, str]] = {}
+    for bucket in sorted(tallies):
+        for label, v in tallies[bucket].items():
+            call, result = label.rsplit("|", 1)
+            if result == FAILED:
+                n, first = failures.get(call, (0, str(v[1])))
+                failures[call] = (n + int(v[0]), first)
+            else:
+                counts[(call, result)] = counts.get((call, result), 0) + int(v)
+    return counts, failures

@@ -20,6 +20,7 @@ import pyarrow.compute as pc
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
+from enrich.calls.step import KEY, CallStep
 from enrich.checkpoint import CheckpointLayout
 from enrich.config import EnrichConfig
 from enrich.ops import stateread
@@ -84,12 +85,22 @@ def device_state(cfg: EnrichConfig, device: str, batch_id: int | None = None, *,
     if found is None:
         return DeviceStateResult(key=cfg.state.key, device=key, batch_id=batch_id, bucket=bucket, found="absent",
                                  state=None, expires_at=None)
+    if st.calls is not None:  # the results sit flat at the end of the state struct, as in the output
+        found.update(_results(stateread.call_table(spark, ck, batch_id, bucket), st.calls, key))
     zone = ZoneInfo(timezone)
     expires = found["last_seen"] + st.spec.ttl_us
     for name in ("first_seen", "last_seen"):
         found[name] = _iso(found[name], zone)
     return DeviceStateResult(key=cfg.state.key, device=key, batch_id=batch_id, bucket=bucket, found="present",
                              state=found, expires_at=_iso(expires, zone))
+
+
+def _results(table: pa.Table | None, calls: CallStep, key: Any) -> dict[str, Any]:
+    """The device's ``<name>_<field>`` results in ``table`` (its bucket's call table); null when it
+    has none (no call made yet, or its calls were added after its last event)."""
+    row = (table.filter(pc.equal(table.column(KEY), pa.scalar(key, calls.key_type))).to_pylist()
+           if table is not None else [])
+    return {col: row[0].get(col) if row else None for col, _ in calls.result_columns()}
 
 
 def _iso(micros: int, zone: ZoneInfo) -> str:

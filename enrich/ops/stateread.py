@@ -19,6 +19,7 @@ import functools
 from collections.abc import Callable, Iterator, Mapping
 
 import pyarrow as pa
+from pyspark.errors import SparkRuntimeException
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.pandas.types import from_arrow_type, to_arrow_schema
@@ -30,11 +31,14 @@ from enrich.config import EnrichConfig
 from enrich.ipc import from_ipc
 from enrich.state.dimension import PartitionedDim, conform
 from enrich.state.engine import StateSpec
-from enrich.state.stored import DELTAS, STATE_NAME, bucket_table
+from enrich.state.stored import CALLS_NAME, DELTAS, STATE_NAME, bucket_table
 from enrich.state.stream import CHANGELOG_CONF, CHANGELOG_DEFAULT, PROVIDER_CONF, ROCKSDB
 from refstream.contract import DatasetSchema
 
-__all__ = ["device_frame", "device_tables", "dimension_frame", "scan", "session", "spark_schema"]
+__all__ = ["call_table", "device_frame", "device_tables", "dimension_frame", "scan", "session", "spark_schema"]
+
+#: The state data source's error for a state variable the operator did not define as of the batch.
+_NO_VARIABLE = "STDS_INVALID_OPTION_VALUE.WITH_MESSAGE"
 
 
 def session(cfg: EnrichConfig, master: str | None, app: str, conf: Mapping[str, str] | None = None) -> SparkSession:
@@ -74,6 +78,19 @@ def device_tables(spark: SparkSession, ck: CheckpointLayout, batch_id: int, stor
         changes.setdefault(int(r[0]), []).append((r[1], r[2], r[3]))
     tables = [bucket_table(stored, bytes(v[1]), changes.get(int(v[0]), ())) for v in values]
     return pa.concat_tables(tables).combine_chunks()
+
+
+def call_table(spark: SparkSession, ck: CheckpointLayout, batch_id: int, bucket: int) -> pa.Table | None:
+    """The call results of the one grouping key ``bucket`` after ``batch_id`` (one row per device
+    with results, :class:`enrich.calls.step.CallStep`'s schema); None when it holds none. Only that
+    bucket's value is collected; None too when the batch's query ran without ``calls:`` (added since)."""
+    try:
+        values = scan(spark, ck, batch_id, CALLS_NAME, bucket).select("value.table").collect()
+    except SparkRuntimeException as exc:
+        if exc.getCondition() == _NO_VARIABLE and f"State variable {CALLS_NAME} is not defined" in str(exc):
+            return None
+        raise
+    return from_ipc(bytes(values[0][0])) if values else None
 
 
 def spark_schema(schema: pa.Schema) -> StructType:

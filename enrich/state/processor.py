@@ -50,6 +50,7 @@ from enrich.state.cache import TableCache
 from enrich.state.dimension import CACHE, PartitionedDim, Version, apply_changes, cache_limit, conform, lookup
 from enrich.state.engine import StateSpec
 from enrich.state.stored import (
+    CALLS_NAME,
     DELTA_SCHEMA,
     DELTAS,
     DIM_SCHEMA,
@@ -62,9 +63,6 @@ from enrich.state.stored import (
 )
 from enrich.worker import settle
 from refstream.contract import DatasetSchema
-
-#: The state variable of a bucket's call results (``enrich.calls.step``), when the job has calls.
-CALLS_NAME = "calls"
 
 
 class DeviceStateProcessor(StatefulProcessor):
@@ -84,7 +82,7 @@ class DeviceStateProcessor(StatefulProcessor):
                  devices: Accumulator[dict[int, int]] | None = None, dims: tuple[PartitionedDim, ...] = (),
                  cache: TableCache | None = None, waits: wait.WaitSpec | None = None,
                  floor_us: int | None = None, calls: CallStep | None = None,
-                 call_counts: Accumulator[dict[int, dict[str, int]]] | None = None) -> None:
+                 call_counts: Accumulator[dict[int, dict[str, Any]]] | None = None) -> None:
         self.spec, self.columns, self.devices, self.dims, self.cache = spec, columns, devices, dims, cache
         self.waits, self.floor_us = waits, floor_us
         self.calls, self.call_counts = calls, call_counts
@@ -267,9 +265,9 @@ class DeviceStateProcessor(StatefulProcessor):
         return self.floor_us if us is None else max(us, self.floor_us)
 
     def _stored_calls(self) -> pa.Table | None:
-        assert self.call_value is not None
+        assert self.call_value is not None and self.calls is not None
         got = self.call_value.get()
-        return from_ipc(got[0]) if got is not None else None
+        return self.calls.conform(from_ipc(got[0])) if got is not None else None
 
     def _store_calls(self, table: pa.Table) -> None:
         assert self.call_value is not None
@@ -297,7 +295,7 @@ class DeviceStateProcessor(StatefulProcessor):
         elif kept is not None:
             self._store_calls(kept)
         if self.call_counts is not None:
-            self.call_counts.add({bucket: {f"{c}|{r}": n for (c, r), n in done.counts.items()}})
+            self.call_counts.add({bucket: done.tally()})
         return done
 
     def close(self) -> None:

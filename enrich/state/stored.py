@@ -17,8 +17,8 @@ from enrich.ipc import from_ipc
 from enrich.state import engine
 from enrich.state.engine import StateSpec
 
-__all__ = ["DELTAS", "DELTA_SCHEMA", "DIM_SCHEMA", "HELD", "SIZES_SCHEMA", "STATE_NAME", "TOKEN_SCHEMA", "VALUE_SCHEMA",
-           "bucket_table", "stored_spec"]
+__all__ = ["CALLS_NAME", "DELTAS", "DELTA_SCHEMA", "DIM_SCHEMA", "HELD", "SIZES_SCHEMA", "STATE_NAME",
+           "TOKEN_SCHEMA", "VALUE_SCHEMA", "bucket_table", "stored_spec"]
 
 #: The state variable holding a bucket's device table (its base: see :class:`DeviceStateProcessor`),
 #: and its schema; ``devicesv`` holds the token naming the table's version in the executors' local
@@ -29,6 +29,8 @@ VALUE_SCHEMA = StructType([StructField("table", BinaryType(), False)])
 DELTAS = STATE_NAME + "d"
 DELTA_SCHEMA = StructType([StructField("seq", LongType(), False), StructField("rows", BinaryType(), False),
                            StructField("removed", BinaryType(), False)])
+#: The state variable of a bucket's call results (``enrich.calls.step``; a VALUE_SCHEMA table), when the job has calls.
+CALLS_NAME = "calls"
 SIZES_SCHEMA = StructType([StructField("appended", LongType(), False), StructField("base", LongType(), False)])
 #: A partitioned dimension's state variables: ``dim<index>``, a bucket's rows and the schema last
 #: applied; ``dim<index>v``, a token naming that version (new at every change), which Python workers

@@ -21,6 +21,7 @@ import logging
 import uuid
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -92,7 +93,7 @@ class Fork:
 def state_step(spark: SparkSession, pipeline: Pipeline, raw: DataFrame,
                devices: Accumulator[dict[int, int]] | None = None, parser: FastParser | None = None,
                fork: Fork | None = None,
-               call_counts: Accumulator[dict[int, dict[str, int]]] | None = None) -> StateStream:
+               call_counts: Accumulator[dict[int, dict[str, Any]]] | None = None) -> StateStream:
     """The job's hook: check the pipeline's state step against the checkpoint (a start on a rescale
     that did not finish is refused; a warning when the config's ``spark.sql.shuffle.partitions`` is
     not the number the checkpoint runs with, or the buckets spread unevenly over it), set the
@@ -178,7 +179,7 @@ def attach(raw: DataFrame, pipeline: Pipeline, layout: BucketLayout, changelogs:
            devices: Accumulator[dict[int, int]] | None = None, *, parser: FastParser | None = None,
            cache: TableCache | None = None, initial: DataFrame | None = None,
            floor_us: int | None = None, ticks: DataFrame | None = None,
-           call_counts: Accumulator[dict[int, dict[str, int]]] | None = None) -> StateStream:
+           call_counts: Accumulator[dict[int, dict[str, Any]]] | None = None) -> StateStream:
     """The Kafka stream ``raw`` through the pipeline's state step (:class:`StateStream`): parsed,
     joined in the plan by the joins before the step, then keyed by bucket (``layout``) into the
     step with the partitioned dimensions' ``changelogs`` (one stream each, in the plan's order,

@@ -17,6 +17,7 @@ from pyspark.sql import SparkSession
 
 from enrich import config
 from enrich.job import EnrichJob
+from enrich.ops.device import device_state
 from enrich.pipeline import Pipeline
 from refstream.errors import ConfigError, TerminalError
 from tests.enrich.calls.server import Service, free_port, serve
@@ -93,6 +94,12 @@ def test_results_feed_the_state_refreshed_once_every_event_and_chained(
     assert service.paths["/action"] == 12 and service.paths["/score"] == 3
     # events of one device are 9 minutes apart: the 10m echo is called at its 1st, 3rd, ... event
     assert service.paths["/echo"] == 6
+    # enrich lookup --state: the results read from the bucket's calls state variable, as the
+    # device's last event carries them in its state struct
+    cfg = config.parse({k: v for k, v in data.items() if k != "kafka_settings"}, "test.yaml")
+    for dev, evs in by_dev.items():
+        found = device_state(cfg, dev, spark=spark)
+        assert found.found == "present" and found.state == evs[-1]["state"], dev
     gets = [b for p, b in service.bodies if p == "/echo"]
     d0 = [b for b in gets if b["d"] == "d0"]
     assert d0 == [{"d": "d0", "t": f"n=0 at {T0.isoformat()}", "missing": "0.0"},
@@ -132,6 +139,13 @@ def test_errors_follow_on_error_and_an_expired_device_is_called_again(
     # counted per batch; a failed once call is made again at the device's next event
     assert "batch 0: calls down error 3, picky error 1, picky ok 2, risk ok 3" in caplog.text
     assert sum(int(n) for n in re.findall(r"down error (\d+)", caplog.text)) == 9
+    # the driver's log: one line per batch and failing call, its count and an example error
+    # (the executors log theirs in their own processes)
+    failed = re.findall(r"batch (\d+): call (\w+) failed (\d+) time\(s\), e\.g\. device (d\d): (.+)", caplog.text)
+    assert sorted((b, c, n) for b, c, n, _, _ in failed) == [
+        ("0", "down", "3"), ("0", "picky", "1"), ("1", "down", "3"), ("2", "down", "3"), ("2", "picky", "1")]
+    assert {(c, d, e.split(":")[0]) for _, c, _, d, e in failed if c == "picky"} == {("picky", "d1", "HTTP 503")}
+    assert all(e.startswith("ClientConnectorError") for _, c, _, _, e in failed if c == "down")
 
 
 @pytest.mark.integration
@@ -168,3 +182,38 @@ def test_the_plan_checks_templates_against_the_columns_before_the_step(
             {"name": "risk", "url": "http://127.0.0.1:1/x", "response": {"score": "DOUBLE"}}]),
             "events": {"topic": "e", "schema": "device_id STRING, ts TIMESTAMP, temp DOUBLE, risk_score DOUBLE"}},
             "enrich.yaml"), {})
+
+
+@pytest.mark.integration
+def test_calls_added_to_and_removed_from_a_running_checkpoint(
+        spark: SparkSession, kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path,
+        service: Service) -> None:
+    data = job_config(kafka, unique, tmp_path, [], batch=2)
+    del data["calls"]
+    data["kafka_settings"] = kafka
+    events = [{"device_id": f"d{i % 2}", "ts": at(i), "temp": float(i), "n": i} for i in range(8)]
+    out = run(spark, data, events[:2])
+    assert [e["state"]["events"] for e in out] == [1, 1] and "risk_score" not in out[0]
+    # calls: added to a checkpoint whose query ran without them: its devices keep their state and
+    # are called at their next event
+    calls = [{"name": "risk", "url": service.url("/score"),
+              "body": {"device": "{device_id}", "mean": "{state.temp_mean}", "events": "{state.events}"},
+              "response": {"score": "DOUBLE", "level": "STRING"}}]
+    data["calls"] = calls
+    # before the job runs with them, lookup --state gives the device's results as null
+    cfg = config.parse({k: v for k, v in data.items() if k != "kafka_settings"}, "test.yaml")
+    before = device_state(cfg, "d0", spark=spark).state
+    assert before is not None and before["events"] == 1 and before["risk_score"] is None
+    out = run(spark, data, events[2:4])
+    assert [(e["n"], e["state"]["events"], e["risk_score"]) for e in out[2:]] == [(2, 2, 21.0), (3, 2, 22.0)]
+    assert device_state(cfg, "d0", spark=spark).state == out[2]["state"]
+    # and removed again: the state goes on without the results
+    del data["calls"]
+    out = run(spark, data, events[4:6])
+    assert [(e["n"], e["state"]["events"], "risk_score" in e) for e in out[4:]] == [(4, 3, False), (5, 3, False)]
+    # and put back: the results kept from before are seen again, no call made
+    made = service.paths["/score"]
+    data["calls"] = calls
+    out = run(spark, data, events[6:])
+    assert [(e["n"], e["state"]["events"], e["risk_score"]) for e in out[6:]] == [(6, 4, 21.0), (7, 4, 22.0)]
+    assert service.paths["/score"] == made

@@ -3,6 +3,7 @@ of a device's calls, refresh, needs, on_error, and the responses recorded for a 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Iterator
 from datetime import timedelta
@@ -157,3 +158,29 @@ def test_the_first_attempt_to_record_wins(tmp_path: Path) -> None:
     assert kept["k"].values == {"score": 1.0} and kept["j"].error == "HTTP 500"
     assert json.loads(path.read_text())["k"]["values"] == {"score": 1.0}
     assert [p.name for p in path.parent.iterdir()] == ["1.json"]
+
+
+def test_a_stored_table_of_other_calls_is_conformed_and_a_changed_call_made_again(
+        service: Service, tmp_path: Path) -> None:
+    b = Bucket(tmp_path, risk(service))
+    b.batch([("d1", 0, 1), ("d2", 0, 1)])
+    assert b.stored is not None
+    # action added (called at each device's next event); risk keeps its results, one field fewer
+    b.step = CallStep((dataclasses.replace(risk(service), response=(("score", "DOUBLE"),)), action(service)),
+                      pa.string(), str(tmp_path))
+    b.stored = b.step.conform(b.stored)
+    assert b.stored.schema == b.step.schema()
+    assert b.stored.column("risk_score").to_pylist() == [10.0, 10.0]
+    assert b.stored.column("action__ok").to_pylist() == [None, None]
+    service.paths.clear()
+    out = b.batch([("d1", 1, 2)])
+    assert service.paths == {"/action": 1} and col(out, "action_action") == ["act-10.0"]
+    # a result field of another type: that call starts over; a call removed: its columns dropped
+    retyped = b.stored.set_column(b.stored.schema.get_field_index("risk_score"), "risk_score",
+                                  b.stored.column("risk_score").cast(pa.string()))
+    step = CallStep((risk(service),), pa.string(), str(tmp_path))
+    again = step.conform(retyped)
+    assert again.column_names == ["_key", "risk__ok", "risk__at", "risk_score", "risk_level"]
+    assert again.column("risk__ok").to_pylist() == [None, None]
+    assert CallStep((action(service),), pa.string(), str(tmp_path)).conform(b.stored).column(
+        "action__ok").to_pylist() == [None, True]   # d2 (untouched), d1
