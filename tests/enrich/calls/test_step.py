@@ -17,7 +17,7 @@ import pytest
 from enrich.calls.client import CallFailed, Outcome
 from enrich.calls.config import CallConfig, RetryConfig
 from enrich.calls.record import read_record, write_record
-from enrich.calls.step import BucketCalls, CallStep
+from enrich.calls.step import BucketCalls, CallStep, read_tallies
 from enrich.calls.template import Template
 from enrich.checkpoint import CheckpointLayout
 from tests.enrich.calls.server import Service, serve
@@ -184,3 +184,11 @@ def test_a_stored_table_of_other_calls_is_conformed_and_a_changed_call_made_agai
     assert again.column("risk__ok").to_pylist() == [None, None]
     assert CallStep((action(service),), pa.string(), str(tmp_path)).conform(b.stored).column(
         "action__ok").to_pylist() == [None, True]   # d2 (untouched), d1
+
+
+def test_tallies_sum_over_buckets_with_the_lowest_buckets_first_error() -> None:
+    a = BucketCalls({}, [], None, {("risk", "error"): 2, ("risk", "ok"): 1}, {"risk": (2, "device d3: HTTP 503")})
+    b = BucketCalls({}, [], None, {("risk", "error"): 1}, {"risk": (1, "device d1: HTTP 500")})
+    counts, failures = read_tallies({9: a.tally(), 4: b.tally(), 5: {}})
+    assert counts == {("risk", "error"): 3, ("risk", "ok"): 1}
+    assert failures == {"risk": (3, "device d1: HTTP 500")}
