@@ -26,7 +26,6 @@ from enrich.columns import DELETED, KEY_BYTES, VALID_FROM
 from enrich.dimension.abc import Record
 from enrich.dimension.store import DimensionState, Snapshot, decode_rows
 from refstream import contract
-from refstream.errors import ContractError
 
 log = logging.getLogger(__name__)
 
@@ -153,19 +152,8 @@ class HistoryState(DimensionState):
     def snapshot(self, columns: Sequence[str] | None = None) -> Snapshot:
         """The versions for executors: the key, ``columns``, ``__valid_from`` and ``__deleted`` of the base
         and of the changes since it (None when there are none)."""
-        if self.schema is None:
-            raise ContractError(f"dataset {self.dataset}: no schema record on its changelog yet")
-        if self.needs_compaction():
-            self.compact()
-        assert self.base is not None
-        wanted = list(self.schema.key) + [c for c in (columns or self.schema.names) if c not in self.schema.key]
-        missing = [c for c in wanted if c not in self.schema.names]
-        if missing:
-            raise ContractError(
-                f"dataset {self.dataset}: column(s) {', '.join(missing)} selected by a join are no longer "
-                f"in the published schema ({', '.join(self.schema.names)}); remove them from the join's "
-                f"columns: and restart the job")
-        wanted += [VALID_FROM, DELETED]
+        wanted = self._compacted_columns(columns) + [VALID_FROM, DELETED]
+        assert self.schema is not None and self.base is not None
         overlay = self._pending_table().select(wanted) if self.pending else None
         return Snapshot(self.dataset, self.schema, self.base_gen, self.overlay_gen, self.base.select(wanted), overlay)
 

@@ -160,20 +160,8 @@ class DimensionState:
 
     def snapshot(self, columns: Sequence[str] | None = None) -> Snapshot:
         """The current version for executors, restricted to the key and ``columns``."""
-        if self.schema is None:
-            raise ContractError(f"dataset {self.dataset}: no schema record on its changelog yet")
-        if self.needs_compaction():
-            self.compact()
-        assert self.base is not None
-        wanted = list(self.schema.key) + [c for c in (columns or self.schema.names) if c not in self.schema.key]
-        missing = [c for c in wanted if c not in self.schema.names]
-        if missing:
-            # A schema record dropped (or renamed) a column a join selects: the output schema is fixed
-            # at start, so the job cannot go on silently; name what to change.
-            raise ContractError(
-                f"dataset {self.dataset}: column(s) {', '.join(missing)} selected by a join are no longer "
-                f"in the published schema ({', '.join(self.schema.names)}); remove them from the join's "
-                f"columns: and restart the job")
+        wanted = self._compacted_columns(columns)
+        assert self.schema is not None and self.base is not None
         overlay = None
         if self.overlay:
             items = list(self.overlay.items())
@@ -184,6 +172,24 @@ class DimensionState:
                 DELETED, pa.array([v is None for _, v in items], pa.bool_()))
         return Snapshot(self.dataset, self.schema, self.base_gen, self.overlay_gen,
                         self.base.select(wanted), overlay)
+
+    def _compacted_columns(self, columns: Sequence[str] | None) -> list[str]:
+        """Compact if due, then the key and ``columns`` (default: all) a snapshot selects, each
+        checked against the published schema."""
+        if self.schema is None:
+            raise ContractError(f"dataset {self.dataset}: no schema record on its changelog yet")
+        if self.needs_compaction():
+            self.compact()
+        wanted = list(self.schema.key) + [c for c in (columns or self.schema.names) if c not in self.schema.key]
+        missing = [c for c in wanted if c not in self.schema.names]
+        if missing:
+            # A schema record dropped (or renamed) a column a join selects: the output schema is fixed
+            # at start, so the job cannot go on silently; name what to change.
+            raise ContractError(
+                f"dataset {self.dataset}: column(s) {', '.join(missing)} selected by a join are no longer "
+                f"in the published schema ({', '.join(self.schema.names)}); remove them from the join's "
+                f"columns: and restart the job")
+        return wanted
 
     def _decode(self, items: list[tuple[bytes, bytes]]) -> pa.Table:
         assert self.schema is not None
