@@ -19,7 +19,7 @@ from pathlib import Path
 
 from refstream import version
 from refstream.errors import TransientError
-from refstream.kafka import admin
+from refstream.kafka import admin, forget
 from refstream.logs import setup_logging
 from refstream.retry import RetryPolicy
 
@@ -87,6 +87,7 @@ class EmbeddedBroker:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+            forget(self.bootstrap)  # this process's cached clients of it would retry it for good
         self.proc = None
 
     def __enter__(self) -> EmbeddedBroker:

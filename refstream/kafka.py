@@ -269,6 +269,14 @@ class ClientCache(Generic[C]):
             except Exception:  # noqa: BLE001 - letting go of a client, nothing left to report to
                 pass
 
+    def discard(self, bootstrap: str) -> None:
+        """Let go of the clients whose ``bootstrap.servers`` is ``bootstrap`` (a broker that stopped)."""
+        with self._lock:
+            keys = [k for k in self._clients if ("bootstrap.servers", bootstrap) in k[1:]]
+            clients = [self._clients.pop(k) for k in keys]
+        for c in clients:
+            self._release(c)
+
     def clear(self) -> None:
         """Let go of every client (at exit, or in tests)."""
         with self._lock:
@@ -305,6 +313,15 @@ def shared_consumer(settings: Mapping[str, Any], *, role: ConsumerRole) -> Consu
     if cache is None:
         cache = _SHARED.setdefault(role, ClientCache(lambda s: consumer(s, role=role), close=Consumer.close))
     return cache.get(settings)
+
+
+def forget(bootstrap: str) -> None:
+    """Let go of this process's cached clients of the broker at ``bootstrap`` (one that has stopped
+    for good): otherwise they would try to reconnect, and log that they cannot, for as long as the
+    process lives."""
+    _ADMINS.discard(bootstrap)
+    for cache in list(_SHARED.values()):
+        cache.discard(bootstrap)
 
 
 @atexit.register

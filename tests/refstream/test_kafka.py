@@ -49,6 +49,17 @@ def test_client_cache_keys_by_settings_and_lets_the_least_recently_used_go():
     assert len(closed) == 3
 
 
+def test_client_cache_lets_go_of_the_clients_of_a_stopped_broker_only():
+    closed: list[dict] = []
+    cache = kafka.ClientCache(dict, close=closed.append)
+    cache.get({"bootstrap.servers": "a:1", "x": 1})
+    cache.get({"bootstrap.servers": "a:1"})
+    kept = cache.get({"bootstrap.servers": "b:1"})
+    cache.discard("a:1")
+    assert closed == [{"bootstrap.servers": "a:1", "x": 1}, {"bootstrap.servers": "a:1"}]
+    assert cache.get({"bootstrap.servers": "b:1"}) is kept
+
+
 def test_every_client_logs_through_one_repeat_suppressor_per_logger(monkeypatch):
     built: list[tuple[str, dict]] = []
 

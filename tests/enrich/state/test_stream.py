@@ -19,7 +19,7 @@ from enrich.job import EnrichJob
 from enrich.state.stream import CHANGELOG_CONF
 from refstream.contract import Column, DatasetSchema
 from refstream.errors import ConfigError
-from tests.enrich.helpers import changelog, produce_events, publish, read_all
+from tests.enrich.helpers import changelog, produce_events, publish, read_all, read_settled
 
 DEVICES = DatasetSchema("devices", ("device_id",), (Column("device_id", "string"), Column("owner", "string")))
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
@@ -48,8 +48,9 @@ def run(spark: SparkSession, data: dict[str, Any]) -> None:
     EnrichJob(config.parse(data, "test.yaml"), available_now=True).run(spark)
 
 
-def outputs(kafka: dict[str, str], topic: str) -> dict[int, dict[str, Any]]:
-    rows = [json.loads(m.value()) for m in read_all(kafka, topic)]
+def outputs(kafka: dict[str, str], topic: str, expect: int = 0) -> dict[int, dict[str, Any]]:
+    """The output's rows by their ``n``, read again until ``expect`` are visible (see read_settled)."""
+    rows = [json.loads(m.value()) for m in read_settled(kafka, topic, expect)]
     by_n = {r["n"]: r for r in rows}
     assert len(by_n) == len(rows), "an event was written twice"
     return by_n
@@ -81,7 +82,7 @@ def test_device_state_over_micro_batches(spark: SparkSession, kafka: dict[str, s
         spark.conf.unset(CHANGELOG_CONF)
     state_dir = Path(data["checkpoint"]) / "spark" / "state"
     assert list(state_dir.rglob("*.zip")) and not list(state_dir.rglob("*.changelog"))
-    out = outputs(kafka, data["output"]["kafka"]["topic"])
+    out = outputs(kafka, data["output"]["kafka"]["topic"], 6)
     assert sorted(out) == [1, 2, 3, 5, 7, 8]
     a = [out[n]["state"] for n in (1, 3, 8, 5)]
     assert [s["events"] for s in a] == [1, 2, 3, 4]
@@ -116,7 +117,7 @@ def test_device_state_over_micro_batches(spark: SparkSession, kafka: dict[str, s
     late_logged = [int(r.getMessage().split(": ")[1].split()[0]) for r in caplog.records
                    if "late event(s) written with a null state" in r.getMessage()]
     assert [n for n in late_logged if n] == [1, 1]
-    out = outputs(kafka, data["output"]["kafka"]["topic"])
+    out = outputs(kafka, data["output"]["kafka"]["topic"], 13)
     assert sorted(out) == [1, 2, 3, 5, 7, *range(8, 16)] and sorted(n for n in out if out[n]["_late"]) == [12, 13]
     assert out[12]["state"] is None and out[13]["state"] is None and out[13]["temp"] == 8.0
     assert (out[11]["state"]["events"], out[11]["state"]["temp_mean"]) == (3, 6.0)
@@ -169,7 +170,7 @@ def test_state_of_a_broadcast_join_column(spark: SparkSession, kafka: dict[str, 
     produce_events(kafka, events, [{"device_id": d, "ts": at(m), "temp": 1.0, "n": m, "site_id": "s1"}
                                    for m, d in [(3, "a"), (4, "b")]])
     run(spark, data)
-    out = outputs(kafka, data["output"]["kafka"]["topic"])
+    out = outputs(kafka, data["output"]["kafka"]["topic"], 5)
     got = [(out[n]["owner"], out[n]["state"]["owner_last"], out[n]["state"]["events"], out[n]["city"]) for n in range(5)]
     assert got == [("ann", "ann", 1, "Oslo"), (None, None, 1, "Oslo"), ("ann", "ann", 2, "Oslo"),
                    ("bob", "bob", 3, "Oslo"), ("bo", "bo", 2, "Oslo")]
@@ -350,7 +351,7 @@ def test_an_event_from_the_future_is_a_dead_letter_and_moves_neither_watermark_n
     ])
     job = EnrichJob(config.parse(data, "test.yaml"), available_now=True)
     job.run(spark)
-    out = outputs(kafka, data["output"]["kafka"]["topic"])
+    out = outputs(kafka, data["output"]["kafka"]["topic"], 11)
     assert {n for n in out if out[n]["_late"]} == set()
     dead = [(json.loads(m.value())["n"], dict(m.headers())["error"].decode())
             for m in read_all(kafka, data["dead_letter_topic"])]
