@@ -30,7 +30,7 @@ from enrich.sinks.kafka.ledger import Entry
 from enrich.sinks.kafka.tasks import slot_id
 from refstream import kafka as rkafka
 from refstream.contract import Column, DatasetSchema
-from tests.enrich.helpers import changelog, ledger_entry, produce_events, publish, read_all
+from tests.enrich.helpers import changelog, ledger_entry, produce_events, publish, read_all, read_settled
 from tests.enrich.kill import read_note, session_pids
 from tests.enrich.test_restart import start_job, write_config
 
@@ -109,7 +109,7 @@ def test_kills_between_two_slots_commits_leave_each_event_once(
 
     proc = start_job(config, log, "--available-now")
     assert proc.wait(300) == 0, log.read_text()[-3000:]
-    rows = [json.loads(m.value()) for m in read_all(kafka, out_topic)]
+    rows = [json.loads(m.value()) for m in read_settled(kafka, out_topic, TOTAL)]
     got = Counter(r["n"] for r in rows)
     assert set(got) == set(range(TOTAL)), lost_report(kafka, out_topic, set(range(TOTAL)) - set(got))
     assert [n for n, c in got.items() if c > 1] == [], f"written twice: {sorted(n for n, c in got.items() if c > 1)[:20]}"
