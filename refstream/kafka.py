@@ -18,6 +18,7 @@ the EOF event, which comes from the high watermark in Fetch responses (right on 
 from __future__ import annotations
 
 import atexit
+import fcntl
 import logging
 import os
 import threading
@@ -26,6 +27,7 @@ import uuid
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Generic, Literal, TypeVar
 
@@ -54,6 +56,7 @@ __all__ = [
     "ConsumerRole",
     "Preset",
     "ProducerRole",
+    "SERIAL_TXN_ENDS_ENV",
     "admin",
     "consumer",
     "end_offsets",
@@ -65,6 +68,7 @@ __all__ = [
     "read_to_end",
     "shared_consumer",
     "topic_of",
+    "transaction_end",
 ]
 
 log = logging.getLogger(__name__)
@@ -74,6 +78,10 @@ LIBRDKAFKA_LOG = logging.getLogger("librdkafka")
 #: A librdkafka line repeated within this many seconds is logged once, then once per window with its count.
 REPEAT_WINDOW = 60.0
 _PUMP_EVERY = 1.0   # seconds between two polls of the admin clients (and checks of the windows)
+
+#: Names a lock file that, when set, every transaction's end on this machine holds (``commit``,
+#: ``abort``, and ``init_transactions``, which aborts a fenced predecessor): see :func:`transaction_end`.
+SERIAL_TXN_ENDS_ENV = "REFSTREAM_KAFKA_SERIAL_TXN_ENDS"
 
 _suppressors: dict[str, RepeatSuppressor] = {}          # by the name of the logger they front
 _polled: weakref.WeakSet[AdminClient] = weakref.WeakSet()
@@ -313,6 +321,30 @@ def shared_consumer(settings: Mapping[str, Any], *, role: ConsumerRole) -> Consu
     if cache is None:
         cache = _SHARED.setdefault(role, ClientCache(lambda s: consumer(s, role=role), close=Consumer.close))
     return cache.get(settings)
+
+
+@contextmanager
+def transaction_end() -> Iterator[None]:
+    """Hold the machine-wide lock named by ``$REFSTREAM_KAFKA_SERIAL_TXN_ENDS`` (if set) while a
+    transaction ends, so that no two end at once.
+
+    A shim for the embedded test broker (Tansu 0.6.0, which sets the variable: ``demo.broker``): when
+    two transactions that wrote to one partition end at the same moment, it can mark one finished
+    before that one's last marker is written, and from then on leaves every later transaction on the
+    partition half-committed while answering its commit with success; the partition's last stable
+    offset stops there for good and read_committed readers see nothing after it. Apache Kafka has no
+    such race: leave the variable unset there (the default) and this does nothing. A process that
+    dies holding the lock (``flock``) lets go of it with its file descriptors."""
+    path = os.environ.get(SERIAL_TXN_ENDS_ENV)
+    if not path:
+        yield
+        return
+    with open(path, "ab") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def forget(bootstrap: str) -> None:

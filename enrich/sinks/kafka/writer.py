@@ -29,7 +29,7 @@ from enrich.sinks.kafka.ledger import Ledger, ensure_ledger
 from enrich.source.fetch import OffsetRange, read_range
 from enrich.source.offsets import EndOffsetProbe
 from refstream.errors import TerminalError, TransientError
-from refstream.kafka import TRANSACTION_TIMEOUT_MS, producer
+from refstream.kafka import TRANSACTION_TIMEOUT_MS, producer, transaction_end
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +91,8 @@ def commit(producer: Producer, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while True:
         try:
-            producer.commit_transaction(max(1.0, deadline - time.monotonic()))
+            with transaction_end():
+                producer.commit_transaction(max(1.0, deadline - time.monotonic()))
             return
         except KafkaException as exc:
             err = _kafka_error(exc)
@@ -103,7 +104,8 @@ def commit(producer: Producer, timeout: float, what: str) -> None:
 
 def abort(producer: Producer, timeout: float, what: str) -> None:
     try:
-        producer.abort_transaction(min(timeout, 15.0))
+        with transaction_end():
+            producer.abort_transaction(min(timeout, 15.0))
     except KafkaException as exc:
         log.warning("abort of transaction on %s failed: %s", what, exc)
 
@@ -212,7 +214,8 @@ class TransactionalBatchWriter:
         before = self._visible_ends()
         try:
             # Fences an older producer with this id and completes or aborts its open transaction.
-            self._producer.init_transactions(timeout)
+            with transaction_end():
+                self._producer.init_transactions(timeout)
             self._last = self._ledger.read().committed
         except KafkaException as exc:
             raise self._classify(exc, "init_transactions") from None
