@@ -1,7 +1,8 @@
 """Data and the broker-bound baseline of the enrichment benchmark (``bench.enrich_bench``).
 
 - :func:`publish_devices`: a ``devices`` dimension of N rows on its changelog topic, encoded with the
-  contract codec (``schema_message`` + ``upsert_messages``), as the refresher would publish it.
+  contract codec (``schema_message`` + ``upsert_messages``), as the refresher would publish it; or N
+  keys with several versions each, valid from times around a given one (the as-of benchmark).
 - :func:`fill_events`: a backlog of ~150-byte JSON device events (the simulator's format).
 - :func:`plain_copy`: consume-then-produce the events with confluent-kafka alone: the broker-bound limit.
 """
@@ -13,7 +14,10 @@ import random
 import threading
 import time
 from collections.abc import Iterator, Mapping
+from datetime import UTC, datetime, timedelta
 
+import numpy as np
+import pyarrow as pa
 from confluent_kafka import KafkaError, Producer, TopicPartition
 
 from demo.simulate import device_id, now_iso
@@ -52,21 +56,61 @@ def _produce(p: Producer, topic: str, value: bytes | None, key: bytes | None,
             p.poll(0.05)
 
 
-def publish_devices(settings: Mapping[str, str], topic: str, rows: int) -> float:
-    """Publish the schema record and ``rows`` upserts to ``topic``; returns seconds taken."""
+def publish_devices(settings: Mapping[str, str], topic: str, rows: int, *, versions: int = 1,
+                    at: datetime | None = None) -> float:
+    """Publish the schema record and ``rows`` upserts to ``topic``; returns seconds taken.
+
+    With ``versions`` > 1, every device gets that many versions (all of version 1, then all of
+    version 2, ...: changelog order is time order), the owner ``team-<n % 13>-v<version>``, and a
+    ``valid_from`` header (:func:`version_valid_from`) placing ``at`` inside a different version per
+    device: as of ``at`` (+/- half a :data:`VERSION_STEP`), device ``n`` has version
+    ``n % versions + 1``, so an as-of join of events made around ``at`` picks every version, the
+    latest-version join only the last."""
     rkafka.ensure_topic(settings, topic, config=contract.TOPIC_CONFIG)
     p = rkafka.producer(settings, role="bulk", **{"enable.idempotence": True})
     started = time.monotonic()
     m = contract.schema_message(DEVICES)
     _produce(p, topic, m.value, m.key, m.headers)
     chunk = 50_000
-    for lo in range(1, rows + 1, chunk):
-        batch = [device_row(n) for n in range(lo, min(lo + chunk, rows + 1))]
-        for m in contract.upsert_messages(DEVICES, batch, version=1):
-            _produce(p, topic, m.value, m.key, m.headers)
-        p.poll(0)
-    p.flush(120)
+    if versions <= 1:
+        for lo in range(1, rows + 1, chunk):
+            batch = [device_row(n) for n in range(lo, min(lo + chunk, rows + 1))]
+            for m in contract.upsert_messages(DEVICES, batch, version=1):
+                _produce(p, topic, m.value, m.key, m.headers)
+            p.poll(0)
+        p.flush(120)
+        return time.monotonic() - started
+    at = at or datetime.now(UTC)
+    for v in range(1, versions + 1):
+        for lo in range(1, rows + 1, chunk):
+            ns = range(lo, min(lo + chunk, rows + 1))
+            # The bulk encoder (Arrow in, contract bytes out) is ~5x the row-wise one: 3M versions are many.
+            table = pa.Table.from_pylist([device_row(n, f"team-{n % 13}-v{v}") for n in ns])
+            times = version_valid_from(np.arange(lo, ns.stop), v, versions, at)
+            for b in contract.upsert_batches(DEVICES, table, version=v, valid_from=times):
+                for i, (key, value) in enumerate(zip(b.keys, b.values, strict=True)):
+                    _produce(p, topic, value, key, b.record_headers(i))
+            p.poll(0)
+    p.flush(300)
     return time.monotonic() - started
+
+
+#: Versions of a device are this far apart in ``valid_from``; the events' times must stay within half
+#: of it of ``at`` (:func:`publish_devices`) for the expected version to be the one valid then.
+VERSION_STEP = timedelta(hours=1)
+
+
+def version_valid_from(ns: np.ndarray, version: int, versions: int, at: datetime) -> pa.Array:
+    """``valid_from`` of ``version`` (1-based, of ``versions``) of devices ``ns``: device ``n``'s
+    version ``n % versions + 1`` starts half a step before ``at`` and the next one half a step after."""
+    step = VERSION_STEP // timedelta(microseconds=1)
+    at_us = (at - datetime(1970, 1, 1, tzinfo=UTC)) // timedelta(microseconds=1)
+    return pa.array(at_us + (version - 1 - ns % versions) * step - step // 2, contract.TIME_TYPE)
+
+
+def expected_version(n: int, versions: int) -> int:
+    """The version of device ``n`` valid around ``at`` (see :func:`publish_devices`)."""
+    return n % versions + 1
 
 
 def publish_change(p: Producer, topic: str, n: int, owner: str, version: int) -> None:

@@ -13,6 +13,7 @@
     python -m bench.run state_savepoint [options of bench.state_savepoint]
     python -m bench.run soak    [options of bench.soak]
     python -m bench.run asof    [options of bench.asof_bench]
+    python -m bench.run asof_job [options of bench.asof_job]
     python -m bench.run wait    [options of bench.wait_bench]
     python -m bench.run calls   [options of bench.calls]
     python -m bench.run database_sink [options of bench.database_sink]
@@ -41,6 +42,8 @@ BENCHMARKS = {
     "state_restart": ("bench.state_restart", "state of N devices: checkpoint size, restart after SIGKILL until output"),
     "state_rescale": ("bench.state_rescale", "state of N devices: enrich rescale to other numbers of state partitions"),
     "asof": ("bench.asof_bench", "as-of lookup against the latest-version lookup, per event (no Spark)"),
+    "asof_job": ("bench.asof_job", "enrichment job with an as-of broadcast join vs the latest-version join, "
+                 "on one versioned changelog"),
     "state_savepoint": ("bench.state_savepoint", "state of N devices: enrich savepoint, a fork's first run vs a "
                         "restart"),
     "wait": ("bench.wait_bench", "waiting for completeness: deciding and storing a bucket's held events (no Spark)"),
