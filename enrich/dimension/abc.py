@@ -40,6 +40,9 @@ class ChangeFeed(Protocol):
     def read_until(self, target: Mapping[int, int], timeout: float) -> list[Record]:
         """Records from the current positions up to (excluding) ``target``; never beyond it."""
 
+    def pending(self) -> int:
+        """Records fetched but not handed out yet: a read that stopped before a partition's end."""
+
     def close(self) -> None: ...
 
 

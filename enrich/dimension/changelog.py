@@ -95,6 +95,9 @@ class ChangelogFollower:
         buf = self._buf[p]
         return self._eof[p] >= target and (not buf or buf[-1].offset < self._eof[p])
 
+    def pending(self) -> int:
+        return sum(len(buf) for buf in self._buf.values())
+
     def _take_committed(self) -> list[Record]:
         """Buffered records below each partition's last EOF; the position moves to that EOF (a
         transaction boundary). Records beyond it stay buffered."""

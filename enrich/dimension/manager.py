@@ -87,11 +87,18 @@ class Dimensions:
                      len(dim.state), dim.feed.topic, time.monotonic() - t0, dim.feed.positions())
 
     def _read_until_schema(self, dim: _Dim) -> None:
-        """Read the changelog to its end, again and again until its schema record has arrived."""
-        for _ in _SCHEMA_POLL.until(self._timeout):
-            dim.state.apply(dim.feed.read_to_end(self._timeout))
-            if dim.state.schema is not None:
-                return
+        """Read the changelog to its end, again and again until its schema record has arrived. A
+        changelog too long to read in ``timeout`` is read on: its records are handed out only at its
+        end, so until then the schema record it holds is not seen either."""
+        while True:
+            for _ in _SCHEMA_POLL.until(self._timeout):
+                dim.state.apply(dim.feed.read_to_end(self._timeout))
+                if dim.state.schema is not None:
+                    return
+                if dim.feed.pending():
+                    break
+            else:
+                break
         raise ContractError(f"dataset {dim.dataset}: no schema record on {dim.feed.topic} after "
                             f"{self._timeout:.0f}s; is the refresher publishing it?")
 

@@ -166,3 +166,22 @@ def test_a_read_cut_short_never_pins_a_position_inside_a_transaction(kafka: dict
         assert sum(o == "b" for o in owners(s).values()) == 10
     finally:
         f.close()
+
+
+def test_bootstrap_reads_on_a_changelog_longer_than_its_timeout(spark: SparkSession, kafka: dict[str, str],
+                                                                 unique: Callable[[str], str], tmp_path: Path) -> None:
+    """A read stopped by its deadline hands out nothing before the partition's end, schema record
+    included: bootstrap reads on while records arrive instead of reporting no schema record."""
+    topic = unique("ref.devices")
+    publish(kafka, topic, changelog(SCHEMA))
+    p = Producer({**kafka, "linger.ms": 100, "compression.type": "lz4", "queue.buffering.max.messages": 500_000})
+    for m in contract.upsert_messages(SCHEMA, [{"device_id": f"d{i}", "owner": "a"} for i in range(400_000)], 1):
+        p.produce(topic, key=m.key, value=m.value, headers=m.headers)
+    assert p.flush(60) == 0
+    dims = Dimensions({"devices": topic}, {"devices": None}, lambda t: ChangelogFollower(kafka, t),
+                      FileVersionLog(tmp_path / "dimensions"), Shipper(spark.sparkContext), timeout=1.0)
+    try:
+        dims.bootstrap()
+        assert len(dims.state("devices")) == 400_000
+    finally:
+        dims.close()
