@@ -10,6 +10,8 @@ from contextlib import contextmanager
 
 from pyspark.sql import SparkSession
 
+from refstream import compat
+
 #: The driver JVM's compiler on a cluster: C1 only. There the driver plans and schedules and runs
 #: no task, and C2 compiling its code was half of its CPU while batches ran (docs/benchmarks.md,
 #: "Driver CPU on a standalone cluster"). Not in local mode: the driver's JVM runs the tasks too.
@@ -107,6 +109,12 @@ def _loopback_driver(master: str | None) -> Iterator[None]:
         del os.environ["SPARK_LOCAL_IP"]
 
 
+#: Spark loggers whose warnings say nothing to an operator, held to ERROR in the driver's JVM (the
+#: executors' too in local mode). The state server warns on every read of a state value that is not
+#: there: each bucket's first batch, each timer-less bucket, hundreds of lines per batch.
+QUIETED_LOGGERS = ("org.apache.spark.sql.execution.python.streaming.TransformWithStateInPySparkStateServer",)
+
+
 def build_session(master: str | None = "local[*]", app_name: str = "refstream-enrich",
                   conf: Mapping[str, str] | None = None, *, ui: bool = False) -> SparkSession:
     """A SparkSession whose Python workers run this interpreter, unless ``spark.pyspark.python`` says.
@@ -133,5 +141,9 @@ def build_session(master: str | None = "local[*]", app_name: str = "refstream-en
         builder = builder.config(k, v)
     with _loopback_driver(master):
         spark = builder.getOrCreate()
-    spark.sparkContext.setLogLevel(os.environ.get("REFSTREAM_SPARK_LOG_LEVEL", "WARN"))
+    level = os.environ.get("REFSTREAM_SPARK_LOG_LEVEL", "WARN")
+    spark.sparkContext.setLogLevel(level)
+    if level.upper() in ("WARN", "ERROR", "FATAL", "OFF"):
+        for name in QUIETED_LOGGERS:
+            compat.spark_logger_level(spark, name, "ERROR")
     return spark

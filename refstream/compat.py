@@ -358,3 +358,17 @@ def spark_schema(ddl: str) -> StructType:
     if not isinstance(t, StructType):
         raise ValueError(f"{ddl!r} is a {t.simpleString()}, not a list of fields")
     return t
+
+
+def spark_logger_level(spark: Any, logger: str, level: str) -> bool:
+    """Set the level of one of the driver JVM's log4j2 loggers (through py4j: PySpark has no public
+    call for a single logger). Returns False, with one warning, when log4j2's API is not there."""
+    try:
+        jvm = spark.sparkContext._jvm
+        jvm.org.apache.logging.log4j.core.config.Configurator.setLevel(
+            logger, jvm.org.apache.logging.log4j.Level.toLevel(level))
+        return True
+    except Exception as exc:  # noqa: BLE001 - a quieter log is not worth failing the job for
+        _warn_once(f"log4j:{logger}", "cannot set the level of Spark's logger %s (%s); its lines stay",
+                   logger, exc)
+        return False

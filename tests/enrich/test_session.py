@@ -15,11 +15,12 @@ from pathlib import Path
 import pyspark
 import pytest
 import yaml
+from pyspark.sql import SparkSession
 
 import enrich.session
 from enrich import config
 from enrich.cli import main
-from enrich.session import CLUSTER_PARTITIONS, SHUFFLE_PARTITIONS, UI_DEFAULTS, session_conf
+from enrich.session import CLUSTER_PARTITIONS, QUIETED_LOGGERS, SHUFFLE_PARTITIONS, UI_DEFAULTS, session_conf
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -206,3 +207,12 @@ def test_a_default_yields_to_a_preset_key() -> None:
     assert conf["spark.ui.threadDumpsEnabled"] == "false" and conf["spark.sql.session.timeZone"] == "UTC"
     # The config's spark: section still wins over both.
     assert session_conf({SHUFFLE_PARTITIONS: "3"}, preset=preset)[SHUFFLE_PARTITIONS] == "3"
+
+
+def test_the_state_servers_missing_value_warnings_are_held_back(spark: SparkSession) -> None:
+    """Every read of a state value that is not there logs a WARN in Spark's state server: the session
+    holds that logger to ERROR (the job's own level is WARN)."""
+    jvm = spark.sparkContext._jvm
+    assert jvm is not None
+    for name in QUIETED_LOGGERS:
+        assert jvm.org.apache.logging.log4j.LogManager.getLogger(name).getLevel().toString() == "ERROR"
