@@ -23,7 +23,7 @@ from confluent_kafka import KafkaError, KafkaException, Producer
 from refresh.errors import PublishError, Stopped
 from refstream import kafka
 from refstream.contract import H_VALID_FROM, TOPIC_CONFIG, Message, MessageBatch
-from refstream.kafka import ensure_topic, partitions_of, transaction_end
+from refstream.kafka import ensure_topic, partitions_of
 
 __all__ = ["Publisher", "transactional_id"]
 
@@ -237,8 +237,7 @@ class Publisher:
         try:
             if not self._txn_ready:
                 # Fences any earlier producer of this transactional.id and aborts its open transaction.
-                with transaction_end():
-                    p.init_transactions(self.topic_timeout)  # a round trip, like the topic checks
+                p.init_transactions(self.topic_timeout)  # a round trip, like the topic checks
                 self._txn_ready = True
             p.begin_transaction()
         except KafkaException as exc:
@@ -249,8 +248,7 @@ class Publisher:
         deadline = time.monotonic() + self.txn_timeout
         while True:
             try:
-                with transaction_end():
-                    p.commit_transaction(max(1.0, deadline - time.monotonic()))
+                p.commit_transaction(max(1.0, deadline - time.monotonic()))
                 return
             except KafkaException as exc:
                 err = exc.args[0] if exc.args else None
@@ -261,8 +259,7 @@ class Publisher:
 
     def _abort(self, p: Producer, topic: str) -> None:
         try:
-            with transaction_end():
-                p.abort_transaction(self.txn_timeout)
+            p.abort_transaction(self.txn_timeout)
             log.info("topic %s: transaction aborted; nothing of this run is visible", topic)
         except KafkaException as exc:
             # Still invisible to read_committed readers: the broker aborts it after

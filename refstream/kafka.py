@@ -80,7 +80,8 @@ REPEAT_WINDOW = 60.0
 _PUMP_EVERY = 1.0   # seconds between two polls of the admin clients (and checks of the windows)
 
 #: Names a lock file that, when set, every transaction's end on this machine holds (``commit``,
-#: ``abort``, and ``init_transactions``, which aborts a fenced predecessor): see :func:`transaction_end`.
+#: ``abort``, and ``init_transactions``, which aborts a fenced predecessor, of every producer that
+#: :func:`producer` builds): see :func:`transaction_end`.
 SERIAL_TXN_ENDS_ENV = "REFSTREAM_KAFKA_SERIAL_TXN_ENDS"
 
 _suppressors: dict[str, RepeatSuppressor] = {}          # by the name of the logger they front
@@ -228,7 +229,24 @@ _GROUP_PREFIX = {"reader": "refstream", "probe": "refstream-probe", "fetch": "re
 def producer(settings: Mapping[str, Any], *, role: ProducerRole = "plain", **overrides: Any) -> Producer:
     """A new producer for ``role`` (see :data:`PRODUCERS`); ``overrides`` (librdkafka names, pass
     dotted ones as ``**{"linger.ms": 5}``) win over ``settings``, the role's forced settings win over both."""
-    return Producer(_with_logger(PRODUCERS[role].conf(settings, overrides)))
+    return _Producer(_with_logger(PRODUCERS[role].conf(settings, overrides)))
+
+
+class _Producer(Producer):
+    """Every producer built here: its transactions end under :func:`transaction_end`
+    (``init_transactions`` ends the unfinished transaction of a producer it fences)."""
+
+    def init_transactions(self, *args: Any) -> None:
+        with transaction_end():
+            super().init_transactions(*args)
+
+    def commit_transaction(self, *args: Any) -> None:
+        with transaction_end():
+            super().commit_transaction(*args)
+
+    def abort_transaction(self, *args: Any) -> None:
+        with transaction_end():
+            super().abort_transaction(*args)
 
 
 def consumer(settings: Mapping[str, Any], *, role: ConsumerRole = "reader", **overrides: Any) -> Consumer:

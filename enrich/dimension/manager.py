@@ -96,11 +96,10 @@ class Dimensions:
                 if dim.state.schema is not None:
                     return
                 if dim.feed.pending():
-                    break
+                    break  # still arriving: a new timeout
             else:
-                break
-        raise ContractError(f"dataset {dim.dataset}: no schema record on {dim.feed.topic} after "
-                            f"{self._timeout:.0f}s; is the refresher publishing it?")
+                raise ContractError(f"dataset {dim.dataset}: no schema record on {dim.feed.topic} after "
+                                    f"{self._timeout:.0f}s; is the refresher publishing it?")
 
     @property
     def shipper(self) -> Shipper:

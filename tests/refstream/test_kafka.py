@@ -72,6 +72,7 @@ def test_every_client_logs_through_one_repeat_suppressor_per_logger(monkeypatch)
 
     for name in ("Producer", "Consumer", "AdminClient"):
         monkeypatch.setattr(kafka, name, type(name, (Fake,), {}))
+    monkeypatch.setattr(kafka, "_Producer", type("Producer", (Fake,), {}))  # what producer() builds
     monkeypatch.setattr(kafka, "_ADMINS", kafka.ClientCache(kafka._new_admin))
     monkeypatch.setattr(kafka, "_SHARED", {})
     settings = {"bootstrap.servers": "127.0.0.1:1"}

@@ -1,6 +1,7 @@
 """Transactions of two producers on one partition, ending at the same moment, batch after batch: every
-committed record stays visible to read_committed readers (``refstream.kafka.transaction_end``, the
-embedded broker's workaround, which tests/conftest.py turns on). Without it, this broker left the
+committed record stays visible to read_committed readers (the producers ``refstream.kafka.producer``
+builds end their transactions under ``transaction_end``, the embedded broker's workaround, which
+tests/conftest.py turns on). Without it, this broker left the
 partition's last stable offset stuck within 40 such batches in 4 of 6 trials."""
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from collections.abc import Callable
 import pytest
 
 from refstream import kafka as rkafka
-from refstream.kafka import SERIAL_TXN_ENDS_ENV, transaction_end
+from refstream.kafka import SERIAL_TXN_ENDS_ENV
 
 BATCHES, RECORDS = 40, 5
 
@@ -29,15 +30,13 @@ def ending_together(settings: dict[str, str], topic: str, tids: list[str]) -> No
                 # A producer per batch, as the job's tasks have: its init_transactions ends nothing
                 # here, but the broker bumps the epoch, which the race needs.
                 p = rkafka.producer(settings, role="transactional", **{"transactional.id": tid})
-                with transaction_end():
-                    p.init_transactions(30)
+                p.init_transactions(30)
                 p.begin_transaction()
                 for i in range(RECORDS):
                     p.produce(topic, f"{tid}:{b}:{i}".encode(), partition=0)
                 p.flush(30)
                 barrier.wait(30)  # the commits start together
-                with transaction_end():
-                    p.commit_transaction(30)
+                p.commit_transaction(30)
         except BaseException as exc:  # noqa: BLE001 - reported by the test's thread
             failures.append(exc)
             barrier.abort()

@@ -36,7 +36,7 @@ from enrich.sinks.kafka.writer import (
 )
 from enrich.worker import settle
 from refstream.errors import TerminalError
-from refstream.kafka import TRANSACTION_TIMEOUT_MS, producer, transaction_end
+from refstream.kafka import TRANSACTION_TIMEOUT_MS, producer
 
 log = logging.getLogger(__name__)
 
@@ -176,8 +176,7 @@ class _SlotTransaction:
                                  **{"transactional.id": self.tid, "client.id": f"{self.tid}@{worker_name()}"})
         self.ledger = Ledger(w.settings, w.ledger_topic, self.tid, w.scope, timeout=w.timeout)
         try:
-            with transaction_end():  # it aborts the slot's unfinished transaction, if any
-                self.producer.init_transactions(w.timeout)
+            self.producer.init_transactions(w.timeout)
             entry = self.ledger.read(self.before)
         except KafkaException as exc:
             raise classify(exc, f"batch {w.batch_id} slot {slot}: init_transactions", self.tid, w.topic) from None

@@ -29,7 +29,7 @@ from enrich.sinks.kafka.ledger import Ledger, ensure_ledger
 from enrich.source.fetch import OffsetRange, read_range
 from enrich.source.offsets import EndOffsetProbe
 from refstream.errors import TerminalError, TransientError
-from refstream.kafka import TRANSACTION_TIMEOUT_MS, producer, transaction_end
+from refstream.kafka import TRANSACTION_TIMEOUT_MS, producer
 
 log = logging.getLogger(__name__)
 
@@ -91,8 +91,7 @@ def commit(producer: Producer, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while True:
         try:
-            with transaction_end():
-                producer.commit_transaction(max(1.0, deadline - time.monotonic()))
+            producer.commit_transaction(max(1.0, deadline - time.monotonic()))
             return
         except KafkaException as exc:
             err = _kafka_error(exc)
@@ -104,8 +103,7 @@ def commit(producer: Producer, timeout: float, what: str) -> None:
 
 def abort(producer: Producer, timeout: float, what: str) -> None:
     try:
-        with transaction_end():
-            producer.abort_transaction(min(timeout, 15.0))
+        producer.abort_transaction(min(timeout, 15.0))
     except KafkaException as exc:
         log.warning("abort of transaction on %s failed: %s", what, exc)
 
@@ -214,8 +212,7 @@ class TransactionalBatchWriter:
         before = self._visible_ends()
         try:
             # Fences an older producer with this id and completes or aborts its open transaction.
-            with transaction_end():
-                self._producer.init_transactions(timeout)
+            self._producer.init_transactions(timeout)
             self._last = self._ledger.read().committed
         except KafkaException as exc:
             raise self._classify(exc, "init_transactions") from None
