@@ -22,11 +22,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import re
 import statistics
-import subprocess
-import sys
 import tempfile
 import time
 import uuid
@@ -39,15 +36,13 @@ import yaml
 from confluent_kafka import TopicPartition
 
 from bench import enrich_data as data
-from bench.common import broker_settings
+from bench.common import broker_settings, run_available_now
 from bench.enrich_bench import STATE_SECTION, _machine
 from refstream import kafka as rkafka
 
 log = logging.getLogger(__name__)
 
-ROOT = Path(__file__).resolve().parents[1]
 TARGET = 1.5  # issue 26: as-of time per event at most 1.5x the latest-version join's
-_DONE = re.compile(r"batch (\d+) done in ([\d.]+)s")
 _BOOT = re.compile(r"dataset devices: bootstrapped (\d+) rows from \S+ in ([\d.]+)s")
 VARIANTS = ("latest", "as_of")
 
@@ -77,24 +72,10 @@ def config(path: Path, settings: dict[str, str], events: str, devices: str, work
 
 
 def run_job(cfg: Path, log_path: Path, events: int, batch: int) -> dict[str, float]:
-    env = {**os.environ, "PYSPARK_PYTHON": sys.executable,
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    started = time.monotonic()
-    with open(log_path, "ab") as out:
-        rc = subprocess.run([sys.executable, "-m", "enrich", "run", "--config", str(cfg), "--master", "local[2]",
-                             "--available-now"], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                            timeout=3600).returncode
-    if rc != 0:
-        raise RuntimeError(f"the job exited {rc}: {log_path.read_text()[-2000:]}")
-    text = log_path.read_text()
-    full = events // batch
-    done = {int(b): float(s) for b, s in _DONE.findall(text)}
-    steady = {b: s for b, s in done.items() if 2 <= b < full}
-    if not steady:
-        raise RuntimeError(f"no steady batches (events {events}, batch {batch}): give more events")
-    res = {"rate": len(steady) * batch / sum(steady.values()), "wall_s": time.monotonic() - started,
-           "first_batch_s": done.get(0, float("nan"))}
-    boot = _BOOT.search(text)
+    job = run_available_now(cfg, log_path)
+    res = {"rate": job.steady_rate(events, batch), "wall_s": job.wall_s,
+           "first_batch_s": job.batches.get(0, float("nan"))}
+    boot = _BOOT.search(job.log)
     if boot:
         res["boot_rows"], res["boot_s"] = float(boot.group(1)), float(boot.group(2))
     return res

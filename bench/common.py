@@ -1,11 +1,19 @@
-"""What the benchmarks share: the broker they measure against."""
+"""What the benchmarks share: the broker they measure against, and the job run as a process."""
 
 from __future__ import annotations
 
 import os
+import re
+import subprocess
+import sys
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+_DONE = re.compile(r"batch (\d+) done in ([\d.]+)s")
 
 
 def broker_settings(stack: ExitStack, bootstrap: str | None) -> dict[str, str]:
@@ -34,3 +42,35 @@ def thread_times(pid: int) -> Iterator[tuple[int, str, float]]:
             continue
         parts = stat[stat.rindex(")") + 2:].split()
         yield int(task.name), comm, (int(parts[11]) + int(parts[12])) / tick
+
+
+@dataclass(frozen=True)
+class JobRun:
+    """What one ``enrich run --available-now`` printed and how long it took."""
+
+    log: str                    # the job's whole output
+    wall_s: float
+    batches: dict[int, float]   # batch id -> seconds, from its "batch N done in S s" lines
+
+    def steady_rate(self, events: int, batch: int) -> float:
+        """Events per second of the full batches after the first two (warm-up)."""
+        steady = [s for b, s in self.batches.items() if 2 <= b < events // batch]
+        if not steady:
+            raise RuntimeError(f"no steady batches (events {events}, batch {batch}): give more events")
+        return len(steady) * batch / sum(steady)
+
+
+def run_available_now(cfg: Path, log: Path) -> JobRun:
+    """``python -m enrich run --config cfg --master local[2] --available-now`` as a process, its
+    output appended to ``log``; raises with the log's tail if the job fails."""
+    env = {**os.environ, "PYSPARK_PYTHON": sys.executable,
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    started = time.monotonic()
+    with open(log, "ab") as out:
+        rc = subprocess.run([sys.executable, "-m", "enrich", "run", "--config", str(cfg), "--master", "local[2]",
+                             "--available-now"], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                            timeout=3600).returncode
+    text = log.read_text()
+    if rc != 0:
+        raise RuntimeError(f"the job exited {rc}: {text[-2000:]}")
+    return JobRun(text, time.monotonic() - started, {int(b): float(s) for b, s in _DONE.findall(text)})

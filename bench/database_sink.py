@@ -17,13 +17,9 @@ Medians over the rounds; ``--keep DIR`` keeps the jobs' logs.
 from __future__ import annotations
 
 import argparse
-import os
 import re
 import statistics
-import subprocess
-import sys
 import tempfile
-import time
 import uuid
 from contextlib import ExitStack
 from pathlib import Path
@@ -32,11 +28,9 @@ from typing import Any
 import yaml
 
 from bench import enrich_data as data
-from bench.common import broker_settings
+from bench.common import broker_settings, run_available_now
 from bench.enrich_bench import STATE_SECTION, _machine
 
-ROOT = Path(__file__).resolve().parents[1]
-_DONE = re.compile(r"batch (\d+) done in ([\d.]+)s")
 _ROWS = re.compile(r"batch (\d+): (\d+) rows to \S+ by \d+ task\(s\) \(\d+ skipped as committed\) in ([\d.]+)s")
 
 
@@ -59,22 +53,9 @@ def config(path: Path, settings: dict[str, str], events: str, devices: str, work
 
 
 def run_job(cfg: Path, log: Path, events: int, batch: int) -> dict[str, float]:
-    env = {**os.environ, "PYSPARK_PYTHON": sys.executable,
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    started = time.monotonic()
-    with open(log, "ab") as out:
-        rc = subprocess.run([sys.executable, "-m", "enrich", "run", "--config", str(cfg), "--master", "local[2]",
-                             "--available-now"], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
-                            timeout=3600).returncode
-    if rc != 0:
-        raise RuntimeError(f"the job exited {rc}: {log.read_text()[-2000:]}")
-    text = log.read_text()
-    full = events // batch
-    steady = {int(b): float(s) for b, s in _DONE.findall(text) if 2 <= int(b) < full}
-    if not steady:
-        raise RuntimeError(f"no steady batches (events {events}, batch {batch}): give more events")
-    rows = [(int(n), float(s)) for _, n, s in _ROWS.findall(text)]
-    out = {"rate": len(steady) * batch / sum(steady.values()), "wall_s": time.monotonic() - started}
+    job = run_available_now(cfg, log)
+    rows = [(int(n), float(s)) for _, n, s in _ROWS.findall(job.log)]
+    out = {"rate": job.steady_rate(events, batch), "wall_s": job.wall_s}
     if rows:
         out["db_rows_per_s"] = sum(n for n, _ in rows) / max(sum(s for _, s in rows), 1e-9)
     return out
