@@ -1,6 +1,6 @@
-"""Session-scoped real services (Kafka-protocol broker, MariaDB database) and factories for unique names.
+"""Real services (Kafka-protocol broker, MariaDB database) and factories for unique names.
 
-- ``kafka``: librdkafka settings of a broker started once per session (the embedded Tansu broker,
+- ``kafka``: librdkafka settings of a broker started once per test module (the embedded Tansu broker,
   or ``REFSTREAM_TEST_BOOTSTRAP`` to run the suite against another broker, e.g. real Kafka).
 - ``mysql_url``: SQLAlchemy URL of a database created for this session on the MariaDB at
   ``REFSTREAM_TEST_MYSQL`` (default ``mysql+pymysql://root@127.0.0.1:3306``), dropped at the end.
@@ -61,8 +61,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.integration)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def kafka(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """A broker per test module (a quarter of a second to start). The embedded broker keeps every
+    transaction it has seen, epochs included, and rewrites that record on each transactional request:
+    one broker for the whole suite made each transaction slower than the last (about 2 ms more per
+    hundred transactions, seconds each by the suite's end), and long ends are where its race
+    (refstream.kafka.transaction_end) bites."""
     external = os.environ.get("REFSTREAM_TEST_BOOTSTRAP")
     if external:
         yield {"bootstrap.servers": external}
