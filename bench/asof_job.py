@@ -24,7 +24,6 @@ import json
 import logging
 import re
 import statistics
-import tempfile
 import time
 import uuid
 from contextlib import ExitStack
@@ -36,7 +35,7 @@ import yaml
 from confluent_kafka import TopicPartition
 
 from bench import enrich_data as data
-from bench.common import broker_settings, run_available_now
+from bench.common import broker_settings, input_topics, run_available_now, workdir
 from bench.enrich_bench import STATE_SECTION, _machine
 from refstream import kafka as rkafka
 
@@ -142,10 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, list[dict[str, float]]] = {v: [] for v in VARIANTS}
     with ExitStack() as stack:
         settings = broker_settings(stack, args.bootstrap)
-        work = args.keep or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-asof-")))
-        work.mkdir(parents=True, exist_ok=True)
-        suffix = uuid.uuid4().hex[:8]
-        devices, events = f"bench-devices-{suffix}", f"bench-events-{suffix}"
+        work = workdir(stack, args.keep, "bench-asof-")
+        devices, events = input_topics()
         # Events first: their times (the time they are produced) fix where the versions' valid_from go.
         t0 = datetime.now(UTC)
         fill_s, _, _ = data.fill_events(settings, events, args.events, 2, args.devices)

@@ -1,4 +1,5 @@
-"""What the benchmarks share: the broker they measure against, and the job run as a process."""
+"""What the benchmarks share: the broker they measure against, their working directory and input
+topics, and the job run as a process."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -24,6 +27,20 @@ def broker_settings(stack: ExitStack, bootstrap: str | None) -> dict[str, str]:
 
     broker = stack.enter_context(EmbeddedBroker())
     return {"bootstrap.servers": broker.bootstrap}
+
+
+def workdir(stack: ExitStack, keep: Path | None, prefix: str) -> Path:
+    """``keep`` (the ``--keep`` option: the jobs' configs and logs stay there), or a temporary
+    directory that ``stack`` removes at exit."""
+    work = keep or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=prefix)))
+    work.mkdir(parents=True, exist_ok=True)
+    return work
+
+
+def input_topics() -> tuple[str, str]:
+    """Fresh names for a run's device changelog and event topics."""
+    suffix = uuid.uuid4().hex[:8]
+    return f"bench-devices-{suffix}", f"bench-events-{suffix}"
 
 
 def thread_times(pid: int) -> Iterator[tuple[int, str, float]]:

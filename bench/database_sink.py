@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import re
 import statistics
-import tempfile
 import uuid
 from contextlib import ExitStack
 from pathlib import Path
@@ -28,7 +27,7 @@ from typing import Any
 import yaml
 
 from bench import enrich_data as data
-from bench.common import broker_settings, run_available_now
+from bench.common import broker_settings, input_topics, run_available_now, workdir
 from bench.enrich_bench import STATE_SECTION, _machine
 
 _ROWS = re.compile(r"batch (\d+): (\d+) rows to \S+ by \d+ task\(s\) \(\d+ skipped as committed\) in ([\d.]+)s")
@@ -78,10 +77,8 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, list[dict[str, float]]] = {"kafka": [], "postgresql": [], "mysql": []}
     with ExitStack() as stack:
         settings = broker_settings(stack, args.bootstrap)
-        work = args.keep or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-db-")))
-        work.mkdir(parents=True, exist_ok=True)
-        suffix = uuid.uuid4().hex[:8]
-        devices, events = f"bench-devices-{suffix}", f"bench-events-{suffix}"
+        work = workdir(stack, args.keep, "bench-db-")
+        devices, events = input_topics()
         data.publish_devices(settings, devices, args.devices)
         data.fill_events(settings, events, args.events, 2, args.devices)
         variants: list[tuple[str, str | None]] = [("kafka", None), ("postgresql", args.pg_url)]
