@@ -20,7 +20,7 @@ from pathlib import Path
 
 from refstream import version
 from refstream.errors import TransientError
-from refstream.kafka import SERIAL_TXN_ENDS_ENV, admin, forget
+from refstream.kafka import SERIAL_TXN_ENDS_ENV, SERIAL_TXNS_ENV, admin, forget
 from refstream.logs import setup_logging
 from refstream.retry import RetryPolicy
 
@@ -48,6 +48,15 @@ def serialise_transaction_ends() -> None:
     file shared by every process on the machine): the embedded broker leaves a partition's last stable
     offset stuck for good when two transactions on it end at once (``refstream.kafka.transaction_end``)."""
     os.environ.setdefault(SERIAL_TXN_ENDS_ENV, str(Path(tempfile.gettempdir()) / "refstream-embedded-broker-txn.lock"))
+
+
+def serialise_transactions() -> None:
+    """Also keep the transactions of this process and the ones it starts from being open while
+    another process's end (``refstream.kafka.SERIAL_TXNS_ENV``): that broker leaves a transaction
+    ended beside another open one uncommitted, some of the time for good. Slower (the writers of
+    parallel tasks take turns), so for tests, which read every output to its end; the demo and the
+    benchmarks keep their parallel writers, and their jobs' next batch completes such a transaction."""
+    os.environ.setdefault(SERIAL_TXNS_ENV, str(Path(tempfile.gettempdir()) / "refstream-embedded-broker-open-txn.lock"))
 
 
 class EmbeddedBroker:

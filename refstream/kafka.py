@@ -56,6 +56,7 @@ __all__ = [
     "ConsumerRole",
     "Preset",
     "ProducerRole",
+    "SERIAL_TXNS_ENV",
     "SERIAL_TXN_ENDS_ENV",
     "admin",
     "consumer",
@@ -83,6 +84,12 @@ _PUMP_EVERY = 1.0   # seconds between two polls of the admin clients (and checks
 #: ``abort``, and ``init_transactions``, which aborts a fenced predecessor, of every producer that
 #: :func:`producer` builds): see :func:`transaction_end`.
 SERIAL_TXN_ENDS_ENV = "REFSTREAM_KAFKA_SERIAL_TXN_ENDS"
+#: Names a lock file that, when set, every transaction on this machine holds from its
+#: ``begin_transaction`` until its end, so that no transaction is open while another ends (the
+#: processes of one test run, against the embedded broker): see :class:`_OpenTransactions`.
+SERIAL_TXNS_ENV = "REFSTREAM_KAFKA_SERIAL_TXNS"
+#: How long a transaction waits for the machine's other transactions before it fails.
+SERIAL_TXNS_WAIT = 300.0
 
 _suppressors: dict[str, RepeatSuppressor] = {}          # by the name of the logger they front
 _polled: weakref.WeakSet[AdminClient] = weakref.WeakSet()
@@ -234,19 +241,117 @@ def producer(settings: Mapping[str, Any], *, role: ProducerRole = "plain", **ove
 
 class _Producer(Producer):
     """Every producer built here: its transactions end under :func:`transaction_end`
-    (``init_transactions`` ends the unfinished transaction of a producer it fences)."""
+    (``init_transactions`` ends the unfinished transaction of a producer it fences), and, where
+    ``$REFSTREAM_KAFKA_SERIAL_TXNS`` is set, each is open under :data:`_OPEN` from its begin to its end."""
+
+    _holds = False  # whether this producer's open transaction holds _OPEN
 
     def init_transactions(self, *args: Any) -> None:
-        with transaction_end():
+        with _OPEN.held(), transaction_end():
             super().init_transactions(*args)
 
+    def begin_transaction(self) -> None:
+        if not self._holds:
+            _OPEN.acquire()
+            self._holds = True
+        try:
+            super().begin_transaction()
+        except BaseException:
+            self._let_go()
+            raise
+
     def commit_transaction(self, *args: Any) -> None:
-        with transaction_end():
-            super().commit_transaction(*args)
+        try:
+            with transaction_end():
+                super().commit_transaction(*args)
+        except KafkaException as exc:
+            err = exc.args[0] if exc.args else None
+            if not (isinstance(err, KafkaError) and err.retriable()):  # a retried commit stays open
+                self._let_go()
+            raise
+        self._let_go()
 
     def abort_transaction(self, *args: Any) -> None:
-        with transaction_end():
-            super().abort_transaction(*args)
+        try:
+            with transaction_end():
+                super().abort_transaction(*args)
+        finally:
+            self._let_go()
+
+    def close(self, *args: Any) -> Any:
+        self._let_go()
+        return super().close(*args)
+
+    def __del__(self) -> None:
+        self._let_go()  # dropped with its transaction open (a failed task, a test's zombie)
+
+    def _let_go(self) -> None:
+        if self._holds:
+            self._holds = False
+            _OPEN.release()
+
+
+class _OpenTransactions:
+    """A shim for the embedded test broker (Tansu 0.6.0): the machine-wide lock named by
+    ``$REFSTREAM_KAFKA_SERIAL_TXNS`` (if set), held while this process has a transaction open.
+
+    That broker commits a transaction that ends while another one is open on a partition they share
+    only when a later end finds it, and some later ends miss it: one whose overlap it was only
+    through a third transaction, or a newer epoch of an id whose older epoch also waits. The
+    partition's last stable offset then stays at it, and read_committed readers see nothing past it,
+    until another transaction on that partition ends; after a job's last batch, for good. With no
+    two processes' transactions open at once, every end completes at once. The transactions of one
+    process share the hold (a test's producer may keep one open while the same process goes on),
+    so a process's transactions are not serialised among themselves. Apache Kafka has no such
+    behaviour: leave the variable unset there (the default) and this does nothing."""
+
+    def __init__(self) -> None:
+        self._mutex = threading.Lock()
+        self._count = 0
+        self._file: Any = None
+        os.register_at_fork(after_in_child=self._forget)
+
+    def _forget(self) -> None:
+        self._mutex, self._count, self._file = threading.Lock(), 0, None  # the parent's hold is not the child's
+
+    def acquire(self) -> None:
+        path = os.environ.get(SERIAL_TXNS_ENV)
+        with self._mutex:
+            if path and self._count == 0:
+                f = open(path, "ab")  # noqa: SIM115 - held until the last release
+                deadline = time.monotonic() + SERIAL_TXNS_WAIT
+                while True:
+                    try:
+                        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                        break
+                    except BlockingIOError:
+                        if time.monotonic() > deadline:
+                            f.close()
+                            raise TimeoutError(
+                                f"another process kept a Kafka transaction open for {SERIAL_TXNS_WAIT:.0f}s "
+                                f"(lock {path}, ${SERIAL_TXNS_ENV})") from None
+                        time.sleep(0.005)
+                self._file = f
+            self._count += 1
+
+    def release(self) -> None:
+        with self._mutex:
+            self._count -= 1
+            if self._count == 0 and self._file is not None:
+                fcntl.flock(self._file, fcntl.LOCK_UN)
+                self._file.close()
+                self._file = None
+
+    @contextmanager
+    def held(self) -> Iterator[None]:
+        self.acquire()
+        try:
+            yield
+        finally:
+            self.release()
+
+
+_OPEN = _OpenTransactions()
 
 
 def consumer(settings: Mapping[str, Any], *, role: ConsumerRole = "reader", **overrides: Any) -> Consumer:

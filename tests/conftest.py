@@ -24,11 +24,12 @@ from pathlib import Path
 
 import pytest
 
-from demo.broker import EmbeddedBroker, serialise_transaction_ends
+from demo.broker import EmbeddedBroker, serialise_transaction_ends, serialise_transactions
 
-# Before any Spark session or child process starts (they inherit it): the embedded broker's workaround
-# (demo.broker.serialise_transaction_ends), harmless against another broker.
+# Before any Spark session or child process starts (they inherit it): the embedded broker's workarounds
+# (demo.broker.serialise_transaction_ends and serialise_transactions), harmless against another broker.
 serialise_transaction_ends()
+serialise_transactions()
 # Spark's Python workers must run this interpreter (the venv), not the first python3 on PATH.
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)

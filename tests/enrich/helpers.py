@@ -77,8 +77,10 @@ def ledger_entry(settings: Mapping[str, str], ledger: str, tid: str, scope: str,
 
 def open_transaction(settings: Mapping[str, str], tid: str, records: Iterable[tuple[str, int, bytes]]) -> Producer:
     """A transactional producer with ``records`` (topic, partition, value) sent in a transaction left
-    open: the caller aborts it."""
-    other = rkafka.producer(settings, role="transactional", **{"transactional.id": tid})
+    open: the caller aborts it. A plain librdkafka producer, outside the embedded broker's
+    one-open-transaction lock (``refstream.kafka.SERIAL_TXNS_ENV``): the writers under test must
+    go on beside it."""
+    other = Producer({**settings, "transactional.id": tid})
     other.init_transactions(30)
     other.begin_transaction()
     for topic, part, value in records:

@@ -6,15 +6,17 @@ partition's last stable offset stuck within 40 such batches in 4 of 6 trials."""
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import threading
 import uuid
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 
 from refstream import kafka as rkafka
-from refstream.kafka import SERIAL_TXN_ENDS_ENV
+from refstream.kafka import SERIAL_TXN_ENDS_ENV, SERIAL_TXNS_ENV
 
 BATCHES, RECORDS = 40, 5
 
@@ -59,3 +61,50 @@ def test_concurrent_transaction_ends_on_one_partition_leave_every_commit_visible
     ending_together(kafka, topic, [f"{base}-0", f"{base}-1"])
     got = [m.value() for m in rkafka.read_to_end(kafka, topic, timeout=20)]
     assert len(got) == 2 * BATCHES * RECORDS, f"{len(got)} of {2 * BATCHES * RECORDS} visible to read_committed"
+
+
+def _chain_link(settings: dict[str, str], topic: str, tid: str, parts: list[int], ready: Any, after: Any,
+                opened: Any, wait_for: Any) -> None:
+    """One process of the chain below: once all are ready, begin once ``after`` is set (if given),
+    write ``parts``, say so (``opened``), then commit once ``wait_for`` is set or 3 s have passed."""
+    p = rkafka.producer(settings, role="transactional", **{"transactional.id": tid})
+    p.init_transactions(30)
+    ready.wait(60)
+    if after is not None:
+        after.wait(60)
+    p.begin_transaction()
+    for part in parts:
+        for i in range(RECORDS):
+            p.produce(topic, f"{tid}:{part}:{i}".encode(), partition=part)
+    p.flush(30)
+    opened.set()
+    if wait_for is not None:
+        wait_for.wait(3)
+    p.commit_transaction(30)
+
+
+@pytest.mark.integration
+def test_transactions_of_processes_that_would_end_beside_open_ones_all_become_visible(
+        kafka: dict[str, str], unique: Callable[[str], str]) -> None:
+    """Three processes (as a job's Python workers are): A writes partition 0 and would commit while B
+    is open there; B writes 0 and 1 and would commit while C is open on 1; C commits last. The
+    embedded broker completes B and C at C's end but never A, whose partition's last stable offset
+    then stays put for good (every run, without ``SERIAL_TXNS_ENV``); under the lock each process's
+    transaction waits for the other's end, and every record is visible."""
+    assert os.environ.get(SERIAL_TXNS_ENV), "tests/conftest.py turns the workaround on"
+    topic = unique("txn-chain")
+    rkafka.ensure_topic(kafka, topic, partitions=2)
+    ctx = multiprocessing.get_context("spawn")
+    ready, a_open, b_open, c_open = ctx.Barrier(3), ctx.Event(), ctx.Event(), ctx.Event()
+    base = uuid.uuid4().hex[:8]
+    links = [(f"{base}-a", [0], None, a_open, b_open), (f"{base}-b", [0, 1], a_open, b_open, c_open),
+             (f"{base}-c", [1], b_open, c_open, None)]
+    procs = [ctx.Process(target=_chain_link, args=(kafka, topic, tid, parts, ready, *events))
+             for tid, parts, *events in links]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    assert [p.exitcode for p in procs] == [0, 0, 0]
+    got = [m.value() for m in rkafka.read_to_end(kafka, topic, timeout=20)]
+    assert len(got) == 4 * RECORDS, f"{len(got)} of {4 * RECORDS} visible to read_committed"
