@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timedelta
+from typing import TypeVar
 
 from enrich.dimension.abc import ChangeFeed, Positions, VersionLog
 from enrich.dimension.history import HistoryState
@@ -26,6 +28,8 @@ log = logging.getLogger(__name__)
 # Waiting (up to the manager's timeout) for a changelog topic to exist and for its schema record.
 _OPEN_RETRY = RetryPolicy.every(1.0)
 _SCHEMA_POLL = RetryPolicy.every(0.2)
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -54,6 +58,24 @@ class Dimensions:
         self._timeout = timeout
         self._dims: dict[str, _Dim] = {}
         self.last_pin_seconds = 0.0
+        # The changelogs are read side by side: a read that found new records waits for its
+        # partition-EOF, one fetch long-poll (``fetch.wait.max.ms``), and those waits overlap.
+        self._pool: ThreadPoolExecutor | None = None
+
+    def _each(self, fn: Callable[[str], T], datasets: Iterable[str]) -> list[T]:
+        """``fn`` over ``datasets``, in threads when there are several; the first error is raised
+        once every call has ended."""
+        todo = list(datasets)
+        if len(todo) <= 1:
+            return [fn(ds) for ds in todo]
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=len(self._topics), thread_name_prefix="changelog")
+        futures = [self._pool.submit(fn, ds) for ds in todo]
+        errors = [f.exception() for f in futures]
+        for exc in errors:
+            if exc is not None:
+                raise exc
+        return [f.result() for f in futures]
 
     def _open(self, dataset: str) -> _Dim:
         error: TransientError | None = None
@@ -73,18 +95,26 @@ class Dimensions:
         """Build every dimension before the first batch: to the positions of the last recorded batch
         (a restart: that batch or the next one is what runs first), else to the end of each changelog."""
         latest = self._versions.latest()
-        for ds in self._topics:
-            if ds in self._dims:
-                continue
+
+        def one(ds: str) -> _Dim:
             t0 = time.monotonic()
-            dim = self._dims[ds] = self._open(ds)
-            if latest is not None and ds in latest[1]:
-                self._read_recorded(dim, latest[1][ds])
-            else:
-                self._read_until_schema(dim)
+            dim = self._open(ds)
+            try:
+                if latest is not None and ds in latest[1]:
+                    self._read_recorded(dim, latest[1][ds])
+                else:
+                    self._read_until_schema(dim)
+            except BaseException:
+                dim.feed.close()  # a retry opens it again and reads from the start
+                raise
             dim.state.compact()
             log.info("dataset %s: bootstrapped %d rows from %s in %.1fs (positions %s)", ds,
                      len(dim.state), dim.feed.topic, time.monotonic() - t0, dim.feed.positions())
+            return dim
+
+        todo = [ds for ds in self._topics if ds not in self._dims]
+        for ds, dim in zip(todo, self._each(one, todo), strict=True):
+            self._dims[ds] = dim
 
     def _read_until_schema(self, dim: _Dim) -> None:
         """Read the changelog to its end, again and again until its schema record has arrived. A
@@ -123,13 +153,15 @@ class Dimensions:
             log.warning("batch %d replays positions older than the dimensions hold; rebuilding them", batch_id)
             self.close_feeds()
             self.bootstrap_to(recorded)
-        positions: dict[str, Positions] = {}
-        for ds, dim in self._dims.items():
+        def read(ds: str) -> Positions:
+            dim = self._dims[ds]
             if recorded is not None and ds in recorded:
                 self._read_recorded(dim, recorded[ds])
             else:
                 dim.state.apply(dim.feed.read_to_end(self._timeout))
-            positions[ds] = dim.feed.positions()
+            return dim.feed.positions()
+
+        positions = dict(zip(self._dims, self._each(read, self._dims), strict=True))
         if recorded is None:
             now_ms = int(time.time() * 1000)  # the batch's time (enrich.state.wait): kept for its replays
             info = {ds: {"rows": dim.state.live_rows(), "version": dim.state.version,
@@ -221,3 +253,5 @@ class Dimensions:
     def close(self) -> None:
         self.close_feeds()
         self._shipper.close()
+        if self._pool is not None:
+            self._pool.shutdown()
