@@ -129,6 +129,7 @@ class EnrichJob:
         self._pass: JoinPass | None = None
         self._call_counts: Accumulator[dict[int, dict[str, Any]]] | None = None  # with calls: only
         self.batches = 0
+        self._trigger_logged: int | None = None
 
     @property
     def checkpoint(self) -> Path:
@@ -351,6 +352,7 @@ class EnrichJob:
 
     def _process(self, batch_df: DataFrame, batch_id: int) -> None:
         t0 = time.monotonic()
+        self._log_trigger()
         st = self.started
         if st.state is None or st.devices is None:
             dead, counted = self._process_batch(batch_df, batch_id)
@@ -379,6 +381,20 @@ class EnrichJob:
         if st.metrics is not None:
             st.metrics.devices_in_state(devices)
         return self._observe(t0, dead, counted, late=late)
+
+    def _log_trigger(self) -> None:
+        """The last finished trigger's own durations (Spark's progress: ``triggerExecution``, the figure
+        behind "falling behind", and its parts), once per trigger: the batch's time besides this
+        job's own work (offsets, the commit log, the state store's commit)."""
+        progress = self.query.lastProgress if self.query is not None else None
+        if not progress or progress.get("batchId") == self._trigger_logged:
+            return
+        self._trigger_logged = progress.get("batchId")
+        took = dict(progress.get("durationMs") or {})
+        total = took.pop("triggerExecution", None)
+        if total is not None:
+            log.info("batch %s: trigger %.3fs (%s)", self._trigger_logged, total / 1000,
+                     ", ".join(f"{k} {v / 1000:.3f}" for k, v in sorted(took.items())))
 
     def _after_calls(self, batch_id: int, metrics: EnrichMetrics | None) -> None:
         """The batch's call counts to the log and the metrics; the responses recorded for batches

@@ -79,7 +79,7 @@ class KafkaSink:
         log.info("batch %d: %d records and %d dead letters written by %d task(s) (%d skipped as committed, "
                  "%d left to from_json) in %.2fs; writers: %s", batch_id, records, dead, len(rows), skipped,
                  len(self.pending), time.monotonic() - t0,
-                 ", ".join(f"slot {r['slot']} in {r['worker']}" for r in rows if not r["redo"]))
+                 ", ".join(f"slot {r['slot']} in {r['worker']} ({_times(r)})" for r in rows if not r["redo"]))
         for r in rows:
             log.debug("batch %d: %s", batch_id, r)
             if r["leaked"]:
@@ -98,6 +98,12 @@ class KafkaSink:
 
     def close(self) -> None:
         pass
+
+
+def _times(row: Mapping[str, object]) -> str:
+    """A task's times (``enrich.sinks.kafka.tasks.RESULT_DDL``) for the batch's log line."""
+    return (f"{float(str(row['seconds'])):.2f}s: setup done at {float(str(row['setup'])):.2f}s, first rows at "
+            f"{float(str(row['first_rows'])):.2f}s, commit {float(str(row['commit'])):.2f}s")
 
 
 def records_frame(batch: EnrichedBatch, extra: Sequence[Column] = ()) -> DataFrame:

@@ -45,7 +45,12 @@ log = logging.getLogger(__name__)
 #: What a task returns to the driver: one row of counts, never an event. ``unmatched`` and ``late``
 #: count among ``records`` (the enriched events written).
 RESULT_DDL = ("slot INT, transactional_id STRING, records BIGINT, dead_letters BIGINT, unmatched BIGINT, "
-              "late BIGINT, skipped BOOLEAN, redo BOOLEAN, leaked BIGINT, worker STRING, seconds DOUBLE")
+              "late BIGINT, skipped BOOLEAN, redo BOOLEAN, leaked BIGINT, worker STRING, seconds DOUBLE, "
+              "setup DOUBLE, first_rows DOUBLE, commit DOUBLE")
+#: ``seconds``: the task's whole time in the writer; ``setup``: its slot's setup (ends probed, producer
+#: fenced in, ledger read), ``first_rows``: when its first rows came from upstream, ``commit``: the
+#: transaction's flush and commit; each from the task's start, and overlapping (setup runs while
+#: upstream makes the first rows).
 
 
 class Companion(Protocol):
@@ -93,10 +98,12 @@ class TaskWriter:
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="slot-setup") as pool:
             setup = pool.submit(_SlotTransaction, self, slot)
             first = next(batches, None)
+            first_at = time.monotonic() - started
             tx = setup.result()
+        times = {"setup": tx.ready - started, "first_rows": first_at}
         if first is None:  # nothing to write: no transaction, no ledger entry (a replay has nothing either)
             tx.close()
-            yield self._result(slot, started)
+            yield self._result(slot, started, times)
             return
         companion = self.companion(slot)
         try:
@@ -105,7 +112,7 @@ class TaskWriter:
                     pass
                 log.info("batch %d slot %d: committed before (last %d); skipped", self.batch_id, slot,
                          tx.committed)
-                yield self._result(slot, started, skipped=True)
+                yield self._result(slot, started, times, skipped=True)
                 return
             for b in chain([first], batches):
                 if SLOW in b.schema.names and pc.any(b.column(SLOW)).as_py():
@@ -114,18 +121,20 @@ class TaskWriter:
                     tx.abort()
                     for _ in batches:
                         pass
-                    yield self._result(slot, started, redo=True)
+                    yield self._result(slot, started, times, redo=True)
                     return
                 tx.write(companion.take(b) if companion is not None else b)
                 self.sent(slot, tx.producer)
+            t_commit = time.monotonic()
             tx.commit(companion.committing if companion is not None else None)
+            times["commit"] = time.monotonic() - t_commit
         finally:
             tx.close()
             if companion is not None:
                 companion.close()
         log.info("batch %d slot %d (%s): %d records, %d dead letters in %.2fs", self.batch_id, slot, tx.tid,
                  tx.records, tx.dead, time.monotonic() - started)
-        yield self._result(slot, started, records=tx.records, dead=tx.dead, leaked=tx.leaked_total,
+        yield self._result(slot, started, times, records=tx.records, dead=tx.dead, leaked=tx.leaked_total,
                            unmatched=tx.flagged[UNMATCHED], late=tx.flagged[LATE])
 
     def companion(self, slot: int) -> Companion | None:
@@ -137,18 +146,22 @@ class TaskWriter:
         """Called after each chunk of the task's records went to ``producer`` inside the slot's open
         transaction; nothing here. (The tests' kill hook overrides it: tests/enrich/kill.py.)"""
 
-    def _result(self, slot: int, started: float, *, records: int = 0, dead: int = 0, skipped: bool = False,
-                redo: bool = False, leaked: int = 0, unmatched: int = 0, late: int = 0) -> pa.RecordBatch:
+    def _result(self, slot: int, started: float, times: Mapping[str, float], *, records: int = 0, dead: int = 0,
+                skipped: bool = False, redo: bool = False, leaked: int = 0, unmatched: int = 0,
+                late: int = 0) -> pa.RecordBatch:
         return pa.RecordBatch.from_pylist([{
             "slot": slot, "transactional_id": slot_id(self.base_id, slot), "records": records,
             "dead_letters": dead, "unmatched": unmatched, "late": late, "skipped": skipped, "redo": redo,
-            "leaked": leaked, "worker": worker_name(), "seconds": time.monotonic() - started}], schema=RESULT_SCHEMA)
+            "leaked": leaked, "worker": worker_name(), "seconds": time.monotonic() - started,
+            "setup": times.get("setup", 0.0), "first_rows": times.get("first_rows", 0.0),
+            "commit": times.get("commit", 0.0)}], schema=RESULT_SCHEMA)
 
 
 RESULT_SCHEMA = pa.schema([("slot", pa.int32()), ("transactional_id", pa.string()), ("records", pa.int64()),
                           ("dead_letters", pa.int64()), ("unmatched", pa.int64()), ("late", pa.int64()),
                           ("skipped", pa.bool_()), ("redo", pa.bool_()), ("leaked", pa.int64()),
-                          ("worker", pa.string()), ("seconds", pa.float64())])
+                          ("worker", pa.string()), ("seconds", pa.float64()), ("setup", pa.float64()),
+                          ("first_rows", pa.float64()), ("commit", pa.float64())])
 
 
 def worker_name() -> str:
@@ -193,6 +206,7 @@ class _SlotTransaction:
             log.warning("batch %d slot %d: the previous attempt began and its commit is not seen; %d of its "
                         "records are in the log already and will not be written again", w.batch_id, slot,
                         sum(self.leaked.values()))
+        self.ready = time.monotonic()
 
     def begin(self) -> None:
         w = self.w
