@@ -11,6 +11,7 @@
     python -m bench.run state_restart [options of bench.state_restart]
     python -m bench.run state_rescale [options of bench.state_rescale]
     python -m bench.run state_savepoint [options of bench.state_savepoint]
+    python -m bench.run pipeline [options of bench.pipeline_latency]
     python -m bench.run soak    [options of bench.soak]
     python -m bench.run asof    [options of bench.asof_bench]
     python -m bench.run asof_job [options of bench.asof_job]
@@ -51,6 +52,8 @@ BENCHMARKS = {
               "and without a call"),
     "database_sink": ("bench.database_sink", "enrichment job with output.database (write: state) vs Kafka "
                       "output only"),
+    "pipeline": ("bench.pipeline_latency", "the demo's pipeline: the job's start-up, its batch time (Spark's "
+                 "triggerExecution) and a database change's time to the enriched output"),
     "soak": ("bench.soak", "reliability: the topology under reference churn and SIGKILLs, then an accounting"),
 }
 
