@@ -1,10 +1,12 @@
 """``output.database`` together with ``output.kafka`` in the running job (real Spark, the real broker,
-the local PostgreSQL): a read_committed consumer that looks each record it sees up in the table
-always finds its row, and each event is written once to each side.
+the local PostgreSQL and MariaDB): a read_committed consumer that looks each record it sees up in the
+table always finds its row, and each event is written once to each side.
 
-The fence table gets a deferred trigger that sleeps at each slot's database commit: were a slot's
-Kafka transaction committed before (or while) its database transaction commits, the consumer would
-see its records for that long without their rows."""
+The fence table gets a trigger that sleeps 0.3 s in each slot's database transaction: on PostgreSQL a
+deferred one, at the commit; on MariaDB (no deferred triggers) at the fence row's insert, the
+transaction's first statement, which the slot makes only in its Kafka transaction's commit step. Were
+a slot's Kafka transaction committed before (or while) its database transaction commits, the
+consumer would see its records for that long without their rows."""
 
 from __future__ import annotations
 
@@ -21,8 +23,9 @@ from confluent_kafka import TopicPartition
 from pyspark.sql import SparkSession
 
 from enrich import config
+from enrich.config import DatabaseDialect
 from enrich.job import EnrichJob
-from enrich.sinks.database.connect import connect
+from enrich.sinks.database.connect import connect, quote
 from refstream import kafka as rkafka
 from tests.enrich.helpers import produce_events, read_all
 
@@ -31,33 +34,59 @@ pytestmark = pytest.mark.integration
 TOTAL, PER_BATCH = 300, 60
 
 
-def slow_commits(url: str, fence: str) -> None:
-    """The fence table, created before the job does, with a trigger that sleeps 0.3 s at each commit."""
-    conn = connect(url, "postgresql")
+def slow_commits(url: str, dialect: DatabaseDialect, fence: str) -> None:
+    """The fence table, created before the job does (as the job would), with a trigger that sleeps
+    0.3 s in each slot's transaction."""
+    q = quote(dialect, fence)
+    if dialect == "postgresql":
+        statements = [
+            f"CREATE TABLE {q} (query_id TEXT NOT NULL, slot INTEGER NOT NULL, "
+            "batch_id BIGINT NOT NULL, PRIMARY KEY (query_id, slot, batch_id))",
+            f"CREATE FUNCTION {quote(dialect, fence + '_sleep')}() RETURNS trigger LANGUAGE plpgsql AS "
+            "$$ BEGIN PERFORM pg_sleep(0.3); RETURN NULL; END $$",
+            f"CREATE CONSTRAINT TRIGGER slow_commit AFTER INSERT ON {q} DEFERRABLE INITIALLY "
+            f"DEFERRED FOR EACH ROW EXECUTE FUNCTION {quote(dialect, fence + '_sleep')}()"]
+    else:
+        statements = [
+            f"CREATE TABLE {q} (query_id VARCHAR(64) NOT NULL, slot INTEGER NOT NULL, "
+            "batch_id BIGINT NOT NULL, PRIMARY KEY (query_id, slot, batch_id))",
+            f"CREATE TRIGGER {quote(dialect, fence + '_sleep')} AFTER INSERT ON {q} FOR EACH ROW "
+            "SET @slept = SLEEP(0.3)"]
+    conn = connect(url, dialect)
     try:
-        conn.execute(f'CREATE TABLE "{fence}" (query_id TEXT NOT NULL, slot INTEGER NOT NULL, '
-                     "batch_id BIGINT NOT NULL, PRIMARY KEY (query_id, slot, batch_id))")
-        conn.execute(f'CREATE FUNCTION "{fence}_sleep"() RETURNS trigger LANGUAGE plpgsql AS '
-                     "$$ BEGIN PERFORM pg_sleep(0.3); RETURN NULL; END $$")
-        conn.execute(f'CREATE CONSTRAINT TRIGGER slow_commit AFTER INSERT ON "{fence}" DEFERRABLE INITIALLY '
-                     f'DEFERRED FOR EACH ROW EXECUTE FUNCTION "{fence}_sleep"()')
+        with conn.cursor() as cur:
+            for sql in statements:
+                cur.execute(sql)
         conn.commit()
     finally:
         conn.close()
 
 
+def fetch(conn: Any, sql: str, params: tuple = ()) -> list[tuple]:
+    """The rows of ``sql`` as committed now (the read ends the connection's transaction)."""
+    with conn.cursor() as cur:
+        cur.execute(sql, params)
+        rows = list(cur.fetchall())
+    conn.commit()
+    return rows
+
+
+@pytest.mark.parametrize("db", ["pg_url", "mysql_url"])
 def test_no_record_is_visible_before_its_row(spark: SparkSession, kafka: dict[str, str],
-                                             unique: Callable[[str], str], tmp_path: Path, pg_url: str) -> None:
+                                             unique: Callable[[str], str], tmp_path: Path,
+                                             request: pytest.FixtureRequest, db: str) -> None:
+    url: str = request.getfixturevalue(db)
+    dialect: DatabaseDialect = "postgresql" if db == "pg_url" else "mysql"
     table, out_topic = unique("events"), unique("enriched")
     data: dict[str, Any] = {
         "kafka": {"bootstrap_servers": kafka["bootstrap.servers"]},
         "events": {"topic": unique("events"), "schema": "device_id STRING, n INT", "starting_offsets": "earliest"},
-        "output": {"database": {"url": pg_url, "table": table, "write": "events"}, "kafka": {"topic": out_topic}},
+        "output": {"database": {"url": url, "table": table, "write": "events"}, "kafka": {"topic": out_topic}},
         "dead_letter_topic": unique("dlq"),
         "checkpoint": str(tmp_path / "checkpoint"),
         "max_events_per_batch": PER_BATCH,
     }
-    slow_commits(pg_url, f"{table}_commits")
+    slow_commits(url, dialect, f"{table}_commits")
     produce_events(kafka, data["events"]["topic"], [{"device_id": f"d{i % 7}", "n": i} for i in range(TOTAL)],
                    partitions=2)
     rkafka.ensure_topic(kafka, out_topic)
@@ -67,7 +96,7 @@ def test_no_record_is_visible_before_its_row(spark: SparkSession, kafka: dict[st
 
     def watch() -> None:
         consumer = rkafka.consumer(kafka)
-        conn = connect(pg_url, "postgresql")
+        conn = connect(url, dialect)
         consumer.assign([TopicPartition(out_topic, p, 0) for p in rkafka.partitions_of(kafka, out_topic)])
         try:
             while not stop.is_set() and len(seen) < TOTAL:
@@ -76,9 +105,8 @@ def test_no_record_is_visible_before_its_row(spark: SparkSession, kafka: dict[st
                     continue
                 n = json.loads(msg.value())["n"]
                 seen.append(n)
-                if conn.execute(f'SELECT 1 FROM "{table}" WHERE n = %s', (n,)).fetchone() is None:
+                if not fetch(conn, f"SELECT 1 FROM {quote(dialect, table)} WHERE n = %s", (n,)):
                     missing.append(n)
-                conn.commit()
         finally:
             consumer.close()
             conn.close()
@@ -97,11 +125,12 @@ def test_no_record_is_visible_before_its_row(spark: SparkSession, kafka: dict[st
     assert sorted(seen) == list(range(TOTAL))
     assert sorted(Counter(json.loads(m.value())["n"] for m in read_all(kafka, out_topic)).items()) == \
         [(n, 1) for n in range(TOTAL)]
-    conn = connect(pg_url, "postgresql")
+    conn = connect(url, dialect)
     try:
-        rows = conn.execute(f'SELECT n, device_id, "_partition", "_offset" FROM "{table}" ORDER BY n').fetchall()
-        fenced = conn.execute(f'SELECT count(DISTINCT batch_id), count(*) FROM "{table}_commits"').fetchone()
+        rows = fetch(conn, f"SELECT n, device_id, {quote(dialect, '_partition')}, {quote(dialect, '_offset')} "
+                           f"FROM {quote(dialect, table)} ORDER BY n")
+        fenced = fetch(conn, f"SELECT count(DISTINCT batch_id), count(*) FROM {quote(dialect, table + '_commits')}")[0]
     finally:
         conn.close()
     assert [r[0] for r in rows] == list(range(TOTAL)) and rows[8][1] == "d1"
-    assert fenced is not None and fenced[0] >= TOTAL // PER_BATCH and fenced[1] > fenced[0]   # two slots a batch
+    assert fenced[0] >= TOTAL // PER_BATCH and fenced[1] > fenced[0]   # two slots a batch

@@ -1,4 +1,4 @@
-"""The job with ``output.database`` (``write: events``, with state) SIGKILLed while one slot of a
+"""The job with ``output.database`` (``write: events``, with state; PostgreSQL and MariaDB) SIGKILLed while one slot of a
 micro-batch has committed its database transaction and another holds its rows uncommitted, then
 restarted: every event is in the table once, and every row's state counts each of its device's
 events once (the replayed batch's state was not applied twice, and the committed slot skipped it
@@ -20,8 +20,9 @@ from pathlib import Path
 
 import pytest
 
+from enrich.config import DatabaseDialect
 from enrich.ops.checkpoint import Checkpoint
-from enrich.sinks.database.connect import connect
+from enrich.sinks.database.connect import connect, quote
 from tests.enrich.helpers import produce_events
 from tests.enrich.kill import read_note, session_pids
 from tests.enrich.test_restart import start_job, write_config
@@ -32,14 +33,18 @@ TOTAL, PER_BATCH = 600, 100
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
 
+@pytest.mark.parametrize("db", ["pg_url", "mysql_url"])
 def test_kill_between_two_slots_commits_leaves_each_event_once(
-        kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path, pg_url: str) -> None:
+        kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path, request: pytest.FixtureRequest,
+        db: str) -> None:
+    url: str = request.getfixturevalue(db)
+    dialect: DatabaseDialect = "postgresql" if db == "pg_url" else "mysql"
     config = tmp_path / "enrich.yaml"
     table = unique("events")
     cfg = write_config(config, kafka, unique, max_events_per_batch=PER_BATCH, joins=[],
                        events={"topic": unique("events"), "schema": "device_id STRING, ts TIMESTAMP, n INT",
                                "starting_offsets": "earliest"},
-                       output={"database": {"url": pg_url, "table": table, "write": "events"}},
+                       output={"database": {"url": url, "table": table, "write": "events"}},
                        state={"key": "device_id", "timestamp": "ts", "ttl": "2h", "watermark": "1h"})
     produce_events(kafka, cfg["events"]["topic"],
                    [{"device_id": f"d{i % 12}", "ts": (T0 + timedelta(seconds=i)).isoformat(), "n": i}
@@ -56,20 +61,15 @@ def test_kill_between_two_slots_commits_leaves_each_event_once(
         time.sleep(0.1)
     assert session_pids(proc.pid) == [], "a process of the killed job survived"
     batch = note["batch"]
-    conn = connect(pg_url, "postgresql")
-    try:
-        fenced = {r[0] for r in conn.execute(f'SELECT slot FROM "{table}_commits" WHERE batch_id = %s',
-                                             (batch,)).fetchall()}
-        conn.commit()
-        assert note["other"] in fenced and note["slot"] not in fenced, fenced
-        last = Checkpoint(Path(cfg["checkpoint"])).last_committed()
-        assert last is None or last < batch
+    fenced = {r[0] for r in fetch(url, dialect, f"SELECT slot FROM {quote(dialect, table + '_commits')} "
+                                                "WHERE batch_id = %s", (batch,))}
+    assert note["other"] in fenced and note["slot"] not in fenced, fenced
+    last = Checkpoint(Path(cfg["checkpoint"])).last_committed()
+    assert last is None or last < batch
 
-        proc = start_job(config, log, "--available-now")
-        assert proc.wait(300) == 0, log.read_text()[-3000:]
-        rows = conn.execute(f'SELECT n, device_id, state_events FROM "{table}"').fetchall()
-    finally:
-        conn.close()
+    proc = start_job(config, log, "--available-now")
+    assert proc.wait(300) == 0, log.read_text()[-3000:]
+    rows = fetch(url, dialect, f"SELECT n, device_id, state_events FROM {quote(dialect, table)}")
     assert sorted(r[0] for r in rows) == list(range(TOTAL))
     counts: dict[str, list[tuple[int, int]]] = defaultdict(list)
     for n, device, events in rows:
@@ -79,3 +79,16 @@ def test_kill_between_two_slots_commits_leaves_each_event_once(
     # The replay skipped the committed slot by its fence row.
     assert re.search(rf"batch {batch}: \d+ rows to {table} by \d+ task\(s\) \([1-9]\d* skipped as committed\)",
                      log.read_text()), log.read_text()[-3000:]
+
+
+def fetch(url: str, dialect: DatabaseDialect, sql: str, params: tuple = ()) -> list[tuple]:
+    """The rows of one query, on a connection of its own (committed rows only)."""
+    conn = connect(url, dialect)
+    try:
+        with conn.cursor() as cur:
+            cur.execute(sql, params)
+            rows = list(cur.fetchall())
+        conn.commit()
+        return rows
+    finally:
+        conn.close()
