@@ -86,8 +86,9 @@ def _col(src: str) -> Column:
 
 def row_plan(cfg: EnrichConfig, schema: StructType, columns: Sequence[str], event_fields: Sequence[str]) -> RowPlan:
     """The rows of ``write: events`` (every output column, ``state``'s fields as ``state_<field>``,
-    then the event's position) or ``write: state`` (``state.key``, ``state``'s fields, then the
-    columns the joins added) from the join pass's ``schema`` and output ``columns``."""
+    then the event's position) or ``write: state`` (``state.key``, ``state``'s fields - the calls'
+    results among them - then the columns the joins added) from the join pass's ``schema`` and
+    output ``columns``."""
     db = cfg.output.database
     assert db is not None
     state_type = schema[STATE].dataType if STATE in schema.fieldNames() else None
@@ -114,7 +115,8 @@ def row_plan(cfg: EnrichConfig, schema: StructType, columns: Sequence[str], even
     for f in state_fields:
         exprs.append((f.name, f"{STATE}.{f.name}"))
         fields.append(StructField(f.name, f.dataType))
-    skip = {*event_fields, STATE, LATE}
+    # The calls' results are state fields already (``state.risk_score``); the output repeats them.
+    skip = {*event_fields, STATE, LATE, *(c for call in cfg.calls for c in call.columns)}
     for c in columns:
         if c not in skip:
             exprs.append((c, c))

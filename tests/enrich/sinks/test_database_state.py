@@ -129,3 +129,35 @@ def test_state_rows_equal_the_devices_state(spark: SparkSession, kafka: dict[str
     # The tasks hand the dead letters back; the driver writes them to their topic.
     dead = [(json.loads(m.value())["n"], dict(m.headers())["error"]) for m in read_all(kafka, data["dead_letter_topic"])]
     assert dead == [(11, b"state.key device_id is null")]
+
+
+def test_state_rows_hold_the_devices_call_results(spark: SparkSession, kafka: dict[str, str],
+                                                  unique: Callable[[str], str], tmp_path: Path, pg_url: str) -> None:
+    """A call's results sit in the state struct (``state.risk_score``), so ``write: state`` keeps
+    them as the device row's columns, as the device's last event carries them."""
+    from tests.enrich.calls.server import serve
+
+    with serve() as service:
+        data = db_config(kafka, unique, tmp_path, pg_url)
+        data["calls"] = [{"name": "risk", "url": service.url("/score"), "refresh": "every event",
+                          "body": {"device": "{device_id}", "mean": "{state.temp_mean}", "events": "{state.events}"},
+                          "response": {"score": "DOUBLE", "level": "STRING"}}]
+        data["output"]["kafka"] = {"topic": unique("enriched")}
+        publish(kafka, data["joins"][0]["topic"], changelog(DEVICES, [{"device_id": "a", "owner": "ann"}]))
+        produce_events(kafka, data["events"]["topic"], [
+            {"device_id": "a", "ts": iso(0), "temp": 10.0, "n": 1},
+            {"device_id": "b", "ts": iso(1), "temp": 4.0, "n": 2},
+            {"device_id": "a", "ts": iso(2), "temp": 30.0, "n": 3},
+            {"device_id": "a", "ts": iso(3), "temp": None, "n": 4},
+            {"device_id": "b", "ts": iso(4), "temp": 6.0, "n": 5}])
+        run(spark, data)
+    rows = table(pg_url, data["output"]["database"]["table"])
+    last = {}
+    for m in read_all(kafka, data["output"]["kafka"]["topic"]):
+        e = json.loads(m.value())
+        if e["n"] > last.get(e["device_id"], {}).get("n", 0):
+            last[e["device_id"]] = e
+    # /score answers events * 10 + mean: a after 3 events (mean 20), b after 2 (mean 5).
+    assert {k: (r["risk_score"], r["risk_level"]) for k, r in rows.items()} == {"a": (50.0, "low"), "b": (25.0, "low")}
+    assert {k: (e["state"]["risk_score"], e["state"]["risk_level"]) for k, e in last.items()} == \
+        {k: (r["risk_score"], r["risk_level"]) for k, r in rows.items()}
