@@ -220,8 +220,8 @@ def run_job(spark: Any, settings: dict[str, str], events_topic: str, devices_top
     try:
         q = job.start(spark)
         start_s = time.monotonic() - t0
-        if spy is not None:
-            spies = _Spies(q, spy, spy_idle, cpu_only)
+        # Without --py-spy, only the CPU of the job's processes after the warm-up batches.
+        spies = _Spies(q, spy, spy_idle, cpu_only or spy is None)
         q.awaitTermination()
         wall = time.monotonic() - t0
         if spies is not None:
@@ -238,6 +238,8 @@ def run_job(spark: Any, settings: dict[str, str], events_topic: str, devices_top
     if res.get("total_rows") != n:
         raise RuntimeError(f"job read {res.get('total_rows')} events, expected {n}")
     res.update(start_s=start_s, wall_s=wall, matched=_check_output(settings, cfg.output.topic))
+    if spies is not None and spies.cpu:
+        res["cpu_us"] = spies.cpu
     return res
 
 
@@ -245,9 +247,11 @@ class _Spies:
     """py-spy on the job's Python processes from the end of the second batch with rows (the warm-up
     ones: dimension bootstrap and first index builds are left out) to the end of the query:
     ``<prefix>.workers.<pid>`` (each ``pyspark.daemon`` and its workers), ``<prefix>.driver`` (this process:
-    ``foreachBatch``), ``<prefix>.source.<pid>`` (the Python data source's driver-side runners)."""
+    ``foreachBatch``), ``<prefix>.source.<pid>`` (the Python data source's driver-side runners).
+    With ``cpu_only``, no sampling: the CPU of the job's processes per event over the same span
+    (:attr:`cpu`), and with a ``prefix`` the whole report in ``<prefix>.cpu.txt``."""
 
-    def __init__(self, q: Any, prefix: Path, idle: bool, cpu_only: bool = False) -> None:
+    def __init__(self, q: Any, prefix: Path | None, idle: bool, cpu_only: bool = False) -> None:
         from bench.tools import pyspy
 
         self._pyspy, self.prefix, self.idle, self.cpu_only = pyspy, prefix, idle, cpu_only
@@ -255,6 +259,8 @@ class _Spies:
         self.stop = threading.Event()
         self.began = self.ended = 0.0
         self.batches_before = self.rows_before = self.rows = 0
+        #: µs of CPU per event by process kind (the broker left out), and ``job``: their sum.
+        self.cpu: dict[str, float] = {}
         self._q: Any = None
         self._thread = threading.Thread(target=self._run, args=(q,), name="py-spy-starter", daemon=True)
         self._thread.start()
@@ -272,10 +278,10 @@ class _Spies:
         self._q = q
         self.began = time.monotonic()
         self.cpu_before = _cpu_snapshot()
-        self.prefix.parent.mkdir(parents=True, exist_ok=True)
         pyspy = self._pyspy
-        if self.cpu_only:
+        if self.cpu_only or self.prefix is None:
             return
+        self.prefix.parent.mkdir(parents=True, exist_ok=True)
         for daemon in pyspy.daemon_pids():  # one per worker module; the tasks' one forks the workers
             self.started.append(pyspy.spy_pid(daemon, self.prefix.with_name(f"{self.prefix.name}.workers.{daemon}"),
                                               idle=self.idle, subprocesses=True))
@@ -295,6 +301,10 @@ class _Spies:
         cpu_after = _cpu_snapshot()
         self._pyspy.stop_all(self.started)
         secs = self.ended - self.began if self.began else 0.0
+        if self.began and self.rows:
+            self.cpu = _cpu_per_event(self.cpu_before, cpu_after, self.rows)
+        if self.prefix is None:
+            return
         if self.began:
             report = _cpu_report(self.cpu_before, cpu_after, secs, self.rows)
             self.prefix.with_name(self.prefix.name + ".cpu.txt").write_text(report + "\n", encoding="utf-8")
@@ -356,6 +366,27 @@ def _cpu_snapshot() -> dict[str, Any]:
         for tid, comm, cpu in thread_times(child.pid):
             snap["threads"][tid] = (comm, cpu)
     return snap
+
+
+#: :func:`_cpu_snapshot`'s process kinds that are the job's (the broker and other children are not).
+JOB_KINDS = {"JVM (driver + executor)": "JVM", "Python workers and runners": "Python workers",
+             "Python driver (bench process)": "Python driver"}
+
+
+def _cpu_per_event(before: dict[str, Any], after: dict[str, Any], rows: int) -> dict[str, float]:
+    """µs of CPU per event of each of the job's process kinds between two snapshots, and ``job``."""
+    out = dict.fromkeys(JOB_KINDS.values(), 0.0)
+    for pid, (kind, cpu) in after["procs"].items():
+        if kind in JOB_KINDS:
+            prev = before["procs"].get(pid)
+            out[JOB_KINDS[kind]] += (cpu - (prev[1] if prev is not None else 0.0)) * 1e6 / rows
+    out["job"] = sum(out.values())
+    return out
+
+
+def _cpu_text(cpu: dict[str, float]) -> str:
+    return (f"CPU {cpu['job']:.1f} us/event (" + ", ".join(f"{k} {v:.1f}" for k, v in cpu.items() if k != "job")
+            + ")")
 
 
 def _cpu_report(before: dict[str, Any], after: dict[str, Any], secs: float, rows: int) -> str:
@@ -600,7 +631,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"[{r + 1}/{args.repeat}] job: {res['rate']:,.0f} events/s steady over {res['batches']} "
                       f"batches (median batch {res['batch_s_median']:.2f}s; {_parts(res)}); start {res['start_s']:.1f}s, "
                       f"first batches {res['first_batch_s']:.1f}s + {res['second_batch_s']:.1f}s, wall {res['wall_s']:.1f}s, "
-                      f"{res['matched']:.0%} matched; median s per batch: "
+                      f"{res['matched']:.0%} matched; {_cpu_text(res['cpu_us']) if 'cpu_us' in res else 'CPU not measured'}"
+                      "; median s per batch: "
                       + ", ".join(f"{k} {v:.2f}" for k, v in res.get("parts", {}).items()), flush=True)
             if args.job_from_json:
                 sampler.phase = f"job (from_json) round {r + 1}"
@@ -694,6 +726,13 @@ def _summary(res: dict[str, Any]) -> None:
         js = _med(rounds["job_state"], "rate")
         print(f"job with state:            {js:,.0f} events/s  (state on / off = {js / job:.2f}, target >= 0.5: "
               f"{'met' if js >= 0.5 * job else 'MISSED'})")
+    cpu = [r["cpu_us"]["job"] for r in rounds["job"] if "cpu_us" in r]
+    if cpu and rounds["plain"]:
+        copy = statistics.median(r["cpu_s"] for r in rounds["plain"]) * 1e6 / res["args"]["events"]
+        job_cpu = statistics.median(cpu)
+        print(f"CPU per event, job (JVM, Python workers and driver; no state) {job_cpu:.1f} us against the plain "
+              f"copy's {copy:.1f} us: {job_cpu / copy:.1f}x (target <= 2x: {'met' if job_cpu <= 2 * copy else 'MISSED'}; "
+              "the broker in neither)")
     if rounds["job"]:
         print(f"job start (bootstrap {res['args']['dimension_rows']:,} rows + sinks + query start): "
               f"{_med(rounds['job'], 'start_s'):.1f}s; warm-up batches: {_med(rounds['job'], 'first_batch_s'):.1f}s + "
