@@ -8,26 +8,33 @@ then into the permanent generation (``gc.freeze``), so those collections walk on
 allocates. At every task, not once: a worker's first task may be of another kind than its next
 (a ``mapInArrow``, then the state step's pandas), and what the later kind imports and caches would
 be walked after every task again. What is alive at a task's start survived the collection after the
-previous one. Objects that become garbage later are still freed by reference counting; only a
-reference cycle among frozen objects stays.
+previous one. Objects that become garbage later are still freed by reference counting; a reference
+cycle among frozen objects (a cached object let go later) would stay, so every
+:data:`REFREEZE_EVERY` tasks the worker thaws everything and collects it once before freezing again.
 """
 
 from __future__ import annotations
 
 import gc
 
+#: Tasks between two full collections of a worker's frozen objects (one costs tens of milliseconds).
+REFREEZE_EVERY = 200
+
 _settled = False
+_tasks = 0
 
 
 def settle() -> None:
     """Inside a Spark task only (not on the driver, not in tests): freeze what is alive, after a
-    first collection in the process."""
-    global _settled
+    full collection at the process's first task and every :data:`REFREEZE_EVERY` tasks."""
+    global _settled, _tasks
     from pyspark import TaskContext
 
     if TaskContext.get() is None:
         return
-    if not _settled:
+    _tasks += 1
+    if not _settled or _tasks % REFREEZE_EVERY == 0:
         _settled = True
+        gc.unfreeze()
         gc.collect()
     gc.freeze()
