@@ -79,7 +79,8 @@ class KafkaSink:
         log.info("batch %d: %d records and %d dead letters written by %d task(s) (%d skipped as committed, "
                  "%d left to from_json) in %.2fs; writers: %s", batch_id, records, dead, len(rows), skipped,
                  len(self.pending), time.monotonic() - t0,
-                 ", ".join(f"slot {r['slot']} in {r['worker']} ({_times(r)})" for r in rows if not r["redo"]))
+                 ", ".join(f"slot {r['slot']} in {r['worker']}" for r in rows if not r["redo"]))
+        log.info("batch %d: task times: %s", batch_id, "; ".join(_times(r) for r in rows))
         for r in rows:
             log.debug("batch %d: %s", batch_id, r)
             if r["leaked"]:
@@ -102,8 +103,8 @@ class KafkaSink:
 
 def _times(row: Mapping[str, object]) -> str:
     """A task's times (``enrich.sinks.kafka.tasks.RESULT_DDL``) for the batch's log line."""
-    return (f"{float(str(row['seconds'])):.2f}s: setup done at {float(str(row['setup'])):.2f}s, first rows at "
-            f"{float(str(row['first_rows'])):.2f}s, commit {float(str(row['commit'])):.2f}s")
+    return (f"slot {row['slot']} {float(str(row['seconds'])):.2f}s (setup done at {float(str(row['setup'])):.2f}s, "
+            f"first rows at {float(str(row['first_rows'])):.2f}s, commit {float(str(row['commit'])):.2f}s)")
 
 
 def records_frame(batch: EnrichedBatch, extra: Sequence[Column] = ()) -> DataFrame:
