@@ -3,6 +3,7 @@ topics, and the job run as a process."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -13,10 +14,12 @@ import uuid
 from collections.abc import Iterator
 from contextlib import ExitStack
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-_DONE = re.compile(r"batch (\d+) done in ([\d.]+)s")
+#: The job's line at the end of each batch's own work: batch id and seconds.
+BATCH_DONE = re.compile(r"batch (\d+) done in ([\d.]+)s")
 
 
 def broker_settings(stack: ExitStack, bootstrap: str | None) -> dict[str, str]:
@@ -90,4 +93,38 @@ def run_available_now(cfg: Path, log: Path) -> JobRun:
     text = log.read_text()
     if rc != 0:
         raise RuntimeError(f"the job exited {rc}: {text[-2000:]}")
-    return JobRun(text, time.monotonic() - started, {int(b): float(s) for b, s in _DONE.findall(text)})
+    return JobRun(text, time.monotonic() - started, {int(b): float(s) for b, s in BATCH_DONE.findall(text)})
+
+
+@dataclass(frozen=True)
+class LogRecord:
+    """One record of a job's ``--log-format json`` log."""
+
+    time: float     # seconds since the epoch
+    logger: str
+    message: str
+
+
+def json_log(path: Path) -> list[LogRecord]:
+    """The records of a ``--log-format json`` log, in order; other lines (the JVM's, Spark's) left out."""
+    out = []
+    for line in path.read_text(errors="replace").splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and "time" in rec:
+            out.append(LogRecord(datetime.fromisoformat(rec["time"]).timestamp(), str(rec.get("logger", "")),
+                                 str(rec.get("message", ""))))
+    return out
+
+
+def percentile(xs: list[float], q: float) -> float:
+    """The ``q``-th percentile (0-100) of ``xs``, interpolated between the nearest ranks; NaN for none."""
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    k = (len(xs) - 1) * q / 100.0
+    lo = int(k)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)

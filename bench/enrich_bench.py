@@ -53,7 +53,7 @@ import psutil
 from confluent_kafka import KafkaError, TopicPartition
 
 from bench import enrich_data as data
-from bench.common import broker_settings, thread_times
+from bench.common import broker_settings, percentile, thread_times
 from refstream import kafka as rkafka
 from refstream.logs import setup_logging
 
@@ -525,19 +525,9 @@ def run_latency(spark: Any, settings: dict[str, str], devices_topic: str, workdi
         job.close()
         watcher.join(5)
     lat.sort()
-    return {"n": len(lat), "missing": missing, "p50": _pct(lat, 50), "p95": _pct(lat, 95), "max": max(lat or [0]),
+    return {"n": len(lat), "missing": missing, "p50": percentile(lat, 50), "p95": percentile(lat, 95), "max": max(lat or [0]),
             "rate": rate, "produced": produced,
             "batch_s_median": statistics.median(batch_s) if batch_s else 0.0}
-
-
-def _pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    k = (len(xs) - 1) * q / 100.0
-    lo = int(k)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
 
 
 # ------------------------------------------------------------------------------------------ main

@@ -33,7 +33,6 @@ import urllib.request
 import uuid
 from collections.abc import Iterator
 from contextlib import ExitStack
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +41,7 @@ import pyspark
 import yaml
 
 from bench import enrich_data as data
-from bench.common import broker_settings, thread_times
+from bench.common import broker_settings, json_log, thread_times
 from demo.broker import free_port
 
 SPARK_HOME = Path(pyspark.__file__).parent
@@ -105,16 +104,8 @@ def processes(roots: list[psutil.Process]) -> Iterator[psutil.Process]:
 
 def sink_batches(log: Path) -> list[tuple[float, int]]:
     """(time, records written) of every micro-batch the Kafka sink logged, from the job's JSON log."""
-    out = []
-    for line in log.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        msg = rec.get("message", "")
-        if rec.get("logger") == "enrich.sinks.kafka.sink" and msg.startswith("batch ") and " records and " in msg:
-            out.append((datetime.fromisoformat(rec["time"]).timestamp(), int(msg.split(": ", 1)[1].split(" records")[0])))
-    return out
+    return [(r.time, int(r.message.split(": ", 1)[1].split(" records")[0])) for r in json_log(log)
+            if r.logger == "enrich.sinks.kafka.sink" and r.message.startswith("batch ") and " records and " in r.message]
 
 
 class CpuTrees:
@@ -164,12 +155,8 @@ def phases(timeline: list[tuple[float, float, float]], log: Path,
     marks: dict[str, float] = {}
     batch_ends: list[float] = []
     first_batch_start = None
-    for line in log.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except ValueError:
-            continue
-        t, msg = datetime.fromisoformat(rec["time"]).timestamp(), rec.get("message", "")
+    for rec in json_log(log):
+        t, msg = rec.time, rec.message
         if " bootstrapped " in msg and " rows from " in msg:
             took = float(msg.rsplit(" in ", 1)[1].split("s", 1)[0])
             marks.setdefault("bootstrap", t - took)

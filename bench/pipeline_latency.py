@@ -31,7 +31,6 @@ import statistics
 import sys
 import time
 from contextlib import ExitStack
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +38,7 @@ import sqlalchemy as sa
 import yaml
 from confluent_kafka import Producer
 
-from bench.common import workdir
+from bench.common import BATCH_DONE, LogRecord, json_log, percentile, workdir
 from demo.broker import EmbeddedBroker
 from demo.cli import demo_environment
 from demo.processes import Child
@@ -76,11 +75,6 @@ def refresh_config(path: Path, *, poll: str) -> None:
     path.write_text(yaml.safe_dump(data, sort_keys=False))
 
 
-def _pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
-
-
 def _wait_changelogs(settings: dict[str, str], timeout: float) -> None:
     deadline = time.monotonic() + timeout
     for ds in ("devices", "models", "sites"):
@@ -91,28 +85,13 @@ def _wait_changelogs(settings: dict[str, str], timeout: float) -> None:
             time.sleep(0.5)
 
 
-def _log_records(path: Path) -> list[dict[str, Any]]:
-    out = []
-    for line in path.read_text(errors="replace").splitlines():
-        if line.startswith("{"):
-            try:
-                out.append(json.loads(line))
-            except ValueError:
-                continue
-    return out
-
-
-def _at(rec: dict[str, Any]) -> float:
-    return datetime.fromisoformat(rec["time"]).timestamp()
-
-
-def triggers(records: list[dict[str, Any]], after: float) -> list[dict[str, float]]:
+def triggers(records: list[LogRecord], after: float) -> list[dict[str, float]]:
     """Each trigger the job logged (``batch N: trigger S s (part S, ...)``) after wall time ``after``:
     its parts in seconds, ``triggerExecution`` included."""
     out = []
     for r in records:
-        msg = r.get("message", "")
-        if ": trigger " not in msg or _at(r) < after:
+        msg = r.message
+        if ": trigger " not in msg or r.time < after:
             continue
         head, _, rest = msg.partition(": trigger ")
         total, _, parts = rest.partition("s (")
@@ -125,14 +104,9 @@ def triggers(records: list[dict[str, Any]], after: float) -> list[dict[str, floa
     return out
 
 
-def batch_times(records: list[dict[str, Any]], after: float) -> list[float]:
+def batch_times(records: list[LogRecord], after: float) -> list[float]:
     """The job's own time per batch (its ``batch N done in S s`` lines) after wall time ``after``."""
-    out = []
-    for r in records:
-        msg = r.get("message", "")
-        if " done in " in msg and msg.startswith("batch ") and _at(r) >= after:
-            out.append(float(msg.split(" done in ")[1].split("s")[0]))
-    return out
+    return [float(m.group(2)) for r in records if r.time >= after and (m := BATCH_DONE.match(r.message))]
 
 
 class Round:
@@ -188,7 +162,7 @@ class Round:
             producer = kafka.producer(settings, **{"linger.ms": "5"})
             stack.callback(producer.flush, 5)
             latencies = self._changes(db_url, tail, producer, job)
-            records = _log_records(self.logs / "job.log")
+            records = json_log(self.logs / "job.log")
         return self._report(records, wall0, wall1, startup, latencies)
 
     def _changes(self, db_url: str, tail: EnrichedTail, producer: Producer, job: Child) -> list[float]:
@@ -222,12 +196,12 @@ class Round:
             engine.dispose()
         return out
 
-    def _report(self, records: list[dict[str, Any]], wall0: float, wall1: float, startup: float,
+    def _report(self, records: list[LogRecord], wall0: float, wall1: float, startup: float,
                 latencies: list[float]) -> dict[str, Any]:
         def first(text: str) -> float | None:
             for r in records:
-                if text in r.get("message", ""):
-                    return round(_at(r) - wall0, 2)
+                if text in r.message:
+                    return round(r.time - wall0, 2)
             return None
 
         trig = triggers(records, wall1)
@@ -238,11 +212,11 @@ class Round:
             "triggers": len(trig),
             "trigger_median_s": {k: round(statistics.median(t.get(k, 0.0) for t in trig), 3) for k in parts}
             if trig else {},
-            "trigger_p95_s": round(_pct([t["triggerExecution"] for t in trig], 0.95), 3) if trig else None,
+            "trigger_p95_s": round(percentile([t["triggerExecution"] for t in trig], 95), 3) if trig else None,
             "job_batch_median_s": round(statistics.median(bt), 3) if (bt := batch_times(records, wall1)) else None,
             "changes": len(latencies),
-            "change_to_output_s": {"p50": round(_pct(latencies, 0.5), 2), "p95": round(_pct(latencies, 0.95), 2),
-                                   "p99": round(_pct(latencies, 0.99), 2), "max": round(max(latencies), 2)},
+            "change_to_output_s": {"p50": round(percentile(latencies, 50), 2), "p95": round(percentile(latencies, 95), 2),
+                                   "p99": round(percentile(latencies, 99), 2), "max": round(max(latencies), 2)},
         }
 
 
