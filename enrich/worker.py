@@ -20,21 +20,19 @@ import gc
 #: Tasks between two full collections of a worker's frozen objects (one costs tens of milliseconds).
 REFREEZE_EVERY = 200
 
-_settled = False
-_tasks = 0
+_tasks = 0   # the Spark tasks this process has started
 
 
 def settle() -> None:
     """Inside a Spark task only (not on the driver, not in tests): freeze what is alive, after a
     full collection at the process's first task and every :data:`REFREEZE_EVERY` tasks."""
-    global _settled, _tasks
+    global _tasks
     from pyspark import TaskContext
 
     if TaskContext.get() is None:
         return
     _tasks += 1
-    if not _settled or _tasks % REFREEZE_EVERY == 0:
-        _settled = True
+    if _tasks == 1 or _tasks % REFREEZE_EVERY == 0:
         gc.unfreeze()
         gc.collect()
     gc.freeze()

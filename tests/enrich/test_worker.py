@@ -14,7 +14,7 @@ from enrich import worker
 
 @pytest.fixture
 def fresh(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(worker, "_settled", False)
+    monkeypatch.setattr(worker, "_tasks", 0)
     yield
     gc.unfreeze()
 
@@ -23,7 +23,7 @@ def test_outside_a_task_nothing_is_frozen(fresh: None) -> None:
     before = gc.get_freeze_count()
     worker.settle()
     assert gc.get_freeze_count() == before
-    assert worker._settled is False  # a later call inside a task still freezes
+    assert worker._tasks == 0  # a later call inside a task is still the first: it collects, then freezes
 
 
 def test_inside_a_task_collected_once_and_frozen_at_every_task(fresh: None, monkeypatch: pytest.MonkeyPatch
@@ -35,9 +35,8 @@ def test_inside_a_task_collected_once_and_frozen_at_every_task(fresh: None, monk
     real_unfreeze = gc.unfreeze
     monkeypatch.setattr(gc, "collect", lambda *a: (calls.append("collect"), real_collect(*a))[1])
     monkeypatch.setattr(gc, "unfreeze", lambda: (calls.append("unfreeze"), real_unfreeze())[1])
-    monkeypatch.setattr(worker, "_tasks", 0)
     worker.settle()
-    assert gc.get_freeze_count() > 0 and worker._settled is True and calls == ["unfreeze", "collect", "freeze"]
+    assert gc.get_freeze_count() > 0 and worker._tasks == 1 and calls == ["unfreeze", "collect", "freeze"]
     kept = [[n] for n in range(1000)]  # tracked containers allocated after the first task's freeze
     untracked = gc.get_freeze_count()
     worker.settle()
@@ -51,7 +50,6 @@ def test_inside_a_task_collected_once_and_frozen_at_every_task(fresh: None, monk
 def test_a_cycle_let_go_among_frozen_objects_is_collected_at_the_next_refreeze(
         fresh: None, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(TaskContext, "get", classmethod(lambda cls: object()))
-    monkeypatch.setattr(worker, "_tasks", 0)
     monkeypatch.setattr(worker, "REFREEZE_EVERY", 3)
 
     class Node:
