@@ -352,11 +352,13 @@ class EnrichJob:
 
     def _process(self, batch_df: DataFrame, batch_id: int) -> None:
         t0 = time.monotonic()
-        self._log_trigger()
+        # The last finished trigger's progress (this batch's comes after foreachBatch returns): read once.
+        progress = self.query.lastProgress if self.query is not None else None
+        self._log_trigger(progress)
         st = self.started
         if st.state is None or st.devices is None:
             dead, counted = self._process_batch(batch_df, batch_id)
-            return self._observe(t0, dead, counted, late=0)
+            return self._observe(t0, dead, counted, progress, late=0)
         # With the state step the batch is parsed already. A sink that counts the late events it
         # writes (Kafka, in its tasks) reads the batch once; with the others the job counts the
         # batch's late events, so the batch is cached (they read it twice, too).
@@ -380,13 +382,12 @@ class EnrichJob:
                  "unknown" if devices is None else devices)
         if st.metrics is not None:
             st.metrics.devices_in_state(devices)
-        return self._observe(t0, dead, counted, late=late)
+        return self._observe(t0, dead, counted, progress, late=late)
 
-    def _log_trigger(self) -> None:
-        """The last finished trigger's own durations (Spark's progress: ``triggerExecution``, the figure
-        behind "falling behind", and its parts), once per trigger: the batch's time besides this
-        job's own work (offsets, the commit log, the state store's commit)."""
-        progress = self.query.lastProgress if self.query is not None else None
+    def _log_trigger(self, progress: dict[str, Any] | None) -> None:
+        """The last finished trigger's own durations (Spark's ``progress``: ``triggerExecution``, the
+        figure behind "falling behind", and its parts), once per trigger: the batch's time besides
+        this job's own work (offsets, the commit log, the state store's commit)."""
         if not progress or progress.get("batchId") == self._trigger_logged:
             return
         self._trigger_logged = progress.get("batchId")
@@ -483,9 +484,11 @@ class EnrichJob:
                  len(redone), dead.num_rows)
         return dead.num_rows, counted
 
-    def _observe(self, t0: float, collected_dead: int, counted: Counted, *, late: int | None) -> None:
+    def _observe(self, t0: float, collected_dead: int, counted: Counted, progress: dict[str, Any] | None, *,
+                 late: int | None) -> None:
         """The batch's metrics: what the sink counted, else what the job counted (dead letters it
-        collected, late events, the join pass's unmatched events)."""
+        collected, late events, the join pass's unmatched events); the input lag and event time from
+        the last finished trigger's ``progress``."""
         st = self.started
         if st.metrics is None:
             return
@@ -496,7 +499,6 @@ class EnrichJob:
         dead = counted.dead_letters if counted.dead_letters is not None else collected_dead
         st.metrics.after_batch(time.monotonic() - t0, enriched=counted.enriched, unmatched=counted.unmatched,
                                late=late, dead=dead, dimensions=dims)
-        progress = self.query.lastProgress if self.query is not None else None
         if progress:
             st.metrics.progress(progress.get("sources") or [])
             st.metrics.event_time(progress.get("eventTime"))
