@@ -5,6 +5,11 @@ PY ?= python3
 VENV ?= .venv
 VPY := $(VENV)/bin/python
 
+# The suite's tests mostly wait (job start-ups, brokers, wall-clock windows): two pytest-xdist workers
+# keep both cores busy. Tests of the shared standalone cluster stay on one worker (tests/conftest.py).
+WORKERS ?= 2
+XDIST := -n $(WORKERS) --dist loadgroup
+
 .PHONY: venv demo test test-fast test-integration lint bench constraints clean
 
 # Everything (the `test` extra holds the refresher, the job, the demo and the test tools) at the
@@ -25,7 +30,7 @@ demo: venv
 # (its non-librdkafka lines are shown), and the summary's FAILED/ERROR lines are printed last.
 test: lint
 	@mkdir -p var
-	@set -o pipefail; $(VPY) -u -m pytest -q -rfE --durations=25 2>var/test-stderr.log | tee var/test.log; rc=$$?; \
+	@set -o pipefail; $(VPY) -u -m pytest -q -rfE --durations=25 $(XDIST) 2>var/test-stderr.log | tee var/test.log; rc=$$?; \
 	  grep -v -E '^%[0-9]\||\[rdkafka#' var/test-stderr.log | tail -n 40; \
 	  grep -E '^(FAILED|ERROR) ' var/test.log; tail -n 1 var/test.log; exit $$rc
 
@@ -35,7 +40,7 @@ test-fast: lint
 
 # The other tier: the tests that need Spark, the broker, MariaDB or child processes.
 test-integration: lint
-	$(VPY) -m pytest -q -rfE --durations=25 -m integration
+	$(VPY) -m pytest -q -rfE --durations=25 $(XDIST) -m integration
 
 # ruff, then mypy over the four packages (configured in pyproject.toml).
 lint: venv

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import tempfile
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -25,9 +26,16 @@ from pathlib import Path
 import pytest
 
 from demo.broker import EmbeddedBroker, serialise_transaction_ends, serialise_transactions
+from refstream.kafka import SERIAL_TXN_ENDS_ENV, SERIAL_TXNS_ENV
 
 # Before any Spark session or child process starts (they inherit it): the embedded broker's workarounds
 # (demo.broker.serialise_transaction_ends and serialise_transactions), harmless against another broker.
+# Their locks guard one broker's transactions: under pytest-xdist each worker starts brokers of its own,
+# so each worker gets locks of its own (one broker shared by every worker keeps one pair).
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER")
+if _WORKER and not os.environ.get("REFSTREAM_TEST_BOOTSTRAP"):
+    for _env in (SERIAL_TXN_ENDS_ENV, SERIAL_TXNS_ENV):
+        os.environ.setdefault(_env, str(Path(tempfile.gettempdir()) / f"refstream-{_env.lower()}-{_WORKER}.lock"))
 serialise_transaction_ends()
 serialise_transactions()
 # Spark's Python workers must run this interpreter (the venv), not the first python3 on PATH.
@@ -54,12 +62,20 @@ SERVICE_FIXTURES = frozenset({
 })
 
 
-@pytest.hookimpl(tryfirst=True)  # before the -m filter deselects by marker
+@pytest.hookimpl(tryfirst=True)  # before the -m filter deselects by marker, and before xdist reads groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         # fixturenames is the closure: fixtures requested through other fixtures count too.
-        if SERVICE_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+        names = getattr(item, "fixturenames", ())
+        if SERVICE_FIXTURES.intersection(names):
             item.add_marker(pytest.mark.integration)
+        if "cluster" in names:
+            # One worker runs the tests of the shared standalone cluster, one at a time (pytest-xdist's
+            # --dist loadgroup), so the cluster starts once and each job gets both of its workers.
+            item.add_marker(pytest.mark.xdist_group("cluster"))
+    # The longest tests first (stable otherwise): `make test`'s workers take them at the start, and
+    # the short ones fill in around them, instead of one worker ending on a long test alone.
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 @pytest.fixture(scope="module")
