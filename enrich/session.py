@@ -81,6 +81,8 @@ def session_conf(conf: Mapping[str, str] | None = None, *, ui: bool = False,
         "spark.sql.session.timeZone": "UTC",
         "spark.sql.execution.arrow.pyspark.enabled": "true",
         "spark.executorEnv.PYSPARK_PYTHON": os.environ.get("PYSPARK_PYTHON", sys.executable),
+        # Workers forked with the job's modules already imported (enrich.daemon).
+        "spark.python.daemon.module": "enrich.daemon",
         **UI_DEFAULTS,
     }
     if not ui:

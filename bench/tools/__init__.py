@@ -3,6 +3,8 @@ docs/benchmarks.md. Each runs as ``python -m bench.tools.<name> --help``.
 
 - ``pyspy``: py-spy samplers of a Spark job's Python processes (``bench.enrich_bench --py-spy``),
   and a summary of a sampled file by phase.
+- ``jfr``: a Java Flight Recorder recording of a Spark JVM summarised by phase (Arrow hand-offs,
+  Python I/O, shuffle, state store, generated code) and innermost frames.
 - ``eventlog``: a Spark event log cut into each micro-batch's stages: wall time, task time, JVM CPU,
   shuffle.
 - ``state_profile``: the state step alone (Parquet in, ``noop`` out) against the same parse without

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -12,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from refstream.contract import Column, DatasetSchema
+from tests.conftest import spark_defaults
 from tests.enrich.helpers import changelog, produce_events, publish, read_all
 from tests.enrich.spark_cluster import Cluster
 from tests.enrich.test_restart import start_job, write_config
@@ -59,13 +59,12 @@ def test_job_on_a_two_worker_standalone_cluster(cluster: Cluster, kafka: dict[st
     log = tmp_path / "job.log"
     # The tests' spark-defaults.conf gives every driver C1 only: this one must get it from the job
     # (DRIVER_JIT), so it runs with that file less that line.
-    conf_dir = tmp_path / "spark-conf"
-    conf_dir.mkdir()
-    defaults = (Path(os.environ["SPARK_CONF_DIR"]) / "spark-defaults.conf").read_text().splitlines(keepends=True)
-    (conf_dir / "spark-defaults.conf").write_text(
-        "".join(line for line in defaults if not line.startswith("spark.driver.defaultJavaOptions")))
+    defaults = spark_defaults().read_text().splitlines(keepends=True)
+    mine = tmp_path / "spark-defaults.conf"
+    mine.write_text("".join(line for line in defaults if not line.startswith("spark.driver.defaultJavaOptions")))
     earlier = {a["id"] for a in cluster.apps()}  # the cluster is the session's: other tests' jobs ran on it
-    proc = start_job(config, log, "--available-now", master=cluster.master, env={"SPARK_CONF_DIR": str(conf_dir)})
+    proc = start_job(config, log, "--available-now", master=cluster.master,
+                     env={"PYSPARK_SUBMIT_ARGS": f"--properties-file {mine} pyspark-shell"})
     jvm = driver_jvm_args(proc.pid)
     rc = proc.wait(600)  # a standalone cluster on a loaded 2-core machine
     assert "-XX:TieredStopAtLevel=1" in jvm, jvm  # enrich.session.DRIVER_JIT

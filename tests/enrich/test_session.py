@@ -186,7 +186,7 @@ def test_spark_submit_settings_win_over_the_jobs_defaults(tmp_path: Path) -> Non
     checkpoint for life)."""
     submit = [str(Path(pyspark.__file__).parent / "bin" / "spark-submit"), "--master", "local[1]"]
     keys = [SHUFFLE_PARTITIONS, "spark.sql.execution.arrow.pyspark.enabled"]
-    # tests/spark-conf/spark-defaults.conf (SPARK_CONF_DIR) sets neither key.
+    # spark-submit run directly reads no tests' defaults (those come through PySpark's PYSPARK_SUBMIT_ARGS).
     got = probe(tmp_path, [*submit, "--conf", f"{SHUFFLE_PARTITIONS}=7"], None, {}, keys)
     assert got["conf"] == {SHUFFLE_PARTITIONS: "7", "spark.sql.execution.arrow.pyspark.enabled": "true"}, got
     # Without a --conf the job's default applies, and a spark-defaults.conf setting wins as well.
