@@ -56,15 +56,21 @@ def preload() -> bool:
     return threads() == 1
 
 
+def _argv0() -> str:
+    # The interpreter as Spark named it (e.g. ``./env/bin/python``, a shipped venv): a process list shows
+    # the same command after the exec.
+    return sys.orig_argv[0] if sys.orig_argv else sys.executable
+
+
 def main() -> None:
     unset = {k: v for k, v in QUIET.items() if k not in os.environ}
     if threads() > 1 and unset:
         # Importing the ``enrich`` package loaded pyarrow (and its thread) before this module ran:
         # start again with the settings in the environment, where they are read at the imports.
-        os.execve(sys.executable, [sys.executable, "-m", "enrich.daemon", *sys.argv[1:]], {**os.environ, **unset})
+        os.execve(sys.executable, [_argv0(), "-m", "enrich.daemon", *sys.argv[1:]], {**os.environ, **unset})
     if not preload():
         # Forking from a process with threads can hang a worker on a lock copied held: be PySpark's daemon.
-        os.execv(sys.executable, [sys.executable, "-m", "pyspark.daemon", *sys.argv[1:]])
+        os.execv(sys.executable, [_argv0(), "-m", "pyspark.daemon", *sys.argv[1:]])
     from pyspark.daemon import manager
 
     manager()

@@ -97,7 +97,9 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     if not os.environ.get("PYTEST_XDIST_WORKER"):  # the workers have stopped: the archive goes
         import shutil
 
-        shutil.rmtree(os.environ.pop("REFSTREAM_TEST_RUN_DIR", ""), ignore_errors=True)
+        run = os.environ.pop("REFSTREAM_TEST_RUN_DIR", "")
+        _stop_archive_session(Path(run))
+        shutil.rmtree(run, ignore_errors=True)
 
 
 @pytest.hookimpl(tryfirst=True)  # before the test's fixtures start a Spark session
@@ -107,49 +109,54 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 
 def spark_defaults() -> Path:
-    """The Spark defaults file the tests' drivers get (``PYSPARK_SUBMIT_ARGS``), made at the first
-    test that may start Spark: tests/spark-conf/spark-defaults.conf, with the drivers' classes read
-    from an AppCDS archive (class-data sharing) that a first small Spark session wrote at its exit,
-    made once per run (the first worker makes it, the others wait on its lock). A driver then starts
-    on about 5 s less CPU (a job's JVM: 8 s instead of 13 s, measured here): most of the rest was
-    looking classes up in Spark's 279 jars. Without an archive (the first session failed) the drivers
-    run as before."""
+    """The Spark defaults file the tests' drivers get now (``PYSPARK_SUBMIT_ARGS``, set here).
+
+    tests/spark-conf/spark-defaults.conf until the run's class-data-sharing (AppCDS) archive exists,
+    then a copy that reads the drivers' classes from it. The first test that may start Spark starts
+    a small Spark session in the background whose JVM writes the archive at its exit (about 20 s),
+    once per run: pytest-xdist's workers go on meanwhile, and each test after it looks again. A
+    driver then starts on about 5 s less CPU (a job's JVM: 8 s instead of 13 s, measured here): most
+    of that was looking classes up in Spark's 279 jars. If the session fails, the drivers run as
+    before and its log (``archive.log`` in the run's directory) says why."""
     run = Path(os.environ["REFSTREAM_TEST_RUN_DIR"])
     out = run / "spark-defaults.conf"
     if out.exists():
+        os.environ["PYSPARK_SUBMIT_ARGS"] = f"--properties-file {out} pyspark-shell"
         return out
-    import fcntl
+    try:
+        fd = os.open(run / "archive.pid", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:  # being made
+        return SPARK_DEFAULTS
     import subprocess
 
-    with open(run / "spark-defaults.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        if not out.exists():
-            jsa = run / "spark.jsa"
-            tmp = run / "spark.jsa.tmp"
-            env = {**os.environ, "PYSPARK_SUBMIT_ARGS": f"--properties-file {SPARK_DEFAULTS} --driver-java-options "
-                                                        f"-XX:ArchiveClassesAtExit={tmp} pyspark-shell"}
-            done = subprocess.run([sys.executable, "-c", _ARCHIVE_SESSION], env=env, capture_output=True, text=True,
-                                  timeout=300, cwd=run)
-            lines = SPARK_DEFAULTS.read_text().splitlines()
-            if done.returncode == 0 and tmp.exists():
-                tmp.rename(jsa)
-                lines = [f"{line} -XX:SharedArchiveFile={jsa}" if line.startswith("spark.driver.defaultJavaOptions")
-                         else line for line in lines]
-            else:
-                logging.getLogger(__name__).warning("no class-data-sharing archive for the tests' Spark drivers: %s",
-                                                    done.stderr[-2000:])
-            staged = out.with_suffix(".tmp")
-            staged.write_text("\n".join(lines) + "\n")
-            staged.rename(out)
-    os.environ["PYSPARK_SUBMIT_ARGS"] = f"--properties-file {out} pyspark-shell"
-    return out
+    env = {**os.environ, "PYSPARK_SUBMIT_ARGS": f"--properties-file {SPARK_DEFAULTS} --driver-java-options "
+                                                f"-XX:ArchiveClassesAtExit={run / 'spark.jsa.tmp'} pyspark-shell"}
+    with open(run / "archive.log", "wb") as log:
+        proc = subprocess.Popen([sys.executable, "-c", _ARCHIVE_SESSION, str(run), str(SPARK_DEFAULTS)], env=env,
+                                cwd=run, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    os.write(fd, str(proc.pid).encode())
+    os.close(fd)
+    return SPARK_DEFAULTS
+
+
+def _stop_archive_session(run: Path) -> None:
+    """Stop the archive's session if it still runs (a short run of the suite ends before it)."""
+    import signal
+
+    try:
+        os.killpg(int((run / "archive.pid").read_text()), signal.SIGKILL)
+    except (OSError, ValueError):
+        pass
 
 
 # A session doing what the tests' jobs do at their start (a streaming query, Arrow to Python and back,
-# a shuffle), so their classes are in the archive; it waits for its JVM to exit, which writes it.
+# a shuffle), so their classes are in the archive. Once its JVM has exited, which writes the archive,
+# it writes the defaults file that names it (argv: the run's directory, the tests' defaults file).
 _ARCHIVE_SESSION = """
-import time
+import sys, time
+from pathlib import Path
 from enrich.session import build_session
+run, defaults = Path(sys.argv[1]), Path(sys.argv[2])
 spark = build_session("local[2]", "refstream-tests-cds", {"spark.ui.enabled": "false"})
 def same(batches):
     yield from batches
@@ -165,6 +172,14 @@ spark.stop()
 proc = gateway.proc
 proc.stdin.close()  # the JVM exits when its stdin closes, and writes the archive as it does
 proc.wait(120)
+tmp = run / "spark.jsa.tmp"
+if not tmp.exists():
+    sys.exit("the JVM wrote no archive")
+jsa = tmp.rename(run / "spark.jsa")
+lines = [line + f" -XX:SharedArchiveFile={jsa}" if line.startswith("spark.driver.defaultJavaOptions") else line
+         for line in defaults.read_text().splitlines()]
+(run / "spark-defaults.tmp").write_text("\\n".join(lines) + "\\n")
+(run / "spark-defaults.tmp").rename(run / "spark-defaults.conf")
 """
 
 

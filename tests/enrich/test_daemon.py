@@ -24,7 +24,8 @@ def _environ(pid: int) -> dict[str, str]:
 @pytest.mark.integration  # a process of its own
 def test_the_daemon_starts_again_with_the_threads_off_and_waits_single_threaded_with_the_modules_loaded() -> None:
     env = {k: v for k, v in os.environ.items() if k not in QUIET}
-    proc = subprocess.Popen([sys.executable, "-m", "enrich.daemon", "pyspark.worker"], cwd=ROOT, env=env,
+    python = "./" + os.path.relpath(sys.executable, ROOT)  # named relative to its directory, as Spark may
+    proc = subprocess.Popen([python, "-m", "enrich.daemon", "pyspark.worker"], cwd=ROOT, env=env,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:
         assert proc.stdout is not None
@@ -33,7 +34,9 @@ def test_the_daemon_starts_again_with_the_threads_off_and_waits_single_threaded_
         # The same process (execve keeps the pid), now with the settings, one thread, pyarrow mapped.
         assert {k: _environ(proc.pid).get(k) for k in QUIET} == QUIET
         assert len(os.listdir(f"/proc/{proc.pid}/task")) == 1
-        assert b"-m\0enrich.daemon\0pyspark.worker" in Path(f"/proc/{proc.pid}/cmdline").read_bytes()
+        # Started again as it was named: the same argv[0] (Spark's spark.pyspark.python, e.g. ./env/bin/python).
+        assert Path(f"/proc/{proc.pid}/cmdline").read_bytes().split(b"\0")[:4] == [
+            python.encode(), b"-m", b"enrich.daemon", b"pyspark.worker"]
         maps = Path(f"/proc/{proc.pid}/maps").read_text()
         assert "libarrow" in maps and "pandas" in maps
     finally:
