@@ -48,7 +48,22 @@ os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
 # directory holding files turns class-data sharing off.
 SPARK_DEFAULTS = Path(__file__).parent / "spark-conf" / "spark-defaults.conf"
 os.environ.pop("SPARK_CONF_DIR", None)
-os.environ["PYSPARK_SUBMIT_ARGS"] = f"--properties-file {SPARK_DEFAULTS} pyspark-shell"
+
+
+def submit_args(defaults: Path, *more: str) -> str:
+    """``PYSPARK_SUBMIT_ARGS`` giving a driver ``defaults`` as its Spark defaults (``more``: other options)."""
+    return " ".join(["--properties-file", str(defaults), *more, "pyspark-shell"])
+
+
+def spark_defaults_less(prefix: str, to: Path) -> dict[str, str]:
+    """The environment entry of a driver whose Spark defaults are the tests' current ones less the
+    lines starting with ``prefix``, written to ``to``."""
+    lines = spark_defaults().read_text().splitlines()
+    to.write_text("".join(f"{line}\n" for line in lines if not line.startswith(prefix)))
+    return {"PYSPARK_SUBMIT_ARGS": submit_args(to)}
+
+
+os.environ["PYSPARK_SUBMIT_ARGS"] = submit_args(SPARK_DEFAULTS)
 
 # Fixtures that start or reach a real service: the broker, MariaDB, a Spark session or cluster, the
 # services run as processes.
@@ -121,7 +136,7 @@ def spark_defaults() -> Path:
     run = Path(os.environ["REFSTREAM_TEST_RUN_DIR"])
     out = run / "spark-defaults.conf"
     if out.exists():
-        os.environ["PYSPARK_SUBMIT_ARGS"] = f"--properties-file {out} pyspark-shell"
+        os.environ["PYSPARK_SUBMIT_ARGS"] = submit_args(out)
         return out
     try:
         fd = os.open(run / "archive.pid", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
@@ -129,8 +144,8 @@ def spark_defaults() -> Path:
         return SPARK_DEFAULTS
     import subprocess
 
-    env = {**os.environ, "PYSPARK_SUBMIT_ARGS": f"--properties-file {SPARK_DEFAULTS} --driver-java-options "
-                                                f"-XX:ArchiveClassesAtExit={run / 'spark.jsa.tmp'} pyspark-shell"}
+    env = {**os.environ, "PYSPARK_SUBMIT_ARGS": submit_args(
+        SPARK_DEFAULTS, "--driver-java-options", f"-XX:ArchiveClassesAtExit={run / 'spark.jsa.tmp'}")}
     with open(run / "archive.log", "wb") as log:
         proc = subprocess.Popen([sys.executable, "-c", _ARCHIVE_SESSION, str(run), str(SPARK_DEFAULTS)], env=env,
                                 cwd=run, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -272,8 +287,6 @@ def chromium() -> Callable[[str], str]:
         return out.stdout
 
     return render
-
-
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

@@ -80,10 +80,12 @@ def _java_home() -> Path | None:
     return home if (home / "bin" / "jfr").exists() else None
 
 
+_PHASES = [(name, re.compile(pattern)) for name, pattern in PHASES]
+
+
 def phase(frames: Sequence[str]) -> str:
     """The first phase of :data:`PHASES` whose pattern occurs in ``frames`` ("other" if none)."""
-    for name, pattern in PHASES:
-        rx = re.compile(pattern)
+    for name, rx in _PHASES:
         if any(rx.search(f) for f in frames):
             return name
     return "other"

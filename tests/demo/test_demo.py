@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.conftest import spark_defaults
+from tests.conftest import spark_defaults_less
 from tests.demo.conftest import ROOT
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]  # starts the whole demo
@@ -46,10 +46,7 @@ def test_demo_shows_every_change_in_the_enriched_output_and_stops_cleanly(tmp_pa
     workdir = tmp_path / "demo"
     # The tests' Spark defaults turn every job's UI off: the demo's job gets them without that line,
     # so the Spark UI it prints answers as it does under `make demo`.
-    conf = tmp_path / "spark-defaults.conf"
-    defaults = spark_defaults().read_text().splitlines()
-    conf.write_text("\n".join(x for x in defaults if not x.startswith("spark.ui.")) + "\n")
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYSPARK_SUBMIT_ARGS": f"--properties-file {conf} pyspark-shell"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **spark_defaults_less("spark.ui.", tmp_path / "spark-defaults.conf")}
     env.pop("REF_DB_URL", None)  # the SQLite default
     proc = subprocess.Popen(
         [sys.executable, "-m", "demo", "--duration", str(LIMIT), "--workdir", str(workdir),

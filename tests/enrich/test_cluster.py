@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from refstream.contract import Column, DatasetSchema
-from tests.conftest import spark_defaults
+from tests.conftest import spark_defaults_less
 from tests.enrich.helpers import changelog, produce_events, publish, read_all
 from tests.enrich.spark_cluster import Cluster
 from tests.enrich.test_restart import start_job, write_config
@@ -59,12 +59,9 @@ def test_job_on_a_two_worker_standalone_cluster(cluster: Cluster, kafka: dict[st
     log = tmp_path / "job.log"
     # The tests' spark-defaults.conf gives every driver C1 only: this one must get it from the job
     # (DRIVER_JIT), so it runs with that file less that line.
-    defaults = spark_defaults().read_text().splitlines(keepends=True)
-    mine = tmp_path / "spark-defaults.conf"
-    mine.write_text("".join(line for line in defaults if not line.startswith("spark.driver.defaultJavaOptions")))
+    env = spark_defaults_less("spark.driver.defaultJavaOptions", tmp_path / "spark-defaults.conf")
     earlier = {a["id"] for a in cluster.apps()}  # the cluster is the session's: other tests' jobs ran on it
-    proc = start_job(config, log, "--available-now", master=cluster.master,
-                     env={"PYSPARK_SUBMIT_ARGS": f"--properties-file {mine} pyspark-shell"})
+    proc = start_job(config, log, "--available-now", master=cluster.master, env=env)
     jvm = driver_jvm_args(proc.pid)
     rc = proc.wait(600)  # a standalone cluster on a loaded 2-core machine
     assert "-XX:TieredStopAtLevel=1" in jvm, jvm  # enrich.session.DRIVER_JIT
