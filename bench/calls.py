@@ -159,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     skip = set(filter(None, args.skip.split(",")))
     ideal = args.concurrency / (args.latency_ms / 1000)
+    rate = ideal  # calls/s per task: the client's measured rate when it ran
     with ExitStack() as stack:
         url = start_service(stack, args.latency_ms)
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="calls-bench-")))
@@ -168,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
                 rates.append(run_client(url, args.client_devices, args.concurrency, workdir))
                 print(f"[{r + 1}/{args.repeat}] client: {rates[-1]:,.0f} calls/s", flush=True)
             med = statistics.median(rates)
+            rate = med
             print(f"client: {med:,.0f} calls/s per task with {args.latency_ms:g} ms latency and concurrency "
                   f"{args.concurrency}: {med / ideal:.2f} of concurrency / latency ({ideal:,.0f}/s; target >= 0.7)")
         if "job" not in skip:
@@ -182,9 +184,11 @@ def main(argv: list[str] | None = None) -> int:
             # An untimed run first: the first query of a session pays for the JVM's warm-up and the
             # Python workers' start, which would land on whichever variant ran first.
             run_job(spark, settings, topic, workdir, args.events, args.batch, [])
-            without, with_call = [], []
+            without, with_call, secs = [], [], []
             for r in range(args.repeat):
-                without.append(run_job(spark, settings, topic, workdir, args.events, args.batch, [])["rate"])
+                base = run_job(spark, settings, topic, workdir, args.events, args.batch, [])
+                without.append(base["rate"])
+                secs.append(base["seconds"])
                 res = run_job(spark, settings, topic, workdir, args.events, args.batch,
                               [call_section(url, args.concurrency)])
                 with_call.append(res["rate"])
@@ -193,6 +197,13 @@ def main(argv: list[str] | None = None) -> int:
             a, b = statistics.median(without), statistics.median(with_call)
             print(f"job: {b:,.0f} events/s with one refresh: once call ({args.latency_ms:g} ms) vs {a:,.0f} "
                   f"without: {b / a:.2f} (target >= 0.8)")
+            # What the calls allow: each device's first call, spread over the task slots at the
+            # client's rate, either after the job's own work (nothing overlapped) or beside it.
+            slots = spark.sparkContext.defaultParallelism
+            t_calls, t_job = distinct / (slots * rate), statistics.median(secs)
+            print(f"ceiling: {distinct:,} first calls on {slots} tasks at {rate:,.0f}/s take {t_calls:.1f}s "
+                  f"against the job's {t_job:.1f}s: {t_job / (t_job + t_calls):.2f} with the calls after the "
+                  f"job's work, {min(1.0, t_job / t_calls):.2f} with them entirely beside it")
     return 0
 
 

@@ -242,9 +242,10 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     with ExitStack() as stack:
         root = workdir(stack, args.keep, "bench-pipeline-")
-        for rate in (float(r) for r in args.rates.split(",")):
+        for i, rate in enumerate(float(r) for r in args.rates.split(",")):
             print(f"round at {rate:g} events/s", flush=True)
-            res = Round(args, rate, root / f"rate-{rate:g}").run()
+            # A directory per round: a rate named twice (two rounds of it) must not reuse a checkpoint.
+            res = Round(args, rate, root / f"round-{i + 1}-rate-{rate:g}").run()
             results.append(res)
             print(json.dumps(res) if args.json else _text(res), flush=True)
     return 0
