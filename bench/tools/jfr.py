@@ -3,16 +3,20 @@
 Record with the JDK's own recorder (no agent to install), e.g. the job's driver JVM in local mode,
 where the executor's tasks run too::
 
-    python -m bench.run enrich ... --conf "spark.driver.extraJavaOptions=-XX:StartFlightRecording=filename=job.jfr,settings=profile"
+    python -m bench.run enrich ... --conf "spark.driver.extraJavaOptions=-XX:StartFlightRecording=settings=profile"
+
+dump it while the JVM runs (PySpark kills its JVM at exit, before a ``filename=`` recording is
+written)::
+
+    jcmd PID JFR.dump name=1 filename=job.jfr
 
 then::
 
     python -m bench.tools.jfr job.jfr [--threads "Executor task launch"] [--top 25]
 
 It reads the recording's execution samples (``jfr print``, from the JDK that runs it), keeps the
-threads whose name contains ``--threads``, puts each sample in the first phase of :data:`PHASES`
-whose pattern occurs in its stack (innermost frame first), and prints each phase's share and the
-top innermost frames. Samples are taken of threads running Java code: a thread inside a native call
+threads whose name contains ``--threads``, puts each sample in the phase of :data:`PHASES` that its
+innermost matching frame names, and prints each phase's share and the top innermost frames. Samples are taken of threads running Java code: a thread inside a native call
 (a socket read, a JNI copy) shows in ``jdk.NativeMethodSample`` instead, which this leaves out.
 """
 
@@ -26,9 +30,12 @@ from collections import Counter
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 
-#: (phase, pattern over the frames' ``class.method``), the first that occurs in a sample's stack wins;
-#: innermost patterns first, so a sample counts where the work is, not who asked for it.
+#: (phase, pattern over the frames' ``class.method``). A sample counts in the phase of its innermost
+#: frame that matches one, so it counts where the work is, not who asked for it (in Spark 4 a Python
+#: worker's input is computed while its output stream is read, so ``BufferedInputStream.fill`` sits
+#: above most of a task's work); a frame matching several takes the first.
 PHASES: tuple[tuple[str, str], ...] = (
+    ("JSON output (to_json)", r"json\.JacksonGenerator|StructsToJson|jackson\.core\."),
     ("Arrow batches to rows (from Python)", r"ArrowColumnVector|ArrowConverters|ColumnarBatchRow|arrow\.vector\.\w+Vector\.get"),
     ("rows to Arrow batches (to Python)", r"execution\.arrow\.ArrowWriter|ArrowFieldWriter|arrow\.vector\.\w+Vector\.set"),
     ("Python I/O (sockets, streams)", r"java\.io\.(DataInputStream|DataOutputStream|BufferedInputStream|BufferedOutputStream)|sun\.nio\.ch|java\.net\.Socket"),
@@ -84,10 +91,11 @@ _PHASES = [(name, re.compile(pattern)) for name, pattern in PHASES]
 
 
 def phase(frames: Sequence[str]) -> str:
-    """The first phase of :data:`PHASES` whose pattern occurs in ``frames`` ("other" if none)."""
-    for name, rx in _PHASES:
-        if any(rx.search(f) for f in frames):
-            return name
+    """The phase of the innermost of ``frames`` that matches one of :data:`PHASES` ("other" if none)."""
+    for frame in frames:
+        for name, rx in _PHASES:
+            if rx.search(frame):
+                return name
     return "other"
 
 

@@ -43,3 +43,14 @@ def test_a_sample_counts_in_the_innermost_phase_not_in_its_caller() -> None:
     assert phase(frames) == "rows to Arrow batches (to Python)"
     assert phase(frames[1:]) == "Python runner (hand-off, threads)"
     assert phase(["scala.collection.immutable.List.foreach"]) == "other"
+
+
+def test_a_sample_counts_in_its_innermost_phase_even_below_a_stream_read() -> None:
+    # Spark 4 computes a Python worker's input while reading its output: the read is far above the work.
+    frames = ["jdk.internal.math.FloatingDecimal$BinaryToASCIIBuffer.dtoa",
+              "org.apache.spark.sql.catalyst.json.JacksonGenerator.writeFields",
+              "org.apache.spark.sql.execution.arrow.ArrowWriter.write",
+              "java.io.BufferedInputStream.fill"]
+    assert phase(frames) == "JSON output (to_json)"
+    assert phase(frames[2:]) == "rows to Arrow batches (to Python)"
+    assert phase(frames[3:]) == "Python I/O (sockets, streams)"
