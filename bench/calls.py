@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     skip = set(filter(None, args.skip.split(",")))
     ideal = args.concurrency / (args.latency_ms / 1000)
-    rate = ideal  # calls/s per task: the client's measured rate when it ran
+    rate, rate_from = ideal, "concurrency / latency: the client did not run"  # calls/s per task
     with ExitStack() as stack:
         url = start_service(stack, args.latency_ms)
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="calls-bench-")))
@@ -169,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
                 rates.append(run_client(url, args.client_devices, args.concurrency, workdir))
                 print(f"[{r + 1}/{args.repeat}] client: {rates[-1]:,.0f} calls/s", flush=True)
             med = statistics.median(rates)
-            rate = med
+            rate, rate_from = med, "the client's"
             print(f"client: {med:,.0f} calls/s per task with {args.latency_ms:g} ms latency and concurrency "
                   f"{args.concurrency}: {med / ideal:.2f} of concurrency / latency ({ideal:,.0f}/s; target >= 0.7)")
         if "job" not in skip:
@@ -201,7 +201,7 @@ def main(argv: list[str] | None = None) -> int:
             # client's rate, either after the job's own work (nothing overlapped) or beside it.
             slots = spark.sparkContext.defaultParallelism
             t_calls, t_job = distinct / (slots * rate), statistics.median(secs)
-            print(f"ceiling: {distinct:,} first calls on {slots} tasks at {rate:,.0f}/s take {t_calls:.1f}s "
+            print(f"ceiling: {distinct:,} first calls on {slots} tasks at {rate:,.0f}/s ({rate_from}) take {t_calls:.1f}s "
                   f"against the job's {t_job:.1f}s: {t_job / (t_job + t_calls):.2f} with the calls after the "
                   f"job's work, {min(1.0, t_job / t_calls):.2f} with them entirely beside it")
     return 0
