@@ -7,7 +7,7 @@ VPY := $(VENV)/bin/python
 
 # Many tests wait on the wall clock (a broker down for 60 s, events held until complete, triggers):
 # on two cores, two pytest-xdist workers left them idle while a third fills the gaps (28.5 against
-# 21-23.5 minutes; four were no faster). Tests of the shared standalone cluster stay on one worker
+# 21-24.5 minutes; four were no faster). Tests of the shared standalone cluster stay on one worker
 # (tests/conftest.py).
 WORKERS ?= 3
 XDIST := -n $(WORKERS) --dist loadgroup
