@@ -255,7 +255,9 @@ def test_second_daemon_on_the_same_state_is_refused(tmp_path: Path) -> None:
           key: [id]
     """)
     with daemon_thread(cfg, refresher=FakeRefresher()):
-        wait_for(lambda: (daemon_dir(cfg) / "daemon.lock").exists(), 5, "lock")
+        lock = daemon_dir(cfg) / "daemon.lock"
+        # The lock file exists before the daemon holding it has written its pid into it.
+        wait_for(lambda: lock.exists() and lock.read_text().strip() == str(os.getpid()), 5, "lock")
         with pytest.raises(TerminalError, match=f"another refresh daemon \\(pid {os.getpid()}\\)"):
             Daemon(cfg, FAST, refresher=FakeRefresher()).run(threading.Event())
 
