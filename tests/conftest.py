@@ -15,7 +15,6 @@ scheduler or the file watcher for seconds of wall-clock time. The rest is the fa
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import sys
@@ -100,9 +99,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 # The refresher's and refstream's tests start no Spark: they mostly wait on the wall clock (debounce
-# windows, schedules, a broker down for a minute). In path order they came last, on nearly idle cores
-# (the refresher's tests: 482 s of the workers' time, 50 s of CPU); spread out, they run beside the
-# Spark tests.
+# windows, schedules, a broker down for a minute). In path order they came last, and the suite's last
+# four minutes ran them on nearly idle cores (the refresher's tests: 482 s of the workers' time, 50 s
+# of CPU). Spread among the Spark tests, they fill the cores' gaps instead.
 _WITHOUT_SPARK = ("refresh", "refstream")
 
 
@@ -110,18 +109,25 @@ def _spread(items: list[pytest.Item]) -> list[pytest.Item]:
     """``items`` with the modules of :data:`_WITHOUT_SPARK` spread evenly, by test count, among the
     other modules; each module's tests stay together (its module-scoped fixtures start once), and
     each group keeps its order."""
+    blocks: list[list[pytest.Item]] = []
+    for item in items:
+        if blocks and blocks[-1][0].path == item.path:
+            blocks[-1].append(item)
+        else:
+            blocks.append([item])
     tests = Path(__file__).parent
-    groups: tuple[list[list[pytest.Item]], list[list[pytest.Item]]] = ([], [])
-    for path, module in itertools.groupby(items, key=lambda item: item.path):
-        groups[path.relative_to(tests).parts[0] not in _WITHOUT_SPARK].append(list(module))
-    # Each module's place: the share of its group's tests that come before it.
-    placed = []
-    for g, modules in enumerate(groups):
-        total, done = max(1, sum(map(len, modules))), 0
-        for module in modules:
-            placed.append((done / total, g, module))
-            done += len(module)
-    return [item for *_, module in sorted(placed, key=lambda p: p[:2]) for item in module]
+    light = [b for b in blocks if b[0].path.relative_to(tests).parts[0] in _WITHOUT_SPARK]
+    heavy = [b for b in blocks if b[0].path.relative_to(tests).parts[0] not in _WITHOUT_SPARK]
+    totals = (max(1, sum(map(len, light))), max(1, sum(map(len, heavy))))
+    done = [0, 0]
+    out: list[pytest.Item] = []
+    while light or heavy:
+        # The group further behind, as a share of its tests, goes next.
+        take = 0 if light and (not heavy or done[0] / totals[0] <= done[1] / totals[1]) else 1
+        block = (light if take == 0 else heavy).pop(0)
+        done[take] += len(block)
+        out.extend(block)
+    return out
 
 
 _config: list[pytest.Config] = []
