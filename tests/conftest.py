@@ -95,39 +95,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
             item.add_marker(pytest.mark.xdist_group("cluster"))
     # The longest tests first (stable otherwise): `make test`'s workers take them at the start, and
     # the short ones fill in around them, instead of one worker ending on a long test alone.
-    items[:] = sorted(_spread(items), key=lambda item: item.get_closest_marker("slow") is None)
-
-
-# The refresher's and refstream's tests start no Spark: they mostly wait on the wall clock (debounce
-# windows, schedules, a broker down for a minute). In path order they came last, and the suite's last
-# four minutes ran them on nearly idle cores (the refresher's tests: 482 s of the workers' time, 50 s
-# of CPU). Spread among the Spark tests, they fill the cores' gaps instead.
-_WITHOUT_SPARK = ("refresh", "refstream")
-
-
-def _spread(items: list[pytest.Item]) -> list[pytest.Item]:
-    """``items`` with the modules of :data:`_WITHOUT_SPARK` spread evenly, by test count, among the
-    other modules; each module's tests stay together (its module-scoped fixtures start once), and
-    each group keeps its order."""
-    blocks: list[list[pytest.Item]] = []
-    for item in items:
-        if blocks and blocks[-1][0].path == item.path:
-            blocks[-1].append(item)
-        else:
-            blocks.append([item])
-    tests = Path(__file__).parent
-    light = [b for b in blocks if b[0].path.relative_to(tests).parts[0] in _WITHOUT_SPARK]
-    heavy = [b for b in blocks if b[0].path.relative_to(tests).parts[0] not in _WITHOUT_SPARK]
-    totals = (max(1, sum(map(len, light))), max(1, sum(map(len, heavy))))
-    done = [0, 0]
-    out: list[pytest.Item] = []
-    while light or heavy:
-        # The group further behind, as a share of its tests, goes next.
-        take = 0 if light and (not heavy or done[0] / totals[0] <= done[1] / totals[1]) else 1
-        block = (light if take == 0 else heavy).pop(0)
-        done[take] += len(block)
-        out.extend(block)
-    return out
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
 
 
 _config: list[pytest.Config] = []
