@@ -61,6 +61,8 @@ log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[1]
 DEVICES, SITES = 150, 8
 PROBE_BASE = 10**12  # probe events' seq numbers start here
+CLI_TIMEOUT_S = 300  # a `refresh` command's
+PROBE_WAIT_S = 300   # for the probes in the output
 
 
 @dataclass
@@ -180,7 +182,7 @@ class Soak:
 
     def _refresh_cli(self, *args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "refresh", "--config", str(self.refresh_yaml), *args],
-                              env=self.env, cwd=ROOT, capture_output=True, text=True, timeout=300)
+                              env=self.env, cwd=ROOT, capture_output=True, text=True, timeout=CLI_TIMEOUT_S)
 
     def _child(self, name: str) -> Child:
         if name == "refresher":
@@ -326,7 +328,7 @@ class Soak:
         assert p.flush(30) == 0
         f.probes = len(keys)
         expected = set(self.produced) | {PROBE_BASE + i for i in range(len(keys))}
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + PROBE_WAIT_S
         while True:
             out = self._output()
             seqs = Counter(int(e["seq"]) for e in out)
@@ -436,6 +438,14 @@ def _broker(bootstrap: str | None, work: Path) -> Iterator[str]:
         return
     with EmbeddedBroker(log_path=work / "broker.log") as b:
         yield b.bootstrap
+
+
+def time_limit(duration: float) -> float:
+    """The longest a soak of ``duration`` seconds may take: the setup's refresh run, the churn and up
+    to four times as long again for kills still missing (each job kill waits for a batch after a
+    restart, a minute or more on a slow or loaded machine), then the checks (the forced refresh run
+    and the probes' wait)."""
+    return CLI_TIMEOUT_S + 5 * duration + CLI_TIMEOUT_S + PROBE_WAIT_S
 
 
 def run(work: Path, *, duration: float, seed: int, bootstrap: str | None = None,
