@@ -129,7 +129,10 @@ def build_session(master: str | None = "local[*]", app_name: str = "refstream-en
     PYSPARK_PYTHON alone (``spark.pyspark.python`` is read by ``spark-submit``, not by a session built
     in a running interpreter), so a ``spark.pyspark.python`` in ``conf`` is put there: e.g.
     ``./env/bin/python``, an environment shipped to the executors with ``spark.archives``
-    (README, "On a Spark cluster"). ``ui``: see :func:`session_conf`.
+    (README, "On a Spark cluster"). ``ui``: see :func:`session_conf`. The session does not look for
+    Python data sources in installed ``pyspark_*`` packages (the job reads only its own): that
+    lookup started a Python process at the job's first data source
+    (:func:`refstream.compat.spark_skip_python_data_source_lookup`).
     """
     python = dict(conf or {}).get("spark.pyspark.python")
     if python:
@@ -143,6 +146,7 @@ def build_session(master: str | None = "local[*]", app_name: str = "refstream-en
         builder = builder.config(k, v)
     with _loopback_driver(master):
         spark = builder.getOrCreate()
+    compat.spark_skip_python_data_source_lookup(spark)
     level = os.environ.get("REFSTREAM_SPARK_LOG_LEVEL", "WARN")
     spark.sparkContext.setLogLevel(level)
     if level.upper() in ("WARN", "ERROR", "FATAL", "OFF"):

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 __all__ = [
     "PANDAS_SUPPORTED",
     "PYMYSQL_SUPPORTED",
+    "PYSPARK_LOOKUP_SUPPORTED",
     "PYSPARK_SUPPORTED",
     "CompatError",
     "KeyIndex",
@@ -42,7 +43,9 @@ __all__ = [
     "pymysql_stream",
     "pymysql_text_cursor",
     "spark_ddl_type",
+    "spark_logger_level",
     "spark_schema",
+    "spark_skip_python_data_source_lookup",
     "supported",
     "version",
 ]
@@ -53,6 +56,7 @@ log = logging.getLogger(__name__)
 PYMYSQL_SUPPORTED = ((1, 1), (2,))
 PANDAS_SUPPORTED = ((2, 0), (4,))
 PYSPARK_SUPPORTED = ((3, 0), (5,))
+PYSPARK_LOOKUP_SUPPORTED = ((4, 0), (5,))  # DataSourceManager.dataSourceBuilders
 
 _warned: set[str] = set()
 
@@ -371,4 +375,27 @@ def spark_logger_level(spark: Any, logger: str, level: str) -> bool:
     except Exception as exc:  # noqa: BLE001 - a quieter log is not worth failing the job for
         _warn_once(f"log4j:{logger}", "cannot set the level of Spark's logger %s (%s); its lines stay",
                    logger, exc)
+        return False
+
+
+def spark_skip_python_data_source_lookup(spark: Any) -> bool:
+    """Tell the driver JVM that no installed package provides a Python data source, so that it does
+    not start a Python process to look for them (``DataSourceManager.dataSourceBuilders``, a private
+    Scala object field of Spark 4). Spark looks once per JVM, at the first data source registered or
+    named; a Python daemon then imports PySpark to scan for ``pyspark_*`` packages: about 1 s of CPU
+    and several seconds of a job's start on two loaded cores. Call it before registering a data
+    source, in a session whose queries use no such package. Returns False, with one warning, when
+    the field is not there (the lookup then runs as usual)."""
+    if not supported("pyspark", "PySpark", "skipping the Python data source lookup", PYSPARK_LOOKUP_SUPPORTED,
+                     "the lookup runs"):
+        return False
+    try:
+        jvm = spark.sparkContext._jvm
+        manager = getattr(getattr(jvm.org.apache.spark.sql.execution.datasources, "DataSourceManager$"), "MODULE$")
+        empty = getattr(getattr(jvm.scala.collection.immutable, "Map$"), "MODULE$").empty()
+        if manager.dataSourceBuilders().isEmpty():  # not looked up yet
+            getattr(manager, "dataSourceBuilders_$eq")(jvm.scala.Some(empty))
+        return True
+    except Exception as exc:  # noqa: BLE001 - the lookup is only slower, not wrong
+        _warn_once("spark:datasource-lookup", "cannot skip Spark's lookup of Python data sources (%s); it runs", exc)
         return False

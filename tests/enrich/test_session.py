@@ -216,3 +216,23 @@ def test_the_state_servers_missing_value_warnings_are_held_back(spark: SparkSess
     assert jvm is not None
     for name in QUIETED_LOGGERS:
         assert jvm.org.apache.logging.log4j.LogManager.getLogger(name).getLevel().toString() == "ERROR"
+
+
+def test_the_session_starts_no_python_process_to_look_for_data_source_packages(spark: SparkSession) -> None:
+    """Spark looks for Python data sources in installed packages at the first data source registered,
+    with a PySpark daemon that stays up beside the JVM: the job's sessions skip that lookup (the
+    other tests read through the job's own source in such sessions)."""
+    from enrich import source
+
+    source.register(spark)
+    gateway = spark.sparkContext._gateway
+    assert gateway is not None
+    jvm_pid = gateway.proc.pid  # type: ignore[attr-defined]
+    children = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == jvm_pid:
+                children.append((stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode())
+        except (OSError, ValueError, IndexError):  # gone meanwhile
+            continue
+    assert not [c for c in children if "lookup_data_sources" in c], children

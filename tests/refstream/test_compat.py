@@ -232,3 +232,28 @@ def test_installed_pyspark_from_ddl_wraps_the_private_parser() -> None:
     from pyspark.sql import types
 
     assert "_parse_datatype_string" in inspect.getsource(types.DataType.fromDDL)
+
+
+def test_skipping_the_data_source_lookup_without_the_field_warns_once(caplog: pytest.LogCaptureFixture) -> None:
+    class NoField:  # a JVM whose DataSourceManager has no such field
+        def __getattr__(self, name: str) -> Any:
+            raise AttributeError(name)
+
+    class Context:
+        _jvm = NoField()
+
+    class Session:
+        sparkContext = Context()
+
+    with caplog.at_level(logging.WARNING, logger="refstream.compat"):
+        assert compat.spark_skip_python_data_source_lookup(Session()) is False
+        assert compat.spark_skip_python_data_source_lookup(Session()) is False
+    assert len(caplog.records) == 1 and "lookup of Python data sources" in caplog.records[0].getMessage()
+
+
+def test_skipping_the_data_source_lookup_on_an_unchecked_pyspark_leaves_it(monkeypatch: pytest.MonkeyPatch,
+                                                                            caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setattr(compat, "PYSPARK_LOOKUP_SUPPORTED", ((0, 1), (0, 2)))
+    with caplog.at_level(logging.WARNING, logger="refstream.compat"):
+        assert compat.spark_skip_python_data_source_lookup(object()) is False
+    assert "skipping the Python data source lookup" in caplog.text
