@@ -85,6 +85,7 @@ class Figures:
     late: int = -1                  # output events flagged _late (their state is null): none expected
     produce_failures: int = 0       # events whose delivery failed (not counted as produced)
     status_check: int = -1
+    status_problems: str = ""       # what a failed `refresh status --check` said
 
     @property
     def changes(self) -> int:
@@ -141,11 +142,15 @@ class Soak:
                 # on a loaded machine) they pile up past the default max_delete_fraction (0.1 of ~150
                 # rows), which then refuses every run for the rest of the soak. The guard has its own
                 # tests; here the deletes are meant.
+                # max_age: the default, three intervals, is 3 s for devices, and on a slow machine under
+                # the suite's load one run of them took over 6 s: `status --check` then failed with the
+                # daemon running every second. 30 s still fails a refresher that stopped publishing.
                 "devices": {"source": {"url": self.db_url, "table": "devices"}, "key": ["device_id"],
                             "mode": "diff", "schedule": {"every": "1s"}, "topic": self.topics["devices"],
-                            "max_delete_fraction": 1},
+                            "max_delete_fraction": 1, "max_age": "30s"},
                 "sites": {"source": {"path": str(self.work / "data" / "sites.csv")}, "key": ["site_id"],
-                          "mode": "diff", "watch": True, "schedule": {"every": "3s"}, "topic": self.topics["sites"]},
+                          "mode": "diff", "watch": True, "schedule": {"every": "3s"}, "topic": self.topics["sites"],
+                          "max_age": "30s"},
             },
         }
         enrich = {
@@ -353,7 +358,8 @@ class Soak:
                                                                        self.sites.get(row["site_id"])):
                 f.probe_mismatches.append(f"{dev}: enriched {e.get('owner')}/{e.get('site_id')}/{e.get('name')}, "
                                           f"database {row['owner']}/{row['site_id']}/{self.sites.get(row['site_id'])}")
-        f.status_check = self._refresh_cli("status", "--check").returncode
+        check = self._refresh_cli("status", "--check")
+        f.status_check, f.status_problems = check.returncode, (check.stderr or check.stdout).strip()[-2000:]
 
     def _state_mismatches(self, out: list[dict[str, Any]], keys: list[str]) -> list[str]:
         """Devices whose last output event (highest ``seq``) does not count, in ``state.events``,

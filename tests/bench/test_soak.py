@@ -38,4 +38,4 @@ def test_soak_with_sigkills_loses_and_duplicates_nothing(kafka: dict[str, str], 
     assert fig.dimension_mismatches == [], f"seed {seed}: {report}"
     assert fig.probe_mismatches == [], f"seed {seed}: {report}"
     assert (fig.late, fig.state_mismatches) == (0, []), f"seed {seed}: {report}"
-    assert fig.status_check == 0, f"seed {seed}: refresh status --check failed; logs in {tmp_path}"
+    assert fig.status_check == 0, f"seed {seed}: refresh status --check: {fig.status_problems}; logs in {tmp_path}"
