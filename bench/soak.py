@@ -63,6 +63,7 @@ DEVICES, SITES = 150, 8
 PROBE_BASE = 10**12  # probe events' seq numbers start here
 CLI_TIMEOUT_S = 300  # a `refresh` command's
 PROBE_WAIT_S = 300   # for the probes in the output
+MISSING_KILLS_SPAN = 4  # kills still missing after the churn: keep going for up to this many durations
 
 
 @dataclass
@@ -264,7 +265,7 @@ class Soak:
         next_refresher_kill = refresher_started + rng.uniform(2, 8)
         job_extra_wait = rng.uniform(0, 3)
         job_ready_at: float | None = None
-        limit = deadline + 4 * self.duration  # kills still missing after the duration: keep going, bounded
+        limit = deadline + MISSING_KILLS_SPAN * self.duration
         while not self._stop.is_set():
             now = time.monotonic()
             enough = (self.fig.kills_refresher >= self.min_kills and self.fig.kills_job >= self.min_kills)
@@ -447,11 +448,10 @@ def _broker(bootstrap: str | None, work: Path) -> Iterator[str]:
 
 
 def time_limit(duration: float) -> float:
-    """The longest a soak of ``duration`` seconds may take: the setup's refresh run, the churn and up
-    to four times as long again for kills still missing (each job kill waits for a batch after a
-    restart, a minute or more on a slow or loaded machine), then the checks (the forced refresh run
-    and the probes' wait)."""
-    return CLI_TIMEOUT_S + 5 * duration + CLI_TIMEOUT_S + PROBE_WAIT_S
+    """A bound on a soak of ``duration`` seconds: the churn and the span for missing kills (each job
+    kill waits for a batch after a restart, a minute or more on a slow or loaded machine), three
+    ``refresh`` commands (setup, the forced run, ``status --check``) and the probes' wait."""
+    return (1 + MISSING_KILLS_SPAN) * duration + 3 * CLI_TIMEOUT_S + PROBE_WAIT_S
 
 
 def run(work: Path, *, duration: float, seed: int, bootstrap: str | None = None,

@@ -392,8 +392,8 @@ def spark_skip_python_data_source_lookup(spark: Any) -> bool:
     try:
         jvm = spark.sparkContext._jvm
         manager = getattr(getattr(jvm.org.apache.spark.sql.execution.datasources, "DataSourceManager$"), "MODULE$")
-        empty = getattr(getattr(jvm.scala.collection.immutable, "Map$"), "MODULE$").empty()
         if manager.dataSourceBuilders().isEmpty():  # not looked up yet
+            empty = getattr(getattr(jvm.scala.collection.immutable, "Map$"), "MODULE$").empty()
             getattr(manager, "dataSourceBuilders_$eq")(jvm.scala.Some(empty))
         return True
     except Exception as exc:  # noqa: BLE001 - the lookup is only slower, not wrong

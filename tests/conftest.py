@@ -103,17 +103,19 @@ _config: list[pytest.Config] = []
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    global _run_start
     _config.append(config)
     # One directory for the run, shared by pytest-xdist's workers (they inherit the environment).
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         os.environ["REFSTREAM_TEST_RUN_DIR"] = tempfile.mkdtemp(prefix="refstream-tests-")
-        _machine.update(speed=_reference_loop_rate(), start=_cpu_seconds(), t0=time.monotonic())
+        cpu = _cpu_seconds()
+        _run_start = None if cpu is None else (cpu, time.monotonic())
 
 
-# The suite's time depends on the machine as much as on the suite: the same commit took 24 minutes
-# on one 2-core machine and 35 on another, which spent 1.5 times the CPU seconds on it. The summary
+# The suite's time depends on the machine as much as on the suite: the same tests took 24 minutes on
+# one 2-core machine and 35 on another, which spent 1.5 times the CPU seconds on them. The summary
 # says how fast this machine runs a reference loop and how much CPU the run took.
-_machine: dict[str, float | None] = {}
+_run_start: tuple[float, float] | None = None  # the machine's CPU seconds and the monotonic clock
 
 
 def _reference_loop_rate() -> float:
@@ -132,20 +134,20 @@ def _cpu_seconds() -> float | None:
     """CPU seconds every process on the machine has used since boot (Linux), or None."""
     try:
         fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
-        busy = sum(int(v) for i, v in enumerate(fields[:8]) if i not in (3, 4))  # less idle and iowait
+        busy = sum(int(v) for v in fields[:3] + fields[5:7])  # user nice system, irq softirq
         return busy / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
         return None
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    start, end = _machine.get("start"), _cpu_seconds()
-    if os.environ.get("PYTEST_XDIST_WORKER") or start is None or end is None:
+    end = _cpu_seconds()
+    if os.environ.get("PYTEST_XDIST_WORKER") or _run_start is None or end is None:
         return
-    wall, cores = time.monotonic() - (_machine["t0"] or 0.0), os.cpu_count() or 1
+    used, wall, cores = end - _run_start[0], time.monotonic() - _run_start[1], os.cpu_count() or 1
     terminalreporter.write_line(
-        f"machine: {cores} cores, a reference Python loop at {_machine['speed']:.1f}M iterations/s; the run used "
-        f"{end - start:,.0f} CPU seconds in {wall / 60:.1f} minutes ({(end - start) / (wall * cores):.0%} of the cores)")
+        f"machine: {cores} cores, a reference Python loop at {_reference_loop_rate():.1f}M iterations/s; the run "
+        f"used {used:,.0f} CPU seconds in {wall / 60:.1f} minutes ({used / (wall * cores):.0%} of the cores)")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

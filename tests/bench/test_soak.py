@@ -27,8 +27,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow,  # starts the services 
 def test_soak_with_sigkills_loses_and_duplicates_nothing(kafka: dict[str, str], mysql_server_url: str,
                                                          tmp_path: Path) -> None:
     seed = int(os.environ.get("REFSTREAM_SOAK_SEED", random.randrange(1 << 30)))
-    duration = DURATION
-    fig = soak.run(tmp_path / "soak", duration=duration, seed=seed, bootstrap=kafka["bootstrap.servers"],
+    fig = soak.run(tmp_path / "soak", duration=DURATION, seed=seed, bootstrap=kafka["bootstrap.servers"],
                    mysql_server=mysql_server_url)
     report = json.dumps(asdict(fig), indent=1)
     print(report)  # the figures, in the test's captured output

@@ -12,6 +12,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+import psutil
 import pyspark
 import pytest
 import yaml
@@ -227,12 +228,6 @@ def test_the_session_starts_no_python_process_to_look_for_data_source_packages(s
     source.register(spark)
     gateway = spark.sparkContext._gateway
     assert gateway is not None
-    jvm_pid = gateway.proc.pid  # type: ignore[attr-defined]
-    children = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == jvm_pid:
-                children.append((stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode())
-        except (OSError, ValueError, IndexError):  # gone meanwhile
-            continue
+    jvm = psutil.Process(gateway.proc.pid)  # type: ignore[attr-defined]
+    children = [" ".join(c.cmdline()) for c in jvm.children()]
     assert not [c for c in children if "lookup_data_sources" in c], children
