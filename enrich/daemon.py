@@ -11,7 +11,8 @@ PySpark forks late because importing pandas and pyarrow starts threads (numpy's 
 pyarrow's jemalloc background thread), and a fork copies a held lock but not the thread holding it.
 So the daemon turns both off (:data:`QUIET`, for its workers too) unless the environment already
 sets them, and if any thread is running all the same (another build, another library), it does not
-fork from this process: it becomes PySpark's plain daemon instead.
+fork from this process: it becomes PySpark's plain daemon instead. Importing the ``enrich`` package
+(before this module runs) imports none of them.
 """
 
 from __future__ import annotations
@@ -63,13 +64,12 @@ def _argv0() -> str:
 
 
 def main() -> None:
-    unset = {k: v for k, v in QUIET.items() if k not in os.environ}
-    if threads() > 1 and unset:
-        # Importing the ``enrich`` package loaded pyarrow (and its thread) before this module ran:
-        # start again with the settings in the environment, where they are read at the imports.
-        os.execve(sys.executable, [_argv0(), "-m", "enrich.daemon", *sys.argv[1:]], {**os.environ, **unset})
+    for key, value in QUIET.items():  # read by numpy and pyarrow at preload's imports; the workers inherit them
+        os.environ.setdefault(key, value)
     if not preload():
-        # Forking from a process with threads can hang a worker on a lock copied held: be PySpark's daemon.
+        # A thread runs all the same (started before this module, or by an import that ignores the
+        # settings), and forking from a process with threads can hang a worker on a lock copied
+        # held: be PySpark's daemon.
         os.execv(sys.executable, [_argv0(), "-m", "pyspark.daemon", *sys.argv[1:]])
     from pyspark.daemon import manager
 
