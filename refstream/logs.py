@@ -81,7 +81,7 @@ def setup_logging(level: int | str = logging.INFO, *, debug: bool = False,
 # without it.
 _CLIENT = re.compile(r"(#(?:producer|consumer)-)\d+")
 _NUMBER = re.compile(r"(?<![\w.:-])\d+(?:\.\d+)?(?:ms|us|s)?(?![\w.:])")
-_SUPPRESSED = re.compile(r", \d+ identical error\(s\) suppressed\)")
+_SUPPRESSED = re.compile(r", (\d+) identical error\(s\) suppressed\)")
 
 
 def line_key(text: str) -> str:
@@ -121,6 +121,10 @@ class RepeatSuppressor:
             return  # a line nobody sees is not counted either
         text = msg % args if args else msg
         key = (level, line_key(text))
+        # A repeat carrying librdkafka's own count of the repeats it held back stands for them too (a
+        # loaded machine makes librdkafka hold back more); the count logged later includes them, so
+        # the line kept for it drops librdkafka's note. A first line is logged with its note.
+        held = _SUPPRESSED.search(text)
         now = self._clock()
         with self._lock:
             due = self._take_due(now)
@@ -128,7 +132,8 @@ class RepeatSuppressor:
             if w is None:
                 self._windows[key] = _Window(now, 0, level, text)
             else:
-                self._windows[key] = _Window(w.start, w.repeats + 1, level, text)
+                self._windows[key] = _Window(w.start, w.repeats + 1 + (int(held.group(1)) if held else 0), level,
+                                             _SUPPRESSED.sub(")", text))
         self._emit(due)
         if w is None:
             self.logger.log(level, "%s", text)

@@ -117,6 +117,21 @@ def test_a_repeated_line_is_logged_once_then_once_per_window_with_its_count(capl
     assert len(logged(caplog)) == 4 and logged(caplog)[3] == ("ERROR", FAIL.format(n=5, ms=3))
 
 
+def test_repeats_librdkafka_held_back_itself_are_counted_with_the_others(caplog):
+    """Under load librdkafka logs fewer of the lines and notes how many it held back: the count says
+    how often the failure happened all the same."""
+    s, clock = suppressor(caplog)
+    line = "Connect to ipv4#127.0.0.1:9092 failed: Connection refused (after 0ms in state CONNECT{note})"
+    s.log(logging.ERROR, "%s", line.format(note=", 3 identical error(s) suppressed"))  # shown with its note
+    for i, held in enumerate((40, 0, 25)):
+        clock.now = 10.0 * (i + 1)
+        s.log(logging.ERROR, "%s", line.format(note=f", {held} identical error(s) suppressed" if held else ""))
+    clock.now = 60.0
+    s.flush()
+    assert logged(caplog) == [("ERROR", line.format(note=", 3 identical error(s) suppressed")),
+                              ("ERROR", line.format(note="") + " (repeated 68 times in the last 60 s)")]
+
+
 def test_other_lines_levels_and_addresses_are_not_counted_together(caplog):
     s, clock = suppressor(caplog, logging.WARNING)
     other_broker = FAIL.replace("127.0.0.1:9092", "127.0.0.2:9092")
