@@ -23,6 +23,7 @@ import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -83,17 +84,48 @@ SERVICE_FIXTURES = frozenset({
 })
 
 
-@pytest.hookimpl(tryfirst=True)  # before the -m filter deselects by marker, and before xdist reads groups
+# Tests that one pytest-xdist worker runs in turn (`make test`: --dist loadgroup), by node id prefix:
+# - "cluster": the shared standalone cluster's jobs, so it starts once and each job gets both its workers;
+# - "wall-clock": the refresher's and the contract's tests. They start no Spark and mostly wait on the
+#   wall clock (a broker down for 60 s, schedules, debounces): one worker runs them beside the Spark
+#   tests from the start, instead of leaving the cores idle at the end of the run.
+# The groups go by node id, not by xdist_group marks: pytest 9.2 ignores the group suffix pytest-xdist
+# 3.8 writes into marked tests' node ids (pytest-dev/pytest-xdist#1386), so marks no longer group.
+WORKER_GROUPS: dict[str, tuple[str, ...]] = {
+    "cluster": ("tests/enrich/test_cluster.py::", "tests/enrich/state/test_cluster_state.py::"),
+    "wall-clock": ("tests/refresh/", "tests/refstream/"),
+}
+
+
+def worker_group(nodeid: str) -> str | None:
+    """The ``WORKER_GROUPS`` entry a test belongs to, if any."""
+    return next((group for group, prefixes in WORKER_GROUPS.items() if nodeid.startswith(prefixes)), None)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """--dist loadgroup by ``WORKER_GROUPS``: a group is one unit of work, the largest handed out first."""
+    if config.getvalue("dist") != "loadgroup":
+        return None
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return worker_group(nodeid) or nodeid
+
+    return GroupScheduling(config, log)
+
+
+@pytest.hookimpl(tryfirst=True)  # before the -m filter deselects by marker
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         # fixturenames is the closure: fixtures requested through other fixtures count too.
         names = getattr(item, "fixturenames", ())
         if SERVICE_FIXTURES.intersection(names):
             item.add_marker(pytest.mark.integration)
-        if "cluster" in names:
-            # One worker runs the tests of the shared standalone cluster, one at a time (pytest-xdist's
-            # --dist loadgroup), so the cluster starts once and each job gets both of its workers.
-            item.add_marker(pytest.mark.xdist_group("cluster"))
+        if "cluster" in names and worker_group(item.nodeid) != "cluster":
+            raise pytest.UsageError(f"{item.nodeid} uses the shared standalone cluster: add its module "
+                                    "to WORKER_GROUPS['cluster'] in tests/conftest.py")
     # The longest tests first (stable otherwise): `make test`'s workers take them at the start, and
     # the short ones fill in around them, instead of one worker ending on a long test alone.
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
