@@ -1,4 +1,4 @@
-"""demo.broker: the embedded broker's binary."""
+"""demo.broker: the embedded broker's binary, and its stop."""
 
 from __future__ import annotations
 
@@ -40,3 +40,20 @@ def test_processes_resolving_the_binary_at_once_on_a_fresh_machine_all_get_an_ex
     lapses = [int(child.communicate(timeout=60)[0]) for child in children]
     assert lapses == [0, 0, 0, 0]
     assert len(list((tmp_path / ".calfkit" / "bin").iterdir())) == 1  # no copy left half-done
+
+
+def test_a_broker_with_clients_connected_stops_at_once() -> None:
+    """Its storage is in memory: a stop kills it. On SIGTERM it would wait 5 s for its clients'
+    connections to close, which every test module's broker paid at its teardown."""
+    from confluent_kafka import Producer
+
+    from demo.broker import EmbeddedBroker
+
+    broker = EmbeddedBroker().start()
+    producer = Producer({"bootstrap.servers": broker.bootstrap})
+    producer.produce("stop-test", b"x")
+    assert producer.flush(10) == 0
+    started = time.monotonic()
+    broker.stop()
+    assert time.monotonic() - started < 2.5
+    assert broker.proc is None
