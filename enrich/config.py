@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from enrich.calls.config import CallConfig, parse_calls
+from enrich.source.options import OnOffsetReset
 from refstream.config import Section, allowed_values, kafka_settings, load_config_data, redact_url
 from refstream.contract import default_topic
 from refstream.metrics import MetricsConfig, parse_metrics
@@ -42,9 +43,6 @@ __all__ = [
 
 #: Where a new query starts reading the events.
 StartingOffsets = Literal["latest", "earliest"]
-#: What the job does when the events topic was deleted and recreated or its offsets went backwards:
-#: stop with an error, re-read the partition from its start, or skip to its end.
-OnOffsetReset = Literal["fail", "earliest", "latest"]
 #: Which Kafka connector reads the events: this package's Python data source, or Spark's own
 #: (``builtin``, when its jar is on the classpath).
 EventSource = Literal["python", "builtin"]

@@ -14,14 +14,17 @@ import json
 import logging
 from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
-
-import aiohttp
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 from enrich.calls.config import CallConfig
 from enrich.calls.fields import ResponseError, read_response
 from enrich.calls.template import query_params
 from refstream.errors import TerminalError, TransientError
+
+if TYPE_CHECKING:
+    # Imported where a call is made: the state step's processes import this module with or without
+    # calls configured, and aiohttp takes a third of a second to import.
+    import aiohttp
 
 __all__ = ["CallFailed", "CallTransient", "Outcome", "Result", "client", "run"]
 
@@ -65,6 +68,8 @@ class Client:
         self._session: aiohttp.ClientSession | None = None
 
     def session(self) -> aiohttp.ClientSession:
+        import aiohttp
+
         if self._session is None or self._session.closed:
             # limit=0: the calls' own semaphores bound what is in flight; connections are kept alive.
             self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, ttl_dns_cache=300),
@@ -97,6 +102,8 @@ class Client:
         return Outcome("timeout" if timed_out else "error", None, last, tries)
 
     async def _try(self, cfg: CallConfig, body: Any, key: str) -> dict[str, Any]:
+        import aiohttp
+
         headers = {"Idempotency-Key": key}
         timeout = aiohttp.ClientTimeout(total=cfg.timeout.total_seconds())
         kwargs: dict[str, Any] = ({"params": query_params(body)} if cfg.method == "GET" else {"json": body})

@@ -11,17 +11,32 @@ See docs/kafka-source.md for how offsets, end offsets and admission control work
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
-from pyspark.sql import DataFrame, SparkSession
+if TYPE_CHECKING:
+    from pyspark.sql import DataFrame, SparkSession
 
-from enrich.source.kafka import FORMAT, KafkaDataSource
+    from enrich.source.kafka import FORMAT, KafkaDataSource
 
 __all__ = ["FORMAT", "KafkaDataSource", "read_stream", "register", "source_options"]
 
 
+def __getattr__(name: str) -> Any:
+    # The data source is imported on first use (PEP 562), so the job's config, which takes the
+    # reader's vocabulary from enrich.source.options, imports neither pyspark nor the source.
+    if name not in ("FORMAT", "KafkaDataSource"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module("enrich.source.kafka"), name)
+    globals()[name] = value
+    return value
+
+
 def register(spark: SparkSession) -> None:
     """Make ``format("refstream-kafka")`` available in ``spark`` (idempotent)."""
+    from enrich.source.kafka import KafkaDataSource
+
     spark.dataSource.register(KafkaDataSource)
 
 
@@ -56,6 +71,8 @@ def read_stream(spark: SparkSession, settings: Mapping[str, str], topics: Sequen
         opts.setdefault("kafka.isolation.level", "read_committed")
         opts["includeHeaders"] = "true"
         return spark.readStream.format("kafka").options(**opts).load()
+    from enrich.source.kafka import FORMAT
+
     register(spark)
     opts["onOffsetReset"] = on_offset_reset
     return spark.readStream.format(FORMAT).options(**opts).load()

@@ -7,13 +7,18 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
-from enrich.config import OnOffsetReset
-from enrich.source.offsets import TP, parse_starting_offsets
 from refstream.errors import ConfigError
 
+if TYPE_CHECKING:
+    from enrich.source.offsets import TP
+
 KAFKA_PREFIX = "kafka."
+#: What the job does when the events topic was deleted and recreated or its offsets went backwards:
+#: stop with an error, re-read the partition from its start, or skip to its end (the config's
+#: ``events.on_offset_reset``, the reader's ``onOffsetReset``).
+OnOffsetReset = Literal["fail", "earliest", "latest"]
 
 
 def kafka_settings(options: Mapping[str, str]) -> dict[str, str]:
@@ -81,6 +86,10 @@ class SourceOptions:
             raise ConfigError("option subscribe is required (comma-separated topic names)")
         if len(set(topics)) != len(topics):
             raise ConfigError(f"option subscribe: topic listed twice in {opts['subscribe']!r}")
+        # Here, not at the top: the job's config takes OnOffsetReset from this module, and loading a
+        # config imports no Kafka client.
+        from enrich.source.offsets import parse_starting_offsets
+
         starting = parse_starting_offsets(str(opts.get("startingoffsets", "latest")), topics)
         timeout_ms = _int(opts, "kafkaConsumer.pollTimeoutMs", 120_000)
         return cls(

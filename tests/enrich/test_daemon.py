@@ -86,3 +86,18 @@ def test_importing_the_enrich_package_imports_neither_pyarrow_nor_numpy_nor_pysp
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
     assert enrich.load_config is enrich.config.load_config and enrich.EnrichConfig is enrich.config.EnrichConfig
+
+
+@pytest.mark.parametrize(("module", "unwanted"), [
+    # The source's planners and runner (one each per query start): not the job's config and its
+    # contract (pyarrow.compute), nor the calls' HTTP client.
+    ("enrich.source.kafka", {"enrich.config", "refstream.contract", "pyarrow.compute", "aiohttp"}),
+    # The state step's planner and workers, with or without calls configured.
+    ("enrich.state.processor", {"aiohttp"}),
+    # Loading a config (the CLI, the Python API): no Kafka client, no Spark.
+    ("enrich.config", {"confluent_kafka", "pyspark", "aiohttp"}),
+])
+def test_the_modules_spark_starts_processes_for_import_only_what_they_run(module: str, unwanted: set[str]) -> None:
+    code = f"import sys, {module}; print(sorted(set(sys.modules).intersection({sorted(unwanted)!r})))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
