@@ -6,10 +6,11 @@ VENV ?= .venv
 VPY := $(VENV)/bin/python
 
 # Many tests wait on the wall clock (a broker down for 60 s, events held until complete, triggers).
-# One pytest-xdist worker runs the refresher's and the contract's tests, which start no Spark, from
-# the start; three run the Spark tests, filling each other's waits on two cores (tests/conftest.py:
-# WORKER_GROUPS, which also keeps the shared standalone cluster's tests on one worker).
-WORKERS ?= 4
+# One pytest-xdist worker runs the refresher's and the contract's tests, which start no Spark and
+# use about one core, from the start while two run the Spark tests; then all three run Spark tests,
+# filling each other's waits on two cores (tests/conftest.py: WORKER_GROUPS, which also keeps the
+# shared standalone cluster's tests on one worker).
+WORKERS ?= 3
 XDIST := -n $(WORKERS) --dist loadgroup
 
 .PHONY: venv demo test test-fast test-integration lint bench constraints clean

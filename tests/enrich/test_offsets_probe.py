@@ -16,15 +16,15 @@ def test_probe_answers_quickly_while_a_producer_writes_continuously(kafka: dict[
                                                                      unique: Callable[[str], str]) -> None:
     topic = unique("src-live")
     ensure_topic(kafka, topic, partitions=1)
-    acked: list[int] = []
+    produced = [0]  # the topic's end can only be below this count (its delivery reports may lag)
     stop = threading.Event()
 
     def write() -> None:
         p = Producer({**kafka, "linger.ms": 2})
         while not stop.is_set():
             for _ in range(20):
-                p.produce(topic, b"e" * 150, partition=0,
-                          on_delivery=lambda err, msg: acked.append(msg.offset()) if err is None else None)
+                p.produce(topic, b"e" * 150, partition=0)
+                produced[0] += 1
             p.poll(0.005)
         p.flush(10)
 
@@ -38,7 +38,7 @@ def test_probe_answers_quickly_while_a_producer_writes_continuously(kafka: dict[
             started = time.monotonic()
             end = probe.probe([(topic, 0)], {(topic, 0): last}).end[(topic, 0)]
             took = time.monotonic() - started
-            high = max(acked) + 1
+            high = produced[0]
             assert took < 2.0, f"probe took {took:.1f}s"
             assert last < end <= high, (last, end, high)
             last = end
