@@ -7,7 +7,7 @@ VPY := $(VENV)/bin/python
 
 # Many tests wait on the wall clock (a broker down for 60 s, events held until complete, triggers).
 # One pytest-xdist worker runs the refresher's and the contract's tests, which start no Spark and
-# use about one core, from the start while two run the Spark tests; then all three run Spark tests,
+# use little CPU, from the start while two run the Spark tests; then all three run Spark tests,
 # filling each other's waits on two cores (tests/conftest.py: WORKER_GROUPS, which also keeps the
 # shared standalone cluster's tests on one worker).
 WORKERS ?= 3

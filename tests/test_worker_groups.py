@@ -27,7 +27,7 @@ def test_a_test_belongs_to_the_group_its_node_id_starts_with() -> None:
 
 @pytest.mark.integration
 def test_a_group_runs_on_one_worker_and_the_other_tests_spread() -> None:
-    # Two small modules of the wall-clock group and two outside it (nine tests there, so both
+    # Two small modules of the wall-clock group and two outside it (ten tests there, so both
     # workers take some), on two workers.
     paths = ["tests/refstream/test_retry.py", "tests/refstream/test_errors.py",
              "tests/test_layers.py", "tests/enrich/state/test_packed.py"]
