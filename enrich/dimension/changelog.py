@@ -39,6 +39,10 @@ from refstream.errors import TransientError
 
 log = logging.getLogger(__name__)
 
+# No progress at all for this long (or the read's timeout, if longer) is a stall (TransientError):
+# under load, a first fetch (connect, list offsets, a full fetch to decompress) has taken over a second.
+STALL_FLOOR_S = 10.0
+
 
 class ChangelogFollower:
     """A :class:`~enrich.dimension.abc.ChangeFeed` over a Kafka topic (read_committed)."""
@@ -67,7 +71,9 @@ class ChangelogFollower:
 
     def read_to_end(self, timeout: float) -> list[Record]:
         """Every committed record up to the current end of each partition; positions move only to
-        transaction boundaries. Returns early (with what is complete) after ``timeout`` seconds."""
+        transaction boundaries. Returns early (with what is complete) after ``timeout`` seconds once
+        anything has arrived; raises :class:`TransientError` after ``max(timeout, STALL_FLOOR_S)``
+        seconds without any progress."""
         target: Positions = {}
         for p in self.partitions:
             try:
@@ -77,19 +83,23 @@ class ChangelogFollower:
                 raise TransientError(f"cannot read the end of {self.topic}[{p}]: {exc}") from None
             target[p] = max(high, self._pos[p])
         deadline = time.monotonic() + timeout
+        stall = max(timeout, STALL_FLOOR_S)
         last_progress = time.monotonic()
+        progressed = False
         while not all(self._settled(p, target[p]) for p in self.partitions):
             got = self._fetch(0.1)
             now = time.monotonic()
             if got:
-                last_progress = now
+                last_progress, progressed = now, True
             elif all(self._eof[p] >= target[p] for p in self.partitions):
                 break  # the end is reached; records beyond it are still arriving: wait for their EOF later
-            elif now - last_progress > max(timeout, 1.0):  # known records that do not come: broker gone?
+            elif now - last_progress > stall:  # known records that do not come: broker gone?
                 raise TransientError(
-                    f"changelog {self.topic}: no progress towards offsets {target} for {timeout:.0f}s "
+                    f"changelog {self.topic}: no progress towards offsets {target} for {stall:.0f}s "
                     f"(at {self.positions()})")
-            if now > deadline:
+            # A read that has seen nothing yet waits on (up to the stall limit): a short deadline
+            # is for cutting a long read, not for calling a slow first fetch a stall.
+            if now > deadline and progressed:
                 log.debug("changelog %s: end not reached in %.1fs; stopping at %s", self.topic, timeout,
                           {p: self._eof[p] for p in self.partitions})
                 break

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 from confluent_kafka import Producer
 from pyspark.sql import SparkSession
 
+from enrich.dimension import changelog as changelog_mod
 from enrich.dimension.changelog import ChangelogFollower
 from enrich.dimension.manager import Dimensions
 from enrich.dimension.ship import Shipped, Shipper
@@ -17,6 +20,7 @@ from enrich.ipc import from_ipc
 from refstream import contract
 from refstream import kafka as rkafka
 from refstream.contract import Column, DatasetSchema
+from refstream.errors import TransientError
 from tests.enrich.helpers import changelog, publish
 
 SCHEMA = DatasetSchema("devices", ("device_id",), (Column("device_id", "string"), Column("owner", "string")))
@@ -185,3 +189,50 @@ def test_bootstrap_reads_on_a_changelog_longer_than_its_timeout(spark: SparkSess
         assert len(dims.state("devices")) == 400_000
     finally:
         dims.close()
+
+
+def _slow_first_fetches(f: ChangelogFollower, for_s: float) -> None:
+    """Make ``f``'s fetches deliver nothing for ``for_s`` seconds, as a loaded machine's first fetch
+    (connect, list offsets, a full fetch to decompress) can, then fetch for real."""
+    real, until = f._fetch, time.monotonic() + for_s
+
+    def fetch(timeout: float) -> int:
+        if time.monotonic() < until:
+            time.sleep(timeout)
+            return 0
+        return real(timeout)
+    f._fetch = fetch  # type: ignore[method-assign]
+
+
+def test_a_short_read_waits_for_a_slow_first_fetch(kafka: dict[str, str], unique: Callable[[str], str]) -> None:
+    """A deadline shorter than the first fetch cuts nothing: with nothing seen yet the read waits
+    on (up to the stall limit) instead of reporting no progress."""
+    topic = unique("ref.devices")
+    publish(kafka, topic, changelog(SCHEMA, [{"device_id": f"d{i}", "owner": "a"} for i in range(50)]))
+    f = ChangelogFollower(kafka, topic)
+    try:
+        _slow_first_fetches(f, 2.0)
+        t0 = time.monotonic()
+        recs = f.read_to_end(0.5)
+        assert time.monotonic() - t0 >= 2.0
+        while f.pending() or not recs:  # cut by its deadline once records arrived: read on
+            recs += f.read_to_end(10)
+        assert len(recs) == 51 and f.positions() == {0: 51}
+    finally:
+        f.close()
+
+
+def test_no_progress_past_the_stall_limit_is_a_transient_error(kafka: dict[str, str], unique: Callable[[str], str],
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    topic = unique("ref.devices")
+    publish(kafka, topic, changelog(SCHEMA, [{"device_id": "d1", "owner": "a"}]))
+    monkeypatch.setattr(changelog_mod, "STALL_FLOOR_S", 1.0)
+    f = ChangelogFollower(kafka, topic)
+    try:
+        _slow_first_fetches(f, 5.0)
+        t0 = time.monotonic()
+        with pytest.raises(TransientError, match=rf"changelog {topic}: no progress towards offsets .* for 1s"):
+            f.read_to_end(0.5)
+        assert 1.0 <= time.monotonic() - t0 < 3.0
+    finally:
+        f.close()
