@@ -44,10 +44,11 @@ serialise_transactions()
 os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
 os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
 # The Spark defaults of every driver the tests start through PySpark (their session, `enrich run`,
-# the demo): tests/spark-conf/spark-defaults.conf, plus the class-data-sharing archive once made
-# (spark_defaults). Given as spark-submit's --properties-file, below a job's own `spark:` section,
-# and not through SPARK_CONF_DIR: that directory would go on the JVM's class path, where a
-# directory holding files turns class-data sharing off.
+# the demo): tests/spark-conf/spark-defaults.conf, copied into the run's directory, where the copy
+# names the class-data-sharing archive once it is made (spark_defaults). Given as spark-submit's
+# --properties-file, below a job's own `spark:` section, and not through SPARK_CONF_DIR: that
+# directory would go on the JVM's class path, where a directory holding files turns class-data
+# sharing off.
 SPARK_DEFAULTS = Path(__file__).parent / "spark-conf" / "spark-defaults.conf"
 os.environ.pop("SPARK_CONF_DIR", None)
 
@@ -65,7 +66,16 @@ def spark_defaults_less(prefix: str, to: Path) -> dict[str, str]:
     return {"PYSPARK_SUBMIT_ARGS": submit_args(to)}
 
 
-os.environ["PYSPARK_SUBMIT_ARGS"] = submit_args(SPARK_DEFAULTS)
+def _run_defaults() -> Path:
+    """The run's copy of the tests' Spark defaults: one path for the whole run, so that a driver
+    started late by a long test (the soak's restarts, say) reads the archive's line as well."""
+    return Path(os.environ["REFSTREAM_TEST_RUN_DIR"]) / "spark-defaults.conf"
+
+
+# pytest-xdist's workers inherit the run's directory (pytest_configure); the controller, or a run
+# without workers, sets it there.
+os.environ["PYSPARK_SUBMIT_ARGS"] = submit_args(
+    _run_defaults() if os.environ.get("REFSTREAM_TEST_RUN_DIR") else SPARK_DEFAULTS)
 
 # Fixtures that start or reach a real service: the broker, MariaDB, a Spark session or cluster, the
 # services run as processes.
@@ -140,6 +150,8 @@ def pytest_configure(config: pytest.Config) -> None:
     # One directory for the run, shared by pytest-xdist's workers (they inherit the environment).
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         os.environ["REFSTREAM_TEST_RUN_DIR"] = tempfile.mkdtemp(prefix="refstream-tests-")
+        _run_defaults().write_bytes(SPARK_DEFAULTS.read_bytes())
+        os.environ["PYSPARK_SUBMIT_ARGS"] = submit_args(_run_defaults())
         cpu = _cpu_seconds()
         _run_start = None if cpu is None else (cpu, time.monotonic())
 
@@ -198,24 +210,23 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 
 def spark_defaults() -> Path:
-    """The Spark defaults file the tests' drivers get now (``PYSPARK_SUBMIT_ARGS``, set here).
+    """The Spark defaults file the tests' drivers read (``PYSPARK_SUBMIT_ARGS``): the run's copy of
+    tests/spark-conf/spark-defaults.conf, which names the run's class-data-sharing (AppCDS) archive
+    once it exists, so that the drivers read their classes from it.
 
-    tests/spark-conf/spark-defaults.conf until the run's class-data-sharing (AppCDS) archive exists,
-    then a copy that reads the drivers' classes from it. The first test that may start Spark starts
-    a small Spark session in the background whose JVM writes the archive at its exit (about 20 s),
-    once per run: pytest-xdist's workers go on meanwhile, and each test after it looks again. A
+    The first test that may start Spark starts a small Spark session in the background whose JVM
+    writes the archive at its exit (about 20 s, 100 s under the suite's load), once per run:
+    pytest-xdist's workers go on meanwhile. The session then replaces the run's copy in one rename,
+    and every driver started after that reads the new line, whenever its environment was made. A
     driver then starts on about 5 s less CPU (a job's JVM: 8 s instead of 13 s, measured here): most
     of that was looking classes up in Spark's 279 jars. If the session fails, the drivers run as
     before and its log (``archive.log`` in the run's directory) says why."""
     run = Path(os.environ["REFSTREAM_TEST_RUN_DIR"])
-    out = run / "spark-defaults.conf"
-    if out.exists():
-        os.environ["PYSPARK_SUBMIT_ARGS"] = submit_args(out)
-        return out
+    out = _run_defaults()
     try:
         fd = os.open(run / "archive.pid", os.O_CREAT | os.O_EXCL | os.O_WRONLY)
-    except FileExistsError:  # being made
-        return SPARK_DEFAULTS
+    except FileExistsError:  # made or being made
+        return out
     import subprocess
 
     env = {**os.environ, "PYSPARK_SUBMIT_ARGS": submit_args(
@@ -225,7 +236,7 @@ def spark_defaults() -> Path:
                                 cwd=run, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     os.write(fd, str(proc.pid).encode())
     os.close(fd)
-    return SPARK_DEFAULTS
+    return out
 
 
 def _stop_archive_session(run: Path) -> None:

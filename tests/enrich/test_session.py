@@ -185,9 +185,11 @@ def test_spark_submit_settings_win_over_the_jobs_defaults(tmp_path: Path) -> Non
     """Under spark-submit the JVM holds its --conf and spark-defaults.conf before the job builds its
     session: a default fills only a key that holds nothing (shuffle partitions are kept by a stateful
     checkpoint for life)."""
-    submit = [str(Path(pyspark.__file__).parent / "bin" / "spark-submit"), "--master", "local[1]"]
+    # The tests' drivers compile with C1 only (tests/spark-conf): given here too, as this spark-submit
+    # reads no tests' defaults, and the options are not among the keys checked.
+    submit = [str(Path(pyspark.__file__).parent / "bin" / "spark-submit"), "--master", "local[1]",
+              "--driver-java-options", "-XX:TieredStopAtLevel=1"]
     keys = [SHUFFLE_PARTITIONS, "spark.sql.execution.arrow.pyspark.enabled"]
-    # spark-submit run directly reads no tests' defaults (those come through PySpark's PYSPARK_SUBMIT_ARGS).
     got = probe(tmp_path, [*submit, "--conf", f"{SHUFFLE_PARTITIONS}=7"], None, {}, keys)
     assert got["conf"] == {SHUFFLE_PARTITIONS: "7", "spark.sql.execution.arrow.pyspark.enabled": "true"}, got
     # Without a --conf the job's default applies, and a spark-defaults.conf setting wins as well.
