@@ -79,16 +79,22 @@ def root_cause(exc: BaseException) -> str:
     return found[-1].strip() if found else one_line(exc)
 
 
-#: Spark's words for a Python worker process that did not start or did not connect back to the JVM
-#: (seen once at a query's start, in the Python data source's planning worker, under load).
-_WORKER_START = ("Python worker failed to connect back",)
+#: Spark's words for a Python worker process that did not start or did not connect to the JVM, each
+#: a set of words that must all appear: a worker that did not connect back (seen once at a query's
+#: start, in the Python data source's planning worker, under load), and a state step's worker whose
+#: connection to its task's state server failed (seen once in a batch under load, after another
+#: task's state server had stopped on a malformed request: PySpark 4.3's StatefulProcessorApiClient).
+_WORKER_START = (("Python worker failed to connect back",),
+                 ("StatefulProcessorApiClient(", "_client_socket.connect(", "TimeoutError"),
+                 ("StatefulProcessorApiClient(", "_client_socket.connect(", "ConnectionRefusedError"))
 
 
 def worker_start_failed(exc: BaseException) -> bool:
-    """Whether a failed query failed because a Python worker did not start: transient, and safe to
-    retry by starting the query again from its checkpoint (what a restart of the job would do)."""
+    """Whether a failed query failed because a Python worker did not start or did not connect to the
+    JVM: transient, and safe to retry by starting the query again from its checkpoint (what a restart
+    of the job would do)."""
     text = str(exc)
-    return any(w in text for w in _WORKER_START)
+    return any(all(w in text for w in words) for words in _WORKER_START)
 
 
 @dataclass(frozen=True)

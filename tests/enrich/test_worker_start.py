@@ -1,5 +1,6 @@
-"""A Python worker that does not start fails the query at its start; the job starts the query again
-from its checkpoint instead of exiting (``EnrichJob.run``, ``worker_start_failed``)."""
+"""A Python worker that does not start, or does not connect to the JVM, fails the query; the job
+starts the query again from its checkpoint instead of exiting (``EnrichJob.run``,
+``worker_start_failed``)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from enrich.job import worker_start_failed
-from tests.enrich.helpers import read_all
+from refstream.contract import Column, DatasetSchema
+from tests.enrich.helpers import changelog, produce_events, publish, read_all
 from tests.enrich.test_restart import seed, start_job, write_config
 
 pytestmark = pytest.mark.integration  # starts a job process
@@ -19,7 +21,14 @@ pytestmark = pytest.mark.integration  # starts a job process
 
 def test_only_a_worker_start_failure_counts_as_transient() -> None:
     assert worker_start_failed(RuntimeError("[STREAM_FAILED] ... Python worker failed to connect back. SQLSTATE"))
+    state_server = ('    stateful_processor_api_client = StatefulProcessorApiClient(\n  File "..."\n'
+                    '    self._client_socket.connect(("localhost", state_server_port))\n{}: [Errno 110] ...')
+    assert worker_start_failed(RuntimeError(state_server.format("TimeoutError")))
+    assert worker_start_failed(RuntimeError(state_server.format("ConnectionRefusedError")))
     assert not worker_start_failed(RuntimeError("[STREAM_FAILED] ... refstream.errors.DataError: bad row"))
+    # A state step's worker failing on something other than its connection is not a start failure.
+    assert not worker_start_failed(RuntimeError(
+        "stateful_processor_api_client = StatefulProcessorApiClient(\n ... TimeoutError in handle_pre_init"))
 
 
 def test_the_query_starts_again_when_a_python_worker_does_not_start(
@@ -50,3 +59,68 @@ exec {sys.executable} "$@"
     assert "a Python worker did not start, which is transient: starting the query again" in text, text[-4000:]
     rows = [json.loads(m.value()) for m in read_all(kafka, cfg["output"]["kafka"]["topic"])]
     assert sorted(r["n"] for r in rows) == list(range(total))
+
+
+# Imported by the job's Python worker daemon only (the wrapper below puts it on that process's path):
+# the first state step's worker of an executor task connects to a port nothing listens on, for real,
+# through PySpark's own connect line, as a worker does whose task's state server has gone.
+REFUSE_ONCE = """
+import os, socket
+from pyspark.sql.streaming import stateful_processor_api_client as api
+
+_init = api.StatefulProcessorApiClient.__init__
+
+def _refuse_once(self, state_server_port, key_schema, is_driver=False):
+    if not is_driver and isinstance(state_server_port, int):
+        try:
+            os.close(os.open({flag!r}, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            pass
+        else:
+            with socket.socket() as s:  # a port of this machine that nothing listens on
+                s.bind(("127.0.0.1", 0))
+                state_server_port = s.getsockname()[1]
+    _init(self, state_server_port, key_schema, is_driver)
+
+api.StatefulProcessorApiClient.__init__ = _refuse_once
+"""
+
+DEVICES = DatasetSchema("devices", ("device_id",), (Column("device_id", "string"), Column("owner", "string")))
+
+
+def test_the_query_starts_again_when_a_state_worker_cannot_reach_its_state_server(
+        kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path) -> None:
+    flag = tmp_path / "refused-once"
+    inject = tmp_path / "inject"
+    inject.mkdir()
+    (inject / "sitecustomize.py").write_text(REFUSE_ONCE.format(flag=str(flag)))
+    wrapper = tmp_path / "python"
+    wrapper.write_text(f"""#!/bin/sh
+case "$*" in
+  *daemon*) PYTHONPATH={inject}:$PYTHONPATH; export PYTHONPATH ;;
+esac
+exec {sys.executable} "$@"
+""")
+    wrapper.chmod(0o755)
+    config = tmp_path / "enrich.yaml"
+    cfg = write_config(config, kafka, unique, state={"key": "device_id", "timestamp": "ts", "watermark": "2h",
+                                                     "aggregates": {"n": ["max"]}})
+    cfg["events"]["schema"] = "device_id STRING, ts TIMESTAMP, n INT"
+    config.write_text(json.dumps(cfg))
+    publish(kafka, cfg["joins"][0]["topic"], changelog(DEVICES, [{"device_id": "d1", "owner": "o1"}]))
+    total = 200
+    produce_events(kafka, cfg["events"]["topic"],
+                   [{"device_id": "d1", "ts": f"2026-01-01T00:{i // 60:02d}:{i % 60:02d}", "n": i}
+                    for i in range(total)], partitions=2)
+    log = tmp_path / "job.log"
+    proc = start_job(config, log, "--available-now", env={"PYSPARK_PYTHON": str(wrapper)})
+    rc = proc.wait(300)
+    text = log.read_text()
+    assert rc == 0, text[-4000:]
+    assert flag.exists(), "no state step's worker was refused: the test proves nothing"
+    assert "a Python worker did not start, which is transient: starting the query again" in text, text[-4000:]
+    assert "ConnectionRefusedError" in text, text[-4000:]
+    rows = [json.loads(m.value()) for m in read_all(kafka, cfg["output"]["kafka"]["topic"])]
+    assert sorted(r["n"] for r in rows) == list(range(total))
+    # The state counted every event once, the refused batch's included.
+    assert max(r["state"]["events"] for r in rows) == total
