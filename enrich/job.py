@@ -84,9 +84,9 @@ def root_cause(exc: BaseException) -> str:
 #: start, in the Python data source's planning worker, under load), and a state step's worker whose
 #: connection to its task's state server failed (seen once in a batch under load, after another
 #: task's state server had stopped on a malformed request: PySpark 4.3's StatefulProcessorApiClient).
+#: The second is the traceback's frames: whatever the error (refused, timed out), it was raised there.
 _WORKER_START = (("Python worker failed to connect back",),
-                 ("StatefulProcessorApiClient(", "_client_socket.connect(", "TimeoutError"),
-                 ("StatefulProcessorApiClient(", "_client_socket.connect(", "ConnectionRefusedError"))
+                 ("StatefulProcessorApiClient(", "self._client_socket.connect("))
 
 
 def worker_start_failed(exc: BaseException) -> bool:

@@ -10,6 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import yaml
 
 from enrich.job import worker_start_failed
 from refstream.contract import Column, DatasetSchema
@@ -106,7 +107,7 @@ exec {sys.executable} "$@"
     cfg = write_config(config, kafka, unique, state={"key": "device_id", "timestamp": "ts", "watermark": "2h",
                                                      "aggregates": {"n": ["max"]}})
     cfg["events"]["schema"] = "device_id STRING, ts TIMESTAMP, n INT"
-    config.write_text(json.dumps(cfg))
+    config.write_text(yaml.safe_dump(cfg))
     publish(kafka, cfg["joins"][0]["topic"], changelog(DEVICES, [{"device_id": "d1", "owner": "o1"}]))
     total = 200
     produce_events(kafka, cfg["events"]["topic"],
