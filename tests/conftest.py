@@ -232,8 +232,8 @@ def spark_defaults() -> Path:
     env = {**os.environ, "PYSPARK_SUBMIT_ARGS": submit_args(
         SPARK_DEFAULTS, "--driver-java-options", f"-XX:ArchiveClassesAtExit={run / 'spark.jsa.tmp'}")}
     with open(run / "archive.log", "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-c", _ARCHIVE_SESSION, str(run), str(SPARK_DEFAULTS)], env=env,
-                                cwd=run, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen([sys.executable, "-c", _ARCHIVE_SESSION, str(run), str(SPARK_DEFAULTS), str(out)],
+                                env=env, cwd=run, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     os.write(fd, str(proc.pid).encode())
     os.close(fd)
     return out
@@ -251,12 +251,13 @@ def _stop_archive_session(run: Path) -> None:
 
 # A session doing what the tests' jobs do at their start (a streaming query, Arrow to Python and back,
 # a shuffle), so their classes are in the archive. Once its JVM has exited, which writes the archive,
-# it writes the defaults file that names it (argv: the run's directory, the tests' defaults file).
+# it writes the defaults file that names it, in one rename (argv: the run's directory, the tests'
+# defaults file, the run's copy to replace).
 _ARCHIVE_SESSION = """
 import sys, time
 from pathlib import Path
 from enrich.session import build_session
-run, defaults = Path(sys.argv[1]), Path(sys.argv[2])
+run, defaults, out = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
 spark = build_session("local[2]", "refstream-tests-cds", {"spark.ui.enabled": "false"})
 def same(batches):
     yield from batches
@@ -278,8 +279,9 @@ if not tmp.exists():
 jsa = tmp.rename(run / "spark.jsa")
 lines = [line + f" -XX:SharedArchiveFile={jsa}" if line.startswith("spark.driver.defaultJavaOptions") else line
          for line in defaults.read_text().splitlines()]
-(run / "spark-defaults.tmp").write_text("\\n".join(lines) + "\\n")
-(run / "spark-defaults.tmp").rename(run / "spark-defaults.conf")
+staged = out.with_suffix(".tmp")
+staged.write_text("\\n".join(lines) + "\\n")
+staged.rename(out)
 """
 
 

@@ -13,9 +13,8 @@ import pytest
 import yaml
 
 from enrich.job import worker_start_failed
-from refstream.contract import Column, DatasetSchema
 from tests.enrich.helpers import changelog, produce_events, publish, read_all
-from tests.enrich.test_restart import seed, start_job, write_config
+from tests.enrich.test_restart import SCHEMA, seed, start_job, write_config
 
 pytestmark = pytest.mark.integration  # starts a job process
 
@@ -32,37 +31,44 @@ def test_only_a_worker_start_failure_counts_as_transient() -> None:
         "stateful_processor_api_client = StatefulProcessorApiClient(\n ... TimeoutError in handle_pre_init"))
 
 
-def test_the_query_starts_again_when_a_python_worker_does_not_start(
-        kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path) -> None:
-    # The workers' interpreter: the first process that is not Spark's worker daemon (the Python data
-    # source's planning worker, started when the query starts) exits without connecting back.
-    flag, calls = tmp_path / "failed-once", tmp_path / "calls.log"
+def run_restarted(tmp_path: Path, kafka: dict[str, str], config: Path, cases: str) -> tuple[str, list[dict]]:
+    """Run the job of ``config`` available-now with a shell wrapper as the workers' interpreter, which
+    runs ``cases`` (branches of a ``case "$*"`` on the worker's arguments) first; check that it ended
+    well, starting its query again on the way, and return its log and output rows."""
     wrapper = tmp_path / "python"
     wrapper.write_text(f"""#!/bin/sh
-echo "$@" >> {calls}
 case "$*" in
-  *daemon*) ;;
-  *) if [ ! -e {flag} ]; then touch {flag}; exit 1; fi ;;
+{cases}
 esac
 exec {sys.executable} "$@"
 """)
     wrapper.chmod(0o755)
-    config = tmp_path / "enrich.yaml"
-    cfg = write_config(config, kafka, unique)
-    total = 300
-    seed(kafka, cfg, total)
     log = tmp_path / "job.log"
     proc = start_job(config, log, "--available-now", env={"PYSPARK_PYTHON": str(wrapper)})
     rc = proc.wait(300)
     text = log.read_text()
     assert rc == 0, text[-4000:]
-    assert flag.exists(), calls.read_text() if calls.exists() else "the wrapper never ran"
     assert "a Python worker did not start, which is transient: starting the query again" in text, text[-4000:]
-    rows = [json.loads(m.value()) for m in read_all(kafka, cfg["output"]["kafka"]["topic"])]
+    topic = yaml.safe_load(config.read_text())["output"]["kafka"]["topic"]
+    return text, [json.loads(m.value()) for m in read_all(kafka, topic)]
+
+
+def test_the_query_starts_again_when_a_python_worker_does_not_start(
+        kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path) -> None:
+    # The workers' interpreter: the first process that is not Spark's worker daemon (the Python data
+    # source's planning worker, started when the query starts) exits without connecting back.
+    flag, calls = tmp_path / "failed-once", tmp_path / "calls.log"
+    config = tmp_path / "enrich.yaml"
+    cfg = write_config(config, kafka, unique)
+    total = 300
+    seed(kafka, cfg, total)
+    _, rows = run_restarted(tmp_path, kafka, config, f"""  *daemon*) echo "$@" >> {calls} ;;
+  *) echo "$@" >> {calls}; if [ ! -e {flag} ]; then touch {flag}; exit 1; fi ;;""")
+    assert flag.exists(), calls.read_text() if calls.exists() else "the wrapper never ran"
     assert sorted(r["n"] for r in rows) == list(range(total))
 
 
-# Imported by the job's Python worker daemon only (the wrapper below puts it on that process's path):
+# Imported by the job's Python worker daemon only (the test's wrapper puts it on that process's path):
 # the first state step's worker of an executor task connects to a port nothing listens on, for real,
 # through PySpark's own connect line, as a worker does whose task's state server has gone.
 REFUSE_ONCE = """
@@ -86,8 +92,6 @@ def _refuse_once(self, state_server_port, key_schema, is_driver=False):
 api.StatefulProcessorApiClient.__init__ = _refuse_once
 """
 
-DEVICES = DatasetSchema("devices", ("device_id",), (Column("device_id", "string"), Column("owner", "string")))
-
 
 def test_the_query_starts_again_when_a_state_worker_cannot_reach_its_state_server(
         kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path) -> None:
@@ -95,33 +99,20 @@ def test_the_query_starts_again_when_a_state_worker_cannot_reach_its_state_serve
     inject = tmp_path / "inject"
     inject.mkdir()
     (inject / "sitecustomize.py").write_text(REFUSE_ONCE.format(flag=str(flag)))
-    wrapper = tmp_path / "python"
-    wrapper.write_text(f"""#!/bin/sh
-case "$*" in
-  *daemon*) PYTHONPATH={inject}:$PYTHONPATH; export PYTHONPATH ;;
-esac
-exec {sys.executable} "$@"
-""")
-    wrapper.chmod(0o755)
     config = tmp_path / "enrich.yaml"
     cfg = write_config(config, kafka, unique, state={"key": "device_id", "timestamp": "ts", "watermark": "2h",
                                                      "aggregates": {"n": ["max"]}})
     cfg["events"]["schema"] = "device_id STRING, ts TIMESTAMP, n INT"
     config.write_text(yaml.safe_dump(cfg))
-    publish(kafka, cfg["joins"][0]["topic"], changelog(DEVICES, [{"device_id": "d1", "owner": "o1"}]))
+    publish(kafka, cfg["joins"][0]["topic"], changelog(SCHEMA, [{"device_id": "d1", "owner": "o1"}]))
     total = 200
     produce_events(kafka, cfg["events"]["topic"],
                    [{"device_id": "d1", "ts": f"2026-01-01T00:{i // 60:02d}:{i % 60:02d}", "n": i}
                     for i in range(total)], partitions=2)
-    log = tmp_path / "job.log"
-    proc = start_job(config, log, "--available-now", env={"PYSPARK_PYTHON": str(wrapper)})
-    rc = proc.wait(300)
-    text = log.read_text()
-    assert rc == 0, text[-4000:]
+    text, rows = run_restarted(tmp_path, kafka, config,
+                               f"  *daemon*) PYTHONPATH={inject}:$PYTHONPATH; export PYTHONPATH ;;")
     assert flag.exists(), "no state step's worker was refused: the test proves nothing"
-    assert "a Python worker did not start, which is transient: starting the query again" in text, text[-4000:]
     assert "ConnectionRefusedError" in text, text[-4000:]
-    rows = [json.loads(m.value()) for m in read_all(kafka, cfg["output"]["kafka"]["topic"])]
     assert sorted(r["n"] for r in rows) == list(range(total))
     # The state counted every event once, the refused batch's included.
     assert max(r["state"]["events"] for r in rows) == total
