@@ -283,9 +283,11 @@ class DeviceStateProcessor(StatefulProcessor):
         stored = self._stored_calls()
         kept = self.calls.keep(stored, devices.column(engine.KEY))
         if removed is not None and len(removed) and stored is not None:
-            # A device whose state expired and came back in this batch starts without results.
-            gone = pc.is_in(stored.column(KEY), value_set=removed.cast(stored.schema.field(KEY).type))
-            kept = (kept if kept is not None else stored).filter(pc.invert(gone))
+            # A device whose state expired and came back in this batch starts without results. The
+            # mask is made on what keep() left (it drops the devices expired for good), not on stored.
+            left = kept if kept is not None else stored
+            gone = pc.is_in(left.column(KEY), value_set=removed.cast(left.schema.field(KEY).type))
+            kept = left.filter(pc.invert(gone))
         if kept is not None:
             stored = kept
         ts = np.asarray(table.column(TS_US).fill_null(0).to_numpy(), dtype=np.int64)

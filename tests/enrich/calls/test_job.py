@@ -217,3 +217,55 @@ def test_calls_added_to_and_removed_from_a_running_checkpoint(
     out = run(spark, data, events[6:])
     assert [(e["n"], e["state"]["events"], e["risk_score"]) for e in out[6:]] == [(6, 4, 21.0), (7, 4, 22.0)]
     assert service.paths["/score"] == made
+
+
+def _pair_per_bucket(buckets: int) -> tuple[list[str], list[str]]:
+    """Per bucket one device that comes back after its state expired and one that does not."""
+    import pyarrow as pa
+
+    from enrich.state.hashing import buckets_of
+
+    names = [f"d{i}" for i in range(200)]
+    of = buckets_of(pa.array(names), buckets)
+    back = [next(n for n, b in zip(names, of, strict=True) if b == k) for k in range(buckets)]
+    gone = [next(n for n, b in zip(names, of, strict=True) if b == k and n not in back) for k in range(buckets)]
+    return back, gone
+
+
+@pytest.mark.integration
+def test_devices_expired_dropped_and_back_with_every_kind_of_call_result(
+        spark: SparkSession, kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path,
+        service: Service) -> None:
+    # Issue 39: a bucket where one device expired and came back in a batch while another expired for
+    # good failed the state step (ArrowInvalid: Filter inputs must all be the same length), at every
+    # restart. Each bucket here holds one of each, with results ok, error, timeout and every event.
+    back, gone = _pair_per_bucket(4)
+    with serve(delay=3.0) as slow:
+        once = {"body": {"device": "{device_id}", "mean": "{state.temp_mean}", "events": "{state.events}"},
+                "response": {"score": "DOUBLE"}, "retries": {"attempts": 1}}
+        calls = [{"name": "risk", "url": service.url("/score"), **once},
+                 {"name": "down", "url": f"http://127.0.0.1:{free_port()}/x", **once},
+                 {"name": "action", "url": service.url("/action"), "needs": ["risk"], "refresh": "every event",
+                  "body": {"score": "{risk.score}"}, "response": {"action": "STRING"}},
+                 {"name": "slow", "url": slow.url("/slow"), "refresh": "10m", "timeout": "200ms", **once}]
+        data = job_config(kafka, unique, tmp_path, calls, batch=8)
+        data["state"].update(ttl="1h", watermark="1m")
+        data["kafka_settings"] = kafka
+        first = [{"device_id": d, "ts": at(0), "temp": 1.0, "n": i} for i, d in enumerate(back + gone)]
+        # A second batch moves the watermark two hours on; in the third the devices of `back` return.
+        later = [{"device_id": "far", "ts": at(120 + i / 60), "temp": 1.0, "n": 8 + i} for i in range(8)]
+        again = [{"device_id": d, "ts": at(121), "temp": 3.0, "n": 16 + i} for i, d in enumerate(back)]
+        out = run(spark, data, first + later + again)
+    assert [e["n"] for e in out] == list(range(20))
+    for e in out:
+        assert e["down_score"] is None and e["slow_score"] is None, e
+        assert e["action_action"] == f"act-{e['risk_score']}", e
+    # back with a fresh state: called once again, with events 1 and mean 3
+    assert [(e["device_id"], e["state"]["events"], e["risk_score"]) for e in out[16:]] == [
+        (d, 1, 13.0) for d in back]
+    cfg = config.parse({k: v for k, v in data.items() if k != "kafka_settings"}, "test.yaml")
+    for d in gone:
+        assert device_state(cfg, d, spark=spark).found == "absent", d
+    for d, e in zip(back, out[16:], strict=True):
+        found = device_state(cfg, d, spark=spark)
+        assert found.found == "present" and found.state == e["state"], d
