@@ -29,6 +29,7 @@ import pytest
 
 from demo.broker import EmbeddedBroker, serialise_transaction_ends, serialise_transactions
 from refstream.kafka import SERIAL_TXN_ENDS_ENV, SERIAL_TXNS_ENV
+from tests import timing
 
 # Before any Spark session or child process starts (they inherit it): the embedded broker's workarounds
 # (demo.broker.serialise_transaction_ends and serialise_transactions), harmless against another broker.
@@ -136,9 +137,21 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if "cluster" in names and worker_group(item.nodeid) != "cluster":
             raise pytest.UsageError(f"{item.nodeid} uses the shared standalone cluster: add its module "
                                     "to WORKER_GROUPS['cluster'] in tests/conftest.py")
+        _scale_timeout(item)
     # The longest tests first (stable otherwise): `make test`'s workers take them at the start, and
     # the short ones fill in around them, instead of one worker ending on a long test alone.
     items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
+def _scale_timeout(item: pytest.Item) -> None:
+    """pytest-timeout's limit of ``item`` (its mark's, or the suite's 900 s), stretched for this machine
+    (tests/timing.py) as the tests' own waits are: it stops a hang, it does not time the test."""
+    mark = item.get_closest_marker("timeout")
+    base = mark.args[0] if mark is not None and mark.args else mark.kwargs.get("timeout") if mark else None
+    if base is None:
+        base = float(item.config.getini("timeout") or 0)
+    if base:
+        item.add_marker(pytest.mark.timeout(timing.bound(float(base))), append=False)
 
 
 _config: list[pytest.Config] = []
@@ -154,24 +167,14 @@ def pytest_configure(config: pytest.Config) -> None:
         os.environ["PYSPARK_SUBMIT_ARGS"] = submit_args(_run_defaults())
         cpu = _cpu_seconds()
         _run_start = None if cpu is None else (cpu, time.monotonic())
+        # Before the workers start, which inherit it: how much to stretch every bound (tests/timing.py).
+        timing.measure()
 
 
 # The suite's time depends on the machine as much as on the suite: the same tests took 24 minutes on
 # one 2-core machine and 35 on another, which spent 1.5 times the CPU seconds on them. The summary
 # says how fast this machine runs a reference loop and how much CPU the run took.
 _run_start: tuple[float, float] | None = None  # the machine's CPU seconds and the monotonic clock
-
-
-def _reference_loop_rate() -> float:
-    """Millions of iterations per second of a plain Python loop, the best of three rounds."""
-    best = float("inf")
-    for _ in range(3):
-        t = time.process_time()
-        total = 0
-        for i in range(1_000_000):
-            total += i
-        best = min(best, time.process_time() - t)
-    return 1.0 / best if best > 0 else 0.0
 
 
 def _cpu_seconds() -> float | None:
@@ -190,8 +193,8 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         return
     used, wall, cores = end - _run_start[0], time.monotonic() - _run_start[1], os.cpu_count() or 1
     terminalreporter.write_line(
-        f"machine: {cores} cores, a reference Python loop at {_reference_loop_rate():.1f}M iterations/s; the run "
-        f"used {used:,.0f} CPU seconds in {wall / 60:.1f} minutes ({used / (wall * cores):.0%} of the cores)")
+        f"machine: {cores} cores, a reference Python loop at {timing.reference_loop_rate():.1f}M iterations/s, "
+        f"bounds stretched {timing.slowdown():.2f}x; the run used {used:,.0f} CPU seconds in {wall / 60:.1f} minutes ({used / (wall * cores):.0%} of the cores)")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.timing import bound
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("refstream", "refresh", "enrich", "demo")
 
@@ -45,7 +47,7 @@ print(sorted(refresh.datasets), sorted(enrich.datasets), refresh.state_dir.name)
 
 def run(argv: list[str], cwd: Path, timeout: float = 300) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(argv, cwd=cwd, env=env, capture_output=True, text=True, timeout=bound(timeout))
 
 
 def test_the_wheel_installs_the_refresher_and_runs_the_commands_and_the_demo_config(tmp_path: Path) -> None:

@@ -18,7 +18,7 @@ from bench import soak
 
 DURATION = float(os.environ.get("REFSTREAM_SOAK_SECONDS", "180"))
 
-# Its own bound, not the suite's 600 s: the kills wait for the job's restarts, which on a slower
+# Its own bound, not the suite's 900 s: the kills wait for the job's restarts, which on a slower
 # machine under the suite's load took 80 s each (the soak then needed about 12 minutes).
 pytestmark = [pytest.mark.integration, pytest.mark.slow,  # starts the services as processes
               pytest.mark.timeout(soak.time_limit(DURATION))]

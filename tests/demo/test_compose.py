@@ -25,6 +25,7 @@ from demo.seed import MODELS, SITE_COLUMNS, SITES, device
 from enrich.config import load as load_enrich_config
 from refresh.config import load_config as load_refresh_config
 from tests.demo.conftest import INIT_SQL, ROOT
+from tests.timing import bound
 
 COMPOSE = ROOT / "docker-compose.yml"
 HOST_KAFKA = ROOT / "docker-compose.host-kafka.yml"
@@ -157,7 +158,7 @@ def run_healthcheck(service: dict[str, Any], env: dict[str, str]) -> subprocess.
     bindir = os.path.dirname(sys.executable)
     full = {**os.environ, **service_env(service), **env, "PATH": f"{bindir}{os.pathsep}{os.environ['PATH']}"}
     return subprocess.run(["sh", "-c", test[1]], cwd=ROOT, env=full, capture_output=True, text=True,
-                          timeout=60)
+                          timeout=bound(60))
 
 
 def kafka_listeners(compose: dict[str, Any]) -> dict[str, str]:

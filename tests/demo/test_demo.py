@@ -18,6 +18,7 @@ import pytest
 
 from tests.conftest import spark_defaults_less
 from tests.demo.conftest import ROOT
+from tests.timing import bound
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]  # starts the whole demo
 
@@ -41,7 +42,7 @@ def _leftovers(workdir: Path) -> list[psutil.Process]:
     return out
 
 
-@pytest.mark.timeout(LIMIT + 240)  # its own waits, not the suite's 600 s, bound it
+@pytest.mark.timeout(LIMIT + 240)  # its own waits, not the suite's 900 s, bound it
 def test_demo_shows_every_change_in_the_enriched_output_and_stops_cleanly(tmp_path: Path) -> None:
     workdir = tmp_path / "demo"
     # The tests' Spark defaults turn every job's UI off: the demo's job gets them without that line,
@@ -75,7 +76,7 @@ def test_demo_shows_every_change_in_the_enriched_output_and_stops_cleanly(tmp_pa
     pages = {}
     for url in re.findall(r"(?:status page|metrics|Spark UI) (http://127\.0\.0\.1:\d+/[^\s,]*)", printed):
         try:
-            with urllib.request.urlopen(url, timeout=10) as r:
+            with urllib.request.urlopen(url, timeout=bound(10)) as r:
                 pages[url] = r.read().decode("utf-8", "replace")
         except OSError as exc:
             pages[url] = f"unreachable: {exc}"
@@ -84,7 +85,7 @@ def test_demo_shows_every_change_in_the_enriched_output_and_stops_cleanly(tmp_pa
     if proc.poll() is None:
         proc.send_signal(signal.SIGINT)
     try:
-        proc.wait(timeout=90)
+        proc.wait(timeout=bound(90))
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()

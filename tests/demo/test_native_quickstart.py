@@ -23,13 +23,14 @@ from refresh.config import load_config
 from refstream.contract import OP_SCHEMA, DatasetSchema, header_map
 from refstream.kafka import read_to_end
 from tests.demo.conftest import ROOT
+from tests.timing import bound
 
 pytestmark = pytest.mark.integration  # a broker of its own, the CLIs as processes, Spark for the schema
 
 
 def cli(*argv: str, cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", *argv], cwd=cwd, env=env, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=bound(300))
 
 
 def test_readme_native_commands_run_on_the_demo_seed(tmp_path: Path) -> None:
@@ -52,7 +53,7 @@ def test_readme_native_commands_run_on_the_demo_seed(tmp_path: Path) -> None:
         config = load_config(tmp_path / "conf" / "refresh.yaml")
         published: dict[str, DatasetSchema] = {}
         for ds in config.datasets.values():
-            for m in read_to_end({"bootstrap.servers": broker.bootstrap}, ds.topic, timeout=20):
+            for m in read_to_end({"bootstrap.servers": broker.bootstrap}, ds.topic, timeout=bound(20)):
                 if header_map(m.headers()).get("op") == OP_SCHEMA:
                     published[ds.name] = DatasetSchema.from_json(m.value())
         assert set(published) == {"devices", "models", "sites"}

@@ -29,6 +29,7 @@ from demo.tail import EnrichedTail
 from refstream.kafka import read_to_end
 from tests.demo.conftest import ROOT
 from tests.demo.test_compose import dashboard_metrics, load_compose, run_healthcheck, service_env
+from tests.timing import bound
 
 pytestmark = [pytest.mark.slow, pytest.mark.integration]  # starts the services as processes
 
@@ -91,7 +92,7 @@ def _check(children: dict[str, Child]) -> None:
         c.check()
 
 
-@pytest.mark.timeout(900)  # the stack's start plus STARTUP on a busy machine, above the suite's 600 s
+@pytest.mark.timeout(900)  # the stack's start plus STARTUP on a busy machine, the suite's default; both stretched on a slower machine
 def test_compose_topology_natively_enriches_and_follows_a_database_update(
         stack: dict[str, Any], kafka: dict[str, str]) -> None:
     children, prefix = stack["children"], stack["prefix"]
@@ -122,7 +123,7 @@ def test_compose_topology_natively_enriches_and_follows_a_database_update(
         # Both processes serve every metric the Grafana dashboard queries.
         exported: set[str] = set()
         for port in (stack["env"]["REFRESH_METRICS_PORT"], stack["env"]["ENRICH_METRICS_PORT"]):
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=bound(10)) as r:
                 exported |= {f.name for f in text_string_to_metric_families(r.read().decode())}
         assert dashboard_metrics() <= exported, f"not exported: {sorted(dashboard_metrics() - exported)}"
 
@@ -151,7 +152,7 @@ def test_compose_topology_natively_enriches_and_follows_a_database_update(
         assert latency < CHANGE
 
         # The simulator's malformed share went to the dead-letter topic, not into the output.
-        dlq = list(read_to_end(kafka, f"{prefix}device-events-dlq", timeout=10))
+        dlq = list(read_to_end(kafka, f"{prefix}device-events-dlq", timeout=bound(10)))
         assert dlq, "no malformed event reached the dead-letter topic"
     finally:
         producer.flush(5)

@@ -10,6 +10,7 @@ import pytest
 
 from demo.risk import score
 from tests.enrich.calls.server import free_port
+from tests.timing import bound
 
 
 def test_the_score_follows_the_temperature_mean() -> None:
@@ -29,19 +30,19 @@ def test_the_service_answers_posts_of_json() -> None:
     proc = subprocess.Popen([sys.executable, "-m", "demo.risk", "--port", str(port)])
     try:
         url = f"http://127.0.0.1:{port}/score"
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + bound(20)
         while True:
             try:
                 req = urllib.request.Request(url, json.dumps({"device": "d-1", "mean": 20.0}).encode(),
                                              {"Content-Type": "application/json"})
-                with urllib.request.urlopen(req, timeout=5) as r:
+                with urllib.request.urlopen(req, timeout=bound(5)) as r:
                     assert json.loads(r.read()) == {"score": 30.0, "level": "low"}
                 break
             except urllib.error.URLError:
                 assert time.monotonic() < deadline, "the service did not start"
                 time.sleep(0.1)
         with pytest.raises(urllib.error.HTTPError, match="400"):
-            urllib.request.urlopen(urllib.request.Request(url, b"nope"), timeout=5)
+            urllib.request.urlopen(urllib.request.Request(url, b"nope"), timeout=bound(5))
     finally:
         proc.terminate()
-        proc.wait(10)
+        proc.wait(bound(10))

@@ -11,13 +11,14 @@ from collections.abc import Callable
 from datetime import datetime
 
 from refstream.kafka import read_to_end
+from tests.timing import bound
 
 EVENT_FIELDS = {"device_id": str, "ts": str, "temperature": float, "battery": int}
 
 
 def _simulate(kafka: dict[str, str], *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "demo.simulate", "--bootstrap", kafka["bootstrap.servers"],
-                           "--json", *args], capture_output=True, text=True, timeout=timeout)
+                           "--json", *args], capture_output=True, text=True, timeout=bound(timeout))
 
 
 def _well_formed(value: bytes) -> dict | None:
@@ -90,7 +91,7 @@ def test_sigterm_stops_cleanly_after_flushing(kafka: dict[str, str], unique: Cal
             break
     time.sleep(2)
     proc.send_signal(signal.SIGTERM)
-    out, err = proc.communicate(timeout=60)
+    out, err = proc.communicate(timeout=bound(60))
     err = "".join(head) + err
     assert proc.returncode == 0, err
     stats = json.loads(out.strip().splitlines()[-1])

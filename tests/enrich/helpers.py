@@ -15,6 +15,7 @@ from enrich.sinks.kafka.ledger import Entry, Ledger
 from refstream import contract
 from refstream import kafka as rkafka
 from refstream.contract import DatasetSchema, Message
+from tests.timing import bound
 
 
 def publish(settings: Mapping[str, str], topic: str, messages: Iterable[Message]) -> None:
@@ -48,7 +49,7 @@ def produce_events(settings: Mapping[str, str], topic: str, events: Iterable[Map
 
 def read_all(settings: Mapping[str, str], topic: str) -> list[Any]:
     """Every committed record of ``topic`` (read_committed), to the end."""
-    return [m for m in rkafka.read_to_end(settings, topic, timeout=20)]
+    return [m for m in rkafka.read_to_end(settings, topic, timeout=bound(20))]
 
 
 def read_settled(settings: Mapping[str, str], topic: str, expect: int, timeout: float = 30) -> list[Any]:
@@ -56,7 +57,7 @@ def read_settled(settings: Mapping[str, str], topic: str, expect: int, timeout: 
     ``timeout`` passes (then the last read, for the caller's assertion to show). A transaction's commit
     returns before the broker has written its markers everywhere (they are asynchronous in Kafka too),
     so a ``read_committed`` read right after a commit can stop short of it."""
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + bound(timeout)
     while True:
         got = read_all(settings, topic)
         if len(got) >= expect or time.monotonic() > deadline:
@@ -68,7 +69,7 @@ def ledger_entry(settings: Mapping[str, str], ledger: str, tid: str, scope: str,
                  ends: Sequence[tuple[str, int]] | None = None) -> Entry:
     """What the Kafka sink's ledger of ``tid`` (in ``scope``) on topic ``ledger`` says, the written
     ``ends`` of those partitions as the writer would ask for them."""
-    book = Ledger(dict(settings), ledger, tid, scope, timeout=30)
+    book = Ledger(dict(settings), ledger, tid, scope, timeout=bound(30))
     try:
         return book.read(ends) if ends is not None else book.read()
     finally:
@@ -91,7 +92,7 @@ def open_transaction(settings: Mapping[str, str], tid: str, records: Iterable[tu
 
 def wait_for(predicate: Callable[[], bool], what: str, runner: threading.Thread, timeout: float = 120) -> None:
     """Poll ``predicate`` until it holds; fail at once if the job's thread ``runner`` has stopped."""
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + bound(timeout)
     while time.monotonic() < deadline:
         assert runner.is_alive(), f"the job stopped while waiting for {what}"
         if predicate():

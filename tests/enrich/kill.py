@@ -36,6 +36,7 @@ from enrich.sinks.database.connect import connect
 from enrich.sinks.database.sink import DatabaseTaskWriter
 from enrich.sinks.kafka.ledger import Ledger
 from enrich.sinks.kafka.tasks import TaskWriter, slot_id
+from tests.timing import bound
 
 MODULE = "tests.enrich.kill"
 JOB = "job:"
@@ -128,10 +129,10 @@ class KillingTaskWriter(TaskWriter):
     def _another_slot_committed(self, slot: int) -> int | None:
         """The first other slot whose ledger shows this batch committed, polled for up to
         :data:`WAIT_S` (None: none did)."""
-        ledgers = {s: Ledger(self.settings, self.ledger_topic, slot_id(self.base_id, s), self.scope, timeout=10)
+        ledgers = {s: Ledger(self.settings, self.ledger_topic, slot_id(self.base_id, s), self.scope, timeout=bound(10))
                    for s in range(SLOTS) if s != slot}
         try:
-            deadline = time.monotonic() + WAIT_S
+            deadline = time.monotonic() + bound(WAIT_S)
             while time.monotonic() < deadline:
                 for s, ledger in ledgers.items():
                     committed = ledger.read().committed
@@ -168,7 +169,7 @@ class KillingDatabaseWriter(DatabaseTaskWriter):
         spec = self.rows.spec
         conn = connect(spec.url, spec.dialect)
         try:
-            deadline = time.monotonic() + WAIT_S
+            deadline = time.monotonic() + bound(WAIT_S)
             while time.monotonic() < deadline:
                 with conn.cursor() as cur:
                     cur.execute(f"SELECT slot FROM {spec.fence} WHERE query_id = %s AND batch_id = %s AND slot <> %s",

@@ -18,13 +18,23 @@ from pathlib import Path
 import pyspark
 
 from demo.broker import free_port
+from tests.timing import bound
 
 SPARK_HOME = Path(pyspark.__file__).parent
 
 
+def both_executors() -> dict[str, str]:
+    """A job's Spark settings that make it use both one-core workers: two cores in all, and no task
+    before both executors have registered (Spark's own wait, bounded). With two tasks per stage, the
+    second task can only run on the other worker, whichever executor came up first: a test may then
+    assert that both wrote, which otherwise depends on how fast each executor starts."""
+    return {"spark.cores.max": "2", "spark.scheduler.minRegisteredResourcesRatio": "1.0",
+            "spark.scheduler.maxRegisteredResourcesWaitingTime": f"{bound(300):.0f}s"}
+
+
 def master_state(ui: int) -> dict:
     """The master's view (workers, applications) from its web UI's JSON."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{ui}/json/", timeout=5) as r:
+    with urllib.request.urlopen(f"http://127.0.0.1:{ui}/json/", timeout=bound(5)) as r:
         return json.loads(r.read())
 
 
@@ -63,7 +73,7 @@ def standalone_cluster(workdir: Path, env: Mapping[str, str], cwd: Path | None =
                                 start_new_session=True)
 
     def wait_for(ready: Callable[[dict], bool], what: str) -> None:
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + bound(120)
         while True:
             try:
                 if ready(master_state(ui)):
@@ -94,7 +104,7 @@ def standalone_cluster(workdir: Path, env: Mapping[str, str], cwd: Path | None =
                 os.killpg(p.pid, signal.SIGTERM)
         for p in procs:
             try:
-                p.wait(20)
+                p.wait(bound(20))
             except subprocess.TimeoutExpired:
                 os.killpg(p.pid, signal.SIGKILL)
-                p.wait(10)
+                p.wait(bound(10))

@@ -22,6 +22,7 @@ from refstream import kafka as rkafka
 from refstream.contract import Column, DatasetSchema
 from refstream.errors import TransientError
 from tests.enrich.helpers import changelog, publish
+from tests.timing import bound
 
 SCHEMA = DatasetSchema("devices", ("device_id",), (Column("device_id", "string"), Column("owner", "string")))
 
@@ -103,7 +104,7 @@ def test_pinned_versions_replay_exactly(spark: SparkSession, kafka: dict[str, st
 
     def dims() -> Dimensions:
         return Dimensions({"devices": topic}, {"devices": None}, lambda t: ChangelogFollower(kafka, t),
-                          FileVersionLog(tmp_path / "dimensions"), Shipper(spark.sparkContext), timeout=10)
+                          FileVersionLog(tmp_path / "dimensions"), Shipper(spark.sparkContext), timeout=bound(10))
 
     def owner(shipped: Shipped) -> str:
         # What executors see: the broadcast overlay wins over the broadcast base.
@@ -233,6 +234,6 @@ def test_no_progress_past_the_stall_limit_is_a_transient_error(kafka: dict[str, 
         t0 = time.monotonic()
         with pytest.raises(TransientError, match=rf"changelog {topic}: no progress towards offsets .* for 1s"):
             f.read_to_end(0.5)
-        assert 1.0 <= time.monotonic() - t0 < 3.0
+        assert 1.0 <= time.monotonic() - t0 < bound(3.0)
     finally:
         f.close()

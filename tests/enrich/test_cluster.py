@@ -13,8 +13,9 @@ import pytest
 from refstream.contract import Column, DatasetSchema
 from tests.conftest import spark_defaults_less
 from tests.enrich.helpers import changelog, produce_events, publish, read_all
-from tests.enrich.spark_cluster import Cluster
+from tests.enrich.spark_cluster import Cluster, both_executors
 from tests.enrich.test_restart import start_job, write_config
+from tests.timing import bound
 
 SCHEMA = DatasetSchema("devices", ("device_id",), (Column("device_id", "string"), Column("owner", "string")))
 
@@ -23,7 +24,7 @@ pytestmark = pytest.mark.integration  # submits to the `cluster` fixture's maste
 
 def driver_jvm_args(pid: int, timeout: float = 300) -> list[str]:
     """The command line of the JVM the job's process ``pid`` started (its driver)."""
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + bound(timeout)
     while time.monotonic() < deadline:
         for stat in Path("/proc").glob("[0-9]*/stat"):
             try:
@@ -45,7 +46,7 @@ def test_job_on_a_two_worker_standalone_cluster(cluster: Cluster, kafka: dict[st
     events_dir = tmp_path / "events"
     events_dir.mkdir()
     total = 4000
-    cfg = write_config(config, kafka, unique, spark={"spark.executor.memory": "512m", "spark.cores.max": "2",
+    cfg = write_config(config, kafka, unique, spark={"spark.executor.memory": "512m", **both_executors(),
                                                      "spark.driver.memory": "1g", "spark.driver.host": "127.0.0.1",
                                                      "spark.sql.shuffle.partitions": "2",
                                                      "spark.eventLog.enabled": "true",
@@ -63,7 +64,7 @@ def test_job_on_a_two_worker_standalone_cluster(cluster: Cluster, kafka: dict[st
     earlier = {a["id"] for a in cluster.apps()}  # the cluster is the session's: other tests' jobs ran on it
     proc = start_job(config, log, "--available-now", master=cluster.master, env=env)
     jvm = driver_jvm_args(proc.pid)
-    rc = proc.wait(600)  # a standalone cluster on a loaded 2-core machine
+    rc = proc.wait(bound(600))  # a standalone cluster on a loaded 2-core machine
     assert "-XX:TieredStopAtLevel=1" in jvm, jvm  # enrich.session.DRIVER_JIT
     assert rc == 0, log.read_text()[-4000:]
     rows = [json.loads(m.value()) for m in read_all(kafka, cfg["output"]["kafka"]["topic"])]

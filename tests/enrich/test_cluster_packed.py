@@ -29,8 +29,9 @@ import pytest
 
 from refstream.contract import Column, DatasetSchema
 from tests.enrich.helpers import changelog, produce_events, publish, read_all
-from tests.enrich.spark_cluster import SPARK_HOME, master_state, standalone_cluster
+from tests.enrich.spark_cluster import SPARK_HOME, both_executors, master_state, standalone_cluster
 from tests.enrich.test_restart import write_config
+from tests.timing import bound
 
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("refstream", "refresh", "enrich", "demo")
@@ -49,7 +50,7 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 def run(argv: list[str | Path], cwd: Path, timeout: float = 600) -> str:
     done = subprocess.run([str(a) for a in argv], cwd=cwd, env=clean_env(), capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=bound(timeout))
     assert done.returncode == 0, (argv, done.stdout[-2000:], done.stderr[-3000:])
     return done.stdout
 
@@ -121,8 +122,8 @@ def test_job_on_workers_without_its_environment_runs_from_the_shipped_archive(
     cfg = write_config(deploy / "enrich.yaml", kafka, unique, spark={
         "spark.archives": "refstream-env.tar.gz#env",      # unpacked as ./env in each executor's directory
         "spark.pyspark.python": "./env/bin/python",       # the Python workers' interpreter, there and here
-        "spark.executor.memory": "512m", "spark.cores.max": "2", "spark.driver.memory": "1g",
-        "spark.driver.host": "127.0.0.1", "spark.sql.shuffle.partitions": "2"})
+        "spark.executor.memory": "512m", "spark.driver.memory": "1g",
+        "spark.driver.host": "127.0.0.1", "spark.sql.shuffle.partitions": "2", **both_executors()})
     publish(kafka, cfg["joins"][0]["topic"], changelog(SCHEMA, [{"device_id": f"d{i}", "owner": f"o{i}"}
                                                                 for i in range(5)]))
     produce_events(kafka, cfg["events"]["topic"], [{"device_id": f"d{i % 6}", "n": i} for i in range(total)],
@@ -135,14 +136,14 @@ def test_job_on_workers_without_its_environment_runs_from_the_shipped_archive(
     workers: dict[tuple[str, str], tuple[str, str]] = {}
     driver: dict[tuple[str, str], tuple[str, str]] = {}
     try:
-        while proc.poll() is None and time.monotonic() - t0 < 500:
+        while proc.poll() is None and time.monotonic() - t0 < bound(500):
             workers.update(python_workers(tmp_path / "work"))
             driver.update(python_workers(deploy))
             time.sleep(0.5)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
+            proc.wait(bound(30))
     print(f"job: {time.monotonic() - t0:.0f}s; executors' Python: {workers}; driver's: {driver}")
     assert proc.returncode == 0, log.read_text()[-4000:]
 

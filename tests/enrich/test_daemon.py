@@ -14,6 +14,7 @@ from pyspark.sql import SparkSession
 import enrich
 import enrich.config
 from enrich.daemon import QUIET
+from tests.timing import bound
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,14 +25,14 @@ def _start(python: str, *argv: str) -> tuple[subprocess.Popen[bytes], str]:
     proc = subprocess.Popen([python, *argv], cwd=ROOT, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     assert proc.stdout is not None
     port = proc.stdout.read(4)
-    assert len(port) == 4, proc.wait(10)
+    assert len(port) == 4, proc.wait(bound(10))
     return proc, Path(f"/proc/{proc.pid}/cmdline").read_bytes().decode()
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
     assert proc.stdin is not None
     proc.stdin.close()  # the daemon stops when its stdin closes
-    proc.wait(30)
+    proc.wait(bound(30))
 
 
 # Named relative to its directory, as Spark may name it (spark.pyspark.python, e.g. ./env/bin/python).

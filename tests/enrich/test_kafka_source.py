@@ -27,6 +27,7 @@ from enrich.source.offsets import (
 from enrich.source.options import SourceOptions
 from refstream.errors import ConfigError, DataError
 from refstream.kafka import admin, ensure_topic, read_to_end
+from tests.timing import bound
 
 
 def produce(settings: dict[str, str], topic: str, rows: list[tuple[bytes | None, bytes, int]],
@@ -167,7 +168,7 @@ def test_transactions_committed_visible_aborted_hidden_and_tail_does_not_hang(sp
     name = unique("q").replace("-", "_")
     started = time.monotonic()
     run_available_now(spark, df, name, str(tmp_path / "cp"))
-    assert time.monotonic() - started < 90
+    assert time.monotonic() - started < bound(90)
     got = [r.value for r in rows_of(spark, name)]
     assert len(got) == len(expected) and set(got) == expected
 
@@ -248,8 +249,8 @@ def recreate(settings: dict[str, str], topic: str, partitions: int = 1) -> None:
     """Delete ``topic`` and create it again (empty, offsets from 0, a new topic id)."""
     client = admin(settings)
     client.delete_topics([topic])[topic].result()
-    deadline = time.monotonic() + 30
-    while topic in client.list_topics(timeout=10).topics:
+    deadline = time.monotonic() + bound(30)
+    while topic in client.list_topics(timeout=bound(10)).topics:
         assert time.monotonic() < deadline, f"{topic} still listed after its deletion"
         time.sleep(0.1)
     ensure_topic(settings, topic, partitions=partitions)

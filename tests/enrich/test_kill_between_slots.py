@@ -33,6 +33,7 @@ from refstream.contract import Column, DatasetSchema
 from tests.enrich.helpers import changelog, ledger_entry, produce_events, publish, read_all, read_settled
 from tests.enrich.kill import read_note, session_pids
 from tests.enrich.test_restart import start_job, write_config
+from tests.timing import bound
 
 # Each start of the job takes 20-25 s here (Spark, then the replayed batch's first tasks): eleven starts
 # are about 4 minutes; REFSTREAM_KILLS=4 for a quicker look while changing the sink's protocol.
@@ -58,7 +59,7 @@ def lost_report(kafka: dict[str, str], topic: str, lost: set[int]) -> str:
     for m in committed:
         ends["committed"][m.partition()] = max(ends["committed"].get(m.partition(), -1), m.offset() or 0)
     seen: dict[int, list[tuple[int | None, int | None]]] = {}
-    for m in rkafka.read_to_end({**kafka, "isolation.level": "read_uncommitted"}, topic, timeout=20):
+    for m in rkafka.read_to_end({**kafka, "isolation.level": "read_uncommitted"}, topic, timeout=bound(20)):
         ends["uncommitted"][m.partition()] = max(ends["uncommitted"].get(m.partition(), -1), m.offset() or 0)
         n = json.loads(m.value())["n"]
         if n in lost:
@@ -84,7 +85,7 @@ def test_kills_between_two_slots_commits_leave_each_event_once(
         flag = tmp_path / f"killed-{k}"
         after = killed[-1] + 1 if killed else 0
         proc = start_job(config, log, "--available-now", kill=f"job:{after}+:*:{flag}")
-        rc = proc.wait(300)
+        rc = proc.wait(bound(300))
         note = read_note(flag) if flag.exists() else None
         assert rc == -signal.SIGKILL and note is not None, f"kill {k}: exit {rc}, no kill: {log.read_text()[-3000:]}"
         assert note["other"] is not None, f"kill {k}: no other slot committed batch {note['batch']}: {note}"
@@ -93,7 +94,7 @@ def test_kills_between_two_slots_commits_leave_each_event_once(
         assert batch >= after
         # The whole job is gone (PySpark's daemons and workers included), and the crash left the
         # batch committed in one slot's ledger, begun and not committed in the other's, not in Spark's.
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + bound(10)
         while session_pids(proc.pid) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert session_pids(proc.pid) == [], "a process of the killed job survived"
@@ -108,7 +109,7 @@ def test_kills_between_two_slots_commits_leave_each_event_once(
         killed.append(batch)
 
     proc = start_job(config, log, "--available-now")
-    assert proc.wait(300) == 0, log.read_text()[-3000:]
+    assert proc.wait(bound(300)) == 0, log.read_text()[-3000:]
     rows = [json.loads(m.value()) for m in read_settled(kafka, out_topic, TOTAL)]
     got = Counter(r["n"] for r in rows)
     assert set(got) == set(range(TOTAL)), lost_report(kafka, out_topic, set(range(TOTAL)) - set(got))

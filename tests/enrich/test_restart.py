@@ -19,6 +19,7 @@ import yaml
 
 from refstream.contract import Column, DatasetSchema
 from tests.enrich.helpers import changelog, produce_events, publish, read_all
+from tests.timing import bound
 
 SCHEMA = DatasetSchema("devices", ("device_id",), (Column("device_id", "string"), Column("owner", "string")))
 ROOT = Path(__file__).resolve().parents[2]
@@ -71,7 +72,7 @@ def run_then_kill(config: Path, log: Path, ready: Callable[[], bool], *, poll: f
     """Start the job, wait until ``ready()``, then SIGKILL its whole process group: a crash mid-stream."""
     proc = start_job(config, log)
     try:
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + bound(timeout)
         while time.monotonic() < deadline:
             if proc.poll() is not None:
                 raise AssertionError(f"job exited early ({proc.returncode}): {log.read_text()[-3000:]}")
@@ -81,11 +82,11 @@ def run_then_kill(config: Path, log: Path, ready: Callable[[], bool], *, poll: f
         else:
             raise AssertionError(f"no output within {timeout:.0f}s: {log.read_text()[-3000:]}")
         os.killpg(proc.pid, signal.SIGKILL)  # driver, JVM and workers
-        proc.wait(30)
+        proc.wait(bound(30))
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
+            proc.wait(bound(30))
 
 
 def test_sigkill_then_restart_gives_each_event_once(kafka: dict[str, str], unique: Callable[[str], str],
@@ -101,7 +102,7 @@ def test_sigkill_then_restart_gives_each_event_once(kafka: dict[str, str], uniqu
     assert before < total, "the job should have been killed mid-stream"
 
     proc = start_job(config, log, "--available-now")
-    assert proc.wait(300) == 0, log.read_text()[-3000:]
+    assert proc.wait(bound(300)) == 0, log.read_text()[-3000:]
     got = Counter(json.loads(m.value())["n"] for m in read_all(kafka, out_topic))
     assert set(got) == set(range(total)), f"lost: {sorted(set(range(total)) - set(got))[:20]}"
     assert [n for n, c in got.items() if c > 1] == [], "duplicates after the restart"
@@ -125,7 +126,7 @@ def test_sigkill_then_restart_parquet_output_has_each_event_once(kafka: dict[str
     assert done_before * 1000 < total, "the job should have been killed mid-stream"
 
     proc = start_job(config, log, "--available-now")
-    assert proc.wait(300) == 0, log.read_text()[-3000:]
+    assert proc.wait(bound(300)) == 0, log.read_text()[-3000:]
     # Readers see whole batches only: the batch directories, never the staging area.
     ns: Counter[int] = Counter()
     for d in sorted(out.glob("batch_id=*")):
@@ -149,7 +150,7 @@ def test_a_python_worker_killed_inside_its_transaction_leaves_each_event_once(
     flag = tmp_path / "killed"
     log = tmp_path / "job.log"
     proc = start_job(config, log, "--available-now", master="local[2,4]", kill=f"1:0:{flag}")
-    assert proc.wait(300) == 0, log.read_text()[-3000:]
+    assert proc.wait(bound(300)) == 0, log.read_text()[-3000:]
     assert flag.exists(), "the hook did not fire"
     assert "Python worker exited unexpectedly" in log.read_text() or "crashed" in log.read_text()
     got = Counter(json.loads(m.value())["n"] for m in read_all(kafka, cfg["output"]["kafka"]["topic"]))
@@ -161,7 +162,7 @@ def test_a_python_worker_killed_inside_its_transaction_leaves_each_event_once(
 
 def run_job(config: Path, log: Path) -> int:
     proc = start_job(config, log, "--available-now")
-    return proc.wait(300)
+    return proc.wait(bound(300))
 
 
 def test_recreated_events_topic_stops_the_job_until_on_offset_reset_says_what_to_do(

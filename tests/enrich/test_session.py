@@ -22,6 +22,7 @@ import enrich.session
 from enrich import config
 from enrich.cli import main
 from enrich.session import CLUSTER_PARTITIONS, QUIETED_LOGGERS, SHUFFLE_PARTITIONS, UI_DEFAULTS, session_conf
+from tests.timing import bound
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -134,13 +135,13 @@ if url:
     port = urllib.parse.urlsplit(url).port
     out["listen"] = sorted({c.laddr.ip for c in psutil.net_connections("inet")
                             if c.status == psutil.CONN_LISTEN and c.laddr.port == port})
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=30) as r:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=bound(30)) as r:
         out["loopback_status"] = r.status
     hosts = subprocess.run(["hostname", "-I"], capture_output=True, text=True).stdout.split()
     out["others"] = {}
     for ip in (h for h in hosts if ":" not in h and not h.startswith("127.")):
         try:
-            socket.create_connection((ip, port), timeout=5).close()
+            socket.create_connection((ip, port), timeout=bound(5)).close()
             out["others"][ip] = "connected"
         except OSError as exc:
             out["others"][ip] = type(exc).__name__
@@ -157,7 +158,7 @@ def probe(tmp_path: Path, argv: list[str], master: str | None, conf: dict[str, s
     full = {k: v for k, v in os.environ.items() if k != "SPARK_LOCAL_IP"}
     full.update(PYTHONPATH=str(ROOT), **(env or {}))
     done = subprocess.run([*argv, str(script), arg], cwd=tmp_path, env=full, capture_output=True, text=True,
-                          timeout=300)
+                          timeout=bound(300))
     assert done.returncode == 0, done.stderr[-3000:]
     (line,) = [ln for ln in done.stdout.splitlines() if ln.startswith("PROBE ")]
     return json.loads(line.removeprefix("PROBE "))

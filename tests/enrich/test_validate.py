@@ -14,6 +14,7 @@ import pytest
 
 from enrich.cli import main
 from refstream.kafka import ensure_topic
+from tests.timing import bound
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -101,7 +102,7 @@ def test_json_log_format(tmp_path):
     """A failure under --debug is logged as one JSON record carrying the traceback."""
     missing = tmp_path / "missing.yaml"
     proc = subprocess.run([sys.executable, "-m", "enrich", "run", "--config", str(missing), "--debug",
-                           "--log-format", "json"], capture_output=True, text=True, timeout=120,
+                           "--log-format", "json"], capture_output=True, text=True, timeout=bound(120),
                           env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=tmp_path)
     assert proc.returncode == 2
     *logged, last = proc.stderr.splitlines()

@@ -26,6 +26,7 @@ from refstream.contract import Column, DatasetSchema
 from refstream.errors import ConfigError
 from tests.enrich.helpers import produce_events, publish, read_all, wait_for
 from tests.enrich.test_restart import run_then_kill, start_job
+from tests.timing import bound
 
 pytestmark = pytest.mark.integration
 
@@ -145,7 +146,7 @@ def test_held_events_survive_a_sigkill_and_are_written_once(kafka: dict[str, str
     assert 2 not in output(kafka, data)
     publish(kafka, topics["owners"], changes("b", now - timedelta(minutes=6), datetime.now(UTC)))
     proc = start_job(path, log, "--available-now")
-    assert proc.wait(300) == 0, log.read_text()[-3000:]
+    assert proc.wait(bound(300)) == 0, log.read_text()[-3000:]
     got = output(kafka, data)
     assert {n: len(rows) for n, rows in got.items()} == {1: 1, 2: 1}
     assert (got[2][0]["owner"], got[2][0]["_provisional"]) == ("b", False)

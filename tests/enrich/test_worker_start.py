@@ -15,6 +15,7 @@ import yaml
 from enrich.job import worker_start_failed
 from tests.enrich.helpers import changelog, produce_events, publish, read_all
 from tests.enrich.test_restart import SCHEMA, seed, start_job, write_config
+from tests.timing import bound
 
 pytestmark = pytest.mark.integration  # starts a job process
 
@@ -45,7 +46,7 @@ exec {sys.executable} "$@"
     wrapper.chmod(0o755)
     log = tmp_path / "job.log"
     proc = start_job(config, log, "--available-now", env={"PYSPARK_PYTHON": str(wrapper)})
-    rc = proc.wait(300)
+    rc = proc.wait(bound(300))
     text = log.read_text()
     assert rc == 0, text[-4000:]
     assert "a Python worker did not start, which is transient: starting the query again" in text, text[-4000:]

@@ -15,6 +15,7 @@ import yaml
 from refresh.config import RefreshConfig, load_config
 from refstream import contract
 from refstream.kafka import read_to_end
+from tests.timing import bound
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ def read_topic(kafka: dict[str, str], topic: str, *, heartbeats: bool = False) -
     """The topic's records; heartbeats (a run without changes publishes one; they change nothing) only
     when asked for."""
     return [Record(m.key(), m.value(), contract.header_map(m.headers()), m.partition(), m.offset())
-            for m in read_to_end(kafka, topic, timeout=20)
+            for m in read_to_end(kafka, topic, timeout=bound(20))
             if heartbeats or contract.header_map(m.headers()).get("op") != contract.OP_HEARTBEAT]
 
 

@@ -13,6 +13,7 @@ import pytest
 from refresh.cli import main
 from refstream.kafka import end_offsets
 from tests.refresh.conftest import changes, execute, read_topic
+from tests.timing import bound
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -94,12 +95,12 @@ def test_python_m_refresh_entry_point(cli_config):
     cfg, _, _ = cli_config
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-m", "refresh", "--config", str(cfg.path), "--log-level", "warning",
-                           "run", "good"], capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+                           "run", "good"], capture_output=True, text=True, timeout=bound(120), env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert "good: version 1 (diff)" in proc.stdout
     assert "good: snapshot:" not in proc.stderr  # no progress bar on a pipe or a log file
     proc = subprocess.run([sys.executable, "-m", "refresh", "--config", str(cfg.path), "run", "bad"],
-                          capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+                          capture_output=True, text=True, timeout=bound(120), env=env, cwd=ROOT)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     lines = [line for line in proc.stderr.splitlines() if line.startswith("refresh:")]
     assert lines == [f"refresh: bad: dataset bad: {cfg.path.parent / 'bad.csv'}:3: expected 2 fields, got 1: '2'"]
@@ -110,7 +111,7 @@ def run_cli(*args: str, stderr_tty: bool = False) -> tuple[int, str, str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-m", "refresh", *args]
     if not stderr_tty:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=bound(120), env=env, cwd=ROOT)
         return proc.returncode, proc.stdout, proc.stderr
     import fcntl
     import pty
@@ -133,7 +134,7 @@ def run_cli(*args: str, stderr_tty: bool = False) -> tuple[int, str, str]:
     os.close(master)
     out = proc.stdout.read().decode()
     proc.stdout.close()
-    return proc.wait(60), out, b"".join(chunks).decode(errors="replace")
+    return proc.wait(bound(60)), out, b"".join(chunks).decode(errors="replace")
 
 
 def test_error_is_one_line_and_the_traceback_only_with_debug(cli_config):
@@ -235,7 +236,7 @@ def test_refresh_run_waits_for_a_file_being_appended_to(make_config, tmp_path, u
     cli = threading.Thread(target=lambda: rc.append(main(["--config", str(cfg.path), "run", "g"])))
     cli.start()
     try:
-        assert waiting.wait(30), "refresh run read the file without waiting for it to settle"
+        assert waiting.wait(bound(30)), "refresh run read the file without waiting for it to settle"
         with p.open("a") as f:  # the writer goes on while the run waits
             f.write("2,b\n3,c\n")
     finally:

@@ -36,13 +36,14 @@ from refstream.contract import OP_DELETE, OP_HEARTBEAT, OP_SCHEMA, OP_UPSERT, de
 from refstream.errors import DataError, TerminalError, TransientError
 from refstream.kafka import end_offsets, read_to_end
 from refstream.retry import RetryPolicy
+from tests.timing import bound
 
 FAST = DaemonOptions(debounce=0.5, retry=RetryPolicy(initial=0.3, maximum=1.0), poll=0.2)
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def wait_for(pred: Callable[[], Any], timeout: float = 30.0, what: str = "condition") -> Any:
-    deadline = time.monotonic() + timeout
+    deadline = time.monotonic() + bound(timeout)
     while True:
         value = pred()
         if value:
@@ -79,7 +80,7 @@ def daemon_thread(config: RefreshConfig, options: DaemonOptions = FAST, **kw: An
 
 def records(kafka: dict[str, str], topic: str) -> list[tuple[int, Any]]:
     """(offset, Change) of every record on ``topic``, schema records included."""
-    return [(m.offset(), c) for m in read_to_end(kafka, topic, timeout=10)
+    return [(m.offset(), c) for m in read_to_end(kafka, topic, timeout=bound(10))
             if (c := decode(m.key(), m.value(), m.headers())).op != OP_HEARTBEAT]
 
 
@@ -349,7 +350,7 @@ def test_file_watch_edit_rename_and_slow_write(kafka: dict[str, str], tmp_path: 
         tmp.write_text("site_id,name\n1,a\n2,B\n")
         os.replace(tmp, f)
         wait_for(lambda: 2 in versions(), 10, "the refresh after a rename")
-        assert time.monotonic() - t0 < 8
+        assert time.monotonic() - t0 < bound(8)
         assert versions()[2] == [(OP_UPSERT, 2)]
         with f.open("a") as fh:  # a slow writer: 10 rows over ~2 s, pauses shorter than the debounce
             for i in range(3, 13):
@@ -385,7 +386,7 @@ def test_sigterm_stops_the_daemon_cleanly(mysql_url: str, kafka: dict[str, str],
             sql(mysql_url, f"UPDATE `{items}` SET name = CONCAT(name, '+') WHERE id % 7 = {i}")
             time.sleep(0.3)
         proc.send_signal(signal.SIGTERM)
-        assert proc.wait(30) == 0, (tmp_path / "daemon.log").read_text()[-3000:]
+        assert proc.wait(bound(30)) == 0, (tmp_path / "daemon.log").read_text()[-3000:]
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -397,7 +398,7 @@ def test_sigterm_stops_the_daemon_cleanly(mysql_url: str, kafka: dict[str, str],
     # Consistent state: a forced run publishes whatever the daemon had not committed, and the topic
     # then holds exactly the table.
     run = subprocess.run([sys.executable, "-m", "refresh", "--config", str(cfgp), "run", "items"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=bound(120))
     assert run.returncode == 0, run.stderr
     assert replay(records(kafka, topic)) == table_rows(mysql_url, items)
 
@@ -427,7 +428,7 @@ def test_sigterm_stops_a_daemon_stuck_in_a_read_within_10s(mysql_url: str, kafka
             t0 = time.monotonic()
             proc.send_signal(signal.SIGTERM)
             try:
-                rc = proc.wait(10)
+                rc = proc.wait(bound(10))
             except subprocess.TimeoutExpired:
                 rc = None
             stopped_in = time.monotonic() - t0
@@ -468,7 +469,7 @@ def test_forced_run_while_the_daemon_runs(mysql_url: str, kafka: dict[str, str],
                 f"DELETE FROM `{items}` WHERE id % 97 = {i}",
                 f"INSERT INTO `{items}` VALUES ({100_000 + i}, 'new{i}')")
             run = subprocess.run([sys.executable, "-m", "refresh", "--config", str(cfgp), "run", "items"],
-                                 cwd=ROOT, capture_output=True, text=True, timeout=120)
+                                 cwd=ROOT, capture_output=True, text=True, timeout=bound(120))
             assert run.returncode == 0, run.stderr
         wait_for(lambda: replay(records(kafka, topic)) == table_rows(mysql_url, items), 20, "convergence")
     recs = records(kafka, topic)
@@ -602,7 +603,7 @@ def test_sigint_stops_the_daemon_cleanly(kafka: dict[str, str], tmp_path: Path,
             wait_for(lambda: read_status(cfg)[0]["last_result"] == "ok", 60, "the start-up run")
             wait_for(lambda: (daemon_dir(cfg) / NEXT_RUNS).exists(), 10, "next_runs.json")
             proc.send_signal(signal.SIGINT)
-            assert proc.wait(30) == 0
+            assert proc.wait(bound(30)) == 0
         finally:
             if proc.poll() is None:
                 proc.kill()
@@ -632,7 +633,7 @@ def test_a_daemon_whose_broker_is_down_logs_few_lines_and_says_why(tmp_path: Pat
             time.sleep(60)
             assert proc.poll() is None, (tmp_path / "daemon.log").read_text()[-3000:]
             proc.send_signal(signal.SIGTERM)
-            assert proc.wait(60) == 0
+            assert proc.wait(bound(60)) == 0
         finally:
             if proc.poll() is None:
                 proc.kill()

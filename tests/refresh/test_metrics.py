@@ -15,10 +15,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from refresh.config import load_config
 from refstream.errors import ConfigError
 from tests.refresh.test_daemon import daemon_thread, items, sql, wait_for, write_config  # noqa: F401 - items is a fixture
+from tests.timing import bound
 
 
 def scrape(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+    with urllib.request.urlopen(url + "/metrics", timeout=bound(10)) as r:
         text = r.read().decode()
     return {(s.name, tuple(sorted(s.labels.items()))): s.value
             for fam in text_string_to_metric_families(text) for s in fam.samples}

@@ -31,6 +31,7 @@ from refstream import contract
 from refstream import kafka as rkafka
 from refstream.contract import MessageBatch
 from tests.refresh.conftest import execute, read_topic, schemas, table_view
+from tests.timing import bound
 
 ROWS = 2000
 ROOT = Path(__file__).resolve().parents[2]
@@ -88,7 +89,7 @@ def test_a_refresher_dying_half_way_shows_nothing_and_the_next_run_fences_it(mak
     execute(mysql_engine, f"UPDATE {t} SET v = 2")
 
     crashed = subprocess.run([sys.executable, "-c", CRASH, str(cfg.path), "h", str(ROWS // 2)], cwd=ROOT,
-                             timeout=120, capture_output=True, text=True)
+                             timeout=bound(120), capture_output=True, text=True)
     assert crashed.returncode == 3, crashed.stderr[-2000:]
     assert len(uncommitted(kafka, topic)) >= len(before) + ROWS // 2, "the first half reached the broker"
     assert read_topic(kafka, topic) == before, "a read_committed reader sees nothing of the unfinished run"

@@ -30,6 +30,7 @@ from refresh.stores.files import FileStateStore
 from refstream import contract
 from refstream.errors import DataError, TerminalError, TransientError
 from tests.refresh.conftest import changes, execute, read_topic, schemas, table_view
+from tests.timing import bound
 
 pytestmark = pytest.mark.integration  # starts embedded brokers of its own besides the fixtures
 
@@ -594,7 +595,7 @@ def delete_topic(kafka: dict[str, str], topic: str) -> None:
     from refstream.kafka import admin, partitions_of
 
     admin(kafka).delete_topics([topic], operation_timeout=10)[topic].result(10)
-    deadline = time.monotonic() + 20
+    deadline = time.monotonic() + bound(20)
     while partitions_of(kafka, topic):
         assert time.monotonic() < deadline, f"topic {topic} still listed after its deletion"
         time.sleep(0.1)
@@ -676,7 +677,7 @@ def test_a_read_stuck_on_a_locked_table_times_out_naming_the_dataset(make_config
         with pytest.raises(TerminalError, match=f"dataset L: query on .*table {t} timed out after "
                                                 f"statement_timeout 2s") as info:
             Refresher(cfg).run("L")
-        assert 1.5 < time.monotonic() - t0 < 10
+        assert 1.5 < time.monotonic() - t0 < bound(10)
         assert not isinstance(info.value, TransientError)  # not retried within the run
         holder.execute(sa.text("UNLOCK TABLES"))
     assert FileStateStore(cfg.state_dir).load("L").version == 1
@@ -700,8 +701,8 @@ def test_a_stop_interrupts_a_read_stuck_on_a_locked_table(make_config, mysql_eng
             t0 = time.monotonic()
             with pytest.raises(Stopped, match="dataset s: stopped while reading"):
                 Refresher(cfg).run("s", stop=stop)
-            assert time.monotonic() - t0 < 5
-            deadline = time.monotonic() + 5  # the server dropped the statement too (KILL)
+            assert time.monotonic() - t0 < bound(5)
+            deadline = time.monotonic() + bound(5)  # the server dropped the statement too (KILL)
             while processlist(mysql_engine, t) and time.monotonic() < deadline:
                 time.sleep(0.1)
             assert processlist(mysql_engine, t) == []

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from refresh.watch import FileWatcher, split_pattern
+from tests.timing import bound
 
 DEBOUNCE = 0.4
 
@@ -30,7 +31,7 @@ class Recorder:
 
     def wait(self, n: int, timeout: float = 10.0) -> list[tuple[str, float, int]]:
         with self._event:
-            self._event.wait_for(lambda: len(self.calls) >= n, timeout)
+            self._event.wait_for(lambda: len(self.calls) >= n, bound(timeout))
             return list(self.calls)
 
 

@@ -17,6 +17,7 @@ import pytest
 
 from refstream import kafka as rkafka
 from refstream.kafka import SERIAL_TXN_ENDS_ENV, SERIAL_TXNS_ENV
+from tests.timing import bound
 
 BATCHES, RECORDS = 40, 5
 
@@ -37,7 +38,7 @@ def ending_together(settings: dict[str, str], topic: str, tids: list[str]) -> No
                 for i in range(RECORDS):
                     p.produce(topic, f"{tid}:{b}:{i}".encode(), partition=0)
                 p.flush(30)
-                barrier.wait(30)  # the commits start together
+                barrier.wait(bound(30))  # the commits start together
                 p.commit_transaction(30)
         except BaseException as exc:  # noqa: BLE001 - reported by the test's thread
             failures.append(exc)
@@ -59,7 +60,7 @@ def test_concurrent_transaction_ends_on_one_partition_leave_every_commit_visible
     rkafka.ensure_topic(kafka, topic)
     base = uuid.uuid4().hex[:8]
     ending_together(kafka, topic, [f"{base}-0", f"{base}-1"])
-    got = [m.value() for m in rkafka.read_to_end(kafka, topic, timeout=20)]
+    got = [m.value() for m in rkafka.read_to_end(kafka, topic, timeout=bound(20))]
     assert len(got) == 2 * BATCHES * RECORDS, f"{len(got)} of {2 * BATCHES * RECORDS} visible to read_committed"
 
 
@@ -69,9 +70,9 @@ def _chain_link(settings: dict[str, str], topic: str, tid: str, parts: list[int]
     write ``parts``, say so (``opened``), then commit once ``wait_for`` is set or 3 s have passed."""
     p = rkafka.producer(settings, role="transactional", **{"transactional.id": tid})
     p.init_transactions(30)
-    ready.wait(60)
+    ready.wait(bound(60))
     if after is not None:
-        after.wait(60)
+        after.wait(bound(60))
     p.begin_transaction()
     for part in parts:
         for i in range(RECORDS):
@@ -106,5 +107,5 @@ def test_transactions_of_processes_that_would_end_beside_open_ones_all_become_vi
     for p in procs:
         p.join(120)
     assert [p.exitcode for p in procs] == [0, 0, 0]
-    got = [m.value() for m in rkafka.read_to_end(kafka, topic, timeout=20)]
+    got = [m.value() for m in rkafka.read_to_end(kafka, topic, timeout=bound(20))]
     assert len(got) == 4 * RECORDS, f"{len(got)} of {4 * RECORDS} visible to read_committed"

@@ -23,6 +23,7 @@ from tests.enrich.calls.server import serve
 from tests.enrich.helpers import produce_events, read_all
 from tests.enrich.kill import session_pids
 from tests.enrich.test_restart import start_job
+from tests.timing import bound
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -57,18 +58,18 @@ def test_a_kill_during_calls_leaves_one_response_per_call_and_each_event_once(
                         for i in range(TOTAL)], partitions=2)
         log = tmp_path / "job.log"
         proc = start_job(config, log, "--available-now")
-        deadline = time.monotonic() + 240
+        deadline = time.monotonic() + bound(240)
         while svc.served < DEVICES // 2 and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.02)
         assert proc.poll() is None, f"the job ended before the kill: {log.read_text()[-3000:]}"
         for pid in session_pids(proc.pid):
             os.kill(pid, signal.SIGKILL)
-        assert proc.wait(30) == -signal.SIGKILL
+        assert proc.wait(bound(30)) == -signal.SIGKILL
         recorded = list(CheckpointLayout(Path(cfg["checkpoint"])).calls.glob("*/*.json"))
         before = Counter(svc.keys)
 
         proc = start_job(config, log, "--available-now")
-        assert proc.wait(300) == 0, log.read_text()[-3000:]
+        assert proc.wait(bound(300)) == 0, log.read_text()[-3000:]
 
     rows = [json.loads(m.value()) for m in read_all(kafka, cfg["output"]["kafka"]["topic"])]
     got = Counter(r["n"] for r in rows)

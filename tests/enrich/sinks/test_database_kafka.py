@@ -28,6 +28,7 @@ from enrich.job import EnrichJob
 from enrich.sinks.database.connect import connect, quote
 from refstream import kafka as rkafka
 from tests.enrich.helpers import produce_events, read_all
+from tests.timing import bound
 
 pytestmark = pytest.mark.integration
 
@@ -115,7 +116,7 @@ def test_no_record_is_visible_before_its_row(spark: SparkSession, kafka: dict[st
     watcher.start()
     try:
         EnrichJob(config.parse(data, "test.yaml"), available_now=True).run(spark)
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + bound(60)
         while watcher.is_alive() and len(seen) < TOTAL and time.monotonic() < deadline:
             time.sleep(0.2)
     finally:

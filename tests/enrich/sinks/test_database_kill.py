@@ -26,6 +26,7 @@ from enrich.sinks.database.connect import connect, quote
 from tests.enrich.helpers import produce_events
 from tests.enrich.kill import read_note, session_pids
 from tests.enrich.test_restart import start_job, write_config
+from tests.timing import bound
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -52,11 +53,11 @@ def test_kill_between_two_slots_commits_leaves_each_event_once(
     log, flag = tmp_path / "job.log", tmp_path / "killed"
 
     proc = start_job(config, log, "--available-now", kill=f"job:1+:*:{flag}")
-    rc = proc.wait(300)
+    rc = proc.wait(bound(300))
     note = read_note(flag) if flag.exists() else None
     assert rc == -signal.SIGKILL and note is not None, f"exit {rc}, no kill: {log.read_text()[-3000:]}"
     assert note["other"] is not None, f"no other slot committed batch {note['batch']}: {note}"
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + bound(10)
     while session_pids(proc.pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert session_pids(proc.pid) == [], "a process of the killed job survived"
@@ -68,7 +69,7 @@ def test_kill_between_two_slots_commits_leaves_each_event_once(
     assert last is None or last < batch
 
     proc = start_job(config, log, "--available-now")
-    assert proc.wait(300) == 0, log.read_text()[-3000:]
+    assert proc.wait(bound(300)) == 0, log.read_text()[-3000:]
     rows = fetch(url, dialect, f"SELECT n, device_id, state_events FROM {quote(dialect, table)}")
     assert sorted(r[0] for r in rows) == list(range(TOTAL))
     counts: dict[str, list[tuple[int, int]]] = defaultdict(list)

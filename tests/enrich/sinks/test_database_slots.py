@@ -18,6 +18,7 @@ from enrich.sinks.database.connect import connect
 from enrich.sinks.database.slots import write_slot
 from enrich.sinks.database.tables import TableSpec, ensure_tables, table_spec
 from refstream.errors import ConfigError
+from tests.timing import bound
 
 pytestmark = pytest.mark.integration
 
@@ -96,12 +97,12 @@ def test_concurrent_attempt_waits_and_writes_nothing(db: tuple[TableSpec, Any]) 
 
     def hold() -> None:
         inside.set()
-        assert release.wait(30)
+        assert release.wait(bound(30))
 
     first = threading.Thread(target=lambda: results.update(
         first=write_slot(conn, spec, "q", 2, 3, rows(("a", 1, 1.0)), written=hold)))
     first.start()
-    assert inside.wait(30)
+    assert inside.wait(bound(30))
     other = threading.Thread(target=lambda: results.update(
         other=write_slot(second, spec, "q", 2, 3, rows(("z", 1, 1.0)))))
     other.start()

@@ -21,6 +21,7 @@ from enrich.ops.state_db import device_state_from_database
 from enrich.sinks.database.connect import connect
 from refstream.contract import Column, DatasetSchema
 from tests.enrich.helpers import changelog, produce_events, publish, read_all
+from tests.timing import bound
 
 pytestmark = pytest.mark.integration
 
@@ -108,7 +109,7 @@ def test_state_rows_equal_the_devices_state(spark: SparkSession, kafka: dict[str
     cfg = config.parse(data, "test.yaml")
     started = time.monotonic()
     answer = device_state_from_database(cfg, "a")
-    assert time.monotonic() - started < 1.0
+    assert time.monotonic() - started < bound(1.0)
     assert answer == {**device_state(cfg, "a", spark=spark).to_json(), "source": "database"}
     assert answer["state"]["events"] == 3 and answer["batch_id"] is not None
     absent = device_state_from_database(cfg, "zz")

@@ -17,9 +17,10 @@ import yaml
 
 from refstream.contract import Column, DatasetSchema
 from tests.enrich.helpers import changelog, produce_events, publish, read_all
-from tests.enrich.spark_cluster import Cluster
+from tests.enrich.spark_cluster import Cluster, both_executors
 from tests.enrich.state.test_partitioned import SITES
 from tests.enrich.test_restart import start_job, write_config
+from tests.timing import bound
 
 SCHEMA = DatasetSchema("devices", ("device_id",), (Column("device_id", "string"), Column("owner", "string")))
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
@@ -45,7 +46,7 @@ def test_device_state_and_a_partitioned_dimension_on_a_two_worker_standalone_clu
                                "schema": "device_id STRING, ts TIMESTAMP, temp DOUBLE, n INT, site_id STRING"},
                        state={"key": "device_id", "timestamp": "ts", "watermark": "2h", "buckets": 8,
                               "aggregates": {"temp": ["max", "mean"], "owner": ["last"], "city": ["last"]}},
-                       spark={"spark.executor.memory": "512m", "spark.cores.max": "2", "spark.driver.memory": "1g",
+                       spark={"spark.executor.memory": "512m", **both_executors(), "spark.driver.memory": "1g",
                               "spark.driver.host": "127.0.0.1", "spark.sql.shuffle.partitions": "2"})
     cfg["joins"][0]["strategy"] = "partitioned"
     # A broadcast join the state aggregates: joined in the plan, from the files the driver writes.
@@ -63,7 +64,7 @@ def test_device_state_and_a_partitioned_dimension_on_a_two_worker_standalone_clu
     log = tmp_path / "job.log"
     earlier = {a["id"] for a in cluster.apps()}  # the cluster is the session's: other tests' jobs ran on it
     proc = start_job(config, log, "--available-now", master=cluster.master)
-    assert proc.wait(600) == 0, log.read_text()[-4000:]  # a standalone cluster on a loaded 2-core machine: 5+ min seen
+    assert proc.wait(bound(600)) == 0, log.read_text()[-4000:]  # a standalone cluster on a loaded 2-core machine: 5+ min seen
     apps = [a["id"] for a in cluster.apps() if a["id"] not in earlier]
     assert len(apps) == 1, apps
     for i in range(2):  # each worker launched an executor for the job

@@ -20,6 +20,7 @@ from enrich.state.stream import CHANGELOG_CONF
 from refstream.contract import Column, DatasetSchema
 from refstream.errors import ConfigError
 from tests.enrich.helpers import changelog, produce_events, publish, read_all, read_settled
+from tests.timing import bound
 
 DEVICES = DatasetSchema("devices", ("device_id",), (Column("device_id", "string"), Column("owner", "string")))
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
@@ -223,7 +224,7 @@ def test_sigkill_then_restart_continues_every_device_count(kafka: dict[str, str]
     flag = tmp_path / "killed"
     proc = start_job(config, log, "--available-now", master="local[2,4]",
                      kill=f"{0 if last is None else last + 1}+:*:{flag}")
-    assert proc.wait(300) == 0, log.read_text()[-3000:]
+    assert proc.wait(bound(300)) == 0, log.read_text()[-3000:]
     assert flag.exists(), "the hook did not fire"
     rows = [json.loads(m.value()) for m in read_all(kafka, out_topic)]
     got = Counter(r["n"] for r in rows)

@@ -17,6 +17,7 @@ from refresh.config import FileSourceConfig
 from refresh.errors import EmptySnapshot, FileNotStable
 from refresh.sources.files import FileSource, stat_files
 from refstream.errors import DataError
+from tests.timing import bound
 
 
 def src(path: Path | str, fmt: str, **kw) -> FileSource:
@@ -158,7 +159,7 @@ def test_a_file_being_appended_to_is_read_once_it_settles(tmp_path: Path, settle
     reader.start()
     try:
         # The file was written just now: the read waits; rows appended meanwhile are read too.
-        assert settle_log.seen.wait(10), "the read did not wait for the file to settle"
+        assert settle_log.seen.wait(bound(10)), "the read did not wait for the file to settle"
         with p.open("a") as f:
             f.write("2,b\n3,c\n")
     finally:
@@ -187,7 +188,7 @@ def test_a_file_that_never_settles_fails_naming_it(tmp_path: Path) -> None:
     finally:
         stop.set()
         writer.join()
-    assert time.monotonic() - t0 < 5  # bounded by stable_timeout (plus one interval)
+    assert time.monotonic() - t0 < bound(5)  # bounded by stable_timeout (plus one interval)
 
 
 def test_a_file_changed_during_the_read_is_read_again(tmp_path: Path) -> None:
@@ -216,7 +217,7 @@ def test_a_file_appearing_in_the_glob_is_waited_for(tmp_path: Path, settle_log) 
         src(tmp_path / "*.csv", "csv", stable_for=dt.timedelta(seconds=0.5)).read()))
     reader.start()
     try:
-        assert settle_log.seen.wait(10), "the read did not wait for the files to settle"
+        assert settle_log.seen.wait(bound(10)), "the read did not wait for the files to settle"
         (tmp_path / "b.csv").write_text("id\n2\n")  # the export's second file lands meanwhile
     finally:
         reader.join(10)
