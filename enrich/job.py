@@ -33,7 +33,7 @@ from pyspark.sql.streaming import DataStreamWriter, StreamingQuery
 
 from enrich import events, join
 from enrich.accumulators import KeyedCounts, KeyedTallies
-from enrich.calls.step import read_tallies
+from enrich.calls.step import STARTED_PROPERTY, read_tallies
 from enrich.checkpoint import CheckpointLayout
 from enrich.columns import ERROR, LATE
 from enrich.config import EnrichConfig
@@ -445,6 +445,8 @@ class EnrichJob:
         if files is not None or facts is not None:  # joins in the plan, or waiting: the tasks learn it here
             st.spark.sparkContext.setLocalProperty(join.PINNED_PROPERTY, join.pinned_property(
                 shipped, str(files.resolve()) if files is not None else None, facts))
+        if self._call_counts is not None:  # the calls' budgets run from here
+            st.spark.sparkContext.setLocalProperty(STARTED_PROPERTY, repr(time.time()))
         jp = self._join_pass()
         matched = tuple(s.matched for s in jp.specs)
         # A sink that does not count the unmatched events it writes (Parquet, console): the join pass

@@ -75,7 +75,8 @@ class EnrichMetrics:
         if self.calls is None:
             self.calls = Counter("refstream_enrich_calls", "External calls by call and result: ok, error, timeout "
                                  "(the last try timed out), retried (tries after the first), replayed (a response "
-                                 "recorded by an earlier attempt of the batch, reused)", ["call", "result"],
+                                 "recorded by an earlier attempt of the batch, reused), skipped (circuit breaker "
+                                 "open or the batch's budget spent)", ["call", "result"],
                                  registry=self.registry)
         for (call, result), n in counts.items():
             self.calls.labels(call, result).inc(n)

@@ -10,7 +10,7 @@ from enrich.calls.fields import ResponseType, column
 from enrich.calls.template import STATE, Template
 from refstream.config import Section, allowed_values
 
-__all__ = ["CallConfig", "HttpMethod", "OnError", "RetryConfig", "parse_calls"]
+__all__ = ["BreakerConfig", "CallConfig", "HttpMethod", "OnError", "RetryConfig", "parse_calls"]
 
 #: POST sends the body as JSON; GET sends its fields as query parameters.
 HttpMethod = Literal["POST", "GET"]
@@ -29,6 +29,16 @@ class RetryConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class BreakerConfig:
+    """After ``failures`` calls in a row failed (after their retries: refused, timed out, 429, 5xx)
+    the call is skipped, as an error, for ``cooldown``; then tried again (one more failure opens it
+    again). Kept per Python worker."""
+
+    failures: int = 20
+    cooldown: timedelta = timedelta(seconds=30)
+
+
+@dataclass(frozen=True, kw_only=True)
 class CallConfig:
     """One external call. ``refresh``: None calls once per device state, ``timedelta(0)`` for every
     event, else again when the stored result is older than that in event time."""
@@ -44,6 +54,9 @@ class CallConfig:
     concurrency: int = 64
     on_error: OnError = "null"
     needs: tuple[str, ...] = ()
+    #: How long a batch may spend on this call, from its start: a call not ended by then is skipped.
+    budget: timedelta = timedelta(seconds=60)
+    circuit_breaker: BreakerConfig = BreakerConfig()
 
     @property
     def every_event(self) -> bool:
@@ -147,9 +160,21 @@ def _call(sec: Section) -> CallConfig:
     concurrency = sec.get("concurrency", int, 64)
     if concurrency < 1:
         raise sec.error(f"call {name!r}: must be positive", "concurrency")
+    budget = sec.duration("budget", timedelta(seconds=60))
+    if budget <= timedelta(0):
+        raise sec.error(f"call {name!r}: must be positive", "budget")
+    cb = sec.section("circuit_breaker", {})
+    breaker = BreakerConfig(failures=cb.get("failures", int, 20), cooldown=cb.duration("cooldown",
+                                                                                     timedelta(seconds=30)))
+    cb.done()
+    if breaker.failures < 1:
+        raise sec.error(f"call {name!r}: must be at least 1", "circuit_breaker.failures")
+    if breaker.cooldown <= timedelta(0):
+        raise sec.error(f"call {name!r}: must be positive", "circuit_breaker.cooldown")
     cfg = CallConfig(name=name, url=url, method=method, body=Template(body), response=tuple(response),
                      refresh=_refresh(sec, name), timeout=timeout, retries=retry, concurrency=concurrency,
-                     on_error=sec.choice("on_error", OnError, "null"), needs=tuple(sec.str_list("needs", [])))
+                     on_error=sec.choice("on_error", OnError, "null"), needs=tuple(sec.str_list("needs", [])),
+                     budget=budget, circuit_breaker=breaker)
     sec.done()
     return cfg
 

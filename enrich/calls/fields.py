@@ -3,6 +3,8 @@ conversion of a JSON response into them (an error naming the call and the field 
 
 from __future__ import annotations
 
+import math
+import reprlib
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -51,6 +53,18 @@ def _typed(call: str, name: str, typ: str, v: Any) -> Any:
           "BIGINT": isinstance(v, int) and not isinstance(v, bool) and -2**63 <= v < 2**63,
           "INT": isinstance(v, int) and not isinstance(v, bool) and -2**31 <= v < 2**31,
           "BOOLEAN": isinstance(v, bool)}[typ]
+    if ok and typ == "DOUBLE":
+        try:
+            v = float(v)
+        except OverflowError:  # an integer past a double's range: never +-inf
+            ok = False
+        else:
+            ok = math.isfinite(v)  # 1e400 reads as inf, NaN as nan: neither is a value of the call
     if not ok:
-        raise ResponseError(f"call {call}: field {name!r} is {v!r}, not {typ}")
-    return float(v) if typ == "DOUBLE" else v
+        raise ResponseError(f"call {call}: field {name!r} is {_SHOW.repr(v)}, not {typ}")
+    return v
+
+
+#: A value in an error: short, and safe for one nested 100k deep (plain repr would recurse).
+_SHOW = reprlib.Repr()
+_SHOW.maxlevel, _SHOW.maxstring, _SHOW.maxother, _SHOW.maxlong = 3, 60, 60, 40

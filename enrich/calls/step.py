@@ -17,10 +17,12 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from urllib.parse import quote
 
 import numpy as np
 import pyarrow as pa
@@ -34,7 +36,7 @@ from enrich.calls.record import read_record, write_record
 from enrich.calls.template import STATE, Ref
 from enrich.checkpoint import CheckpointLayout
 
-__all__ = ["FAILED", "BucketCalls", "CallStep", "KEY", "read_tallies"]
+__all__ = ["FAILED", "STARTED_PROPERTY", "BucketCalls", "CallStep", "KEY", "read_tallies"]
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +44,9 @@ KEY = "_key"
 #: Spark's local properties of a micro-batch's jobs: the query's id (kept in its checkpoint, the same
 #: across restarts) and the batch id.
 QUERY_ID, BATCH_ID = "sql.streaming.queryId", "streaming.sql.batchId"
+#: The local property the driver sets at a micro-batch's start (its wall clock, seconds since the
+#: epoch): the calls' ``budget`` runs from it, whichever task and worker makes them.
+STARTED_PROPERTY = "refstream.calls.started"
 #: A tally's label suffix of a call's failures (not a result of ``refstream_enrich_calls_total``).
 FAILED = "!failed"
 
@@ -116,11 +121,16 @@ class CallStep:
         return None if pc.all(keep).as_py() else table.filter(keep)
 
     def run(self, bucket: int, table: pa.Table, key: str, ts_us: np.ndarray, state: pa.StructArray,
-            stored: pa.Table | None, ids: tuple[str, int] | None = None) -> BucketCalls:
+            stored: pa.Table | None, ids: tuple[str, int] | None = None,
+            start: float | None = None) -> BucketCalls:
         """The calls of one bucket's events ``table`` (in output order; ``key`` its device column,
         ``ts_us`` the event times, ``state`` each event's state struct, null where not applied:
         late events and dead letters make no call), given the stored call table (expired devices
-        already dropped). ``ids``: the query id and batch id (default: Spark's local properties)."""
+        already dropped). ``ids``: the query id and batch id (default: Spark's local properties);
+        ``start``: the batch's start on ``time.monotonic()`` (default: :data:`STARTED_PROPERTY`,
+        else now), which the calls' budgets run from."""
+        if start is None:
+            start = _start(ids is None)
         query, batch = ids if ids is not None else _ids()
         n = table.num_rows
         if stored is None:
@@ -167,7 +177,7 @@ class CallStep:
         seeds = (stored.take(pa.array(at[order], mask=at[order] < 0)).to_pylist() if stored.num_rows else None)
         record = CheckpointLayout(Path(self.checkpoint)).call_record(batch, bucket)
         recorded = read_record(record)
-        run = _Run(self, recorded, f"{query}-{batch}-")
+        run = _Run(self, recorded, f"{query}-{batch}-", start)
         groups: list[tuple[int, int]] = []
         start = 0
         for i in range(1, len(order) + 1):
@@ -193,11 +203,14 @@ class CallStep:
                         nth = made.get(c.name, 0)
                         made[c.name] = nth + 1
                         body = c.body.render(functools.partial(_value, i=i, ev=ev, st=st, cur=cur))
-                        outcome = await run.call(c, body, f"{dev[lo]}-{c.name}-{nth}")
+                        # Quoted: the key goes into a header, which a device id's control character would break.
+                        outcome = await run.call(c, body, f"{quote(str(dev[lo]), safe='')}-{c.name}-{nth}")
                         _set(cur, c, outcome.result == "ok", ts[i], outcome.values)
                         if outcome.result != "ok":
                             run.failed(c, dev[lo], outcome)
-                            if c.on_error == "dead_letter" and reasons[i] is None:
+                            # A data error fails again on every replay: never the batch, a dead letter instead.
+                            if (c.on_error == "dead_letter" or (c.on_error == "fail" and outcome.data)) \
+                                    and reasons[i] is None:
                                 reasons[i] = f"call {c.name} failed: {outcome.error}"
                     per_event[i].update({col: cur.get(col) for col in c.columns})
             finals.append(cur)
@@ -212,7 +225,7 @@ class CallStep:
             kept = write_record(record, run.fresh)
             if any(kept[k].to_json() != o.to_json() for k, o in run.fresh.items()):
                 # Another attempt of this bucket recorded first: go again with what it recorded.
-                return self.run(bucket, table, key, ts_us, state, stored, (query, batch))
+                return self.run(bucket, table, key, ts_us, state, stored, (query, batch), start)
         run.log_errors(bucket)
         # The events gone through take their values from per_event; the others the stored ones.
         sel = np.where((at >= 0) & applied, at, -1)
@@ -248,8 +261,9 @@ def _value(ref: Ref, i: int, ev: Mapping[str, list[Any]], st: Mapping[str, list[
 class _Run:
     """One bucket's calls: recorded outcomes reused, new ones made and kept, counts, failures."""
 
-    def __init__(self, step: CallStep, recorded: dict[str, Outcome], prefix: str) -> None:
+    def __init__(self, step: CallStep, recorded: dict[str, Outcome], prefix: str, start: float) -> None:
         self.recorded, self.prefix = recorded, prefix
+        self.deadlines = {c.name: start + c.budget.total_seconds() for c in step.calls}
         self.fresh: dict[str, Outcome] = {}
         self.counts: dict[tuple[str, str], int] = {}
         self.errors: dict[str, tuple[int, str]] = {}
@@ -267,21 +281,36 @@ class _Run:
             self.count(c.name, "replayed")
             return got
         async with self.limits[c.name]:
-            outcome = await client.client().call(c, body, key)
+            outcome = await client.client().call(c, body, key, self.deadlines[c.name])
         self.fresh[key] = outcome
         self.count(c.name, outcome.result)
-        self.count(c.name, "retried", outcome.tries - 1)
+        self.count(c.name, "retried", max(0, outcome.tries - 1))
         return outcome
 
     def failed(self, c: CallConfig, device: Any, outcome: Outcome) -> None:
         n, first = self.errors.get(c.name, (0, f"device {device}: {outcome.error}"))
         self.errors[c.name] = (n + 1, first)
-        if c.on_error == "fail" and self.fatal is None:
+        if c.on_error == "fail" and not outcome.data and self.fatal is None:
             self.fatal = f"call {c.name} failed for device {device}: {outcome.error}"
 
     def log_errors(self, bucket: int) -> None:
         for name, (n, first) in self.errors.items():
             log.warning("call %s failed %d time(s) in bucket %d (first: %s)", name, n, bucket, first)
+
+
+def _start(in_spark: bool) -> float:
+    """The batch's start on this process's ``time.monotonic()``: from the driver's
+    :data:`STARTED_PROPERTY` inside a task (clocks apart by less than a batch), else now."""
+    now = time.monotonic()
+    if not in_spark:
+        return now
+    from pyspark import TaskContext
+
+    ctx = TaskContext.get()
+    raw = ctx.getLocalProperty(STARTED_PROPERTY) if ctx is not None else None
+    if raw is None:
+        return now
+    return now - max(0.0, time.time() - float(raw))
 
 
 def _ids() -> tuple[str, int]:

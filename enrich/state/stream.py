@@ -300,7 +300,7 @@ def _packed_events(raw: DataFrame, pipeline: Pipeline, parser: FastParser | None
                            ingest.events_schema(to_arrow_schema(st.joined, timezone=timezone)),
                            to_arrow_schema(out, timezone=timezone), st.before_specs, parse,
                            state_cfg.max_future_skew,
-                           keep_values=any(c.on_error == "dead_letter" for c in cfg.calls))
+                           keep_values=any(c.on_error != "null" for c in cfg.calls))  # fail: data errors too
 
     def clocked(df: DataFrame) -> DataFrame:
         # The batch's time, not each executor's clock: Spark records it in the offset log and a

@@ -10,6 +10,7 @@ the requests per path and per Idempotency-Key, keeps the bodies, and answers by 
 - ``/picky``: 503 for the devices in ``refuse``, else ``/score``'s answer
 - ``/unique``: a new score at every request (a count), after ``delay`` seconds
 - ``/bad``: not JSON; ``/partial``: JSON without ``level``.
+- ``/raw``: the text in ``answers`` for the body's ``device`` (as JSON), else ``{"score": 1.5}``.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class Service:
     keys: Counter[str] = field(default_factory=Counter)
     paths: Counter[str] = field(default_factory=Counter)
     bodies: list[tuple[str, Any]] = field(default_factory=list)
+    answers: dict[str, str] = field(default_factory=dict)   # /raw: the response text per device
 
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.port}{path}"
@@ -78,6 +80,9 @@ class Service:
             return web.json_response({"got": json.dumps(body, sort_keys=True)})
         if path == "/bad":
             return web.Response(text="{not json", content_type="application/json")
+        if path == "/raw":
+            return web.Response(text=self.answers.get(body.get("device"), '{"score": 1.5}'),
+                                content_type="application/json")
         if path == "/partial":
             return web.json_response({"score": 1.0})
         return web.Response(status=404)
@@ -121,3 +126,49 @@ def free_port() -> int:
     port = s.getsockname()[1]
     s.close()
     return int(port)
+
+
+@dataclass
+class Blackhole:
+    """A service that accepts connections and never answers (nor reads): every try times out."""
+
+    port: int = 0
+    accepted: int = 0
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+
+@contextmanager
+def blackhole() -> Iterator[Blackhole]:
+    """A :class:`Blackhole` on a free port of 127.0.0.1 until the block ends; it counts connections."""
+    hole = Blackhole()
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(1024)
+    sock.settimeout(0.2)
+    hole.port = sock.getsockname()[1]
+    held: list[socket.socket] = []
+    stop = threading.Event()
+
+    def main() -> None:
+        while not stop.is_set():
+            try:
+                conn, _ = sock.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            held.append(conn)
+            hole.accepted += 1
+
+    thread = threading.Thread(target=main, daemon=True)
+    thread.start()
+    try:
+        yield hole
+    finally:
+        stop.set()
+        thread.join(10)
+        for conn in held:
+            conn.close()
+        sock.close()

@@ -91,3 +91,34 @@ def test_calls_run_concurrently_over_reused_connections(service: Service) -> Non
     got = run(many())
     assert all(o.result == "ok" for o in got) and time.monotonic() - t0 < 2
     assert sorted(o.values["score"] for o in got if o.values) == [i * 10.0 for i in range(50)]
+
+
+def test_the_breaker_opens_after_failures_in_a_row_and_closes_after_its_cooldown(service: Service) -> None:
+    from enrich.calls.config import BreakerConfig
+
+    service.down = True
+    c = call(service.url("/score"), circuit_breaker=BreakerConfig(failures=2, cooldown=timedelta(seconds=60)))
+    breaker = client().breaker(c)
+    now = [0.0]
+    breaker.clock = lambda: now[0]
+    assert [make(c).result for _ in range(2)] == ["error", "error"]
+    made = service.paths["/score"]
+    skipped = make(c)
+    assert skipped.result == "skipped" and skipped.tries == 0 and "circuit breaker open" in str(skipped.error)
+    assert service.paths["/score"] == made   # no request while open
+    now[0] = 61.0                             # cooled down: tried again, one failure opens it again
+    assert make(c).result == "error" and make(c).result == "skipped"
+    now[0] = 122.0
+    service.down = False
+    assert make(c).result == "ok" and breaker.in_a_row == 0
+
+
+def test_a_try_past_the_budgets_deadline_is_cut_short_and_skipped(service: Service) -> None:
+    from tests.enrich.calls.server import blackhole
+
+    with blackhole() as hole:
+        c = call(hole.url("/x"), timeout=timedelta(hours=1))
+        got = run(client().call(c, {}, "k", time.monotonic() + 0.5))
+        assert got.result == "skipped" and "budget" in str(got.error) and got.tries == 1
+        late = run(client().call(c, {}, "k", time.monotonic() - 1))
+        assert late == Outcome("skipped", None, late.error, 0) and hole.accepted == 1

@@ -31,6 +31,11 @@ def test_defaults_and_durations_are_parsed_at_load() -> None:
     assert (c.method, c.refresh, c.timeout, c.retries.attempts, c.retries.backoff, c.concurrency, c.on_error) == \
         ("POST", timedelta(minutes=10), timedelta(milliseconds=250), 2, timedelta(seconds=1), 64, "null")
     assert c.response == (("x", "DOUBLE"),) and c.columns == ("risk_x",)
+    assert (c.budget, c.circuit_breaker.failures, c.circuit_breaker.cooldown) == (
+        timedelta(seconds=60), 20, timedelta(seconds=30))
+    (b,) = parse([call("b", budget="5m", circuit_breaker={"failures": 3, "cooldown": "1m"})]).calls
+    assert (b.budget, b.circuit_breaker.failures, b.circuit_breaker.cooldown) == (
+        timedelta(minutes=5), 3, timedelta(minutes=1))
     once, every = parse([call("a"), call("b", refresh="every event")]).calls
     assert once.refresh is None and not once.every_event and every.every_event
 
@@ -55,6 +60,10 @@ def test_calls_are_ordered_by_needs() -> None:
     ([call("a", url="ftp://x")], r"calls\[0\].url: call 'a': 'ftp://x' is not an http"),
     ([call("a", timeout="soon")], r"calls\[0\].timeout"),
     ([call("a", colour="red")], r"calls\[0\]: unknown key\(s\): colour"),
+    ([call("a", budget="0s")], r"calls\[0\].budget: call 'a': must be positive"),
+    ([call("a", circuit_breaker={"failures": 0})], r"calls\[0\].circuit_breaker.failures: call 'a': must be at least 1"),
+    ([call("a", circuit_breaker={"cooldown": "never"})], r"calls\[0\].circuit_breaker.cooldown"),
+    ([call("a", circuit_breaker={"open": 1})], r"calls\[0\].circuit_breaker: unknown key\(s\): open"),
 ])
 def test_errors_name_the_file_the_call_and_the_key(calls: list[dict[str, Any]], message: str) -> None:
     with pytest.raises(ConfigError, match=r"^enrich.yaml: " + ".*" + message):

@@ -20,7 +20,7 @@ from enrich.job import EnrichJob
 from enrich.ops.device import device_state
 from enrich.pipeline import Pipeline
 from refstream.errors import ConfigError, TerminalError
-from tests.enrich.calls.server import Service, free_port, serve
+from tests.enrich.calls.server import Service, blackhole, free_port, serve
 from tests.enrich.helpers import produce_events, read_all
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
@@ -269,3 +269,75 @@ def test_devices_expired_dropped_and_back_with_every_kind_of_call_result(
     for d, e in zip(back, out[16:], strict=True):
         found = device_state(cfg, d, spark=spark)
         assert found.found == "present" and found.state == e["state"], d
+
+
+def _batch_counts(log: str, batch: int) -> dict[str, int]:
+    """The driver's ``batch N: calls <call> <result> <n>, ...`` line as ``{"<call> <result>": n}``."""
+    m = re.search(rf"batch {batch}: calls (.+)", log)
+    assert m, log[-2000:]
+    return {" ".join(p.split()[:2]): int(p.split()[2]) for p in m.group(1).split(", ")}
+
+
+@pytest.mark.integration
+def test_a_service_that_never_answers_is_cut_off_by_the_breaker_and_the_budget(
+        spark: SparkSession, kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    # Issue 39: a black-holed service held each batch for (calls x tries x timeout / concurrency).
+    devices = 40
+    with blackhole() as hole, blackhole() as stuck_hole:
+        calls = [
+            # fails twice in a row (2 tries of 1s each), then skipped for the hour
+            {"name": "risk", "url": hole.url("/x"), "response": {"score": "DOUBLE"}, "timeout": "1s",
+             "retries": {"attempts": 2, "backoff": "10ms"}, "concurrency": 2,
+             "circuit_breaker": {"failures": 2, "cooldown": "1h"}},
+            # a try would wait an hour and the breaker never opens: the budget ends the batch
+            {"name": "stuck", "url": stuck_hole.url("/y"), "response": {"x": "DOUBLE"}, "timeout": "1h",
+             "budget": "3s", "concurrency": 4, "circuit_breaker": {"failures": 1000}},
+        ]
+        data = job_config(kafka, unique, tmp_path, calls, batch=devices)
+        data["kafka_settings"] = kafka
+        caplog.set_level(logging.INFO, logger="enrich")
+        out = run(spark, data, [{"device_id": f"d{i}", "ts": at(0), "temp": 1.0, "n": i} for i in range(devices)])
+        accepted = hole.accepted
+    assert [e["n"] for e in out] == list(range(devices))
+    assert all(e["risk_score"] is None and e["stuck_x"] is None for e in out)
+    counts = _batch_counts(caplog.text, 0)
+    # skipped calls count as results of their own (refstream_enrich_calls_total{result="skipped"})
+    assert counts.get("risk skipped", 0) >= devices // 2, counts
+    assert sum(counts.get(f"risk {r}", 0) for r in ("error", "timeout", "skipped")) == devices, counts
+    assert counts["stuck skipped"] == devices and "stuck ok" not in counts, counts
+    # without the breaker: 80 connections (2 tries per device); with it a few per Python worker
+    assert accepted < devices, accepted
+
+
+@pytest.mark.integration
+def test_a_bad_value_in_a_request_or_a_response_is_a_call_error_never_a_failed_query(
+        spark: SparkSession, kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    # Issue 39: each of these stopped the query for good (every replay met the same value).
+    answers = {"big": json.dumps({"score": 2**1100}), "digits": '{"score": ' + "7" * 400 + "}",
+               "inf": '{"score": 1e400}', "nan": '{"score": NaN}', "deep": '{"score": ' + "[" * 100_000 + "]" * 100_000 + "}"}
+    with serve(answers=answers) as svc:
+        raw = {"url": svc.url("/raw"), "body": {"device": "{device_id}"}, "response": {"score": "DOUBLE"},
+               "retries": {"attempts": 1}}
+        calls = [{"name": "strict", "on_error": "fail", **raw}, {"name": "lax", "on_error": "null", **raw},
+                 # the device id goes into the Idempotency-Key header of every call
+                 {"name": "risk", "url": svc.url("/score"), "on_error": "fail", "response": {"score": "DOUBLE"},
+                  "body": {"events": "{state.events}"}}]
+        data = job_config(kafka, unique, tmp_path, calls, batch=20)
+        data["kafka_settings"] = kafka
+        devices = ["fine", "ctl\nnewline", "ctl\x01one", *answers]
+        caplog.set_level(logging.INFO, logger="enrich")
+        out = run(spark, data, [{"device_id": d, "ts": at(0), "temp": 1.0, "n": i} for i, d in enumerate(devices)])
+    assert [(e["device_id"], e["strict_score"], e["lax_score"], e["risk_score"]) for e in out] == [
+        ("fine", 1.5, 1.5, 10.0), ("ctl\nnewline", 1.5, 1.5, 10.0), ("ctl\x01one", 1.5, 1.5, 10.0)]
+    # on_error fail: a value's error is a dead letter with its reason, not a failed batch
+    # the original event, byte for byte, with the reason
+    dead = {json.loads(m.value())["device_id"]: dict(m.headers())["error"].decode()
+            for m in read_all(kafka, data["dead_letter_topic"])}
+    assert set(dead) == set(answers)
+    for d in ("big", "digits", "inf", "nan"):
+        assert re.fullmatch(r"call strict failed: call strict: field 'score' is \S+, not DOUBLE", dead[d]), dead[d]
+    assert dead["deep"] == "call strict failed: call strict: the response is nested too deep to read"
+    assert _batch_counts(caplog.text, 0) == {"lax error": 5, "lax ok": 3, "risk ok": 8, "strict error": 5,
+                                             "strict ok": 3}
