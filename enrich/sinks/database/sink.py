@@ -32,7 +32,7 @@ from enrich.events import SOURCE_TYPES
 from enrich.sinks.abc import Counted, EnrichedBatch
 from enrich.sinks.database.connect import connect, quote, transient
 from enrich.sinks.database.slots import write_slot
-from enrich.sinks.database.tables import TableSpec, ensure_tables, table_spec
+from enrich.sinks.database.tables import TableSpec, check_keys, ensure_tables, table_spec
 from enrich.sinks.deadletter import COLUMNS as DEAD_COLUMNS
 from refstream.errors import RefstreamError, TransientError
 
@@ -245,6 +245,7 @@ class DatabaseSink:
         self.counted = Counted()
         self._plans: dict[tuple[str, ...], RowPlan] = {}
         self.last_results: list[dict[str, Any]] = []
+        check_existing(self.db, (cfg.state.key,) if cfg.state is not None and self.db.write == "state" else POSITION)
 
     def plan(self, batch: EnrichedBatch) -> RowPlan:
         """The rows of ``batch``'s columns; the table created (or completed) the first time they are seen."""
@@ -315,6 +316,18 @@ def ensure(spec: TableSpec) -> None:
     conn = connect(spec.url, spec.dialect)
     try:
         ensure_tables(conn, spec)
+    finally:
+        conn.close()
+
+
+def check_existing(db: DatabaseOutput, key: Sequence[str]) -> None:
+    """At the job's start: refuse tables that exist with a key column that merges keys
+    (:func:`enrich.sinks.database.tables.check_keys`), before any batch runs."""
+    conn = connect(db.url, db.dialect)
+    try:
+        with conn.cursor() as cur:
+            check_keys(cur, db.dialect, db.table, db.fence, key)
+        conn.commit()
     finally:
         conn.close()
 

@@ -52,13 +52,28 @@ class TableSpec:
         return tuple(n for n, _ in self.columns)
 
 
+#: The length of a MySQL/MariaDB key column of text or bytes (characters or bytes): a longer value
+#: is a dead letter (:mod:`enrich.sinks.database.refuse`).
+KEY_LENGTH = 255
+#: The collations that compare text byte for byte, trailing spaces included (NO PAD): MariaDB's,
+#: then MySQL 8's. The server's default (``utf8mb4_general_ci``) and the PAD SPACE ``utf8mb4_bin``
+#: would make ``Dev-1`` and ``dev-1``, or ``d2`` and ``d2 ``, one row.
+EXACT_COLLATIONS = ("utf8mb4_nopad_bin", "utf8mb4_0900_bin")
+#: The placeholder of the key columns' collation in :func:`sql_type`'s MySQL types, replaced by the
+#: server's own once connected (:func:`ensure_tables`).
+EXACT = "{exact}"
+
+
 def sql_type(dt: DataType, dialect: DatabaseDialect, key: bool = False) -> str:
-    """The column type for a Spark type: exact where the database has one; nested values as JSON."""
+    """The column type for a Spark type: exact where the database has one; nested values as JSON.
+    Text keys compare byte for byte (PostgreSQL ``COLLATE "C"``, MySQL a NO PAD binary collation)."""
     pg = dialect == "postgresql"
     if isinstance(dt, StringType):
-        return "TEXT" if pg else ("VARCHAR(255)" if key else "LONGTEXT")
+        if key:
+            return 'TEXT COLLATE "C"' if pg else f"VARCHAR({KEY_LENGTH}) CHARACTER SET utf8mb4 COLLATE {EXACT}"
+        return "TEXT" if pg else "LONGTEXT"
     if isinstance(dt, BinaryType):
-        return "BYTEA" if pg else ("VARBINARY(255)" if key else "LONGBLOB")
+        return "BYTEA" if pg else (f"VARBINARY({KEY_LENGTH})" if key else "LONGBLOB")
     if isinstance(dt, BooleanType):
         return "BOOLEAN"
     if isinstance(dt, ByteType | ShortType):
@@ -94,19 +109,80 @@ def table_spec(db: DatabaseOutput, fields: Sequence[StructField], key: Sequence[
     return TableSpec(db.url, db.dialect, db.table, db.fence, cols, tuple(key))
 
 
+def exact_collation(cur: Any) -> str:
+    """The server's NO PAD binary utf8mb4 collation (MySQL/MariaDB); a :class:`ConfigError` when it
+    has none."""
+    cur.execute("SELECT COLLATION_NAME FROM information_schema.COLLATIONS WHERE COLLATION_NAME IN "
+                f"({', '.join(['%s'] * len(EXACT_COLLATIONS))})", EXACT_COLLATIONS)
+    have = {str(r[0]) for r in cur.fetchall()}
+    for name in EXACT_COLLATIONS:
+        if name in have:
+            return name
+    raise ConfigError(f"output.database.url: the server has none of the collations {list(EXACT_COLLATIONS)} "
+                      "that compare keys byte for byte (MariaDB 10.4+, MySQL 8.0+)")
+
+
+def fence_ddl(dialect: DatabaseDialect, fence: str, collation: str = "") -> str:
+    """The fence table's ``CREATE TABLE IF NOT EXISTS`` (``collation``: MySQL's, from :func:`exact_collation`)."""
+    qid = 'TEXT COLLATE "C"' if dialect == "postgresql" else f"VARCHAR(64) CHARACTER SET utf8mb4 COLLATE {collation}"
+    return (f"CREATE TABLE IF NOT EXISTS {quote(dialect, fence)} (query_id {qid} NOT NULL, slot INTEGER NOT NULL, "
+            "batch_id BIGINT NOT NULL, PRIMARY KEY (query_id, slot, batch_id))")
+
+
+def merging_keys(cur: Any, dialect: DatabaseDialect, table: str, key: Sequence[str]) -> list[str]:
+    """The columns of ``key`` of an existing ``table`` that compare two different values as equal:
+    a collation that ignores case, accents or trailing spaces (MySQL's ``_ci``, PAD SPACE ``_bin``;
+    PostgreSQL's nondeterministic ones), or a type that pads (``CHAR``, ``BINARY``, ``citext``).
+    Empty when the table is missing."""
+    if dialect == "postgresql":
+        cur.execute("SELECT a.attname, format_type(a.atttypid, a.atttypmod), co.collisdeterministic "
+                    "FROM pg_attribute a LEFT JOIN pg_collation co ON co.oid = a.attcollation "
+                    "WHERE a.attrelid = to_regclass(%s) AND a.attnum > 0 AND NOT a.attisdropped",
+                    (quote(dialect, table),))
+        return [str(n) for n, typ, exact in cur.fetchall() if n in key and
+                (str(typ).startswith(("character(", "citext")) or str(typ) == "character" or exact is False)]
+    cur.execute("SELECT COLUMN_NAME, DATA_TYPE, COLLATION_NAME FROM information_schema.COLUMNS "
+                "WHERE TABLE_SCHEMA = DATABASE() AND TABLE_NAME = %s", (table,))
+    bad = []
+    for name, typ, collation in cur.fetchall():
+        if name not in key:
+            continue
+        typ, collation = str(typ).lower(), str(collation or "")
+        if typ in ("char", "binary") or (collation and not (collation.endswith("_nopad_bin")
+                                                           or collation in ("utf8mb4_0900_bin", "binary"))):
+            bad.append(str(name))
+    return bad
+
+
+def check_keys(cur: Any, dialect: DatabaseDialect, table: str, fence: str, key: Sequence[str]) -> None:
+    """A :class:`ConfigError` naming the table and column when an existing table's key column would
+    make two keys one row (:func:`merging_keys`)."""
+    for name, cols in ((table, key), (fence, ("query_id",))):
+        bad = merging_keys(cur, dialect, name, cols)
+        if bad:
+            fix = ('give it a deterministic collation such as "C" (ALTER TABLE ... ALTER COLUMN ... TYPE text '
+                   'COLLATE "C")' if dialect == "postgresql" else
+                   "give it a NO PAD binary collation (ALTER TABLE ... MODIFY ... CHARACTER SET utf8mb4 COLLATE "
+                   "utf8mb4_nopad_bin on MariaDB, utf8mb4_0900_bin on MySQL) or make it VARBINARY")
+            raise ConfigError(f"output.database.table: table {name} has the key column(s) {bad} whose values "
+                              f"compare equal when they differ (case, accents or trailing spaces): two keys would "
+                              f"share one row; {fix}, or point table: at a new table")
+
+
 def ensure_tables(conn: Any, spec: TableSpec) -> None:
     """Create the table and its fence table if missing; a :class:`ConfigError` when the table exists
-    without a column the rows have."""
+    without a column the rows have, or with a key column that merges keys (:func:`check_keys`)."""
     def q(n: str) -> str:
         return quote(spec.dialect, n)
 
-    cols = ", ".join(f"{q(n)} {t}" + (" NOT NULL" if n in spec.key else "") for n, t in spec.columns)
-    qid = "TEXT" if spec.dialect == "postgresql" else "VARCHAR(64)"
     with conn.cursor() as cur:
+        collation = exact_collation(cur) if spec.dialect == "mysql" else ""
+        cols = ", ".join(f"{q(n)} {t.replace(EXACT, collation)}" + (" NOT NULL" if n in spec.key else "")
+                         for n, t in spec.columns)
         cur.execute(f"CREATE TABLE IF NOT EXISTS {q(spec.table)} ({cols}, "
                     f"PRIMARY KEY ({', '.join(q(k) for k in spec.key)}))")
-        cur.execute(f"CREATE TABLE IF NOT EXISTS {q(spec.fence)} (query_id {qid} NOT NULL, slot INTEGER NOT NULL, "
-                    "batch_id BIGINT NOT NULL, PRIMARY KEY (query_id, slot, batch_id))")
+        cur.execute(fence_ddl(spec.dialect, spec.fence, collation))
+        check_keys(cur, spec.dialect, spec.table, spec.fence, spec.key)
         schema = "current_schema()" if spec.dialect == "postgresql" else "DATABASE()"
         cur.execute("SELECT column_name FROM information_schema.columns WHERE table_schema = "
                     f"{schema} AND table_name = %s", (spec.table,))
