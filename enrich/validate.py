@@ -45,7 +45,7 @@ def plan(cfg: EnrichConfig) -> list[str]:
                      + (f" as {j.prefix}*" if j.prefix else ""))
     for c in cfg.calls:  # in the order they run (needs first)
         refresh = "once" if c.refresh is None else "every event" if c.every_event else f"after {format_duration(c.refresh)}"
-        lines.append(f"  call {c.name}: {c.method} {c.url}, refresh {refresh}, on_error {c.on_error}"
+        lines.append(f"  call {c.name}: {c.method} {c.shown_url}, refresh {refresh}, on_error {c.on_error}"
                      + (f", after {', '.join(c.needs)}" if c.needs else "") + f": {', '.join(c.columns)}")
     lines.append(f"  output: {target}; dead letters to {cfg.dead_letter_topic}; checkpoint {cfg.checkpoint}; "
                  f"trigger {cfg.trigger.total_seconds():g}s, at most {cfg.max_events_per_batch:,} events per batch")

@@ -181,7 +181,7 @@ class Client:
     async def _try(self, cfg: CallConfig, body: Any, key: str, left: float | None = None) -> dict[str, Any]:
         import aiohttp
 
-        headers = {"Idempotency-Key": key}
+        headers = {**dict(cfg.headers), "Idempotency-Key": key}
         # Cut short by the budget's deadline (``left`` seconds from now) when that comes first.
         cut = left is not None and left < cfg.timeout.total_seconds()
         timeout = aiohttp.ClientTimeout(total=left if cut else cfg.timeout.total_seconds())
@@ -202,11 +202,11 @@ class Client:
                 raise _BudgetSpent from exc
             raise CallTransient(f"timed out after {cfg.timeout.total_seconds():g}s") from exc
         except aiohttp.ClientError as exc:
-            raise CallTransient(f"{type(exc).__name__}: {exc}") from exc
+            raise CallTransient(_scrub(f"{type(exc).__name__}: {exc}", cfg)) from exc
         except (ValueError, TypeError, UnicodeError) as exc:
             # aiohttp refuses the request itself (a header or parameter with a newline, say):
             # this value's fault, not the service's.
-            raise CallDataError(f"call {cfg.name}: the request cannot be made: {_short(exc)}") from None
+            raise CallDataError(_scrub(f"call {cfg.name}: the request cannot be made: {_short(exc)}", cfg)) from None
         if status == 429 or status >= 500:
             raise CallTransient(f"HTTP {status}")
         if status >= 400:
@@ -221,6 +221,15 @@ class Client:
             return read_response(cfg.name, cfg.response, data)
         except ResponseError as exc:
             raise CallDataError(str(exc)) from None
+
+
+def _scrub(text: str, cfg: CallConfig) -> str:
+    """An error's text without the call's secrets: its URL redacted, its header values cut out."""
+    text = text.replace(cfg.url, cfg.shown_url)
+    for _, value in cfg.headers:
+        if value:
+            text = text.replace(value, "***")
+    return text
 
 
 def _short(exc: BaseException, limit: int = 200) -> str:

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Literal
+from urllib.parse import parse_qsl, urlsplit, urlunsplit
 
 from enrich.calls.fields import ResponseType, column
 from enrich.calls.template import STATE, Template
 from refstream.config import Section, allowed_values
 
-__all__ = ["BreakerConfig", "CallConfig", "HttpMethod", "OnError", "RetryConfig", "parse_calls"]
+__all__ = ["BreakerConfig", "CallConfig", "HttpMethod", "OnError", "RetryConfig", "parse_calls", "redact"]
 
 #: POST sends the body as JSON; GET sends its fields as query parameters.
 HttpMethod = Literal["POST", "GET"]
@@ -18,6 +21,23 @@ HttpMethod = Literal["POST", "GET"]
 #: topic, or the batch fails.
 OnError = Literal["null", "dead_letter", "fail"]
 EVERY_EVENT = "every event"
+#: A header name (RFC 9110 token); the client sets Idempotency-Key itself.
+_TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
+OWN_HEADERS = frozenset({"idempotency-key", "content-type", "content-length", "host"})
+
+
+def redact(url: str) -> str:
+    """``url`` safe to print: the userinfo and every query-string value become ``***`` (tokens are
+    often put there); scheme, host, port and path are kept."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        return "<a URL that does not parse>"
+    netloc = parts.netloc
+    if "@" in netloc:
+        netloc = "***@" + netloc.rsplit("@", 1)[1]
+    query = "&".join(f"{k}=***" for k, _ in parse_qsl(parts.query, keep_blank_values=True))
+    return urlunsplit((parts.scheme, netloc, parts.path, query, "***" if parts.fragment else ""))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,7 +64,7 @@ class CallConfig:
     event, else again when the stored result is older than that in event time."""
 
     name: str
-    url: str
+    url: str = dataclasses.field(repr=False)  # may hold a token: printed as shown_url
     method: HttpMethod = "POST"
     body: Template = Template({})
     response: tuple[tuple[str, ResponseType], ...] = ()
@@ -57,6 +77,12 @@ class CallConfig:
     #: How long a batch may spend on this call, from its start: a call not ended by then is skipped.
     budget: timedelta = timedelta(seconds=60)
     circuit_breaker: BreakerConfig = BreakerConfig()
+    #: Sent with every try (``${VAR}`` substituted at load); never printed, so not in the repr.
+    headers: tuple[tuple[str, str], ...] = dataclasses.field(default=(), repr=False)
+
+    @property
+    def shown_url(self) -> str:
+        return redact(self.url)
 
     @property
     def every_event(self) -> bool:
@@ -128,7 +154,7 @@ def _call(sec: Section) -> CallConfig:
         raise sec.error(f"{name!r} is not a name (letters, digits, _; not {STATE!r})", "name")
     url = sec.get("url", str)
     if not url.startswith(("http://", "https://")):
-        raise sec.error(f"call {name!r}: {url!r} is not an http(s) URL", "url")
+        raise sec.error(f"call {name!r}: {redact(url)!r} is not an http(s) URL", "url")
     method = sec.get("method", str, "POST").upper()
     if method not in allowed_values(HttpMethod):
         raise sec.error(f"call {name!r}: {method!r} is not one of {', '.join(allowed_values(HttpMethod))}", "method")
@@ -172,11 +198,31 @@ def _call(sec: Section) -> CallConfig:
     if breaker.cooldown <= timedelta(0):
         raise sec.error(f"call {name!r}: must be positive", "circuit_breaker.cooldown")
     cfg = CallConfig(name=name, url=url, method=method, body=Template(body), response=tuple(response),
+                     headers=_headers(sec, name),
                      refresh=_refresh(sec, name), timeout=timeout, retries=retry, concurrency=concurrency,
                      on_error=sec.choice("on_error", OnError, "null"), needs=tuple(sec.str_list("needs", [])),
                      budget=budget, circuit_breaker=breaker)
     sec.done()
     return cfg
+
+
+def _headers(sec: Section, name: str) -> tuple[tuple[str, str], ...]:
+    """``headers:`` as (name, value) pairs; errors name the header, never its value."""
+    raw = sec.raw("headers", {})
+    if not isinstance(raw, dict):
+        raise sec.error(f"call {name!r}: expected a mapping of header names to values", "headers")
+    out: list[tuple[str, str]] = []
+    for k, v in raw.items():
+        if not isinstance(k, str) or not _TOKEN.match(k):
+            raise sec.error(f"call {name!r}: {k!r} is not a header name", "headers")
+        if k.lower() in OWN_HEADERS:
+            raise sec.error(f"call {name!r}: the calls set {k} themselves", f"headers.{k}")
+        if not isinstance(v, str | int | float) or isinstance(v, bool):
+            raise sec.error(f"call {name!r}: expected a text value (not shown)", f"headers.{k}")
+        if any(c in str(v) for c in "\r\n\0"):
+            raise sec.error(f"call {name!r}: the value (not shown) holds a line break", f"headers.{k}")
+        out.append((k, str(v)))
+    return tuple(out)
 
 
 def _refresh(sec: Section, name: str) -> timedelta | None:

@@ -41,6 +41,7 @@ class Service:
     paths: Counter[str] = field(default_factory=Counter)
     bodies: list[tuple[str, Any]] = field(default_factory=list)
     answers: dict[str, str] = field(default_factory=dict)   # /raw: the response text per device
+    headers: list[dict[str, str]] = field(default_factory=list)   # every request's headers
 
     def url(self, path: str) -> str:
         return f"http://127.0.0.1:{self.port}{path}"
@@ -50,6 +51,7 @@ class Service:
         key = request.headers.get("Idempotency-Key", "")
         self.keys[key] += 1
         self.paths[path] += 1
+        self.headers.append(dict(request.headers))
         body: Any = dict(request.query) if request.method == "GET" else await request.json()
         self.bodies.append((path, body))
         if self.down:

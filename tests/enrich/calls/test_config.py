@@ -11,13 +11,15 @@ from enrich import config
 from refstream.errors import ConfigError
 
 
-def parse(calls: list[dict[str, Any]], state: bool = True) -> config.EnrichConfig:
+def parse(calls: list[dict[str, Any]], state: bool = True, env: bool = False) -> config.EnrichConfig:
     data: dict[str, Any] = {"kafka": {"bootstrap_servers": "b:9092"},
                             "events": {"topic": "e", "schema": "device_id STRING, ts TIMESTAMP"},
                             "output": {"kafka": {"topic": "o"}}, "dead_letter_topic": "d", "checkpoint": "/c",
                             "calls": calls}
     if state:
         data["state"] = {"key": "device_id", "timestamp": "ts"}
+    if env:  # ${VAR} substituted, as for a file
+        return config.load_config(data, source="enrich.yaml")
     return config.parse(data, "enrich.yaml")
 
 
@@ -83,3 +85,37 @@ def test_validate_lists_the_calls_in_the_order_they_run() -> None:
     assert [line for line in lines if line.startswith("  call ")] == [
         "  call a: GET http://127.0.0.1:8085/a, refresh after 10m, on_error null: a_x",
         "  call b: POST http://127.0.0.1:8085/b, refresh every event, on_error dead_letter, after a: b_x"]
+
+
+def test_headers_take_their_values_from_the_environment_and_are_never_shown(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from enrich.validate import plan
+
+    monkeypatch.setenv("RISK_TOKEN", "s3cret-token")
+    cfg = parse([call("a", headers={"Authorization": "Bearer ${RISK_TOKEN}", "X-Tenant": 7},
+                      url="https://me:pa55@127.0.0.1:8085/a?api_key=k3y&v=2")], env=True)
+    (c,) = cfg.calls
+    assert c.headers == (("Authorization", "Bearer s3cret-token"), ("X-Tenant", "7"))
+    shown = "\n".join(plan(cfg)) + repr(c)
+    assert "https://***@127.0.0.1:8085/a?api_key=***&v=***" in shown
+    assert not any(s in shown for s in ("s3cret", "pa55", "k3y"))
+    monkeypatch.delenv("RISK_TOKEN")
+    with pytest.raises(ConfigError, match=r"calls\[0\].headers.Authorization: environment variable RISK_TOKEN is not set"):
+        parse([call("a", headers={"Authorization": "Bearer ${RISK_TOKEN}"})], env=True)
+
+
+@pytest.mark.parametrize(("headers", "message"), [
+    ({"Idempotency-Key": "x"}, r"calls\[0\].headers.Idempotency-Key: call 'a': the calls set Idempotency-Key"),
+    ({"Bad Name": "x"}, r"calls\[0\].headers: call 'a': 'Bad Name' is not a header name"),
+    ({"X-A": "a\nb"}, r"calls\[0\].headers.X-A: call 'a': the value \(not shown\) holds a line break"),
+    ({"X-A": ["x"]}, r"calls\[0\].headers.X-A: call 'a': expected a text value"),
+])
+def test_header_errors_name_the_header_not_its_value(headers: dict[str, Any], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse([call("a", headers=headers)])
+
+
+def test_an_url_error_shows_it_redacted() -> None:
+    with pytest.raises(ConfigError, match=r"'ftp://\*\*\*@h/x\?token=\*\*\*' is not an http") as err:
+        parse([call("a", url="ftp://u:pw@h/x?token=abc")])
+    assert "abc" not in str(err.value) and "pw" not in str(err.value)

@@ -341,3 +341,25 @@ def test_a_bad_value_in_a_request_or_a_response_is_a_call_error_never_a_failed_q
     assert dead["deep"] == "call strict failed: call strict: the response is nested too deep to read"
     assert _batch_counts(caplog.text, 0) == {"lax error": 5, "lax ok": 3, "risk ok": 8, "strict error": 5,
                                              "strict ok": 3}
+
+
+@pytest.mark.integration
+def test_headers_carry_the_token_and_no_log_line_shows_a_secret(
+        spark: SparkSession, kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path,
+        service: Service, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("RISK_TOKEN", "s3cret-token")
+    calls = [{"name": "risk", "url": service.url("/score") + "?api_key=k3y", "response": {"score": "DOUBLE"},
+              "headers": {"Authorization": "Bearer ${RISK_TOKEN}"}, "body": {"events": "{state.events}"}},
+             {"name": "down", "url": f"http://me:pa55@127.0.0.1:{free_port()}/x?token=k3y", "retries": {"attempts": 1},
+              "headers": {"Authorization": "Bearer ${RISK_TOKEN}"}, "response": {"score": "DOUBLE"}}]
+    data = job_config(kafka, unique, tmp_path, calls)
+    produce_events(kafka, data["events"]["topic"], [{"device_id": "d0", "ts": at(0), "temp": 1.0, "n": 0}])
+    caplog.set_level(logging.DEBUG, logger="enrich")
+    cfg = config.load_config(data, source="test.yaml")
+    EnrichJob(cfg, available_now=True).run(spark)
+    out = [json.loads(m.value()) for m in read_all(kafka, data["output"]["kafka"]["topic"])]
+    assert [(e["risk_score"], e["down_score"]) for e in out] == [(10.0, None)]
+    sent = [h for h in service.headers if "-risk-" in h.get("Idempotency-Key", "")]
+    assert sent and all(h["Authorization"] == "Bearer s3cret-token" for h in sent)
+    assert "call down failed 1 time(s)" in caplog.text
+    assert not any(s in caplog.text for s in ("s3cret", "pa55", "k3y")), caplog.text
