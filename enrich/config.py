@@ -155,6 +155,8 @@ class DatabaseOutput:
     table: str
     write: DatabaseWrite
     dialect: DatabaseDialect
+    #: The longest any statement of the job may run on the database, lock waits included.
+    statement_timeout: timedelta = timedelta(seconds=30)
 
     @property
     def fence(self) -> str:
@@ -452,7 +454,11 @@ def _database(sec: Section) -> DatabaseOutput:
     table = sec.get("table", str)
     if not _TABLE.fullmatch(table):
         raise sec.error(f"{table!r} is not a table name (letters, digits, _; at most 56 characters)", "table")
-    out = DatabaseOutput(url=url, table=table, write=sec.choice("write", DatabaseWrite), dialect=_DIALECTS[scheme])
+    timeout = sec.duration("statement_timeout", timedelta(seconds=30))
+    if timeout <= timedelta(0):
+        raise sec.error("must be positive", "statement_timeout")
+    out = DatabaseOutput(url=url, table=table, write=sec.choice("write", DatabaseWrite), dialect=_DIALECTS[scheme],
+                         statement_timeout=timeout)
     sec.done()
     return out
 

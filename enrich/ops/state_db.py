@@ -44,7 +44,7 @@ def device_state_from_database(cfg: EnrichConfig, device: str) -> dict[str, Any]
     def q(n: str) -> str:
         return quote(db.dialect, n)
 
-    conn = connect(db.url, db.dialect)
+    conn = connect(db.url, db.dialect, db.statement_timeout.total_seconds())
     try:
         with conn.cursor() as cur:
             cur.execute(f"SELECT * FROM {q(db.table)} WHERE {q(st.key)} = %s", (key,))

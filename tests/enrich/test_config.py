@@ -282,6 +282,13 @@ def test_output_database_alone_or_with_kafka(monkeypatch: pytest.MonkeyPatch) ->
     assert "s3cret" not in loaded.output.database.describe()
 
 
+def test_output_database_statement_timeout_is_a_duration() -> None:
+    db = {"url": "postgresql://h/d", "table": "t", "write": "events"}
+    assert config.parse({**BASE, "output": {"database": db}}).output.database.statement_timeout == timedelta(seconds=30)
+    got = config.parse({**BASE, "output": {"database": {**db, "statement_timeout": "1500ms"}}}).output.database
+    assert got is not None and got.statement_timeout == timedelta(milliseconds=1500)
+
+
 @pytest.mark.parametrize(("output", "state", "message"), [
     ({"database": {"url": "postgresql://h/d", "table": "t", "write": "rows"}}, STATE,
      "output.database.write: 'rows' is not one of state, events"),
@@ -295,7 +302,10 @@ def test_output_database_alone_or_with_kafka(monkeypatch: pytest.MonkeyPatch) ->
     ({"database": {"url": "postgresql://h/d", "table": "t", "write": "events"}, "parquet": {"path": "p"}}, None,
      "output: database: goes alone or with kafka:"),
     ({"database": {"url": "postgresql://h/d", "table": "t", "write": "events", "mode": "x"}}, None,
-     "output.database: unknown key(s): mode"),
+     "output.database: unknown key(s): mode"),    ({"database": {"url": "postgresql://h/d", "table": "t", "write": "events", "statement_timeout": "soon"}}, None,
+     "output.database.statement_timeout: "),
+    ({"database": {"url": "postgresql://h/d", "table": "t", "write": "events", "statement_timeout": "0s"}}, None,
+     "output.database.statement_timeout: must be positive"),
 ])
 def test_output_database_errors_name_the_key(output: dict, state: dict | None, message: str) -> None:
     data = {**BASE, "output": output, **({"state": state} if state else {})}

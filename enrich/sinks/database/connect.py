@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import logging
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,15 +22,31 @@ log = logging.getLogger(__name__)
 __all__ = ["connect", "quote", "upsert", "fence_insert", "transient"]
 
 
-def connect(url: str, dialect: DatabaseDialect) -> Any:
-    """A DB-API connection, autocommit off, read committed, times in UTC."""
+#: The statement timeout of a connection opened without one (``output.database.statement_timeout``'s default).
+DEFAULT_TIMEOUT = 30.0
+#: How much longer than the statement timeout the MySQL client waits for an answer: the server's
+#: own limit ends a statement first, with an error that says so.
+CLIENT_MARGIN = 5
+
+
+def connect(url: str, dialect: DatabaseDialect, timeout: float = DEFAULT_TIMEOUT) -> Any:
+    """A DB-API connection, autocommit off, read committed, times in UTC, and every statement
+    bounded by ``timeout`` seconds, lock waits included (PostgreSQL ``statement_timeout`` and
+    ``lock_timeout``; MariaDB ``max_statement_time``, MySQL ``max_execution_time``, both
+    ``innodb_lock_wait_timeout`` and ``lock_wait_timeout``, and the client's read and write
+    timeouts a little longer): a lock another session holds fails the statement, transiently
+    (:func:`transient`), instead of hanging the batch."""
+    secs = max(1, math.ceil(timeout))
     try:
         if dialect == "postgresql":
             import psycopg
 
             conninfo = "postgresql://" + url.split("://", 1)[1]  # libpq takes the URL without a driver suffix
-            pg = psycopg.connect(conninfo, autocommit=False)
+            pg = psycopg.connect(conninfo, autocommit=False, connect_timeout=secs + CLIENT_MARGIN)
+            ms = max(1, round(timeout * 1000))
             pg.execute("SET TIME ZONE 'UTC'")
+            pg.execute(f"SET statement_timeout = {ms}")
+            pg.execute(f"SET lock_timeout = {ms}")
             pg.commit()
             return pg
         import pymysql
@@ -39,21 +56,50 @@ def connect(url: str, dialect: DatabaseDialect) -> Any:
         conn = pymysql.connect(host=u.host or "127.0.0.1", port=u.port or 3306, user=u.username or "root",
                                password=u.password or "", database=u.database,
                                charset=str(u.query.get("charset", "utf8mb4")), autocommit=False,
-                               init_command="SET time_zone = '+00:00'")
+                               init_command="SET time_zone = '+00:00'", connect_timeout=secs + CLIENT_MARGIN,
+                               read_timeout=secs + CLIENT_MARGIN, write_timeout=secs + CLIENT_MARGIN)
+        mariadb = "mariadb" in str(conn.get_server_info()).lower()
+        # MariaDB bounds any statement; MySQL's max_execution_time covers SELECTs only, its writes
+        # are bounded by the lock waits and the client's read timeout.
+        limit = (f"max_statement_time = {timeout:.3f}" if mariadb
+                 else f"max_execution_time = {max(1, round(timeout * 1000))}")
         with conn.cursor() as cur:  # no gap locks: the slots' upserts and fence rows never wait on each other
             cur.execute("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
+            cur.execute(f"SET SESSION {limit}, SESSION innodb_lock_wait_timeout = {secs}, "
+                        f"SESSION lock_wait_timeout = {secs}")
         return conn
     except Exception as exc:  # noqa: BLE001 - the drivers' errors differ; classified here
         raise transient(exc, "connecting to the database") from exc
 
 
-def transient(exc: BaseException, what: str) -> Exception:
-    """A database error as the job's transient (retried) or terminal error: lost connections,
-    deadlocks, serialisation failures and timeouts are transient; SQL errors (a bad table, a bad
-    type) are terminal."""
+#: MySQL/MariaDB errors of a statement that ran out of time: lock wait timeout, MariaDB's
+#: max_statement_time, MySQL's max_execution_time.
+_MYSQL_TIMEOUTS = {1205, 1969, 3024}
+
+
+def timed_out(exc: BaseException) -> bool:
+    """Whether the database ended a statement for running (or waiting for a lock) too long, or the
+    client gave up waiting for its answer."""
     import psycopg
     import pymysql
 
+    if isinstance(exc, psycopg.errors.QueryCanceled | psycopg.errors.LockNotAvailable):
+        return True
+    if isinstance(exc, pymysql.err.MySQLError) and exc.args and isinstance(exc.args[0], int):
+        return exc.args[0] in _MYSQL_TIMEOUTS or (exc.args[0] == 2013 and "timed out" in str(exc))
+    return isinstance(exc, TimeoutError)
+
+
+def transient(exc: BaseException, what: str) -> Exception:
+    """A database error as the job's transient (retried) or terminal error: lost connections,
+    deadlocks, serialisation failures and timeouts are transient; SQL errors (a bad table, a bad
+    type) are terminal. A timeout says so (``output.database.statement_timeout``)."""
+    import psycopg
+    import pymysql
+
+    if timed_out(exc):
+        return TransientError(f"{what}: timed out (output.database.statement_timeout, lock waits included): "
+                              f"{str(exc).strip()}")
     if isinstance(exc, psycopg.OperationalError) or isinstance(exc, psycopg.errors.SerializationFailure) \
             or isinstance(exc, psycopg.errors.DeadlockDetected):
         return TransientError(f"{what}: {exc}")

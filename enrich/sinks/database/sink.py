@@ -141,7 +141,7 @@ _CONNECTIONS: dict[str, Any] = {}
 def task_connection(spec: TableSpec) -> Any:
     conn = _CONNECTIONS.get(spec.url)
     if conn is None:
-        conn = _CONNECTIONS[spec.url] = connect(spec.url, spec.dialect)
+        conn = _CONNECTIONS[spec.url] = connect(spec.url, spec.dialect, spec.timeout)
     return conn
 
 
@@ -313,7 +313,7 @@ class DatabaseSink:
 
 def ensure(spec: TableSpec) -> None:
     """Create the tables if missing (on the driver, before the tasks)."""
-    conn = connect(spec.url, spec.dialect)
+    conn = connect(spec.url, spec.dialect, spec.timeout)
     try:
         ensure_tables(conn, spec)
     finally:
@@ -323,7 +323,7 @@ def ensure(spec: TableSpec) -> None:
 def check_existing(db: DatabaseOutput, key: Sequence[str]) -> None:
     """At the job's start: refuse tables that exist with a key column that merges keys
     (:func:`enrich.sinks.database.tables.check_keys`), before any batch runs."""
-    conn = connect(db.url, db.dialect)
+    conn = connect(db.url, db.dialect, db.statement_timeout.total_seconds())
     try:
         with conn.cursor() as cur:
             check_keys(cur, db.dialect, db.table, db.fence, key)
@@ -333,7 +333,7 @@ def check_existing(db: DatabaseOutput, key: Sequence[str]) -> None:
 
 
 def delete_expired(db: DatabaseOutput, cutoff: datetime) -> int:
-    conn = connect(db.url, db.dialect)
+    conn = connect(db.url, db.dialect, db.statement_timeout.total_seconds())
     try:
         with conn.cursor() as cur:
             value: Any = cutoff if db.dialect == "postgresql" else cutoff.replace(tzinfo=None)

@@ -46,6 +46,7 @@ class TableSpec:
     fence: str
     columns: tuple[tuple[str, str], ...]
     key: tuple[str, ...]
+    timeout: float = 30.0          # output.database.statement_timeout, in seconds
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -106,7 +107,7 @@ def table_spec(db: DatabaseOutput, fields: Sequence[StructField], key: Sequence[
         raise ConfigError(f"output.database: the rows of write: {db.write} would have the column(s) {twice} twice "
                           "(a join column named like a state field?); rename them with a join's prefix:")
     cols = tuple((f.name, sql_type(f.dataType, db.dialect, f.name in key)) for f in fields)
-    return TableSpec(db.url, db.dialect, db.table, db.fence, cols, tuple(key))
+    return TableSpec(db.url, db.dialect, db.table, db.fence, cols, tuple(key), db.statement_timeout.total_seconds())
 
 
 def exact_collation(cur: Any) -> str:

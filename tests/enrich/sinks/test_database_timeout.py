@@ -1,0 +1,92 @@
+"""``output.database.statement_timeout`` in the running job, on the local PostgreSQL and MariaDB: a
+lock another session holds (a DBA's open transaction) makes the job's write time out, log it once
+per attempt naming the table, and retry; once the lock is released the batch is written. Never a
+write that waits for good."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pymysql
+import pytest
+from pyspark.sql import SparkSession
+
+from enrich import config
+from enrich.config import DatabaseDialect
+from enrich.job import EnrichJob
+from enrich.sinks.database.connect import connect
+from enrich.sinks.database.tables import exact_collation, fence_ddl
+from tests.enrich.helpers import produce_events
+from tests.enrich.sinks.test_database_state import db_config, iso, table
+
+pytestmark = pytest.mark.integration
+
+
+def hold_fence(url: str, dialect: DatabaseDialect, fence: str) -> Any:
+    """The fence table, created as the job creates it, and a connection whose open transaction
+    keeps every other session from inserting into it (PostgreSQL: a table lock; MariaDB: a
+    repeatable-read ``FOR UPDATE`` scan, whose gap lock blocks inserts)."""
+    conn = connect(url, dialect)
+    with conn.cursor() as cur:
+        cur.execute(fence_ddl(dialect, fence, exact_collation(cur) if dialect == "mysql" else ""))
+    conn.commit()
+    if dialect == "postgresql":
+        conn.execute(f"LOCK TABLE {fence} IN SHARE ROW EXCLUSIVE MODE")
+        return conn
+    conn.close()
+    from sqlalchemy.engine import make_url
+
+    u = make_url(url)
+    locker = pymysql.connect(host=u.host, port=u.port or 3306, user=u.username, password=u.password or "",
+                             database=u.database, autocommit=False)
+    with locker.cursor() as cur:
+        cur.execute("SET SESSION TRANSACTION ISOLATION LEVEL REPEATABLE READ")
+        cur.execute("BEGIN")
+        cur.execute(f"SELECT * FROM {fence} FOR UPDATE")
+    return locker
+
+
+@pytest.mark.parametrize("db", ["pg_url", "mysql_url"])
+def test_a_locked_table_times_the_write_out_and_it_succeeds_once_released(
+        spark: SparkSession, kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path,
+        request: pytest.FixtureRequest, db: str, caplog: pytest.LogCaptureFixture) -> None:
+    url: str = request.getfixturevalue(db)
+    dialect: DatabaseDialect = "postgresql" if db == "pg_url" else "mysql"
+    data = {**db_config(kafka, unique, tmp_path, url), "joins": []}
+    data["output"]["database"]["statement_timeout"] = "1s"
+    name = data["output"]["database"]["table"]
+    produce_events(kafka, data["events"]["topic"], [{"device_id": "a", "ts": iso(0), "temp": 1.0, "n": 1},
+                                                    {"device_id": "b", "ts": iso(0), "temp": 2.0, "n": 2}])
+    locker = hold_fence(url, dialect, f"{name}_commits")
+    failed: list[BaseException] = []
+
+    def job() -> None:
+        try:
+            EnrichJob(config.parse(data, "test.yaml"), available_now=True).run(spark)
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            failed.append(exc)
+
+    caplog.set_level(logging.WARNING, logger="refstream.retry")
+    runner = threading.Thread(target=job, daemon=True)
+    runner.start()
+    try:
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline and runner.is_alive():
+            if any("writing output failed" in r.getMessage() for r in caplog.records):
+                break
+            time.sleep(0.2)
+    finally:
+        locker.rollback()   # released whatever happened: the job must finish either way
+        locker.close()
+    timeouts = [r.getMessage() for r in caplog.records if "writing output failed" in r.getMessage()]
+    assert timeouts, "the write did not time out while the table was locked"
+    assert f"writing {name}: timed out (output.database.statement_timeout" in timeouts[0], timeouts[0]
+    assert "(attempt 1/" in timeouts[0]
+    runner.join(300)
+    assert not runner.is_alive() and failed == []
+    assert {k: r["events"] for k, r in table(url, name).items()} == {"a": 1, "b": 1}
