@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import hashlib
+import json
 import logging
 import time
 from collections.abc import Mapping
@@ -275,7 +277,9 @@ class _Run:
             self.counts[(call, result)] = self.counts.get((call, result), 0) + n
 
     async def call(self, c: CallConfig, body: Any, key: str) -> Outcome:
-        key = self.prefix + key
+        # The request's digest ends the key: a template, URL or header changed between a crash and
+        # the replay is another request, so it never reuses the response recorded for the first.
+        key = f"{self.prefix}{key}-{request_digest(c, body)}"
         got = self.recorded.get(key)
         if got is not None:
             self.count(c.name, "replayed")
@@ -296,6 +300,18 @@ class _Run:
     def log_errors(self, bucket: int) -> None:
         for name, (n, first) in self.errors.items():
             log.warning("call %s failed %d time(s) in bucket %d (first: %s)", name, n, bucket, first)
+
+
+#: Headers that say who asks, not what is asked: a rotated token leaves the request's key alone.
+_CREDENTIALS = frozenset({"authorization", "proxy-authorization", "cookie"})
+
+
+def request_digest(c: CallConfig, body: Any) -> str:
+    """16 hex digits of SHA-256 over what a call sends: method, URL, rendered body, its headers but
+    the credentials (:data:`_CREDENTIALS`)."""
+    headers = sorted((k.lower(), v) for k, v in c.headers if k.lower() not in _CREDENTIALS)
+    text = json.dumps([c.method, c.url, body, headers], sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 def _start(in_spark: bool) -> float:

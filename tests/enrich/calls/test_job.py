@@ -348,6 +348,7 @@ def test_headers_carry_the_token_and_no_log_line_shows_a_secret(
         spark: SparkSession, kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path,
         service: Service, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("RISK_TOKEN", "s3cret-token")
+    service.headers.clear()  # the module's service: only this test's requests
     calls = [{"name": "risk", "url": service.url("/score") + "?api_key=k3y", "response": {"score": "DOUBLE"},
               "headers": {"Authorization": "Bearer ${RISK_TOKEN}"}, "body": {"events": "{state.events}"}},
              {"name": "down", "url": f"http://me:pa55@127.0.0.1:{free_port()}/x?token=k3y", "retries": {"attempts": 1},

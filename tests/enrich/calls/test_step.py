@@ -69,6 +69,11 @@ class Bucket:
         return out
 
 
+def short(key: str) -> str:
+    """An Idempotency-Key without the request's digest that ends it."""
+    return key.rsplit("-", 1)[0]
+
+
 def col(out: BucketCalls, name: str) -> list[Any]:
     return out.columns[name].to_pylist()
 
@@ -78,7 +83,7 @@ def test_once_calls_at_a_devices_first_event_and_later_events_see_it(service: Se
     # d2's second event comes first in the input but later in event time; the late event makes no call.
     out = b.batch([("d1", 1, 1), ("d2", 5, 2), ("d2", 3, 1), ("d1", 2, 2), ("d3", 0, None)])
     assert col(out, "risk_score") == [10.0, 10.0, 10.0, 10.0, None]
-    assert service.keys == {"q-1-d1-risk-0": 1, "q-1-d2-risk-0": 1}
+    assert {short(k): n for k, n in service.keys.items()} == {"q-1-d1-risk-0": 1, "q-1-d2-risk-0": 1}
     out = b.batch([("d1", 9, 3), ("d4", 9, 4)])
     assert col(out, "risk_score") == [10.0, 40.0] and service.paths["/score"] == 3
 
@@ -95,7 +100,7 @@ def test_every_event_numbers_a_devices_calls_and_needs_chain_them(service: Servi
     b = Bucket(tmp_path, risk(service), action(service))
     out = b.batch([("d1", 0, 1), ("d1", 1, 2), ("d1", 2, 3)])
     assert col(out, "action_action") == ["act-10.0"] * 3
-    assert [k for k in service.keys if "action" in k] == [f"q-1-d1-action-{n}" for n in range(3)]
+    assert [short(k) for k in service.keys if "action" in k] == [f"q-1-d1-action-{n}" for n in range(3)]
     assert b.counts == {"risk ok": 1, "action ok": 3}
 
 
@@ -130,14 +135,12 @@ def test_a_replay_reuses_the_recorded_responses(service: Service, tmp_path: Path
     events = [("d1", 0, 1), ("d1", 1, 2), ("d2", 0, 1)]
     first = b.batch(events, keep_stored=False)
     record = CheckpointLayout(tmp_path).call_record(1, 7)
-    assert set(read_record(record)) == {"q-1-d1-risk-0", "q-1-d2-risk-0", "q-1-d1-action-0", "q-1-d1-action-1",
+    assert {short(k) for k in read_record(record)} == {"q-1-d1-risk-0", "q-1-d2-risk-0", "q-1-d1-action-0", "q-1-d1-action-1",
                                         "q-1-d2-action-0"}
     service.delay = 0.0
     calls = sum(service.paths.values())
-    # The service now answers differently: a replay must not see it.
-    service.fail_first = 0
-    b.step = CallStep(tuple(c if c.name != "risk" else risk(service, "/slow") for c in b.step.calls),
-                      pa.string(), str(tmp_path))
+    # The service now fails: a replay must not see it (the same requests, so the same keys).
+    service.down = True
     b.counts = {}
     again = b.batch(events, batch_id=1)
     assert sum(service.paths.values()) == calls
@@ -145,6 +148,7 @@ def test_a_replay_reuses_the_recorded_responses(service: Service, tmp_path: Path
     assert b.counts == {"risk replayed": 2, "action replayed": 3}
     # Without the record (a crash before it was written) the calls are made again, with the same keys.
     record.unlink()
+    service.down = False
     b.batch(events, batch_id=1)
     assert all(n == 2 for k, n in service.keys.items() if "action" in k)
 
@@ -192,3 +196,27 @@ def test_tallies_sum_over_buckets_with_the_lowest_buckets_first_error() -> None:
     counts, failures = read_tallies({9: a.tally(), 4: b.tally(), 5: {}})
     assert counts == {("risk", "error"): 3, ("risk", "ok"): 1}
     assert failures == {"risk": (3, "device d1: HTTP 500")}
+
+
+def test_a_template_changed_before_a_replay_makes_the_call_again_with_a_new_key(
+        service: Service, tmp_path: Path) -> None:
+    # Issue 39: the key named the device and the call only, so a replay after the template changed
+    # reused the response recorded for another request.
+    b = Bucket(tmp_path, risk(service))
+    first = b.batch([("d1", 0, 1)], keep_stored=False)
+    assert col(first, "risk_score") == [10.0]
+    changed = dataclasses.replace(risk(service), body=Template({"device": "{device_id}", "events": 5}))
+    b.step = CallStep((changed,), pa.string(), str(tmp_path))
+    again = b.batch([("d1", 0, 1)], batch_id=1, keep_stored=False)
+    assert col(again, "risk_score") == [50.0] and service.paths["/score"] == 2
+    assert len(service.keys) == 2 and {short(k) for k in service.keys} == {"q-1-d1-risk-0"}
+    # the same request replayed keeps its key and its recorded response; a rotated token too
+    b.step = CallStep((dataclasses.replace(changed, headers=(("Authorization", "Bearer new"),)),), pa.string(),
+                      str(tmp_path))
+    b.counts = {}
+    assert col(b.batch([("d1", 0, 1)], batch_id=1, keep_stored=False), "risk_score") == [50.0]
+    assert b.counts == {"risk replayed": 1} and service.paths["/score"] == 2
+    # a header that says what is asked is part of the request
+    b.step = CallStep((dataclasses.replace(changed, headers=(("X-Model", "v2"),)),), pa.string(), str(tmp_path))
+    b.batch([("d1", 0, 1)], batch_id=1, keep_stored=False)
+    assert service.paths["/score"] == 3 and service.headers[-1]["X-Model"] == "v2"
