@@ -125,7 +125,8 @@ class StateConfig:
 
     Devices are hashed into ``buckets`` groups, each one value in Spark's state store; the count is
     fixed by a checkpoint's first run (docs/state.md). An event more than ``max_future_skew`` ahead
-    of the batch's time is a dead letter (None: no limit)."""
+    of the batch's time is a dead letter (None: no limit), as is one whose key (a string or binary)
+    is longer than ``max_key_bytes``."""
 
     key: str
     timestamp: str
@@ -134,6 +135,7 @@ class StateConfig:
     max_future_skew: timedelta | None = timedelta(hours=1)
     aggregates: tuple[tuple[str, tuple[StateAgg, ...]], ...] = ()
     buckets: int = 64
+    max_key_bytes: int = 1024
 
     @property
     def columns(self) -> tuple[str, ...]:
@@ -417,6 +419,9 @@ def _state(sec: Section) -> StateConfig:
     buckets = sec.get("buckets", int, 64)
     if buckets <= 0:
         raise sec.error("must be positive", "buckets")
+    max_key_bytes = sec.get("max_key_bytes", int, 1024)
+    if max_key_bytes <= 0:
+        raise sec.error("must be positive", "max_key_bytes")
     aggs = sec.section("aggregates", {})
     aggregates: list[tuple[str, tuple[StateAgg, ...]]] = []
     for column in list(aggs.data):
@@ -435,7 +440,7 @@ def _state(sec: Section) -> StateConfig:
         aggregates.append((column, tuple(names)))
     aggs.done()
     cfg = StateConfig(key=key, timestamp=timestamp, ttl=ttl, watermark=watermark, max_future_skew=max_future_skew,
-                      aggregates=tuple(aggregates), buckets=buckets)
+                      aggregates=tuple(aggregates), buckets=buckets, max_key_bytes=max_key_bytes)
     sec.done()
     return cfg
 

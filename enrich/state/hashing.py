@@ -67,6 +67,11 @@ def _hash_longs(values: np.ndarray) -> np.ndarray:
     return _fmix(_mix_h1(h, _mix_k1(high)), 8)
 
 
+#: Below this many values still hashing, the words left are mixed value by value: the vectorised
+#: step's fixed cost per word position would make one long value cost seconds.
+_FEW = 4
+
+
 def _hash_strings(arr: pa.Array) -> np.ndarray:
     n = len(arr)
     large = pa.types.is_large_string(arr.type) or pa.types.is_large_binary(arr.type)
@@ -77,13 +82,21 @@ def _hash_strings(arr: pa.Array) -> np.ndarray:
     starts, lengths = offsets[:-1], offsets[1:] - offsets[:-1]
     aligned = lengths - lengths % 4
     h = np.full(n, SEED, dtype=np.uint32)
-    # Word by word over every value at once: value i takes part while it has a whole word left.
-    for at in range(0, int(aligned.max(initial=0)), 4):
-        rows = np.flatnonzero(aligned > at)
+    # Word by word over every value at once: the values still having a whole word at ``at`` are a
+    # prefix of the values by length, longest first, so each position costs what it hashes.
+    longest_first = np.argsort(-aligned, kind="stable")
+    ascending = np.sort(aligned)
+    at = 0
+    while at < int(aligned.max(initial=0)):
+        active = n - int(np.searchsorted(ascending, at, side="right"))
+        if active <= _FEW:
+            for row in longest_first[:active]:
+                h[row] = _mix_words(int(h[row]), buf, int(starts[row]) + at, int(starts[row] + aligned[row]))
+            break
+        rows = longest_first[:active]
         p = starts[rows] + at
-        word = (buf[p].astype(np.uint32) | (buf[p + 1].astype(np.uint32) << np.uint32(8))
-                | (buf[p + 2].astype(np.uint32) << np.uint32(16)) | (buf[p + 3].astype(np.uint32) << np.uint32(24)))
-        h[rows] = _mix_h1(h[rows], _mix_k1(word))
+        h[rows] = _mix_h1(h[rows], _mix_k1(_words(buf, p)))
+        at += 4
     for tail in range(3):  # Spark's tail: each byte, sign extended, mixed as a word
         rows = np.flatnonzero(lengths > aligned + tail)
         if len(rows) == 0:
@@ -91,6 +104,23 @@ def _hash_strings(arr: pa.Array) -> np.ndarray:
         byte = buf[starts[rows] + aligned[rows] + tail].view(np.int8).astype(np.int32).view(np.uint32)
         h[rows] = _mix_h1(h[rows], _mix_k1(byte))
     return _fmix(h, lengths)
+
+
+def _words(buf: np.ndarray, p: np.ndarray) -> np.ndarray:
+    """The little-endian 32-bit words of ``buf`` at byte positions ``p``."""
+    return (buf[p].astype(np.uint32) | (buf[p + 1].astype(np.uint32) << np.uint32(8))
+            | (buf[p + 2].astype(np.uint32) << np.uint32(16)) | (buf[p + 3].astype(np.uint32) << np.uint32(24)))
+
+
+def _mix_words(h: int, buf: np.ndarray, start: int, end: int) -> np.uint32:
+    """``h`` mixed with the words of ``buf[start:end]`` (a multiple of 4 bytes) in order: the words'
+    ``k`` at once in numpy, then the chain through ``h``, which is sequential, in plain integers."""
+    ks = _mix_k1(buf[start:end].view("<u4").astype(np.uint32)).tolist()
+    mask = 0xFFFFFFFF
+    for k in ks:
+        x = h ^ k
+        h = ((((x << 13) | (x >> 19)) & mask) * 5 + 0xE6546B64) & mask
+    return np.uint32(h)
 
 
 def spark_hash(arr: pa.Array | pa.ChunkedArray) -> np.ndarray:

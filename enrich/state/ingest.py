@@ -55,6 +55,11 @@ def time_is_null(timestamp: str) -> str:
     return f"state.timestamp {timestamp} is null"
 
 
+def key_too_long(key: str, size: int, limit: int) -> str:
+    """The dead-letter reason of an event whose state key is ``size`` bytes, more than ``limit``."""
+    return f"state.key {key} is {size} bytes, more than state.max_key_bytes {limit}"
+
+
 def too_far_ahead(micros: int, skew: timedelta) -> str:
     """The dead-letter reason of an event whose time (``micros`` since the epoch) is more than
     ``skew`` ahead of its batch's time."""
@@ -85,6 +90,7 @@ class EventPacker:
     parse: FastEvents | None = None     # set: the fast pass; None: the rest pass
     max_future_skew: timedelta | None = None
     keep_values: bool = False           # every event keeps ``_value`` (a call may make it a dead letter later)
+    max_key_bytes: int | None = None    # a longer string or binary key makes the event a dead letter
 
     def __call__(self, batches: Iterable[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         settle()
@@ -133,6 +139,7 @@ class EventPacker:
         """``table`` as the step takes it: ``_error`` set on events without a state key or time, or
         too far ahead of the batch's time ``now_us``; ``_value`` kept in dead letters only;
         ``_ts_us`` (null in dead letters) and ``_bucket`` added."""
+        table = self._long_keys(table)
         key, ts = table.column(self.key), table.column(self.timestamp)
         error = table.column(ERROR)
         no_key, no_ts = pc.is_null(key), pc.is_null(ts)
@@ -156,6 +163,29 @@ class EventPacker:
         if table.schema != self.events:
             table = table.cast(self.events)
         return table.append_column(BUCKET, pa.array(self.layout.of(key), pa.int32()))
+
+    def _long_keys(self, table: pa.Table) -> pa.Table:
+        """``table`` with ``_error`` set on events whose key is longer than ``max_key_bytes``, and
+        their key nulled: a megabyte key would otherwise travel through the state step and cost
+        every pass over it (the dead letter keeps the event's original bytes)."""
+        key = table.column(self.key)
+        if self.max_key_bytes is None or not (pa.types.is_string(key.type) or pa.types.is_binary(key.type)
+                                              or pa.types.is_large_string(key.type)
+                                              or pa.types.is_large_binary(key.type)):
+            return table
+        sizes = pc.binary_length(key)
+        long_ = pc.fill_null(pc.greater(sizes, self.max_key_bytes), False).combine_chunks()
+        if not pc.any(long_).as_py():
+            return table
+        error = table.column(ERROR)
+        values = sizes.combine_chunks()
+        reasons: list[str | None] = [None] * len(long_)
+        for i in np.flatnonzero(long_.to_numpy(zero_copy_only=False)):  # rare: a message for these only
+            reasons[i] = key_too_long(self.key, values[int(i)].as_py(), self.max_key_bytes)
+        error = pc.if_else(pc.and_(long_, pc.is_null(error)), pa.array(reasons, pa.string()), error)
+        table = table.set_column(table.schema.get_field_index(ERROR), ERROR, error)
+        return table.set_column(table.schema.get_field_index(self.key), self.key,
+                                pc.if_else(long_, pa.scalar(None, key.type), key))
 
     def _ahead(self, error: pa.ChunkedArray, micros: pa.ChunkedArray, limit_us: int) -> pa.ChunkedArray:
         """``error`` with the reason of every event not yet a dead letter whose time is after ``limit_us``."""

@@ -299,7 +299,7 @@ def _packed_events(raw: DataFrame, pipeline: Pipeline, parser: FastParser | None
         return EventPacker(state_cfg.key, state_cfg.timestamp, layout,
                            ingest.events_schema(to_arrow_schema(st.joined, timezone=timezone)),
                            to_arrow_schema(out, timezone=timezone), st.before_specs, parse,
-                           state_cfg.max_future_skew,
+                           state_cfg.max_future_skew, max_key_bytes=state_cfg.max_key_bytes,
                            keep_values=any(c.on_error != "null" for c in cfg.calls))  # fail: data errors too
 
     def clocked(df: DataFrame) -> DataFrame:

@@ -18,7 +18,10 @@ from enrich.state.layout import BucketLayout
 _rng = random.Random(7)
 _TEXT = string.printable + "éüß日本語\u0000\U0001f600"
 STRINGS = ["", "a", "ab", "abc", "abcd", "abcde", "dev-000001", "é", "日本語テキスト", "\x00\x7f", "\U0001f600", None,
-           *["".join(_rng.choice(_TEXT) for _ in range(_rng.randint(0, 41))) for _ in range(1500)]]
+           *["".join(_rng.choice(_TEXT) for _ in range(_rng.randint(0, 41))) for _ in range(1500)],
+           # Long values, hashed value by value once few are left (enrich.state.hashing._FEW).
+           "k" * (1 << 20), "é" * 5001, *["".join(_rng.choice(_TEXT) for _ in range(_rng.randint(100, 3000)))
+                                          for _ in range(6)]]
 INTS = [0, 1, -1, 2**31 - 1, -(2**31), None, *[_rng.randint(-(2**31), 2**31 - 1) for _ in range(500)]]
 LONGS = [0, 1, -1, 2**63 - 1, -(2**63), None, *[_rng.randint(-(2**63), 2**63 - 1) for _ in range(500)]]
 EPOCH = dt.datetime(1970, 1, 1, tzinfo=dt.UTC)
@@ -84,3 +87,17 @@ def test_types_without_a_hash_here_are_refused() -> None:
     assert not supports(pa.float64()) and not supports(pa.decimal128(10, 2))
     with pytest.raises(TypeError, match="double"):
         spark_hash(pa.array([1.5]))
+
+
+def test_hashing_is_linear_in_the_bytes_hashed() -> None:
+    """One 1 MB key beside ten thousand short ones: the word positions past the short keys' lengths
+    cost what they hash (about 50 ms here), not a pass over every value each (4 s before)."""
+    import time
+
+    from tests.timing import bound
+
+    keys = pa.array(["k" * (1 << 20), *[f"dev-{i}" for i in range(10_000)]])
+    started = time.monotonic()
+    got = spark_hash(keys)
+    assert time.monotonic() - started < bound(1.0)
+    assert got[0] == spark_hash(keys.slice(0, 1))[0] and got[1:].tolist() == spark_hash(keys.slice(1)).tolist()

@@ -151,3 +151,21 @@ def test_the_rest_pass_packs_parsed_events_like_the_fast_pass_and_passes_packed_
     assert table.column("_offset").to_pylist() == [0, 1, 2, 10, 11, 12]
     assert buckets == fast_buckets + fast_buckets
     assert table.slice(3).drop_columns(["_offset"]).equals(table.slice(0, 3).drop_columns(["_offset"]))
+
+
+def test_a_key_longer_than_max_key_bytes_is_a_dead_letter_and_leaves_the_step_unhashed() -> None:
+    """A megabyte device id is a dead letter naming its size, its original bytes kept; the packed
+    row carries no key beside them (nor is the key hashed whole); the limit counts bytes,
+    not characters, and a key of exactly the limit passes. Both passes check keys in ``_checked``."""
+    values = [*GOOD, ev("k" * (1 << 20), "2026-01-01T00:00:04Z"), ev("é" * 512, "2026-01-01T00:00:05Z"),
+              ev("é" * 513, "2026-01-01T00:00:06Z")]
+    step = dataclasses.replace(packer(FIRST, fast=True), max_key_bytes=1024)
+    out = list(step([kafka(values)]))
+    table, _ = unpacked(out)
+    assert table.column(ERROR).to_pylist()[len(GOOD):] == [
+        "state.key device_id is 1048576 bytes, more than state.max_key_bytes 1024", None,
+        "state.key device_id is 1026 bytes, more than state.max_key_bytes 1024"]
+    assert table.column("_value").to_pylist()[len(GOOD):] == [values[3], None, values[5]]
+    assert table.column("device_id").to_pylist()[len(GOOD):] == [None, "é" * 512, None]
+    # The dead letter's original bytes travel (the sink writes them), the key a second time does not.
+    assert sum(len(r[ROWS] or b"") for b in out for r in b.to_pylist()) < len(values[3]) + 50_000

@@ -366,3 +366,24 @@ def test_an_event_from_the_future_is_a_dead_letter_and_moves_neither_watermark_n
     assert job.started.metrics is not None
     watermark = job.started.metrics.registry.get_sample_value("refstream_enrich_watermark_seconds")
     assert watermark is not None and T0.timestamp() < watermark <= (T0 + timedelta(minutes=9)).timestamp()
+
+
+@pytest.mark.integration
+def test_a_device_id_longer_than_max_key_bytes_is_a_dead_letter_and_the_others_carry_on(
+        spark: SparkSession, kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path) -> None:
+    """A 300 kB device id (the default state.max_key_bytes is 1 KiB) through Kafka: a dead letter
+    naming the size, never hashed or kept in the state; the events around it are enriched as usual."""
+    data = make_config(kafka, unique, tmp_path)
+    publish(kafka, data["joins"][0]["topic"], changelog(DEVICES, [{"device_id": "a", "owner": "ann"}]))
+    huge = "x" * 300_000
+    produce_events(kafka, data["events"]["topic"], [
+        {"device_id": "a", "ts": at(0), "temp": 1.0, "n": 1},
+        {"device_id": huge, "ts": at(1), "temp": 2.0, "n": 2},
+        {"device_id": "a", "ts": at(2), "temp": 3.0, "n": 3},
+    ])
+    run(spark, data)
+    out = outputs(kafka, data["output"]["kafka"]["topic"], 2)
+    assert sorted(out) == [1, 3] and [out[n]["state"]["events"] for n in (1, 3)] == [1, 2]
+    dead = [(json.loads(m.value())["n"], dict(m.headers())["error"].decode())
+            for m in read_all(kafka, data["dead_letter_topic"])]
+    assert dead == [(2, "state.key device_id is 300000 bytes, more than state.max_key_bytes 1024")]
