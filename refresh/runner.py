@@ -86,6 +86,21 @@ def _utcnow() -> datetime:
     return datetime.now(UTC)
 
 
+def _not_before_claimed(dataset: str, at: datetime, state: CommittedState) -> datetime:
+    """``at``, the clock reading a run's changes are valid from, or the completeness the dataset
+    already published if the clock reads earlier (a host or database clock stepped back): a change
+    valid before a completeness a consumer was promised would be one it has already judged without."""
+    if state.complete_as_of is None:
+        return at
+    claimed = parse_time(state.complete_as_of)
+    if at >= claimed:
+        return at
+    log.warning("dataset %s: the clock reads %s, before the completeness already published (%s): a clock "
+                "stepped back; this run's changes are valid from %s", dataset, format_time(at),
+                state.complete_as_of, state.complete_as_of)
+    return claimed
+
+
 @dataclass(frozen=True, kw_only=True)
 class _Step:
     """What a read computed: the change set and the state to commit once it is published."""
@@ -375,7 +390,7 @@ class Refresher:
         low = inc.window_start(old_wm, ds.incremental.lag, ds.incremental.numeric_lag)
         rows, db_now = self._read(ds, f"rows with {col} >= {low}", lambda cb: source.read_since(col, low, cb),
                                   state.schema, stop, source, clock=source.now)
-        at = inc.utc(db_now)
+        at = _not_before_claimed(ds.name, inc.utc(db_now), state)
         timer.mark("read")
         if rows.num_rows:
             check_keys(ds.name, rows, ds.key)
@@ -423,7 +438,7 @@ class Refresher:
             log.debug("dataset %s: reading the published snapshot during the source read", ds.name)
         rows, started = self._read(ds, "snapshot", source.read, state.schema, stop, source, clock=clock)
         # An incremental dataset's times are the database's; a file's, when its settled set was read.
-        at = inc.utc(started) if by_db else (source.read_started or started)
+        at = _not_before_claimed(ds.name, inc.utc(started) if by_db else (source.read_started or started), state)
         timer.mark("read")
         if rows.num_rows == 0 and not allow_empty:
             raise EmptySnapshot(

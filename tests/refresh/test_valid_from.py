@@ -281,3 +281,38 @@ def test_a_re_key_sends_every_row_with_the_time_it_was_first_published_with(make
     assert times(records, "upsert", rekey.version) == {'{"code":"c1"}': v1, '{"code":"c2"}': v2, '{"code":"c3"}': v1}
     gone = times(records, "delete", rekey.version)
     assert set(gone) == {'{"id":1}', '{"id":2}', '{"id":3}'} and all(b <= g <= a for g in gone.values())
+
+
+def test_a_clock_stepped_back_never_makes_a_change_valid_before_a_published_completeness(
+        make_config, tmp_path: Path, unique, kafka, monkeypatch: pytest.MonkeyPatch, caplog) -> None:
+    """The host's clock steps back an hour between two runs of a file dataset: the second run's
+    changes are valid from the completeness the first published (a consumer holding events until
+    that completeness has already judged them), with a warning; the completeness never goes back."""
+    import logging
+
+    import refresh.sources.files as files
+
+    topic = unique("ref.vf_clock")
+    p = tmp_path / "sites.csv"
+    cfg = make_config({"s": {"source": {"path": str(p), "stable_for": "200ms"}, "key": ["site_id"], "topic": topic,
+                             "max_delete_fraction": 1}})
+    run = Refresher(cfg).run
+    p.write_text("site_id,name\n1,a\n2,b\n")
+    run("s")
+    v1 = completeness(read_topic(kafka, topic, heartbeats=True), now() - timedelta(days=1))
+
+    class Behind(datetime):
+        @classmethod
+        def now(cls, tz: Any = None) -> datetime:  # type: ignore[override]
+            return datetime.now(tz) - timedelta(hours=1)
+
+    monkeypatch.setattr(files, "datetime", Behind)
+    p.write_text("site_id,name\n1,a\n2,B\n3,c\n")
+    time.sleep(0.3)
+    with caplog.at_level(logging.WARNING, logger="refresh.runner"):
+        run("s")
+    records = read_topic(kafka, topic, heartbeats=True)
+    assert set(times(records, "upsert", 2).values()) == {v1}
+    assert "a clock stepped back" in caplog.text and "dataset s:" in caplog.text
+    heartbeats = [contract.parse_time(r.headers["complete_as_of"]) for r in records if r.op == contract.OP_HEARTBEAT]
+    assert heartbeats == sorted(heartbeats) and heartbeats[-1] == v1
