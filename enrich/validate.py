@@ -21,7 +21,7 @@ from refstream.errors import one_line
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-__all__ = ["BROKER_TIMEOUT", "check_schema", "connect", "explain", "plan"]
+__all__ = ["BROKER_TIMEOUT", "check_calls", "check_schema", "connect", "explain", "plan"]
 
 #: How long the broker may take to answer a metadata request.
 BROKER_TIMEOUT = 10.0
@@ -54,12 +54,35 @@ def plan(cfg: EnrichConfig) -> list[str]:
 
 def check_schema(cfg: EnrichConfig) -> str:
     """``events.schema`` parsed by Spark as the job parses it (:class:`ConfigError` naming the key
-    when it is not a field list, or ``events.required`` names a field it lacks); its simple string.
+    when it is not a field list, or ``events.required`` names a field it lacks), and the calls'
+    templates against it (:func:`check_calls`); its simple string.
     Uses the active SparkSession, else starts a local one and stops it."""
     from enrich.events import event_schema
 
     with _session():
-        return event_schema(cfg.events.schema, cfg.events.required, cfg.source).simpleString()
+        schema = event_schema(cfg.events.schema, cfg.events.required, cfg.source)
+    check_calls(cfg, schema.fieldNames())
+    return schema.simpleString()
+
+
+def check_calls(cfg: EnrichConfig, fields: list[str]) -> None:
+    """The calls' templates against what is known without the broker: an event column a template
+    names must be one of the event ``fields`` or a column a join adds (``columns:`` with its prefix,
+    or its ``_matched`` flag); a join without ``columns:`` adds columns known only from its published
+    schema, so a name it may add is left to ``--explain`` and the job's start. :class:`ConfigError`
+    naming the call and the column."""
+    from refstream.errors import ConfigError
+
+    known = set(fields) | {j.matched_column for j in cfg.joins}
+    for j in cfg.joins:
+        if j.columns is None:
+            return
+        known |= {j.prefix + c for c in j.columns}
+    for c in cfg.calls:
+        for ref in c.body.refs():
+            if ref.scope is None and ref.name not in known:
+                raise ConfigError(f"{cfg.source}: calls ({c.name}).body: {ref}: neither an event field nor a "
+                                  f"join's column (have: {', '.join(sorted(n for n in known if not n.startswith('_')))})")
 
 
 def explain(cfg: EnrichConfig) -> list[str]:

@@ -176,3 +176,40 @@ def test_explain_names_a_join_the_published_schema_refuses(spark, kafka, unique,
     err = capsys.readouterr().err.strip()
     assert err == (f"enrich: {p}: joins[0] (devices): columns: ['site_id'] not in the published schema "
                    "['device_id', 'owner']")
+
+
+CALLS = """\
+kafka: {{bootstrap_servers: "127.0.0.1:9"}}
+events: {{topic: ev, schema: "{schema}"}}
+joins:
+  - {{dataset: devices, topic: ref.devices, on: device_id, columns: [site_id], prefix: d_}}
+{more_joins}
+state: {{key: device_id, timestamp: ts}}
+calls:
+  - {{name: risk, url: "http://127.0.0.1:9/risk", body: {{site: "{{{column}}}", t: "{{temperature}}"}},
+     response: {{score: double}}}}
+output: {{kafka: {{topic: out}}}}
+dead_letter_topic: dlq
+checkpoint: {checkpoint}
+"""
+
+
+@pytest.mark.parametrize(("column", "more_joins", "valid"), [
+    ("d_site_id", "", True),                      # a join's column, prefixed
+    ("_d_devices_matched", "", True),             # a join's matched flag
+    ("site_id", "", False),                       # the join adds it as d_site_id only
+    ("sitee", "", False),                         # a typo
+    ("sitee", "  - {dataset: sites, topic: ref.sites, on: {d_site_id: id}}", True),  # may come from sites
+])
+def test_validate_checks_what_a_call_template_names_without_the_broker(spark, tmp_path, capsys, column, more_joins,
+                                                                      valid):
+    """A template naming neither an event field nor a join's column is refused offline, naming the
+    call and the column; a join without ``columns:`` may add any column, which only its published
+    schema (``--explain``, the job's start) can tell."""
+    p = tmp_path / "enrich.yaml"
+    p.write_text(CALLS.format(schema=SCHEMA, more_joins=more_joins, column=column, checkpoint=tmp_path / "ck"))
+    assert main(["validate", "--config", str(p)]) == (0 if valid else 1)
+    err = capsys.readouterr().err.strip()
+    if not valid:
+        assert err == (f"enrich: invalid: {p}: calls (risk).body: {{{column}}}: neither an event field nor a join's "
+                       "column (have: d_site_id, device_id, temperature, ts)")
