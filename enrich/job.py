@@ -231,7 +231,8 @@ class EnrichJob:
         writer identity (:mod:`enrich.sinks.identity`: a start that would change it is refused)."""
         cfg = self.cfg
         ident = SinkIdentity.load(self.layout, cfg)
-        sink = make_sink(cfg, ident.scope, ident.id_of(cfg.output.topic) if cfg.output.topic else None,
+        # The Kafka output's writers' base id, else the dead letters' (the database output's tasks write them).
+        sink = make_sink(cfg, ident.scope, ident.id_of(cfg.output.topic or cfg.dead_letter_topic),
                          pipeline.events.fieldNames())
         self._stack.callback(sink.close)
         dead = None

@@ -15,7 +15,7 @@ import pyarrow as pa
 
 from enrich.checkpoint import CheckpointLayout
 from enrich.config import EnrichConfig
-from enrich.sinks.database.connect import connect, quote
+from enrich.sinks.database.connect import connect, percent, quote
 from enrich.state.hashing import buckets_of
 from refstream.errors import ConfigError
 
@@ -47,7 +47,7 @@ def device_state_from_database(cfg: EnrichConfig, device: str) -> dict[str, Any]
     conn = connect(db.url, db.dialect, db.statement_timeout.total_seconds())
     try:
         with conn.cursor() as cur:
-            cur.execute(f"SELECT * FROM {q(db.table)} WHERE {q(st.key)} = %s", (key,))
+            cur.execute(percent(f"SELECT * FROM {q(db.table)} WHERE {q(st.key)}") + " = %s", (key,))
             names = [d[0] for d in cur.description]
             got = cur.fetchone()
             where, args = ("WHERE query_id = %s", (scope,)) if scope else ("", ())

@@ -14,7 +14,8 @@ __all__ = ["Counted", "EnrichedBatch", "Sink", "make_sink"]
 def make_sink(cfg: EnrichConfig, scope: str | None = None, transactional_id: str | None = None,
               event_fields: Sequence[str] = ()) -> Sink:
     """The configured sink; ``scope`` identifies the query and ``transactional_id`` is the base of
-    the Kafka sink's transactional ids (see :mod:`enrich.sinks.kafka`; the checkpoint's, from
+    the Kafka sink's transactional ids, or of the database output's dead letters' (see
+    :mod:`enrich.sinks.kafka`; the checkpoint's, from
     :class:`enrich.sinks.identity.SinkIdentity`); ``event_fields``: the events' own columns (the
     database output's ``write: state`` rows hold the others)."""
     out = cfg.output
@@ -27,7 +28,7 @@ def make_sink(cfg: EnrichConfig, scope: str | None = None, transactional_id: str
             return DatabaseKafkaSink(cfg, event_fields, transactional_id, scope)
         from enrich.sinks.database.sink import DatabaseSink
 
-        return DatabaseSink(cfg, event_fields, scope)
+        return DatabaseSink(cfg, event_fields, scope, transactional_id)
     if out.kind == "kafka":
         from enrich.sinks.kafka.sink import KafkaSink
 

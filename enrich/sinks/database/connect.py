@@ -19,7 +19,7 @@ from refstream.errors import TerminalError, TransientError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["connect", "quote", "upsert", "fence_insert", "transient"]
+__all__ = ["connect", "quote", "upsert", "fence_insert", "transient", "percent"]
 
 
 #: The statement timeout of a connection opened without one (``output.database.statement_timeout``'s default).
@@ -116,6 +116,12 @@ def quote(dialect: DatabaseDialect, name: str) -> str:
     return "`" + name.replace("`", "``") + "`"
 
 
+def percent(sql: str) -> str:
+    """``sql`` (names, no placeholders yet) with its ``%`` doubled, for a statement run with
+    parameters: both drivers' paramstyle reads ``%`` there (a column named ``load%``)."""
+    return sql.replace("%", "%%")
+
+
 def fence_insert(cur: Any, dialect: DatabaseDialect, fence: str, query_id: str, slot: int, batch_id: int) -> bool:
     """Insert the fence row; False when it is there already (committed by an earlier attempt, or by
     one that held it open and committed meanwhile: the insert waits for it)."""
@@ -182,6 +188,6 @@ def upsert(cur: Any, dialect: DatabaseDialect, name: str, table: pa.Table, key: 
                     f"ON CONFLICT ({', '.join(q(c) for c in key)}) {update}")
         return
     update = ", ".join(f"{q(c)} = VALUES({q(c)})" for c in (rest or list(key)[:1]))
-    cur.executemany(f"INSERT INTO {q(name)} ({names}) VALUES ({', '.join(['%s'] * len(cols))}) "
-                    f"ON DUPLICATE KEY UPDATE {update}", _py_rows(table))
+    cur.executemany(percent(f"INSERT INTO {q(name)} ({names}) VALUES ") + f"({', '.join(['%s'] * len(cols))})"
+                    + percent(f" ON DUPLICATE KEY UPDATE {update}"), _py_rows(table))
 

@@ -59,12 +59,25 @@ class DatabaseSlot:
         self.written: int | None = 0
 
     def take(self, batch: pa.RecordBatch) -> pa.RecordBatch:
+        """The table's part of ``batch``; the Kafka part back, where a row the database would
+        refuse is a dead letter (its enriched value as the value, as a record too large is), so
+        that it is in neither output."""
         names = batch.schema.names
         ours = [n for n in names if n.startswith(PREFIX)]
-        t = pa.Table.from_batches([batch]).select([*ours, ERROR])
-        t = t.filter(pc.is_null(t.column(ERROR))).select(ours)
-        self.parts.append(t.rename_columns([n[len(PREFIX):] for n in ours]))
-        return batch.select([n for n in names if not n.startswith(PREFIX)])
+        full = pa.Table.from_batches([batch])
+        t = full.select(ours).rename_columns([n[len(PREFIX):] for n in ours])
+        assert self.w.rows is not None
+        error = full.column(ERROR)
+        why = self.w.rows.refusals(t)
+        refused = pc.and_(pc.is_null(error), pc.is_valid(why))
+        if pc.any(refused).as_py():
+            for name, value in ((ERROR, why), ("_value", full.column("value")), ("_key", full.column("key"))):
+                i = full.schema.get_field_index(name)
+                full = full.set_column(i, name, pc.if_else(refused, value, full.column(name)))
+            error = full.column(ERROR)
+        self.parts.append(t.filter(pc.is_null(error)))
+        out = full.select([n for n in names if not n.startswith(PREFIX)]).combine_chunks().to_batches()
+        return out[0] if out else batch.select([n for n in names if not n.startswith(PREFIX)])
 
     def committing(self) -> None:
         w = self.w

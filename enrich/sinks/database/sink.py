@@ -2,8 +2,11 @@
 
 The driver selects the batch's rows as the table's columns (and the dead letters' columns) and runs
 :class:`DatabaseTaskWriter` over them in a ``mapInArrow``; each task writes its slot by
-:func:`enrich.sinks.database.slots.write_slot` and returns one row of counts and its dead letters,
-which the driver writes to their topic: the batch is computed once, never cached. The plan has no shuffle after the state step, so a device's events
+:func:`enrich.sinks.database.slots.write_slot` and its dead letters (events that failed to parse, and
+rows the database would refuse: :mod:`enrich.sinks.database.refuse`) to their topic itself, in a
+Kafka transaction of its slot that commits just after the slot's database transaction (the Kafka
+sink's protocol and ledger): the driver gets one row of counts per task, never an event, and the
+batch is computed once, never cached. The plan has no shuffle after the state step, so a device's events
 all reach the task of its state partition: ``write: state`` keeps, per device, the row of the event
 the state step applied last (the greatest ``events`` count), whose ``state`` is the device's state
 after the batch. After the tasks, the driver deletes the rows of devices whose state expired
@@ -12,6 +15,7 @@ after the batch. After the tasks, the driver deletes the rows of devices whose s
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import Iterator, Sequence
@@ -29,11 +33,15 @@ from enrich.checkpoint import CheckpointLayout
 from enrich.columns import ERROR, LATE, STATE
 from enrich.config import DatabaseOutput, EnrichConfig
 from enrich.events import SOURCE_TYPES
+from enrich.origin import Origin
 from enrich.sinks.abc import Counted, EnrichedBatch
 from enrich.sinks.database.connect import connect, quote, transient
+from enrich.sinks.database.refuse import refused
 from enrich.sinks.database.slots import write_slot
 from enrich.sinks.database.tables import TableSpec, check_keys, ensure_tables, table_spec
 from enrich.sinks.deadletter import COLUMNS as DEAD_COLUMNS
+from enrich.sinks.kafka.ledger import ensure_ledger
+from enrich.sinks.kafka.tasks import TaskWriter
 from refstream.errors import RefstreamError, TransientError
 
 log = logging.getLogger(__name__)
@@ -44,20 +52,14 @@ __all__ = ["DatabaseSink", "DatabaseTaskWriter", "RowPlan", "row_plan"]
 POSITION = ("_topic", "_partition", "_offset")
 #: The state field that orders a device's events within a batch (the count after each event).
 COUNT = "events"
-#: The prefix of the dead-letter columns in the rows the tasks get and return.
+#: The prefix of the dead-letter columns in the rows the tasks get (``__dead_error`` set: the event
+#: failed before the sink; the others are every row's, for a row the database would refuse).
 DEAD = "__dead"
-#: What a task returns to the driver: one row of counts, then its dead letters (``__dead_error``
-#: set), so that the batch is computed once, by the tasks, and never cached.
-RESULT_DDL = ("slot INT, events BIGINT, late BIGINT, rows BIGINT, skipped BOOLEAN, seconds DOUBLE, "
-              f"{DEAD}_error STRING, {DEAD}_key BINARY, {DEAD}_value BINARY, {DEAD}_topic STRING, "
-              f"{DEAD}_partition INT, {DEAD}_offset BIGINT")
+#: What a task returns to the driver: one row of counts, never an event.
+RESULT_DDL = "slot INT, events BIGINT, late BIGINT, rows BIGINT, skipped BOOLEAN, seconds DOUBLE, dead_letters BIGINT"
 RESULT_SCHEMA = pa.schema([("slot", pa.int32()), ("events", pa.int64()), ("late", pa.int64()), ("rows", pa.int64()),
-                           ("skipped", pa.bool_()), ("seconds", pa.float64()),
-                           (f"{DEAD}_error", pa.string()), (f"{DEAD}_key", pa.binary()),
-                           (f"{DEAD}_value", pa.binary()), (f"{DEAD}_topic", pa.string()),
-                           (f"{DEAD}_partition", pa.int32()), (f"{DEAD}_offset", pa.int64())])
+                           ("skipped", pa.bool_()), ("seconds", pa.float64()), ("dead_letters", pa.int64())])
 _TRANSIENT = "refstream.errors.TransientError: "
-DEAD_SCHEMA = pa.schema([(c, RESULT_SCHEMA.field(DEAD + c).type) for c in DEAD_COLUMNS])
 
 
 @dataclass(frozen=True)
@@ -163,6 +165,10 @@ class SlotRows:
     state_key: str | None          # write: state: the key column (rows cut to one per device)
     late: bool                     # the rows carry ``_late`` (counted, and left out of write: state)
 
+    def refusals(self, rows: pa.Table) -> pa.Array:
+        """Per row of ``rows`` (holding the table's columns): why the database would refuse it, or null."""
+        return refused(rows.select(list(self.spec.names)), self.spec.dialect, self.spec.key)
+
     def table(self, parts: Sequence[pa.RecordBatch | pa.Table]) -> tuple[pa.Table, int, int]:
         """(rows to write, events, late events) of the task's ``parts``."""
         names = list(self.spec.names)
@@ -180,14 +186,46 @@ class SlotRows:
         return t.select(names), events, late
 
 
+def refused_letters(rows: pa.Table, why: pa.Array, names: Sequence[str]) -> pa.Table:
+    """Rows the database would refuse as dead letters (the ``__dead`` columns): ``why`` as the
+    error; as the value the original event where the rows still carry it (the state step and the
+    parser keep it only for events that failed there), else the row as JSON (NaN and Infinity as
+    JSON's extensions), the source headers pointing at the event."""
+    rows = rows.set_column(rows.schema.get_field_index(DEAD + ERROR), DEAD + ERROR, why)
+    kept = rows.column(DEAD + "_value")
+    if kept.null_count == 0:
+        return rows
+    as_json = [json.dumps(r, default=str).encode() for r in rows.select(list(names)).to_pylist()]
+    value = pc.if_else(pc.is_valid(kept), kept, pa.array(as_json, pa.binary()))
+    return rows.set_column(rows.schema.get_field_index(DEAD + "_value"), DEAD + "_value", value)
+
+
+@dataclass(frozen=True)
+class DeadLetterSlots:
+    """Where the tasks write their slots' dead letters: ``topic``, each slot in a Kafka transaction
+    of its own (``<base_id>-<slot>``, recorded in the topic's ledger ``ledger_topic``), as the Kafka
+    sink's tasks do (:mod:`enrich.sinks.kafka.tasks`). Picklable."""
+
+    settings: dict[str, str]
+    topic: str
+    ledger_topic: str
+    base_id: str
+    scope: str | None
+
+    def writer(self, batch_id: int) -> TaskWriter:
+        return TaskWriter(self.settings, self.topic, self.topic, self.ledger_topic, self.base_id, self.scope, batch_id)
+
+
 @dataclass(frozen=True)
 class DatabaseTaskWriter:
     """The ``mapInArrow`` function writing one task's rows (the table's columns, plus ``_late``
-    when ``rows.late``) as its slot of batch ``batch_id`` of query ``query_id``. Picklable."""
+    when ``rows.late``, and the ``__dead`` columns) as its slot of batch ``batch_id`` of query
+    ``query_id``, and its dead letters to ``dead_letters``. Picklable."""
 
     rows: SlotRows
     query_id: str
     batch_id: int
+    dead_letters: DeadLetterSlots | None = None
 
     def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         from pyspark import TaskContext
@@ -204,26 +242,61 @@ class DatabaseTaskWriter:
                 if pc.any(bad).as_py():
                     dead.append(t.filter(bad))
                     t = t.filter(pc.invert(bad))
+                why = self.rows.refusals(t)
+                if why.null_count < len(why):  # rows the database would refuse: dead letters, never a failed write
+                    dead.append(refused_letters(t.filter(pc.is_valid(why)), why.filter(pc.is_valid(why)),
+                                                self.rows.spec.names))
+                    t = t.filter(pc.is_null(why))
             good.append(t)
         table, events, late = self.rows.table(good)
+        letters = pa.concat_tables(dead) if dead else None
+        spec = self.rows.spec
         written: int | None = 0
-        if table.num_rows:
-            spec = self.rows.spec
-            try:
+        try:
+            if letters is not None and self.dead_letters is not None:
+                written = self._with_dead_letters(slot, table, letters)
+            elif table.num_rows:
                 written = write_slot(task_connection(spec), spec, self.query_id, slot, self.batch_id, table,
                                      written=lambda: self.written(slot))
-            except RefstreamError:
-                drop_connection(spec)
-                raise
-        log.info("batch %d slot %d: %s rows to %s in %.2fs", self.batch_id, slot,
-                 "no" if written is None else written, self.rows.spec.table, time.monotonic() - started)
+        except RefstreamError:
+            drop_connection(spec)
+            raise
+        n_dead = letters.num_rows if letters is not None else 0
+        log.info("batch %d slot %d: %s rows to %s, %d dead letter(s) in %.2fs", self.batch_id, slot,
+                 "no" if written is None else written, spec.table, n_dead, time.monotonic() - started)
         yield pa.RecordBatch.from_pylist([{"slot": slot, "events": events, "late": late, "rows": written or 0,
-                                           "skipped": written is None, "seconds": time.monotonic() - started}],
+                                           "skipped": written is None, "seconds": time.monotonic() - started,
+                                           "dead_letters": 0 if written is None else n_dead}],
                                          schema=RESULT_SCHEMA)
-        for t in dead:
-            cols = [t.column(f.name).cast(f.type) if f.name in t.column_names else pa.nulls(t.num_rows, f.type)
-                    for f in RESULT_SCHEMA]
-            yield from pa.Table.from_arrays(cols, schema=RESULT_SCHEMA).to_batches()
+
+    def _with_dead_letters(self, slot: int, table: pa.Table, letters: pa.Table) -> int | None:
+        """The slot's rows and its dead letters: the database transaction commits inside the Kafka
+        transaction's commit step (as with ``output.kafka``), so a slot whose ledger says committed
+        has both, and one whose database side committed alone writes only the dead letters again."""
+        from enrich.sinks.kafka.tasks import _SlotTransaction
+
+        assert self.dead_letters is not None
+        spec = self.rows.spec
+        tx = _SlotTransaction(self.dead_letters.writer(self.batch_id), slot)
+        try:
+            if tx.committed is not None and tx.committed >= self.batch_id:
+                log.info("batch %d slot %d: dead letters committed before; skipped", self.batch_id, slot)
+                return None
+            cols = {c: letters.column(DEAD + c) for c in DEAD_COLUMNS}
+            records = pa.table({"key": cols["_key"], "value": pa.nulls(letters.num_rows, pa.binary()), **cols})
+            for b in records.to_batches():
+                tx.write(b)
+            done: dict[str, int | None] = {"rows": 0}
+
+            def committing() -> None:
+                if table.num_rows:
+                    done["rows"] = write_slot(task_connection(spec), spec, self.query_id, slot, self.batch_id,
+                                              table, written=lambda: self.written(slot))
+
+            tx.commit(committing)
+            return done["rows"]
+        finally:
+            tx.close()
 
     def written(self, slot: int) -> None:
         """Called after the slot's rows went in, before its transaction commits; nothing here. (The
@@ -231,16 +304,21 @@ class DatabaseTaskWriter:
 
 
 class DatabaseSink:
-    """``output.database`` alone: the tasks write the table; the driver the dead letters (to their topic)."""
+    """``output.database`` alone: the tasks write the table and the dead letters (to their topic,
+    in transactions of ids ``<transactional_id>-<slot>``)."""
 
-    writes_dead_letters = False
+    writes_dead_letters = True
     reparses = False
     pending: tuple[int, ...] = ()
-    counts: tuple[str, ...] = ("enriched", "late")   # in the tasks
+    counts: tuple[str, ...] = ("enriched", "late", "dead_letters")   # in the tasks
 
-    def __init__(self, cfg: EnrichConfig, event_fields: Sequence[str], scope: str) -> None:
+    def __init__(self, cfg: EnrichConfig, event_fields: Sequence[str], scope: str,
+                 transactional_id: str | None = None) -> None:
         assert cfg.output.database is not None
         self.cfg, self.db, self.event_fields, self.scope = cfg, cfg.output.database, tuple(event_fields), scope
+        self.dead_letters = None if transactional_id is None else DeadLetterSlots(
+            dict(cfg.kafka), cfg.dead_letter_topic, ensure_ledger(dict(cfg.kafka), cfg.dead_letter_topic),
+            transactional_id, scope)
         self.layout = CheckpointLayout(cfg.checkpoint)
         self.counted = Counted()
         self._plans: dict[tuple[str, ...], RowPlan] = {}
@@ -270,22 +348,18 @@ class DatabaseSink:
     def write(self, batch_id: int, batch: EnrichedBatch) -> pa.Table:
         t0 = time.monotonic()
         plan = self.plan(batch)
-        writer = DatabaseTaskWriter(self.slot_rows(plan, batch), self.scope, batch_id)
-        failed = F.col(ERROR).isNotNull()
-        frame = batch.df.select(*self.good_rows(plan, batch),
-                                *[(F.col(c) if c == ERROR else F.when(failed, F.col(c))).alias(DEAD + c)
-                                  for c in DEAD_COLUMNS])
-        out = run_tasks(frame, writer)
-        rows = [r for r in out if r[DEAD + ERROR] is None]
-        dead = pa.Table.from_pylist([{c: r[DEAD + c] for c in DEAD_COLUMNS} for r in out if r[DEAD + ERROR] is not None],
-                                    schema=DEAD_SCHEMA)
+        writer = DatabaseTaskWriter(self.slot_rows(plan, batch), self.scope, batch_id, self.dead_letters)
+        # Every row's source columns: a row the database would refuse becomes a dead letter in the task.
+        frame = batch.df.select(*self.good_rows(plan, batch), *[F.col(c).alias(DEAD + c) for c in DEAD_COLUMNS])
+        rows = run_tasks(frame, writer)
         self.last_results = rows
-        self.counted = Counted(enriched=sum(int(r["events"]) for r in rows), late=sum(int(r["late"]) for r in rows))
-        log.info("batch %d: %d rows to %s by %d task(s) (%d skipped as committed) in %.2fs", batch_id,
-                 sum(int(r["rows"]) for r in rows), self.db.table, len(rows), sum(1 for r in rows if r["skipped"]),
-                 time.monotonic() - t0)
+        self.counted = Counted(enriched=sum(int(r["events"]) for r in rows), late=sum(int(r["late"]) for r in rows),
+                               dead_letters=sum(int(r["dead_letters"]) for r in rows))
+        log.info("batch %d: %d rows to %s by %d task(s) (%d skipped as committed), %d dead letter(s) in %.2fs",
+                 batch_id, sum(int(r["rows"]) for r in rows), self.db.table, len(rows),
+                 sum(1 for r in rows if r["skipped"]), self.counted.dead_letters, time.monotonic() - t0)
         self.expire(batch_id)
-        return dead
+        return pa.table({c: pa.array([], pa.null()) for c in DEAD_COLUMNS})
 
     def expire(self, batch_id: int) -> None:
         """``write: state``: delete the rows of the devices whose state the batch dropped (TTL).
@@ -300,6 +374,9 @@ class DatabaseSink:
             return
         assert self.cfg.state is not None
         ms = self.layout.batch_watermark_ms(batch_id)
+        origin = Origin.read(self.layout)  # a fork's watermark floor: the state step drops devices by it too
+        if origin is not None and origin.floor_us is not None:
+            ms = max(ms or 0, origin.floor_us // 1000)
         if not ms:
             return
         cutoff = datetime.fromtimestamp(0, UTC) + timedelta(milliseconds=ms) - self.cfg.state.ttl

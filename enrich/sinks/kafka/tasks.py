@@ -179,7 +179,7 @@ class _SlotTransaction:
         self.limit = record_limit(w.settings)
         self.records = self.dead = self.leaked_total = 0
         self.flagged = {UNMATCHED: 0, LATE: 0}  # of the records written
-        topics = [w.topic, w.dead_letter_topic]
+        topics = list(dict.fromkeys([w.topic, w.dead_letter_topic]))  # one topic: the database output's dead letters
         # Nothing this attempt writes lies before these ends. The written ends, not the read_committed
         # ones: their probe can wait while another task's transaction is open on the same partitions
         # (seconds per task when the state step's tasks outnumber the cores, docs/benchmarks.md).

@@ -26,6 +26,7 @@ from enrich import config
 from enrich.config import DatabaseDialect
 from enrich.job import EnrichJob
 from enrich.sinks.database.connect import connect, quote
+from enrich.sinks.database.tables import exact_collation, fence_ddl
 from refstream import kafka as rkafka
 from tests.enrich.helpers import produce_events, read_all
 from tests.timing import bound
@@ -36,28 +37,27 @@ TOTAL, PER_BATCH = 300, 60
 
 
 def slow_commits(url: str, dialect: DatabaseDialect, fence: str) -> None:
-    """The fence table, created before the job does (as the job would), with a trigger that sleeps
+    """The fence table, created before the job does (as the job does), with a trigger that sleeps
     0.3 s in each slot's transaction."""
     q = quote(dialect, fence)
     if dialect == "postgresql":
         statements = [
-            f"CREATE TABLE {q} (query_id TEXT NOT NULL, slot INTEGER NOT NULL, "
-            "batch_id BIGINT NOT NULL, PRIMARY KEY (query_id, slot, batch_id))",
+            fence_ddl(dialect, fence),
             f"CREATE FUNCTION {quote(dialect, fence + '_sleep')}() RETURNS trigger LANGUAGE plpgsql AS "
             "$$ BEGIN PERFORM pg_sleep(0.3); RETURN NULL; END $$",
             f"CREATE CONSTRAINT TRIGGER slow_commit AFTER INSERT ON {q} DEFERRABLE INITIALLY "
             f"DEFERRED FOR EACH ROW EXECUTE FUNCTION {quote(dialect, fence + '_sleep')}()"]
     else:
         statements = [
-            f"CREATE TABLE {q} (query_id VARCHAR(64) NOT NULL, slot INTEGER NOT NULL, "
-            "batch_id BIGINT NOT NULL, PRIMARY KEY (query_id, slot, batch_id))",
+            fence_ddl(dialect, fence, "{collation}"),
             f"CREATE TRIGGER {quote(dialect, fence + '_sleep')} AFTER INSERT ON {q} FOR EACH ROW "
             "SET @slept = SLEEP(0.3)"]
     conn = connect(url, dialect)
     try:
         with conn.cursor() as cur:
+            collation = exact_collation(cur) if dialect == "mysql" else ""
             for sql in statements:
-                cur.execute(sql)
+                cur.execute(sql.replace("{collation}", collation))
         conn.commit()
     finally:
         conn.close()
