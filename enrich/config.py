@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -286,6 +286,8 @@ def parse(data: Mapping[str, Any], source: str = "config") -> EnrichConfig:
     _check_partitioned(top, joins, state)
     _check_as_of(top, joins, state)
     calls = parse_calls(top, state is not None)
+    if output.database is not None:
+        _check_database_names(top, output.database, joins, state, calls)
     # Always bounded: after downtime the backlog is read in batches of this size, not in one.
     max_events = top.get("max_events_per_batch", int, DEFAULT_MAX_EVENTS_PER_BATCH)
     if max_events <= 0:
@@ -466,6 +468,37 @@ def _database(sec: Section) -> DatabaseOutput:
                          statement_timeout=timeout)
     sec.done()
     return out
+
+
+#: PostgreSQL's longest identifier, in bytes (NAMEDATALEN - 1): a longer name is cut short
+#: silently, so the job would create one table and then look for another.
+PG_NAME_BYTES = 63
+
+
+def database_names_too_long(db: DatabaseOutput, columns: Sequence[str]) -> list[str]:
+    """The names among ``db``'s tables and ``columns`` that PostgreSQL would cut short."""
+    if db.dialect != "postgresql":
+        return []
+    return [n for n in (db.table, db.fence, *columns) if len(n.encode()) > PG_NAME_BYTES]
+
+
+def _check_database_names(top: Section, db: DatabaseOutput, joins: Sequence[JoinConfig], state: StateConfig | None,
+                          calls: Sequence[CallConfig]) -> None:
+    """The table and column names the job would create that the config decides, against
+    PostgreSQL's limit (the columns published schemas add are checked at the table's creation)."""
+    fields = ["events", "first_seen", "last_seen", *(state.fields if state else ()),
+              *(c for call in calls for c in call.columns)]
+    columns = [*(j.matched_column for j in joins), *(j.prefix + c for j in joins for c in (j.columns or ()))]
+    if db.write == "state":
+        assert state is not None
+        columns += [state.key, *fields]
+    elif state is not None:
+        columns += [f"state_{f}" for f in fields]
+    long = database_names_too_long(db, columns)
+    if long:
+        raise top.error(f"PostgreSQL names are at most {PG_NAME_BYTES} bytes; the job would create "
+                        f"{', '.join(repr(n) + f' ({len(n.encode())} bytes)' for n in long)}: shorten the table, "
+                        "the state aggregates' columns or the joins' prefix", "output.database")
 
 
 def _output(sec: Section) -> OutputConfig:

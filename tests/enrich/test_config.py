@@ -289,6 +289,25 @@ def test_output_database_statement_timeout_is_a_duration() -> None:
     assert got is not None and got.statement_timeout == timedelta(milliseconds=1500)
 
 
+def test_postgresql_names_over_63_bytes_are_refused_at_load() -> None:
+    """PostgreSQL cuts longer names short silently: the job would create one table and look for another."""
+    db = {"url": "postgresql://h/d", "table": "t" * 56, "write": "events"}
+    with pytest.raises(ConfigError, match=r"output\.database: PostgreSQL names are at most 63 bytes; the job would "
+                                          r"create 't{56}_commits' \(64 bytes\)"):
+        config.parse({**BASE, "output": {"database": db}}, "enrich.yaml")
+    long = "temperature_of_the_device_measured_at_its_outer_casing_now"    # 58 bytes: its _mean is 63, _last 63
+    state = {**STATE, "aggregates": {long: ["mean", "max"]}}
+    ok = config.parse({**BASE, "state": state, "output": {"database": {**db, "table": "s", "write": "state"}}})
+    assert ok.output.database is not None
+    with pytest.raises(ConfigError, match=rf"would create 'state_{long}_mean' \(69 bytes\), 'state_{long}_max'"):
+        config.parse({**BASE, "state": state, "output": {"database": {**db, "table": "s"}}})
+    joined = {**BASE, "joins": [{"dataset": "devices", "on": "device_id", "columns": ["model_id"], "prefix": "p" * 60}]}
+    with pytest.raises(ConfigError, match=r"would create '_p{60}devices_matched' \(76 bytes\), 'p{60}model_id'"):
+        config.parse({**joined, "output": {"database": {**db, "table": "s"}}})
+    # MariaDB's limit is 64 characters, which the table's pattern keeps.
+    assert config.parse({**BASE, "output": {"database": {**db, "url": "mysql+pymysql://root@h/d"}}}).output.database
+
+
 @pytest.mark.parametrize(("output", "state", "message"), [
     ({"database": {"url": "postgresql://h/d", "table": "t", "write": "rows"}}, STATE,
      "output.database.write: 'rows' is not one of state, events"),

@@ -26,7 +26,7 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
-from enrich.config import DatabaseDialect, DatabaseOutput
+from enrich.config import PG_NAME_BYTES, DatabaseDialect, DatabaseOutput, database_names_too_long
 from enrich.sinks.database.connect import quote
 from refstream.errors import ConfigError
 
@@ -106,6 +106,10 @@ def table_spec(db: DatabaseOutput, fields: Sequence[StructField], key: Sequence[
     if twice:
         raise ConfigError(f"output.database: the rows of write: {db.write} would have the column(s) {twice} twice "
                           "(a join column named like a state field?); rename them with a join's prefix:")
+    long = database_names_too_long(db, names)
+    if long:
+        raise ConfigError(f"output.database: PostgreSQL names are at most {PG_NAME_BYTES} bytes; the job would "
+                          f"create {', '.join(repr(n) for n in long)}: shorten them (a join's prefix:, the table)")
     cols = tuple((f.name, sql_type(f.dataType, db.dialect, f.name in key)) for f in fields)
     return TableSpec(db.url, db.dialect, db.table, db.fence, cols, tuple(key), db.statement_timeout.total_seconds())
 

@@ -127,3 +127,13 @@ def test_a_join_column_named_like_a_state_field_is_refused() -> None:
     out = DatabaseOutput(url="postgresql://h/d", table="t", write="state", dialect="postgresql")
     with pytest.raises(ConfigError, match=r"the column\(s\) \['events'\] twice .* prefix:"):
         table_spec(out, [*FIELDS, StructField("events", StringType())], ("device_id",))
+
+
+def test_a_postgresql_column_name_over_63_bytes_is_refused_before_the_table_is_created() -> None:
+    """A column a published schema adds (unknown at load) is checked where the table's columns are decided."""
+    out = DatabaseOutput(url="postgresql://h/d", table="t", write="state", dialect="postgresql")
+    long = "c" * 64
+    with pytest.raises(ConfigError, match=rf"PostgreSQL names are at most 63 bytes; the job would create '{long}'"):
+        table_spec(out, [*FIELDS, StructField(long, StringType())], ("device_id",))
+    mysql = DatabaseOutput(url="mysql+pymysql://h/d", table="t", write="state", dialect="mysql")
+    assert table_spec(mysql, [*FIELDS, StructField(long, StringType())], ("device_id",)).names[-1] == long
