@@ -12,6 +12,8 @@ names a path under it. Every module that reads or writes the checkpoint takes it
       dimensions/<n>.json       the changelog positions batch n pinned (enrich.dimension.versions)
       refstream/
         job.lock                held shared by every running job, exclusively by ``enrich rescale``
+        origin.json             where the events start (and a fork's savepoint and watermark floor),
+                                resolved at the first start and reused at every start (enrich.origin)
         sink.json               the writers' identity: the query's scope and the base transactional
                                 ids, fixed at the first start (enrich.sinks.identity)
         shipped/                dimension versions written for the tasks of joins in the plan
@@ -80,6 +82,10 @@ class CheckpointLayout:
     @property
     def lock(self) -> Path:
         return self.own / "job.lock"
+
+    @property
+    def origin(self) -> Path:
+        return self.own / "origin.json"
 
     @property
     def sink_identity(self) -> Path:

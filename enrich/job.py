@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import logging
 import re
 import shutil
@@ -23,7 +24,7 @@ import time
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pyspark.accumulators import Accumulator
 from pyspark.errors import StreamingQueryException
@@ -43,6 +44,7 @@ from enrich.dimension.ship import Shipper
 from enrich.dimension.versions import FileVersionLog
 from enrich.events.fastparse import FastParser
 from enrich.metrics import RESULTS, EnrichMetrics
+from enrich.origin import Origin
 from enrich.pipeline import JoinPass, Pipeline
 from enrich.sinks import Counted, EnrichedBatch, Sink, make_sink
 from enrich.sinks.deadletter import DeadLetters
@@ -54,6 +56,9 @@ from enrich.state.wait import BatchFacts
 from refstream import kafka as rkafka
 from refstream.errors import TerminalError, one_line
 from refstream.retry import RetryPolicy, call_with_retry
+
+if TYPE_CHECKING:
+    from enrich.ops.savepoint import Savepoint
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +131,7 @@ class EnrichJob:
         self.cfg, self.available_now, self.retry = cfg, available_now, retry
         self.from_savepoint = from_savepoint
         self._fork: tuple[str, Fork] | None = None
+        self._origin: Origin | None = None
         self.layout = CheckpointLayout(cfg.checkpoint)
         self._stack = ExitStack()
         self._stop = threading.Event()
@@ -142,6 +148,13 @@ class EnrichJob:
         return self.cfg.checkpoint
 
     @property
+    def origin(self) -> Origin:
+        """What the checkpoint recorded at its first start (read or written by :meth:`start`)."""
+        if self._origin is None:
+            raise RuntimeError("the job has not started")
+        return self._origin
+
+    @property
     def started(self) -> Started:
         """The parts :meth:`start` opened (an error before it ran)."""
         if self._started is None:
@@ -156,21 +169,19 @@ class EnrichJob:
         checkpoint's lock is held, shared, until :meth:`close`: ``enrich rescale`` refuses to run
         meanwhile, and a start while it runs is refused (:class:`enrich.checkpoint.CheckpointBusy`)."""
         self._stack.enter_context(self.layout.held())
-        saved = None
-        if self.from_savepoint is not None:
-            from enrich.ops import savepoint
-
-            savepoint.refuse_started(self.layout, self.from_savepoint)
-            saved = savepoint.load(self.from_savepoint)
+        saved = self._begin()
         # events.schema is checked before the broker is touched (the pipeline parses it again).
         events.event_schema(self.cfg.events.schema, self.cfg.events.required, self.cfg.source)
+        if self._origin is None:  # the checkpoint's first start
+            self._origin = Origin(self._resolve_start())
+            self._origin.write(self.layout)
         self._ensure_topics()
         dims = self._dimensions(spark)
         pipeline = self._plan(spark, dims)
         if saved is not None:
             saved.check(self.cfg, pipeline.state.spec if pipeline.state is not None else None)
             self._fork = saved.fork(spark, pipeline)
-            log.info("starting from the savepoint %s (batch %d of %s)", self.from_savepoint, saved.batch_id,
+            log.info("starting from the savepoint %s (batch %d of %s)", saved.directory, saved.batch_id,
                      saved.meta.get("checkpoint"))
         sink, dead = self._sinks(pipeline)
         metrics = self._metrics(sink)
@@ -183,6 +194,42 @@ class EnrichJob:
                  self.cfg.output.topic or self.cfg.output.path or
                  (self.cfg.output.database.table if self.cfg.output.database else "console"), self.cfg.checkpoint)
         return self.query
+
+    def _begin(self) -> Savepoint | None:
+        """The checkpoint's origin (:mod:`enrich.origin`) as recorded (a fork's recorded at its first
+        start; None until :meth:`start` resolves a new checkpoint's, before the dimensions'
+        bootstrap), and the savepoint to fork from, while a fork's batch 0 has not committed (run
+        again with its initial state after a crash, with ``--from-savepoint`` or without it)."""
+        from enrich.ops import savepoint
+
+        kept, wanted = Origin.read(self.layout), self.from_savepoint
+        if kept is not None and kept.savepoint is not None and (wanted is None or kept.forked_from(wanted)):
+            self._origin = kept
+            return None if self.layout.committed_any() else savepoint.load(kept.savepoint)
+        if wanted is not None:
+            savepoint.refuse_started(self.layout, wanted)
+            saved = savepoint.load(wanted)
+            self._origin = Origin(saved.events_start, str(Path(wanted).resolve()), saved.floor_us)
+            self._origin.write(self.layout)
+            return saved
+        self._origin = kept
+        return None
+
+    def _resolve_start(self) -> str:
+        """``events.starting_offsets`` as the offsets each partition of the events topic starts at now
+        (Spark's JSON; a partition created later starts at its earliest)."""
+        from enrich.source.offsets import EndOffsetProbe, parse_starting_offsets, resolve_start
+
+        ev = self.cfg.events
+        start = parse_starting_offsets(ev.starting_offsets, [ev.topic], "events.starting_offsets")
+        probe = EndOffsetProbe(self.cfg.kafka)
+        try:
+            offsets = call_with_retry(lambda: resolve_start(probe, [ev.topic], start),
+                                      what=f"resolving events.starting_offsets of {ev.topic}", policy=self.retry,
+                                      stop=self._stop)
+        finally:
+            probe.close()
+        return json.dumps({ev.topic: {str(p): o for (_, p), o in sorted(offsets.items())}})
 
     def _ensure_topics(self) -> None:
         cfg = self.cfg
@@ -256,7 +303,7 @@ class EnrichJob:
         from enrich.source import read_stream
 
         ev = self.cfg.events
-        starting = self._fork[0] if self._fork is not None else ev.starting_offsets
+        starting = self.origin.events
         return read_stream(spark, self.cfg.kafka, [ev.topic], starting_offsets=starting,
                            max_offsets_per_trigger=self.cfg.max_events_per_batch,
                            fail_on_data_loss=ev.fail_on_data_loss, on_offset_reset=ev.on_offset_reset,
@@ -288,7 +335,8 @@ class EnrichJob:
         if pipeline.state.calls is not None:
             self._call_counts = spark.sparkContext.accumulator({}, KeyedTallies())
         state = state_step(spark, pipeline, raw, devices.accumulator, parser,
-                           self._fork[1] if self._fork is not None else None, self._call_counts)
+                           self._fork[1] if self._fork is not None else None, self._call_counts,
+                           floor_us=self.origin.floor_us)
         if state.cache is not None:  # after the query has stopped (the stack unwinds in reverse)
             self._stack.callback(state.cache.remove)
         return None, state, devices, state.packed

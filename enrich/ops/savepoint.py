@@ -270,11 +270,19 @@ class Savepoint:
             if entry.get("schema") is not None and _has_rows(self.directory / entry["rows"]):
                 dims[dim.state_name] = (spark.read.parquet(str(self.directory / entry["rows"])),
                                         json.dumps(entry["schema"]).encode("utf-8"))
+        return self.events_start, Fork(devices=devices, dims=dims, changelogs=changelogs, floor_us=self.floor_us)
+
+    @property
+    def events_start(self) -> str:
+        """The events' starting offsets of a fork (Spark's JSON): where the savepoint's batch read to."""
         events = self.meta["events"]
+        return json.dumps({events["topic"]: events["offsets"]})
+
+    @property
+    def floor_us(self) -> int | None:
+        """A fork's watermark floor (event time, microseconds): the savepoint's next watermark; None: none."""
         watermark = self.meta.get("watermark_ms")
-        floor = int(watermark) * 1000 if watermark else None
-        return (json.dumps({events["topic"]: events["offsets"]}),
-                Fork(devices=devices, dims=dims, changelogs=changelogs, floor_us=floor))
+        return int(watermark) * 1000 if watermark else None
 
 
 def _has_rows(path: Path) -> bool:

@@ -26,8 +26,6 @@ from pyspark.sql.types import StructType
 
 from enrich.source.fetch import SCHEMA_DDL, OffsetRange, read_range
 from enrich.source.offsets import (
-    EARLIEST,
-    LATEST,
     TP,
     EndOffsetProbe,
     ProbeResult,
@@ -35,6 +33,7 @@ from enrich.source.offsets import (
     check_retention,
     from_json_offsets,
     rate_limit,
+    resolve_start,
     starts_of,
     to_json_offsets,
     topic_ids_of,
@@ -141,18 +140,7 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return out
 
     def initialOffset(self) -> dict:
-        start = self.options.starting
-        probe = self._prober()
-        tps = probe.partitions(self.options.topics)
-        if start == EARLIEST:
-            offsets = {tp: max(probe.listed_end(tp)[0], 0) for tp in tps}
-        elif start == LATEST:
-            offsets = probe.probe(tps).end
-        else:
-            assert isinstance(start, dict)
-            want = {tp: start.get(tp, EARLIEST) for tp in tps}
-            ends = probe.probe([tp for tp, o in want.items() if o == LATEST]).end
-            offsets = {tp: (ends[tp] if o == LATEST else max(o, 0)) for tp, o in want.items()}
+        offsets = resolve_start(self._prober(), self.options.topics, self.options.starting)
         log.info("initial offsets of %s: %s", ",".join(self.options.topics), offsets)
         return to_json_offsets(offsets, topic_ids=self._topic_ids())
 

@@ -156,6 +156,20 @@ def parse_starting_offsets(value: str, topics: Iterable[str], option: str = "sta
     return out
 
 
+def resolve_start(probe: EndOffsetProbe, topics: Iterable[str], start: int | Mapping[TP, int]) -> dict[TP, int]:
+    """The offset each current partition of ``topics`` starts at for ``start`` (:data:`EARLIEST`,
+    :data:`LATEST`, or per-partition offsets as :func:`parse_starting_offsets` returns them)."""
+    tps = probe.partitions(topics)
+    if start == EARLIEST:
+        return {tp: max(probe.listed_end(tp)[0], 0) for tp in tps}
+    if start == LATEST:
+        return probe.probe(tps).end
+    assert isinstance(start, Mapping)
+    want = {tp: start.get(tp, EARLIEST) for tp in tps}
+    ends = probe.probe([tp for tp, o in want.items() if o == LATEST]).end
+    return {tp: (ends[tp] if o == LATEST else max(o, 0)) for tp, o in want.items()}
+
+
 def rate_limit(start: Mapping[TP, int], end: Mapping[TP, int], max_offsets: int) -> dict[TP, int]:
     """Cap ``end`` so that at most ``max_offsets`` offsets are admitted in total, shared in
     proportion to each partition's backlog (as Spark's Kafka source does). The caps sum to exactly
@@ -311,5 +325,5 @@ class EndOffsetProbe:
 
 
 __all__ = ["EARLIEST", "LATEST", "STARTS", "TOPIC_IDS", "TP", "EndOffsetProbe", "ProbeResult", "check_reset", "check_retention",
-           "from_json_offsets", "parse_starting_offsets", "rate_limit", "starts_of", "to_json_offsets",
+           "from_json_offsets", "parse_starting_offsets", "rate_limit", "resolve_start", "starts_of", "to_json_offsets",
            "topic_ids_of"]

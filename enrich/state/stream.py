@@ -93,13 +93,15 @@ class Fork:
 def state_step(spark: SparkSession, pipeline: Pipeline, raw: DataFrame,
                devices: Accumulator[dict[int, int]] | None = None, parser: FastParser | None = None,
                fork: Fork | None = None,
-               call_counts: Accumulator[dict[int, dict[str, Any]]] | None = None) -> StateStream:
+               call_counts: Accumulator[dict[int, dict[str, Any]]] | None = None, *,
+               floor_us: int | None = None) -> StateStream:
     """The job's hook: check the pipeline's state step against the checkpoint (a start on a rescale
     that did not finish is refused; a warning when the config's ``spark.sql.shuffle.partitions`` is
     not the number the checkpoint runs with, or the buckets spread unevenly over it), set the
     RocksDB state store, and return the ``raw`` Kafka stream through :func:`attach` (``devices``,
     ``parser``: see there), the partitioned dimensions' changelogs read as streams beside it; with
-    a ``fork``, the step starts from its state, changelog offsets and watermark."""
+    a ``fork``, the step starts from its state, changelog offsets and watermark; ``floor_us``: the
+    watermark floor of a checkpoint that began as a fork (:mod:`enrich.origin`), at every start."""
     cfg, st = pipeline.cfg, pipeline.state
     assert cfg.state is not None and st is not None
     ck = pipeline.checkpoint
@@ -134,7 +136,7 @@ def state_step(spark: SparkSession, pipeline: Pipeline, raw: DataFrame,
     initial = initial_state(spark, pipeline, layout, fork) if fork is not None else None
     ticks = tick_stream(spark, layout.ids) if cfg.waits else None
     return attach(raw, pipeline, layout, changelogs, devices, parser=parser, cache=TableCache(uuid.uuid4().hex),
-                  initial=initial, floor_us=fork.floor_us if fork is not None else None, ticks=ticks,
+                  initial=initial, floor_us=fork.floor_us if fork is not None else floor_us, ticks=ticks,
                   call_counts=call_counts)
 
 

@@ -271,9 +271,10 @@ def test_two_forks_from_a_savepoint_write_what_the_original_job_writes(
     other_key["joins"] = []   # a partitioned join is on state.key
     with pytest.raises(SavepointRefused, match=r"state.key is 'site'"):
         fork(spark, other_key, point)
-    # A second fork into a checkpoint that has batches: refused.
+    # A fork into a checkpoint that has batches and is not a fork of this savepoint: refused (on its
+    # own fork the same savepoint is a restart: tests/enrich/test_origin.py).
     with pytest.raises(SavepointRefused, match="the checkpoint has batches already"):
-        fork(spark, same, point)
+        fork(spark, data, point)
 
     # A savepoint that fails half way leaves no directory behind: the command can run again.
     def fail(*_: Any) -> None:
