@@ -178,12 +178,8 @@ def validate(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     from enrich import config
     from enrich.job import EnrichJob
-    from enrich.session import build_session
 
     cfg = config.load(args.config)
-    master = args.master or (None if os.environ.get("PYSPARK_GATEWAY_PORT") else "local[*]")
-    # The job's UI is on (Spark's default) unless the config's spark: section turns it off.
-    spark = build_session(master, "refstream-enrich", cfg.spark_conf, ui=True)
     job = EnrichJob(cfg, available_now=args.available_now, from_savepoint=args.from_savepoint)
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
@@ -192,10 +188,7 @@ def run(args: argparse.Namespace) -> int:
 
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, on_signal)
-    try:
-        job.run(spark)
-    finally:
-        spark.stop()
+    job.run(master=args.master)  # its session as the API builds it: the config's spark: section, the UI on
     return 0
 
 

@@ -355,11 +355,25 @@ class EnrichJob:
         self._stack.callback(self._stop_query)
         return query
 
-    def run(self, spark: SparkSession) -> None:
+    def run(self, spark: SparkSession | None = None, *, master: str | None = None) -> None:
         """Start on ``spark``, then wait until the query ends (available-now) or :meth:`stop` is
         called, and release what the job opened. A query that fails because a Python worker did not
         start (:func:`worker_start_failed`) is started again from its checkpoint, with backoff, up to
-        the retry policy's attempts."""
+        the retry policy's attempts.
+
+        Without ``spark`` the job builds its session as ``enrich run`` does
+        (:func:`enrich.session.build_session`: the session defaults, then the config's ``spark:``
+        section, the UI on) on ``master`` (default ``local[*]``, or what ``spark-submit`` set), and
+        stops it at the end."""
+        if spark is None:
+            import os
+
+            from enrich.session import build_session
+
+            if master is None and "PYSPARK_GATEWAY_PORT" not in os.environ:
+                master = "local[*]"
+            spark = build_session(master, "refstream-enrich", self.cfg.spark_conf, ui=True)
+            self._stack.callback(spark.stop)  # last: after the query has stopped
         with self._stack:
             query = self.start(spark)
             failures = 0

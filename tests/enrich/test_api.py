@@ -48,3 +48,37 @@ def test_the_readme_example_runs_the_job_in_an_application(spark: SparkSession, 
                                                          for m in read_all(kafka, data["output"]["kafka"]["topic"])))
     assert got == [("d1", "ann"), ("d2", None)]
     assert isinstance(scope["config"], enrich.config.EnrichConfig)
+
+
+def api_program() -> str:
+    text = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
+    return re.search(r"```python\n(.*?)```", text, re.S).group(1)  # type: ignore[union-attr]
+
+
+def test_the_api_pages_first_program_runs_as_written(kafka: dict[str, str], tmp_path: Path) -> None:
+    """docs/api.md's first program, as a process of its own in an empty directory, against the
+    broker named by KAFKA_BOOTSTRAP holding only its events topic: it exits 0, the refresher's
+    changelog and the job's output are there, and it imports only the packages' public names."""
+    import ast
+    import os
+    import subprocess
+    import sys
+
+    from tests.timing import bound
+
+    program = api_program()
+    for node in ast.walk(ast.parse(program)):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in ("enrich",
+                                                                                                       "refresh"):
+            assert node.attr in __import__(node.value.id).__all__, f"{node.value.id}.{node.attr} is not public"
+    produce_events(kafka, "api.events", [{"device_id": "d1", "temperature": 21.5},
+                                         {"device_id": "d3", "temperature": 19.0}])
+    (tmp_path / "program.py").write_text(program)
+    env = {**os.environ, "KAFKA_BOOTSTRAP": kafka["bootstrap.servers"], "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "program.py"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=bound(300))
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = sorted((e["device_id"], e["site"], e["_devices_matched"])
+                 for e in (json.loads(m.value()) for m in read_all(kafka, "api.enriched")))
+    assert got == [("d1", "s-1", True), ("d3", None, False)]
+    assert (tmp_path / "var" / "api-checkpoint").is_dir()
