@@ -42,7 +42,8 @@ from enrich.sinks.database.tables import TableSpec, check_keys, ensure_tables, t
 from enrich.sinks.deadletter import COLUMNS as DEAD_COLUMNS
 from enrich.sinks.kafka.ledger import ensure_ledger
 from enrich.sinks.kafka.tasks import TaskWriter
-from refstream.errors import RefstreamError, TransientError
+from refstream.atomic import write_json_atomic
+from refstream.errors import ConfigError, RefstreamError, TransientError
 
 log = logging.getLogger(__name__)
 
@@ -316,10 +317,11 @@ class DatabaseSink:
                  transactional_id: str | None = None) -> None:
         assert cfg.output.database is not None
         self.cfg, self.db, self.event_fields, self.scope = cfg, cfg.output.database, tuple(event_fields), scope
+        self.layout = CheckpointLayout(cfg.checkpoint)
+        check_table_record(self.layout, self.db, cfg.source)
         self.dead_letters = None if transactional_id is None else DeadLetterSlots(
             dict(cfg.kafka), cfg.dead_letter_topic, ensure_ledger(dict(cfg.kafka), cfg.dead_letter_topic),
             transactional_id, scope)
-        self.layout = CheckpointLayout(cfg.checkpoint)
         self.counted = Counted()
         self._plans: dict[tuple[str, ...], RowPlan] = {}
         self.last_results: list[dict[str, Any]] = []
@@ -395,6 +397,31 @@ def ensure(spec: TableSpec) -> None:
         ensure_tables(conn, spec)
     finally:
         conn.close()
+
+
+def check_table_record(layout: CheckpointLayout, db: DatabaseOutput, source: str) -> None:
+    """The table (and ``write``) the checkpoint writes, recorded at its first start in
+    ``refstream/database.json``; a :class:`ConfigError` naming both tables when a checkpoint that
+    has run is pointed at another: its fence rows, which say which slots of a replayed batch are
+    written, are in the other table's fence table, and the new table would miss every row before."""
+    path = layout.own / "database.json"
+    wanted = {"table": db.table, "write": db.write}
+    if path.exists():
+        try:
+            kept = json.loads(path.read_text(encoding="utf-8"))
+            table, write = str(kept["table"]), str(kept["write"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise ConfigError(f"{path}: not a database output record ({exc}); restore it from a backup of the "
+                              "checkpoint, or point checkpoint: at a new directory") from None
+        if (table, write) != (db.table, db.write) and layout.planned_any():
+            what = (f"output.database.table: {db.table!r} differs from {table!r}" if table != db.table
+                    else f"output.database.write: {db.write!r} differs from {write!r}")
+            raise ConfigError(f"{source}: {what}, which the checkpoint {layout.root} writes (table {table}, "
+                              f"write: {write}): a pending batch's fence rows are in {table}_commits and the new "
+                              f"table would lack every row before; put it back, or point checkpoint: at a new "
+                              f"directory to start over")
+    if not path.exists() or not layout.planned_any():
+        write_json_atomic(path, wanted)
 
 
 def check_existing(db: DatabaseOutput, key: Sequence[str]) -> None:
