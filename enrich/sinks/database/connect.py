@@ -15,7 +15,7 @@ import pyarrow as pa
 import pyarrow.csv as pacsv
 
 from enrich.config import DatabaseDialect
-from refstream.errors import TerminalError, TransientError
+from refstream.errors import ConfigError, TerminalError, TransientError
 
 log = logging.getLogger(__name__)
 
@@ -42,7 +42,9 @@ def connect(url: str, dialect: DatabaseDialect, timeout: float = DEFAULT_TIMEOUT
             import psycopg
 
             conninfo = "postgresql://" + url.split("://", 1)[1]  # libpq takes the URL without a driver suffix
-            pg = psycopg.connect(conninfo, autocommit=False, connect_timeout=secs + CLIENT_MARGIN)
+            # libpq reads the URL's own parameters (sslmode, sslrootcert, connect_timeout...); ours where it sets none.
+            given: dict[str, Any] = {} if "connect_timeout=" in conninfo else {"connect_timeout": secs + CLIENT_MARGIN}
+            pg = psycopg.connect(conninfo, autocommit=False, **given)
             ms = max(1, round(timeout * 1000))
             pg.execute("SET TIME ZONE 'UTC'")
             pg.execute(f"SET statement_timeout = {ms}")
@@ -50,14 +52,8 @@ def connect(url: str, dialect: DatabaseDialect, timeout: float = DEFAULT_TIMEOUT
             pg.commit()
             return pg
         import pymysql
-        from sqlalchemy.engine import make_url
 
-        u = make_url(url)
-        conn = pymysql.connect(host=u.host or "127.0.0.1", port=u.port or 3306, user=u.username or "root",
-                               password=u.password or "", database=u.database,
-                               charset=str(u.query.get("charset", "utf8mb4")), autocommit=False,
-                               init_command="SET time_zone = '+00:00'", connect_timeout=secs + CLIENT_MARGIN,
-                               read_timeout=secs + CLIENT_MARGIN, write_timeout=secs + CLIENT_MARGIN)
+        conn = pymysql.connect(**mysql_args(url, secs + CLIENT_MARGIN))
         mariadb = "mariadb" in str(conn.get_server_info()).lower()
         # MariaDB bounds any statement; MySQL's max_execution_time covers SELECTs only, its writes
         # are bounded by the lock waits and the client's read timeout.
@@ -65,11 +61,45 @@ def connect(url: str, dialect: DatabaseDialect, timeout: float = DEFAULT_TIMEOUT
                  else f"max_execution_time = {max(1, round(timeout * 1000))}")
         with conn.cursor() as cur:  # no gap locks: the slots' upserts and fence rows never wait on each other
             cur.execute("SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED")
-            cur.execute(f"SET SESSION {limit}, SESSION innodb_lock_wait_timeout = {secs}, "
+            # After the URL's own init_command, which may set another time zone.
+            cur.execute(f"SET SESSION time_zone = '+00:00', SESSION {limit}, SESSION innodb_lock_wait_timeout = {secs}, "
                         f"SESSION lock_wait_timeout = {secs}")
         return conn
+    except ConfigError:
+        raise
     except Exception as exc:  # noqa: BLE001 - the drivers' errors differ; classified here
         raise transient(exc, "connecting to the database") from exc
+
+
+def mysql_args(url: str, timeout: int) -> dict[str, Any]:
+    """PyMySQL's arguments for ``url`` as the refresher's SQLAlchemy engine reads the same URL (its
+    query's ``ssl_ca``, ``ssl_cert``, ``ssl_key``, ``ssl_check_hostname``... as TLS settings, and
+    ``connect_timeout``, ``read_timeout``, ``charset``, ``init_command``... as given), with UTF-8 and
+    ``timeout`` (seconds) for what the URL leaves unset; a :class:`ConfigError` naming a query
+    parameter PyMySQL does not take."""
+    import inspect
+
+    import pymysql
+    from sqlalchemy.dialects.mysql.pymysql import MySQLDialect_pymysql
+    from sqlalchemy.engine import make_url
+
+    u = make_url(url)
+    _, args = MySQLDialect_pymysql().create_connect_args(u)
+    if "client_flag" not in u.query:
+        args.pop("client_flag", None)  # SQLAlchemy's FOUND_ROWS would change what rowcount counts
+    known = set(inspect.signature(pymysql.connections.Connection.__init__).parameters)
+    unknown = sorted(k for k in args if k not in known)
+    if unknown:
+        raise ConfigError(f"output.database.url: unknown parameter(s) {unknown} in the URL's query (PyMySQL "
+                          "takes e.g. ssl_ca, ssl_cert, ssl_key, ssl_check_hostname, connect_timeout, read_timeout, "
+                          "write_timeout, charset, init_command)")
+    args.setdefault("host", "127.0.0.1")
+    args.setdefault("user", "root")
+    args.setdefault("charset", "utf8mb4")
+    for name in ("connect_timeout", "read_timeout", "write_timeout"):
+        args.setdefault(name, timeout)
+    args["autocommit"] = False
+    return dict(args)
 
 
 #: MySQL/MariaDB errors of a statement that ran out of time: lock wait timeout, MariaDB's
