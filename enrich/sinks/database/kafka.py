@@ -117,5 +117,5 @@ class DatabaseKafkaSink(KafkaSink):
 
     def write(self, batch_id: int, batch: EnrichedBatch) -> pa.Table:
         dead = super().write(batch_id, batch)
-        self.database.expire(batch_id)
+        self.database.finish(batch_id)
         return dead

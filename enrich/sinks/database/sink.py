@@ -360,8 +360,18 @@ class DatabaseSink:
         log.info("batch %d: %d rows to %s by %d task(s) (%d skipped as committed), %d dead letter(s) in %.2fs",
                  batch_id, sum(int(r["rows"]) for r in rows), self.db.table, len(rows),
                  sum(1 for r in rows if r["skipped"]), self.counted.dead_letters, time.monotonic() - t0)
-        self.expire(batch_id)
+        self.finish(batch_id, fenced=any(r["rows"] for r in rows))
         return pa.table({c: pa.array([], pa.null()) for c in DEAD_COLUMNS})
+
+    def finish(self, batch_id: int, fenced: bool = True) -> None:
+        """After the batch's tasks: :meth:`expire`, then the fence rows no replay needs are deleted
+        (:func:`prune_fence`) when the batch wrote its own (``fenced``)."""
+        self.expire(batch_id)
+        if fenced:
+            deleted = prune_fence(self.db, self.scope, batch_id)
+            if deleted:
+                log.info("batch %d: %d fence row(s) of earlier batches deleted from %s", batch_id, deleted,
+                         self.db.fence)
 
     def expire(self, batch_id: int) -> None:
         """``write: state``: delete the rows of the devices whose state the batch dropped (TTL).
@@ -422,6 +432,28 @@ def check_table_record(layout: CheckpointLayout, db: DatabaseOutput, source: str
                               f"directory to start over")
     if not path.exists() or not layout.planned_any():
         write_json_atomic(path, wanted)
+
+
+def prune_fence(db: DatabaseOutput, query_id: str, batch_id: int) -> int:
+    """Delete the query's fence rows of the batches before ``batch_id``; how many. Spark plans a
+    batch only once the one before is in its commit log, so only the batch being written can be
+    replayed: its rows are the ones a replay looks for, and the table keeps at most two batches' rows
+    per query (the ones before a crash and the replayed batch's). Other queries' rows (another
+    checkpoint writing the same table) are theirs to prune."""
+    conn = connect(db.url, db.dialect, db.statement_timeout.total_seconds())
+    try:
+        with conn.cursor() as cur:
+            cur.execute(f"DELETE FROM {quote(db.dialect, db.fence)} WHERE query_id = %s AND batch_id < %s",
+                        (query_id, batch_id))
+            n = int(cur.rowcount)
+        conn.commit()
+        return n
+    except RefstreamError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the drivers' errors, classified by transient()
+        raise transient(exc, f"pruning {db.fence}") from exc
+    finally:
+        conn.close()
 
 
 def check_existing(db: DatabaseOutput, key: Sequence[str]) -> None:

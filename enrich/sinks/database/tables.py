@@ -130,8 +130,10 @@ def exact_collation(cur: Any) -> str:
 def fence_ddl(dialect: DatabaseDialect, fence: str, collation: str = "") -> str:
     """The fence table's ``CREATE TABLE IF NOT EXISTS`` (``collation``: MySQL's, from :func:`exact_collation`)."""
     qid = 'TEXT COLLATE "C"' if dialect == "postgresql" else f"VARCHAR(64) CHARACTER SET utf8mb4 COLLATE {collation}"
+    # Keyed by batch before slot: the last batch of a query (enrich lookup --state) and the rows a
+    # prune deletes (enrich.sinks.database.sink.prune_fence) are ranges of the key.
     return (f"CREATE TABLE IF NOT EXISTS {quote(dialect, fence)} (query_id {qid} NOT NULL, slot INTEGER NOT NULL, "
-            "batch_id BIGINT NOT NULL, PRIMARY KEY (query_id, slot, batch_id))")
+            "batch_id BIGINT NOT NULL, PRIMARY KEY (query_id, batch_id, slot))")
 
 
 def merging_keys(cur: Any, dialect: DatabaseDialect, table: str, key: Sequence[str]) -> list[str]:

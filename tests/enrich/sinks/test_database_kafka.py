@@ -134,4 +134,4 @@ def test_no_record_is_visible_before_its_row(spark: SparkSession, kafka: dict[st
     finally:
         conn.close()
     assert [r[0] for r in rows] == list(range(TOTAL)) and rows[8][1] == "d1"
-    assert fenced[0] >= TOTAL // PER_BATCH and fenced[1] > fenced[0]   # two slots a batch
+    assert fenced[0] == 1 and fenced[1] >= 1   # the last batch's slots: the earlier ones pruned
