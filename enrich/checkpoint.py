@@ -11,7 +11,8 @@ names a path under it. Every module that reads or writes the checkpoint takes it
         state/                    the state store (device state, partitioned dimensions)
       dimensions/<n>.json       the changelog positions batch n pinned (enrich.dimension.versions)
       refstream/
-        job.lock                held shared by every running job, exclusively by ``enrich rescale``
+        job.lock                held by the running job, or ``enrich rescale``: one at a time; says who
+                                (host, process id), its modification time the heartbeat
         origin.json             where the events start (and a fork's savepoint and watermark floor),
                                 resolved at the first start and reused at every start (enrich.origin)
         sink.json               the writers' identity: the query's scope and the base transactional
@@ -30,25 +31,32 @@ from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
+import socket
+import threading
+import time
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from refstream.atomic import write_json_atomic
 from refstream.contract import DatasetSchema
-from refstream.errors import ContractError, DataError, TerminalError
+from refstream.errors import ConfigError, ContractError, DataError
 
 __all__ = ["CheckpointBusy", "CheckpointLayout"]
+
+log = logging.getLogger(__name__)
 
 #: Spark's number of shuffle (and so state) partitions, as its offset log records it per batch.
 _SHUFFLE_PARTITIONS = "spark.sql.shuffle.partitions"
 
 
-class CheckpointBusy(TerminalError):
-    """The checkpoint's lock is held: by a running job (an exclusive holder is refused), or by
-    ``enrich rescale`` (a job is refused)."""
+class CheckpointBusy(ConfigError):
+    """The checkpoint's lock is held, by a running job or ``enrich rescale``: a second job, or a
+    rescale, on it is refused (the CLI exits 2)."""
 
 
 @dataclass(frozen=True)
@@ -172,25 +180,44 @@ class CheckpointLayout:
 
     @contextmanager
     def held(self, *, exclusive: bool = False) -> Iterator[None]:
-        """Hold the checkpoint's lock (:attr:`lock`) while the block runs: shared by every running
-        job, exclusive for ``enrich rescale``, which rewrites Spark's state while no job runs. Never
-        waits: a :class:`CheckpointBusy` naming the holder when the other kind holds it. A lock is
-        released with its process, however that ends. On storage without working ``flock`` (some
-        network file systems) the lock shows only the holders on the same machine."""
+        """Hold the checkpoint's lock (:attr:`lock`) while the block runs, alone: one running job
+        (two would race on Spark's state store and repeat external calls), or ``enrich rescale``
+        (``exclusive``: it rewrites Spark's state while no job runs). Never waits: a
+        :class:`CheckpointBusy` naming the holder (what it is, its host and process id). The lock is
+        an ``flock`` released with its process, however that ends; the file says who holds it, and
+        its modification time is its heartbeat (every :data:`HEARTBEAT_S`), for storage whose
+        ``flock`` does not reach other machines (some network file systems): a start that gets the
+        lock but finds another machine's holder beating within :data:`STALE_S` is refused too."""
         self.own.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.lock, os.O_RDWR | os.O_CREAT, 0o644)
+        stop = threading.Event()
         try:
             try:
-                fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                if exclusive:
-                    raise CheckpointBusy(f"{self.root}: the job is running on this checkpoint (it holds {self.lock}); "
-                                         "stop it (SIGTERM lets it finish its batch) and try again") from None
-                raise CheckpointBusy(f"{self.root}: enrich rescale is rewriting this checkpoint's state (it holds "
-                                     f"{self.lock}); start the job once it has finished") from None
+                raise CheckpointBusy(self._busy(_holder(fd))) from None
+            other = _holder(fd)
+            if (other.get("host") not in (None, socket.gethostname())
+                    and time.time() - os.fstat(fd).st_mtime < STALE_S):
+                raise CheckpointBusy(self._busy(other))
+            me = {"holder": "rescale" if exclusive else "job", "host": socket.gethostname(), "pid": os.getpid(),
+                  "since": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, json.dumps(me).encode() + b"\n", 0)
+            threading.Thread(target=_beat, args=(fd, stop), name="checkpoint-heartbeat", daemon=True).start()
             yield
         finally:
-            os.close(fd)  # releases the lock
+            stop.set()  # the heartbeat thread touches the file only while the lock is held
+            with _BEATING:
+                os.close(fd)  # releases the lock
+
+    def _busy(self, holder: Mapping[str, Any]) -> str:
+        who = f"{holder.get('host', '?')}, process {holder.get('pid', '?')}"
+        if holder.get("holder") == "rescale":
+            return (f"{self.root}: enrich rescale is rewriting this checkpoint's state (on {who}; it holds "
+                    f"{self.lock}); start the job once it has finished")
+        return (f"{self.root}: the job is running on this checkpoint (on {who}; it holds {self.lock}); stop it "
+                "(SIGTERM lets it finish its batch) and try again, or point checkpoint: at another directory")
 
     def write_schemas(self, schemas: Mapping[str, DatasetSchema]) -> None:
         """Keep the published schemas the pipeline was planned with, for planning it again without
@@ -208,6 +235,33 @@ class CheckpointLayout:
             raise DataError(f"{path}: missing; the job has not started on this checkpoint") from None
         except (ValueError, AttributeError, ContractError) as exc:
             raise DataError(f"{path}: not a schema record ({exc}); start the job once to write it again") from None
+
+
+#: How often a lock's holder touches the lock file, and how old a touch from another machine may be
+#: before the holder is taken for gone (its flock, on storage that shares one, says so at once).
+HEARTBEAT_S = 10.0
+STALE_S = 3 * HEARTBEAT_S
+_BEATING = threading.Lock()  # a touch never runs on a file descriptor closed (and reused) meanwhile
+
+
+def _holder(fd: int) -> dict[str, Any]:
+    """Who the lock file says holds the lock ({} when it says nothing readable)."""
+    try:
+        kept = json.loads(os.pread(fd, 4096, 0) or b"{}")
+    except (OSError, ValueError):
+        return {}
+    return kept if isinstance(kept, dict) else {}
+
+
+def _beat(fd: int, stop: threading.Event) -> None:
+    while not stop.wait(HEARTBEAT_S):
+        with _BEATING:
+            if stop.is_set():
+                return
+            try:
+                os.utime(fd)
+            except OSError as exc:  # the checkpoint's storage: the lock itself is still held
+                log.warning("checkpoint lock heartbeat failed: %s", exc)
 
 
 def _ids(log: Path) -> list[int]:

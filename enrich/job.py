@@ -166,8 +166,8 @@ class EnrichJob:
     def start(self, spark: SparkSession) -> StreamingQuery:
         """Plan the query on ``spark`` and start it: the output topics, the dimensions' bootstrap,
         the pipeline (:mod:`enrich.pipeline`), the sink, the metrics, the stream, the query. The
-        checkpoint's lock is held, shared, until :meth:`close`: ``enrich rescale`` refuses to run
-        meanwhile, and a start while it runs is refused (:class:`enrich.checkpoint.CheckpointBusy`)."""
+        checkpoint's lock is held until :meth:`close`: another job or ``enrich rescale`` on it is
+        refused meanwhile, and a start while either runs is (:class:`enrich.checkpoint.CheckpointBusy`)."""
         self._stack.enter_context(self.layout.held())
         saved = self._begin()
         # events.schema is checked before the broker is touched (the pipeline parses it again).
