@@ -11,7 +11,10 @@ with one line naming what changed, as the state settings are (:mod:`enrich.state
 - ``output.kafka.transactional_id`` set to another id than the one recorded;
 - the ledger topic of a topic written before missing from the broker.
 
-A checkpoint moved to another path keeps its identity: the ids are recorded, not derived again.
+The scope is drawn at random at the first start and the derived ids come from it, not from the
+checkpoint's path: two deployments whose checkpoints have the same path inside their containers
+never share an id (they would fence each other's writers in a crash loop). A checkpoint moved to
+another path keeps its identity: the ids are recorded, not derived again.
 """
 
 from __future__ import annotations
@@ -71,7 +74,7 @@ class SinkIdentity:
                                   f"checkpoint {layout.root} writes {topic} with: a pending batch would be written "
                                   f"again; put it back, or {_NEW}")
             if topic not in ids:
-                ids[topic] = configured or transactional_id_for(layout.root, topic)
+                ids[topic] = configured or transactional_id_for(scope, topic)
         if check_ledgers and layout.planned_any():
             for topic in (t for t in wanted if t in written):
                 if not partitions_of(cfg.kafka, ledger_topic(topic)):

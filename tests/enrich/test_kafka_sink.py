@@ -101,11 +101,11 @@ def test_the_ledger_is_per_writer_and_scope(kafka, unique):
         assert w.write(0, table("fresh", 2)) == 2
 
 
-def test_transactional_ids_are_stable_per_checkpoint_and_topic(tmp_path):
-    a = transactional_id_for(tmp_path / "cp", "out")
-    assert a == transactional_id_for(str(tmp_path / "cp"), "out")
-    assert a != transactional_id_for(tmp_path / "cp2", "out")
-    assert a != transactional_id_for(tmp_path / "cp", "out2")
+def test_transactional_ids_are_stable_per_identity_and_topic():
+    a = transactional_id_for("scope", "out")
+    assert a == transactional_id_for("scope", "out")
+    assert a != transactional_id_for("scope2", "out")
+    assert a != transactional_id_for("scope", "out2")
 
 
 def test_foreach_batch_failure_after_commit_and_restart_writes_each_event_once(spark, kafka, unique, tmp_path):

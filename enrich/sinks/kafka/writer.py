@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import time
 from collections import Counter
 from collections.abc import Mapping
@@ -44,11 +43,13 @@ def record_limit(settings: Mapping[str, object]) -> int:
     return int(str(settings.get("message.max.bytes", DEFAULT_MESSAGE_MAX_BYTES))) - RECORD_OVERHEAD
 
 
-def transactional_id_for(checkpoint: str | os.PathLike[str], topic: str) -> str:
-    """A transactional id that is stable for one streaming query (its checkpoint) and output topic,
-    and differs between queries: a restarted query fences its previous incarnation, two queries
-    never fence each other."""
-    digest = hashlib.sha256(f"{os.path.abspath(os.fspath(checkpoint))}\0{topic}".encode()).hexdigest()
+def transactional_id_for(identity: str, topic: str) -> str:
+    """A transactional id that is stable for one streaming query and output topic, and differs
+    between queries: a restarted query fences its previous incarnation, two queries never fence each
+    other. ``identity``: the query's, drawn at random at its checkpoint's first start and recorded
+    there (:mod:`enrich.sinks.identity`), never its path: two deployments whose checkpoints have the
+    same path in their containers would share ids and fence each other."""
+    digest = hashlib.sha256(f"{identity}\0{topic}".encode()).hexdigest()
     return f"refstream-enrich-{digest[:20]}"
 
 

@@ -90,3 +90,26 @@ def test_a_deleted_ledger_topic_is_refused(kafka: dict[str, str], unique: Callab
         f.result()
     with pytest.raises(ConfigError, match=rf"the ledger topic {ledger_topic(out)} of {out} is gone"):
         SinkIdentity.load(layout, conf)
+
+
+@pytest.mark.integration  # starts `python -m enrich run` (Spark) itself, twice
+def test_two_deployments_with_the_same_checkpoint_path_never_share_a_transactional_id(
+        kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path) -> None:
+    """Two deployments whose checkpoints have the same path inside their containers, writing one
+    topic: here the first one's checkpoint is moved away once it has run, and the second one starts
+    a new checkpoint at the same path. Their writers' ids differ, so they never fence each other."""
+    from tests.enrich.test_restart import committed_count, seed, start_job, write_config
+    from tests.timing import bound
+
+    config = tmp_path / "enrich.yaml"
+    data = write_config(config, kafka, unique)
+    seed(kafka, data, 50)
+    path, out = Path(data["checkpoint"]), data["output"]["kafka"]["topic"]
+    ids = []
+    for deployment in ("a", "b"):
+        log = tmp_path / f"{deployment}.log"
+        assert start_job(config, log, "--available-now").wait(bound(300)) == 0, log.read_text()[-3000:]
+        ids.append(json.loads(CheckpointLayout(path).sink_identity.read_text())["transactional_ids"][out])
+        path.rename(tmp_path / deployment)
+    assert ids[0] != ids[1]
+    assert committed_count(kafka, out) == 100  # each deployment wrote every event
