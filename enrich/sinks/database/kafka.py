@@ -109,7 +109,7 @@ class DatabaseKafkaSink(KafkaSink):
         plan = self.database.plan(batch)
         return DatabaseKafkaTaskWriter(self.settings, self.topic, self.dead_letter_topic, self.ledger_topic,
                                        self.transactional_id, self.scope, batch_id,
-                                       rows=self.database.slot_rows(plan, batch), query_id=str(self.scope))
+                                       rows=self.database.slot_rows(plan, batch, batch_id), query_id=str(self.scope))
 
     def frame(self, batch: EnrichedBatch) -> DataFrame:
         plan = self.database.plan(batch)

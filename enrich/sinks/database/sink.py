@@ -27,7 +27,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
-from pyspark.sql.types import StructField, StructType
+from pyspark.sql.types import StringType, StructField, StructType
 
 from enrich.checkpoint import CheckpointLayout
 from enrich.columns import ERROR, LATE, STATE
@@ -49,8 +49,12 @@ log = logging.getLogger(__name__)
 
 __all__ = ["DatabaseSink", "DatabaseTaskWriter", "RowPlan", "row_plan"]
 
-#: The event's position: the primary key of ``write: events``.
-POSITION = ("_topic", "_partition", "_offset")
+#: The topic's incarnation: the broker's id of the events topic when the batch's offsets were taken
+#: (Spark's offset log, ``@topic_ids``), the same on a replay; empty where the broker gives none.
+TOPIC_ID = "_topic_id"
+#: The event's position: the primary key of ``write: events``. With the topic's id, a topic deleted
+#: and recreated (offsets from 0 again) gives new rows instead of overwriting the old topic's.
+POSITION = ("_topic", TOPIC_ID, "_partition", "_offset")
 #: The state field that orders a device's events within a batch (the count after each event).
 COUNT = "events"
 #: The prefix of the dead-letter columns in the rows the tasks get (``__dead_error`` set: the event
@@ -108,6 +112,9 @@ def row_plan(cfg: EnrichConfig, schema: StructType, columns: Sequence[str], even
                 exprs.append((c, c))
                 fields.append(schema[c])
         for c in POSITION:
+            if c == TOPIC_ID:  # not a column of the batch: the tasks add it (SlotRows.complete)
+                fields.append(StructField(c, StringType()))
+                continue
             exprs.append((c, c))
             fields.append(StructField(c, schema[c].dataType if c in schema.fieldNames() else SOURCE_TYPES[c]))
         return RowPlan(db, tuple(fields), POSITION, tuple(exprs))
@@ -165,15 +172,24 @@ class SlotRows:
     spec: TableSpec
     state_key: str | None          # write: state: the key column (rows cut to one per device)
     late: bool                     # the rows carry ``_late`` (counted, and left out of write: state)
+    topic_ids: tuple[tuple[str, str], ...] = ()   # write: events: the batch's topic -> id (TOPIC_ID)
+
+    def complete(self, rows: pa.Table) -> pa.Table:
+        """``rows`` with :data:`TOPIC_ID` when the table has it (from ``_topic``)."""
+        if TOPIC_ID not in self.spec.names or TOPIC_ID in rows.column_names:
+            return rows
+        ids = dict(self.topic_ids)
+        topics = rows.column("_topic").to_pylist()
+        return rows.append_column(TOPIC_ID, pa.array([ids.get(t or "", "") for t in topics], pa.string()))
 
     def refusals(self, rows: pa.Table) -> pa.Array:
         """Per row of ``rows`` (holding the table's columns): why the database would refuse it, or null."""
-        return refused(rows.select(list(self.spec.names)), self.spec.dialect, self.spec.key)
+        return refused(self.complete(rows).select(list(self.spec.names)), self.spec.dialect, self.spec.key)
 
     def table(self, parts: Sequence[pa.RecordBatch | pa.Table]) -> tuple[pa.Table, int, int]:
         """(rows to write, events, late events) of the task's ``parts``."""
         names = list(self.spec.names)
-        tables = [pa.Table.from_batches([p]) if isinstance(p, pa.RecordBatch) else p for p in parts]
+        tables = [self.complete(pa.Table.from_batches([p]) if isinstance(p, pa.RecordBatch) else p) for p in parts]
         if not tables:
             return pa.table({}), 0, 0
         t = pa.concat_tables(tables)
@@ -336,9 +352,10 @@ class DatabaseSink:
             self._plans[batch.columns] = got
         return got
 
-    def slot_rows(self, plan: RowPlan, batch: EnrichedBatch) -> SlotRows:
+    def slot_rows(self, plan: RowPlan, batch: EnrichedBatch, batch_id: int) -> SlotRows:
+        ids = tuple(sorted(batch_topic_ids(self.layout, batch_id).items())) if self.db.write == "events" else ()
         return SlotRows(plan.spec(), plan.key[0] if self.db.write == "state" else None,
-                        LATE in batch.df.columns)
+                        LATE in batch.df.columns, ids)
 
     def good_rows(self, plan: RowPlan, batch: EnrichedBatch, prefix: str = "") -> list[Column]:
         """The columns the tasks get for the table (``prefix``\\ed), with ``_late`` when the batch has it."""
@@ -350,7 +367,7 @@ class DatabaseSink:
     def write(self, batch_id: int, batch: EnrichedBatch) -> pa.Table:
         t0 = time.monotonic()
         plan = self.plan(batch)
-        writer = DatabaseTaskWriter(self.slot_rows(plan, batch), self.scope, batch_id, self.dead_letters)
+        writer = DatabaseTaskWriter(self.slot_rows(plan, batch, batch_id), self.scope, batch_id, self.dead_letters)
         # Every row's source columns: a row the database would refuse becomes a dead letter in the task.
         frame = batch.df.select(*self.good_rows(plan, batch), *[F.col(c).alias(DEAD + c) for c in DEAD_COLUMNS])
         rows = run_tasks(frame, writer)
@@ -407,6 +424,26 @@ def ensure(spec: TableSpec) -> None:
         ensure_tables(conn, spec)
     finally:
         conn.close()
+
+
+def batch_topic_ids(layout: CheckpointLayout, batch_id: int) -> dict[str, str]:
+    """The broker's ids of the source's topics as Spark's offset log records them for ``batch_id``
+    (the source's ``@topic_ids``: the same on a replay); empty where none is recorded."""
+    from enrich.source.offsets import topic_ids_of
+
+    try:
+        lines = (layout.offsets / str(batch_id)).read_text(encoding="utf-8").splitlines()
+    except FileNotFoundError:
+        return {}
+    ids: dict[str, str] = {}
+    for line in lines[2:]:  # the version, the batch's metadata, then one line per source
+        try:
+            offsets = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(offsets, dict):
+            ids.update(topic_ids_of(offsets))
+    return ids
 
 
 def check_table_record(layout: CheckpointLayout, db: DatabaseOutput, source: str) -> None:
