@@ -179,7 +179,8 @@ class EnrichJob:
         dims = self._dimensions(spark)
         pipeline = self._plan(spark, dims)
         if saved is not None:
-            saved.check(self.cfg, pipeline.state.spec if pipeline.state is not None else None)
+            st = pipeline.state
+            saved.check(self.cfg, st.spec if st is not None else None, st.dims if st is not None else ())
             self._fork = saved.fork(spark, pipeline)
             log.info("starting from the savepoint %s (batch %d of %s)", saved.directory, saved.batch_id,
                      saved.meta.get("checkpoint"))

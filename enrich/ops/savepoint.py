@@ -32,7 +32,7 @@ import json
 import logging
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -51,6 +51,7 @@ from enrich.pipeline import Pipeline
 from enrich.source.offsets import from_json_offsets, to_json_offsets
 from enrich.state import engine
 from enrich.state.checkpoint import PARTITIONS, check_checkpoint, read_record, record
+from enrich.state.dimension import PartitionedDim
 from enrich.state.engine import StateSpec
 from enrich.state.stored import stored_spec
 from enrich.state.stream import Fork
@@ -215,11 +216,13 @@ class Savepoint:
     def batch_id(self) -> int:
         return int(self.meta["batch_id"])
 
-    def check(self, cfg: EnrichConfig, spec: StateSpec | None) -> None:
+    def check(self, cfg: EnrichConfig, spec: StateSpec | None, dims: Sequence[PartitionedDim] = ()) -> None:
         """Refuse (:class:`SavepointRefused`, one line naming the setting) a config whose state cannot
         continue the savepoint's: another ``state.key`` or key type, another events topic, an
-        aggregate removed or an aggregated column of another type. Added aggregates, another TTL,
-        watermark, bucket count or number of state partitions are fine."""
+        aggregate removed or an aggregated column of another type, a partitioned join (``dims``)
+        whose stored rows differ from the savepoint's (its ``columns:`` or ``as_of`` changed: the
+        rows would not fit the step's state). Added aggregates, another TTL, watermark, bucket count
+        or number of state partitions, a partitioned join added or removed are fine."""
         if cfg.state is None:
             raise SavepointRefused(f"{cfg.source}: no state: section; a savepoint starts a job's device state")
         assert spec is not None
@@ -239,6 +242,15 @@ class Savepoint:
             if gone:
                 raise SavepointRefused(f"{cfg.source}: state.aggregates.{column}: {', '.join(gone)} removed; {where} "
                                        f"keeps {column}: {aggs} (put it back: the state would lose it)")
+        kept = {(d["dataset"], d["topic"]): d["columns"] for d in saved.get("partitioned", [])}
+        for dim in dims:
+            was = kept.get((dim.dataset, dim.topic))
+            if was is not None and was != dim.stored.names:
+                i = next(i for i, j in enumerate(cfg.joins) if (j.dataset, j.topic) == (dim.dataset, dim.topic))
+                raise SavepointRefused(
+                    f"{cfg.source}: joins[{i}] ({dim.dataset}, partitioned): its rows are kept as "
+                    f"{', '.join(dim.stored.names)}; in {where} as {', '.join(was)} (columns: or as_of changed); "
+                    "put them back: a fork continues the dimension's rows as the savepoint holds them")
         types = saved.get("aggregate_types", {})
         for column, _, typ in spec.aggregates:
             if column in types and types[column] != str(typ):

@@ -271,6 +271,12 @@ def test_two_forks_from_a_savepoint_write_what_the_original_job_writes(
     other_key["joins"] = []   # a partitioned join is on state.key
     with pytest.raises(SavepointRefused, match=r"state.key is 'site'"):
         fork(spark, other_key, point)
+    # The partitioned join's rows kept otherwise (as_of adds their validity): refused naming the join,
+    # not a crash of the fork's first batch on an executor.
+    as_of = fork_config(data, unique, tmp_path, "fork5")
+    as_of["joins"][0]["as_of"] = True
+    with pytest.raises(SavepointRefused, match=r"joins\[0\] \(devices, partitioned\): .*as_of changed"):
+        fork(spark, as_of, point)
     # A fork into a checkpoint that has batches and is not a fork of this savepoint: refused (on its
     # own fork the same savepoint is a restart: tests/enrich/test_origin.py).
     with pytest.raises(SavepointRefused, match="the checkpoint has batches already"):
