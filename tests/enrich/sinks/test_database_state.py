@@ -27,6 +27,7 @@ pytestmark = pytest.mark.integration
 
 DEVICES = DatasetSchema("devices", ("device_id",), (Column("device_id", "string"), Column("owner", "string")))
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
+NO_DATA_BATCHES = "spark.sql.streaming.noDataMicroBatches.enabled"
 
 
 def at(minutes: float) -> datetime:
@@ -162,3 +163,38 @@ def test_state_rows_hold_the_devices_call_results(spark: SparkSession, kafka: di
     assert {k: (r["risk_score"], r["risk_level"]) for k, r in rows.items()} == {"a": (50.0, "low"), "b": (25.0, "low")}
     assert {k: (e["state"]["risk_score"], e["state"]["risk_level"]) for k, e in last.items()} == \
         {k: (r["risk_score"], r["risk_level"]) for k, r in rows.items()}
+
+
+def test_a_fork_deletes_the_rows_of_the_devices_its_watermark_floor_expired(
+        spark: SparkSession, kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path,
+        pg_url: str) -> None:
+    """A fork that takes the original job's table over (the original stopped): in its first batch it
+    deletes the rows of the devices the savepoint's watermark (its floor) expired, as its state step
+    drops them, though its own watermark has not started."""
+    from enrich.ops import savepoint
+
+    data = db_config(kafka, unique, tmp_path, pg_url)
+    data["joins"] = []
+    data["state"]["ttl"] = "5m"
+    events, name = data["events"]["topic"], data["output"]["database"]["table"]
+    produce_events(kafka, events, [{"device_id": f"d{n % 10}", "ts": iso(n), "temp": float(n), "n": n}
+                                   for n in range(30)])
+    # The original stops right after a batch with events (as a stop between two triggers leaves it),
+    # not after the batch without events that Spark runs to move the watermark on.
+    spark.conf.set(NO_DATA_BATCHES, "false")
+    try:
+        run(spark, data)
+    finally:
+        spark.conf.unset(NO_DATA_BATCHES)
+    # Its last batch ran with the watermark of the one before (minute 26): d2 and d3, last seen at
+    # minutes 22 and 23, keep their rows, though the savepoint's watermark (28) expired them.
+    assert sorted(table(pg_url, name)) == [f"d{i}" for i in range(2, 10)]
+    point = tmp_path / "savepoint"
+    savepoint.take(config.parse(data, "test.yaml"), point, spark=spark)
+    produce_events(kafka, events, [{"device_id": "d9", "ts": iso(28.5), "temp": 1.0, "n": 100}])
+    forked = {**data, "checkpoint": str(tmp_path / "fork")}
+    EnrichJob(config.parse(forked, "test.yaml"), available_now=True, from_savepoint=point).run(spark)
+    rows = table(pg_url, name)
+    assert sorted(rows) == [f"d{i}" for i in range(4, 10)]
+    # d9's state went on from the savepoint's (its events ten minutes apart, each one started afresh by the TTL).
+    assert (rows["d9"]["events"], rows["d9"]["first_seen"], rows["d9"]["last_seen"]) == (2, at(28.5), at(29))
