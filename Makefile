@@ -13,7 +13,7 @@ VPY := $(VENV)/bin/python
 WORKERS ?= 3
 XDIST := -n $(WORKERS) --dist loadgroup
 
-.PHONY: venv demo test test-fast test-integration lint bench constraints clean
+.PHONY: venv demo readme-demo test test-fast test-integration lint bench constraints clean
 
 # Everything (the `test` extra holds the refresher, the job, the demo and the test tools) at the
 # versions pinned in constraints.txt, which CI and the Dockerfile install as well.
@@ -27,6 +27,10 @@ venv: $(VENV)/.installed
 
 demo: venv
 	$(VPY) -m demo $(ARGS)
+
+# Run the demo for 150 s and write what it printed into README.md's transcript (demo/transcript.py).
+readme-demo: venv
+	$(VPY) -m demo.transcript
 
 # librdkafka's client threads write to stderr after pytest's summary (clients of brokers the fixtures
 # have stopped), which buried the verdict at the end of CI's log: stderr goes to var/test-stderr.log

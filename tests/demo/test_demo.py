@@ -102,6 +102,15 @@ def test_demo_shows_every_change_in_the_enriched_output_and_stops_cleanly(tmp_pa
     assert any("devices" in t for t in html), pages
     assert proc.returncode == 0, f"exit {proc.returncode}\n{out}\n{err}"
 
+    # The README's transcript (make readme-demo) is what this code prints: each of its lines has the
+    # shape of a line of this run (numbers, times, names and ports aside).
+    from demo.transcript import readme_lines, shape
+
+    shapes = {shape(line, str(workdir)) for line in out.splitlines()}
+    stale = [line for line in readme_lines(ROOT / "README.md") if shape(line) not in shapes]
+    assert not stale, "README's demo transcript has lines this demo does not print (make readme-demo):\n" + \
+        "\n".join(stale)
+
     seen = {m.group("what").split()[0]: float(m.group("s")) for m in SEEN.finditer(out)}
     for m in SEEN.finditer(out):
         # The arrival time printed is the change's time plus its latency (whole seconds, midnight wraps).

@@ -1,4 +1,4 @@
-"""The README's "Your own data, natively" commands, as written, after the demo's seed step: the
+"""docs/deployment.md's "Your own data, natively" commands, as written, after the demo's seed step: the
 shipped conf/refresh.yaml reads the tables and the file the seed leaves under var/demo, and
 conf/enrich.yaml joins exactly the datasets and columns it publishes.
 

@@ -1,5 +1,6 @@
-"""The Python API: the README's example run as written (a mapping instead of the file, and
-available-now so that it ends), on real Spark and the real broker."""
+"""The Python API (docs/api.md): its programs run as written (the one in an application that owns
+its session with a mapping instead of the file, and available-now so that it ends), on real Spark
+and the real broker."""
 
 from __future__ import annotations
 
@@ -19,12 +20,12 @@ DEVICES = DatasetSchema("devices", ("device_id",), (Column("device_id", "string"
 
 
 def readme_example() -> str:
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = text[text.index("### From your own PySpark application"):]
+    text = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
+    section = text[text.index("## In an application that owns its session"):]
     return re.search(r"```python\n(.*?)```", section, re.S).group(1)  # type: ignore[union-attr]
 
 
-def test_the_readme_example_runs_the_job_in_an_application(spark: SparkSession, kafka: dict[str, str],
+def test_the_session_owning_example_runs_the_job_in_an_application(spark: SparkSession, kafka: dict[str, str],
                                                            unique: Callable[[str], str], tmp_path: Path) -> None:
     data = {
         "kafka": {"bootstrap_servers": kafka["bootstrap.servers"]},
@@ -41,7 +42,7 @@ def test_the_readme_example_runs_the_job_in_an_application(spark: SparkSession, 
     code = (example.replace('enrich.load_config("conf/enrich.yaml")', "enrich.load_config(data)")
             .replace("enrich.EnrichJob(config)", "enrich.EnrichJob(config, available_now=True)"))
     scope: dict[str, object] = {"data": data}
-    exec(compile(code, "README.md", "exec"), scope)  # noqa: S102 - the README's own example
+    exec(compile(code, "docs/api.md", "exec"), scope)  # noqa: S102 - the page's own example
     query = scope["query"]
     assert not query.isActive and query.exception() is None  # type: ignore[attr-defined]
     got = sorted((e["device_id"], e["owner"]) for e in (json.loads(m.value())

@@ -1,5 +1,5 @@
 """The job on a standalone cluster whose workers do not have the job's Python environment: the
-README's recipe ("On a Spark cluster"), run as written.
+recipe of docs/deployment.md ("On a Spark cluster"), run as written.
 
 The wheel is built and installed with the `enrich` extra into a fresh venv, ``env``, which
 ``venv-pack`` packs (without PySpark's jars: the executors run their worker's Spark). The driver
@@ -57,7 +57,7 @@ def run(argv: list[str | Path], cwd: Path, timeout: float = 600) -> str:
 
 @pytest.fixture
 def deploy(tmp_path: Path) -> Path:
-    """A deployment directory as the README's recipe leaves it: ``env`` (the venv the driver runs)
+    """A deployment directory as docs/deployment.md's recipe leaves it: ``env`` (the venv the driver runs)
     and ``refstream-env.tar.gz`` (the same venv, packed, for the executors)."""
     src, wheels, deploy = tmp_path / "src", tmp_path / "wheels", tmp_path / "deploy"
     src.mkdir()
