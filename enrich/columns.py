@@ -10,7 +10,7 @@ event the fast parser left to ``from_json``). The state step (:mod:`enrich.state
 
 from __future__ import annotations
 
-__all__ = ["BATCH_TIME", "BUCKET", "CORRUPT", "DELETED", "ERROR", "FLAT", "INTERNAL", "KEY_BYTES", "LATE", "LATE_AT_READ", "MAX_TS", "PROVISIONAL",
+__all__ = ["BATCH_TIME", "BUCKET", "CORRUPT", "DELETED", "ERROR", "FLAT", "IDENTITY", "INTERNAL", "KEY_BYTES", "LATE", "LATE_AT_READ", "MAX_TS", "PROVISIONAL",
            "ROWS", "SLOW", "SOURCE", "STATE", "TS_US", "UNMATCHED",
            "VALID_FROM"]
 
@@ -22,6 +22,8 @@ CORRUPT = "_corrupt_record"
 SLOW = "_slow"
 #: Kafka columns carried along for the dead-letter topic and the output key: internal name -> Kafka's.
 SOURCE = {"_key": "key", "_value": "value", "_topic": "topic", "_partition": "partition", "_offset": "offset"}
+#: Where an event was read: what makes each event, and each output record, one of its own.
+IDENTITY = ("_topic", "_partition", "_offset")
 #: The columns the output leaves out.
 INTERNAL = (ERROR, *SOURCE, SLOW)
 

@@ -14,7 +14,7 @@ import pyarrow as pa
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
-from enrich.columns import ERROR
+from enrich.columns import ERROR, IDENTITY
 from enrich.sinks.deadletter import COLUMNS as DEAD_COLUMNS
 
 #: How enriched events are written as JSON: nulls kept (an unmatched join shows as nulls), microseconds kept.
@@ -39,7 +39,12 @@ class EnrichedBatch:
         return self.df.filter(F.col(ERROR).isNotNull()).select(*DEAD_COLUMNS).toArrow()
 
     def json_value(self) -> Column:
-        return F.to_json(F.struct(*[F.col(f"`{c}`") for c in self.columns]), JSON_OPTIONS)
+        """An event's JSON: the output columns, then where it was read (``_topic``, ``_partition``,
+        ``_offset``). That identity makes every output record unique, so a retried task that counts
+        the records already in the log as its own (a broker that shows aborted transactions) never
+        takes another task's record for one of its own when two events carry the same bytes."""
+        ident = [c for c in IDENTITY if c in self.df.columns and c not in self.columns]
+        return F.to_json(F.struct(*[F.col(f"`{c}`") for c in (*self.columns, *ident)]), JSON_OPTIONS)
 
 
 @dataclass(frozen=True)

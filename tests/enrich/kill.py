@@ -9,6 +9,10 @@ writer travels to the workers pickled (its class by reference: the workers impor
 batch ``BATCH`` (``+``: or a later one) fires, once: ``FLAG`` is created first.
 
 - Without ``job:`` it kills its worker (Spark runs the task again).
+- With ``race:`` the other slots of the batch begin only once the picked task has begun, and the
+  picked task, having sent its first records, waits until another slot has begun too, then kills
+  its worker: the other slot's records land after where the picked attempt's start, and commit
+  while it is dead (Spark runs it again, ``local[N,F]``).
 - With ``job:`` the picked task waits until another slot of the same batch has committed it (that
   slot's ledger says so), then begins its transaction, sends its first records and SIGKILLs every
   process of the job: a crash that leaves the batch committed in one slot and open in another. The
@@ -40,6 +44,7 @@ from tests.timing import bound
 
 MODULE = "tests.enrich.kill"
 JOB = "job:"
+RACE = "race:"
 #: The other slots a ``job:`` kill looks at: the tests' batches have fewer.
 SLOTS = 8
 #: How long a ``job:`` kill waits for another slot's commit before it kills the job all the same
@@ -56,12 +61,22 @@ class KillPoint:
     flag: str
     later: bool = False
     job: bool = False   # kill the whole job once another slot of the batch has committed
+    race: bool = False  # kill the worker once another slot, begun after it, is writing
 
     @classmethod
     def from_spec(cls, value: str) -> KillPoint:
-        job = value.startswith(JOB)
-        batch, slot, flag = value.removeprefix(JOB).split(":", 2)
-        return cls(int(batch.rstrip("+")), None if slot == "*" else int(slot), flag, batch.endswith("+"), job)
+        job, race = value.startswith(JOB), value.startswith(RACE)
+        batch, slot, flag = value.removeprefix(JOB).removeprefix(RACE).split(":", 2)
+        return cls(int(batch.rstrip("+")), None if slot == "*" else int(slot), flag, batch.endswith("+"), job,
+                   race)
+
+    def picked(self) -> tuple[int, int] | None:
+        """(batch, slot) of the task picked (``race:``), once it is."""
+        try:
+            fields = Path(self.flag).read_text().split()
+        except OSError:
+            return None
+        return (int(fields[1]), int(fields[2])) if len(fields) >= 3 else None
 
     def picks(self, batch_id: int, slot: int) -> bool:
         """Whether the task of ``slot`` in ``batch_id`` is the one (the first time only)."""
@@ -73,7 +88,7 @@ class KillPoint:
             fd = os.open(self.flag, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:
             return False
-        os.write(fd, f"{os.getpid()}\n".encode())
+        os.write(fd, f"{os.getpid()} {batch_id} {slot}\n".encode())
         os.close(fd)
         return True
 
@@ -89,7 +104,46 @@ class KillingTaskWriter(TaskWriter):
     def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         if self.kill is not None and self.kill.job:
             batches = self._held(batches)
+        if self.kill is not None and self.kill.race:
+            batches = self._raced(batches)
         return super().__call__(batches)
+
+    def _raced(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        """``race:``: the picked task goes first; another slot's task of that batch begins only once
+        the picked one has (its ledger shows the batch begun)."""
+        from pyspark import TaskContext
+
+        first = next(batches, None)
+        if first is None:
+            return
+        ctx = TaskContext.get()
+        slot = ctx.partitionId() if ctx is not None else 0
+        assert self.kill is not None
+        if self.kill.picks(self.batch_id, slot):
+            _HELD[(self.batch_id, slot)] = None
+        else:
+            picked = self.kill.picked()
+            if picked is not None and picked[0] == self.batch_id and picked[1] != slot:
+                self._wait_begun(picked[1])
+        yield first
+        yield from batches
+
+    def _wait_begun(self, *slots: int) -> int | None:
+        """The first of ``slots`` whose ledger shows this batch begun, polled for up to :data:`WAIT_S`."""
+        ledgers = {s: Ledger(self.settings, self.ledger_topic, slot_id(self.base_id, s), self.scope, timeout=bound(10))
+                   for s in slots}
+        try:
+            deadline = time.monotonic() + bound(WAIT_S)
+            while time.monotonic() < deadline:
+                for s, ledger in ledgers.items():
+                    begun = ledger.read().begun
+                    if begun is not None and begun >= self.batch_id:
+                        return s
+                time.sleep(0.05)
+            return None
+        finally:
+            for ledger in ledgers.values():
+                ledger.close()
 
     def _held(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         """The task's input; a picked task's first rows held back until another slot has committed
@@ -111,6 +165,12 @@ class KillingTaskWriter(TaskWriter):
 
     def sent(self, slot: int, producer: Producer) -> None:
         if self.kill is None:
+            return
+        if self.kill.race:
+            if _HELD.pop((self.batch_id, slot), 0) is None:  # the picked task, once
+                producer.flush(30)
+                self._wait_begun(*[s for s in range(SLOTS) if s != slot])
+                os.kill(os.getpid(), signal.SIGKILL)
             return
         if self.kill.job:
             if (self.batch_id, slot) not in _HELD:

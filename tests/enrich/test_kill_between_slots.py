@@ -121,3 +121,40 @@ def test_kills_between_two_slots_commits_leave_each_event_once(
     for batch in killed:
         skipped = [int(n) for n in re.findall(rf"batch {batch}: \d+ records .*? \((\d+) skipped as committed", text)]
         assert skipped and max(skipped) >= 1, f"batch {batch}: no replay skipped a committed slot ({skipped})"
+
+
+def test_identical_events_on_two_partitions_are_two_records_whatever_fails_between_them(
+        kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path) -> None:
+    """A gateway's retried send: the same key and payload on both partitions, read by the two slots of
+    one batch. One slot begins, then the other; the first, having sent its first records, is killed
+    inside its transaction while the other writes and commits. Its retry counts the records already
+    in the log past where it began as its own (the test broker shows its aborted ones), and must not
+    count the other slot's: every event twice in the output, none more, none less."""
+    from confluent_kafka import Producer
+
+    config = tmp_path / "enrich.yaml"
+    # The writers get their rows 50 at a time: the killed attempt has sent a part of its records only.
+    cfg = write_config(config, kafka, unique, max_events_per_batch=1000,
+                       spark={"spark.driver.memory": "1g", "spark.sql.shuffle.partitions": "2",
+                              "spark.sql.execution.arrow.maxRecordsPerBatch": "50"})
+    publish(kafka, cfg["joins"][0]["topic"], changelog(DEVICES, [{"device_id": "d1", "owner": "o1"}]))
+    events = cfg["events"]["topic"]
+    rkafka.ensure_topic(kafka, events, partitions=2)
+    p = Producer(dict(kafka))
+    for i in range(200):
+        for part in (0, 1):
+            p.produce(events, key=f"d{i % 12}".encode(), value=json.dumps({"device_id": f"d{i % 12}", "n": i}).encode(),
+                      partition=part)
+    p.flush(30)
+    log, flag = tmp_path / "job.log", tmp_path / "killed"
+    proc = start_job(config, log, "--available-now", master="local[2,4]", kill=f"race:0+:*:{flag}")
+    assert proc.wait(bound(300)) == 0, log.read_text()[-3000:]
+    assert flag.exists(), "the hook did not fire"
+    # The retried slot found the batch begun by its killed attempt and counted what the log held.
+    assert "the previous attempt began and its commit is not seen" in log.read_text(), log.read_text()[-3000:]
+    rows = [json.loads(m.value()) for m in read_settled(kafka, cfg["output"]["kafka"]["topic"], 400)]
+    got = Counter(r["n"] for r in rows)
+    assert got == Counter({i: 2 for i in range(200)}), {n: c for n, c in got.items() if c != 2}
+    # Each record says where its event was read: both partitions of every payload.
+    assert {(r["n"], r["_partition"]) for r in rows} == {(i, part) for i in range(200) for part in (0, 1)}
+    assert all(r["_topic"] == events and isinstance(r["_offset"], int) for r in rows)
