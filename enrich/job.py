@@ -167,7 +167,15 @@ class EnrichJob:
         """Plan the query on ``spark`` and start it: the output topics, the dimensions' bootstrap,
         the pipeline (:mod:`enrich.pipeline`), the sink, the metrics, the stream, the query. The
         checkpoint's lock is held until :meth:`close`: another job or ``enrich rescale`` on it is
-        refused meanwhile, and a start while either runs is (:class:`enrich.checkpoint.CheckpointBusy`)."""
+        refused meanwhile, and a start while either runs is (:class:`enrich.checkpoint.CheckpointBusy`).
+        A start that fails releases what it opened, the lock first of all."""
+        try:
+            return self._start(spark)
+        except BaseException:
+            self._stack.close()
+            raise
+
+    def _start(self, spark: SparkSession) -> StreamingQuery:
         self._stack.enter_context(self.layout.held())
         saved = self._begin()
         # events.schema is checked before the broker is touched (the pipeline parses it again).
@@ -206,7 +214,15 @@ class EnrichJob:
         kept, wanted = Origin.read(self.layout), self.from_savepoint
         if kept is not None and kept.savepoint is not None and (wanted is None or kept.forked_from(wanted)):
             self._origin = kept
-            return None if self.layout.committed_any() else savepoint.load(kept.savepoint)
+            if self.layout.committed_any():
+                return None
+            try:
+                return savepoint.load(kept.savepoint)
+            except savepoint.SavepointRefused as exc:
+                raise savepoint.SavepointRefused(
+                    f"{self.layout.root}: a fork whose first batch has not committed starts again from its savepoint "
+                    f"{kept.savepoint}, which is not there ({exc}); put it back, or point checkpoint: at a new "
+                    "directory") from None
         if wanted is not None:
             savepoint.refuse_started(self.layout, wanted)
             saved = savepoint.load(wanted)
