@@ -16,8 +16,8 @@ Semantics (docs/state.md):
 * The ``state`` of an applied event covers the device's state including that event: ``events``
   (count), ``first_seen``/``last_seen`` (least/greatest event time), and ``<column>_<agg>``: ``last``
   (latest non-null value in application order), ``min``, ``max``, ``mean`` (float64 over the non-null
-  values). Nulls - and NaN, which JSON cannot carry - are ignored by every aggregate; an aggregate of
-  no values is null.
+  values). Nulls - and NaN and +-Infinity, which JSON cannot carry - are ignored by every aggregate;
+  an aggregate of no values is null.
 
 A device's aggregates depend on its own events only, never on the other devices of its bucket, and
 the same batches give the same bytes (replays are byte-identical). ``mean`` keeps a sum and a count;
@@ -328,11 +328,13 @@ def _seed_micros(a: pa.Array | None) -> np.ndarray | None:
 
 
 def _ignored_as_null(a: pa.Array) -> pa.Array:
-    """Values the aggregates ignore (NaN) as nulls."""
+    """Values the aggregates ignore (NaN and +-Infinity: ``1e400`` parses as one) as nulls: one such
+    reading would otherwise hold a device's max or mean at infinity for good, and a database column
+    (MariaDB's DOUBLE) refuse every later row of the device."""
     if pa.types.is_floating(a.type):
-        nan = pc.is_nan(a).fill_null(False)
-        if pc.any(nan).as_py():
-            return pc.if_else(nan, pa.scalar(None, a.type), a)
+        odd = pc.invert(pc.is_finite(a)).fill_null(False)
+        if pc.any(odd).as_py():
+            return pc.if_else(odd, pa.scalar(None, a.type), a)
     return a
 
 

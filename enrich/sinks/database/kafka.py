@@ -24,7 +24,8 @@ from enrich.sinks.abc import EnrichedBatch
 from enrich.sinks.database.sink import DatabaseSink, SlotRows, drop_connection, task_connection
 from enrich.sinks.database.slots import write_slot
 from enrich.sinks.kafka.sink import KafkaSink, records_frame
-from enrich.sinks.kafka.tasks import TaskWriter
+from enrich.sinks.kafka.tasks import TaskWriter, too_large_to_dead_letters
+from enrich.sinks.kafka.writer import record_limit
 from refstream.errors import RefstreamError
 
 __all__ = ["DatabaseKafkaSink", "DatabaseKafkaTaskWriter"]
@@ -54,6 +55,7 @@ class DatabaseSlot:
 
     def __init__(self, writer: DatabaseKafkaTaskWriter, slot: int) -> None:
         self.w, self.slot = writer, slot
+        self.limit = record_limit(writer.settings)
         self.parts: list[pa.Table] = []
         #: Rows written at the commit; None: the fence row was there (written before).
         self.written: int | None = 0
@@ -61,10 +63,10 @@ class DatabaseSlot:
     def take(self, batch: pa.RecordBatch) -> pa.RecordBatch:
         """The table's part of ``batch``; the Kafka part back, where a row the database would
         refuse is a dead letter (its enriched value as the value, as a record too large is), so
-        that it is in neither output."""
+        that it is in neither output; and a record too large for Kafka is in neither either."""
         names = batch.schema.names
         ours = [n for n in names if n.startswith(PREFIX)]
-        full = pa.Table.from_batches([batch])
+        full = too_large_to_dead_letters(pa.Table.from_batches([batch]), self.limit)
         t = full.select(ours).rename_columns([n[len(PREFIX):] for n in ours])
         assert self.w.rows is not None
         error = full.column(ERROR)

@@ -54,18 +54,18 @@ def run(batches: list[pa.Table], watermarks: list[int | None] | None = None,
     return out, late, state
 
 
-def test_aggregates_ignore_nulls_and_nan() -> None:
+def test_aggregates_ignore_nulls_nan_and_infinities() -> None:
     [out], _, state = run([events([("a", 1, 20.0, None), ("a", 2, None, 7), ("a", 3, math.nan, None),
-                                   ("a", 4, 10.0, 9)])])
-    assert [s["events"] for s in out] == [1, 2, 3, 4]
-    assert [s["temperature_last"] for s in out] == [20.0, 20.0, 20.0, 10.0]
-    assert [s["temperature_min"] for s in out] == [20.0, 20.0, 20.0, 10.0]
-    assert [s["temperature_max"] for s in out] == [20.0] * 4
-    assert [s["temperature_mean"] for s in out] == [20.0, 20.0, 20.0, 15.0]
-    assert [s["battery_last"] for s in out] == [None, 7, 7, 9]
-    assert [s["battery_min"] for s in out] == [None, 7, 7, 7]
-    assert [s["first_seen"] for s in out] == [at(1)] * 4
-    assert [s["last_seen"] for s in out] == [at(1), at(2), at(3), at(4)]
+                                   ("a", 4, math.inf, None), ("a", 5, -math.inf, None), ("a", 6, 10.0, 9)])])
+    assert [s["events"] for s in out] == [1, 2, 3, 4, 5, 6]
+    assert [s["temperature_last"] for s in out] == [20.0] * 5 + [10.0]
+    assert [s["temperature_min"] for s in out] == [20.0] * 5 + [10.0]
+    assert [s["temperature_max"] for s in out] == [20.0] * 6
+    assert [s["temperature_mean"] for s in out] == [20.0] * 5 + [15.0]
+    assert [s["battery_last"] for s in out] == [None, 7, 7, 7, 7, 9]
+    assert [s["battery_min"] for s in out] == [None, 7, 7, 7, 7, 7]
+    assert [s["first_seen"] for s in out] == [at(1)] * 6
+    assert [s["last_seen"] for s in out] == [at(n) for n in range(1, 7)]
     assert state.num_rows == 1 and state.column("temperature_count").to_pylist() == [2]
 
 
