@@ -420,8 +420,8 @@ def _cpu_report(before: dict[str, Any], after: dict[str, Any], secs: float, rows
 def run_naive(spark: Any, settings: dict[str, str], events_topic: str, devices_topic: str, workdir: Path,
               batch: int, batches: int, careful: bool = False) -> dict[str, float]:
     from bench import enrich_naive as naive
+    from enrich.query import read_stream
     from enrich.sinks.kafka.writer import TransactionalBatchWriter
-    from enrich.source import read_stream
 
     naive.register(spark)
     out = f"bench-naive-{uuid.uuid4().hex[:8]}"

@@ -64,8 +64,8 @@ def plain_consume(settings: dict[str, str], topic: str, n: int) -> float:
 
 def spark_source(settings: dict[str, str], topic: str, n: int, master: str, max_per_trigger: int | None
                  ) -> tuple[float, float, int]:
+    from enrich.query import read_stream
     from enrich.session import build_session
-    from enrich.source import read_stream
 
     spark = build_session(master, "bench-kafka-io", {"spark.driver.memory": "2g"})
     try:

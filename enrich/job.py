@@ -46,12 +46,12 @@ from enrich.events.fastparse import FastParser
 from enrich.metrics import RESULTS, EnrichMetrics
 from enrich.origin import Origin
 from enrich.pipeline import JoinPass, Pipeline
+from enrich.query import StateStream, Stream, apply_joins, build, writer
 from enrich.sinks import Counted, EnrichedBatch, Sink, make_sink
 from enrich.sinks.deadletter import DeadLetters
 from enrich.sinks.identity import SinkIdentity
-from enrich.state.checkpoint import check_checkpoint
 from enrich.state.devices import DeviceCount
-from enrich.state.stream import Fork, StateStream
+from enrich.state.stream import Fork
 from enrich.state.wait import BatchFacts
 from refstream import kafka as rkafka
 from refstream.errors import TerminalError, one_line
@@ -194,11 +194,10 @@ class EnrichJob:
                      saved.meta.get("checkpoint"))
         sink, dead = self._sinks(pipeline)
         metrics = self._metrics(sink)
-        raw = self._read(spark)
-        fast, state, devices, stream = self._stream(spark, pipeline, dims, sink, raw, metrics)
-        self._started = Started(spark, pipeline, dims, sink, dead, metrics, fast, state, devices)
+        stream, devices = self._stream(spark, pipeline, dims, sink, metrics)
+        self._started = Started(spark, pipeline, dims, sink, dead, metrics, stream.fast, stream.state, devices)
         self._pass = pipeline.join_pass
-        self.query = self._start_query(stream)
+        self.query = self._start_query(stream.frame)
         log.info("enrichment query started: %s -> %s (checkpoint %s)", self.cfg.events.topic,
                  self.cfg.output.topic or self.cfg.output.path or
                  (self.cfg.output.database.table if self.cfg.output.database else "console"), self.cfg.checkpoint)
@@ -316,59 +315,32 @@ class EnrichJob:
         self._stack.enter_context(MetricsServer(self.cfg.metrics, metrics.registry))
         return metrics
 
-    def _read(self, spark: SparkSession) -> DataFrame:
-        from enrich.source import read_stream
-
-        ev = self.cfg.events
-        starting = self.origin.events
-        return read_stream(spark, self.cfg.kafka, [ev.topic], starting_offsets=starting,
-                           max_offsets_per_trigger=self.cfg.max_events_per_batch,
-                           fail_on_data_loss=ev.fail_on_data_loss, on_offset_reset=ev.on_offset_reset,
-                           builtin=ev.source == "builtin")
-
-    def _stream(self, spark: SparkSession, pipeline: Pipeline, dims: Dimensions, sink: Sink, raw: DataFrame,
-                metrics: EnrichMetrics | None
-                ) -> tuple[FastParser | None, StateStream | None, DeviceCount | None, DataFrame]:
-        """What ``foreachBatch`` receives: the Kafka records (no state), or the state step's packed
-        rows; and who parses the events. Without state, the fast parser's leftovers are parsed again
-        by a sink that can write a task's slot twice; with state, by from_json in the plan before the
-        step (enrich.state.ingest)."""
-        cfg = self.cfg
-        parser = (FastParser.for_schema(pipeline.events, cfg.events.required, pipeline.timezone)
-                  if cfg.events.parser == "auto" else None)
-        if pipeline.state is None:
-            fast = parser if sink.reparses else None
-            log.info("events parsed by %s", "pyarrow, with from_json for what it leaves" if fast else "from_json")
-            check_checkpoint(self.layout, None, None, cfg.source)
-            return fast, None, None, raw
-        log.info("events parsed by %s", "pyarrow, with from_json for what it leaves" if parser else "from_json")
-        from enrich.state.stream import state_step
-
-        devices = DeviceCount(spark.sparkContext, self.layout)
-        if metrics is not None:
-            metrics.devices_in_state(devices.total)
-        if pipeline.state.before:  # their tasks read the pinned versions from files (enrich.join.PlanEnricher)
-            dims.shipper.write_to(self.layout.shipped)
-        if pipeline.state.calls is not None:
-            self._call_counts = spark.sparkContext.accumulator({}, KeyedTallies())
-        state = state_step(spark, pipeline, raw, devices.accumulator, parser,
-                           self._fork[1] if self._fork is not None else None, self._call_counts,
-                           floor_us=self.origin.floor_us)
-        if state.cache is not None:  # after the query has stopped (the stack unwinds in reverse)
-            self._stack.callback(state.cache.remove)
-        return None, state, devices, state.packed
+    def _stream(self, spark: SparkSession, pipeline: Pipeline, dims: Dimensions, sink: Sink,
+                metrics: EnrichMetrics | None) -> tuple[Stream, DeviceCount | None]:
+        """The query up to what ``foreachBatch`` receives (:func:`enrich.query.build`), and the state
+        step's device counts; what the step's tasks use from the job set up first."""
+        devices = None
+        if pipeline.state is not None:
+            devices = DeviceCount(spark.sparkContext, self.layout)
+            if metrics is not None:
+                metrics.devices_in_state(devices.total)
+            if pipeline.state.before:  # their tasks read the pinned versions from files (enrich.join.PlanEnricher)
+                dims.shipper.write_to(self.layout.shipped)
+            if pipeline.state.calls is not None:
+                self._call_counts = spark.sparkContext.accumulator({}, KeyedTallies())
+        stream = build(spark, pipeline, starting=self.origin.events, reparses=sink.reparses,
+                       devices=devices.accumulator if devices is not None else None,
+                       fork=self._fork[1] if self._fork is not None else None, call_counts=self._call_counts,
+                       floor_us=self.origin.floor_us)
+        if stream.state is not None and stream.state.cache is not None:
+            self._stack.callback(stream.state.cache.remove)  # after the query has stopped (the stack unwinds in reverse)
+        return stream, devices
 
     def _start_query(self, stream: DataFrame) -> StreamingQuery:
         cfg = self.cfg
-        writer = (stream.writeStream.foreachBatch(self._process)
-                  .option("checkpointLocation", str(self.layout.spark.resolve()))
-                  .queryName(f"enrich-{cfg.events.topic}"))
-        if self.available_now:
-            writer = writer.trigger(availableNow=True)
-        else:
-            writer = writer.trigger(processingTime=f"{int(cfg.trigger.total_seconds() * 1000)} milliseconds")
-        self._writer = writer
-        query = writer.start()
+        self._writer = writer(stream, self._process, checkpoint=self.layout.spark.resolve(),
+                              name=f"enrich-{cfg.events.topic}", available_now=self.available_now, trigger=cfg.trigger)
+        query = self._writer.start()
         self._stack.callback(self._stop_query)
         return query
 
@@ -536,14 +508,14 @@ class EnrichJob:
 
         def exact(df: DataFrame) -> EnrichedBatch:  # parsed by from_json, or the state step's packed rows
             if st.state is not None:
-                return EnrichedBatch(join.enrich(df, jp.specs, jp.schema, shipped, ERROR,
+                return EnrichedBatch(apply_joins(df, jp.specs, jp.schema, shipped, ERROR,
                                                  first=st.state.unpack, unmatched=unmatched), jp.columns, matched)
             parsed = events.parse(df, st.pipeline.events, self.cfg.events.required)
-            return EnrichedBatch(join.enrich(parsed, jp.specs, jp.schema, shipped, ERROR, unmatched=unmatched),
+            return EnrichedBatch(apply_joins(parsed, jp.specs, jp.schema, shipped, ERROR, unmatched=unmatched),
                                  jp.columns, matched)
 
         if st.fast is not None:
-            batch = EnrichedBatch(join.enrich(events.source_columns(batch_df), jp.specs, jp.fast_schema, shipped,
+            batch = EnrichedBatch(apply_joins(events.source_columns(batch_df), jp.specs, jp.fast_schema, shipped,
                                               ERROR, parser=st.fast,
                                               parsed_schema=events.fast_schema(st.pipeline.parsed)), jp.columns,
                                   matched)

@@ -1,10 +1,11 @@
 """The lookup join of events with dimensions, vectorised with Arrow inside ``mapInArrow``.
 
 Driver side: :func:`plan` resolves the configured joins against the published schemas (names the
-join and column at fault) and :func:`enrich` adds the ``mapInArrow`` step. Executor side:
-:class:`Enricher` looks every event key up in the overlay (latest changes) and then the base of a
-dimension through a hash index (:func:`refstream.compat.key_index`: pandas' hash tables) built once
-per Python worker and version, then ``take``s the dimension columns. No per-row Python on the hot path.
+join and column at fault) and :func:`enricher` makes the ``mapInArrow`` function the query runs
+(:mod:`enrich.query`). Executor side: :class:`Enricher` looks every event key up in the overlay
+(latest changes) and then the base of a dimension through a hash index
+(:func:`refstream.compat.key_index`: pandas' hash tables) built once per Python worker and version,
+then ``take``s the dimension columns. No per-row Python on the hot path.
 
 Every join adds its (prefixed) dimension columns and ``_<prefix><dataset>_matched`` (false: no
 reference row - its columns are null). ``how: inner`` drops unmatched events, except dead-letter
@@ -25,7 +26,6 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.accumulators import Accumulator
-from pyspark.sql import DataFrame
 from pyspark.sql.pandas.types import to_arrow_schema
 from pyspark.sql.types import BooleanType, StructField, StructType
 
@@ -126,25 +126,24 @@ def plan(joins: Sequence[JoinConfig], schemas: Mapping[str, DatasetSchema], inpu
 Step = Callable[[pa.RecordBatch], pa.Table]
 
 
-def enrich(df: DataFrame, specs: Sequence[JoinSpec], out_schema: StructType, shipped: Mapping[str, Shipped],
-           error_column: str | None = None, parser: FastParser | None = None,
-           parsed_schema: StructType | None = None, first: Step | None = None,
-           unmatched: Accumulator[dict[int, int]] | None = None) -> DataFrame:
-    """``df`` with every join applied, in one ``mapInArrow`` pass.
+def enricher(specs: Sequence[JoinSpec], shipped: Mapping[str, Shipped], error_column: str | None = None,
+             parser: FastParser | None = None, parsed_schema: StructType | None = None, first: Step | None = None,
+             unmatched: Accumulator[dict[int, int]] | None = None, *, timezone: str = "UTC") -> Enricher | None:
+    """The ``mapInArrow`` function of the join pass (:func:`enrich.query.apply_joins` runs it), or None
+    when it has nothing to do.
 
-    With a ``parser``, ``df`` holds the Kafka columns (``events.source_columns``) and the events are
-    parsed in the same pass into ``parsed_schema`` (``events.fast_schema``) before the joins. With
-    a ``first`` step, each Arrow batch of ``df`` goes through it before the joins (the state step's
-    packed rows: ``enrich.state.stream.Unpack``). ``unmatched``: an accumulator of
+    With a ``parser``, its input holds the Kafka columns (``events.source_columns``) and the events are
+    parsed in the same pass into ``parsed_schema`` (``events.fast_schema``, times in ``timezone``)
+    before the joins. With a ``first`` step, each Arrow batch goes through it before the joins (the
+    state step's packed rows: ``enrich.state.stream.Unpack``). ``unmatched``: an accumulator of
     :class:`enrich.accumulators.KeyedCounts` each task adds its good events some join found no row
     for to, by partition (exact when a task is retried or its stage recomputed)."""
     if parser is not None:
         assert parsed_schema is not None and error_column is not None
-        tz = df.sparkSession.conf.get("spark.sql.session.timeZone") or "UTC"
-        first = FastEvents(parser, to_arrow_schema(parsed_schema, timezone=tz))
+        first = FastEvents(parser, to_arrow_schema(parsed_schema, timezone=timezone))
     if not specs and first is None:
-        return df
-    return df.mapInArrow(Enricher(tuple(specs), dict(shipped), error_column, first, unmatched), out_schema)
+        return None
+    return Enricher(tuple(specs), dict(shipped), error_column, first, unmatched)
 
 
 # ------------------------------------------------------------------------------------ executors
@@ -432,9 +431,3 @@ class PlanEnricher(Enricher):
                        if overlay_id is not None else None)
             out[ds] = (base, overlay)
         return out
-
-
-def enrich_in_plan(df: DataFrame, specs: Sequence[JoinSpec], out_schema: StructType,
-                   error_column: str | None) -> DataFrame:
-    """``df`` with ``specs`` applied inside the streaming plan (:class:`PlanEnricher`)."""
-    return df.mapInArrow(PlanEnricher(tuple(specs), error_column), out_schema) if specs else df

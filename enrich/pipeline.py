@@ -13,8 +13,8 @@ the events' schema and the published schemas of the datasets it joins.
     sink      Kafka, Parquet or the console; dead letters to their topic
 
 Without ``state:`` there is no state step: every join is a broadcast join of the join pass. Every
-consumer of the plan takes it from here: the job (:mod:`enrich.job`), the state step
-(:mod:`enrich.state.stream`), ``enrich validate --explain`` and ``enrich lookup --state``. This is
+consumer of the plan takes it from here: the running query (:mod:`enrich.query`), the job
+(:mod:`enrich.job`), ``enrich validate --explain`` and ``enrich lookup --state``. This is
 the only module that calls :func:`enrich.join.plan`.
 
 Building a plan needs an active SparkContext (Spark parses ``events.schema`` and the published

@@ -96,7 +96,7 @@ def test_the_check_finds_upward_and_sideways_imports(tmp_path: Path) -> None:
 # Inside enrich/: modules of pure logic that the executors and the fast tests use without a JVM import
 # no pyspark; driver modules reach the executors' code only through the modules that plan it.
 PURE = ("enrich/columns.py", "enrich/ipc.py", "enrich/state/engine.py", "enrich/state/hashing.py",
-        "enrich/state/packed.py")
+        "enrich/packed.py")
 EXECUTOR_ONLY = ("enrich.state.processor", "enrich.sinks.kafka.tasks", "enrich.source.fetch", "enrich.worker")
 DRIVER = ("enrich/job.py", "enrich/pipeline.py", "enrich/checkpoint.py", "enrich/validate.py", "enrich/cli.py",
           "enrich/config.py", "enrich/session.py", "enrich/ops")
@@ -147,3 +147,143 @@ def test_internal_column_names_have_one_home() -> None:
             if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant) and node.value.value in names:
                 found.append(f"{path.relative_to(ROOT).as_posix()}:{node.lineno}: {node.value.value!r}")
     assert not found, "\n".join(found)
+
+
+# Inside enrich/: its units (subpackages and top-level modules) in layers, lowest first. A unit
+# imports units of lower layers only, so the graph has no cycle and a new stage has one place to go:
+# the query (enrich/query.py) wires the stages below it and nothing below imports it. A unit must
+# be placed here before it can be imported.
+ENRICH_LAYERS: tuple[frozenset[str], ...] = tuple(frozenset(layer) for layer in (
+    {"columns", "ipc", "accumulators", "worker", "asof", "session", "daemon"},  # import nothing of enrich
+    {"packed", "events", "dimension", "checkpoint"},
+    {"source", "origin"},
+    {"calls", "metrics"},
+    {"config"},
+    {"join", "sinks"},
+    {"state"},                          # the keyed step, with the partitioned joins and the calls in it
+    {"pipeline"},                       # the plan
+    {"query", "validate", "ops"},       # the running query; the offline tools over a plan or a checkpoint
+    {"job"},
+    {"cli"},
+    {"__init__", "__main__"},
+))
+
+
+def _unit(parts: list[str], units: set[str]) -> str:
+    """The unit of enrich an absolute module name's parts (``[enrich, ...]``) fall in."""
+    return parts[1] if len(parts) > 1 and parts[1] in units else "__init__"
+
+
+def _imported_units(tree: ast.AST, package: list[str], units: set[str]) -> Iterator[tuple[int, str]]:
+    """(line, unit) of every import of enrich in the tree; ``from enrich import x`` imports unit x."""
+    from_enrich = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom):
+            base = (package[: len(package) - node.level + 1] + ([node.module] if node.module else [])
+                    if node.level else (node.module or "").split("."))
+            if base == ["enrich"]:
+                from_enrich[node.lineno] = [a.name if a.name in units else "__init__" for a in node.names]
+    for line, module in _imported(tree, package):
+        parts = module.split(".")
+        if parts[0] != "enrich":
+            continue
+        if module == "enrich" and line in from_enrich:
+            yield from ((line, unit) for unit in from_enrich[line])
+        else:
+            yield line, _unit(parts, units)
+
+
+def enrich_layer_violations(root: Path) -> list[str]:
+    """One line per import inside enrich/ that does not point to a lower layer of :data:`ENRICH_LAYERS`,
+    as ``file:line: unit imports unit``."""
+    layer_of = {u: i for i, layer in enumerate(ENRICH_LAYERS) for u in layer}
+    units = set(layer_of)
+    found = []
+    for path in sorted((root / "enrich").rglob("*.py")):
+        rel = path.relative_to(root)
+        own = rel.with_suffix("").parts[1]
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        for line, unit in sorted(set(_imported_units(tree, _package_of(path, root), units))):
+            if unit == own:
+                continue
+            if own not in layer_of or unit not in layer_of:
+                found.append(f"{rel.as_posix()}:{line}: {own} imports {unit}, not in ENRICH_LAYERS")
+            elif layer_of[unit] >= layer_of[own]:
+                found.append(f"{rel.as_posix()}:{line}: {own} imports {unit}, "
+                             f"{'the same' if layer_of[unit] == layer_of[own] else 'a higher'} layer")
+    return found
+
+
+def test_enrich_units_import_lower_layers_only() -> None:
+    violations = enrich_layer_violations(ROOT)
+    assert not violations, "imports against enrich's layers (ENRICH_LAYERS):\n" + "\n".join(violations)
+
+
+def test_every_enrich_unit_has_a_layer() -> None:
+    units = {p.stem if p.is_file() else p.name for p in (ROOT / "enrich").iterdir()
+             if (p.suffix == ".py") or (p / "__init__.py").is_file()}
+    placed = set().union(*ENRICH_LAYERS)
+    assert units == placed, f"not placed: {sorted(units - placed)}; gone: {sorted(placed - units)}"
+
+
+def test_the_layer_check_finds_upward_imports(tmp_path: Path) -> None:
+    files = {
+        "enrich/__init__.py": "",
+        "enrich/columns.py": "",
+        "enrich/source/__init__.py": "from enrich.state import packed\n",
+        "enrich/source/tick.py": "def late():\n    from ..pipeline import Pipeline\n",
+        "enrich/state/stream.py": "from enrich import pipeline, columns\nfrom . import engine\n",
+        "enrich/pipeline.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from enrich.query import Stream\n",
+        "enrich/join.py": "import enrich.sinks.kafka\nimport enrich.rollups\n",
+        "enrich/query.py": "from enrich import job\nfrom enrich.state.stream import Unpack\n",
+    }
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert enrich_layer_violations(tmp_path) == [
+        "enrich/join.py:1: join imports sinks, the same layer",
+        "enrich/join.py:2: join imports __init__, a higher layer",
+        "enrich/pipeline.py:3: pipeline imports query, a higher layer",
+        "enrich/query.py:1: query imports job, a higher layer",
+        "enrich/source/__init__.py:1: source imports state, a higher layer",
+        "enrich/source/tick.py:2: source imports pipeline, a higher layer",
+        "enrich/state/stream.py:1: state imports pipeline, a higher layer",
+    ]
+
+
+# Spark's streaming APIs of the running query: called by the module that wires it only. A sink's own
+# writer (a mapInArrow that writes a batch) and the operator tools over a stopped checkpoint read
+# and write through Spark themselves.
+STREAMING_APIS = frozenset({"readStream", "writeStream", "foreachBatch", "transformWithStateInPandas",
+                            "transformWithState", "mapInArrow", "applyInArrow", "applyInPandasWithState"})
+STREAMING_ALLOWED = ("enrich/query.py", "enrich/sinks/database/sink.py", "enrich/sinks/kafka/sink.py", "enrich/ops/")
+
+
+def streaming_api_uses(root: Path) -> list[str]:
+    """``file:line: .api`` for every use of :data:`STREAMING_APIS` in enrich/ outside :data:`STREAMING_ALLOWED`."""
+    found = []
+    for path in sorted((root / "enrich").rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel.startswith(STREAMING_ALLOWED):
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        found += [f"{rel}:{node.lineno}: .{node.attr}" for node in ast.walk(tree)
+                  if isinstance(node, ast.Attribute) and node.attr in STREAMING_APIS]
+    return sorted(found)
+
+
+def test_only_the_query_module_calls_the_streaming_apis() -> None:
+    found = streaming_api_uses(ROOT)
+    assert not found, "Spark's streaming APIs outside enrich/query.py (wire the stage there):\n" + "\n".join(found)
+
+
+def test_the_streaming_api_check_finds_a_call(tmp_path: Path) -> None:
+    files = {"enrich/query.py": "df.mapInArrow(f, s)\n",
+             "enrich/join.py": "# mapInArrow\ndef enrich(df):\n    return df.mapInArrow(f, s)\n",
+             "enrich/state/stream.py": "w = df.writeStream\nw.foreachBatch(g)\n",
+             "enrich/ops/savepoint.py": "spark.read.parquet(p).mapInArrow(f, s)\n"}
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert streaming_api_uses(tmp_path) == ["enrich/join.py:3: .mapInArrow", "enrich/state/stream.py:1: .writeStream",
+                                            "enrich/state/stream.py:2: .foreachBatch"]

@@ -1,4 +1,4 @@
-"""Where the state step's time goes: the job's parse and state step (``enrich.state.stream.attach``)
+"""Where the state step's time goes: the job's parse and state step (``enrich.query.attach``)
 over Kafka-shaped rows read from Parquet, against the same parse without the step, both into Spark's
 ``noop`` sink; optionally with py-spy sampling the Python workers of the stateful run.
 
@@ -55,8 +55,9 @@ def run(spark: Any, data: Path, work: Path, *, state: bool, buckets: int, fast: 
     from enrich import config, events
     from enrich.events.fastparse import FastParser
     from enrich.pipeline import Pipeline
+    from enrich.query import attach
     from enrich.state.layout import BucketLayout
-    from enrich.state.stream import PROVIDER_CONF, ROCKSDB, attach
+    from enrich.state.stream import PROVIDER_CONF, ROCKSDB
 
     schema = StructType.fromDDL(EVENT_SCHEMA)
     raw = (spark.readStream.schema("key binary, value binary, topic string, partition int, offset long")

@@ -18,7 +18,7 @@ is changed, a checkpoint whose last batch was planned and not committed (Spark w
 skipping it would write its output twice), and one a job runs on (the checkpoint's lock,
 :meth:`enrich.checkpoint.CheckpointLayout.held`; Spark does not check this). A rescale that failed
 half way is finished by running it again with the same number (Spark retries its batch; another
-number is refused, and so is the job's start, :func:`enrich.state.stream.state_step`).
+number is refused, and so is the job's start, :func:`enrich.state.stream.prepare`).
 
 The job's own records: the device counts (``devices.json``) are per bucket, and the buckets' grouping
 keys never change (:mod:`enrich.state.layout`), so they stay; the new batch gets the dimension

@@ -1,7 +1,8 @@
 """The job's source: Kafka topics read as a stream, built on PySpark's Python Data Source API and
 confluent-kafka (Spark's own Kafka connector jar is optional; ``builtin=True`` switches to it).
 
-- :func:`read_stream`: the streaming DataFrame of one or more topics (columns of Spark's Kafka source).
+- :func:`stream_format`: the format and options a streaming read of one or more topics takes
+  (:func:`enrich.query.read_stream` reads it: the columns of Spark's Kafka source).
 - :mod:`enrich.source.kafka`: the data source (``refstream-kafka``); :mod:`enrich.source.offsets`:
   offsets, end-offset probes and admission control; :mod:`enrich.source.fetch`: a task's read of
   its offset range; :mod:`enrich.source.options`: the reader's options.
@@ -16,11 +17,11 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from pyspark.sql import DataFrame, SparkSession
+    from pyspark.sql import SparkSession
 
     from enrich.source.kafka import FORMAT, KafkaDataSource
 
-__all__ = ["FORMAT", "KafkaDataSource", "read_stream", "register", "source_options"]
+__all__ = ["FORMAT", "KafkaDataSource", "register", "source_options", "stream_format"]
 
 
 def __getattr__(name: str) -> Any:
@@ -54,26 +55,20 @@ def source_options(settings: Mapping[str, str], topics: Sequence[str], *, starti
     return opts
 
 
-def read_stream(spark: SparkSession, settings: Mapping[str, str], topics: Sequence[str], *,
-                starting_offsets: str = "latest", max_offsets_per_trigger: int | None = None,
-                fail_on_data_loss: bool = True, on_offset_reset: str = "fail", builtin: bool = False) -> DataFrame:
-    """The streaming DataFrame of ``topics`` with the columns of Spark's Kafka source: ``key``,
-    ``value`` (binary), ``topic``, ``partition``, ``offset``, ``timestamp``, ``timestampType``,
-    ``headers``. ``settings`` are librdkafka settings (``bootstrap.servers``...), ``starting_offsets``
-    is ``earliest``, ``latest`` or Spark's per-partition JSON. ``builtin=True`` uses Spark's own
-    ``kafka`` format (needs the spark-sql-kafka connector on the classpath) with the same options,
-    read_committed isolation and headers. ``on_offset_reset`` (``fail``, ``earliest``, ``latest``):
-    what ``refstream-kafka`` does with a partition whose topic was recreated or whose offsets went
-    backwards (Spark's format has no such option)."""
+def stream_format(spark: SparkSession, settings: Mapping[str, str], topics: Sequence[str], *,
+                  starting_offsets: str = "latest", max_offsets_per_trigger: int | None = None,
+                  fail_on_data_loss: bool = True, on_offset_reset: str = "fail", builtin: bool = False
+                  ) -> tuple[str, dict[str, str]]:
+    """The format and options of a streaming read of ``topics`` (the data source registered in
+    ``spark``); :func:`enrich.query.read_stream` documents the arguments."""
     opts = source_options(settings, topics, starting_offsets=starting_offsets,
                           max_offsets_per_trigger=max_offsets_per_trigger, fail_on_data_loss=fail_on_data_loss)
     if builtin:
         opts.setdefault("kafka.isolation.level", "read_committed")
         opts["includeHeaders"] = "true"
-        return spark.readStream.format("kafka").options(**opts).load()
+        return "kafka", opts
     from enrich.source.kafka import FORMAT
 
     register(spark)
     opts["onOffsetReset"] = on_offset_reset
-    return spark.readStream.format(FORMAT).options(**opts).load()
-
+    return FORMAT, opts

@@ -6,7 +6,7 @@ for the groups a batch has rows of. Events held for completeness must be release
 trigger of the completeness passing them or of ``max_wait`` expiring, even when no events arrive:
 each trigger this source has new data (its offset is the wall clock in milliseconds, strictly
 increasing), and its rows reach every bucket (each a packed value of kind :data:`TICK` holding no
-rows, :func:`enrich.state.packed.marker`). It keeps no state of its own.
+rows, :func:`enrich.packed.marker`). It keeps no state of its own.
 """
 
 from __future__ import annotations
@@ -15,14 +15,14 @@ import json
 import time
 from collections.abc import Iterator, Sequence
 
-from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import SparkSession
 from pyspark.sql.datasource import DataSource, DataSourceStreamReader, InputPartition
 from pyspark.sql.streaming.datasource import ReadLimit, SupportsTriggerAvailableNow
 from pyspark.sql.types import StructType
 
-from enrich.state.packed import marker
+from enrich.packed import marker
 
-__all__ = ["FORMAT", "SCHEMA_DDL", "TICK", "TickDataSource", "tick_stream"]
+__all__ = ["FORMAT", "SCHEMA_DDL", "TICK", "TickDataSource", "tick_options"]
 
 FORMAT = "refstream-tick"
 #: The packed kind of a tick row.
@@ -88,7 +88,8 @@ def _now_ms() -> int:
     return int(time.time() * 1000)
 
 
-def tick_stream(spark: SparkSession, buckets: Sequence[int]) -> DataFrame:
-    """The tick stream of ``buckets`` on ``spark``, the source registered."""
+def tick_options(spark: SparkSession, buckets: Sequence[int]) -> dict[str, str]:
+    """The options of the tick stream of ``buckets`` (format :data:`FORMAT`), the source registered
+    in ``spark`` (the query reads it: :mod:`enrich.query`)."""
     spark.dataSource.register(TickDataSource)
-    return spark.readStream.format(FORMAT).option("buckets", json.dumps(list(buckets))).load()
+    return {"buckets": json.dumps(list(buckets))}

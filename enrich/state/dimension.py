@@ -2,7 +2,7 @@
 
 A ``strategy: partitioned`` join is on ``state.key`` alone, so its rows hash into the same buckets
 as the devices that look them up. The changelog topic is read as a second stream by the executors
-(:func:`enrich.state.stream.attach`): each record goes to its key's bucket, a schema record to
+(:func:`enrich.query.attach`): each record goes to its key's bucket, a schema record to
 every bucket (a heartbeat to none). Within a micro-batch the processor applies a bucket's changelog
 records first, in changelog order (:func:`apply_changes`), then looks its events up in the result
 (:func:`lookup`, the broadcast join's own code): an event sees the dimension as of the end of the
@@ -64,7 +64,7 @@ class PartitionedDim:
 
     @property
     def kind(self) -> str:
-        """The packed rows' kind of this dimension's changelog records (:mod:`enrich.state.packed`)."""
+        """The packed rows' kind of this dimension's changelog records (:mod:`enrich.packed`)."""
         return f"dim{self.index}"
 
     @property

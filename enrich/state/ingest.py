@@ -1,13 +1,13 @@
 """Events into the state step: parsed, joined, checked, bucketed and packed in Python passes.
 
 Two ``mapInArrow`` passes (:class:`EventPacker`) bring the Kafka records to the step
-(``enrich.state.stream.attach``):
+(``enrich.query.attach``):
 
 1. *fast*: pyarrow parses the values it parses exactly (``enrich.events.fastparse``); those events go
    through the in-plan joins, get ``_error`` when their state key or time is null, their event time
    in microseconds and their bucket's grouping key (:class:`enrich.state.layout.BucketLayout`, from
    Spark's own ``hash``),
-   and leave packed (:func:`enrich.state.packed.pack`). The values the fast parser leaves
+   and leave packed (:func:`enrich.packed.pack`). The values the fast parser leaves
    (``_slow``) leave as they came, as Kafka records;
 2. *rest*: Spark's ``from_json`` (``enrich.events.parse``) has parsed those records in the plan in
    between; this pass gives them the same treatment and packs them, and passes the packed rows of
@@ -33,10 +33,10 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from enrich import packed
 from enrich.columns import BATCH_TIME, BUCKET, ERROR, MAX_TS, ROWS, SLOW, SOURCE, TS_US
 from enrich.events import FastEvents
 from enrich.join import JoinSpec, Lookup, PlanEnricher
-from enrich.state import packed
 from enrich.state.layout import BucketLayout
 from enrich.worker import settle
 from refstream.config import format_duration

@@ -8,7 +8,7 @@ rows it changed and the keys it dropped; a new base once those outnumber it), wi
 executor that stored it last (:mod:`enrich.state.cache`). One event-time timer per bucket, at the
 time its next device expires, drops expired devices from buckets that get no more events.
 
-Rows travel to and from the processor *packed* (:mod:`enrich.state.packed`): one row per bucket and
+Rows travel to and from the processor *packed* (:mod:`enrich.packed`): one row per bucket and
 input chunk, holding the chunk's events as Arrow IPC bytes. PySpark hands a
 ``transformWithStateInPandas`` processor its input row by row (``itertuples``, then
 ``pandas.DataFrame(rows)``): unpacked, that hand-over took half of the step's Python time
@@ -40,12 +40,13 @@ from pyspark.sql.streaming.stateful_processor import (
     TimerValues,
 )
 
+from enrich import packed
 from enrich.asof import CLIPPED
 from enrich.calls.step import KEY, BucketCalls, CallStep
 from enrich.columns import ERROR, FLAT, LATE, LATE_AT_READ, PROVISIONAL, TS_US
 from enrich.ipc import from_ipc, to_ipc
 from enrich.join import PINNED_PROPERTY
-from enrich.state import engine, packed, wait
+from enrich.state import engine, wait
 from enrich.state.cache import TableCache
 from enrich.state.dimension import CACHE, PartitionedDim, Version, apply_changes, cache_limit, conform, lookup
 from enrich.state.engine import StateSpec
@@ -238,7 +239,7 @@ class DeviceStateProcessor(StatefulProcessor):
 
     def handleInitialState(self, key: Any, initialState: pd.DataFrame,  # type: ignore[override]
                            timerValues: TimerValues) -> None:
-        """A forked job's first batch (:func:`enrich.state.stream.initial_state`): the bucket's rows
+        """A forked job's first batch (:func:`enrich.query.initial_state`): the bucket's rows
         of the savepoint, ``kind`` :data:`STATE_NAME` (devices, in the stored layout) or a partitioned
         dimension's state name (its rows and published schema), each as Arrow IPC bytes; merged into
         what the bucket holds (PySpark may hand a bucket's rows over in several calls)."""

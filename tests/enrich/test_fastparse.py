@@ -25,6 +25,7 @@ from pyspark.sql.types import (
 
 from enrich import events, join
 from enrich.events.fastparse import FastParser
+from enrich.query import apply_joins
 from enrich.sinks.abc import EnrichedBatch
 from enrich.sinks.kafka.sink import records_frame
 
@@ -119,8 +120,8 @@ def both_paths(spark: SparkSession, values: list[bytes | None]) -> tuple[pa.Tabl
     _, fast_out = join.plan([], {}, events.fast_schema(parsed.schema))
     cols = tuple(f.name for f in out.fields if f.name not in events.INTERNAL)
     exact = records_frame(EnrichedBatch(parsed, cols)).toArrow()
-    fast_df = join.enrich(events.source_columns(raw), [], fast_out, {}, events.ERROR, parser=parser(),
-                          parsed_schema=events.fast_schema(parsed.schema))
+    fast_df = apply_joins(events.source_columns(raw), [], fast_out, {}, events.ERROR, parser=parser(),
+                         parsed_schema=events.fast_schema(parsed.schema))
     return exact, records_frame(EnrichedBatch(fast_df, cols)).toArrow()
 
 

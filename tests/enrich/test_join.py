@@ -13,7 +13,8 @@ from enrich.config import JoinConfig, JoinHow
 from enrich.dimension.abc import Record
 from enrich.dimension.ship import Shipper
 from enrich.dimension.store import DimensionState
-from enrich.join import enrich, plan
+from enrich.join import plan
+from enrich.query import apply_joins
 from refstream import contract
 from refstream.contract import Column, DatasetSchema
 from refstream.errors import ConfigError
@@ -59,7 +60,7 @@ def run(spark: SparkSession, dims: dict[str, DimensionState], joins: list[JoinCo
     df = spark.createDataFrame(events, "device_id STRING, zone STRING, n INT")
     specs, out = plan(joins, {k: v.schema for k, v in dims.items()}, df.schema)
     shipped = {k: shipper.ship(v.snapshot()) for k, v in dims.items()}
-    return sorted((r.asDict() for r in enrich(df.repartition(2), specs, out, shipped).collect()),
+    return sorted((r.asDict() for r in apply_joins(df.repartition(2), specs, out, shipped).collect()),
                   key=lambda r: r["n"])
 
 

@@ -6,8 +6,8 @@ import pyarrow as pa
 import pytest
 from confluent_kafka import KafkaException, Producer
 
+from enrich.query import read_stream
 from enrich.sinks.kafka.writer import TransactionalBatchWriter, transactional_id_for
-from enrich.source import read_stream
 from refstream.kafka import ensure_topic, read_to_end
 
 HEADERS = pa.list_(pa.struct([("key", pa.string()), ("value", pa.binary())]))

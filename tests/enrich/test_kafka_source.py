@@ -10,7 +10,8 @@ from confluent_kafka import Producer
 from pyspark.sql import SparkSession
 from pyspark.sql.streaming.datasource import ReadAllAvailable
 
-from enrich.source import read_stream, source_options
+from enrich.query import read_stream
+from enrich.source import source_options
 from enrich.source.fetch import OffsetRange, lost_offsets
 from enrich.source.kafka import KafkaStreamReader
 from enrich.source.offsets import (

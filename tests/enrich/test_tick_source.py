@@ -8,9 +8,9 @@ import time
 import pandas as pd
 from pyspark.sql.streaming.datasource import ReadAllAvailable
 
+from enrich import packed
 from enrich.ipc import from_ipc
 from enrich.source.tick import TICK, TickStreamReader
-from enrich.state import packed
 
 
 def test_every_trigger_has_new_ticks_for_every_bucket() -> None:

@@ -10,10 +10,11 @@ import pyarrow as pa
 import pytest
 from pyspark.sql.streaming.tws_tester import TwsTester
 
+from enrich import packed
 from enrich.columns import FLAT, LATE, TS_US
 from enrich.ipc import from_ipc, to_ipc
 from enrich.join import JoinSpec
-from enrich.state import engine, packed
+from enrich.state import engine
 from enrich.state.cache import LOCAL_DIRS, TableCache
 from enrich.state.dimension import PartitionedDim, partitioned_dim
 from enrich.state.engine import StateSpec

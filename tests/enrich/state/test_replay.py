@@ -26,11 +26,10 @@ from confluent_kafka import Producer
 from pyspark.sql import SparkSession
 from pyspark.sql import functions as F
 
-from enrich import config
+from enrich import config, packed
 from enrich.ipc import to_ipc
 from enrich.job import EnrichJob
 from enrich.source.offsets import from_json_offsets
-from enrich.state import packed
 from enrich.state.processor import DeviceStateProcessor
 from refstream import kafka as rkafka
 from refstream.contract import Column, DatasetSchema
@@ -162,7 +161,7 @@ def test_a_replay_after_a_restart_gives_byte_identical_output(
             again = pd.DataFrame({packed.ROWS: [to_ipc(table)]})
             return DeviceStateProcessor.handleInputRows(self, key, iter([again]), timerValues)
 
-    monkeypatch.setattr("enrich.state.stream.DeviceStateProcessor", OtherFetchOrder)
+    monkeypatch.setattr("enrich.query.DeviceStateProcessor", OtherFetchOrder)
     again = {**data, "output": {"kafka": {"topic": unique("enriched")}}, "dead_letter_topic": unique("dlq")}
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="enrich.job"):

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pyarrow as pa
 import pytest
 
+from enrich import packed
 from enrich.ipc import from_ipc, to_ipc
-from enrich.state import packed
 
 SCHEMA = pa.schema([(packed.BUCKET, pa.int32()), (packed.MAX_TS, pa.timestamp("us", tz="UTC")),
                     (packed.ROWS, pa.binary())])
