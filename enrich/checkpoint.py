@@ -24,7 +24,9 @@ names a path under it. Every module that reads or writes the checkpoint takes it
         calls/<batch>/<bucket>.json   the responses a bucket's calls received in a batch (enrich.calls.record)
 
 Spark's part belongs to Spark; the job writes the rest, each file atomically
-(:mod:`refstream.atomic`), and never a file of Spark's.
+(:mod:`refstream.atomic`), and never a file of Spark's. Spark's offset and commit logs are read
+here only (:meth:`CheckpointLayout.offset_entry`, :meth:`CheckpointLayout.commit_entry`,
+:meth:`CheckpointLayout.planned`, :meth:`CheckpointLayout.committed`).
 """
 
 from __future__ import annotations
@@ -139,33 +141,53 @@ class CheckpointLayout:
         """The batch ids in Spark's commit log, ascending."""
         return _ids(self.commits)
 
-    def recorded_partitions(self, batch_id: int) -> int | None:
-        """The number of state partitions Spark recorded for ``batch_id`` in its offset log (the one
-        it runs the batch with, whatever the session says); None when the entry or the number is missing."""
-        path = self.offsets / str(batch_id)
-        try:
-            lines = path.read_text(encoding="utf-8").splitlines()
-            conf = json.loads(lines[1]).get("conf", {}) if len(lines) > 1 else {}
-            value = conf.get(_SHUFFLE_PARTITIONS)
-            return None if value is None else int(value)
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError, AttributeError) as exc:
-            raise DataError(f"{path}: unreadable offset log entry ({exc})") from None
-
-    def batch_watermark_ms(self, batch_id: int) -> int | None:
-        """The event-time watermark Spark recorded for ``batch_id`` in its offset log (the one its
-        stateful step drops state by, a replay included); None when the entry is missing."""
+    def offset_entry(self, batch_id: int, *, missing_ok: bool = True) -> OffsetEntry | None:
+        """Batch ``batch_id``'s entry in Spark's offset log (``v1``, the batch's metadata as JSON,
+        then a line per source: its end offsets as JSON, ``-`` for none), the one reader of it;
+        None when there is none (a :class:`DataError` unless ``missing_ok``), a :class:`DataError`
+        naming the file when it cannot be read."""
         path = self.offsets / str(batch_id)
         try:
             lines = path.read_text(encoding="utf-8").splitlines()
             meta = json.loads(lines[1]) if len(lines) > 1 else {}
-            value = meta.get("batchWatermarkMs")
-            return None if value is None else int(value)
-        except FileNotFoundError:
-            return None
-        except (OSError, ValueError, AttributeError) as exc:
+            if not isinstance(meta, dict):
+                raise ValueError("the batch's metadata is not a JSON object")
+            sources = tuple(json.loads(line) for line in lines[2:] if line.strip() and line.strip() != "-")
+        except FileNotFoundError as exc:
+            if missing_ok:
+                return None
             raise DataError(f"{path}: unreadable offset log entry ({exc})") from None
+        except (OSError, ValueError) as exc:
+            raise DataError(f"{path}: unreadable offset log entry ({exc})") from None
+        return OffsetEntry(meta, tuple(s for s in sources if isinstance(s, dict)))
+
+    def commit_entry(self, batch_id: int) -> dict[str, Any]:
+        """The metadata of batch ``batch_id``'s entry in Spark's commit log (``v1``, then JSON such as
+        ``nextBatchWatermarkMs``), the one reader of it; a :class:`DataError` naming the file when it
+        is missing or cannot be read."""
+        path = self.commits / str(batch_id)
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+            meta = json.loads(lines[1]) if len(lines) > 1 else {}
+            if not isinstance(meta, dict):
+                raise ValueError("the commit's metadata is not a JSON object")
+        except (OSError, ValueError) as exc:
+            raise DataError(f"{path}: unreadable commit log entry ({exc})") from None
+        return meta
+
+    def recorded_partitions(self, batch_id: int) -> int | None:
+        """The number of state partitions Spark recorded for ``batch_id`` in its offset log (the one
+        it runs the batch with, whatever the session says); None when the entry or the number is missing."""
+        entry = self.offset_entry(batch_id)
+        value = entry.meta.get("conf", {}).get(_SHUFFLE_PARTITIONS) if entry is not None else None
+        return None if value is None else _int(value, self.offsets / str(batch_id))
+
+    def batch_watermark_ms(self, batch_id: int) -> int | None:
+        """The event-time watermark Spark recorded for ``batch_id`` in its offset log (the one its
+        stateful step drops state by, a replay included); None when the entry is missing."""
+        entry = self.offset_entry(batch_id)
+        value = entry.meta.get("batchWatermarkMs") if entry is not None else None
+        return None if value is None else _int(value, self.offsets / str(batch_id))
 
     def unfinished_rescale(self) -> int | None:
         """The number of state partitions of a rescale Spark began and did not commit, if the last
@@ -262,6 +284,23 @@ def _beat(fd: int, stop: threading.Event) -> None:
                 os.utime(fd)
             except OSError as exc:  # the checkpoint's storage: the lock itself is still held
                 log.warning("checkpoint lock heartbeat failed: %s", exc)
+
+
+@dataclass(frozen=True)
+class OffsetEntry:
+    """One batch's entry in Spark's offset log: ``meta`` the batch's metadata (``batchWatermarkMs``,
+    ``batchTimestampMs``, ``conf``), ``sources`` every source's end offsets (JSON objects, in the
+    query's order of sources, those without offsets left out)."""
+
+    meta: dict[str, Any]
+    sources: tuple[dict[str, Any], ...]
+
+
+def _int(value: Any, path: Path) -> int:
+    try:
+        return int(value)
+    except (TypeError, ValueError) as exc:
+        raise DataError(f"{path}: unreadable offset log entry ({exc})") from None
 
 
 def _ids(log: Path) -> list[int]:

@@ -17,7 +17,6 @@ import dataclasses
 import functools
 import json
 import logging
-import re
 import shutil
 import threading
 import time
@@ -43,6 +42,7 @@ from enrich.dimension.manager import Dimensions
 from enrich.dimension.ship import Shipper
 from enrich.dimension.versions import FileVersionLog
 from enrich.events.fastparse import FastParser
+from enrich.failures import root_cause, worker_start_failed
 from enrich.metrics import RESULTS, EnrichMetrics
 from enrich.origin import Origin
 from enrich.pipeline import JoinPass, Pipeline
@@ -54,7 +54,7 @@ from enrich.state.devices import DeviceCount
 from enrich.state.stream import Fork
 from enrich.state.wait import BatchFacts
 from refstream import kafka as rkafka
-from refstream.errors import TerminalError, one_line
+from refstream.errors import TerminalError
 from refstream.retry import RetryPolicy, call_with_retry
 
 if TYPE_CHECKING:
@@ -65,9 +65,6 @@ log = logging.getLogger(__name__)
 DEFAULT_RETRY = RetryPolicy(attempts=5, initial=1.0, maximum=15.0)
 
 
-_OUR_ERROR = re.compile(r"(?:refstream\.errors|enrich\.calls\.client)\.\w+: (.+)")
-
-
 def _plus(a: Counted, b: Counted) -> Counted:
     """Two writes' counts of one batch; a count either write did not make stays unknown."""
     def add(x: int | None, y: int | None) -> int | None:
@@ -75,31 +72,6 @@ def _plus(a: Counted, b: Counted) -> Counted:
 
     return Counted(add(a.enriched, b.enriched), add(a.unmatched, b.unmatched), add(a.late, b.late),
                    add(a.dead_letters, b.dead_letters))
-
-
-def root_cause(exc: BaseException) -> str:
-    """One line for a failed query: the message of the refstream error that failed it, when Spark's
-    exception carries one (a Python traceback inside a JVM error), else the exception's first line."""
-    found = _OUR_ERROR.findall(str(exc))
-    return found[-1].strip() if found else one_line(exc)
-
-
-#: Spark's words for a Python worker process that did not start or did not connect to the JVM, each
-#: a set of words that must all appear: a worker that did not connect back (seen once at a query's
-#: start, in the Python data source's planning worker, under load), and a state step's worker whose
-#: connection to its task's state server failed (seen once in a batch under load, after another
-#: task's state server had stopped on a malformed request: PySpark 4.3's StatefulProcessorApiClient).
-#: The second is the traceback's frames: whatever the error (refused, timed out), it was raised there.
-_WORKER_START = (("Python worker failed to connect back",),
-                 ("StatefulProcessorApiClient(", "self._client_socket.connect("))
-
-
-def worker_start_failed(exc: BaseException) -> bool:
-    """Whether a failed query failed because a Python worker did not start or did not connect to the
-    JVM: transient, and safe to retry by starting the query again from its checkpoint (what a restart
-    of the job would do)."""
-    text = str(exc)
-    return any(all(w in text for w in words) for words in _WORKER_START)
 
 
 @dataclass(frozen=True)
@@ -347,8 +319,8 @@ class EnrichJob:
     def run(self, spark: SparkSession | None = None, *, master: str | None = None) -> None:
         """Start on ``spark``, then wait until the query ends (available-now) or :meth:`stop` is
         called, and release what the job opened. A query that fails because a Python worker did not
-        start (:func:`worker_start_failed`) is started again from its checkpoint, with backoff, up to
-        the retry policy's attempts.
+        start (:func:`enrich.failures.worker_start_failed`) is started again from its checkpoint, with
+        backoff, up to the retry policy's attempts.
 
         Without ``spark`` the job builds its session as ``enrich run`` does
         (:func:`enrich.session.build_session`: the session defaults, then the config's ``spark:``

@@ -154,7 +154,7 @@ def test_internal_column_names_have_one_home() -> None:
 # the query (enrich/query.py) wires the stages below it and nothing below imports it. A unit must
 # be placed here before it can be imported.
 ENRICH_LAYERS: tuple[frozenset[str], ...] = tuple(frozenset(layer) for layer in (
-    {"columns", "ipc", "accumulators", "worker", "asof", "session", "daemon"},  # import nothing of enrich
+    {"columns", "ipc", "accumulators", "worker", "asof", "session", "daemon", "failures"},  # import nothing of enrich
     {"packed", "events", "dimension", "checkpoint"},
     {"source", "origin"},
     {"calls", "metrics"},

@@ -1,14 +1,12 @@
 """Reading a job's checkpoint (never writing it): the micro-batches Spark committed, the event
 offsets each one processed, and the changelog positions and dimension facts the job recorded for it.
 
-Its paths come from :class:`enrich.checkpoint.CheckpointLayout`. Spark's offset log entry of batch
-``n`` holds ``v1``, the batch metadata JSON, then one line per source with its end offsets.
+Its paths, and Spark's offset and commit logs, are read through
+:class:`enrich.checkpoint.CheckpointLayout`.
 """
 
 from __future__ import annotations
 
-import json
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,8 +16,6 @@ from enrich.dimension.abc import Positions
 from enrich.dimension.versions import FileVersionLog
 from enrich.source.offsets import TP, from_json_offsets
 from refstream.errors import DataError
-
-_BATCH = re.compile(r"^\d+$")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -52,10 +48,7 @@ class Checkpoint:
 
     def committed(self) -> list[int]:
         """Ids of the committed micro-batches Spark still keeps, ascending."""
-        commits = self.layout.commits
-        if not commits.is_dir():
-            return []
-        return sorted(int(p.name) for p in commits.iterdir() if _BATCH.match(p.name))
+        return self.layout.committed()
 
     def last_committed(self) -> int | None:
         ids = self.committed()
@@ -93,11 +86,6 @@ class Checkpoint:
                          positions=positions, dimensions=self._versions.info(batch_id))
 
     def _offsets(self, batch_id: int) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-        path = self.layout.offsets / str(batch_id)
-        try:
-            lines = path.read_text(encoding="utf-8").splitlines()
-            meta = json.loads(lines[1]) if len(lines) > 1 else {}
-            sources = [json.loads(line) for line in lines[2:] if line.strip() and line.strip() != "-"]
-        except (OSError, ValueError, IndexError) as exc:
-            raise DataError(f"{path}: unreadable offset log entry ({exc})") from None
-        return meta, [s for s in sources if isinstance(s, dict)]
+        entry = self.layout.offset_entry(batch_id, missing_ok=False)
+        assert entry is not None
+        return entry.meta, list(entry.sources)

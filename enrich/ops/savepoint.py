@@ -331,15 +331,12 @@ def refuse_started(ck: CheckpointLayout, directory: str | Path) -> None:
 
 
 def _sources(ck: CheckpointLayout, batch_id: int) -> dict[tuple[str, int], int]:
-    """Every source's end offsets of ``batch_id`` (Spark's offset log: ``v1``, metadata, a line per source)."""
-    path = ck.offsets / str(batch_id)
+    """Every source's end offsets of ``batch_id`` (Spark's offset log)."""
+    entry = ck.offset_entry(batch_id, missing_ok=False)
+    assert entry is not None
     out: dict[tuple[str, int], int] = {}
-    try:
-        for line in path.read_text(encoding="utf-8").splitlines()[2:]:
-            if line.strip() and line.strip() != "-":
-                out.update(from_json_offsets(json.loads(line)))
-    except (OSError, ValueError) as exc:
-        raise DataError(f"{path}: unreadable offset log entry ({exc})") from None
+    for source in entry.sources:
+        out.update(from_json_offsets(source))
     return out
 
 
@@ -350,12 +347,11 @@ def _offsets(sources: dict[tuple[str, int], int], topic: str) -> dict[str, int]:
 
 def _next_watermark(ck: CheckpointLayout, batch_id: int) -> int:
     """The watermark (ms) Spark recorded at ``batch_id``'s commit for the batch after it (0: none yet)."""
-    path = ck.commits / str(batch_id)
+    value = ck.commit_entry(batch_id).get("nextBatchWatermarkMs", 0)
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-        return int(json.loads(lines[1]).get("nextBatchWatermarkMs", 0)) if len(lines) > 1 else 0
-    except (OSError, ValueError, AttributeError) as exc:
-        raise DataError(f"{path}: unreadable commit log entry ({exc})") from None
+        return int(value)
+    except (TypeError, ValueError) as exc:
+        raise DataError(f"{ck.commits / str(batch_id)}: unreadable commit log entry ({exc})") from None
 
 
 def _write_parquet(spark: SparkSession, frame: DataFrame, path: Path) -> int:

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from enrich.checkpoint import STALE_S, CheckpointBusy, CheckpointLayout
+from refstream.errors import DataError
 from tests.enrich.test_restart import committed_count, seed, start_job, write_config
 from tests.timing import bound
 
@@ -64,3 +65,28 @@ def test_a_holder_on_another_machine_is_known_by_its_heartbeat(tmp_path: Path) -
         assert (kept["host"], kept["pid"], kept["holder"]) == (socket.gethostname(), os.getpid(), "job")
         with pytest.raises(CheckpointBusy, match=f"on {socket.gethostname()}, process {os.getpid()}"), ck.held():
             pass
+
+
+def test_spark_offset_and_commit_logs_are_read_in_one_place(tmp_path: Path) -> None:
+    """CheckpointLayout reads Spark's logs: an offset entry's metadata and sources ('-': none), a
+    commit's metadata; a missing entry is None (or an error when asked for), an unreadable one an
+    error naming the file."""
+    ck = CheckpointLayout(tmp_path)
+    ck.offsets.mkdir(parents=True)
+    ck.commits.mkdir(parents=True)
+    meta = {"batchWatermarkMs": 5000, "batchTimestampMs": 7, "conf": {"spark.sql.shuffle.partitions": "4"}}
+    (ck.offsets / "3").write_text("v1\n" + json.dumps(meta) + '\n{"t": {"0": 10}}\n-\n{"u": {"1": 2}}\n')
+    (ck.commits / "3").write_text('v1\n{"nextBatchWatermarkMs": 6000}\n')
+    (ck.offsets / "4").write_text("v1\nnot json\n")
+    entry = ck.offset_entry(3)
+    assert entry is not None and entry.meta == meta and entry.sources == ({"t": {"0": 10}}, {"u": {"1": 2}})
+    assert (ck.recorded_partitions(3), ck.batch_watermark_ms(3)) == (4, 5000)
+    assert ck.commit_entry(3) == {"nextBatchWatermarkMs": 6000}
+    assert ck.offset_entry(9) is None and ck.recorded_partitions(9) is None
+    assert (ck.planned(), ck.committed()) == ([3, 4], [3])
+    with pytest.raises(DataError, match=r"offsets/9: unreadable offset log entry"):
+        ck.offset_entry(9, missing_ok=False)
+    with pytest.raises(DataError, match=r"offsets/4: unreadable offset log entry"):
+        ck.offset_entry(4)
+    with pytest.raises(DataError, match=r"commits/4: unreadable commit log entry"):
+        ck.commit_entry(4)

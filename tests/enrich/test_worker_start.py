@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from enrich.job import worker_start_failed
+from enrich.failures import worker_start_failed
 from tests.enrich.helpers import changelog, produce_events, publish, read_all
 from tests.enrich.test_restart import SCHEMA, seed, start_job, write_config
 from tests.timing import bound

@@ -33,6 +33,7 @@ from enrich.checkpoint import CheckpointLayout
 from enrich.columns import ERROR, LATE, STATE
 from enrich.config import DatabaseOutput, EnrichConfig
 from enrich.events import SOURCE_TYPES
+from enrich.failures import transient_cause
 from enrich.origin import Origin
 from enrich.sinks.abc import Counted, EnrichedBatch
 from enrich.sinks.database.connect import connect, quote, transient
@@ -43,7 +44,7 @@ from enrich.sinks.deadletter import COLUMNS as DEAD_COLUMNS
 from enrich.sinks.kafka.ledger import ensure_ledger
 from enrich.sinks.kafka.tasks import TaskWriter
 from refstream.atomic import write_json_atomic
-from refstream.errors import ConfigError, RefstreamError, TransientError
+from refstream.errors import ConfigError, RefstreamError
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,6 @@ DEAD = "__dead"
 RESULT_DDL = "slot INT, events BIGINT, late BIGINT, rows BIGINT, skipped BOOLEAN, seconds DOUBLE, dead_letters BIGINT"
 RESULT_SCHEMA = pa.schema([("slot", pa.int32()), ("events", pa.int64()), ("late", pa.int64()), ("rows", pa.int64()),
                            ("skipped", pa.bool_()), ("seconds", pa.float64()), ("dead_letters", pa.int64())])
-_TRANSIENT = "refstream.errors.TransientError: "
 
 
 @dataclass(frozen=True)
@@ -431,18 +431,10 @@ def batch_topic_ids(layout: CheckpointLayout, batch_id: int) -> dict[str, str]:
     (the source's ``@topic_ids``: the same on a replay); empty where none is recorded."""
     from enrich.source.offsets import topic_ids_of
 
-    try:
-        lines = (layout.offsets / str(batch_id)).read_text(encoding="utf-8").splitlines()
-    except FileNotFoundError:
-        return {}
+    entry = layout.offset_entry(batch_id)
     ids: dict[str, str] = {}
-    for line in lines[2:]:  # the version, the batch's metadata, then one line per source
-        try:
-            offsets = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(offsets, dict):
-            ids.update(topic_ids_of(offsets))
+    for offsets in entry.sources if entry is not None else ():
+        ids.update(topic_ids_of(offsets))
     return ids
 
 
@@ -530,7 +522,7 @@ def run_tasks(frame: DataFrame, writer: Any) -> list[dict[str, Any]]:
     try:
         return [r.asDict() for r in frame.mapInArrow(writer, RESULT_DDL).collect()]
     except Exception as exc:
-        text = str(exc)
-        if _TRANSIENT in text:
-            raise TransientError(text[text.rindex(_TRANSIENT) + len(_TRANSIENT):].splitlines()[0]) from exc
+        transient = transient_cause(exc)
+        if transient is not None:
+            raise transient from exc
         raise

@@ -24,15 +24,14 @@ from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 
 from enrich.columns import ERROR, LATE, SLOW, UNMATCHED
+from enrich.failures import transient_cause
 from enrich.sinks.abc import Counted, EnrichedBatch
 from enrich.sinks.deadletter import COLUMNS as DEAD_COLUMNS
 from enrich.sinks.kafka.ledger import ensure_ledger
 from enrich.sinks.kafka.tasks import RESULT_DDL, TaskWriter, summary
-from refstream.errors import TransientError
 
 log = logging.getLogger(__name__)
 
-_TRANSIENT = "refstream.errors.TransientError: "
 
 
 class KafkaSink:
@@ -67,9 +66,9 @@ class KafkaSink:
         except Exception as exc:
             # A task that failed transiently (broker away) fails the Spark job: the batch is tried
             # again, and the tasks that committed skip it by their ledgers.
-            text = str(exc)
-            if _TRANSIENT in text:
-                raise TransientError(text[text.rindex(_TRANSIENT) + len(_TRANSIENT):].splitlines()[0]) from exc
+            transient = transient_cause(exc)
+            if transient is not None:
+                raise transient from exc
             raise
         self.last_results = rows
         self.counted = Counted(*(sum(int(str(r[c])) for r in rows) for c in ("records", "unmatched", "late",

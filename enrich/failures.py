@@ -1,0 +1,51 @@
+"""What a failed Spark job says about its cause. Spark's exception of a failed job or query carries
+a Python task's traceback as text (inside a JVM error): the error a task raised is read from that
+text, here only.
+"""
+
+from __future__ import annotations
+
+import re
+
+from refstream.errors import TransientError, one_line
+
+__all__ = ["root_cause", "transient_cause", "worker_start_failed"]
+
+_TRANSIENT = "refstream.errors.TransientError: "
+_OUR_ERROR = re.compile(r"(?:refstream\.errors|enrich\.calls\.client)\.\w+: (.+)")
+
+
+def transient_cause(exc: BaseException) -> TransientError | None:
+    """The :class:`TransientError` a task raised, when Spark's ``exc`` says one failed it (the last
+    one named, its message's first line); None otherwise. A sink raises it so the job retries the
+    batch."""
+    text = str(exc)
+    at = text.rfind(_TRANSIENT)
+    if at < 0:
+        return None
+    return TransientError((text[at + len(_TRANSIENT):].splitlines() or [""])[0])
+
+
+def root_cause(exc: BaseException) -> str:
+    """One line for a failed query: the message of the refstream error that failed it, when Spark's
+    exception carries one (a Python traceback inside a JVM error), else the exception's first line."""
+    found = _OUR_ERROR.findall(str(exc))
+    return found[-1].strip() if found else one_line(exc)
+
+
+#: Spark's words for a Python worker process that did not start or did not connect to the JVM, each
+#: a set of words that must all appear: a worker that did not connect back (seen once at a query's
+#: start, in the Python data source's planning worker, under load), and a state step's worker whose
+#: connection to its task's state server failed (seen once in a batch under load, after another
+#: task's state server had stopped on a malformed request: PySpark 4.3's StatefulProcessorApiClient).
+#: The second is the traceback's frames: whatever the error (refused, timed out), it was raised there.
+_WORKER_START = (("Python worker failed to connect back",),
+                 ("StatefulProcessorApiClient(", "self._client_socket.connect("))
+
+
+def worker_start_failed(exc: BaseException) -> bool:
+    """Whether a failed query failed because a Python worker did not start or did not connect to the
+    JVM: transient, and safe to retry by starting the query again from its checkpoint (what a restart
+    of the job would do)."""
+    text = str(exc)
+    return any(all(w in text for w in words) for words in _WORKER_START)
