@@ -9,7 +9,11 @@ with one line naming what changed, as the state settings are (:mod:`enrich.state
 
 - the record missing from a checkpoint Spark has planned a batch in;
 - ``output.kafka.transactional_id`` set to another id than the one recorded;
-- the ledger topic of a topic written before missing from the broker.
+- the ledger topic of a topic written before missing from the broker;
+- a batch planned and not committed (the job stopped or died in it) while none of the writers'
+  ledgers holds a record any more: the broker dropped their offsets (``offsets.retention.minutes``
+  passed while the job was stopped), so nothing can tell which of its slots committed it. The start
+  is refused, naming the cause and how to go on, instead of writing the batch blind.
 
 The scope is drawn at random at the first start and the derived ids come from it, not from the
 checkpoint's path: two deployments whose checkpoints have the same path inside their containers
@@ -81,9 +85,50 @@ class SinkIdentity:
                     raise ConfigError(f"{cfg.source}: the ledger topic {ledger_topic(topic)} of {topic} is gone "
                                       f"(deleted?): the record of the batches the checkpoint {layout.root} wrote is "
                                       f"lost and a pending batch would be written again; {_NEW}")
+                _refuse_expired_ledgers(cfg, layout, topic, ids[topic], scope)
         if not path.exists() or ids != written:
             write_json_atomic(path, {"scope": scope, "transactional_ids": dict(sorted(ids.items()))})
         return cls(scope, ids)
+
+
+#: The slots whose ledgers are asked before a pending batch is refused for expired ledgers: more
+#: than any plan's partitions (the source's, or the state partitions), fewer than a slow start.
+LEDGER_PROBE_SLOTS = 64
+
+
+def _refuse_expired_ledgers(cfg: EnrichConfig, layout: CheckpointLayout, topic: str, base_id: str,
+                            scope: str) -> None:
+    """Refuse a start whose pending batch cannot be checked against its writers' ledgers: a slot that
+    writes records commits its ledger with them, so while ``topic`` holds records some ledger holds
+    a record too, unless the broker dropped them all."""
+    from enrich.sinks.kafka.ledger import Ledger
+    from enrich.sinks.kafka.tasks import slot_id
+    from enrich.sinks.kafka.writer import written_ends
+
+    planned, committed = layout.planned(), layout.committed()
+    if not planned or not committed or planned[-1] <= committed[-1]:
+        return
+    if not any(end > 0 for end in written_ends(cfg.kafka, [topic]).values()):
+        return  # nothing written yet: no ledger to expect
+    pending, ledger = planned[-1], ledger_topic(topic)
+    for slot in range(LEDGER_PROBE_SLOTS):
+        book = Ledger(cfg.kafka, ledger, slot_id(base_id, slot), scope, timeout=30)
+        try:
+            entry = book.read()
+        finally:
+            book.close()
+        if entry.committed is not None or entry.begun is not None:
+            return
+    raise ConfigError(
+        f"{cfg.source}: batch {pending} of the checkpoint {layout.root} was planned and not committed, and no "
+        f"writer's ledger on {ledger} holds a record of the batches it committed (last: {committed[-1]}): the "
+        f"broker dropped their offsets (offsets.retention.minutes, 7 days by default, passed while the job was "
+        f"stopped), so batch {pending} may be in {topic} already and is not written blind. To write it again "
+        f"(its events may then be in {topic} twice; each record names its event's _partition and _offset), start "
+        f"a new checkpoint where batch {pending} begins: with state:, `enrich savepoint` and `enrich run "
+        f"--from-savepoint`; without, point checkpoint: at a new directory with events.starting_offsets set to "
+        f"the source offsets of batch {committed[-1]} in {layout.offsets / str(committed[-1])}. Keep "
+        f"offsets.retention.minutes above the longest stop you plan")
 
 
 def _wanted(cfg: EnrichConfig) -> dict[str, str | None]:

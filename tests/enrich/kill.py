@@ -13,6 +13,9 @@ batch ``BATCH`` (``+``: or a later one) fires, once: ``FLAG`` is created first.
   picked task, having sent its first records, waits until another slot has begun too, then kills
   its worker: the other slot's records land after where the picked attempt's start, and commit
   while it is dead (Spark runs it again, ``local[N,F]``).
+- With ``retry:`` the picked task kills its worker; the task Spark runs again for that slot sends
+  its records and kills every process of the job (as ``job:`` does): two unfinished attempts at the
+  batch before the restart.
 - With ``job:`` the picked task waits until another slot of the same batch has committed it (that
   slot's ledger says so), then begins its transaction, sends its first records and SIGKILLs every
   process of the job: a crash that leaves the batch committed in one slot and open in another. The
@@ -45,6 +48,7 @@ from tests.timing import bound
 MODULE = "tests.enrich.kill"
 JOB = "job:"
 RACE = "race:"
+RETRY = "retry:"
 #: The other slots a ``job:`` kill looks at: the tests' batches have fewer.
 SLOTS = 8
 #: How long a ``job:`` kill waits for another slot's commit before it kills the job all the same
@@ -62,13 +66,14 @@ class KillPoint:
     later: bool = False
     job: bool = False   # kill the whole job once another slot of the batch has committed
     race: bool = False  # kill the worker once another slot, begun after it, is writing
+    retry: bool = False  # kill the worker, then the job from the task Spark runs again
 
     @classmethod
     def from_spec(cls, value: str) -> KillPoint:
-        job, race = value.startswith(JOB), value.startswith(RACE)
-        batch, slot, flag = value.removeprefix(JOB).removeprefix(RACE).split(":", 2)
+        job, race, retry = value.startswith(JOB), value.startswith(RACE), value.startswith(RETRY)
+        batch, slot, flag = value.removeprefix(JOB).removeprefix(RACE).removeprefix(RETRY).split(":", 2)
         return cls(int(batch.rstrip("+")), None if slot == "*" else int(slot), flag, batch.endswith("+"), job,
-                   race)
+                   race, retry)
 
     def picked(self) -> tuple[int, int] | None:
         """(batch, slot) of the task picked (``race:``), once it is."""
@@ -165,6 +170,18 @@ class KillingTaskWriter(TaskWriter):
 
     def sent(self, slot: int, producer: Producer) -> None:
         if self.kill is None:
+            return
+        if self.kill.retry:
+            if self.kill.picks(self.batch_id, slot):  # the first attempt: Spark runs the task again
+                producer.flush(30)
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif self.kill.picked() == (self.batch_id, slot):
+                try:  # the attempt after it, once: the whole job
+                    os.close(os.open(f"{self.kill.flag}.again", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+                except FileExistsError:
+                    return
+                producer.flush(30)
+                kill_session()
             return
         if self.kill.race:
             if _HELD.pop((self.batch_id, slot), 0) is None:  # the picked task, once

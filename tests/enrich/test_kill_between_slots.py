@@ -158,3 +158,59 @@ def test_identical_events_on_two_partitions_are_two_records_whatever_fails_betwe
     # Each record says where its event was read: both partitions of every payload.
     assert {(r["n"], r["_partition"]) for r in rows} == {(i, part) for i in range(200) for part in (0, 1)}
     assert all(r["_topic"] == events and isinstance(r["_offset"], int) for r in rows)
+
+
+def test_a_pending_batch_whose_ledgers_expired_is_refused_naming_the_cause_and_the_way_out(
+        kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path) -> None:
+    """The job dies with a batch committed in one slot and not in Spark; while it is stopped the broker
+    drops its writers' ledger offsets (offsets.retention.minutes). The
+    restart cannot tell which slots wrote the batch: it refuses, naming the batch, the cause and how
+    to go on, and writes nothing."""
+    config = tmp_path / "enrich.yaml"
+    cfg = write_config(config, kafka, unique, max_events_per_batch=PER_BATCH)
+    publish(kafka, cfg["joins"][0]["topic"], changelog(DEVICES, [{"device_id": "d1", "owner": "o1"}]))
+    produce_events(kafka, cfg["events"]["topic"], [{"device_id": f"d{i % 12}", "n": i} for i in range(400)],
+                   partitions=2)
+    log, flag = tmp_path / "job.log", tmp_path / "killed"
+    proc = start_job(config, log, "--available-now", kill=f"job:1+:*:{flag}")
+    assert proc.wait(bound(300)) == -signal.SIGKILL, log.read_text()[-3000:]
+    note = read_note(flag)
+    assert note is not None and note["other"] is not None, note
+    committed = Checkpoint(Path(cfg["checkpoint"])).last_committed()
+    # The ledgers' offsets gone, as the broker drops them: the test broker deletes no group that had
+    # transactional commits, so the checkpoint's writers are pointed at groups that hold nothing (a
+    # ledger's group is its writer's id and the recorded scope).
+    from enrich.checkpoint import CheckpointLayout
+
+    record = CheckpointLayout(Path(cfg["checkpoint"])).sink_identity
+    kept = json.loads(record.read_text())
+    record.write_text(json.dumps({**kept, "scope": kept["scope"] + "-expired"}))
+    proc = start_job(config, log, "--available-now")
+    assert proc.wait(bound(300)) != 0
+    errors = [line for line in log.read_text().splitlines() if line.startswith("enrich: ")]
+    assert errors and f"batch {note['batch']} of the checkpoint" in errors[-1], log.read_text()[-3000:]
+    assert "offsets.retention.minutes" in errors[-1] and "--from-savepoint" in errors[-1], errors[-1]
+    # Nothing written: the batch is still pending (its killed slot's transaction stays open until
+    # the broker's timeout, which the refused start did not fence).
+    assert Checkpoint(Path(cfg["checkpoint"])).last_committed() == committed
+
+
+def test_a_slot_sent_back_then_killed_with_the_job_in_the_same_batch_writes_each_event_once(
+        kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path) -> None:
+    """Two unfinished attempts at one slot's batch: the first kills its worker after sending its
+    records (Spark runs the task again), the second sends its records and kills the whole job. The
+    restart's attempt must count what both left in the log (the test broker shows aborted records):
+    it begins where the first began, not where the second did."""
+    config = tmp_path / "enrich.yaml"
+    cfg = write_config(config, kafka, unique, max_events_per_batch=PER_BATCH)
+    publish(kafka, cfg["joins"][0]["topic"], changelog(DEVICES, [{"device_id": "d1", "owner": "o1"}]))
+    produce_events(kafka, cfg["events"]["topic"], [{"device_id": f"d{i % 12}", "n": i} for i in range(400)],
+                   partitions=2)
+    log, flag = tmp_path / "job.log", tmp_path / "killed"
+    proc = start_job(config, log, "--available-now", master="local[2,4]", kill=f"retry:1+:*:{flag}")
+    assert proc.wait(bound(300)) == -signal.SIGKILL, log.read_text()[-3000:]
+    assert Path(f"{flag}.again").exists(), "the task Spark ran again did not kill the job"
+    proc = start_job(config, log, "--available-now")
+    assert proc.wait(bound(300)) == 0, log.read_text()[-3000:]
+    got = Counter(json.loads(m.value())["n"] for m in read_settled(kafka, cfg["output"]["kafka"]["topic"], 400))
+    assert got == Counter(range(400)), {n: c for n, c in got.items() if c != 1}

@@ -196,6 +196,11 @@ class _SlotTransaction:
         self.committed = entry.committed
         log.debug("batch %d slot %d: ledger %s", w.batch_id, slot, entry)
         self.leaked: Counter[tuple] = Counter()
+        if entry.unfinished == w.batch_id and entry.ends:
+            # This attempt begins where the first unfinished one did: an attempt in between (a task
+            # Spark sent back, then a crash) would otherwise record later ends, and the next attempt
+            # would miss the records of the first, which a broker showing aborted transactions shows.
+            self.before = {tp: min(end, entry.ends.get(tp, end)) for tp, end in self.before.items()}
         if entry.unfinished == w.batch_id:
             # The previous attempt at this batch began and its commit is not seen: on Apache Kafka it
             # was aborted and none of its records show. Once every older transaction has ended (the

@@ -294,8 +294,11 @@ def test_events_left_to_from_json_are_counted_like_the_others(spark: SparkSessio
         publish(kafka, data["joins"][0]["topic"], changelog(DEVICES, [{"device_id": "a", "owner": "ann"}]))
         produce_events(kafka, data["events"]["topic"], values)
         run(spark, data)
-        # Buckets leave the step in no fixed order: compared as sets of records.
-        written[parser] = (sorted((m.key(), m.value()) for m in read_all(kafka, data["output"]["kafka"]["topic"])),
+        # Buckets leave the step in no fixed order: compared as sets of records, each run's events
+        # topic (which every record names) written the same.
+        topic = data["events"]["topic"].encode()
+        written[parser] = (sorted((m.key(), m.value().replace(topic, b"<events>"))
+                                  for m in read_all(kafka, data["output"]["kafka"]["topic"])),
                            sorted((m.value(), dict(m.headers())["error"]) for m in read_all(kafka, data["dead_letter_topic"])))
     assert written["auto"] == written["spark"]
     out = {json.loads(v)["n"]: json.loads(v) for _, v in written["auto"][0]}
