@@ -27,6 +27,8 @@ from typing import Any
 
 from aiohttp import web
 
+from tests.timing import bound
+
 
 @dataclass
 class Service:
@@ -112,7 +114,7 @@ def serve(**settings: Any) -> Iterator[Service]:
 
     thread = threading.Thread(target=main, daemon=True)
     thread.start()
-    ready.wait(10)
+    ready.wait(bound(10))
     try:
         yield svc
     finally:
