@@ -54,7 +54,8 @@ BENCHMARKS = {
                       "output only"),
     "pipeline": ("bench.pipeline_latency", "the demo's pipeline: the job's start-up, its batch time (Spark's "
                  "triggerExecution) and a database change's time to the enriched output"),
-    "soak": ("bench.soak", "reliability: the topology under reference churn and SIGKILLs, then an accounting"),
+    "soak": ("bench.soak", "reliability: the topology under reference churn, SIGKILLs and PostgreSQL and call "
+             "service restarts, then an accounting"),
 }
 
 

@@ -1,8 +1,11 @@
-"""The kill-everything soak (bench/soak.py) for three minutes: MariaDB, the broker, the refresher
-daemon and the job (per-device state, a partitioned join, 4 state partitions on 2 cores) as
-processes, reference churn, and at least five SIGKILLs of each process. Nothing may be lost or
-duplicated, each device's final state must count every event produced for it, and the final
-dimensions must equal the database."""
+"""The kill-everything soak (bench/soak.py) for three minutes (``REFSTREAM_SOAK_SECONDS``): MariaDB,
+the broker, a private PostgreSQL, a call service, the refresher daemon and the job (per-device
+state, a partitioned join, 4 state partitions on 2 cores, a call per event, Kafka output with
+PostgreSQL beside it) as processes, reference churn, at least five SIGKILLs of the refresher and of
+the job, and at least two restarts of PostgreSQL (``pg_ctl stop -m immediate``) and of the call
+service. Nothing may be lost or duplicated in Kafka or in the table, each device's events must
+count 1..n in its state, each event must carry its own call's answer, no dead letter, and the
+final dimensions must equal the database."""
 
 from __future__ import annotations
 
@@ -32,9 +35,13 @@ def test_soak_with_sigkills_loses_and_duplicates_nothing(kafka: dict[str, str], 
     report = json.dumps(asdict(fig), indent=1)
     print(report)  # the figures, in the test's captured output
     assert fig.kills_refresher >= 5 and fig.kills_job >= 5, report
+    assert fig.restarts_database >= 2 and fig.restarts_service >= 2, report
     assert fig.events > 0 and fig.changes > 0, report
     assert (fig.lost, fig.duplicated) == (0, 0), f"seed {seed}: {report}"
     assert fig.dimension_mismatches == [], f"seed {seed}: {report}"
     assert fig.probe_mismatches == [], f"seed {seed}: {report}"
     assert (fig.late, fig.state_mismatches) == (0, []), f"seed {seed}: {report}"
+    assert (fig.call_mismatches, fig.dead_letters) == ([], 0), f"seed {seed}: {report}"
+    assert (fig.db_lost, fig.db_duplicated, fig.db_mismatches) == (0, 0, []), f"seed {seed}: {report}"
+    assert fig.db_rows == fig.events + fig.probes, f"seed {seed}: {report}"
     assert fig.status_check == 0, f"seed {seed}: refresh status --check: {fig.status_problems}; logs in {tmp_path}"
