@@ -469,20 +469,8 @@ def prune_fence(db: DatabaseOutput, query_id: str, batch_id: int) -> int:
     replayed: its rows are the ones a replay looks for, and the table keeps at most two batches' rows
     per query (the ones before a crash and the replayed batch's). Other queries' rows (another
     checkpoint writing the same table) are theirs to prune."""
-    conn = connect(db.url, db.dialect, db.statement_timeout.total_seconds())
-    try:
-        with conn.cursor() as cur:
-            cur.execute(f"DELETE FROM {quote(db.dialect, db.fence)} WHERE query_id = %s AND batch_id < %s",
-                        (query_id, batch_id))
-            n = int(cur.rowcount)
-        conn.commit()
-        return n
-    except RefstreamError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - the drivers' errors, classified by transient()
-        raise transient(exc, f"pruning {db.fence}") from exc
-    finally:
-        conn.close()
+    return _delete(db, f"DELETE FROM {quote(db.dialect, db.fence)} WHERE query_id = %s AND batch_id < %s",
+                   (query_id, batch_id), f"pruning {db.fence}")
 
 
 def check_existing(db: DatabaseOutput, key: Sequence[str]) -> None:
@@ -498,19 +486,25 @@ def check_existing(db: DatabaseOutput, key: Sequence[str]) -> None:
 
 
 def delete_expired(db: DatabaseOutput, cutoff: datetime) -> int:
+    value: Any = cutoff if db.dialect == "postgresql" else cutoff.replace(tzinfo=None)
+    return _delete(db, f"DELETE FROM {quote(db.dialect, db.table)} WHERE {quote(db.dialect, 'last_seen')} <= %s",
+                   (value,), f"deleting expired devices from {db.table}")
+
+
+def _delete(db: DatabaseOutput, sql: str, params: tuple[Any, ...], what: str) -> int:
+    """Run one DELETE on a connection of its own and commit it; the rows it deleted. The drivers'
+    errors are classified by :func:`transient` (``what`` names the work in the message)."""
     conn = connect(db.url, db.dialect, db.statement_timeout.total_seconds())
     try:
         with conn.cursor() as cur:
-            value: Any = cutoff if db.dialect == "postgresql" else cutoff.replace(tzinfo=None)
-            cur.execute(f"DELETE FROM {quote(db.dialect, db.table)} WHERE {quote(db.dialect, 'last_seen')} <= %s",
-                        (value,))
+            cur.execute(sql, params)
             n = int(cur.rowcount)
         conn.commit()
         return n
     except RefstreamError:
         raise
     except Exception as exc:  # noqa: BLE001 - the drivers' errors, classified by transient()
-        raise transient(exc, f"deleting expired devices from {db.table}") from exc
+        raise transient(exc, what) from exc
     finally:
         conn.close()
 
