@@ -67,8 +67,9 @@ def main() -> int:
         print(f"demo.transcript: the demo exited {done.returncode}; README.md left as it was\n{done.stderr[-2000:]}",
               file=sys.stderr)
         return 1
-    write(root / "README.md", trimmed(done.stdout.splitlines()))
-    print(f"demo.transcript: README.md's transcript rewritten ({len(trimmed(done.stdout.splitlines()))} lines)")
+    lines = trimmed(done.stdout.splitlines())
+    write(root / "README.md", lines)
+    print(f"demo.transcript: README.md's transcript rewritten ({len(lines)} lines)")
     return 0
 
 

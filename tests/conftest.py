@@ -22,6 +22,7 @@ import tempfile
 import time
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -147,7 +148,7 @@ def _scale_timeout(item: pytest.Item) -> None:
     """pytest-timeout's limit of ``item`` (its mark's, or the suite's 900 s), stretched for this machine
     (tests/timing.py) as the tests' own waits are: it stops a hang, it does not time the test."""
     mark = item.get_closest_marker("timeout")
-    base = mark.args[0] if mark is not None and mark.args else mark.kwargs.get("timeout") if mark else None
+    base = (mark.args[0] if mark.args else mark.kwargs.get("timeout")) if mark is not None else None
     if base is None:
         base = float(item.config.getini("timeout") or 0)
     if base:
@@ -309,20 +310,28 @@ def mysql_server_url() -> str:
     return os.environ.get("REFSTREAM_TEST_MYSQL", "mysql+pymysql://root@127.0.0.1:3306")
 
 
-@pytest.fixture(scope="session")
-def mysql_url(mysql_server_url: str) -> Iterator[str]:
+@contextmanager
+def mysql_database(server_url: str, options: str = "CHARACTER SET utf8mb4 COLLATE utf8mb4_bin") -> Iterator[str]:
+    """The URL of a database of its own on the MariaDB at ``server_url``, created with ``options``
+    and dropped when the block ends."""
     import sqlalchemy as sa
 
     name = f"refstream_test_{uuid.uuid4().hex[:8]}"
-    engine = sa.create_engine(mysql_server_url + "/", isolation_level="AUTOCOMMIT")
+    engine = sa.create_engine(server_url + "/", isolation_level="AUTOCOMMIT")
     with engine.connect() as conn:
-        conn.execute(sa.text(f"CREATE DATABASE `{name}` CHARACTER SET utf8mb4 COLLATE utf8mb4_bin"))
+        conn.execute(sa.text(f"CREATE DATABASE `{name}` {options}"))
     try:
-        yield f"{mysql_server_url}/{name}?charset=utf8mb4"
+        yield f"{server_url}/{name}?charset=utf8mb4"
     finally:
         with engine.connect() as conn:
             conn.execute(sa.text(f"DROP DATABASE IF EXISTS `{name}`"))
         engine.dispose()
+
+
+@pytest.fixture(scope="session")
+def mysql_url(mysql_server_url: str) -> Iterator[str]:
+    with mysql_database(mysql_server_url) as url:
+        yield url
 
 
 @pytest.fixture(scope="session")

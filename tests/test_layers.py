@@ -66,6 +66,13 @@ def test_imports_point_down_only() -> None:
     assert not violations, "imports against the layering (docs/architecture.md):\n" + "\n".join(violations)
 
 
+def write_tree(root: Path, files: dict[str, str]) -> None:
+    """Write ``files`` (path relative to ``root`` -> text) under ``root``: a project to check."""
+    for name, text in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_text(text)
+
+
 def test_every_layer_is_checked() -> None:
     assert all((ROOT / package / "__init__.py").is_file() for package in ALLOWED)
 
@@ -80,9 +87,7 @@ def test_the_check_finds_upward_and_sideways_imports(tmp_path: Path) -> None:
         "enrich/__init__.py": "import importlib\nimportlib.import_module('refresh.cli')\n",
         "demo/__init__.py": "import refresh, enrich, refstream\nimport tests.conftest\n",
     }
-    for name, text in files.items():
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text(text)
+    write_tree(tmp_path, files)
 
     assert layer_violations(tmp_path) == [
         "refstream/codec.py:4: refstream imports enrich.job",
@@ -125,9 +130,7 @@ def test_the_enrich_rules_find_what_they_forbid(tmp_path: Path) -> None:
     files = {"enrich/state/engine.py": "import pyspark.sql\n",
              "enrich/ops/device.py": "from enrich.state.processor import DeviceStateProcessor\n",
              "enrich/job.py": "from enrich.state import stream\n"}
-    for name, text in files.items():
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text(text)
+    write_tree(tmp_path, files)
     assert enrich_violations(tmp_path) == [
         "enrich/ops/device.py:1: driver module imports enrich.state.processor",
         "enrich/state/engine.py:1: pure module imports pyspark.sql"]
@@ -237,9 +240,7 @@ def test_the_layer_check_finds_upward_imports(tmp_path: Path) -> None:
         "enrich/join.py": "import enrich.sinks.kafka\nimport enrich.rollups\n",
         "enrich/query.py": "from enrich import job\nfrom enrich.state.stream import Unpack\n",
     }
-    for name, text in files.items():
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text(text)
+    write_tree(tmp_path, files)
     assert enrich_layer_violations(tmp_path) == [
         "enrich/join.py:1: join imports sinks, the same layer",
         "enrich/join.py:2: join imports __init__, a higher layer",
@@ -282,8 +283,6 @@ def test_the_streaming_api_check_finds_a_call(tmp_path: Path) -> None:
              "enrich/join.py": "# mapInArrow\ndef enrich(df):\n    return df.mapInArrow(f, s)\n",
              "enrich/state/stream.py": "w = df.writeStream\nw.foreachBatch(g)\n",
              "enrich/ops/savepoint.py": "spark.read.parquet(p).mapInArrow(f, s)\n"}
-    for name, text in files.items():
-        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text(text)
+    write_tree(tmp_path, files)
     assert streaming_api_uses(tmp_path) == ["enrich/join.py:3: .mapInArrow", "enrich/state/stream.py:1: .writeStream",
                                             "enrich/state/stream.py:2: .foreachBatch"]

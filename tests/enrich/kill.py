@@ -31,7 +31,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,7 +41,7 @@ from confluent_kafka import Producer
 
 from enrich.sinks.database.connect import connect
 from enrich.sinks.database.sink import DatabaseTaskWriter
-from enrich.sinks.kafka.ledger import Ledger
+from enrich.sinks.kafka.ledger import Entry, Ledger
 from enrich.sinks.kafka.tasks import TaskWriter, slot_id
 from tests.timing import bound
 
@@ -98,7 +98,8 @@ class KillPoint:
         return True
 
 
-# The tasks a ``job:`` kill picked in this worker: (batch, slot) -> the other slot found committed.
+# The tasks a ``job:`` or ``race:`` kill picked in this worker: (batch, slot) -> the other slot found
+# committed (``job:``; None for ``race:``).
 _HELD: dict[tuple[int, int], int | None] = {}
 
 
@@ -107,15 +108,17 @@ class KillingTaskWriter(TaskWriter):
     kill: KillPoint | None = None
 
     def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        if self.kill is not None and self.kill.job:
-            batches = self._held(batches)
-        if self.kill is not None and self.kill.race:
-            batches = self._raced(batches)
+        if self.kill is not None and (self.kill.job or self.kill.race):
+            batches = self._gated(batches)
         return super().__call__(batches)
 
-    def _raced(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        """``race:``: the picked task goes first; another slot's task of that batch begins only once
-        the picked one has (its ledger shows the batch begun)."""
+    def _gated(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        """The task's input, its first rows held back: with ``job:``, the picked task's until another
+        slot has committed the batch; with ``race:``, the other slots' until the picked task has
+        begun it (its ledger shows the batch begun). Held before the task's transaction begins (its
+        producer and ledger are set up meanwhile), not after: the test broker hides a transaction's
+        commit, ledger offsets included, while an older transaction is open on a partition it
+        wrote - every output partition here."""
         from pyspark import TaskContext
 
         first = next(batches, None)
@@ -125,8 +128,8 @@ class KillingTaskWriter(TaskWriter):
         slot = ctx.partitionId() if ctx is not None else 0
         assert self.kill is not None
         if self.kill.picks(self.batch_id, slot):
-            _HELD[(self.batch_id, slot)] = None
-        else:
+            _HELD[(self.batch_id, slot)] = self._another_slot_committed(slot) if self.kill.job else None
+        elif self.kill.race:
             picked = self.kill.picked()
             if picked is not None and picked[0] == self.batch_id and picked[1] != slot:
                 self._wait_begun(picked[1])
@@ -134,39 +137,27 @@ class KillingTaskWriter(TaskWriter):
         yield from batches
 
     def _wait_begun(self, *slots: int) -> int | None:
-        """The first of ``slots`` whose ledger shows this batch begun, polled for up to :data:`WAIT_S`."""
+        """The first of ``slots`` whose ledger shows this batch begun (None: none did in time)."""
+        return self._first_ledger(slots, lambda entry: entry.begun, poll=0.05)
+
+    def _first_ledger(self, slots: Iterable[int], reached: Callable[[Entry], int | None],
+                      poll: float = 0.1) -> int | None:
+        """The first of ``slots`` whose ledger's ``reached(entry)`` is this batch or later, polled
+        for up to :data:`WAIT_S` (None: none was)."""
         ledgers = {s: Ledger(self.settings, self.ledger_topic, slot_id(self.base_id, s), self.scope, timeout=bound(10))
                    for s in slots}
         try:
             deadline = time.monotonic() + bound(WAIT_S)
             while time.monotonic() < deadline:
                 for s, ledger in ledgers.items():
-                    begun = ledger.read().begun
-                    if begun is not None and begun >= self.batch_id:
+                    batch = reached(ledger.read())
+                    if batch is not None and batch >= self.batch_id:
                         return s
-                time.sleep(0.05)
+                time.sleep(poll)
             return None
         finally:
             for ledger in ledgers.values():
                 ledger.close()
-
-    def _held(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        """The task's input; a picked task's first rows held back until another slot has committed
-        the batch. Held before the task's transaction begins (its producer and ledger are set up
-        meanwhile), not after: the test broker hides a transaction's commit, ledger offsets included,
-        while an older transaction is open on a partition it wrote - every output partition here."""
-        from pyspark import TaskContext
-
-        first = next(batches, None)
-        if first is None:
-            return
-        ctx = TaskContext.get()
-        slot = ctx.partitionId() if ctx is not None else 0
-        assert self.kill is not None
-        if self.kill.picks(self.batch_id, slot):
-            _HELD[(self.batch_id, slot)] = self._another_slot_committed(slot)
-        yield first
-        yield from batches
 
     def sent(self, slot: int, producer: Producer) -> None:
         if self.kill is None:
@@ -204,22 +195,8 @@ class KillingTaskWriter(TaskWriter):
             os.kill(os.getpid(), signal.SIGKILL)
 
     def _another_slot_committed(self, slot: int) -> int | None:
-        """The first other slot whose ledger shows this batch committed, polled for up to
-        :data:`WAIT_S` (None: none did)."""
-        ledgers = {s: Ledger(self.settings, self.ledger_topic, slot_id(self.base_id, s), self.scope, timeout=bound(10))
-                   for s in range(SLOTS) if s != slot}
-        try:
-            deadline = time.monotonic() + bound(WAIT_S)
-            while time.monotonic() < deadline:
-                for s, ledger in ledgers.items():
-                    committed = ledger.read().committed
-                    if committed is not None and committed >= self.batch_id:
-                        return s
-                time.sleep(0.1)
-            return None
-        finally:
-            for ledger in ledgers.values():
-                ledger.close()
+        """The first other slot whose ledger shows this batch committed (None: none did in time)."""
+        return self._first_ledger((s for s in range(SLOTS) if s != slot), lambda entry: entry.committed)
 
 
 @dataclass(frozen=True)

@@ -69,13 +69,20 @@ def lost_report(kafka: dict[str, str], topic: str, lost: set[int]) -> str:
             f"{sorted(seen.items())[:6]}; nowhere: {sorted(lost - set(seen))[:10]}")
 
 
+def seeded(config: Path, kafka: dict[str, str], unique: Callable[[str], str], total: int) -> dict[str, Any]:
+    """A stateless job's config (batches of ``PER_BATCH``), ``d1`` on its changelog and ``total`` events
+    over twelve devices on two partitions."""
+    cfg = write_config(config, kafka, unique, max_events_per_batch=PER_BATCH)
+    publish(kafka, cfg["joins"][0]["topic"], changelog(DEVICES, [{"device_id": "d1", "owner": "o1"}]))
+    produce_events(kafka, cfg["events"]["topic"], [{"device_id": f"d{i % 12}", "n": i} for i in range(total)],
+                   partitions=2)
+    return cfg
+
+
 def test_kills_between_two_slots_commits_leave_each_event_once(
         kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path) -> None:
     config = tmp_path / "enrich.yaml"
-    cfg = write_config(config, kafka, unique, max_events_per_batch=PER_BATCH)
-    publish(kafka, cfg["joins"][0]["topic"], changelog(DEVICES, [{"device_id": "d1", "owner": "o1"}]))
-    produce_events(kafka, cfg["events"]["topic"],
-                   [{"device_id": f"d{i % 12}", "n": i} for i in range(TOTAL)], partitions=2)
+    cfg = seeded(config, kafka, unique, TOTAL)
     out_topic = cfg["output"]["kafka"]["topic"]
     checkpoint = Path(cfg["checkpoint"])
     log = tmp_path / "job.log"
@@ -167,10 +174,7 @@ def test_a_pending_batch_whose_ledgers_expired_is_refused_naming_the_cause_and_t
     restart cannot tell which slots wrote the batch: it refuses, naming the batch, the cause and how
     to go on, and writes nothing."""
     config = tmp_path / "enrich.yaml"
-    cfg = write_config(config, kafka, unique, max_events_per_batch=PER_BATCH)
-    publish(kafka, cfg["joins"][0]["topic"], changelog(DEVICES, [{"device_id": "d1", "owner": "o1"}]))
-    produce_events(kafka, cfg["events"]["topic"], [{"device_id": f"d{i % 12}", "n": i} for i in range(400)],
-                   partitions=2)
+    cfg = seeded(config, kafka, unique, 400)
     log, flag = tmp_path / "job.log", tmp_path / "killed"
     proc = start_job(config, log, "--available-now", kill=f"job:1+:*:{flag}")
     assert proc.wait(bound(300)) == -signal.SIGKILL, log.read_text()[-3000:]
@@ -202,10 +206,7 @@ def test_a_slot_sent_back_then_killed_with_the_job_in_the_same_batch_writes_each
     restart's attempt must count what both left in the log (the test broker shows aborted records):
     it begins where the first began, not where the second did."""
     config = tmp_path / "enrich.yaml"
-    cfg = write_config(config, kafka, unique, max_events_per_batch=PER_BATCH)
-    publish(kafka, cfg["joins"][0]["topic"], changelog(DEVICES, [{"device_id": "d1", "owner": "o1"}]))
-    produce_events(kafka, cfg["events"]["topic"], [{"device_id": f"d{i % 12}", "n": i} for i in range(400)],
-                   partitions=2)
+    cfg = seeded(config, kafka, unique, 400)
     log, flag = tmp_path / "job.log", tmp_path / "killed"
     proc = start_job(config, log, "--available-now", master="local[2,4]", kill=f"retry:1+:*:{flag}")
     assert proc.wait(bound(300)) == -signal.SIGKILL, log.read_text()[-3000:]

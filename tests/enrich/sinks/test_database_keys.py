@@ -6,7 +6,6 @@ them is refused at the start, naming the table and the column."""
 from __future__ import annotations
 
 import json
-import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from enrich import cli, config
 from enrich.job import EnrichJob
 from enrich.sinks.database.connect import connect
 from refstream.errors import ConfigError
+from tests.conftest import mysql_database
 from tests.enrich.helpers import produce_events
 from tests.enrich.sinks.test_database_state import db_config, iso, run, table
 
@@ -31,18 +31,8 @@ DEVICES = ["Dev-1", "dev-1", "d2", "d2 ", "\u00e9", "e"]
 def mysql_default_url(mysql_server_url: str) -> Iterator[str]:
     """A MariaDB database with the server's default collation (``utf8mb4_general_ci`` here), unlike
     ``mysql_url``'s ``utf8mb4_bin``: what a table created without a collation gets."""
-    import sqlalchemy as sa
-
-    name = f"refstream_test_{uuid.uuid4().hex[:8]}"
-    engine = sa.create_engine(mysql_server_url + "/", isolation_level="AUTOCOMMIT")
-    with engine.connect() as conn:
-        conn.execute(sa.text(f"CREATE DATABASE `{name}` CHARACTER SET utf8mb4"))
-    try:
-        yield f"{mysql_server_url}/{name}?charset=utf8mb4"
-    finally:
-        with engine.connect() as conn:
-            conn.execute(sa.text(f"DROP DATABASE IF EXISTS `{name}`"))
-        engine.dispose()
+    with mysql_database(mysql_server_url, "CHARACTER SET utf8mb4") as url:
+        yield url
 
 
 @pytest.mark.parametrize("db", ["mysql_default_url", "pg_url"])
