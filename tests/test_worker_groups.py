@@ -30,7 +30,7 @@ def test_a_group_runs_on_one_worker_and_the_other_tests_spread() -> None:
     # Two small modules of the wall-clock group and two outside it (ten tests there, so both
     # workers take some), on two workers.
     paths = ["tests/refstream/test_retry.py", "tests/refstream/test_errors.py",
-             "tests/test_layers.py", "tests/enrich/state/test_packed.py"]
+             "tests/test_layers.py", "tests/enrich/test_packed.py"]
     out = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-n", "2", "--dist",
                           "loadgroup", "-v", *paths], cwd=ROOT, capture_output=True, text=True).stdout
     ran = re.findall(r"^\[(gw\d)\] \[ *\d+%\] PASSED (\S+)", out, re.MULTILINE)
