@@ -18,7 +18,7 @@ MAX_LINES = 40
 _SHAPES = [
     (re.compile(r"'[^']*'"), "'…'"),                     # names from the sample data
     (re.compile(r"\b[A-Z]{2}-[A-Z]+\b"), "CC-X"),         # site codes
-    (re.compile(r"\((?:low|high)\)"), "(level)"),         # a risk score's level
+    (re.compile(r"risk (?:-|\d+\.\d+ \((?:low|high)\))"), "risk …"),  # a score and its level, or none yet
     (re.compile(r"\d+"), "9"),                            # counts, times, pids, ports, latencies
 ]
 

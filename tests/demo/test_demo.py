@@ -81,6 +81,12 @@ def test_demo_shows_every_change_in_the_enriched_output_and_stops_cleanly(tmp_pa
         except OSError as exc:
             pages[url] = f"unreachable: {exc}"
     finished = done.wait(LIMIT + 60)
+    # The demo's progress lines (every 10 s once the changes are through), which the README's
+    # transcript shows too, before Ctrl-C.
+    deadline = time.monotonic() + bound(60)
+    while proc.poll() is None and time.monotonic() < deadline and \
+            sum("enriched events so far" in line for line in lines) < 2:
+        time.sleep(0.5)
     # Ctrl-C as a user would press it, once the scenario is through.
     if proc.poll() is None:
         proc.send_signal(signal.SIGINT)
