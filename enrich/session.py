@@ -83,6 +83,11 @@ def session_conf(conf: Mapping[str, str] | None = None, *, ui: bool = False,
         "spark.executorEnv.PYSPARK_PYTHON": os.environ.get("PYSPARK_PYTHON", sys.executable),
         # Workers forked with the job's modules already imported (enrich.daemon).
         "spark.python.daemon.module": "enrich.daemon",
+        # How long the JVM waits for this Python process to connect to a socket it opened for it
+        # (a collect()'s results, a broadcast): Spark's 15 s was missed by a driver starved of CPU,
+        # and the write then failed with a masked error (UnboundLocalError: 'sockfile') that failed
+        # the batch. Waiting costs nothing when the driver is prompt.
+        "spark.python.authenticate.socketTimeout": "120s",
         **UI_DEFAULTS,
     }
     if not ui:
