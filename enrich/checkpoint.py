@@ -18,7 +18,7 @@ names a path under it. Every module that reads or writes the checkpoint takes it
         sink.json               the writers' identity: the query's scope and the base transactional
                                 ids, fixed at the first start (enrich.sinks.identity)
         shipped/                dimension versions written for the tasks of joins in the plan
-        state.json              the state settings the stored state is laid out by (enrich.state.checkpoint)
+        state.json              the state settings the stored state is laid out by (enrich.state.record)
         devices.json            devices in state per bucket (enrich.state.devices)
         schemas.json            the published schemas the pipeline was last planned with (lookups)
         calls/<batch>/<bucket>.json   the responses a bucket's calls received in a batch (enrich.calls.record)

@@ -150,12 +150,13 @@ def validate(args: argparse.Namespace) -> int:
     ``--connect`` or ``--explain``, the broker and every changelog topic are there; with ``--explain``
     the pipeline plans against their schemas), else 1 with one line per problem."""
     from enrich import config
-    from enrich.validate import check_schema, connect, explain, plan
+    from enrich.validate import check_schema, connect, explain, summary
 
     try:
         cfg = config.load(args.config)
-        for line in plan(cfg):
-            print(line)
+        if not args.explain:  # --explain prints the plan, which says all of this and more
+            for line in summary(cfg):
+                print(line)
         print(f"  events schema parsed by Spark: {check_schema(cfg)}")
     except ConfigError as exc:
         print(f"enrich: invalid: {one_line(exc)}", file=sys.stderr)

@@ -59,7 +59,7 @@ class JoinSpec:
     time: str | None = None
 
 
-def plan(joins: Sequence[JoinConfig], schemas: Mapping[str, DatasetSchema], input_schema: StructType,
+def resolve(joins: Sequence[JoinConfig], schemas: Mapping[str, DatasetSchema], input_schema: StructType,
          *, timezone: str = "UTC", source: str = "config",
          time_column: str | None = None) -> tuple[list[JoinSpec], StructType]:
     """Resolve ``joins`` in order; returns the specs and the output schema of the enriched rows.

@@ -15,7 +15,7 @@ the events' schema and the published schemas of the datasets it joins.
 Without ``state:`` there is no state step: every join is a broadcast join of the join pass. Every
 consumer of the plan takes it from here: the running query (:mod:`enrich.query`), the job
 (:mod:`enrich.job`), ``enrich validate --explain`` and ``enrich lookup --state``. This is
-the only module that calls :func:`enrich.join.plan`.
+the only module that calls :func:`enrich.join.resolve`.
 
 Building a plan needs an active SparkContext (Spark parses ``events.schema`` and the published
 types) but no query, broker or executor.
@@ -43,7 +43,7 @@ from enrich.config import EnrichConfig, JoinConfig
 from enrich.join import JoinSpec
 from enrich.state.dimension import PartitionedDim, partitioned_dim
 from enrich.state.engine import StateSpec
-from enrich.state.plan import output_fields, resolve
+from enrich.state.spec import output_fields, resolve
 from refstream.contract import DatasetSchema
 from refstream.errors import ConfigError
 
@@ -197,8 +197,8 @@ def _seconds(d: timedelta) -> str:
 
 def _join_pass(cfg: EnrichConfig, joins: Sequence[JoinConfig], schemas: Mapping[str, DatasetSchema],
                before: StructType, timezone: str) -> JoinPass:
-    specs, out_schema = join.plan(joins, schemas, before, timezone=timezone, source=cfg.source, time_column=_time(cfg))
-    _, fast_schema = join.plan(joins, schemas, events.fast_schema(before), timezone=timezone, source=cfg.source, time_column=_time(cfg))
+    specs, out_schema = join.resolve(joins, schemas, before, timezone=timezone, source=cfg.source, time_column=_time(cfg))
+    _, fast_schema = join.resolve(joins, schemas, events.fast_schema(before), timezone=timezone, source=cfg.source, time_column=_time(cfg))
     columns = tuple(f.name for f in out_schema.fields if f.name not in INTERNAL)
     return JoinPass({ds: schemas[ds] for ds in cfg.broadcast_datasets}, tuple(specs), columns, out_schema,
                     fast_schema)
@@ -212,8 +212,8 @@ def _state_plan(cfg: EnrichConfig, parsed: StructType, schemas: Mapping[str, Dat
     src = cfg.source
     # Every column a join can add, in the order the job adds them: the state section may name any of
     # them, and is refused below if it names one that cannot reach the step.
-    _, with_dims = join.plan(cfg.partitioned_joins, schemas, parsed, timezone=timezone, source=src, time_column=_time(cfg))
-    _, enriched = join.plan(cfg.broadcast_joins, schemas, with_dims, timezone=timezone, source=src, time_column=_time(cfg))
+    _, with_dims = join.resolve(cfg.partitioned_joins, schemas, parsed, timezone=timezone, source=src, time_column=_time(cfg))
+    _, enriched = join.resolve(cfg.broadcast_joins, schemas, with_dims, timezone=timezone, source=src, time_column=_time(cfg))
     spec = resolve(cfg.state, enriched, timezone=timezone, source=src)
     taken = [f for f in parsed.fieldNames() if f in STEP_COLUMNS or f.startswith(FLAT)]
     if taken:
@@ -228,11 +228,11 @@ def _state_plan(cfg: EnrichConfig, parsed: StructType, schemas: Mapping[str, Dat
                               "events); use wait: none for it")
     # Each of these needs its on: columns from the events: a column of a partitioned join (added
     # inside the step) or of a join left to the join pass is named by the plan's error.
-    specs, joined = join.plan(before, schemas, parsed, timezone=timezone, source=src, time_column=_time(cfg))
+    specs, joined = join.resolve(before, schemas, parsed, timezone=timezone, source=src, time_column=_time(cfg))
     inner = tuple(s.matched for s in specs if s.inner)
     # An inner join drops its unmatched events after the state counted them, as it does after the step.
     specs = [dataclasses.replace(s, inner=False) for s in specs]
-    dim_specs, _ = join.plan(cfg.partitioned_joins, schemas, joined, timezone=timezone, source=src, time_column=_time(cfg))
+    dim_specs, _ = join.resolve(cfg.partitioned_joins, schemas, joined, timezone=timezone, source=src, time_column=_time(cfg))
     dims = tuple(partitioned_dim(i, j.dataset, j.topic, schemas[j.dataset], dataclasses.replace(s, inner=False),
                                  s.inner, j.history if j.as_of else None)
                  for i, (j, s) in enumerate(zip(cfg.partitioned_joins, dim_specs, strict=True)))
@@ -284,7 +284,7 @@ def _needed_by_state(cfg: EnrichConfig, schemas: Mapping[str, DatasetSchema], wi
     ``state:`` names, and those their ``on`` columns come from."""
     assert cfg.state is not None
     joins = cfg.broadcast_joins
-    specs, _ = join.plan(joins, schemas, with_dims, timezone=timezone, source=cfg.source, time_column=_time(cfg))
+    specs, _ = join.resolve(joins, schemas, with_dims, timezone=timezone, source=cfg.source, time_column=_time(cfg))
     needed, chosen = set(cfg.state.columns), set()
     needed |= {r.name for c in cfg.calls for r in c.body.refs() if r.scope is None}
     for _ in range(len(specs)):

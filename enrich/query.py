@@ -57,11 +57,11 @@ from enrich.pipeline import Pipeline
 from enrich.source import stream_format, tick
 from enrich.state import engine, ingest
 from enrich.state.cache import TableCache
-from enrich.state.checkpoint import check_checkpoint
 from enrich.state.dimension import PUBLISHED, VALID_FROM_TEXT, PartitionedDim
 from enrich.state.ingest import EventPacker
 from enrich.state.layout import BucketLayout
 from enrich.state.processor import DeviceStateProcessor
+from enrich.state.record import check_checkpoint
 from enrich.state.stored import STATE_NAME, stored_spec
 from enrich.state.stream import INITIAL, Fork, Unpack, changelog_key, initial_packer, prepare
 from enrich.state.wait import WaitSpec

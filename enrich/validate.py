@@ -21,13 +21,13 @@ from refstream.errors import one_line
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
-__all__ = ["BROKER_TIMEOUT", "check_calls", "check_schema", "connect", "explain", "plan"]
+__all__ = ["BROKER_TIMEOUT", "check_calls", "check_schema", "connect", "explain", "summary"]
 
 #: How long the broker may take to answer a metadata request.
 BROKER_TIMEOUT = 10.0
 
 
-def plan(cfg: EnrichConfig) -> list[str]:
+def summary(cfg: EnrichConfig) -> list[str]:
     """What the job would do: the events it reads, each join in order, where the output goes."""
     ev = cfg.events
     out = cfg.output

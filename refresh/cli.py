@@ -107,14 +107,14 @@ def _validate(path: str, *, connect: bool) -> int:
     """``refresh validate``: 0 when the config loads (and, with ``connect``, every source and the
     broker answer), else 1 with one line per problem on stderr."""
     from refresh.validate import connect as reach
-    from refresh.validate import plan
+    from refresh.validate import summary
 
     try:
         config = load_config(path)
     except Exception as exc:  # noqa: BLE001 - a config that does not load is the answer, not a crash
         print(f"refresh: invalid: {one_line(exc)}", file=sys.stderr)
         return 1
-    for line in plan(config):
+    for line in summary(config):
         print(line)
     problems = reach(config, print) if connect else []
     for p in problems:

@@ -17,7 +17,7 @@ from refresh.sources import open_source
 from refstream import kafka
 from refstream.errors import one_line
 
-__all__ = ["BROKER_TIMEOUT", "connect", "duration", "plan"]
+__all__ = ["BROKER_TIMEOUT", "connect", "duration", "summary"]
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +25,7 @@ log = logging.getLogger(__name__)
 BROKER_TIMEOUT = 10.0
 
 
-def plan(config: RefreshConfig) -> list[str]:
+def summary(config: RefreshConfig) -> list[str]:
     """One line per dataset: source, mode, key, topic and trigger, as the daemon would run them."""
     lines = [f"{config.path}: {len(config.datasets)} dataset(s), broker "
              f"{config.kafka.get('bootstrap.servers', '?')}, state in {config.state_dir}"]

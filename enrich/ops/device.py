@@ -24,11 +24,11 @@ from enrich.calls.step import KEY, CallStep
 from enrich.checkpoint import CheckpointLayout
 from enrich.config import EnrichConfig
 from enrich.ops import stateread
-from enrich.ops.checkpoint import Checkpoint
+from enrich.ops.batches import Checkpoint
 from enrich.ops.stateread import device_tables
 from enrich.pipeline import Pipeline
 from enrich.state import engine
-from enrich.state.checkpoint import check_checkpoint
+from enrich.state.record import check_checkpoint
 from enrich.state.stored import stored_spec
 from refstream.errors import ConfigError, DataError
 

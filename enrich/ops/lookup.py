@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from enrich.config import EnrichConfig
 from enrich.dimension.changelog import ChangelogFollower
-from enrich.ops.checkpoint import Checkpoint
+from enrich.ops.batches import Checkpoint
 from refstream import contract
 from refstream.errors import ConfigError, ContractError, DataError
 

@@ -40,8 +40,8 @@ from enrich.checkpoint import CheckpointBusy, CheckpointLayout
 from enrich.config import EnrichConfig
 from enrich.dimension.versions import FileVersionLog
 from enrich.ops import stateread
-from enrich.state.checkpoint import bucket_layout, read_record, record_partitions
 from enrich.state.layout import BucketLayout
+from enrich.state.record import bucket_layout, read_record, record_partitions
 from refstream.errors import ConfigError, DataError, TerminalError
 
 log = logging.getLogger(__name__)

@@ -50,9 +50,9 @@ from enrich.ops import stateread
 from enrich.pipeline import Pipeline
 from enrich.source.offsets import from_json_offsets, to_json_offsets
 from enrich.state import engine
-from enrich.state.checkpoint import PARTITIONS, check_checkpoint, read_record, record
 from enrich.state.dimension import PartitionedDim
 from enrich.state.engine import StateSpec
+from enrich.state.record import PARTITIONS, check_checkpoint, read_record, record
 from enrich.state.stored import stored_spec
 from enrich.state.stream import Fork
 from refstream.atomic import write_json_atomic

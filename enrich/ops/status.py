@@ -1,6 +1,6 @@
 """``enrich status``: what the job's last committed micro-batch used and how far behind it is.
 
-Everything comes from the checkpoint (:mod:`enrich.ops.checkpoint`) and the topics, so it works
+Everything comes from the checkpoint (:mod:`enrich.ops.batches`) and the topics, so it works
 while the job runs and after it stopped: per dimension the refresher's version, the rows, and the
 age (now minus the publish time of the newest change the batch applied); the last batch's id and
 time; input lag per events partition (end offset minus processed offset); dead letters produced
@@ -17,7 +17,7 @@ from typing import Any
 from confluent_kafka import OFFSET_END, KafkaException, TopicPartition
 
 from enrich.config import EnrichConfig
-from enrich.ops.checkpoint import Checkpoint
+from enrich.ops.batches import Checkpoint
 from enrich.source.offsets import TP, EndOffsetProbe
 from refstream import kafka as rkafka
 from refstream.errors import TransientError

@@ -5,7 +5,7 @@ each topic it writes in transactions (the Kafka output, or the dead letters of t
 A restart finds its ledgers (:mod:`enrich.sinks.kafka.ledger`) by them: a replayed batch whose
 writers had another scope or id, or whose ledger topic is gone, finds no record of what it wrote
 and writes it again. So a start that would change them under a checkpoint that has run is refused,
-with one line naming what changed, as the state settings are (:mod:`enrich.state.checkpoint`):
+with one line naming what changed, as the state settings are (:mod:`enrich.state.record`):
 
 - the record missing from a checkpoint Spark has planned a batch in;
 - ``output.kafka.transactional_id`` set to another id than the one recorded;

@@ -77,7 +77,7 @@ class PartitionedDim:
 
 def partitioned_dim(index: int, dataset: str, topic: str, schema: DatasetSchema, join: JoinSpec,
                     inner: bool, history: timedelta | None = None) -> PartitionedDim:
-    """The dimension of a join planned by :func:`enrich.join.plan` (``join``) with ``inner`` off;
+    """The dimension of a join planned by :func:`enrich.join.resolve` (``join``) with ``inner`` off;
     an as-of join's (``history`` set) keeps versions: ``__valid_from`` and ``__deleted`` besides."""
     key = [k for _, k in join.pairs]
     columns = tuple(c for c, _ in join.columns)

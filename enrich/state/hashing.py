@@ -8,7 +8,7 @@ parses and packs the events. Spark hashes strings with its legacy byte-wise tail
 extended, as a word of its own; binary values alike), integers up to 32 bits and dates (days) with
 ``hashInt``, 64-bit integers and timestamps (microseconds) with ``hashLong``, booleans as the ints 1
 and 0; a null leaves the seed. Other types (floating point, decimals, nested) have no hash here: a
-state key must be of one of these (``enrich.state.plan.resolve`` says so at load).
+state key must be of one of these (``enrich.state.spec.resolve`` says so at load).
 ``tests/enrich/state/test_hashing.py`` compares this with Spark's ``hash`` on real Spark.
 """
 

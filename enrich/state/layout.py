@@ -14,7 +14,7 @@ pmod(h, N)``: bucket ``b`` lands in partition ``b mod N``, and each of the ``N``
 number it is rescaled to, as long as it divides ``B`` (64 buckets: 1, 2, 4, 8, 16, 32 or 64
 partitions). Another number spreads the buckets as the hash falls (:meth:`BucketLayout.spread`).
 
-The checkpoint records the layout with the state settings (:mod:`enrich.state.checkpoint`): it never
+The checkpoint records the layout with the state settings (:mod:`enrich.state.record`): it never
 changes for the life of the state, whatever the number of state partitions.
 """
 

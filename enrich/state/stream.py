@@ -37,10 +37,10 @@ from enrich.columns import BUCKET, ERROR, FLAT, LATE, STATE
 from enrich.config import EnrichConfig
 from enrich.ipc import to_ipc
 from enrich.session import SHUFFLE_PARTITIONS
-from enrich.state.checkpoint import check_checkpoint
 from enrich.state.dimension import PartitionedDim
 from enrich.state.engine import StateSpec
 from enrich.state.layout import BucketLayout
+from enrich.state.record import check_checkpoint
 from refstream.errors import ConfigError
 
 log = logging.getLogger(__name__)

@@ -78,7 +78,7 @@ def test_a_second_as_of_join_keeps_an_earlier_clip() -> None:
                      out_types=(pa.string(),), matched="_e_matched", inner=False, time="ts")
     both = join_table(first, other, AsOfLookup(versions([(1, "x", 0), (2, "y", 9)]), ["k"]), None)
     assert both.column(CLIPPED).to_pylist() == [True, True]
-    # where the first as-of join put it, as enrich.join.plan lays the columns out
+    # where the first as-of join put it, as enrich.join.resolve lays the columns out
     assert both.column_names == ["key", "ts", "v", "_d_matched", CLIPPED, "w", "_e_matched"]
 
 

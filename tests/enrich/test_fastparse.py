@@ -116,8 +116,8 @@ def both_paths(spark: SparkSession, values: list[bytes | None]) -> tuple[pa.Tabl
     """The Kafka sink's output rows of ``values``, parsed by ``from_json`` and by the fast path."""
     raw = raw_frame(spark, values).repartition(1)
     parsed = events.parse(raw, SCHEMA, ["device_id"])
-    _, out = join.plan([], {}, parsed.schema)
-    _, fast_out = join.plan([], {}, events.fast_schema(parsed.schema))
+    _, out = join.resolve([], {}, parsed.schema)
+    _, fast_out = join.resolve([], {}, events.fast_schema(parsed.schema))
     cols = tuple(f.name for f in out.fields if f.name not in events.INTERNAL)
     exact = records_frame(EnrichedBatch(parsed, cols)).toArrow()
     fast_df = apply_joins(events.source_columns(raw), [], fast_out, {}, events.ERROR, parser=parser(),

@@ -13,7 +13,7 @@ from enrich.config import JoinConfig, JoinHow
 from enrich.dimension.abc import Record
 from enrich.dimension.ship import Shipper
 from enrich.dimension.store import DimensionState
-from enrich.join import plan
+from enrich.join import resolve
 from enrich.query import apply_joins
 from refstream import contract
 from refstream.contract import Column, DatasetSchema
@@ -58,7 +58,7 @@ def run(spark: SparkSession, dims: dict[str, DimensionState], joins: list[JoinCo
         shipper: Shipper | None = None) -> list[dict]:
     shipper = shipper or Shipper(spark.sparkContext)
     df = spark.createDataFrame(events, "device_id STRING, zone STRING, n INT")
-    specs, out = plan(joins, {k: v.schema for k, v in dims.items()}, df.schema)
+    specs, out = resolve(joins, {k: v.schema for k, v in dims.items()}, df.schema)
     shipped = {k: shipper.ship(v.snapshot()) for k, v in dims.items()}
     return sorted((r.asDict() for r in apply_joins(df.repartition(2), specs, out, shipped).collect()),
                   key=lambda r: r["n"])
@@ -77,7 +77,7 @@ def test_left_join_keeps_types_and_flags_unmatched(spark: SparkSession, dims: di
 
 def test_output_schema_types(spark: SparkSession, dims: dict[str, DimensionState]) -> None:
     df = spark.createDataFrame([], "device_id STRING")
-    _, out = plan([join_cfg("devices", {"device_id": None})], {"devices": dims["devices"].schema}, df.schema)
+    _, out = resolve([join_cfg("devices", {"device_id": None})], {"devices": dims["devices"].schema}, df.schema)
     types = {f.name: f.dataType.simpleString() for f in out.fields}
     assert types == {"device_id": "string", "site_id": "bigint", "price": "decimal(12,3)",
                      "installed": "timestamp_ntz", "seen": "timestamp", "owner": "string",
@@ -122,14 +122,14 @@ def test_plan_errors_name_the_join(spark: SparkSession, dims: dict[str, Dimensio
     df = spark.createDataFrame([], "device_id STRING, site_id BIGINT")
     schemas = {k: v.schema for k, v in dims.items()}
     with pytest.raises(ConfigError, match=r"joins\[0\] \(sites\): on: names 1 column"):
-        plan([join_cfg("sites", {"site_id": None})], schemas, df.schema)
+        resolve([join_cfg("sites", {"site_id": None})], schemas, df.schema)
     with pytest.raises(ConfigError, match=r"joins\[1\] \(devices\): on: column 'owner_id' is neither"):
-        plan([join_cfg("devices", {"device_id": None}, ["owner"], prefix="a_"),
+        resolve([join_cfg("devices", {"device_id": None}, ["owner"], prefix="a_"),
               join_cfg("devices", {"owner_id": "device_id"})], schemas, df.schema)
     with pytest.raises(ConfigError, match=r"column 'site_id' already exists"):
-        plan([join_cfg("devices", {"device_id": None}, ["site_id"])], schemas, df.schema)
+        resolve([join_cfg("devices", {"device_id": None}, ["site_id"])], schemas, df.schema)
     with pytest.raises(ConfigError, match=r"columns: \['colour'\] not in the published schema"):
-        plan([join_cfg("devices", {"device_id": None}, ["colour"])], schemas, df.schema)
+        resolve([join_cfg("devices", {"device_id": None}, ["colour"])], schemas, df.schema)
 
 
 def test_lookup_finds_int_and_string_keys_and_misses() -> None:

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from enrich.ops.checkpoint import Checkpoint
+from enrich.ops.batches import Checkpoint
 from enrich.sinks.kafka.ledger import Entry
 from enrich.sinks.kafka.tasks import slot_id
 from refstream import kafka as rkafka

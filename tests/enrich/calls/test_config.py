@@ -78,9 +78,9 @@ def test_calls_need_a_state_section() -> None:
 
 
 def test_validate_lists_the_calls_in_the_order_they_run() -> None:
-    from enrich.validate import plan
+    from enrich.validate import summary
 
-    lines = plan(parse([call("b", needs=["a"], refresh="every event", on_error="dead_letter"),
+    lines = summary(parse([call("b", needs=["a"], refresh="every event", on_error="dead_letter"),
                         call("a", refresh="10m", method="GET")]))
     assert [line for line in lines if line.startswith("  call ")] == [
         "  call a: GET http://127.0.0.1:8085/a, refresh after 10m, on_error null: a_x",
@@ -89,14 +89,14 @@ def test_validate_lists_the_calls_in_the_order_they_run() -> None:
 
 def test_headers_take_their_values_from_the_environment_and_are_never_shown(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from enrich.validate import plan
+    from enrich.validate import summary
 
     monkeypatch.setenv("RISK_TOKEN", "s3cret-token")
     cfg = parse([call("a", headers={"Authorization": "Bearer ${RISK_TOKEN}", "X-Tenant": 7},
                       url="https://me:pa55@127.0.0.1:8085/a?api_key=k3y&v=2")], env=True)
     (c,) = cfg.calls
     assert c.headers == (("Authorization", "Bearer s3cret-token"), ("X-Tenant", "7"))
-    shown = "\n".join(plan(cfg)) + repr(c)
+    shown = "\n".join(summary(cfg)) + repr(c)
     assert "https://***@127.0.0.1:8085/a?api_key=***&v=***" in shown
     assert not any(s in shown for s in ("s3cret", "pa55", "k3y"))
     monkeypatch.delenv("RISK_TOKEN")

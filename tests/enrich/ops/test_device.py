@@ -18,7 +18,7 @@ from pyspark.sql import SparkSession
 from enrich import cli, config
 from enrich.config import EnrichConfig
 from enrich.job import EnrichJob
-from enrich.ops.checkpoint import Checkpoint
+from enrich.ops.batches import Checkpoint
 from enrich.ops.device import device_state
 from refstream.contract import Column, DatasetSchema
 from refstream.errors import ConfigError, DataError

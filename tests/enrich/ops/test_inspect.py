@@ -18,7 +18,7 @@ from pyspark.sql import SparkSession
 from enrich import cli
 from enrich.config import EnrichConfig
 from enrich.job import EnrichJob
-from enrich.ops.checkpoint import Checkpoint
+from enrich.ops.batches import Checkpoint
 from enrich.ops.lookup import lookup
 from enrich.ops.status import status
 from refstream.contract import Column, DatasetSchema

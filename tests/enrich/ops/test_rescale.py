@@ -16,10 +16,10 @@ from pyspark.sql import SparkSession
 from enrich import cli, config
 from enrich.checkpoint import CheckpointBusy, CheckpointLayout
 from enrich.job import EnrichJob
-from enrich.ops.checkpoint import Checkpoint
+from enrich.ops.batches import Checkpoint
 from enrich.ops.rescale import RescaleRefused, rescale
-from enrich.state.checkpoint import BUCKET_IDS, PARTITIONS
 from enrich.state.layout import BucketLayout
+from enrich.state.record import BUCKET_IDS, PARTITIONS
 from refstream.errors import ConfigError
 from tests.enrich.helpers import changelog, produce_events, publish
 from tests.enrich.state.test_stream import DEVICES, at, make_config, outputs, run

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from enrich.config import DatabaseDialect
-from enrich.ops.checkpoint import Checkpoint
+from enrich.ops.batches import Checkpoint
 from enrich.sinks.database.connect import connect, quote
 from tests.enrich.helpers import produce_events
 from tests.enrich.kill import read_note, session_pids

@@ -29,7 +29,7 @@ SCHEMA = DatasetSchema("devices", ("id",), (Column("id", "int64"), Column("owner
 
 
 def make_dim(columns: tuple[str, ...] = ("owner", "limit")) -> PartitionedDim:
-    """What ``enrich.join.plan`` makes of ``on: device_id`` (it needs a JVM to parse types)."""
+    """What ``enrich.join.resolve`` makes of ``on: device_id`` (it needs a JVM to parse types)."""
     types = {"owner": pa.string(), "limit": pa.float64()}
     spec = JoinSpec(dataset="devices", pairs=(("device_id", "id"),), key_types=(pa.int64(),),
                     columns=tuple((c, c) for c in columns), out_types=tuple(types[c] for c in columns),

@@ -218,7 +218,7 @@ def test_sigkill_then_restart_continues_every_device_count(kafka: dict[str, str]
     # committed one kills its Python worker inside its transaction (test hook), and Spark runs the
     # task again (local[2,4]), state step included. Any slot: a slot whose transaction the killed
     # run committed before Spark committed the batch skips it, and writes nothing to be killed in.
-    from enrich.ops.checkpoint import Checkpoint
+    from enrich.ops.batches import Checkpoint
 
     last = Checkpoint(tmp_path / "checkpoint").last_committed()
     flag = tmp_path / "killed"
@@ -313,8 +313,8 @@ def test_events_left_to_from_json_are_counted_like_the_others(spark: SparkSessio
 def test_the_buckets_are_spread_evenly_over_the_state_partitions(spark: SparkSession, kafka: dict[str, str],
                                                                   unique: Callable[[str], str], tmp_path: Path) -> None:
     from enrich.checkpoint import CheckpointLayout
-    from enrich.state.checkpoint import BUCKET_IDS, PARTITIONS
     from enrich.state.layout import BucketLayout
+    from enrich.state.record import BUCKET_IDS, PARTITIONS
 
     data = make_config(kafka, unique, tmp_path, buckets=8)
     data["max_events_per_batch"] = 1000

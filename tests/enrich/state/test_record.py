@@ -10,9 +10,9 @@ import pytest
 
 from enrich.checkpoint import CheckpointLayout
 from enrich.config import StateConfig
-from enrich.state.checkpoint import BUCKET_IDS, PARTITIONS, check_checkpoint, record_partitions
 from enrich.state.engine import StateSpec
 from enrich.state.layout import BucketLayout
+from enrich.state.record import BUCKET_IDS, PARTITIONS, check_checkpoint, record_partitions
 from refstream.errors import ConfigError
 
 CFG = StateConfig(key="device_id", timestamp="ts", aggregates=(("t", ("max",)),))

@@ -16,7 +16,7 @@ from pyspark.sql.types import (
 )
 
 from enrich import config
-from enrich.state import plan
+from enrich.state import spec as state_spec
 from refstream.errors import ConfigError
 
 ENRICHED = StructType([
@@ -37,14 +37,14 @@ def state(**over: object) -> config.StateConfig:
 
 
 def test_resolves_event_and_join_columns() -> None:
-    spec = plan.resolve(state(aggregates={"temperature": ["mean", "max"], "site_name": ["last"],
+    spec = state_spec.resolve(state(aggregates={"temperature": ["mean", "max"], "site_name": ["last"],
                                           "site_id": ["min"]}, ttl="2h"), ENRICHED, timezone="UTC")
     assert spec.key_type == pa.string() and spec.ttl_us == 2 * 3600 * 10**6
     assert spec.aggregates == (("temperature", ("mean", "max"), pa.float64()), ("site_name", ("last",), pa.string()),
                                ("site_id", ("min",), pa.int64()))
     assert [f.name for f in spec.output_type()] == ["events", "first_seen", "last_seen", "temperature_mean",
                                                    "temperature_max", "site_name_last", "site_id_min"]
-    fields = plan.output_fields(spec)
+    fields = state_spec.output_fields(spec)
     assert [f.name for f in fields] == ["state", "_late"]
     assert isinstance(fields[0].dataType, StructType)
     assert fields[0].dataType["temperature_mean"].dataType == DoubleType()
@@ -61,19 +61,19 @@ def test_resolves_event_and_join_columns() -> None:
 ])
 def test_errors_name_key_and_column(over: dict, message: str) -> None:
     with pytest.raises(ConfigError) as exc:
-        plan.resolve(state(**over), ENRICHED, source="enrich.yaml")
+        state_spec.resolve(state(**over), ENRICHED, source="enrich.yaml")
     assert str(exc.value).startswith(f"enrich.yaml: {message}")
 
 
 def test_refuses_events_that_already_have_the_state_columns() -> None:
     clash = StructType([*ENRICHED.fields, StructField("state", StringType())])
     with pytest.raises(ConfigError, match="adds column 'state', which the events already have"):
-        plan.resolve(state(), clash)
+        state_spec.resolve(state(), clash)
 
 
 @pytest.mark.parametrize("key", ["temperature", "price"])
 def test_a_key_without_sparks_hash_in_the_step_is_refused(key: str) -> None:
     with pytest.raises(ConfigError, match=rf"state\.key: column '{key}' is (double|decimal\(12,3\)); a state key must "
                                           r"be a string, binary, integer, boolean, date or timestamp column"):
-        plan.resolve(state(key=key), ENRICHED, source="x.yaml")
-    assert plan.resolve(state(key="site_id"), ENRICHED).key_type == pa.int64()
+        state_spec.resolve(state(key=key), ENRICHED, source="x.yaml")
+    assert state_spec.resolve(state(key="site_id"), ENRICHED).key_type == pa.int64()
