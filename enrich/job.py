@@ -267,8 +267,10 @@ class EnrichJob:
         cfg = self.cfg
         ident = SinkIdentity.load(self.layout, cfg)
         # The Kafka output's writers' base id, else the dead letters' (the database output's tasks write them).
-        sink = make_sink(cfg, ident.scope, ident.id_of(cfg.output.topic or cfg.dead_letter_topic),
-                         pipeline.events.fieldNames())
+        # Opening it reaches the database output (its tables checked): a database still starting is waited for.
+        sink = call_with_retry(lambda: make_sink(cfg, ident.scope, ident.id_of(cfg.output.topic or cfg.dead_letter_topic),
+                                                 pipeline.events.fieldNames()),
+                               what="opening the output", policy=self.retry, stop=self._stop)
         self._stack.callback(sink.close)
         dead = None
         if not sink.writes_dead_letters:

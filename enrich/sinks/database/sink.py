@@ -481,6 +481,10 @@ def check_existing(db: DatabaseOutput, key: Sequence[str]) -> None:
         with conn.cursor() as cur:
             check_keys(cur, db.dialect, db.table, db.fence, key)
         conn.commit()
+    except RefstreamError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the drivers' errors, classified by transient()
+        raise transient(exc, f"checking the tables of {db.table}") from exc
     finally:
         conn.close()
 

@@ -198,3 +198,41 @@ def test_a_fork_deletes_the_rows_of_the_devices_its_watermark_floor_expired(
     assert sorted(rows) == [f"d{i}" for i in range(4, 10)]
     # d9's state went on from the savepoint's (its events ten minutes apart, each one started afresh by the TTL).
     assert (rows["d9"]["events"], rows["d9"]["first_seen"], rows["d9"]["last_seen"]) == (2, at(28.5), at(29))
+
+
+def test_a_database_still_starting_when_the_job_starts_is_waited_for(
+        spark: SparkSession, kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path,
+        mysql_url: str) -> None:
+    """The output's database refuses connections when the job starts (a forwarder in front of
+    MariaDB, opened once the job has logged its first retry): the start waits for it, as a batch's
+    write does, instead of failing on the refused connection."""
+    import logging
+    from urllib.parse import urlsplit, urlunsplit
+
+    from tests.netproxy import Forwarder
+
+    parts = urlsplit(mysql_url)
+    forwarder = Forwarder((parts.hostname or "127.0.0.1", parts.port or 3306))
+    url = urlunsplit(parts._replace(netloc=f"{parts.username}@127.0.0.1:{forwarder.port}"))
+    data = db_config(kafka, unique, tmp_path, url)
+    publish(kafka, data["joins"][0]["topic"], changelog(DEVICES, [{"device_id": "a", "owner": "ann"}]))
+    produce_events(kafka, data["events"]["topic"], [{"device_id": "a", "ts": iso(0), "temp": 1.0, "n": 1}])
+    retries: list[str] = []
+
+    class OpenOnRetry(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.getMessage().startswith("opening the output failed (attempt 1/"):
+                retries.append(record.getMessage())
+                forwarder.open()
+
+    retry_log = logging.getLogger("refstream.retry")
+    handler = OpenOnRetry(logging.WARNING)
+    retry_log.addHandler(handler)
+    try:
+        run(spark, data)
+    finally:
+        retry_log.removeHandler(handler)
+        forwarder.close()
+    assert len(retries) == 1 and "Connection refused" in retries[0], retries
+    rows = table(mysql_url, data["output"]["database"]["table"])
+    assert (rows["a"]["events"], rows["a"]["owner"]) == (1, "ann")
