@@ -87,8 +87,8 @@ SERVICE_FIXTURES = frozenset({
     "mysql_engine",                                       # tests/refresh/conftest.py
     "init_db",                                            # tests/demo/conftest.py
     "spark",                                              # tests/enrich/conftest.py
-    "cluster",                                            # tests/enrich/conftest.py: a standalone cluster
-    "bare_cluster",                                       # tests/enrich/test_cluster_packed.py: another
+    "cluster",                                            # tests/e2e/conftest.py: a standalone cluster
+    "bare_cluster",                                       # tests/e2e/test_cluster_packed.py: another
     "stack",                                              # tests/demo/test_native_topology.py
     "chromium",                                           # tests/conftest.py: a headless browser
     # Not a service, but the OS file watcher on wall-clock debounce windows: seconds per test.
@@ -104,7 +104,7 @@ SERVICE_FIXTURES = frozenset({
 # The groups go by node id, not by xdist_group marks: pytest 9.2 ignores the group suffix pytest-xdist
 # 3.8 writes into marked tests' node ids (pytest-dev/pytest-xdist#1386), so marks no longer group.
 WORKER_GROUPS: dict[str, tuple[str, ...]] = {
-    "cluster": ("tests/enrich/test_cluster.py::", "tests/enrich/state/test_cluster_state.py::"),
+    "cluster": ("tests/e2e/test_cluster.py::", "tests/e2e/test_cluster_state.py::"),
     "wall-clock": ("tests/refresh/", "tests/refstream/"),
 }
 

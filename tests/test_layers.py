@@ -8,7 +8,7 @@ one at the top of the module.
 from __future__ import annotations
 
 import ast
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -286,3 +286,66 @@ def test_the_streaming_api_check_finds_a_call(tmp_path: Path) -> None:
     write_tree(tmp_path, files)
     assert streaming_api_uses(tmp_path) == ["enrich/join.py:3: .mapInArrow", "enrich/state/stream.py:1: .writeStream",
                                             "enrich/state/stream.py:2: .foreachBatch"]
+
+
+# The tests mirror the package tree (docs/architecture.md, "Where things live"):
+# tests/enrich/<path>/test_<module>[_<aspect>].py tests enrich/<path>/<module>.py or the subpackage
+# enrich/<path>/<module>/, so a module's tests are found by its name. The end-to-end tests, of the whole
+# job (exactly once across kills and restarts, on a cluster, under hostile input), are in tests/e2e/.
+# Module-less helpers (helpers.py, kill.py, conftest.py) are not test_*.py files and need no module.
+TEST_LAYOUT_EXCEPTIONS: dict[str, str] = {
+    "tests/enrich/test_zz_session_guard.py":
+        "tests tests/enrich/conftest.py's shared Spark session and drops its py4j connection on purpose: "
+        "it needs that session's fixture, and its name orders it after the session's other tests on a worker",
+}
+
+
+def misplaced_tests(root: Path, package: str = "enrich",
+                    exceptions: Mapping[str, str] = TEST_LAYOUT_EXCEPTIONS) -> list[str]:
+    """The test files under ``tests/<package>/`` that do not name a module or subpackage of ``<package>/``
+    at the same path (``test_<module>`` or ``test_<module>_<aspect>``), as paths from ``root``."""
+    found = []
+    for path in sorted((root / "tests" / package).rglob("test_*.py")):
+        rel = path.relative_to(root).as_posix()
+        if rel in exceptions:
+            continue
+        source = root / path.parent.relative_to(root / "tests")   # tests/enrich/x -> enrich/x
+        words = path.stem.removeprefix("test_").split("_")
+        names = ("_".join(words[:n]) for n in range(len(words), 0, -1))
+        if not any((source / f"{name}.py").is_file() or (source / name / "__init__.py").is_file() for name in names):
+            found.append(rel)
+    return found
+
+
+def test_enrich_tests_mirror_its_modules() -> None:
+    found = misplaced_tests(ROOT)
+    assert not found, ("test files that name no module of enrich/ at their path: name them "
+                       "tests/enrich/<path>/test_<module>[_<aspect>].py for enrich/<path>/<module>.py "
+                       "(or its subpackage), or move an end-to-end test to tests/e2e/:\n" + "\n".join(found))
+
+
+def test_the_end_to_end_tests_have_their_package_and_the_exceptions_exist() -> None:
+    assert (ROOT / "tests" / "e2e" / "__init__.py").is_file()
+    assert list((ROOT / "tests" / "e2e").glob("test_*.py"))
+    assert all((ROOT / path).is_file() for path in TEST_LAYOUT_EXCEPTIONS), "an exception names a file that is gone"
+
+
+def test_the_test_layout_check_finds_tests_that_name_no_module(tmp_path: Path) -> None:
+    files = {
+        "enrich/__init__.py": "", "enrich/job.py": "", "enrich/state/__init__.py": "",
+        "enrich/state/wait.py": "", "enrich/ops/__init__.py": "", "enrich/ops/state_db.py": "",
+        "enrich/sinks/__init__.py": "", "enrich/sinks/database/__init__.py": "",
+        "tests/enrich/test_job.py": "", "tests/enrich/test_job_faults.py": "",       # a module, an aspect
+        "tests/enrich/state/test_wait_job.py": "", "tests/enrich/test_state_cache.py": "",  # a subpackage's
+        "tests/enrich/ops/test_state_db.py": "", "tests/enrich/ops/test_state_db_read.py": "",
+        "tests/enrich/sinks/test_database_kill.py": "", "tests/enrich/helpers.py": "",
+        "tests/enrich/test_restart.py": "",            # no enrich/restart.py: an end-to-end test
+        "tests/enrich/state/test_job.py": "",          # enrich/job.py, not enrich/state/job.py
+        "tests/enrich/test_jobs.py": "",               # a prefix of a word is no module
+        "tests/enrich/calls/test_step.py": "",         # no enrich/calls/
+        "tests/enrich/test_zz_guard.py": "",           # an exception
+    }
+    write_tree(tmp_path, files)
+    assert misplaced_tests(tmp_path, exceptions={"tests/enrich/test_zz_guard.py": "why"}) == [
+        "tests/enrich/calls/test_step.py", "tests/enrich/state/test_job.py", "tests/enrich/test_jobs.py",
+        "tests/enrich/test_restart.py"]

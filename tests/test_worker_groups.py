@@ -19,11 +19,18 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_a_test_belongs_to_the_group_its_node_id_starts_with() -> None:
     assert worker_group("tests/refresh/test_diff.py::test_x") == "wall-clock"
     assert worker_group("tests/refstream/test_logs.py::test_y[a]") == "wall-clock"
-    assert worker_group("tests/enrich/test_cluster.py::test_job_on_a_two_worker_standalone_cluster") == "cluster"
-    assert worker_group("tests/enrich/test_cluster_packed.py::test_z") is None  # it starts a cluster of its own
+    assert worker_group("tests/e2e/test_cluster.py::test_job_on_a_two_worker_standalone_cluster") == "cluster"
+    assert worker_group("tests/e2e/test_cluster_packed.py::test_z") is None  # it starts a cluster of its own
     assert worker_group("tests/enrich/test_job.py::test_w") is None
     assert all(prefix.startswith("tests/") for prefixes in WORKER_GROUPS.values() for prefix in prefixes)
 
+
+
+def test_every_group_names_test_files_that_exist() -> None:
+    """A test module moved without its prefix here would leave its group silently."""
+    missing = [prefix for prefixes in WORKER_GROUPS.values() for prefix in prefixes
+               if not (ROOT / prefix.removesuffix("::")).exists()]
+    assert not missing, missing
 
 @pytest.mark.integration
 def test_a_group_runs_on_one_worker_and_the_other_tests_spread() -> None:

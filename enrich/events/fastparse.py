@@ -7,7 +7,7 @@ declared JSON type, no duplicate field, timestamps of one exact ISO 8601 shape).
 including every value Spark might accept through one of its lenient options (single quotes, ``NaN``,
 numbers in string fields, other timestamp shapes) or reject, is marked *slow* and is parsed again by
 ``enrich.events.parse`` (Spark's ``from_json``), which alone decides what is a dead letter and why.
-So the fast path changes the cost, never the result (``tests/enrich/test_fastparse.py`` compares the
+So the fast path changes the cost, never the result (``tests/enrich/events/test_fastparse.py`` compares the
 two on a corpus of edge cases).
 
 Only flat schemas of string, boolean, integer, double and timestamp fields have a fast path;

@@ -1,9 +1,8 @@
-"""A real local Spark session and a standalone Spark cluster, each started once per test session."""
+"""A real local Spark session, started once per test session (the standalone Spark cluster of the
+end-to-end tests is tests/e2e/conftest.py's)."""
 
 from __future__ import annotations
 
-import os
-import sys
 from collections.abc import Iterator
 
 import pytest
@@ -11,7 +10,6 @@ from py4j.clientserver import ClientServerConnection
 from pyspark.sql import SparkSession
 
 from enrich.session import build_session
-from tests.enrich.spark_cluster import Cluster, standalone_cluster
 
 _send_command = ClientServerConnection.send_command
 
@@ -49,15 +47,3 @@ def spark() -> Iterator[SparkSession]:
         yield session
     finally:
         session.stop()
-
-
-@pytest.fixture(scope="session")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    """A master and two one-core workers whose processes run this interpreter, shared by the tests
-    that submit jobs to a cluster (tests/enrich/test_cluster.py, state/test_cluster_state.py): they
-    run one at a time, each job gets both workers, and a test finds its own application as the one
-    its job added (``Cluster.apps``). test_cluster_packed.py starts its own: its workers' bare
-    environment is what it tests."""
-    workdir = tmp_path_factory.mktemp("cluster")
-    with standalone_cluster(workdir, {**os.environ, "PYSPARK_PYTHON": sys.executable}) as (master, ui):
-        yield Cluster(master, ui, workdir)

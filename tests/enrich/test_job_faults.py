@@ -162,7 +162,7 @@ def test_restart_after_compaction_below_the_recorded_positions_rebuilds_and_says
         caplog: pytest.LogCaptureFixture) -> None:
     """The test broker does not compact: the changelog is deleted and recreated holding less below
     the positions the checkpoint recorded, as compaction would leave it."""
-    from tests.enrich.test_kafka_source import recreate
+    from tests.enrich.source.test_kafka import recreate
 
     cfg = make_config(kafka, unique, tmp_path / "cp", bootstrap_timeout="5s")
     topic = cfg.joins[0].topic

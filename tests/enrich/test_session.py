@@ -1,6 +1,6 @@
 """What ``enrich run`` asks of Spark: the UI on unless the config's ``spark:`` section turns it off,
 and the executors' Python from ``spark.pyspark.python``. Checked on the settings the session is
-built from (no JVM); tests/enrich/test_cluster_packed.py runs the latter on a cluster. The UI's
+built from (no JVM); tests/e2e/test_cluster_packed.py runs the latter on a cluster. The UI's
 actions and address, and the job's defaults under ``spark-submit``, are checked on real drivers."""
 
 from __future__ import annotations

@@ -146,7 +146,7 @@ def test_device_state_over_micro_batches(spark: SparkSession, kafka: dict[str, s
 def test_state_of_a_broadcast_join_column(spark: SparkSession, kafka: dict[str, str],
                                           unique: Callable[[str], str], tmp_path: Path,
                                           caplog: pytest.LogCaptureFixture) -> None:
-    from tests.enrich.state.test_partitioned import SITES
+    from tests.enrich.state.test_dimension_partitioned import SITES
 
     data = make_config(kafka, unique, tmp_path, aggregates={"owner": ["last"], "temp": ["max"]})
     sites = {"dataset": "sites", "topic": unique("ref.sites"), "on": "site_id"}
@@ -196,7 +196,7 @@ def test_sigkill_then_restart_continues_every_device_count(kafka: dict[str, str]
                                                            tmp_path: Path, strategy: str) -> None:
     from collections import Counter
 
-    from tests.enrich.test_restart import committed_count, run_then_kill, start_job, write_config
+    from tests.e2e.test_restart import committed_count, run_then_kill, start_job, write_config
 
     config = tmp_path / "enrich.yaml"
     cfg = write_config(config, kafka, unique, max_events_per_batch=500,

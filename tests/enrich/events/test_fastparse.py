@@ -3,7 +3,8 @@
 The differential tests run the same raw events through the fast path (pyarrow in the join pass) and
 through the ``from_json`` path, on real Spark: every row the fast path keeps must be the ``from_json``
 path's row, byte for byte and in order; every other row is flagged ``_slow`` (the Kafka sink then
-writes its task's slot from the ``from_json`` path: tests/enrich/test_kafka_tasks.py, test_job.py).
+writes its task's slot from the ``from_json`` path: tests/enrich/sinks/kafka/test_tasks.py,
+tests/enrich/test_job.py).
 """
 
 from __future__ import annotations

@@ -16,10 +16,10 @@ import pytest
 import yaml
 
 from refstream.contract import Column, DatasetSchema
+from tests.e2e.test_restart import start_job, write_config
 from tests.enrich.helpers import changelog, produce_events, publish, read_all
 from tests.enrich.spark_cluster import Cluster, both_executors
-from tests.enrich.state.test_partitioned import SITES
-from tests.enrich.test_restart import start_job, write_config
+from tests.enrich.state.test_dimension_partitioned import SITES
 from tests.timing import bound
 
 SCHEMA = DatasetSchema("devices", ("device_id",), (Column("device_id", "string"), Column("owner", "string")))

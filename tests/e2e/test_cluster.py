@@ -12,9 +12,9 @@ import pytest
 
 from refstream.contract import Column, DatasetSchema
 from tests.conftest import spark_defaults_less
+from tests.e2e.test_restart import start_job, write_config
 from tests.enrich.helpers import changelog, produce_events, publish, read_all
 from tests.enrich.spark_cluster import Cluster, both_executors
-from tests.enrich.test_restart import start_job, write_config
 from tests.timing import bound
 
 SCHEMA = DatasetSchema("devices", ("device_id",), (Column("device_id", "string"), Column("owner", "string")))

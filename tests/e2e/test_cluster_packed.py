@@ -28,9 +28,9 @@ import psutil
 import pytest
 
 from refstream.contract import Column, DatasetSchema
+from tests.e2e.test_restart import write_config
 from tests.enrich.helpers import changelog, produce_events, publish, read_all
 from tests.enrich.spark_cluster import SPARK_HOME, both_executors, master_state, standalone_cluster
-from tests.enrich.test_restart import write_config
 from tests.timing import bound
 
 ROOT = Path(__file__).resolve().parents[2]

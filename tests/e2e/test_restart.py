@@ -167,7 +167,7 @@ def run_job(config: Path, log: Path) -> int:
 
 def test_recreated_events_topic_stops_the_job_until_on_offset_reset_says_what_to_do(
         kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path) -> None:
-    from tests.enrich.test_kafka_source import recreate
+    from tests.enrich.source.test_kafka import recreate
 
     config = tmp_path / "enrich.yaml"
     cfg = write_config(config, kafka, unique)
