@@ -18,7 +18,10 @@ MAX_LINES = 40
 _SHAPES = [
     (re.compile(r"'[^']*'"), "'…'"),                     # names from the sample data
     (re.compile(r"\b[A-Z]{2}-[A-Z]+\b"), "CC-X"),         # site codes
-    (re.compile(r"risk (?:-|\d+\.\d+ \((?:low|high)\))"), "risk …"),  # a score and its level, or none yet
+    # A device's state as an enriched event carries it (demo.scenario.device_state): a mean may be
+    # negative, none yet, or the event late.
+    (re.compile(r"events \d+, temperature mean (?:-|-?\d+\.\d+), risk (?:-|\d+\.\d+ \((?:low|high)\))"
+                r"|(?:late: )?no device state"), "STATE"),
     (re.compile(r"\d+"), "9"),                            # counts, times, pids, ports, latencies
 ]
 
