@@ -244,3 +244,29 @@ def test_relative_links_point_at_files_that_exist(doc: str) -> None:
     assert local or doc != "README.md", f"{doc} links nowhere"
     missing = [link for link in local if not (path.parent / link).exists()]
     assert not missing, f"{doc} links to missing files: {missing}"
+
+
+def _operations_commands() -> list[str]:
+    """Every ``enrich ...`` and ``refresh ...`` command docs/operations.md shows in a code span, with
+    its placeholders filled in (``[X ...]`` -> X, N -> 2)."""
+    text = (ROOT / "docs" / "operations.md").read_text(encoding="utf-8")
+    out = []
+    for span in re.findall(r"`((?:enrich|refresh) [^`]+)`", text):
+        line = " ".join(span.split()).replace(" ...]", "]").replace("[", "").replace("]", "")
+        out.append(re.sub(r"\bN\b", "2", line.replace("spark://...", "spark://host:7077")))
+    return out
+
+
+@pytest.mark.parametrize("command", _operations_commands())
+def test_the_operations_guides_commands_are_commands_the_clis_take(command: str) -> None:
+    """Each command the operations guide gives parses with its CLI's parser as written: a renamed
+    or removed subcommand or option fails here."""
+    from enrich.cli import parser as enrich_parser
+    from refresh.cli import build_parser as refresh_parser
+
+    prog, *argv = command.split()
+    p = enrich_parser() if prog == "enrich" else refresh_parser()
+    try:
+        p.parse_args(argv)
+    except SystemExit as exc:
+        pytest.fail(f"docs/operations.md: `{command}` is refused by the {prog} CLI (exit {exc.code})")
