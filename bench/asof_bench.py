@@ -2,7 +2,7 @@
 
 A dimension of ``--rows`` keys (string ids, one string and one float column) is joined with batches
 of ``--events`` events of random keys and times, the way a join pass task does
-(``enrich.join.join_table``): once against the latest rows (``Lookup``), once as of the events' times
+(``enrich.joins.join_table``): once against the latest rows (``Lookup``), once as of the events' times
 against ``--versions`` versions per key (``AsOfLookup``, the versions spread over a day); both with
 the newest ``--overlay`` fraction of the changes in an overlay, as between two compactions. Each round times
 ``--batches`` batches; the median round is reported, and the one-off cost of building each index.
@@ -42,7 +42,7 @@ def dimension(rows: int, versions: int, rng: np.random.Generator) -> tuple[pa.Ta
 
 def main(argv: list[str] | None = None) -> int:
     from enrich.columns import VALID_FROM
-    from enrich.join import AsOfLookup, JoinSpec, Lookup, join_table
+    from enrich.joins import AsOfLookup, JoinSpec, Lookup, join_table
 
     ap = argparse.ArgumentParser(prog="python -m bench.run asof", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)

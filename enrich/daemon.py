@@ -28,7 +28,7 @@ import sys
 PRELOAD = (
     "numpy", "pandas", "pyarrow", "pyarrow.compute", "pyarrow.ipc", "confluent_kafka",
     "pyspark.worker", "pyspark.sql.pandas.serializers", "pyspark.sql.streaming.stateful_processor",
-    "enrich.source.kafka", "enrich.events.fastparse", "enrich.join", "enrich.state.processor",
+    "enrich.source.kafka", "enrich.events.fastparse", "enrich.joins", "enrich.state.processor",
     "enrich.sinks.kafka.tasks", "enrich.sinks.parquet", "enrich.sinks.database.sink", "enrich.calls.step",
 )
 

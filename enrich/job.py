@@ -31,7 +31,7 @@ from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
 from pyspark.sql.streaming import DataStreamWriter, StreamingQuery
 
-from enrich import events, join
+from enrich import events, joins
 from enrich.accumulators import KeyedCounts, KeyedTallies
 from enrich.calls.step import STARTED_PROPERTY, read_tallies
 from enrich.checkpoint import CheckpointLayout
@@ -249,7 +249,7 @@ class EnrichJob:
         cfg = self.cfg
         schemas = {ds: dims.schema(ds) for ds in cfg.broadcast_datasets}
         if cfg.partitioned_joins:
-            from enrich.state.dimension import published_schema
+            from enrich.joins.partitioned import published_schema
 
             for j in cfg.partitioned_joins:
                 if j.dataset not in schemas:
@@ -298,7 +298,7 @@ class EnrichJob:
             devices = DeviceCount(spark.sparkContext, self.layout)
             if metrics is not None:
                 metrics.devices_in_state(devices.total)
-            if pipeline.state.before:  # their tasks read the pinned versions from files (enrich.join.PlanEnricher)
+            if pipeline.state.before:  # their tasks read the pinned versions from files (enrich.joins.PlanEnricher)
                 dims.shipper.write_to(self.layout.shipped)
             if pipeline.state.calls is not None:
                 self._call_counts = spark.sparkContext.accumulator({}, KeyedTallies())
@@ -469,7 +469,7 @@ class EnrichJob:
             at, complete = st.dims.batch_facts(batch_id, list(self.cfg.waits))
             facts = BatchFacts.of(at, complete).to_json()
         if files is not None or facts is not None:  # joins in the plan, or waiting: the tasks learn it here
-            st.spark.sparkContext.setLocalProperty(join.PINNED_PROPERTY, join.pinned_property(
+            st.spark.sparkContext.setLocalProperty(joins.PINNED_PROPERTY, joins.pinned_property(
                 shipped, str(files.resolve()) if files is not None else None, facts))
         if self._call_counts is not None:  # the calls' budgets run from here
             st.spark.sparkContext.setLocalProperty(STARTED_PROPERTY, repr(time.time()))

@@ -15,7 +15,7 @@ the events' schema and the published schemas of the datasets it joins.
 Without ``state:`` there is no state step: every join is a broadcast join of the join pass. Every
 consumer of the plan takes it from here: the running query (:mod:`enrich.query`), the job
 (:mod:`enrich.job`), ``enrich validate --explain`` and ``enrich lookup --state``. This is
-the only module that calls :func:`enrich.join.resolve`.
+the only module that calls :func:`enrich.joins.resolve`.
 
 Building a plan needs an active SparkContext (Spark parses ``events.schema`` and the published
 types) but no query, broker or executor.
@@ -32,16 +32,16 @@ from typing import Literal
 from pyspark.sql.pandas.types import from_arrow_type
 from pyspark.sql.types import BooleanType, StructField, StructType
 
-from enrich import events, join
-from enrich.asof import CLIPPED
+from enrich import events, joins
 from enrich.calls.fields import columns as call_columns
 from enrich.calls.step import CallStep
 from enrich.calls.template import STATE as STATE_SCOPE
 from enrich.checkpoint import CheckpointLayout
 from enrich.columns import BATCH_TIME, BUCKET, FLAT, INTERNAL, MAX_TS, PROVISIONAL, TS_US
 from enrich.config import EnrichConfig, JoinConfig
-from enrich.join import JoinSpec
-from enrich.state.dimension import PartitionedDim, partitioned_dim
+from enrich.joins import JoinSpec
+from enrich.joins.asof import CLIPPED
+from enrich.joins.partitioned import PartitionedDim, partitioned_dim
 from enrich.state.engine import StateSpec
 from enrich.state.spec import output_fields, resolve
 from refstream.contract import DatasetSchema
@@ -195,10 +195,10 @@ def _seconds(d: timedelta) -> str:
     return f"{d.total_seconds():g}s"
 
 
-def _join_pass(cfg: EnrichConfig, joins: Sequence[JoinConfig], schemas: Mapping[str, DatasetSchema],
+def _join_pass(cfg: EnrichConfig, passed: Sequence[JoinConfig], schemas: Mapping[str, DatasetSchema],
                before: StructType, timezone: str) -> JoinPass:
-    specs, out_schema = join.resolve(joins, schemas, before, timezone=timezone, source=cfg.source, time_column=_time(cfg))
-    _, fast_schema = join.resolve(joins, schemas, events.fast_schema(before), timezone=timezone, source=cfg.source, time_column=_time(cfg))
+    specs, out_schema = joins.resolve(passed, schemas, before, timezone=timezone, source=cfg.source, time_column=_time(cfg))
+    _, fast_schema = joins.resolve(passed, schemas, events.fast_schema(before), timezone=timezone, source=cfg.source, time_column=_time(cfg))
     columns = tuple(f.name for f in out_schema.fields if f.name not in INTERNAL)
     return JoinPass({ds: schemas[ds] for ds in cfg.broadcast_datasets}, tuple(specs), columns, out_schema,
                     fast_schema)
@@ -212,8 +212,8 @@ def _state_plan(cfg: EnrichConfig, parsed: StructType, schemas: Mapping[str, Dat
     src = cfg.source
     # Every column a join can add, in the order the job adds them: the state section may name any of
     # them, and is refused below if it names one that cannot reach the step.
-    _, with_dims = join.resolve(cfg.partitioned_joins, schemas, parsed, timezone=timezone, source=src, time_column=_time(cfg))
-    _, enriched = join.resolve(cfg.broadcast_joins, schemas, with_dims, timezone=timezone, source=src, time_column=_time(cfg))
+    _, with_dims = joins.resolve(cfg.partitioned_joins, schemas, parsed, timezone=timezone, source=src, time_column=_time(cfg))
+    _, enriched = joins.resolve(cfg.broadcast_joins, schemas, with_dims, timezone=timezone, source=src, time_column=_time(cfg))
     spec = resolve(cfg.state, enriched, timezone=timezone, source=src)
     taken = [f for f in parsed.fieldNames() if f in STEP_COLUMNS or f.startswith(FLAT)]
     if taken:
@@ -228,11 +228,11 @@ def _state_plan(cfg: EnrichConfig, parsed: StructType, schemas: Mapping[str, Dat
                               "events); use wait: none for it")
     # Each of these needs its on: columns from the events: a column of a partitioned join (added
     # inside the step) or of a join left to the join pass is named by the plan's error.
-    specs, joined = join.resolve(before, schemas, parsed, timezone=timezone, source=src, time_column=_time(cfg))
+    specs, joined = joins.resolve(before, schemas, parsed, timezone=timezone, source=src, time_column=_time(cfg))
     inner = tuple(s.matched for s in specs if s.inner)
     # An inner join drops its unmatched events after the state counted them, as it does after the step.
     specs = [dataclasses.replace(s, inner=False) for s in specs]
-    dim_specs, _ = join.resolve(cfg.partitioned_joins, schemas, joined, timezone=timezone, source=src, time_column=_time(cfg))
+    dim_specs, _ = joins.resolve(cfg.partitioned_joins, schemas, joined, timezone=timezone, source=src, time_column=_time(cfg))
     dims = tuple(partitioned_dim(i, j.dataset, j.topic, schemas[j.dataset], dataclasses.replace(s, inner=False),
                                  s.inner, j.history if j.as_of else None)
                  for i, (j, s) in enumerate(zip(cfg.partitioned_joins, dim_specs, strict=True)))
@@ -283,8 +283,8 @@ def _needed_by_state(cfg: EnrichConfig, schemas: Mapping[str, DatasetSchema], wi
     """The broadcast joins the state step needs, in configured order: those adding a column
     ``state:`` names, and those their ``on`` columns come from."""
     assert cfg.state is not None
-    joins = cfg.broadcast_joins
-    specs, _ = join.resolve(joins, schemas, with_dims, timezone=timezone, source=cfg.source, time_column=_time(cfg))
+    broadcast = cfg.broadcast_joins
+    specs, _ = joins.resolve(broadcast, schemas, with_dims, timezone=timezone, source=cfg.source, time_column=_time(cfg))
     needed, chosen = set(cfg.state.columns), set()
     needed |= {r.name for c in cfg.calls for r in c.body.refs() if r.scope is None}
     for _ in range(len(specs)):
@@ -292,4 +292,4 @@ def _needed_by_state(cfg: EnrichConfig, schemas: Mapping[str, DatasetSchema], wi
             if i not in chosen and ({out for _, out in s.columns} | {s.matched}) & needed:
                 chosen.add(i)
                 needed |= {e for e, _ in s.pairs}
-    return [j for i, j in enumerate(joins) if i in chosen]
+    return [j for i, j in enumerate(broadcast) if i in chosen]

@@ -9,10 +9,10 @@ hands it its functions and keeps its own logic:
                                               dimensions' changelogs and the ticks (enrich.source.tick)
     parse    _packed_events                   pyarrow where exact, from_json for the rest, and the
                                               broadcast joins the state needs, packed for the step
-                                              (enrich.events, enrich.state.ingest, enrich.join)
+                                              (enrich.events, enrich.state.ingest, enrich.joins)
     state    state_step, attach               the keyed step with the partitioned joins and the calls
                                               inside it (enrich.state, enrich.calls)
-    joins    apply_joins                      the join pass, in each batch (enrich.join)
+    joins    apply_joins                      the join pass, in each batch (enrich.joins)
     outputs  writer                           foreachBatch: the job's batch writes the sink (enrich.sinks)
 
 :func:`build` wires the first three; the job (:mod:`enrich.job`) starts the query with
@@ -48,16 +48,16 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
-from enrich import events, join, packed
+from enrich import events, joins, packed
 from enrich.columns import BATCH_TIME, BUCKET, FLAT, LATE, MAX_TS, ROWS
 from enrich.dimension.ship import Shipped
 from enrich.events import FastEvents
 from enrich.events.fastparse import FastParser
+from enrich.joins.partitioned import PUBLISHED, VALID_FROM_TEXT, PartitionedDim
 from enrich.pipeline import Pipeline
 from enrich.source import stream_format, tick
 from enrich.state import engine, ingest
 from enrich.state.cache import TableCache
-from enrich.state.dimension import PUBLISHED, VALID_FROM_TEXT, PartitionedDim
 from enrich.state.ingest import EventPacker
 from enrich.state.layout import BucketLayout
 from enrich.state.processor import DeviceStateProcessor
@@ -286,7 +286,7 @@ def _changelog_rows(changelog: DataFrame, dim: PartitionedDim, key_type: DataTyp
     schema_record = F.col("key") == F.lit(contract.SCHEMA_KEY)
     targets = F.when(schema_record, layout.all()).otherwise(F.array(layout.column(key)))
     columns: list[Column | str] = ["partition", "offset", "key", "value"]
-    if dim.history is not None:  # versions: when each record holds from (enrich.state.dimension)
+    if dim.history is not None:  # versions: when each record holds from (enrich.joins.partitioned)
         header = F.try_element_at(F.filter("headers", lambda h: h["key"] == F.lit(contract.H_VALID_FROM)),
                                   F.lit(-1))
         columns += [header["value"].cast("string").alias(VALID_FROM_TEXT), F.col("timestamp").alias(PUBLISHED)]
@@ -317,14 +317,14 @@ class StateStream:
 
 # ------------------------------------------------------------------------------------------- joins
 
-def apply_joins(df: DataFrame, specs: Sequence[join.JoinSpec], out_schema: StructType,
+def apply_joins(df: DataFrame, specs: Sequence[joins.JoinSpec], out_schema: StructType,
                 shipped: Mapping[str, Shipped], error_column: str | None = None, parser: FastParser | None = None,
                 parsed_schema: StructType | None = None, first: Callable[[pa.RecordBatch], pa.Table] | None = None,
                 unmatched: Accumulator[dict[int, int]] | None = None) -> DataFrame:
-    """``df`` with every join applied, in one ``mapInArrow`` pass of :func:`enrich.join.enricher`
+    """``df`` with every join applied, in one ``mapInArrow`` pass of :func:`enrich.joins.enricher`
     (which says what ``parser``, ``parsed_schema``, ``first`` and ``unmatched`` do)."""
     tz = (df.sparkSession.conf.get("spark.sql.session.timeZone") or "UTC") if parser is not None else "UTC"
-    fn = join.enricher(specs, shipped, error_column, parser, parsed_schema, first, unmatched, timezone=tz)
+    fn = joins.enricher(specs, shipped, error_column, parser, parsed_schema, first, unmatched, timezone=tz)
     return df if fn is None else df.mapInArrow(fn, out_schema)
 
 

@@ -89,8 +89,8 @@ def explain(cfg: EnrichConfig) -> list[str]:
     """The job's pipeline as :meth:`enrich.pipeline.Pipeline.explain` prints it, planned against the
     schemas published on the changelog topics (read from the broker, as the job reads them at start:
     a dataset with none after :data:`BROKER_TIMEOUT` is a :class:`TransientError` naming it)."""
+    from enrich.joins.partitioned import published_schema
     from enrich.pipeline import Pipeline
-    from enrich.state.dimension import published_schema
 
     with _session() as spark:
         schemas = {ds: published_schema(spark, cfg.kafka, ds, topic, BROKER_TIMEOUT)

@@ -282,7 +282,7 @@ class _HashTableIndex:
         self._table.map_locations(np.ascontiguousarray(keys))
 
     def find(self, values: np.ndarray) -> np.ndarray:
-        # Both sides hold the same kind of values (int64 or objects): see enrich.join._key_values.
+        # Both sides hold the same kind of values (int64 or objects): see enrich.joins._key_values.
         found = self._table.lookup(np.ascontiguousarray(values, dtype=self._dtype))
         return found.astype(np.int64, copy=False)
 

@@ -157,12 +157,12 @@ def test_internal_column_names_have_one_home() -> None:
 # the query (enrich/query.py) wires the stages below it and nothing below imports it. A unit must
 # be placed here before it can be imported.
 ENRICH_LAYERS: tuple[frozenset[str], ...] = tuple(frozenset(layer) for layer in (
-    {"columns", "ipc", "accumulators", "worker", "asof", "session", "daemon", "failures"},  # import nothing of enrich
+    {"columns", "ipc", "accumulators", "worker", "session", "daemon", "failures"},  # import nothing of enrich
     {"packed", "events", "dimension", "checkpoint"},
     {"source", "origin"},
     {"calls", "metrics"},
     {"config"},
-    {"join", "sinks"},
+    {"joins", "sinks"},                # the joins: broadcast (the package), as-of, partitioned
     {"state"},                          # the keyed step, with the partitioned joins and the calls in it
     {"pipeline"},                       # the plan
     {"query", "validate", "ops"},       # the running query; the offline tools over a plan or a checkpoint
@@ -237,13 +237,13 @@ def test_the_layer_check_finds_upward_imports(tmp_path: Path) -> None:
         "enrich/source/tick.py": "def late():\n    from ..pipeline import Pipeline\n",
         "enrich/state/stream.py": "from enrich import pipeline, columns\nfrom . import engine\n",
         "enrich/pipeline.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from enrich.query import Stream\n",
-        "enrich/join.py": "import enrich.sinks.kafka\nimport enrich.rollups\n",
+        "enrich/joins/__init__.py": "import enrich.sinks.kafka\nimport enrich.rollups\n",
         "enrich/query.py": "from enrich import job\nfrom enrich.state.stream import Unpack\n",
     }
     write_tree(tmp_path, files)
     assert enrich_layer_violations(tmp_path) == [
-        "enrich/join.py:1: join imports sinks, the same layer",
-        "enrich/join.py:2: join imports __init__, a higher layer",
+        "enrich/joins/__init__.py:1: joins imports sinks, the same layer",
+        "enrich/joins/__init__.py:2: joins imports __init__, a higher layer",
         "enrich/pipeline.py:3: pipeline imports query, a higher layer",
         "enrich/query.py:1: query imports job, a higher layer",
         "enrich/source/__init__.py:1: source imports state, a higher layer",
@@ -280,11 +280,11 @@ def test_only_the_query_module_calls_the_streaming_apis() -> None:
 
 def test_the_streaming_api_check_finds_a_call(tmp_path: Path) -> None:
     files = {"enrich/query.py": "df.mapInArrow(f, s)\n",
-             "enrich/join.py": "# mapInArrow\ndef enrich(df):\n    return df.mapInArrow(f, s)\n",
+             "enrich/joins/__init__.py": "# mapInArrow\ndef enrich(df):\n    return df.mapInArrow(f, s)\n",
              "enrich/state/stream.py": "w = df.writeStream\nw.foreachBatch(g)\n",
              "enrich/ops/savepoint.py": "spark.read.parquet(p).mapInArrow(f, s)\n"}
     write_tree(tmp_path, files)
-    assert streaming_api_uses(tmp_path) == ["enrich/join.py:3: .mapInArrow", "enrich/state/stream.py:1: .writeStream",
+    assert streaming_api_uses(tmp_path) == ["enrich/joins/__init__.py:3: .mapInArrow", "enrich/state/stream.py:1: .writeStream",
                                             "enrich/state/stream.py:2: .foreachBatch"]
 
 

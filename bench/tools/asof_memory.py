@@ -28,7 +28,7 @@ def child(versions: int, per_key: int) -> dict[str, float]:
     import numpy as np
 
     from bench.asof_bench import dimension
-    from enrich.join import AsOfLookup, Lookup
+    from enrich.joins import AsOfLookup, Lookup
 
     rng = np.random.default_rng(5)
     latest, table = dimension(versions // per_key, per_key, rng)

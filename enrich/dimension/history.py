@@ -3,7 +3,7 @@
 A version is one changelog record of a key: its row (an upsert) or its absence (a tombstone), valid
 from the record's ``valid_from`` header (a record without one: from its publish time). Like
 :class:`~enrich.dimension.store.DimensionState`, the state is a *base* table and the changes since
-(here every version, not the last per key); executors look both up (:mod:`enrich.asof`), and
+(here every version, not the last per key); executors look both up (:mod:`enrich.joins.asof`), and
 compaction folds the changes into a new base and prunes it (:func:`prune`).
 
 Pruning keeps, per key, every version valid at some time within ``history`` counted back from the

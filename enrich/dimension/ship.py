@@ -2,7 +2,7 @@
 
 A base is broadcast once per generation (Arrow IPC bytes); an overlay once per change. Executors
 get a :class:`Shipped` handle per batch: ids plus broadcast references, a few hundred bytes. Python
-workers are reused across batches and cache the lookup they built per id (see ``enrich.join``), so
+workers are reused across batches and cache the lookup they built per id (see ``enrich.joins``), so
 a batch in which nothing changed re-ships and rebuilds nothing.
 
 After :meth:`Shipper.write_to`, every shipped version is also written to its directory as an Arrow IPC file named by its id

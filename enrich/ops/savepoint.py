@@ -46,11 +46,11 @@ from pyspark.sql.pandas.types import to_arrow_schema
 from enrich.checkpoint import CheckpointLayout
 from enrich.config import EnrichConfig
 from enrich.dimension.versions import FileVersionLog
+from enrich.joins.partitioned import PartitionedDim
 from enrich.ops import stateread
 from enrich.pipeline import Pipeline
 from enrich.source.offsets import from_json_offsets, to_json_offsets
 from enrich.state import engine
-from enrich.state.dimension import PartitionedDim
 from enrich.state.engine import StateSpec
 from enrich.state.record import PARTITIONS, check_checkpoint, read_record, record
 from enrich.state.stored import stored_spec

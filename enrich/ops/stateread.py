@@ -29,7 +29,7 @@ from enrich.checkpoint import CheckpointLayout
 from enrich.columns import BUCKET
 from enrich.config import EnrichConfig
 from enrich.ipc import from_ipc
-from enrich.state.dimension import PartitionedDim, conform
+from enrich.joins.partitioned import PartitionedDim, conform
 from enrich.state.engine import StateSpec
 from enrich.state.stored import CALLS_NAME, DELTAS, STATE_NAME, bucket_table
 from enrich.state.stream import CHANGELOG_CONF, CHANGELOG_DEFAULT, PROVIDER_CONF, ROCKSDB

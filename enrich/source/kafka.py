@@ -69,7 +69,7 @@ class KafkaBatchReader(DataSourceReader):
     """``spark.read.format("refstream-kafka")``: every committed record of the subscribed topics from
     each partition's log start to its end when planned (``startingOffsets`` is not read), in
     ``splits`` tasks per partition. Used by the job to scan a changelog on the executors
-    (``enrich.state.dimension.published_schema``)."""
+    (``enrich.joins.partitioned.published_schema``)."""
 
     def __init__(self, options: SourceOptions, splits: int = 1) -> None:
         self.options, self.splits = options, max(1, splits)

@@ -36,7 +36,7 @@ import pyarrow.compute as pc
 from enrich import packed
 from enrich.columns import BATCH_TIME, BUCKET, ERROR, MAX_TS, ROWS, SLOW, SOURCE, TS_US
 from enrich.events import FastEvents
-from enrich.join import JoinSpec, Lookup, PlanEnricher
+from enrich.joins import JoinSpec, Lookup, PlanEnricher
 from enrich.state.layout import BucketLayout
 from enrich.worker import settle
 from refstream.config import format_duration

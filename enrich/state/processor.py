@@ -41,14 +41,22 @@ from pyspark.sql.streaming.stateful_processor import (
 )
 
 from enrich import packed
-from enrich.asof import CLIPPED
 from enrich.calls.step import KEY, BucketCalls, CallStep
 from enrich.columns import ERROR, FLAT, LATE, LATE_AT_READ, PROVISIONAL, TS_US
 from enrich.ipc import from_ipc, to_ipc
-from enrich.join import PINNED_PROPERTY
+from enrich.joins import PINNED_PROPERTY
+from enrich.joins.asof import CLIPPED
+from enrich.joins.partitioned import (
+    CACHE,
+    PartitionedDim,
+    Version,
+    apply_changes,
+    cache_limit,
+    conform,
+    lookup,
+)
 from enrich.state import engine, wait
 from enrich.state.cache import TableCache
-from enrich.state.dimension import CACHE, PartitionedDim, Version, apply_changes, cache_limit, conform, lookup
 from enrich.state.engine import StateSpec
 from enrich.state.stored import (
     CALLS_NAME,
@@ -72,7 +80,7 @@ class DeviceStateProcessor(StatefulProcessor):
     ``spec`` is the engine's spec with ``_ts_us`` as the timestamp; ``columns`` the event columns
     passed through, in output order; ``devices`` an accumulator of :class:`enrich.accumulators.KeyedCounts` each call
     reports its bucket's device count to; ``dims`` the partitioned dimensions, whose joins add their
-    columns after ``columns`` (:mod:`enrich.state.dimension`); ``cache`` where the executors keep a
+    columns after ``columns`` (:mod:`enrich.joins.partitioned`); ``cache`` where the executors keep a
     copy of each bucket table they stored (None: every call reads it from the state store);
     ``waits``: the datasets events wait for (:mod:`enrich.state.wait`; held events are kept in the
     bucket's ``held`` state variable, and every event gets ``_provisional``); ``floor_us``: a watermark
@@ -395,7 +403,7 @@ def _conform(held: pa.Table, schema: pa.Schema | None, columns: tuple[str, ...])
 
 def _batch_facts() -> wait.BatchFacts:
     """This batch's facts (:class:`enrich.state.wait.BatchFacts`), set by the driver with the
-    pinned versions (``enrich.join.PINNED_PROPERTY``)."""
+    pinned versions (``enrich.joins.PINNED_PROPERTY``)."""
     from pyspark import TaskContext
 
     ctx = TaskContext.get()

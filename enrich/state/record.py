@@ -19,7 +19,7 @@ from typing import Any
 
 from enrich.checkpoint import CheckpointLayout
 from enrich.config import StateConfig
-from enrich.state.dimension import PartitionedDim
+from enrich.joins.partitioned import PartitionedDim
 from enrich.state.engine import StateSpec
 from enrich.state.layout import BucketLayout
 from refstream.atomic import write_json_atomic

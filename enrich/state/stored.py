@@ -34,7 +34,7 @@ CALLS_NAME = "calls"
 SIZES_SCHEMA = StructType([StructField("appended", LongType(), False), StructField("base", LongType(), False)])
 #: A partitioned dimension's state variables: ``dim<index>``, a bucket's rows and the schema last
 #: applied; ``dim<index>v``, a token naming that version (new at every change), which Python workers
-#: cache the decoded rows and their index under (``enrich.state.dimension.CACHE``).
+#: cache the decoded rows and their index under (``enrich.joins.partitioned.CACHE``).
 DIM_SCHEMA = StructType([StructField("table", BinaryType(), False), StructField("schema", BinaryType(), False)])
 TOKEN_SCHEMA = StructType([StructField("token", StringType(), False)])
 #: With ``joins[].wait``: a bucket's events held for completeness (``enrich.state.wait``), as one

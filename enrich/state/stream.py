@@ -36,8 +36,8 @@ from enrich.checkpoint import CheckpointLayout
 from enrich.columns import BUCKET, ERROR, FLAT, LATE, STATE
 from enrich.config import EnrichConfig
 from enrich.ipc import to_ipc
+from enrich.joins.partitioned import PartitionedDim
 from enrich.session import SHUFFLE_PARTITIONS
-from enrich.state.dimension import PartitionedDim
 from enrich.state.engine import StateSpec
 from enrich.state.layout import BucketLayout
 from enrich.state.record import check_checkpoint
@@ -171,7 +171,7 @@ def changelog_key(dim: PartitionedDim, key_type: DataType) -> Column:
     """The key of a changelog record of ``dim`` as the events' key column (of ``key_type``) would
     hold it: read from the key's JSON as the contract writes the published key type, then cast.
     Binary is base64 text there (the events' BINARY holds the decoded bytes); a TIMESTAMP without
-    zone is read as UTC, as the join matches it (``enrich.join``: Arrow's cast keeps UTC values),
+    zone is read as UTC, as the join matches it (``enrich.joins``: Arrow's cast keeps UTC values),
     whatever the session's time zone. A key that does not fit ``key_type`` (1000 for a TINYINT)
     is null: no event can have it, and ANSI casts would fail the query."""
     name = [k for _, k in dim.join.pairs][0]

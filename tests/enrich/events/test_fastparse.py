@@ -24,7 +24,7 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
-from enrich import events, join
+from enrich import events, joins
 from enrich.events.fastparse import FastParser
 from enrich.query import apply_joins
 from enrich.sinks.abc import EnrichedBatch
@@ -117,8 +117,8 @@ def both_paths(spark: SparkSession, values: list[bytes | None]) -> tuple[pa.Tabl
     """The Kafka sink's output rows of ``values``, parsed by ``from_json`` and by the fast path."""
     raw = raw_frame(spark, values).repartition(1)
     parsed = events.parse(raw, SCHEMA, ["device_id"])
-    _, out = join.resolve([], {}, parsed.schema)
-    _, fast_out = join.resolve([], {}, events.fast_schema(parsed.schema))
+    _, out = joins.resolve([], {}, parsed.schema)
+    _, fast_out = joins.resolve([], {}, events.fast_schema(parsed.schema))
     cols = tuple(f.name for f in out.fields if f.name not in events.INTERNAL)
     exact = records_frame(EnrichedBatch(parsed, cols)).toArrow()
     fast_df = apply_joins(events.source_columns(raw), [], fast_out, {}, events.ERROR, parser=parser(),

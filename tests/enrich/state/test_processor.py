@@ -13,10 +13,10 @@ from pyspark.sql.streaming.tws_tester import TwsTester
 from enrich import packed
 from enrich.columns import FLAT, LATE, TS_US
 from enrich.ipc import from_ipc, to_ipc
-from enrich.join import JoinSpec
+from enrich.joins import JoinSpec
+from enrich.joins.partitioned import PartitionedDim, partitioned_dim
 from enrich.state import engine
 from enrich.state.cache import LOCAL_DIRS, TableCache
-from enrich.state.dimension import PartitionedDim, partitioned_dim
 from enrich.state.engine import StateSpec
 from enrich.state.processor import DeviceStateProcessor
 from enrich.state.stored import DELTAS, HELD, STATE_NAME, bucket_table
@@ -144,7 +144,7 @@ def _owner_dim() -> PartitionedDim:
 
 
 def test_a_partitioned_dimension_is_applied_before_the_events_and_cached_per_version() -> None:
-    from enrich.state import dimension
+    from enrich.joins import partitioned as dimension
     from refstream import contract
 
     dim = _owner_dim()
@@ -184,7 +184,7 @@ def test_a_partitioned_dimension_is_applied_before_the_events_and_cached_per_ver
 def test_the_dimension_cache_is_sized_from_the_python_workers_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     """Spark puts ``spark.executor.pyspark.memory`` / executor cores in the worker's environment; the
     processor sizes this worker's version cache from it before it uses the cache."""
-    from enrich.state import dimension
+    from enrich.joins import partitioned as dimension
 
     monkeypatch.setattr(dimension.CACHE, "limit", dimension.CACHE.limit)  # put back after the test
     monkeypatch.setenv("PYSPARK_EXECUTOR_MEMORY_MB", "100")

@@ -146,7 +146,7 @@ def test_device_state_over_micro_batches(spark: SparkSession, kafka: dict[str, s
 def test_state_of_a_broadcast_join_column(spark: SparkSession, kafka: dict[str, str],
                                           unique: Callable[[str], str], tmp_path: Path,
                                           caplog: pytest.LogCaptureFixture) -> None:
-    from tests.enrich.state.test_dimension_partitioned import SITES
+    from tests.enrich.joins.test_partitioned_job import SITES
 
     data = make_config(kafka, unique, tmp_path, aggregates={"owner": ["last"], "temp": ["max"]})
     sites = {"dataset": "sites", "topic": unique("ref.sites"), "on": "site_id"}

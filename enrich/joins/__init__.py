@@ -29,13 +29,13 @@ from pyspark.accumulators import Accumulator
 from pyspark.sql.pandas.types import to_arrow_schema
 from pyspark.sql.types import BooleanType, StructField, StructType
 
-from enrich.asof import CLIPPED, VersionIndex, micros, pick
 from enrich.columns import DELETED, SLOW, VALID_FROM
 from enrich.config import JoinConfig
 from enrich.dimension.ship import Shipped
 from enrich.events import FastEvents
 from enrich.events.fastparse import FastParser
 from enrich.ipc import from_ipc
+from enrich.joins.asof import CLIPPED, VersionIndex, micros, pick
 from enrich.worker import settle
 from refstream.compat import key_index, spark_schema
 from refstream.contract import DatasetSchema
@@ -64,7 +64,7 @@ def resolve(joins: Sequence[JoinConfig], schemas: Mapping[str, DatasetSchema], i
          time_column: str | None = None) -> tuple[list[JoinSpec], StructType]:
     """Resolve ``joins`` in order; returns the specs and the output schema of the enriched rows.
     ``time_column`` is the events' time (``state.timestamp``), which as-of joins look rows up at;
-    the first of them adds :data:`~enrich.asof.CLIPPED` after its columns."""
+    the first of them adds :data:`~enrich.joins.asof.CLIPPED` after its columns."""
     fields = list(input_schema.fields)
     names = {f.name for f in fields}
     specs = []
@@ -167,7 +167,7 @@ class Lookup:
 
 
 class AsOfLookup(Lookup):
-    """An as-of dimension's versions as executors use them (:mod:`enrich.asof`): every version of a
+    """An as-of dimension's versions as executors use them (:mod:`enrich.joins.asof`): every version of a
     key with its ``__valid_from`` and ``__deleted``, indexed by key and time."""
 
     def __init__(self, table: pa.Table, key: Sequence[str]) -> None:
@@ -290,7 +290,7 @@ def _latest(values: np.ndarray, nulls: np.ndarray, base: Lookup, overlay: Lookup
 
 def _as_of(t: pa.Table, time: str, values: np.ndarray, nulls: np.ndarray, base: Lookup, overlay: Lookup | None
            ) -> tuple[pa.Array, pa.Array | None, pa.Array | None, np.ndarray, np.ndarray]:
-    """The version of every key valid at the event's ``time`` (:mod:`enrich.asof`); a tombstone
+    """The version of every key valid at the event's ``time`` (:mod:`enrich.joins.asof`); a tombstone
     valid then is no match. Also returns the clipped flags."""
     if not isinstance(base, AsOfLookup) or (overlay is not None and not isinstance(overlay, AsOfLookup)):
         raise TypeError("an as-of join got a dimension version without valid-from times")

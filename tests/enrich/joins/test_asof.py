@@ -1,4 +1,4 @@
-"""The as-of lookup (enrich.asof, enrich.join's as-of path): pure logic on Arrow tables, no Spark."""
+"""The as-of lookup (enrich.joins.asof, enrich.joins's as-of path): pure logic on Arrow tables, no Spark."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from enrich.asof import CLIPPED, VersionIndex, micros
 from enrich.columns import DELETED, VALID_FROM
-from enrich.join import AsOfLookup, JoinSpec, join_table
+from enrich.joins import AsOfLookup, JoinSpec, join_table
+from enrich.joins.asof import CLIPPED, VersionIndex, micros
 
 T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
@@ -78,7 +78,7 @@ def test_a_second_as_of_join_keeps_an_earlier_clip() -> None:
                      out_types=(pa.string(),), matched="_e_matched", inner=False, time="ts")
     both = join_table(first, other, AsOfLookup(versions([(1, "x", 0), (2, "y", 9)]), ["k"]), None)
     assert both.column(CLIPPED).to_pylist() == [True, True]
-    # where the first as-of join put it, as enrich.join.resolve lays the columns out
+    # where the first as-of join put it, as enrich.joins.resolve lays the columns out
     assert both.column_names == ["key", "ts", "v", "_d_matched", CLIPPED, "w", "_e_matched"]
 
 

@@ -36,7 +36,7 @@ from pyspark.sql import functions as F
 from enrich.columns import DELETED, KEY_BYTES, VALID_FROM
 from enrich.dimension.history import prune, version_table
 from enrich.dimension.store import decode_rows
-from enrich.join import JoinSpec, Lookup, join_table, make_lookup
+from enrich.joins import JoinSpec, Lookup, join_table, make_lookup
 from refstream import contract
 from refstream.contract import DatasetSchema
 from refstream.errors import ContractError, TransientError
@@ -77,7 +77,7 @@ class PartitionedDim:
 
 def partitioned_dim(index: int, dataset: str, topic: str, schema: DatasetSchema, join: JoinSpec,
                     inner: bool, history: timedelta | None = None) -> PartitionedDim:
-    """The dimension of a join planned by :func:`enrich.join.resolve` (``join``) with ``inner`` off;
+    """The dimension of a join planned by :func:`enrich.joins.resolve` (``join``) with ``inner`` off;
     an as-of join's (``history`` set) keeps versions: ``__valid_from`` and ``__deleted`` besides."""
     key = [k for _, k in join.pairs]
     columns = tuple(c for c, _ in join.columns)

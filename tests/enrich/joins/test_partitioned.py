@@ -10,8 +10,8 @@ import pyarrow as pa
 import pytest
 
 from enrich.columns import KEY_BYTES
-from enrich.join import JoinSpec
-from enrich.state.dimension import (
+from enrich.joins import JoinSpec
+from enrich.joins.partitioned import (
     PartitionedDim,
     Version,
     VersionCache,
@@ -29,7 +29,7 @@ SCHEMA = DatasetSchema("devices", ("id",), (Column("id", "int64"), Column("owner
 
 
 def make_dim(columns: tuple[str, ...] = ("owner", "limit")) -> PartitionedDim:
-    """What ``enrich.join.resolve`` makes of ``on: device_id`` (it needs a JVM to parse types)."""
+    """What ``enrich.joins.resolve`` makes of ``on: device_id`` (it needs a JVM to parse types)."""
     types = {"owner": pa.string(), "limit": pa.float64()}
     spec = JoinSpec(dataset="devices", pairs=(("device_id", "id"),), key_types=(pa.int64(),),
                     columns=tuple((c, c) for c in columns), out_types=tuple(types[c] for c in columns),
@@ -146,7 +146,7 @@ def test_the_version_cache_keeps_the_recently_used_within_its_bytes() -> None:
 def test_the_version_cache_takes_half_of_the_python_workers_memory(environ: dict[str, str], limit: int) -> None:
     """Spark gives each Python worker ``spark.executor.pyspark.memory`` divided by the executor's
     cores, in its environment (and as its address-space limit); the cache takes half of it."""
-    from enrich.state.dimension import cache_limit
+    from enrich.joins.partitioned import cache_limit
 
     assert cache_limit(environ) == limit
 
@@ -155,8 +155,8 @@ def test_an_as_of_bucket_keeps_versions_pruned_and_looks_events_up_at_their_time
     import dataclasses
     from datetime import timedelta
 
-    from enrich.asof import CLIPPED
     from enrich.columns import DELETED, VALID_FROM
+    from enrich.joins.asof import CLIPPED
 
     base = make_dim()
     dim = partitioned_dim(0, "devices", "ref.devices", SCHEMA, dataclasses.replace(base.join, time="ts"),

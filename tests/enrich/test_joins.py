@@ -13,7 +13,7 @@ from enrich.config import JoinConfig, JoinHow
 from enrich.dimension.abc import Record
 from enrich.dimension.ship import Shipper
 from enrich.dimension.store import DimensionState
-from enrich.join import resolve
+from enrich.joins import resolve
 from enrich.query import apply_joins
 from refstream import contract
 from refstream.contract import Column, DatasetSchema
@@ -133,7 +133,7 @@ def test_plan_errors_name_the_join(spark: SparkSession, dims: dict[str, Dimensio
 
 
 def test_lookup_finds_int_and_string_keys_and_misses() -> None:
-    from enrich.join import Lookup, _key_values
+    from enrich.joins import Lookup, _key_values
 
     ints = Lookup(pa.table({"k": pa.array([30, 10, 20], pa.int64()), "v": ["c", "a", "b"]}), ["k"])
     values, nulls = _key_values([pa.array([10, None, 20, 99, 30], pa.int64())])
