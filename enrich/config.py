@@ -225,6 +225,14 @@ class EnrichConfig:
         return {j.dataset: j.max_wait for j in self.joins if j.wait == "complete"}
 
     @property
+    def timezone(self) -> str:
+        """The time zone timestamps are read and written in without a running session (the operator
+        tools, ``enrich validate``): the ``spark:`` section's ``spark.sql.session.timeZone``, else
+        UTC, the job's session default (:func:`enrich.session.session_conf`). A running job takes
+        its session's."""
+        return self.spark_conf.get("spark.sql.session.timeZone", "UTC")
+
+    @property
     def broadcast_datasets(self) -> dict[str, str]:
         """dataset -> changelog topic of the datasets the driver holds (broadcast joins)."""
         out: dict[str, str] = {}

@@ -95,7 +95,7 @@ def explain(cfg: EnrichConfig) -> list[str]:
     with _session() as spark:
         schemas = {ds: published_schema(spark, cfg.kafka, ds, topic, BROKER_TIMEOUT)
                    for ds, topic in cfg.datasets.items()}
-        timezone = cfg.spark_conf.get("spark.sql.session.timeZone", "UTC")
+        timezone = cfg.timezone
         return Pipeline.build(cfg, schemas, timezone=timezone).explain()
 
 

@@ -64,7 +64,7 @@ def device_state(cfg: EnrichConfig, device: str, batch_id: int | None = None, *,
     if not ck.state_record.exists():
         raise DataError(f"{cfg.checkpoint}: the job ran without state: on this checkpoint; it keeps no device state")
     spark = spark or SparkSession.getActiveSession() or session(cfg)  # Spark parses events.schema
-    timezone = cfg.spark_conf.get("spark.sql.session.timeZone", "UTC")
+    timezone = cfg.timezone
     pipeline = Pipeline.build(cfg, ck.read_schemas(), timezone=timezone)
     st = pipeline.state
     assert st is not None
@@ -112,4 +112,4 @@ def _iso(micros: int, zone: ZoneInfo) -> str:
 def session(cfg: EnrichConfig) -> SparkSession:
     """A small local Spark session for reading the checkpoint's state."""
     return stateread.session(cfg, "local[1]", "refstream-lookup",
-                             {"spark.sql.session.timeZone": cfg.spark_conf.get("spark.sql.session.timeZone", "UTC")})
+                             {"spark.sql.session.timeZone": cfg.timezone})

@@ -114,7 +114,7 @@ def take(cfg: EnrichConfig, to: str | Path, *, spark: SparkSession | None = None
     batch_id = committed[-1]  # the commit log's last at the time of reading: a running job may commit more
     t0 = time.monotonic()
     spark = spark or SparkSession.getActiveSession() or stateread.session(cfg, master, "refstream-savepoint")
-    timezone = cfg.spark_conf.get("spark.sql.session.timeZone", "UTC")
+    timezone = cfg.timezone
     pipeline = Pipeline.build(cfg, ck.read_schemas(), timezone=timezone)
     st = pipeline.state
     assert st is not None

@@ -66,7 +66,7 @@ def device_state_from_database(cfg: EnrichConfig, device: str) -> dict[str, Any]
     if got is None:
         return out
     row = dict(zip(names, got, strict=True))
-    zone = ZoneInfo(cfg.spark_conf.get("spark.sql.session.timeZone", "UTC"))
+    zone = ZoneInfo(cfg.timezone)
     state = {f: row[f] for f in ("events", "first_seen", "last_seen", *st.fields)}
     last = _utc(state["last_seen"])
     for name in ("first_seen", "last_seen"):
