@@ -1,41 +1,42 @@
-"""A TCP forwarder on 127.0.0.1 for tests of a server that is unreachable for a while: it takes
-connections only once :meth:`Forwarder.open` is called, and passes their bytes both ways to the
-real server behind it."""
+"""A TCP port relayed to a real server on 127.0.0.1, for tests of a server that goes away and
+comes back on the same address: until :meth:`TcpRelay.start` (and after :meth:`TcpRelay.stop`) a
+connection is refused, and open ones are cut at the stop."""
 
 from __future__ import annotations
 
 import socket
 import threading
 
+from demo.broker import free_port
 
-class Forwarder:
-    """Listens on a free port of 127.0.0.1 (``port``); until :meth:`open`, a connection is refused."""
+
+class TcpRelay:
+    """A TCP port relayed to another address, opened and closed at will: a database that goes away
+    (connections refused, open ones cut) and comes back on the same address."""
 
     def __init__(self, target: tuple[str, int]) -> None:
         self.target = target
-        probe = socket.socket()
-        probe.bind(("127.0.0.1", 0))
-        self.port = probe.getsockname()[1]
-        probe.close()  # nothing listens on the port until open(): a connect is refused
-        self._server: socket.socket | None = None
-        self._closed = threading.Event()
+        self.port = free_port()
+        self._listener: socket.socket | None = None
+        self._conns: list[socket.socket] = []
 
-    def open(self) -> None:
-        server = socket.socket()
-        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        server.bind(("127.0.0.1", self.port))
-        server.listen(64)
-        self._server = server
-        threading.Thread(target=self._accept, daemon=True).start()
+    def start(self) -> TcpRelay:
+        srv = socket.socket()
+        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        srv.bind(("127.0.0.1", self.port))
+        srv.listen(16)
+        self._listener = srv
+        threading.Thread(target=self._accept, args=(srv,), daemon=True).start()
+        return self
 
-    def _accept(self) -> None:
-        assert self._server is not None
-        while not self._closed.is_set():
+    def _accept(self, srv: socket.socket) -> None:
+        while True:
             try:
-                client, _ = self._server.accept()
+                client, _ = srv.accept()
             except OSError:
                 return
             upstream = socket.create_connection(self.target)
+            self._conns += [client, upstream]
             for a, b in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
 
@@ -49,11 +50,18 @@ class Forwarder:
         finally:
             for s in (src, dst):
                 try:
-                    s.shutdown(socket.SHUT_RDWR)
+                    s.close()
                 except OSError:
                     pass
 
-    def close(self) -> None:
-        self._closed.set()
-        if self._server is not None:
-            self._server.close()
+    def stop(self) -> None:
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        for c in self._conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+                c.close()
+            except OSError:
+                pass
+        self._conns.clear()

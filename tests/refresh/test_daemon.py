@@ -36,6 +36,7 @@ from refstream.contract import OP_DELETE, OP_HEARTBEAT, OP_SCHEMA, OP_UPSERT, de
 from refstream.errors import DataError, TerminalError, TransientError
 from refstream.kafka import end_offsets, read_to_end
 from refstream.retry import RetryPolicy
+from tests.netproxy import TcpRelay
 from tests.timing import bound
 
 FAST = DaemonOptions(debounce=0.5, retry=RetryPolicy(initial=0.3, maximum=1.0), poll=0.2)
@@ -650,68 +651,6 @@ def test_a_daemon_whose_broker_is_down_logs_few_lines_and_says_why(tmp_path: Pat
     counts = [re.search(r"\(repeated (\d+) times? in the last \d+ s\)$", line) for line in failed[1:]]
     assert all(counts) and sum(int(m.group(1)) for m in counts if m) >= 100, shown
 
-
-class TcpRelay:
-    """A TCP port relayed to another address, opened and closed at will: a database that goes away
-    (connections refused, open ones cut) and comes back on the same address."""
-
-    def __init__(self, target: tuple[str, int]) -> None:
-        self.target = target
-        self.port = free_port()
-        self._listener: Any = None
-        self._conns: list[Any] = []
-
-    def start(self) -> TcpRelay:
-        import socket
-
-        srv = socket.socket()
-        srv.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        srv.bind(("127.0.0.1", self.port))
-        srv.listen(16)
-        self._listener = srv
-        threading.Thread(target=self._accept, args=(srv,), daemon=True).start()
-        return self
-
-    def _accept(self, srv: Any) -> None:
-        import socket
-
-        while True:
-            try:
-                client, _ = srv.accept()
-            except OSError:
-                return
-            upstream = socket.create_connection(self.target)
-            self._conns += [client, upstream]
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
-
-    @staticmethod
-    def _pipe(src: Any, dst: Any) -> None:
-        try:
-            while data := src.recv(65536):
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for s in (src, dst):
-                try:
-                    s.close()
-                except OSError:
-                    pass
-
-    def stop(self) -> None:
-        import socket
-
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
-        for c in self._conns:
-            try:
-                c.shutdown(socket.SHUT_RDWR)
-                c.close()
-            except OSError:
-                pass
-        self._conns.clear()
 
 
 def test_database_down_daemon_stays_up_and_publishes_when_it_returns(

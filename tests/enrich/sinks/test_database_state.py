@@ -203,17 +203,17 @@ def test_a_fork_deletes_the_rows_of_the_devices_its_watermark_floor_expired(
 def test_a_database_still_starting_when_the_job_starts_is_waited_for(
         spark: SparkSession, kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path,
         mysql_url: str) -> None:
-    """The output's database refuses connections when the job starts (a forwarder in front of
+    """The output's database refuses connections when the job starts (a relay in front of
     MariaDB, opened once the job has logged its first retry): the start waits for it, as a batch's
     write does, instead of failing on the refused connection."""
     import logging
     from urllib.parse import urlsplit, urlunsplit
 
-    from tests.netproxy import Forwarder
+    from tests.netproxy import TcpRelay
 
     parts = urlsplit(mysql_url)
-    forwarder = Forwarder((parts.hostname or "127.0.0.1", parts.port or 3306))
-    url = urlunsplit(parts._replace(netloc=f"{parts.username}@127.0.0.1:{forwarder.port}"))
+    relay = TcpRelay((parts.hostname or "127.0.0.1", parts.port or 3306))  # not started: refused
+    url = urlunsplit(parts._replace(netloc=f"{parts.username}@127.0.0.1:{relay.port}"))
     data = db_config(kafka, unique, tmp_path, url)
     publish(kafka, data["joins"][0]["topic"], changelog(DEVICES, [{"device_id": "a", "owner": "ann"}]))
     produce_events(kafka, data["events"]["topic"], [{"device_id": "a", "ts": iso(0), "temp": 1.0, "n": 1}])
@@ -223,7 +223,7 @@ def test_a_database_still_starting_when_the_job_starts_is_waited_for(
         def emit(self, record: logging.LogRecord) -> None:
             if record.getMessage().startswith("opening the output failed (attempt 1/"):
                 retries.append(record.getMessage())
-                forwarder.open()
+                relay.start()
 
     retry_log = logging.getLogger("refstream.retry")
     handler = OpenOnRetry(logging.WARNING)
@@ -232,7 +232,7 @@ def test_a_database_still_starting_when_the_job_starts_is_waited_for(
         run(spark, data)
     finally:
         retry_log.removeHandler(handler)
-        forwarder.close()
+        relay.stop()
     assert len(retries) == 1 and "Connection refused" in retries[0], retries
     rows = table(mysql_url, data["output"]["database"]["table"])
     assert (rows["a"]["events"], rows["a"]["owner"]) == (1, "ann")
