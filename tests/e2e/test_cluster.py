@@ -12,8 +12,8 @@ import pytest
 
 from refstream.contract import Column, DatasetSchema
 from tests.conftest import spark_defaults_less
-from tests.e2e.test_restart import start_job, write_config
 from tests.enrich.helpers import changelog, produce_events, publish, read_all
+from tests.enrich.process import start_job, write_config
 from tests.enrich.spark_cluster import Cluster, both_executors
 from tests.timing import bound
 

@@ -28,8 +28,8 @@ import psutil
 import pytest
 
 from refstream.contract import Column, DatasetSchema
-from tests.e2e.test_restart import write_config
 from tests.enrich.helpers import changelog, produce_events, publish, read_all
+from tests.enrich.process import write_config
 from tests.enrich.spark_cluster import SPARK_HOME, both_executors, master_state, standalone_cluster
 from tests.timing import bound
 

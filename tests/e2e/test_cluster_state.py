@@ -16,9 +16,9 @@ import pytest
 import yaml
 
 from refstream.contract import Column, DatasetSchema
-from tests.e2e.test_restart import start_job, write_config
 from tests.enrich.helpers import changelog, produce_events, publish, read_all
 from tests.enrich.joins.test_partitioned_job import SITES
+from tests.enrich.process import start_job, write_config
 from tests.enrich.spark_cluster import Cluster, both_executors
 from tests.timing import bound
 

@@ -18,9 +18,9 @@ import yaml
 from confluent_kafka import Producer
 
 from refstream import kafka as rkafka
-from tests.e2e.test_restart import start_job
 from tests.enrich.calls.server import Service, serve
 from tests.enrich.helpers import read_all, read_settled
+from tests.enrich.process import start_job
 from tests.enrich.sinks.test_database_state import table
 from tests.timing import bound
 

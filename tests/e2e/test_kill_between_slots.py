@@ -30,9 +30,9 @@ from enrich.sinks.kafka.ledger import Entry
 from enrich.sinks.kafka.tasks import slot_id
 from refstream import kafka as rkafka
 from refstream.contract import Column, DatasetSchema
-from tests.e2e.test_restart import start_job, write_config
 from tests.enrich.helpers import changelog, ledger_entry, produce_events, publish, read_all, read_settled
 from tests.enrich.kill import read_note, session_pids
+from tests.enrich.process import start_job, write_config
 from tests.timing import bound
 
 # Each start of the job takes 20-25 s here (Spark, then the replayed batch's first tasks): eleven starts

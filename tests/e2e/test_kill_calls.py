@@ -19,10 +19,10 @@ import pytest
 import yaml
 
 from enrich.checkpoint import CheckpointLayout
-from tests.e2e.test_restart import start_job
 from tests.enrich.calls.server import serve
 from tests.enrich.helpers import produce_events, read_all
 from tests.enrich.kill import session_pids
+from tests.enrich.process import start_job
 from tests.timing import bound
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]

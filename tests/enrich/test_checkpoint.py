@@ -14,7 +14,7 @@ import pytest
 
 from enrich.checkpoint import STALE_S, CheckpointBusy, CheckpointLayout
 from refstream.errors import DataError
-from tests.e2e.test_restart import committed_count, seed, start_job, write_config
+from tests.enrich.process import committed_count, seed, start_job, write_config
 from tests.timing import bound
 
 

@@ -19,10 +19,10 @@ from enrich.job import EnrichJob
 from enrich.ops import savepoint as sp
 from refstream import kafka as rkafka
 from refstream.errors import DataError, TerminalError
-from tests.e2e.test_restart import SCHEMA, start_job, write_config
 from tests.enrich.helpers import changelog, produce_events, publish, read_all
 from tests.enrich.kill import read_note
 from tests.enrich.ops.test_savepoint import fork, fork_config
+from tests.enrich.process import SCHEMA, start_job, write_config
 from tests.enrich.state.test_stream import at, make_config, outputs, run
 from tests.timing import bound
 

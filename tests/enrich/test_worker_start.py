@@ -13,8 +13,8 @@ import pytest
 import yaml
 
 from enrich.failures import worker_start_failed
-from tests.e2e.test_restart import SCHEMA, seed, start_job, write_config
 from tests.enrich.helpers import changelog, produce_events, publish, read_all
+from tests.enrich.process import SCHEMA, seed, start_job, write_config
 from tests.timing import bound
 
 pytestmark = pytest.mark.integration  # starts a job process

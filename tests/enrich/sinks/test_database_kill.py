@@ -23,9 +23,9 @@ import pytest
 from enrich.config import DatabaseDialect
 from enrich.ops.batches import Checkpoint
 from enrich.sinks.database.connect import connect, quote
-from tests.e2e.test_restart import start_job, write_config
 from tests.enrich.helpers import produce_events
 from tests.enrich.kill import read_note, session_pids
+from tests.enrich.process import start_job, write_config
 from tests.timing import bound
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(600)]

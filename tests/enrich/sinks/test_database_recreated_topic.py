@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.e2e.test_restart import run_job, write_config
 from tests.enrich.helpers import produce_events
+from tests.enrich.process import run_job, write_config
 from tests.enrich.sinks.test_database_kill import fetch
 from tests.enrich.source.test_kafka import recreate
 

@@ -98,7 +98,7 @@ def test_two_deployments_with_the_same_checkpoint_path_never_share_a_transaction
     """Two deployments whose checkpoints have the same path inside their containers, writing one
     topic: here the first one's checkpoint is moved away once it has run, and the second one starts
     a new checkpoint at the same path. Their writers' ids differ, so they never fence each other."""
-    from tests.e2e.test_restart import committed_count, seed, start_job, write_config
+    from tests.enrich.process import committed_count, seed, start_job, write_config
     from tests.timing import bound
 
     config = tmp_path / "enrich.yaml"

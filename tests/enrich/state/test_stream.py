@@ -196,7 +196,7 @@ def test_sigkill_then_restart_continues_every_device_count(kafka: dict[str, str]
                                                            tmp_path: Path, strategy: str) -> None:
     from collections import Counter
 
-    from tests.e2e.test_restart import committed_count, run_then_kill, start_job, write_config
+    from tests.enrich.process import committed_count, run_then_kill, start_job, write_config
 
     config = tmp_path / "enrich.yaml"
     cfg = write_config(config, kafka, unique, max_events_per_batch=500,

@@ -24,8 +24,8 @@ from enrich.job import EnrichJob
 from refstream import contract
 from refstream.contract import Column, DatasetSchema
 from refstream.errors import ConfigError
-from tests.e2e.test_restart import run_then_kill, start_job
 from tests.enrich.helpers import produce_events, publish, read_all, wait_for
+from tests.enrich.process import run_then_kill, start_job
 from tests.timing import bound
 
 pytestmark = pytest.mark.integration
