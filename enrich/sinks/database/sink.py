@@ -19,6 +19,7 @@ import json
 import logging
 import time
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -476,17 +477,8 @@ def prune_fence(db: DatabaseOutput, query_id: str, batch_id: int) -> int:
 def check_existing(db: DatabaseOutput, key: Sequence[str]) -> None:
     """At the job's start: refuse tables that exist with a key column that merges keys
     (:func:`enrich.sinks.database.tables.check_keys`), before any batch runs."""
-    conn = connect(db.url, db.dialect, db.statement_timeout.total_seconds())
-    try:
-        with conn.cursor() as cur:
-            check_keys(cur, db.dialect, db.table, db.fence, key)
-        conn.commit()
-    except RefstreamError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - the drivers' errors, classified by transient()
-        raise transient(exc, f"checking the tables of {db.table}") from exc
-    finally:
-        conn.close()
+    with _cursor(db, f"checking the tables of {db.table}") as cur:
+        check_keys(cur, db.dialect, db.table, db.fence, key)
 
 
 def delete_expired(db: DatabaseOutput, cutoff: datetime) -> int:
@@ -496,15 +488,21 @@ def delete_expired(db: DatabaseOutput, cutoff: datetime) -> int:
 
 
 def _delete(db: DatabaseOutput, sql: str, params: tuple[Any, ...], what: str) -> int:
-    """Run one DELETE on a connection of its own and commit it; the rows it deleted. The drivers'
-    errors are classified by :func:`transient` (``what`` names the work in the message)."""
+    """Run one DELETE on a connection of its own and commit it; the rows it deleted."""
+    with _cursor(db, what) as cur:
+        cur.execute(sql, params)
+        return int(cur.rowcount)
+
+
+@contextmanager
+def _cursor(db: DatabaseOutput, what: str) -> Iterator[Any]:
+    """A cursor on a connection of its own, committed when the block ends and closed either way;
+    the drivers' errors are classified by :func:`transient` (``what`` names the work in the message)."""
     conn = connect(db.url, db.dialect, db.statement_timeout.total_seconds())
     try:
         with conn.cursor() as cur:
-            cur.execute(sql, params)
-            n = int(cur.rowcount)
+            yield cur
         conn.commit()
-        return n
     except RefstreamError:
         raise
     except Exception as exc:  # noqa: BLE001 - the drivers' errors, classified by transient()
