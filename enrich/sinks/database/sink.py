@@ -213,7 +213,8 @@ def refused_letters(rows: pa.Table, why: pa.Array, names: Sequence[str]) -> pa.T
     kept = rows.column(DEAD + "_value")
     if kept.null_count == 0:
         return rows
-    as_json = [json.dumps(r, default=str).encode() for r in rows.select(list(names)).to_pylist()]
+    present = [n for n in names if n in rows.column_names]  # not TOPIC_ID, which the task adds when writing
+    as_json = [json.dumps(r, default=str).encode() for r in rows.select(present).to_pylist()]
     value = pc.if_else(pc.is_valid(kept), kept, pa.array(as_json, pa.binary()))
     return rows.set_column(rows.schema.get_field_index(DEAD + "_value"), DEAD + "_value", value)
 

@@ -79,3 +79,24 @@ def test_mariadb_refusals_are_dead_letters_written_by_the_tasks(
     assert "column 'device_id' is the key and longer than its 255 characters" in dead[3]
     # The tasks wrote them (no dead-letter writer on the driver) and counted them.
     assert job.started.dead is None and job.started.sink.counted.dead_letters is not None
+
+
+def test_mariadb_events_with_nan_or_infinity_are_dead_letters(
+        spark: SparkSession, kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path,
+        mysql_url: str) -> None:
+    """``write: events`` keeps each reading as sent, and a MariaDB DOUBLE holds no NaN or +-Infinity:
+    those events are dead letters naming the column, and the others are written."""
+    data = {**db_config(kafka, unique, tmp_path, mysql_url, write="events"), "joins": [], "max_events_per_batch": 100}
+    del data["state"]
+    produce_events(kafka, data["events"]["topic"], [
+        {"device_id": "a", "ts": iso(0), "temp": 1.0, "n": 1},
+        {"device_id": "a", "ts": iso(0), "temp": math.inf, "n": 2},
+        {"device_id": "b", "ts": iso(0), "temp": -math.inf, "n": 3},
+        {"device_id": "b", "ts": iso(0), "temp": math.nan, "n": 4},
+        {"device_id": "c", "ts": iso(0), "temp": 2.5, "n": 5}])
+    EnrichJob(config.parse(data, "test.yaml"), available_now=True).run(spark)
+    rows = table(mysql_url, data["output"]["database"]["table"], order="n")
+    assert sorted(rows) == [1, 5] and rows[5]["temp"] == 2.5
+    dead = dead_letters(kafka, data["dead_letter_topic"])
+    assert sorted(dead) == [2, 3, 4]
+    assert all("column 'temp' holds NaN or Infinity" in why for why in dead.values()), dead
