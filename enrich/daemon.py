@@ -17,9 +17,11 @@ fork from this process: it becomes PySpark's plain daemon instead. Importing the
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import importlib
 import os
+import signal
 import sys
 
 #: The modules a job's tasks import, loaded before the first fork. One that is not installed (an
@@ -71,6 +73,9 @@ def main() -> None:
         # settings), and forking from a process with threads can hang a worker on a lock copied
         # held: be PySpark's daemon.
         os.execv(sys.executable, [_argv0(), "-m", "pyspark.daemon", *sys.argv[1:]])
+    # `kill -USR2 <worker>` prints a stuck worker's Python stacks to the executor's stderr (the workers
+    # inherit the handler across the fork).
+    faulthandler.register(signal.SIGUSR2, all_threads=True)
     from pyspark.daemon import manager
 
     manager()

@@ -3,13 +3,20 @@ end-to-end tests is tests/e2e/conftest.py's)."""
 
 from __future__ import annotations
 
+import logging
+import subprocess
+import sys
+import threading
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from py4j.clientserver import ClientServerConnection
 from pyspark.sql import SparkSession
 
 from enrich.session import build_session
+
+log = logging.getLogger(__name__)
 
 _send_command = ClientServerConnection.send_command
 
@@ -47,3 +54,81 @@ def spark() -> Iterator[SparkSession]:
         yield session
     finally:
         session.stop()
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_queries(request: pytest.FixtureRequest) -> Iterator[None]:
+    # A streaming query a test leaves running keeps taking the shared session's two task slots in
+    # every later test; stop it here, and say which test left it.
+    yield
+    session = SparkSession._instantiatedSession
+    if session is None or session._jvm is None:
+        return
+    for query in session.streams.active:
+        log.warning("%s left streaming query %s running; stopped", request.node.nodeid, query.id)
+        query.stop()
+
+
+# A test that hangs in Spark fails by pytest-timeout with the Python threads' stacks, which show
+# only that the driver waits. Shortly before the timeout, say what Spark and its JVM were doing:
+# the active stages and their tasks, the heap (a full one stalls everything) and the Python workers.
+REPORT_BEFORE_S = 45.0
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_timeout_set_timer(item: pytest.Item, settings: Any) -> None:
+    if settings.timeout:
+        before = min(REPORT_BEFORE_S, settings.timeout / 4)
+        timer = threading.Timer(settings.timeout - before, _report_hang, (item.nodeid, before))
+        timer.daemon = True
+        timer.start()
+        item.stash[_HANG_TIMER] = timer
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_timeout_cancel_timer(item: pytest.Item) -> None:
+    timer = item.stash.get(_HANG_TIMER, None)
+    if timer is not None:
+        timer.cancel()
+
+
+_HANG_TIMER = pytest.StashKey[threading.Timer]()
+
+
+def _report_hang(nodeid: str, before: float) -> None:
+    lines = [f"+++ {nodeid}: {before:.0f} s before its timeout +++"]
+    session = SparkSession._instantiatedSession
+    pid: int | None = None
+    workers: list[str] = []
+    if session is not None and session._jvm is not None:
+        try:
+            pid = int(session._jvm.java.lang.ProcessHandle.current().pid())
+            tracker = session.sparkContext.statusTracker()
+            lines.append(f"active jobs {tracker.getActiveJobsIds()}, queries {[q.name or q.id for q in session.streams.active]}")
+            for sid in tracker.getActiveStageIds():
+                s = tracker.getStageInfo(sid)
+                if s is not None:
+                    lines.append(f"stage {sid} {s.name}: {s.numTasks} tasks, {s.numActiveTasks} active, "
+                                 f"{s.numCompletedTasks} done, {s.numFailedTasks} failed")
+        except Exception as exc:  # noqa: BLE001 - a report; the JVM may be what hangs
+            lines.append(f"Spark did not answer: {exc!r}")
+    if pid is not None:
+        lines += [f"$ jcmd {pid} GC.heap_info", _run(["jcmd", str(pid), "GC.heap_info"])]
+        table = _run(["ps", "-e", "-ww", "-o", "pid,ppid,stat,etime,time,rss,args"]).splitlines()
+        tree, parent = {pid}, {int(r.split()[0]): int(r.split()[1]) for r in table[1:] if r.split()[0].isdigit()}
+        for p in sorted(parent):  # children have higher pids than their parents, mostly
+            if parent[p] in tree:
+                tree.add(p)
+        rows = [r for r in table[1:] if int(r.split()[0]) in tree]
+        lines += ["the JVM's processes:", table[0]] + [r[:200] for r in rows]
+        workers = [r.split()[0] for r in rows if "pyspark.worker" in r]
+    print("\n".join(lines), file=sys.stderr, flush=True)
+    if workers:  # the Python workers print their stacks (enrich/daemon.py)
+        _run(["kill", "-USR2", *workers])
+
+
+def _run(cmd: list[str]) -> str:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=20).stdout.rstrip()
+    except (OSError, subprocess.SubprocessError) as exc:
+        return repr(exc)
