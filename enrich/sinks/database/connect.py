@@ -27,6 +27,8 @@ DEFAULT_TIMEOUT = 30.0
 #: How much longer than the statement timeout the MySQL client waits for an answer: the server's
 #: own limit ends a statement first, with an error that says so.
 CLIENT_MARGIN = 5
+#: libpq's TCP keepalives: a peer that stops answering is given up on within about a minute.
+KEEPALIVES = {"keepalives": 1, "keepalives_idle": 30, "keepalives_interval": 10, "keepalives_count": 3}
 
 
 def connect(url: str, dialect: DatabaseDialect, timeout: float = DEFAULT_TIMEOUT) -> Any:
@@ -44,6 +46,11 @@ def connect(url: str, dialect: DatabaseDialect, timeout: float = DEFAULT_TIMEOUT
             conninfo = "postgresql://" + url.split("://", 1)[1]  # libpq takes the URL without a driver suffix
             # libpq reads the URL's own parameters (sslmode, sslrootcert, connect_timeout...); ours where it sets none.
             given: dict[str, Any] = {} if "connect_timeout=" in conninfo else {"connect_timeout": secs + CLIENT_MARGIN}
+            # libpq has no read timeout: a server that went away without a word (a host down, a
+            # network cut) would leave the task waiting for good. Keepalives end such a wait.
+            for name, value in KEEPALIVES.items():
+                if f"{name}=" not in conninfo:
+                    given[name] = value
             pg = psycopg.connect(conninfo, autocommit=False, **given)
             ms = max(1, round(timeout * 1000))
             pg.execute("SET TIME ZONE 'UTC'")
