@@ -7,6 +7,7 @@ import logging
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -116,15 +117,18 @@ def _report_hang(nodeid: str, before: float) -> None:
         lines += [f"$ jcmd {pid} GC.heap_info", _run(["jcmd", str(pid), "GC.heap_info"])]
         table = _run(["ps", "-e", "-ww", "-o", "pid,ppid,stat,etime,time,rss,args"]).splitlines()
         tree, parent = {pid}, {int(r.split()[0]): int(r.split()[1]) for r in table[1:] if r.split()[0].isdigit()}
-        for p in sorted(parent):  # children have higher pids than their parents, mostly
-            if parent[p] in tree:
-                tree.add(p)
+        while True:  # to a fixed point: pids wrap, so a child's may be lower than its parent's
+            more = {p for p, pp in parent.items() if pp in tree} - tree
+            if not more:
+                break
+            tree |= more
         rows = [r for r in table[1:] if int(r.split()[0]) in tree]
         lines += ["the JVM's processes:", table[0]] + [r[:200] for r in rows]
         workers = [r.split()[0] for r in rows if "pyspark.worker" in r]
     print("\n".join(lines), file=sys.stderr, flush=True)
-    if workers:  # the Python workers print their stacks (enrich/daemon.py)
-        _run(["kill", "-USR2", *workers])
+    for worker in workers:  # each prints its stacks (enrich/daemon.py), one after the other
+        _run(["kill", "-USR2", worker])
+        time.sleep(0.5)
 
 
 def _run(cmd: list[str]) -> str:

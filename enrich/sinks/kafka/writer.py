@@ -46,9 +46,10 @@ def record_limit(settings: Mapping[str, object]) -> int:
 def transactional_id_for(identity: str, topic: str) -> str:
     """A transactional id that is stable for one streaming query and output topic, and differs
     between queries: a restarted query fences its previous incarnation, and queries of different
-    identities do not fence each other. ``identity``: the query's, drawn at random at its checkpoint's first start and recorded
-    there (:mod:`enrich.sinks.identity`), never its path: two deployments whose checkpoints have the
-    same path in their containers would share ids and fence each other."""
+    identities do not fence each other. ``identity``: the query's, drawn at random at its
+    checkpoint's first start and recorded there (:mod:`enrich.sinks.identity`), never its path: two
+    deployments whose checkpoints have the same path in their containers would share ids and fence
+    each other."""
     digest = hashlib.sha256(f"{identity}\0{topic}".encode()).hexdigest()
     return f"refstream-enrich-{digest[:20]}"
 
