@@ -10,6 +10,7 @@ batches. Spark checkpoints the offsets; the source keeps no state of its own.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -40,6 +41,7 @@ from enrich.source.offsets import (
 )
 from enrich.source.options import SourceOptions
 from enrich.worker import settle
+from refstream.errors import TransientError
 from refstream.kafka import admin
 
 log = logging.getLogger(__name__)
@@ -105,15 +107,22 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         self._available_now: dict[TP, int] | None = None
         self._latest: dict[TP, int] | None = None
         self.lost: dict[TP, int] = {}  # offsets skipped as deleted (failOnDataLoss=false), per partition
+        self._silent_since: float | None = None  # monotonic time of the first unanswered trigger
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"options": self.options, "_probe": None, "_available_now": None, "_latest": None, "lost": {}}
+        return {"options": self.options, "_probe": None, "_available_now": None, "_latest": None, "lost": {},
+                "_silent_since": None}
 
     # -- driver side -------------------------------------------------------------------------------
 
+    @property
+    def _request_timeout(self) -> float:
+        """Of the driver's metadata requests: 10 s, or the poll timeout when that is shorter."""
+        return min(10.0, self.options.poll_timeout_s)
+
     def _prober(self) -> EndOffsetProbe:
         if self._probe is None:
-            self._probe = EndOffsetProbe(self.options.settings)
+            self._probe = EndOffsetProbe(self.options.settings, timeout=self._request_timeout)
         return self._probe
 
     def _ends(self, known: dict[TP, int]) -> ProbeResult:
@@ -126,7 +135,8 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         client = admin(self.options.settings)
         out: dict[str, str] = {}
         try:
-            futures = client.describe_topics(TopicCollection(list(self.options.topics)), request_timeout=10)
+            futures = client.describe_topics(TopicCollection(list(self.options.topics)),
+                                             request_timeout=self._request_timeout)
         except KafkaException as exc:
             log.debug("describe_topics failed: %s", exc)
             return out
@@ -154,6 +164,31 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return ReadMaxRows(n) if n else ReadAllAvailable()
 
     def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
+        """The end of the next batch. A broker that does not answer (a restart, a network cut) means
+        no new batch this trigger: the query waits for it, logging once, up to the poll timeout
+        (``kafkaConsumer.pollTimeoutMs``), and then fails. An available-now run fails at once: it
+        would otherwise end early, taking an unanswered trigger for the end of the input."""
+        try:
+            end = self._latest_offset(start, limit)
+        except TransientError as exc:
+            if self._available_now is not None:
+                raise
+            now = time.monotonic()
+            if self._silent_since is None:
+                self._silent_since = now
+                log.warning("%s: the broker does not answer (%s); no new batch until it does, for at most %.0fs",
+                            ",".join(self.options.topics), exc, self.options.poll_timeout_s)
+            elif now - self._silent_since > self.options.poll_timeout_s:
+                raise TransientError(f"{','.join(self.options.topics)}: the broker has not answered for "
+                                     f"{now - self._silent_since:.0f}s (kafkaConsumer.pollTimeoutMs): {exc}") from None
+            return start
+        if self._silent_since is not None:
+            log.warning("%s: the broker answers again after %.0fs", ",".join(self.options.topics),
+                        time.monotonic() - self._silent_since)
+            self._silent_since = None
+        return end
+
+    def _latest_offset(self, start: dict, limit: ReadLimit) -> dict:
         begin = from_json_offsets(start)
         old_ids = topic_ids_of(start)
         # A topic whose id cannot be read now keeps the one recorded (a deleted topic has none).

@@ -206,9 +206,10 @@ class EndOffsetProbe:
     Not thread-safe; one per stream reader. :meth:`close` releases the consumer.
     """
 
-    def __init__(self, settings: Mapping[str, str], *, deadline: float = 5.0) -> None:
+    def __init__(self, settings: Mapping[str, str], *, deadline: float = 5.0, timeout: float = 10.0) -> None:
         self._settings = dict(settings)
         self._deadline = deadline
+        self._timeout = timeout  # of a metadata or ListOffsets request
         self._consumer: Consumer | None = None
 
     def _client(self) -> Consumer:
@@ -216,8 +217,9 @@ class EndOffsetProbe:
             self._consumer = consumer(self._settings, role="probe")
         return self._consumer
 
-    def partitions(self, topics: Iterable[str], timeout: float = 10.0) -> list[TP]:
+    def partitions(self, topics: Iterable[str], timeout: float | None = None) -> list[TP]:
         """Current partitions of ``topics`` (a topic that does not exist yet has none)."""
+        timeout = self._timeout if timeout is None else timeout
         c = self._client()
         out: list[TP] = []
         for topic in topics:
@@ -234,8 +236,9 @@ class EndOffsetProbe:
             out.extend((topic, p) for p in sorted(t.partitions))
         return out
 
-    def listed_end(self, tp: TP, timeout: float = 10.0) -> tuple[int, int]:
+    def listed_end(self, tp: TP, timeout: float | None = None) -> tuple[int, int]:
         """(low, high) from ListOffsets; the high value is only a hint (see module docstring)."""
+        timeout = self._timeout if timeout is None else timeout
         try:
             return self._client().get_watermark_offsets(TopicPartition(*tp), timeout=timeout, cached=False)
         except KafkaException as exc:

@@ -5,6 +5,9 @@ for one (read_committed: no loss, no duplicates)."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -113,3 +116,46 @@ def test_recreated_events_topic_stops_the_job_until_on_offset_reset_says_what_to
     assert run_job(config, log) == 0, log.read_text()[-3000:]
     got = sorted(json.loads(m.value())["n"] for m in read_all(kafka, out_topic))
     assert got == list(range(20)) + [100 + i for i in range(5)]
+
+
+def test_a_broker_that_stops_answering_under_the_running_job_loses_and_repeats_nothing(
+        unique: Callable[[str], str], tmp_path: Path) -> None:
+    """The job's broker (a private one) freezes (SIGSTOP) for 40 s while the job has events to read,
+    longer than librdkafka's request timeouts, and then answers again: the job waits for it (no new
+    batch while it is silent, one warning) and goes on, each event written once."""
+    from demo.broker import EmbeddedBroker
+
+    with EmbeddedBroker(log_path=tmp_path / "broker.log") as broker:
+        kafka = {"bootstrap.servers": broker.bootstrap}
+        config = tmp_path / "enrich.yaml"
+        cfg = write_config(config, kafka, unique)
+        seed(kafka, cfg, 300)
+        out_topic, log = cfg["output"]["kafka"]["topic"], tmp_path / "job.log"
+        proc = start_job(config, log)
+        try:
+            deadline = time.monotonic() + bound(300)
+            while committed_count(kafka, out_topic) < 300:
+                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+                time.sleep(0.5)
+            produce_events(kafka, cfg["events"]["topic"], [{"device_id": f"d{i % 12}", "n": i}
+                                                           for i in range(300, 600)], partitions=2)
+            assert broker.proc is not None
+            os.kill(broker.proc.pid, signal.SIGSTOP)
+            time.sleep(40)
+            os.kill(broker.proc.pid, signal.SIGCONT)
+            produce_events(kafka, cfg["events"]["topic"], [{"device_id": f"d{i % 12}", "n": i}
+                                                           for i in range(600, 900)], partitions=2)
+            deadline = time.monotonic() + bound(300)
+            while committed_count(kafka, out_topic) < 900:
+                assert time.monotonic() < deadline, log.read_text()[-3000:]
+                assert proc.poll() is None, log.read_text()[-3000:]
+                time.sleep(0.5)
+            assert "the broker does not answer" in log.read_text()
+            assert "the broker answers again after" in log.read_text()
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)  # the driver only: it stops the query, then the JVM
+                proc.wait(bound(60))
+        got = Counter(json.loads(m.value())["n"] for m in read_all(kafka, out_topic))
+        assert set(got) == set(range(900)), f"lost: {sorted(set(range(900)) - set(got))[:20]}"
+        assert [n for n, c in got.items() if c > 1] == [], "duplicates"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Callable
 
@@ -26,7 +27,7 @@ from enrich.source.offsets import (
     topic_ids_of,
 )
 from enrich.source.options import SourceOptions
-from refstream.errors import ConfigError, DataError
+from refstream.errors import ConfigError, DataError, TransientError
 from refstream.kafka import admin, ensure_topic, read_to_end
 from tests.timing import bound
 
@@ -336,3 +337,25 @@ def test_offsets_deleted_before_they_were_read_stop_the_query_or_are_skipped_and
     assert lost_offsets(rng, 7, 7) == (5, 7)
     assert lost_offsets(rng, 7, 5) is None          # transaction markers or aborted records, not loss
     assert lost_offsets(rng, None, 0) is None
+
+
+def test_a_silent_broker_means_no_new_batch_until_the_poll_timeout(tmp_path) -> None:
+    """Nothing listens at the bootstrap address: the first trigger answers the start offsets (no new
+    batch) and the one after the poll timeout fails naming the option; an available-now run fails at
+    the first (an unanswered trigger would end it early)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    opts = {**source_options({"bootstrap.servers": f"127.0.0.1:{port}"}, ["ev"]), "kafkaConsumer.pollTimeoutMs": "1000"}
+    start = to_json_offsets({("ev", 0): 7})
+    reader = KafkaStreamReader(SourceOptions.parse(opts))
+    try:
+        assert reader.latestOffset(start, ReadAllAvailable()) == start
+        with pytest.raises(TransientError, match=r"ev: the broker has not answered for \d+s \(kafkaConsumer.pollTimeoutMs\)"):
+            reader.latestOffset(start, ReadAllAvailable())
+        reader._available_now = {("ev", 0): 9}
+        with pytest.raises(TransientError, match="cannot read metadata of topic ev"):
+            reader.latestOffset(start, ReadAllAvailable())
+    finally:
+        if reader._probe is not None:
+            reader._probe.close()
