@@ -2,7 +2,8 @@
 characters, invalid UTF-8, a megabyte key, JSON nested 100,000 deep, NaN, Infinity and 1e400, a 10 MB
 event, unknown, duplicate and wrongly typed fields, far-future and year-1 times - among good ones,
 through Kafka with per-device state and a call, to the Kafka output with PostgreSQL beside it, to
-Parquet, and to MariaDB alone. The job never stops (it ends its available-now run with exit 0), and
+Parquet, and to MariaDB alone; and without state, through the fast parser to Kafka and through
+`parser: spark` to the console. The job never stops (it ends its available-now run with exit 0), and
 every event is in the output or among the dead letters exactly once."""
 
 from __future__ import annotations
@@ -102,9 +103,17 @@ def write(path: Path, kafka: dict[str, str], unique: Callable[[str], str], servi
 
 
 def run(cfg_path: Path, tmp_path: Path) -> None:
-    log = tmp_path / "job.log"
+    log = tmp_path / f"{cfg_path.stem}.log"
     proc = start_job(cfg_path, log, "--available-now")
     assert proc.wait(bound(600)) == 0, log.read_text()[-4000:]
+
+
+def stateless(path: Path, cfg: dict[str, Any], **events: str) -> dict[str, Any]:
+    """``cfg`` without state and calls (the stateless path), written to ``path``."""
+    cfg = {k: v for k, v in cfg.items() if k not in ("state", "calls")}
+    cfg["events"] = {**cfg["events"], **events}
+    path.write_text(yaml.safe_dump(cfg))
+    return cfg
 
 
 def dead_offsets(kafka: dict[str, str], topic: str) -> Counter[tuple[int, int]]:
@@ -175,3 +184,31 @@ def test_mariadb_state_alone(kafka: dict[str, str], unique: Callable[[str], str]
     rows = table(mysql_url, tab).values()
     counted = sum(r["events"] for r in rows)
     assert counted + len(dead) == len(records), (counted, len(dead), len(records))
+
+
+def test_stateless_fast_parser_to_kafka_and_spark_parser_to_the_console(
+        kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path, service: Service) -> None:
+    """The stateless job reads the corpus twice: with the fast parser to Kafka (every event written or
+    dead once), then with ``parser: spark`` to the console (it ends its run, and leaves the same
+    events dead, once each, but for the one too large for a Kafka record)."""
+    fast_path, spark_path = tmp_path / "fast.yaml", tmp_path / "spark.yaml"
+    cfg = stateless(fast_path, write(fast_path, kafka, unique, service, {"kafka": {"topic": unique("enriched")}}))
+    records = corpus()
+    produce(kafka, cfg["events"]["topic"], records)
+    run(fast_path, tmp_path)
+    out = [json.loads(m.value()) for m in read_settled(kafka, cfg["output"]["kafka"]["topic"], 40)]
+    written = Counter((r["_partition"], r["_offset"]) for r in out)
+    dead = dead_offsets(kafka, cfg["dead_letter_topic"])
+    assert written + dead == produced(records), (written & dead, produced(records) - (written + dead))
+
+    console = {**cfg, "output": {"console": {"rows": 100}}, "dead_letter_topic": unique("dlq"),
+               "checkpoint": str(tmp_path / "checkpoint-console")}
+    stateless(spark_path, console, parser="spark")
+    run(spark_path, tmp_path)
+    # The Kafka output refuses the event with the megabyte key (too large for a record); the console
+    # shows it. Every other dead letter is the parsers' own, and both parsers agree on them.
+    reasons = {(int(h["source.partition"]), int(h["source.offset"])): h["error"]
+               for h in ({k: v.decode() for k, v in m.headers() or []} for m in read_all(kafka, cfg["dead_letter_topic"]))}
+    too_large = {at for at, why in reasons.items() if "too_large" in why}
+    assert too_large == {(1, 20)}, reasons
+    assert dead_offsets(kafka, console["dead_letter_topic"]) == dead - Counter(too_large)

@@ -1,15 +1,21 @@
-"""The end-offset probe while a producer writes all the time (a live event stream)."""
+"""The end-offset probe while a producer writes all the time (a live event stream), and when the broker stops answering."""
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable
+from pathlib import Path
 
+import pytest
 from confluent_kafka import Producer
 
+from demo.broker import EmbeddedBroker
 from enrich.source.offsets import EndOffsetProbe
 from refstream.kafka import ensure_topic
+from tests.timing import bound
 
 
 def test_probe_answers_quickly_while_a_producer_writes_continuously(kafka: dict[str, str],
@@ -47,3 +53,43 @@ def test_probe_answers_quickly_while_a_producer_writes_continuously(kafka: dict[
         stop.set()
         writer.join(15)
         probe.close()
+
+
+@pytest.mark.integration  # starts a broker of its own
+def test_a_partition_that_does_not_answer_keeps_its_start_offset(tmp_path: Path,
+                                                                 unique: Callable[[str], str]) -> None:
+    """The broker stops answering (SIGSTOP) once the probe has listed the partition's end: the probe
+    gives up at its deadline and answers the known start, not a guess, and the next probe, with the
+    broker back, finds the true end."""
+    broker = EmbeddedBroker(log_path=tmp_path / "broker.log").start()
+    settings = {"bootstrap.servers": broker.bootstrap}
+    topic = unique("src-silent")
+    ensure_topic(settings, topic, partitions=1)
+    p = Producer(settings)
+    for i in range(5):
+        p.produce(topic, f"e{i}".encode(), partition=0)
+    assert p.flush(30) == 0
+    assert broker.proc is not None
+
+    class Silenced(EndOffsetProbe):
+        def listed_end(self, tp: tuple[str, int], timeout: float = 10.0) -> tuple[int, int]:
+            listed = super().listed_end(tp, timeout)
+            os.kill(broker.proc.pid, signal.SIGSTOP)  # type: ignore[union-attr]
+            return listed
+
+    probe = Silenced(settings, deadline=1.0)
+    try:
+        t0 = time.monotonic()
+        result = probe.probe([(topic, 0)], {(topic, 0): 2})
+        took = time.monotonic() - t0
+        assert result.end[(topic, 0)] == 2, result
+        assert took < bound(6), f"probe took {took:.1f}s"
+    finally:
+        os.kill(broker.proc.pid, signal.SIGCONT)
+        probe.close()
+    again = EndOffsetProbe(settings)
+    try:
+        assert again.probe([(topic, 0)], {(topic, 0): 2}).end[(topic, 0)] == 5
+    finally:
+        again.close()
+        broker.stop()
