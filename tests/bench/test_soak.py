@@ -1,8 +1,8 @@
-"""The kill-everything soak (bench/soak.py) for three minutes (``REFSTREAM_SOAK_SECONDS``): MariaDB,
+"""The kill-everything soak (bench/soak.py) for two minutes (``REFSTREAM_SOAK_SECONDS``): MariaDB,
 the broker, a private PostgreSQL, a call service, the refresher daemon and the job (per-device
 state, a partitioned join, 4 state partitions on 2 cores, a call per event, Kafka output with
-PostgreSQL beside it) as processes, reference churn, at least five SIGKILLs of the refresher and of
-the job, and at least two restarts of PostgreSQL (``pg_ctl stop -m immediate``) and of the call
+PostgreSQL beside it) as processes, reference churn, at least three SIGKILLs of the refresher and of
+the job (``REFSTREAM_SOAK_KILLS``; the benchmark's five-minute run has five), and at least two restarts of PostgreSQL (``pg_ctl stop -m immediate``) and of the call
 service. Nothing may be lost or duplicated in Kafka or in the table, each device's events must
 count 1..n in its state, each event must carry its own call's answer, no dead letter, and the
 final dimensions must equal the database."""
@@ -19,7 +19,8 @@ import pytest
 
 from bench import soak
 
-DURATION = float(os.environ.get("REFSTREAM_SOAK_SECONDS", "180"))
+DURATION = float(os.environ.get("REFSTREAM_SOAK_SECONDS", "120"))
+KILLS = int(os.environ.get("REFSTREAM_SOAK_KILLS", "3"))  # each job restart costs 20-80 s of the suite's CPU
 
 # Its own bound, not the suite's 900 s: the kills wait for the job's restarts, which on a slower
 # machine under the suite's load took 80 s each (the soak then needed about 12 minutes).
@@ -31,10 +32,10 @@ def test_soak_with_sigkills_loses_and_duplicates_nothing(kafka: dict[str, str], 
                                                          tmp_path: Path) -> None:
     seed = int(os.environ.get("REFSTREAM_SOAK_SEED", random.randrange(1 << 30)))
     fig = soak.run(tmp_path / "soak", duration=DURATION, seed=seed, bootstrap=kafka["bootstrap.servers"],
-                   mysql_server=mysql_server_url)
+                   mysql_server=mysql_server_url, min_kills=KILLS)
     report = json.dumps(asdict(fig), indent=1)
     print(report)  # the figures, in the test's captured output
-    assert fig.kills_refresher >= 5 and fig.kills_job >= 5, report
+    assert fig.kills_refresher >= KILLS and fig.kills_job >= KILLS, report
     assert fig.restarts_database >= 2 and fig.restarts_service >= 2, report
     assert fig.events > 0 and fig.changes > 0, report
     assert (fig.lost, fig.duplicated) == (0, 0), f"seed {seed}: {report}"
