@@ -173,14 +173,14 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         except TransientError as exc:
             if self._available_now is not None:
                 raise
-            now = time.monotonic()
+            now, topics = time.monotonic(), ",".join(self.options.topics)
             if self._silent_since is None:
                 self._silent_since = now
                 log.warning("%s: the broker does not answer (%s); no new batch until it does, for at most %.0fs",
-                            ",".join(self.options.topics), exc, self.options.poll_timeout_s)
+                            topics, exc, self.options.poll_timeout_s)
             elif now - self._silent_since > self.options.poll_timeout_s:
-                raise TransientError(f"{','.join(self.options.topics)}: the broker has not answered for "
-                                     f"{now - self._silent_since:.0f}s (kafkaConsumer.pollTimeoutMs): {exc}") from None
+                raise TransientError(f"{topics}: the broker has not answered for {now - self._silent_since:.0f}s "
+                                     f"(kafkaConsumer.pollTimeoutMs): {exc}") from None
             return start
         if self._silent_since is not None:
             log.warning("%s: the broker answers again after %.0fs", ",".join(self.options.topics),

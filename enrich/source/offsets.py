@@ -217,14 +217,13 @@ class EndOffsetProbe:
             self._consumer = consumer(self._settings, role="probe")
         return self._consumer
 
-    def partitions(self, topics: Iterable[str], timeout: float | None = None) -> list[TP]:
+    def partitions(self, topics: Iterable[str]) -> list[TP]:
         """Current partitions of ``topics`` (a topic that does not exist yet has none)."""
-        timeout = self._timeout if timeout is None else timeout
         c = self._client()
         out: list[TP] = []
         for topic in topics:
             try:
-                md = c.list_topics(topic, timeout=timeout)
+                md = c.list_topics(topic, timeout=self._timeout)
             except KafkaException as exc:
                 raise TransientError(f"cannot read metadata of topic {topic}: {exc}") from None
             t = md.topics.get(topic)
@@ -236,11 +235,10 @@ class EndOffsetProbe:
             out.extend((topic, p) for p in sorted(t.partitions))
         return out
 
-    def listed_end(self, tp: TP, timeout: float | None = None) -> tuple[int, int]:
+    def listed_end(self, tp: TP) -> tuple[int, int]:
         """(low, high) from ListOffsets; the high value is only a hint (see module docstring)."""
-        timeout = self._timeout if timeout is None else timeout
         try:
-            return self._client().get_watermark_offsets(TopicPartition(*tp), timeout=timeout, cached=False)
+            return self._client().get_watermark_offsets(TopicPartition(*tp), timeout=self._timeout, cached=False)
         except KafkaException as exc:
             raise TransientError(f"cannot list offsets of {tp[0]}/{tp[1]}: {exc}") from None
 

@@ -116,13 +116,29 @@ def stateless(path: Path, cfg: dict[str, Any], **events: str) -> dict[str, Any]:
     return cfg
 
 
-def dead_offsets(kafka: dict[str, str], topic: str) -> Counter[tuple[int, int]]:
-    got: Counter[tuple[int, int]] = Counter()
+def dead_letters(kafka: dict[str, str], topic: str) -> list[tuple[tuple[int, int], str]]:
+    """((partition, offset) of the event, the reason) of every dead letter on ``topic``."""
+    out = []
     for m in read_all(kafka, topic):
         h = {k: v.decode() for k, v in m.headers() or []}
         assert h.get("error"), h
-        got[int(h["source.partition"]), int(h["source.offset"])] += 1
-    return got
+        out.append(((int(h["source.partition"]), int(h["source.offset"])), h["error"]))
+    return out
+
+
+def dead_offsets(kafka: dict[str, str], topic: str) -> Counter[tuple[int, int]]:
+    return Counter(at for at, _ in dead_letters(kafka, topic))
+
+
+def kafka_output(kafka: dict[str, str], cfg: dict[str, Any], records: list[tuple[bytes | None, bytes]]
+                 ) -> tuple[list[dict[str, Any]], Counter[tuple[int, int]], Counter[tuple[int, int]]]:
+    """The Kafka output's records, and the events written and dead by (partition, offset): between
+    them every produced event once."""
+    out = [json.loads(m.value()) for m in read_settled(kafka, cfg["output"]["kafka"]["topic"], 40)]
+    written = Counter((r["_partition"], r["_offset"]) for r in out)
+    dead = dead_offsets(kafka, cfg["dead_letter_topic"])
+    assert written + dead == produced(records), (written & dead, produced(records) - (written + dead))
+    return out, written, dead
 
 
 def produced(records: list[tuple[bytes | None, bytes]]) -> Counter[tuple[int, int]]:
@@ -139,10 +155,7 @@ def test_kafka_output_with_postgresql_beside_it(kafka: dict[str, str], unique: C
     records = corpus()
     produce(kafka, cfg["events"]["topic"], records)
     run(path, tmp_path)
-    out = [json.loads(m.value()) for m in read_settled(kafka, cfg["output"]["kafka"]["topic"], 40)]
-    written = Counter((r["_partition"], r["_offset"]) for r in out)
-    dead = dead_offsets(kafka, cfg["dead_letter_topic"])
-    assert written + dead == produced(records), (written & dead, produced(records) - (written + dead))
+    out, written, _ = kafka_output(kafka, cfg, records)
     import psycopg
 
     with psycopg.connect(pg_url) as conn:
@@ -196,10 +209,7 @@ def test_stateless_fast_parser_to_kafka_and_spark_parser_to_the_console(
     records = corpus()
     produce(kafka, cfg["events"]["topic"], records)
     run(fast_path, tmp_path)
-    out = [json.loads(m.value()) for m in read_settled(kafka, cfg["output"]["kafka"]["topic"], 40)]
-    written = Counter((r["_partition"], r["_offset"]) for r in out)
-    dead = dead_offsets(kafka, cfg["dead_letter_topic"])
-    assert written + dead == produced(records), (written & dead, produced(records) - (written + dead))
+    _, _, dead = kafka_output(kafka, cfg, records)
 
     console = {**cfg, "output": {"console": {"rows": 100}}, "dead_letter_topic": unique("dlq"),
                "checkpoint": str(tmp_path / "checkpoint-console")}
@@ -207,8 +217,7 @@ def test_stateless_fast_parser_to_kafka_and_spark_parser_to_the_console(
     run(spark_path, tmp_path)
     # The Kafka output refuses the event with the megabyte key (too large for a record); the console
     # shows it. Every other dead letter is the parsers' own, and both parsers agree on them.
-    reasons = {(int(h["source.partition"]), int(h["source.offset"])): h["error"]
-               for h in ({k: v.decode() for k, v in m.headers() or []} for m in read_all(kafka, cfg["dead_letter_topic"]))}
+    reasons = dict(dead_letters(kafka, cfg["dead_letter_topic"]))
     too_large = {at for at, why in reasons.items() if "too_large" in why}
     assert too_large == {(1, 20)}, reasons
     assert dead_offsets(kafka, console["dead_letter_topic"]) == dead - Counter(too_large)

@@ -16,7 +16,15 @@ import pytest
 import yaml
 
 from tests.enrich.helpers import produce_events, read_all
-from tests.enrich.process import committed_count, run_job, run_then_kill, seed, start_job, write_config
+from tests.enrich.process import (
+    committed_count,
+    run_job,
+    run_then_kill,
+    seed,
+    start_job,
+    wait_until,
+    write_config,
+)
 from tests.timing import bound
 
 pytestmark = pytest.mark.integration  # starts `python -m enrich run` (Spark) itself
@@ -133,10 +141,9 @@ def test_a_broker_that_stops_answering_under_the_running_job_loses_and_repeats_n
         out_topic, log = cfg["output"]["kafka"]["topic"], tmp_path / "job.log"
         proc = start_job(config, log)
         try:
-            deadline = time.monotonic() + bound(300)
-            while committed_count(kafka, out_topic) < 300:
-                assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-                time.sleep(0.5)
+            wait_until("the first 300 events written", lambda: proc.poll() is not None
+                       or committed_count(kafka, out_topic) >= 300, 300, log)
+            assert proc.poll() is None, log.read_text()[-3000:]
             produce_events(kafka, cfg["events"]["topic"], [{"device_id": f"d{i % 12}", "n": i}
                                                            for i in range(300, 600)], partitions=2)
             assert broker.proc is not None
@@ -145,11 +152,9 @@ def test_a_broker_that_stops_answering_under_the_running_job_loses_and_repeats_n
             os.kill(broker.proc.pid, signal.SIGCONT)
             produce_events(kafka, cfg["events"]["topic"], [{"device_id": f"d{i % 12}", "n": i}
                                                            for i in range(600, 900)], partitions=2)
-            deadline = time.monotonic() + bound(300)
-            while committed_count(kafka, out_topic) < 900:
-                assert time.monotonic() < deadline, log.read_text()[-3000:]
-                assert proc.poll() is None, log.read_text()[-3000:]
-                time.sleep(0.5)
+            wait_until("every event written", lambda: proc.poll() is not None
+                       or committed_count(kafka, out_topic) >= 900, 300, log)
+            assert proc.poll() is None, log.read_text()[-3000:]
             assert "the broker does not answer" in log.read_text()
             assert "the broker answers again after" in log.read_text()
         finally:

@@ -49,6 +49,16 @@ def start_job(config: Path, log: Path, *extra: str, master: str = "local[2]", ki
                             start_new_session=True)
 
 
+def wait_until(what: str, done: Callable[[], bool], timeout: float, log: Path) -> None:
+    """Poll ``done()`` until it holds; past ``timeout`` (stretched to the machine) fail with the
+    job's ``log``."""
+    deadline = time.monotonic() + bound(timeout)
+    while not done():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout:.0f}s: {log.read_text()[-3000:]}")
+        time.sleep(0.2)
+
+
 def committed_count(kafka: dict[str, str], topic: str) -> int:
     return len(read_all(kafka, topic))
 

@@ -4,7 +4,6 @@ start, kept for a restart in batch 0; a fork's savepoint and watermark floor."""
 from __future__ import annotations
 
 import json
-import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
@@ -22,21 +21,13 @@ from refstream.errors import DataError, TerminalError
 from tests.enrich.helpers import changelog, produce_events, publish, read_all
 from tests.enrich.kill import read_note
 from tests.enrich.ops.test_savepoint import fork, fork_config
-from tests.enrich.process import SCHEMA, start_job, write_config
+from tests.enrich.process import SCHEMA, start_job, wait_until, write_config
 from tests.enrich.state.test_stream import at, make_config, outputs, run
 from tests.timing import bound
 
 
 def events(first: int, n: int) -> list[dict[str, object]]:
     return [{"device_id": f"d{i % 12}", "n": i} for i in range(first, first + n)]
-
-
-def wait_until(what: str, done: Callable[[], bool], timeout: float, log: Path) -> None:
-    deadline = time.monotonic() + bound(timeout)
-    while not done():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what}: not within {timeout:.0f}s: {log.read_text()[-3000:]}")
-        time.sleep(0.2)
 
 
 @pytest.mark.integration  # starts `python -m enrich run` (Spark) itself

@@ -6,11 +6,11 @@ import time
 from collections.abc import Callable
 
 import pytest
-from confluent_kafka import Producer
 
 from enrich.source.fetch import OffsetRange, read_range
 from refstream.errors import TransientError
 from refstream.kafka import ensure_topic
+from tests.enrich.source.test_kafka import produce
 from tests.timing import bound
 
 
@@ -21,10 +21,7 @@ def test_a_range_whose_end_never_comes_fails_after_the_poll_timeout(kafka: dict[
     fails transiently after the timeout without progress, naming the partition and the offset."""
     topic = unique("src-stall")
     ensure_topic(kafka, topic, partitions=1)
-    p = Producer(kafka)
-    for i in range(3):
-        p.produce(topic, f"e{i}".encode(), partition=0)
-    assert p.flush(30) == 0
+    produce(kafka, topic, [(None, f"e{i}".encode(), 0) for i in range(3)])
     got = []
     t0 = time.monotonic()
     with pytest.raises(TransientError, match=rf"reading {topic}/0 \[0, 10\): stuck at offset 3 for 1s"):

@@ -15,6 +15,7 @@ from confluent_kafka import Producer
 from demo.broker import EmbeddedBroker
 from enrich.source.offsets import EndOffsetProbe
 from refstream.kafka import ensure_topic
+from tests.enrich.source.test_kafka import produce
 from tests.timing import bound
 
 
@@ -65,15 +66,12 @@ def test_a_partition_that_does_not_answer_keeps_its_start_offset(tmp_path: Path,
     settings = {"bootstrap.servers": broker.bootstrap}
     topic = unique("src-silent")
     ensure_topic(settings, topic, partitions=1)
-    p = Producer(settings)
-    for i in range(5):
-        p.produce(topic, f"e{i}".encode(), partition=0)
-    assert p.flush(30) == 0
+    produce(settings, topic, [(None, f"e{i}".encode(), 0) for i in range(5)])
     assert broker.proc is not None
 
     class Silenced(EndOffsetProbe):
-        def listed_end(self, tp: tuple[str, int], timeout: float = 10.0) -> tuple[int, int]:
-            listed = super().listed_end(tp, timeout)
+        def listed_end(self, tp: tuple[str, int]) -> tuple[int, int]:
+            listed = super().listed_end(tp)
             os.kill(broker.proc.pid, signal.SIGSTOP)  # type: ignore[union-attr]
             return listed
 
