@@ -37,15 +37,19 @@ def root_cause(exc: BaseException) -> str:
 #: a set of words that must all appear: a worker that did not connect back (seen once at a query's
 #: start, in the Python data source's planning worker, under load), and a state step's worker whose
 #: connection to its task's state server failed (seen once in a batch under load, after another
-#: task's state server had stopped on a malformed request: PySpark 4.3's StatefulProcessorApiClient).
-#: The second is the traceback's frames: whatever the error (refused, timed out), it was raised there.
+#: task's state server had stopped on a malformed request: PySpark 4.3's StatefulProcessorApiClient),
+#: and the driver's own Python process failing to connect to a socket the JVM opened for it (a
+#: collect()'s results; seen once in a batch's write under a fresh clone's test load, masked by
+#: PySpark as UnboundLocalError: 'sockfile'). The second is the traceback's frames: whatever the
+#: error (refused, timed out), it was raised there.
 _WORKER_START = (("Python worker failed to connect back",),
-                 ("StatefulProcessorApiClient(", "self._client_socket.connect("))
+                 ("StatefulProcessorApiClient(", "self._client_socket.connect("),
+                 ("[CANNOT_OPEN_SOCKET]",))
 
 
 def worker_start_failed(exc: BaseException) -> bool:
-    """Whether a failed query failed because a Python worker did not start or did not connect to the
-    JVM: transient, and safe to retry by starting the query again from its checkpoint (what a restart
+    """Whether a failed query failed because a Python worker did not start, or a Python process (a
+    worker, the driver) did not connect to the JVM: transient, and safe to retry by starting the query again from its checkpoint (what a restart
     of the job would do)."""
     text = str(exc)
     return any(all(w in text for w in words) for words in _WORKER_START)

@@ -26,6 +26,12 @@ def test_only_a_worker_start_failure_counts_as_transient() -> None:
                     '    self._client_socket.connect(("localhost", state_server_port))\n{}: [Errno 110] ...')
     assert worker_start_failed(RuntimeError(state_server.format("TimeoutError")))
     assert worker_start_failed(RuntimeError(state_server.format("ConnectionRefusedError")))
+    # The driver reading a batch's write results (a collect()) from a socket the JVM had closed.
+    assert worker_start_failed(RuntimeError(
+        "[FOREACH_BATCH_USER_FUNCTION_ERROR] ... pyspark.errors.exceptions.base.PySparkRuntimeError: "
+        "[CANNOT_OPEN_SOCKET] Can not open socket: [\"tried to connect to ('127.0.0.1', 42145), but an error "
+        "occurred: [Errno 111] Connection refused\"].\n ... UnboundLocalError: cannot access local variable "
+        "'sockfile' where it is not associated with a value"))
     assert not worker_start_failed(RuntimeError("[STREAM_FAILED] ... refstream.errors.DataError: bad row"))
     # A state step's worker failing on something other than its connection is not a start failure.
     assert not worker_start_failed(RuntimeError(
