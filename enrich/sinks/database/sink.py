@@ -420,10 +420,16 @@ class DatabaseSink:
 
 
 def ensure(spec: TableSpec) -> None:
-    """Create the tables if missing (on the driver, before the tasks)."""
+    """Create the tables if missing (on the driver, before the tasks). A statement that ran out of
+    ``statement_timeout`` (a lock another session holds, a busy server) is transient, as it is in the
+    write: the batch's write is tried again, not the query failed."""
     conn = connect(spec.url, spec.dialect, spec.timeout)
     try:
         ensure_tables(conn, spec)
+    except RefstreamError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the drivers' errors, classified by transient()
+        raise transient(exc, f"creating {spec.table}") from exc
     finally:
         conn.close()
 
