@@ -158,7 +158,7 @@ def test_internal_column_names_have_one_home() -> None:
 # be placed here before it can be imported.
 ENRICH_LAYERS: tuple[frozenset[str], ...] = tuple(frozenset(layer) for layer in (
     {"columns", "ipc", "accumulators", "worker", "session", "daemon", "failures"},  # import nothing of enrich
-    {"packed", "events", "dimension", "checkpoint"},
+    {"packed", "events", "dimension", "checkpoint", "rollups"},
     {"source", "origin"},
     {"calls", "metrics"},
     {"config"},
@@ -237,7 +237,7 @@ def test_the_layer_check_finds_upward_imports(tmp_path: Path) -> None:
         "enrich/source/tick.py": "def late():\n    from ..pipeline import Pipeline\n",
         "enrich/state/stream.py": "from enrich import pipeline, columns\nfrom . import engine\n",
         "enrich/pipeline.py": "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from enrich.query import Stream\n",
-        "enrich/joins/__init__.py": "import enrich.sinks.kafka\nimport enrich.rollups\n",
+        "enrich/joins/__init__.py": "import enrich.sinks.kafka\nimport enrich.unplaced\n",
         "enrich/query.py": "from enrich import job\nfrom enrich.state.stream import Unpack\n",
     }
     write_tree(tmp_path, files)

@@ -1,0 +1,225 @@
+"""The rollup engine: one bucket of (``by`` values, window)s, one micro-batch of their partial
+aggregates, in Arrow.
+
+Pure and vectorised (no Spark): the keyed step calls :func:`advance` once per bucket per micro-batch
+with the bucket's state table, the batch's window table for the bucket
+(:func:`enrich.rollups.partial.partials`) and the batch's watermark, and :func:`finalize_idle` when a bucket got no events for the rollup's
+``idle_finalize``. The state is a window table with each window's ``_revision`` (the last revision
+written, 0: never) and ``_final`` (a final row was written).
+
+Semantics, per window (``window_end = window_start + window_us``; the watermark has *reached* a
+window when ``watermark >= window_end``):
+
+* A window the batch touched is merged with its stored partial and written with its revision + 1:
+  ``provisional`` while the watermark has not reached it (or there is none); once it has, ``final``
+  (``_finalized_by: watermark``) if no final row was written yet - a window whose events all came
+  after the watermark passed its end is written final at once, never first as a correction - and
+  else a ``correction`` (``_cause: late event``).
+* A window the batch did not touch, not final, that the watermark has reached, is written ``final``
+  (``watermark``) from its stored partial, its revision + 1.
+* A final window is dropped from the state once the watermark reaches ``window_end +
+  correct_for_us`` (after its row of this batch, if any, is written). Events of a window beyond that
+  horizon must be left out before their partials are built (:func:`beyond_horizon`): they would
+  otherwise start the window afresh and write it final again with revision 1.
+* :func:`finalize_idle` writes every window not yet final ``final`` (``_finalized_by: idle``); a later
+  event of such a window writes a correction, whatever the watermark (even none).
+
+Every row carries its window's metrics as of its revision, computed from the partial: ``count``,
+``sum``, ``min``, ``max``, ``mean`` (``sum / count``), ``last``, ``p50``/``p95``/``p99`` (the
+sketch's quantile; :mod:`enrich.rollups.sketch`) and ``count_distinct``, null (counts: 0) when the
+window has no values of the column, and ``_events``, the window's event count. A window's revisions
+increase strictly, exactly one of its rows is final and every row after that is a correction. Rows
+and the state come sorted by the ``by`` columns (nulls last) and the window start, so the same
+inputs give the same tables.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from enrich.ipc import from_ipc, to_ipc
+from enrich.rollups import sketch
+from enrich.rollups.partial import combine_sorted, sort_groups
+from enrich.rollups.spec import (
+    BY_IDLE,
+    BY_WATERMARK,
+    CAUSE,
+    CORRECTION_KIND,
+    EVENTS,
+    FINAL,
+    FINAL_KIND,
+    FINALIZED_BY,
+    KIND,
+    LATE_EVENT,
+    PROVISIONAL_KIND,
+    QUANTILES,
+    REVISION,
+    TIMESTAMP,
+    WINDOW_END,
+    WINDOW_START,
+    RollupSpec,
+)
+
+
+def state_schema(spec: RollupSpec) -> pa.Schema:
+    """A bucket's state: its window table, with each window's last revision written and whether a
+    final row was written."""
+    return pa.schema([*spec.window_schema(), pa.field(REVISION, pa.int64(), False),
+                      pa.field(FINAL, pa.bool_(), False)])
+
+
+@dataclass(frozen=True)
+class Advanced:
+    """:func:`advance`'s (and :func:`finalize_idle`'s) result: the bucket's new state table, the rows
+    to write (``spec.output_schema()``) and how many windows were dropped from the state."""
+
+    state: pa.Table
+    rows: pa.Table
+    evicted: int
+
+
+def _np(a: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    return np.asarray(a.to_numpy(zero_copy_only=False))
+
+
+def advance(spec: RollupSpec, state: pa.Table | None, partials: pa.Table | None,
+            watermark_us: int | None) -> Advanced:
+    """Fold one micro-batch's window table into the bucket's state and write what changed (see the
+    module docstring). ``watermark_us``: the batch's watermark in microseconds (None: the
+    watermark makes no window final and drops none)."""
+    sschema, wschema = state_schema(spec), spec.window_schema()
+    state = sschema.empty_table() if state is None else state.cast(sschema)
+    batch = wschema.empty_table() if partials is None else partials.cast(wschema)
+    stored = state.num_rows
+    if stored + batch.num_rows == 0:
+        return Advanced(state, spec.output_schema().empty_table(), 0)
+
+    windows = pa.concat_tables([state.select(wschema.names), batch])
+    order, starts = sort_groups(windows, [*spec.by, WINDOW_START])
+    n = windows.num_rows
+    sizes = np.diff(np.append(starts, n))
+    revisions = np.concatenate([_np(state.column(REVISION)), np.zeros(batch.num_rows, np.int64)])[order]
+    finals = np.concatenate([_np(state.column(FINAL)), np.zeros(batch.num_rows, bool)])[order]
+    touched = np.logical_or.reduceat(order >= stored, starts)
+    revision = np.maximum.reduceat(revisions, starts)
+    was_final = np.logical_or.reduceat(finals, starts)
+
+    # Only the touched windows have rows to combine; an untouched one is its single stored row.
+    rows_touched = np.repeat(touched, sizes)
+    merged = combine_sorted(spec, windows.take(pa.array(order[rows_touched])),
+                            np.cumsum(np.concatenate([[0], sizes[touched]]))[:-1].astype(np.int64))
+    kept = windows.take(pa.array(order[starts[~touched]]))
+    placed = np.concatenate([np.flatnonzero(touched), np.flatnonzero(~touched)])
+    windows = pa.concat_tables([merged, kept]).take(pa.array(np.argsort(placed)))
+
+    end = _np(windows.column(WINDOW_START)) + spec.window_us
+    reached = end <= watermark_us if watermark_us is not None else np.zeros(len(end), bool)
+    written = touched | (reached & ~was_final)
+    # A final window (by the watermark or idle) only ever gets corrections after its final row.
+    kind = np.where(was_final, CORRECTION_KIND, np.where(reached, FINAL_KIND, PROVISIONAL_KIND))
+    revision = revision + written
+    final = was_final | reached
+    rows = _rows(spec, windows, written, kind, revision, BY_WATERMARK)
+    evict = final & (end + spec.correct_for_us <= watermark_us) if watermark_us is not None \
+        else np.zeros(len(end), bool)
+    new_state = _state(windows, revision, final).filter(pa.array(~evict))
+    return Advanced(new_state, rows, int(evict.sum()))
+
+
+def finalize_idle(spec: RollupSpec, state: pa.Table | None) -> Advanced:
+    """Write every window of the bucket that is not final yet ``final`` (``_finalized_by: idle``),
+    its revision + 1; nothing is dropped (there is no watermark to drop by)."""
+    sschema = state_schema(spec)
+    state = sschema.empty_table() if state is None else state.cast(sschema)
+    was_final = _np(state.column(FINAL)).astype(bool)
+    written = ~was_final
+    revision = _np(state.column(REVISION)) + written
+    windows = state.select(spec.window_schema().names)
+    kind = np.full(state.num_rows, FINAL_KIND)
+    rows = _rows(spec, windows, written, kind, revision, BY_IDLE)
+    return Advanced(_state(windows, revision, np.ones(state.num_rows, bool)), rows, 0)
+
+
+def beyond_horizon(spec: RollupSpec, ts_us: np.ndarray, watermark_us: int | None) -> np.ndarray:
+    """Per event time (µs), whether its window is beyond the correction horizon: ``window_end +
+    correct_for_us <= watermark``. Such events are to be left out (their window's state is gone);
+    all False without a watermark."""
+    ts = np.asarray(ts_us, dtype=np.int64)
+    if watermark_us is None:
+        return np.zeros(ts.shape, dtype=bool)
+    end = np.floor_divide(ts, spec.window_us) * spec.window_us + spec.window_us
+    return np.asarray(end + spec.correct_for_us <= watermark_us)
+
+
+def state_to_ipc(table: pa.Table) -> bytes:
+    """A bucket's state table as bytes (Arrow IPC stream), the value kept in Spark's state store."""
+    return to_ipc(table)
+
+
+def state_from_ipc(data: bytes, spec: RollupSpec) -> pa.Table:
+    """The inverse of :func:`state_to_ipc`; a table of another schema (other rollup settings) is refused."""
+    table = from_ipc(data)
+    if table.schema != state_schema(spec):
+        raise ValueError(f"stored state of rollup {spec.name!r} has schema {table.schema}, "
+                         f"expected {state_schema(spec)}")
+    return table
+
+
+def _state(windows: pa.Table, revision: np.ndarray, final: np.ndarray) -> pa.Table:
+    return (windows.append_column(pa.field(REVISION, pa.int64(), False), pa.array(revision, pa.int64()))
+            .append_column(pa.field(FINAL, pa.bool_(), False), pa.array(final, pa.bool_())))
+
+
+def _rows(spec: RollupSpec, windows: pa.Table, written: np.ndarray, kind: np.ndarray, revision: np.ndarray,
+          finalized_by: str) -> pa.Table:
+    """The output rows of the ``written`` windows: their metrics, and ``kind`` and ``revision`` per
+    window; ``finalized_by`` is what a final row says made it final."""
+    schema = spec.output_schema()
+    pick = pa.array(np.flatnonzero(written))
+    t = windows.take(pick)
+    kind, revision = kind[written], revision[written]
+    start = pa.array(_np(t.column(WINDOW_START)), pa.int64())
+    out: dict[str, pa.Array] = {b: t.column(b).combine_chunks() for b in spec.by}
+    out[WINDOW_START] = start.cast(TIMESTAMP)
+    out[WINDOW_END] = pc.add(start, spec.window_us).cast(TIMESTAMP)
+    for column, metrics, _typ in spec.metrics:
+        def acc(name: str, column: str = column) -> pa.Array:
+            return t.column(f"{column}.{name}").combine_chunks()
+
+        wanted = [m for m in metrics if m in QUANTILES]
+        percentiles = _percentiles(acc("kll"), [QUANTILES[m] for m in wanted]) if wanted else []
+        for m in metrics:
+            name = f"{column}_{m}"
+            if m == "count":
+                out[name] = acc("n")
+            elif m in ("sum", "min", "max", "last"):
+                out[name] = acc(m)
+            elif m == "mean":
+                count = acc("n")
+                mean = pc.divide(acc("sum"), pc.cast(count, pa.float64()))
+                out[name] = pc.if_else(pc.greater(count, 0), mean, pa.scalar(None, pa.float64()))
+            elif m == "count_distinct":
+                out[name] = pc.list_value_length(acc("set"))
+            else:
+                out[name] = percentiles[wanted.index(m)]
+    out[KIND] = pa.array(kind, pa.string())
+    out[REVISION] = pa.array(revision, pa.int64())
+    out[EVENTS] = t.column(EVENTS).combine_chunks()
+    out[FINALIZED_BY] = pa.array(np.full(len(kind), finalized_by), pa.string(), mask=kind != FINAL_KIND)
+    out[CAUSE] = pa.array(np.full(len(kind), LATE_EVENT), pa.string(), mask=kind != CORRECTION_KIND)
+    return pa.Table.from_arrays([out[f.name].cast(f.type) for f in schema], schema=schema)
+
+
+def _percentiles(sketches: pa.Array, ranks: list[float]) -> list[pa.Array]:
+    """Per rank, each window's quantile from its serialized sketch (null for none): one sketch read
+    per window, all its ranks at once."""
+    values: list[list[float | None]] = [[None] * len(sketches) for _ in ranks]
+    for i, data in enumerate(sketches.to_pylist()):
+        if data is not None:
+            for j, q in enumerate(sketch.quantiles(data, ranks)):
+                values[j][i] = q
+    return [pa.array(v, pa.float64()) for v in values]
