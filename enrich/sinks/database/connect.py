@@ -8,14 +8,15 @@ import io
 import json
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.csv as pacsv
 
 from enrich.config import DatabaseDialect
-from refstream.errors import ConfigError, TerminalError, TransientError
+from refstream.errors import ConfigError, RefstreamError, TerminalError, TransientError
 
 log = logging.getLogger(__name__)
 
@@ -145,6 +146,18 @@ def transient(exc: BaseException, what: str) -> Exception:
     if isinstance(exc, ConnectionError | TimeoutError):
         return TransientError(f"{what}: {exc}")
     return TerminalError(f"{what}: {exc}")
+
+
+@contextmanager
+def classified(what: str) -> Iterator[None]:
+    """The drivers' errors raised in the block as the job's transient or terminal errors
+    (:func:`transient`, ``what`` naming the work); the job's own errors as they are."""
+    try:
+        yield
+    except RefstreamError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the drivers' errors, classified by transient()
+        raise transient(exc, what) from exc
 
 
 def quote(dialect: DatabaseDialect, name: str) -> str:

@@ -37,7 +37,7 @@ from enrich.events import SOURCE_TYPES
 from enrich.failures import transient_cause
 from enrich.origin import Origin
 from enrich.sinks.abc import Counted, EnrichedBatch
-from enrich.sinks.database.connect import connect, quote, transient
+from enrich.sinks.database.connect import classified, connect, quote
 from enrich.sinks.database.refuse import refused
 from enrich.sinks.database.slots import write_slot
 from enrich.sinks.database.tables import TableSpec, check_keys, ensure_tables, table_spec
@@ -425,11 +425,8 @@ def ensure(spec: TableSpec) -> None:
     write: the batch's write is tried again, not the query failed."""
     conn = connect(spec.url, spec.dialect, spec.timeout)
     try:
-        ensure_tables(conn, spec)
-    except RefstreamError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - the drivers' errors, classified by transient()
-        raise transient(exc, f"creating {spec.table}") from exc
+        with classified(f"creating {spec.table}"):
+            ensure_tables(conn, spec)
     finally:
         conn.close()
 
@@ -507,13 +504,10 @@ def _cursor(db: DatabaseOutput, what: str) -> Iterator[Any]:
     the drivers' errors are classified by :func:`transient` (``what`` names the work in the message)."""
     conn = connect(db.url, db.dialect, db.statement_timeout.total_seconds())
     try:
-        with conn.cursor() as cur:
-            yield cur
-        conn.commit()
-    except RefstreamError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - the drivers' errors, classified by transient()
-        raise transient(exc, what) from exc
+        with classified(what):
+            with conn.cursor() as cur:
+                yield cur
+            conn.commit()
     finally:
         conn.close()
 
