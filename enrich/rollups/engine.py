@@ -43,7 +43,7 @@ import pyarrow.compute as pc
 
 from enrich.ipc import from_ipc, to_ipc
 from enrich.rollups import sketch
-from enrich.rollups.partial import combine_sorted, sort_groups
+from enrich.rollups.partial import as_numpy, combine_sorted, sort_groups
 from enrich.rollups.spec import (
     BY_IDLE,
     BY_WATERMARK,
@@ -82,10 +82,6 @@ class Advanced:
     evicted: int
 
 
-def _np(a: pa.Array | pa.ChunkedArray) -> np.ndarray:
-    return np.asarray(a.to_numpy(zero_copy_only=False))
-
-
 def advance(spec: RollupSpec, state: pa.Table | None, partials: pa.Table | None,
             watermark_us: int | None) -> Advanced:
     """Fold one micro-batch's window table into the bucket's state and write what changed (see the
@@ -102,8 +98,8 @@ def advance(spec: RollupSpec, state: pa.Table | None, partials: pa.Table | None,
     order, starts = sort_groups(windows, [*spec.by, WINDOW_START])
     n = windows.num_rows
     sizes = np.diff(np.append(starts, n))
-    revisions = np.concatenate([_np(state.column(REVISION)), np.zeros(batch.num_rows, np.int64)])[order]
-    finals = np.concatenate([_np(state.column(FINAL)), np.zeros(batch.num_rows, bool)])[order]
+    revisions = np.concatenate([as_numpy(state.column(REVISION)), np.zeros(batch.num_rows, np.int64)])[order]
+    finals = np.concatenate([as_numpy(state.column(FINAL)), np.zeros(batch.num_rows, bool)])[order]
     touched = np.logical_or.reduceat(order >= stored, starts)
     revision = np.maximum.reduceat(revisions, starts)
     was_final = np.logical_or.reduceat(finals, starts)
@@ -116,7 +112,7 @@ def advance(spec: RollupSpec, state: pa.Table | None, partials: pa.Table | None,
     placed = np.concatenate([np.flatnonzero(touched), np.flatnonzero(~touched)])
     windows = pa.concat_tables([merged, kept]).take(pa.array(np.argsort(placed)))
 
-    end = _np(windows.column(WINDOW_START)) + spec.window_us
+    end = as_numpy(windows.column(WINDOW_START)) + spec.window_us
     reached = end <= watermark_us if watermark_us is not None else np.zeros(len(end), bool)
     written = touched | (reached & ~was_final)
     # A final window (by the watermark or idle) only ever gets corrections after its final row.
@@ -135,9 +131,9 @@ def finalize_idle(spec: RollupSpec, state: pa.Table | None) -> Advanced:
     its revision + 1; nothing is dropped (there is no watermark to drop by)."""
     sschema = state_schema(spec)
     state = sschema.empty_table() if state is None else state.cast(sschema)
-    was_final = _np(state.column(FINAL)).astype(bool)
+    was_final = as_numpy(state.column(FINAL)).astype(bool)
     written = ~was_final
-    revision = _np(state.column(REVISION)) + written
+    revision = as_numpy(state.column(REVISION)) + written
     windows = state.select(spec.window_schema().names)
     kind = np.full(state.num_rows, FINAL_KIND)
     rows = _rows(spec, windows, written, kind, revision, BY_IDLE)
@@ -182,7 +178,7 @@ def _rows(spec: RollupSpec, windows: pa.Table, written: np.ndarray, kind: np.nda
     pick = pa.array(np.flatnonzero(written))
     t = windows.take(pick)
     kind, revision = kind[written], revision[written]
-    start = pa.array(_np(t.column(WINDOW_START)), pa.int64())
+    start = pa.array(as_numpy(t.column(WINDOW_START)), pa.int64())
     out: dict[str, pa.Array] = {b: t.column(b).combine_chunks() for b in spec.by}
     out[WINDOW_START] = start.cast(TIMESTAMP)
     out[WINDOW_END] = pc.add(start, spec.window_us).cast(TIMESTAMP)

@@ -39,7 +39,8 @@ def _column(table: pa.Table, name: str) -> pa.Array:
     return table.column(name).combine_chunks()
 
 
-def _np(a: pa.Array | pa.ChunkedArray) -> np.ndarray:
+def as_numpy(a: pa.Array | pa.ChunkedArray) -> np.ndarray:
+    """An Arrow column as a numpy array (a copy where Arrow's layout needs one)."""
     return np.asarray(a.to_numpy(zero_copy_only=False))
 
 
@@ -51,7 +52,7 @@ def _int64(a: pa.Array) -> np.ndarray:
         a = a.view(pa.int64())
     elif a.type != pa.int64():
         a = pc.cast(a, pa.int64())
-    return np.asarray(_np(a.fill_null(0)), dtype=np.int64)
+    return np.asarray(as_numpy(a.fill_null(0)), dtype=np.int64)
 
 
 def _ignored_as_null(a: pa.Array) -> pa.Array:
@@ -70,11 +71,11 @@ def _differs(a: pa.Array) -> np.ndarray:
     if len(a) < 2:
         return np.zeros(0, dtype=bool)
     cur, prev = a.slice(1), a.slice(0, len(a) - 1)
-    out = _np(pc.not_equal(cur, prev).fill_null(False))
+    out = as_numpy(pc.not_equal(cur, prev).fill_null(False))
     if pa.types.is_floating(a.type):
-        out &= ~_np(pc.and_(pc.is_nan(cur), pc.is_nan(prev)).fill_null(False))
+        out &= ~as_numpy(pc.and_(pc.is_nan(cur), pc.is_nan(prev)).fill_null(False))
     if a.null_count:
-        out |= _np(cur.is_valid()) != _np(prev.is_valid())
+        out |= as_numpy(cur.is_valid()) != as_numpy(prev.is_valid())
     return out
 
 
@@ -85,7 +86,7 @@ def sort_groups(table: pa.Table, keys: Sequence[str],
     n = table.num_rows
     if n == 0:
         return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
-    order = _np(pc.sort_indices(table.select([*keys, *then]),
+    order = as_numpy(pc.sort_indices(table.select([*keys, *then]),
                                 sort_keys=[(k, "ascending") for k in (*keys, *then)])).astype(np.int64)
     new = np.zeros(n, dtype=bool)
     new[0] = True
@@ -110,7 +111,7 @@ def _latest(starts: np.ndarray, n: int, valid: np.ndarray, ts: np.ndarray, p: np
 def _distinct(gid: np.ndarray, values: pa.Array, groups: int, typ: pa.DataType) -> pa.ListArray:
     """Per group, its distinct non-null ``values`` (``gid``: each value's group), sorted: the same
     set is always the same list, whatever order its values came in."""
-    keep = _np(values.is_valid())
+    keep = as_numpy(values.is_valid())
     values, gid = values.filter(pa.array(keep)), gid[keep]
     if pa.types.is_floating(typ):
         values = pc.add(values, pa.scalar(0.0, typ))  # -0.0 + 0.0 is 0.0: one zero, as == has it
@@ -119,7 +120,7 @@ def _distinct(gid: np.ndarray, values: pa.Array, groups: int, typ: pa.DataType) 
     first = np.ones(t.num_rows, dtype=bool)
     if t.num_rows:
         first[1:] = _differs(_column(t, "g")) | _differs(_column(t, "v"))
-    kept_g = _np(_column(t, "g"))[first]
+    kept_g = as_numpy(_column(t, "g"))[first]
     offsets = np.concatenate([[0], np.cumsum(np.bincount(kept_g, minlength=groups))]).astype(np.int32)
     return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()),
                                     _column(t, "v").filter(pa.array(first)), type=pa.list_(typ))
@@ -168,7 +169,7 @@ def partials(spec: RollupSpec, events: pa.Table) -> pa.Table:
     out[EVENTS] = pa.array(sizes, pa.int64())
     for column, metrics, typ in spec.metrics:
         values = _ignored_as_null(_column(events, column).cast(typ).take(take))
-        valid = _np(values.is_valid())
+        valid = as_numpy(values.is_valid())
         accs = accumulators(metrics)
         wide = pc.cast(values, pa.float64()) if {"sum", "kll"} & set(accs) else None
         # The count, sum (of the values as float64), least and greatest value per group in one pass.
@@ -188,7 +189,7 @@ def partials(spec: RollupSpec, events: pa.Table) -> pa.Table:
                     out[f"{column}.last_{suffix}"] = pa.array(src).take(at)
             elif acc == "kll":
                 assert wide is not None
-                out[name] = _sketches(starts, n, valid, _np(wide.fill_null(0.0)))
+                out[name] = _sketches(starts, n, valid, as_numpy(wide.fill_null(0.0)))
             elif acc == "set":
                 out[name] = _distinct(gid, values, len(starts), typ)
     return pa.Table.from_arrays([out[f.name].cast(f.type) for f in schema], schema=schema)
@@ -234,21 +235,21 @@ def combine_sorted(spec: RollupSpec, table: pa.Table, starts: np.ndarray) -> pa.
             elif acc == "last":
                 last = _column(table, name)
                 ts, p, o = (_int64(_column(table, f"{column}.last_{s}")) for s in ("ts", "p", "o"))
-                at = _latest(starts, n, _np(last.is_valid()), ts, p, o)
+                at = _latest(starts, n, as_numpy(last.is_valid()), ts, p, o)
                 for col in (name, f"{column}.last_ts", f"{column}.last_p", f"{column}.last_o"):
                     out[col] = _column(table, col).take(at)
             elif acc == "kll":
                 out[name] = _merge_sketches(_column(table, name), starts, n)
             elif acc == "set":
                 sets = _column(table, name)
-                parents = _np(pc.list_parent_indices(sets)).astype(np.int64)
+                parents = as_numpy(pc.list_parent_indices(sets)).astype(np.int64)
                 out[name] = _distinct(gid[parents], pc.list_flatten(sets), groups, typ)
     return pa.Table.from_arrays([out[f.name].cast(f.type) for f in schema], schema=schema)
 
 
 def _merge_sketches(sketches: pa.Array, starts: np.ndarray, n: int) -> pa.Array:
     """Per group (runs at ``starts``), its non-null sketches merged; a group with one keeps its bytes."""
-    valid = _np(sketches.is_valid())
+    valid = as_numpy(sketches.is_valid())
     counts = np.add.reduceat(valid.astype(np.int64), starts)
     # A group's single sketch (or none: null) is its latest valid row; only the others merge.
     at = _latest(starts, n, valid, np.zeros(n, np.int64), np.zeros(n, np.int64), np.arange(n))
