@@ -126,7 +126,9 @@ class StateConfig:
     Devices are hashed into ``buckets`` groups, each one value in Spark's state store; the count is
     fixed by a checkpoint's first run (docs/state.md). An event more than ``max_future_skew`` ahead
     of the batch's time is a dead letter (None: no limit), as is one whose key (a string or binary)
-    is longer than ``max_key_bytes``."""
+    is longer than ``max_key_bytes``. A state step's worker whose task's state server does not answer
+    a request within ``server_timeout`` fails its task, and the job starts the query again from its
+    checkpoint."""
 
     key: str
     timestamp: str
@@ -136,6 +138,7 @@ class StateConfig:
     aggregates: tuple[tuple[str, tuple[StateAgg, ...]], ...] = ()
     buckets: int = 64
     max_key_bytes: int = 1024
+    server_timeout: timedelta = timedelta(minutes=2)
 
     @property
     def columns(self) -> tuple[str, ...]:
@@ -432,6 +435,9 @@ def _state(sec: Section) -> StateConfig:
     max_key_bytes = sec.get("max_key_bytes", int, 1024)
     if max_key_bytes <= 0:
         raise sec.error("must be positive", "max_key_bytes")
+    server_timeout = sec.duration("server_timeout", timedelta(minutes=2))
+    if server_timeout <= timedelta(0):
+        raise sec.error("must be positive", "server_timeout")
     aggs = sec.section("aggregates", {})
     aggregates: list[tuple[str, tuple[StateAgg, ...]]] = []
     for column in list(aggs.data):
@@ -450,7 +456,8 @@ def _state(sec: Section) -> StateConfig:
         aggregates.append((column, tuple(names)))
     aggs.done()
     cfg = StateConfig(key=key, timestamp=timestamp, ttl=ttl, watermark=watermark, max_future_skew=max_future_skew,
-                      aggregates=tuple(aggregates), buckets=buckets, max_key_bytes=max_key_bytes)
+                      aggregates=tuple(aggregates), buckets=buckets, max_key_bytes=max_key_bytes,
+                      server_timeout=server_timeout)
     sec.done()
     return cfg
 

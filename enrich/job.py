@@ -42,7 +42,7 @@ from enrich.dimension.manager import Dimensions
 from enrich.dimension.ship import Shipper
 from enrich.dimension.versions import FileVersionLog
 from enrich.events.fastparse import FastParser
-from enrich.failures import root_cause, worker_start_failed
+from enrich.failures import root_cause, transient_worker_failure
 from enrich.metrics import RESULTS, EnrichMetrics
 from enrich.origin import Origin
 from enrich.pipeline import JoinPass, Pipeline
@@ -321,8 +321,8 @@ class EnrichJob:
     def run(self, spark: SparkSession | None = None, *, master: str | None = None) -> None:
         """Start on ``spark``, then wait until the query ends (available-now) or :meth:`stop` is
         called, and release what the job opened. A query that fails because a Python worker did not
-        start (:func:`enrich.failures.worker_start_failed`) is started again from its checkpoint, with
-        backoff, up to the retry policy's attempts.
+        start or lost its state server (:func:`enrich.failures.transient_worker_failure`) is started
+        again from its checkpoint, with backoff, up to the retry policy's attempts.
 
         Without ``spark`` the job builds its session as ``enrich run`` does
         (:func:`enrich.session.build_session`: the session defaults, then the config's ``spark:``
@@ -350,12 +350,13 @@ class EnrichJob:
                 if exc is None or self._stop.is_set():
                     break
                 failures += 1
-                if not worker_start_failed(exc) or failures >= self.retry.attempts:
+                why = transient_worker_failure(exc)
+                if why is None or failures >= self.retry.attempts:
                     raise TerminalError(f"enrichment query failed: {root_cause(exc)}") from exc
                 wait = self.retry.backoff(failures)
-                log.warning("enrichment query failed: %s; a Python worker did not start, which is transient: "
+                log.warning("enrichment query failed: %s; %s, which is transient: "
                             "starting the query again from its checkpoint in %.1fs (attempt %d of %d)",
-                            root_cause(exc), wait, failures + 1, self.retry.attempts)
+                            root_cause(exc), why, wait, failures + 1, self.retry.attempts)
                 if self._stop.wait(wait):
                     break
                 assert self._writer is not None

@@ -262,7 +262,8 @@ def attach(raw: DataFrame, pipeline: Pipeline, layout: BucketLayout, changelogs:
         rows = rows.union(ticks.select(F.col(BUCKET), F.col(ROWS)))
     inner = stored_spec(st.spec)
     waits = WaitSpec.of(cfg.waits) if cfg.waits else None
-    processor = DeviceStateProcessor(inner, columns, devices, st.dims, cache, waits, floor_us, st.calls, call_counts)
+    processor = DeviceStateProcessor(inner, columns, devices, st.dims, cache, waits, floor_us, st.calls, call_counts,
+                                     server_timeout_s=cfg.state.server_timeout.total_seconds())
     flat_type = [*inner.output_type(), *[pa.field(n, t) for n, t in (st.calls.result_columns() if st.calls else ())]]
     # What the processor's packed tables hold: the passed columns, the flat state fields (the calls'
     # results last), the late flag.

@@ -46,6 +46,7 @@ __all__ = [
     "spark_logger_level",
     "spark_schema",
     "spark_skip_python_data_source_lookup",
+    "spark_state_server_timeout",
     "supported",
     "version",
 ]
@@ -399,3 +400,21 @@ def spark_skip_python_data_source_lookup(spark: Any) -> bool:
     except Exception as exc:  # noqa: BLE001 - the lookup is only slower, not wrong
         _warn_once("spark:datasource-lookup", "cannot skip Spark's lookup of Python data sources (%s); it runs", exc)
         return False
+
+
+def spark_state_server_timeout(handle: Any, seconds: float) -> bool:
+    """Make a ``transformWithStateInPandas`` worker's requests to its task's state server fail with
+    ``TimeoutError`` after ``seconds`` without an answer, instead of waiting forever (PySpark's
+    ``StatefulProcessorApiClient``, the handle's private ``_statefulProcessorApiClient``, reads its
+    socket, the private ``_client_socket``, with no timeout:
+    a state server thread that died leaves the task, its batch and the query waiting). Call it with
+    the processor's handle in ``init``, before its first request. Returns False, with one warning,
+    when the socket is not there (requests then wait as PySpark's do)."""
+    sock = getattr(getattr(handle, "_statefulProcessorApiClient", None), "_client_socket", None)
+    if sock is None or not hasattr(sock, "settimeout"):
+        _missing("pyspark", "PySpark", "bounding the wait on a state server",
+                 ["StatefulProcessorHandle._statefulProcessorApiClient._client_socket"],
+                 "a worker waits for its state server without a limit", PYSPARK_SUPPORTED)
+        return False
+    sock.settimeout(seconds)
+    return True

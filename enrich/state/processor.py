@@ -71,6 +71,7 @@ from enrich.state.stored import (
     bucket_table,
 )
 from enrich.worker import settle
+from refstream.compat import spark_state_server_timeout
 from refstream.contract import DatasetSchema
 
 
@@ -85,22 +86,28 @@ class DeviceStateProcessor(StatefulProcessor):
     ``waits``: the datasets events wait for (:mod:`enrich.state.wait`; held events are kept in the
     bucket's ``held`` state variable, and every event gets ``_provisional``); ``floor_us``: a watermark
     floor (event time, microseconds): a job forked from a savepoint (:mod:`enrich.ops.savepoint`)
-    judges late events and expiry against the savepoint job's watermark until its own passes it."""
+    judges late events and expiry against the savepoint job's watermark until its own passes it.
+    ``server_timeout_s``: how long a request to the task's state server may go unanswered before it
+    fails the task (``state.server_timeout``; a state server thread that died would otherwise leave
+    the task, its batch and the query waiting for good)."""
 
     def __init__(self, spec: StateSpec, columns: tuple[str, ...],
                  devices: Accumulator[dict[int, int]] | None = None, dims: tuple[PartitionedDim, ...] = (),
                  cache: TableCache | None = None, waits: wait.WaitSpec | None = None,
                  floor_us: int | None = None, calls: CallStep | None = None,
-                 call_counts: Accumulator[dict[int, dict[str, Any]]] | None = None) -> None:
+                 call_counts: Accumulator[dict[int, dict[str, Any]]] | None = None,
+                 *, server_timeout_s: float = 120.0) -> None:
         self.spec, self.columns, self.devices, self.dims, self.cache = spec, columns, devices, dims, cache
         self.waits, self.floor_us = waits, floor_us
         self.calls, self.call_counts = calls, call_counts
+        self.server_timeout_s = server_timeout_s
         self._loaded: str | None = None
         self._sizes = (0, 0)
         self._types = {spec.key: spec.key_type, spec.timestamp: pa.int64(),
                        **{c: t for c, _, t in spec.aggregates}}
 
     def init(self, handle: StatefulProcessorHandle) -> None:
+        spark_state_server_timeout(handle, self.server_timeout_s)  # before the first request
         self.handle = handle
         self.value = handle.getValueState(STATE_NAME, VALUE_SCHEMA)
         self.token = handle.getValueState(STATE_NAME + "v", TOKEN_SCHEMA)

@@ -103,6 +103,7 @@ def test_parse_full_shape() -> None:
     ({"state": {"key": "d", "timestamp": "ts", "ttl": "soon"}}, "state.ttl: 'soon' is not a duration"),
     ({"state": {"key": "d", "timestamp": "ts", "watermark": "x"}}, "state.watermark: 'x' is not a duration"),
     ({"state": {"key": "d", "timestamp": "ts", "buckets": 0}}, "state.buckets: must be positive"),
+    ({"state": {"key": "d", "timestamp": "ts", "server_timeout": "0s"}}, "state.server_timeout: must be positive"),
     ({"state": {"key": "d", "timestamp": "ts", "aggregates": {"t": ["median"]}}},
      "state.aggregates.t: 'median' is not one of last, min, max, mean"),
     ({"state": {"key": "d", "timestamp": "ts", "aggregates": {"t": []}}}, "state.aggregates.t: expected a list"),

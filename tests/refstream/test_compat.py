@@ -257,3 +257,25 @@ def test_skipping_the_data_source_lookup_on_an_unchecked_pyspark_leaves_it(monke
     with caplog.at_level(logging.WARNING, logger="refstream.compat"):
         assert compat.spark_skip_python_data_source_lookup(object()) is False
     assert "skipping the Python data source lookup" in caplog.text
+
+
+def test_the_state_server_timeout_reaches_the_installed_pysparks_socket() -> None:
+    """Through PySpark's own handle class: a real socket that never answers times the read out."""
+    import socket
+
+    from pyspark.sql.streaming.stateful_processor import StatefulProcessorHandle
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)
+    with listener, socket.create_connection(listener.getsockname()) as silent:
+        client = SimpleNamespace(_client_socket=silent)
+        assert compat.spark_state_server_timeout(StatefulProcessorHandle(client), 0.2) is True  # type: ignore[arg-type]
+        with pytest.raises(TimeoutError):
+            silent.makefile("rb").read(4)
+
+
+def test_the_state_server_timeout_without_the_socket_warns_once(caplog: pytest.LogCaptureFixture) -> None:
+    assert compat.spark_state_server_timeout(SimpleNamespace(), 5) is False
+    assert compat.spark_state_server_timeout(SimpleNamespace(), 5) is False
+    assert len(caplog.records) == 1 and "bounding the wait on a state server" in caplog.records[0].getMessage()
