@@ -10,7 +10,7 @@ event the fast parser left to ``from_json``). The state step (:mod:`enrich.state
 
 from __future__ import annotations
 
-__all__ = ["BATCH_TIME", "BUCKET", "CORRUPT", "DELETED", "ERROR", "FLAT", "IDENTITY", "INTERNAL", "KEY_BYTES", "LATE", "LATE_AT_READ", "MAX_TS", "PROVISIONAL",
+__all__ = ["BATCH_TIME", "BUCKET", "CORRUPT", "DELETED", "ERROR", "FLAT", "IDENTITY", "INTERNAL", "KEY_BYTES", "LATE", "LATE_AT_READ", "MAX_TS", "PACK_KIND", "PROVISIONAL", "RBUCKET", "ROLLUP_TIME",
            "ROWS", "SLOW", "SOURCE", "STATE", "TS_US", "UNMATCHED",
            "VALID_FROM"]
 
@@ -35,6 +35,10 @@ BUCKET, TS_US = "_bucket", "_ts_us"
 FLAT = "_state_"
 #: A packed chunk's greatest event time (the watermark's column) and its Arrow IPC rows.
 MAX_TS, ROWS = "_max_ts", "rows"
+#: The rollup step's input (enrich.state.rollups): its grouping key, the event time Spark's
+#: watermark follows through the state step (just after the batch's watermark), and what a packed
+#: value holds (events, a rollup's partials or rows, dead letters, counts).
+RBUCKET, ROLLUP_TIME, PACK_KIND = "_rbucket", "_rollup_time", "_pack_kind"
 #: The micro-batch's time (``current_timestamp()``, kept in the offset log): what an event's time is
 #: checked against for ``state.max_future_skew`` on its way into the state step.
 BATCH_TIME = "_batch_time"

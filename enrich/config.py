@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 from enrich.calls.config import CallConfig, parse_calls
+from enrich.rollups.config import RollupConfig, parse_rollups
 from enrich.source.options import OnOffsetReset
 from refstream.config import Section, allowed_values, kafka_settings, load_config_data, redact_url
 from refstream.contract import default_topic
@@ -202,6 +203,7 @@ class EnrichConfig:
     spark_conf: dict[str, str] = field(default_factory=dict)
     metrics: MetricsConfig | None = None       # /metrics of the job (None: off)
     calls: tuple[CallConfig, ...] = ()         # external calls in the state step, ordered by needs
+    rollups: tuple[RollupConfig, ...] = ()     # windowed metrics after the state step (enrich.rollups)
     source: str = "config"
 
     @property
@@ -297,6 +299,7 @@ def parse(data: Mapping[str, Any], source: str = "config") -> EnrichConfig:
     _check_partitioned(top, joins, state)
     _check_as_of(top, joins, state)
     calls = parse_calls(top, state is not None)
+    rollups = parse_rollups(top, state is not None)
     if output.database is not None:
         _check_database_names(top, output.database, joins, state, calls)
     # Always bounded: after downtime the backlog is read in batches of this size, not in one.
@@ -321,6 +324,7 @@ def parse(data: Mapping[str, Any], source: str = "config") -> EnrichConfig:
         bootstrap_timeout=top.duration("bootstrap_timeout", timedelta(seconds=60)),
         spark_conf=spark_conf,
         calls=calls,
+        rollups=rollups,
         source=source,
     )
     top.done()

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import pyarrow as pa
 from pyspark.accumulators import Accumulator
 from pyspark.errors import StreamingQueryException
 from pyspark.sql import DataFrame, SparkSession
@@ -46,10 +47,11 @@ from enrich.failures import root_cause, transient_worker_failure
 from enrich.metrics import RESULTS, EnrichMetrics
 from enrich.origin import Origin
 from enrich.pipeline import JoinPass, Pipeline
-from enrich.query import StateStream, Stream, apply_joins, build, writer
+from enrich.query import StateStream, Stream, apply_joins, build, rollup_rows, writer
 from enrich.sinks import Counted, EnrichedBatch, Sink, make_sink
 from enrich.sinks.deadletter import DeadLetters
 from enrich.sinks.identity import SinkIdentity
+from enrich.sinks.rollups import RollupWriter
 from enrich.state.devices import DeviceCount
 from enrich.state.stream import Fork
 from enrich.state.wait import BatchFacts
@@ -87,6 +89,7 @@ class Started:
     fast: FastParser | None           # the join pass parses the events itself (the Kafka sink, no state)
     state: StateStream | None
     devices: DeviceCount | None
+    rollups: RollupWriter | None = None  # the rollups' outputs (the batches are the rollup step's output)
 
 
 class EnrichJob:
@@ -167,7 +170,11 @@ class EnrichJob:
         sink, dead = self._sinks(pipeline)
         metrics = self._metrics(sink)
         stream, devices = self._stream(spark, pipeline, dims, sink, metrics)
-        self._started = Started(spark, pipeline, dims, sink, dead, metrics, stream.fast, stream.state, devices)
+        rollups = None
+        if pipeline.state is not None and pipeline.state.rollups:
+            rollups = RollupWriter(pipeline.state.rollups, self.cfg.rollups)
+        self._started = Started(spark, pipeline, dims, sink, dead, metrics, stream.fast, stream.state, devices,
+                                rollups)
         self._pass = pipeline.join_pass
         self.query = self._start_query(stream.frame)
         log.info("enrichment query started: %s -> %s (checkpoint %s)", self.cfg.events.topic,
@@ -273,7 +280,7 @@ class EnrichJob:
                                what="opening the output", policy=self.retry, stop=self._stop)
         self._stack.callback(sink.close)
         dead = None
-        if not sink.writes_dead_letters:
+        if not sink.writes_dead_letters or cfg.rollups:  # the rollups' dead letters are the driver's to write
             dead = DeadLetters(cfg.kafka, cfg.dead_letter_topic, ident.id_of(cfg.dead_letter_topic), ident.scope)
             self._stack.callback(dead.close)
         return sink, dead
@@ -285,7 +292,7 @@ class EnrichJob:
 
         # The results counted: the sink's, and the unmatched and late events and dead letters the job counts.
         metrics = EnrichMetrics(results=[r for r in RESULTS if r in ("unmatched", "late", "dead_letter")
-                                         or r in sink.counts])
+                                         or r in sink.counts], rollups=[r.name for r in self.cfg.rollups])
         self._stack.enter_context(MetricsServer(self.cfg.metrics, metrics.registry))
         return metrics
 
@@ -398,7 +405,7 @@ class EnrichJob:
         st.devices.before_batch()
         if self._call_counts is not None:
             self._call_counts.value = {}
-        if "late" in st.sink.counts:
+        if "late" in st.sink.counts and st.rollups is None:
             dead, counted = self._process_batch(batch_df, batch_id)
             late = counted.late
         else:
@@ -483,7 +490,7 @@ class EnrichJob:
 
         def exact(df: DataFrame) -> EnrichedBatch:  # parsed by from_json, or the state step's packed rows
             if st.state is not None:
-                return EnrichedBatch(apply_joins(df, jp.specs, jp.schema, shipped, ERROR,
+                return EnrichedBatch(apply_joins(st.state.events(df), jp.specs, jp.schema, shipped, ERROR,
                                                  first=st.state.unpack, unmatched=unmatched), jp.columns, matched)
             parsed = events.parse(df, st.pipeline.events, self.cfg.events.required)
             return EnrichedBatch(apply_joins(parsed, jp.specs, jp.schema, shipped, ERROR, unmatched=unmatched),
@@ -499,6 +506,8 @@ class EnrichJob:
         dead = call_with_retry(lambda: st.sink.write(batch_id, batch), what=f"batch {batch_id}: writing output",
                                policy=self.retry, stop=self._stop)
         counted = st.sink.counted
+        if st.rollups is not None:
+            dead = self._rollups(batch_id, batch_df, dead)
         if unmatched is not None:
             counted = dataclasses.replace(counted, unmatched=sum(unmatched.value.values()))
         redone = st.sink.pending
@@ -518,6 +527,24 @@ class EnrichJob:
                  "%d dead letter(s) collected)", batch_id, time.monotonic() - t0, st.dims.last_pin_seconds,
                  len(redone), dead.num_rows)
         return dead.num_rows, counted
+
+    def _rollups(self, batch_id: int, batch_df: DataFrame, dead: pa.Table) -> pa.Table:
+        """The batch's rollup rows written; ``dead`` with the rollups' dead letters added; counts logged."""
+        st = self.started
+        assert st.rollups is not None
+        writer = st.rollups
+        assert st.pipeline.state is not None
+        frames = rollup_rows(batch_df, st.pipeline.state.rollups)
+        got = call_with_retry(lambda: writer.write(batch_id, batch_df, frames),
+                              what=f"batch {batch_id}: writing rollups", policy=self.retry, stop=self._stop)
+        if got.counts:
+            log.info("batch %d: rollup events %s", batch_id,
+                     ", ".join(f"{r} {k} {n}" for (r, k), n in sorted(got.counts.items())))
+        if st.metrics is not None:
+            st.metrics.rollup_events(got.counts)
+        if not dead.num_rows:
+            return got.dead
+        return pa.concat_tables([dead, got.dead.cast(dead.schema)]) if got.dead.num_rows else dead
 
     def _observe(self, t0: float, collected_dead: int, counted: Counted, progress: dict[str, Any] | None, *,
                  late: int | None) -> None:

@@ -12,6 +12,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from enrich.rollups.packs import RESULTS as ROLLUP_RESULTS
 from enrich.source.offsets import from_json_offsets
 
 #: ``refstream_enrich_events_total``'s results; ``unmatched`` and ``late`` count among ``enriched``.
@@ -20,8 +21,10 @@ BATCH_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 30, 60, 120, 300)
 
 
 class EnrichMetrics:
-    def __init__(self, registry: CollectorRegistry | None = None, results: Iterable[str] = RESULTS) -> None:
-        """``results``: the results of ``refstream_enrich_events_total`` counted (shown from the start)."""
+    def __init__(self, registry: CollectorRegistry | None = None, results: Iterable[str] = RESULTS,
+                 rollups: Iterable[str] = ()) -> None:
+        """``results``: the results of ``refstream_enrich_events_total`` counted (shown from the start);
+        ``rollups``: the rollups' names (``refstream_enrich_rollup_events_total``, shown from the start)."""
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.events = Counter("refstream_enrich_events", "Events by result: enriched (written to the output), "
@@ -44,6 +47,16 @@ class EnrichMetrics:
         self._changed_ms: dict[str, int | None] = {}
         for result in results:
             self.events.labels(result)
+        self.rollups: Counter | None = None
+        names = list(rollups)
+        if names:
+            self.rollups = Counter("refstream_enrich_rollup_events", "Events by rollup and result: counted (into a "
+                                   "window not final yet), corrected (into a final window: a correction), "
+                                   "beyond_horizon (a dead letter: its window is past the rollup's correct_for)",
+                                   ["rollup", "result"], registry=r)
+            for name in names:
+                for result in ROLLUP_RESULTS:
+                    self.rollups.labels(name, result)
 
     def after_batch(self, seconds: float, *, enriched: int | None, dead: int, unmatched: int | None = None,
                     late: int | None = None, dimensions: Mapping[str, tuple[int, int, int | None]]) -> None:
@@ -69,6 +82,13 @@ class EnrichMetrics:
                                  "batch (counted exactly, also across task retries: each bucket's call reports its "
                                  "absolute count)", registry=self.registry)
         self.devices.set(devices)
+
+    def rollup_events(self, counts: Mapping[tuple[str, str], int]) -> None:
+        """Add a batch's rollup counts, by ``(rollup, result)``, to ``refstream_enrich_rollup_events_total``."""
+        if self.rollups is None:
+            return
+        for (rollup, result), n in counts.items():
+            self.rollups.labels(rollup, result).inc(n)
 
     def calls_made(self, counts: Mapping[tuple[str, str], int]) -> None:
         """Add a batch's call counts, by ``(call, result)``, to ``refstream_enrich_calls_total``."""

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
 
-from pyspark.sql.pandas.types import from_arrow_type
+from pyspark.sql.pandas.types import from_arrow_type, to_arrow_type
 from pyspark.sql.types import BooleanType, StructField, StructType
 
 from enrich import events, joins
@@ -42,6 +42,7 @@ from enrich.config import EnrichConfig, JoinConfig
 from enrich.joins import JoinSpec
 from enrich.joins.asof import CLIPPED
 from enrich.joins.partitioned import PartitionedDim, partitioned_dim
+from enrich.rollups.spec import RollupSpec
 from enrich.state.engine import StateSpec
 from enrich.state.spec import output_fields, resolve
 from refstream.contract import DatasetSchema
@@ -53,7 +54,7 @@ __all__ = ["JoinPass", "Pipeline", "Stage", "StatePlan"]
 #: name would be overwritten).
 STEP_COLUMNS = frozenset({BUCKET, TS_US, MAX_TS, BATCH_TIME, PROVISIONAL})
 #: What a stage does.
-StageKind = Literal["read", "parse", "join", "state", "sink"]
+StageKind = Literal["read", "parse", "join", "state", "rollup", "sink"]
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,7 @@ class StatePlan:
     passed: tuple[StructField, ...]     # the columns the step passes through: ``joined``'s, the dims'
     schema: StructType                  # the step's output: ``passed``, the calls' columns, ``state``, ``_late``
     calls: CallStep | None = None       # the external calls, inside the step (enrich.calls)
+    rollups: tuple[RollupSpec, ...] = ()  # the rollups: partials in the step, windows in the rollup step
 
 
 @dataclass(frozen=True)
@@ -159,6 +161,11 @@ class Pipeline:
             out.append(Stage("state", f"keyed by {cfg.state.key}", f"{cfg.state.buckets} buckets, ttl "
                              f"{_seconds(cfg.state.ttl)}, watermark {_seconds(cfg.state.watermark)}{held}",
                              ("state", "_late", *((PROVISIONAL,) if cfg.waits else ()))))
+            for r, rc in zip(st.rollups, cfg.rollups, strict=True):
+                metrics = ", ".join(f"{c} {'/'.join(ms)}" for c, ms, _ in r.metrics)
+                out.append(Stage("rollup", r.name, f"by {', '.join(r.by)} per {_seconds(rc.window)} window, "
+                                 f"{metrics}, corrected for {r.correct_for_us / 1e6:g}s; to Parquet in "
+                                 f"{rc.output.parquet}"))
         for j, s in zip(self.after, self.join_pass.specs, strict=True):
             out.append(_join_stage(j, s, "broadcast, in the join pass"))
         o = cfg.output
@@ -219,7 +226,7 @@ def _state_plan(cfg: EnrichConfig, parsed: StructType, schemas: Mapping[str, Dat
     if taken:
         raise ConfigError(f"{src}: events.schema: field(s) {taken} are names the state step uses for its own "
                           f"columns ({', '.join(sorted(STEP_COLUMNS))}, {FLAT}*); rename them")
-    before = _needed_by_state(cfg, schemas, with_dims, timezone)
+    before = _needed_by_state(cfg, schemas, parsed, with_dims, timezone)
     for j in before:
         if j.wait == "complete":  # the step holds events after these joins ran: they could not wait
             i = cfg.joins.index(j)
@@ -253,8 +260,37 @@ def _state_plan(cfg: EnrichConfig, parsed: StructType, schemas: Mapping[str, Dat
         passed.append(StructField(PROVISIONAL, BooleanType(), True))
     calls = _check_calls(cfg, spec, [f.name for f in passed]) if cfg.calls else None
     schema = StructType(passed + output_fields(spec, calls.result_columns() if calls is not None else ()))
+    rollups = _rollups(cfg, passed, enriched)
     return StatePlan(spec=spec, before=tuple(before), before_specs=tuple(specs), inner=inner, joined=joined,
-                     dims=dims, passed=tuple(passed), schema=schema, calls=calls)
+                     dims=dims, passed=tuple(passed), schema=schema, calls=calls, rollups=rollups)
+
+
+def _rollups(cfg: EnrichConfig, passed: list[StructField], enriched: StructType) -> tuple[RollupSpec, ...]:
+    """The rollups resolved against the columns the state step passes (the events' fields and the
+    columns of the joins before and inside it): each is computed there."""
+    assert cfg.state is not None
+    types = {f.name: f.dataType for f in passed}
+    out = []
+    for i, r in enumerate(cfg.rollups):
+        where = f"{cfg.source}: rollups[{i}] ({r.name})"
+        for name in r.columns:
+            if name in types:
+                continue
+            key = "by" if name in r.by else f"metrics.{name}"
+            if name in enriched.fieldNames():
+                raise ConfigError(f"{where}.{key}: {name!r} comes from a join that cannot run before the "
+                                  "state step (docs/rollups.md)")
+            raise ConfigError(f"{where}.{key}: no such column (have: "
+                              f"{', '.join(sorted(n for n in types if not n.startswith('_')))})")
+        try:
+            out.append(RollupSpec(
+                name=r.name, by=r.by, by_types=tuple(to_arrow_type(types[b]) for b in r.by),
+                window_us=r.window // timedelta(microseconds=1),
+                metrics=tuple((c, ms, to_arrow_type(types[c])) for c, ms in r.metrics),
+                correct_for_us=(r.correct_for or cfg.state.ttl) // timedelta(microseconds=1)))
+        except ValueError as exc:
+            raise ConfigError(f"{where}: {exc}") from None
+    return tuple(out)
 
 
 def _check_calls(cfg: EnrichConfig, spec: StateSpec, passed: list[str]) -> CallStep:
@@ -278,18 +314,23 @@ def _check_calls(cfg: EnrichConfig, spec: StateSpec, passed: list[str]) -> CallS
     return CallStep(cfg.calls, spec.key_type, str(cfg.checkpoint))
 
 
-def _needed_by_state(cfg: EnrichConfig, schemas: Mapping[str, DatasetSchema], with_dims: StructType,
-                     timezone: str) -> list[JoinConfig]:
+def _needed_by_state(cfg: EnrichConfig, schemas: Mapping[str, DatasetSchema], parsed: StructType,
+                     with_dims: StructType, timezone: str) -> list[JoinConfig]:
     """The broadcast joins the state step needs, in configured order: those adding a column
-    ``state:`` names, and those their ``on`` columns come from."""
+    ``state:``, a call or a rollup names, and those their ``on`` columns come from."""
     assert cfg.state is not None
     broadcast = cfg.broadcast_joins
     specs, _ = joins.resolve(broadcast, schemas, with_dims, timezone=timezone, source=cfg.source, time_column=_time(cfg))
+    # A join on a partitioned join's column cannot run before the step (those are added inside it):
+    # what needs it is refused by name below, not by the join's on: error.
+    inside = set(with_dims.fieldNames()) - set(parsed.fieldNames())
     needed, chosen = set(cfg.state.columns), set()
     needed |= {r.name for c in cfg.calls for r in c.body.refs() if r.scope is None}
+    needed |= {c for r in cfg.rollups for c in r.columns}
     for _ in range(len(specs)):
         for i, s in enumerate(specs):
-            if i not in chosen and ({out for _, out in s.columns} | {s.matched}) & needed:
+            if i not in chosen and ({out for _, out in s.columns} | {s.matched}) & needed \
+                    and not {e for e, _ in s.pairs} & inside:
                 chosen.add(i)
                 needed |= {e for e, _ in s.pairs}
     return [j for i, j in enumerate(broadcast) if i in chosen]

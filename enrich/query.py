@@ -36,32 +36,37 @@ import pyarrow as pa
 from pyspark.accumulators import Accumulator
 from pyspark.sql import Column, DataFrame, SparkSession
 from pyspark.sql import functions as F
-from pyspark.sql.pandas.types import from_arrow_type, to_arrow_schema
+from pyspark.sql.pandas.types import from_arrow_schema, from_arrow_type, to_arrow_schema
 from pyspark.sql.streaming import DataStreamWriter
 from pyspark.sql.types import (
     BinaryType,
     BooleanType,
     DataType,
     IntegerType,
+    StringType,
     StructField,
     StructType,
     TimestampType,
 )
 
 from enrich import events, joins, packed
-from enrich.columns import BATCH_TIME, BUCKET, FLAT, LATE, MAX_TS, ROWS
+from enrich.columns import BATCH_TIME, BUCKET, FLAT, LATE, MAX_TS, PACK_KIND, RBUCKET, ROLLUP_TIME, ROWS
 from enrich.dimension.ship import Shipped
 from enrich.events import FastEvents
 from enrich.events.fastparse import FastParser
 from enrich.joins.partitioned import PUBLISHED, VALID_FROM_TEXT, PartitionedDim
 from enrich.pipeline import Pipeline
+from enrich.rollups import packs
+from enrich.rollups.spec import RollupSpec
+from enrich.sinks.rollups import rows_of
 from enrich.source import stream_format, tick
-from enrich.state import engine, ingest
+from enrich.state import engine, ingest, rollups
 from enrich.state.cache import TableCache
 from enrich.state.ingest import EventPacker
 from enrich.state.layout import BucketLayout
 from enrich.state.processor import DeviceStateProcessor
 from enrich.state.record import check_checkpoint
+from enrich.state.rollups import RollupProcessor
 from enrich.state.stored import STATE_NAME, stored_spec
 from enrich.state.stream import INITIAL, Fork, Unpack, changelog_key, initial_packer, prepare
 from enrich.state.wait import WaitSpec
@@ -189,7 +194,7 @@ def state_step(spark: SparkSession, pipeline: Pipeline, raw: DataFrame,
     of a checkpoint that began as a fork (:mod:`enrich.origin`), at every start."""
     cfg, st = pipeline.cfg, pipeline.state
     assert cfg.state is not None and st is not None
-    layout = prepare(spark, cfg, pipeline.checkpoint, st.spec, st.dims)
+    layout = prepare(spark, cfg, pipeline.checkpoint, st.spec, st.dims, st.rollups)
     starts = fork.changelogs if fork is not None else {}
     changelogs = [read_stream(spark, cfg.kafka, [d.topic], starting_offsets=starts.get(d.topic, "earliest"))
                   for d in st.dims]
@@ -263,19 +268,39 @@ def attach(raw: DataFrame, pipeline: Pipeline, layout: BucketLayout, changelogs:
     inner = stored_spec(st.spec)
     waits = WaitSpec.of(cfg.waits) if cfg.waits else None
     processor = DeviceStateProcessor(inner, columns, devices, st.dims, cache, waits, floor_us, st.calls, call_counts,
-                                     server_timeout_s=cfg.state.server_timeout.total_seconds())
+                                     server_timeout_s=cfg.state.server_timeout.total_seconds(),
+                                     rollups=st.rollups, rollup_buckets=cfg.state.buckets)
     flat_type = [*inner.output_type(), *[pa.field(n, t) for n, t in (st.calls.result_columns() if st.calls else ())]]
     # What the processor's packed tables hold: the passed columns, the flat state fields (the calls'
     # results last), the late flag.
     flat_schema = StructType([*st.passed, *[StructField(FLAT + f.name, from_arrow_type(f.type), True)
                                             for f in flat_type], StructField(LATE, BooleanType(), True)])
-    stepped = rows.groupBy(BUCKET).transformWithStateInPandas(
-        processor, outputStructType=StructType([StructField(ROWS, BinaryType(), False)]), outputMode="Append",
-        timeMode="EventTime", initialState=initial.groupBy(BUCKET) if initial is not None else None)
+    init = initial.groupBy(BUCKET) if initial is not None else None
+    if not st.rollups:
+        stepped = rows.groupBy(BUCKET).transformWithStateInPandas(
+            processor, outputStructType=StructType([StructField(ROWS, BinaryType(), False)]), outputMode="Append",
+            timeMode="EventTime", initialState=init)
+    else:
+        stepped = rollup_step(rows.groupBy(BUCKET).transformWithStateInPandas(
+            processor, outputStructType=ROLLUP_INPUT, outputMode="Append", timeMode="EventTime", initialState=init,
+            eventTimeColumnName=ROLLUP_TIME), st.rollups, cfg.state.server_timeout.total_seconds())
     unpack = Unpack(to_arrow_schema(flat_schema, timezone=timezone), to_arrow_schema(st.schema, timezone=timezone),
                     tuple(f.name for f in st.passed), st.inner,
                     tuple(n for n, _ in st.calls.result_columns()) if st.calls else ())
-    return StateStream(stepped, unpack, st.schema, cache)
+    return StateStream(stepped, unpack, st.schema, cache, rollups=bool(st.rollups))
+
+
+#: The state step's rows when the job has rollups: the rollup step's input (enrich.state.rollups).
+ROLLUP_INPUT = StructType([StructField(RBUCKET, IntegerType(), False), StructField(ROLLUP_TIME, TimestampType(), False),
+                           StructField(PACK_KIND, StringType(), False), StructField(ROWS, BinaryType(), False)])
+
+
+def rollup_step(stepped: DataFrame, specs: tuple[RollupSpec, ...], server_timeout_s: float) -> DataFrame:
+    """The rollup step after the state step (:class:`enrich.state.rollups.RollupProcessor`), keyed by
+    rollup bucket: the events pass through it; its rows are ``PACK_KIND``, ``ROWS``."""
+    return stepped.groupBy(RBUCKET).transformWithStateInPandas(
+        RollupProcessor(specs, server_timeout_s=server_timeout_s), outputStructType=rollups.OUTPUT,
+        outputMode="Append", timeMode="EventTime")
 
 
 def _changelog_rows(changelog: DataFrame, dim: PartitionedDim, key_type: DataType, layout: BucketLayout,
@@ -310,10 +335,26 @@ class StateStream:
     unpack: Unpack
     schema: StructType
     cache: TableCache | None = None
+    rollups: bool = False           # ``packed`` is the rollup step's output: see :meth:`events`
+
+    def events(self, df: DataFrame) -> DataFrame:
+        """The packed events of ``df``, a batch of :attr:`packed`: with rollups, the rollup step's
+        values holding events (``PACK_KIND``), as the state step's rows without them."""
+        return df.where(F.col(PACK_KIND) == F.lit(packs.EVENTS)).select(ROWS) if self.rollups else df
 
     def frame(self, df: DataFrame | None = None) -> DataFrame:
         """``df`` (default: the stream), packed rows of the step, unpacked in a ``mapInArrow`` pass."""
-        return (self.packed if df is None else df).mapInArrow(self.unpack.batches, self.schema)
+        return self.events(self.packed if df is None else df).mapInArrow(self.unpack.batches, self.schema)
+
+
+def rollup_rows(df: DataFrame, specs: Sequence[RollupSpec]) -> list[DataFrame]:
+    """Each rollup's rows in ``df``, a batch of the rollup step's output, as its output schema."""
+    out = []
+    for i, spec in enumerate(specs):
+        schema = spec.output_schema()
+        out.append(df.where(F.col(PACK_KIND) == F.lit(packs.rows_kind(i))).select(ROWS)
+                   .mapInArrow(functools.partial(rows_of, schema=schema), from_arrow_schema(schema)))
+    return out
 
 
 # ------------------------------------------------------------------------------------------- joins

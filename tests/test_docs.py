@@ -76,6 +76,9 @@ calls:
   - {name: a, url: "http://127.0.0.1:9/a", response: {x: DOUBLE}}
   - {name: b, url: "http://127.0.0.1:9/b", method: GET, body: {v: "{a.x}"}, response: {y: STRING}, refresh: 10m,
      timeout: 1s, retries: {attempts: 2, backoff: 10ms}, concurrency: 8, on_error: dead_letter, needs: [a]}
+rollups:
+  - {name: d_1m, by: [device_id], window: 1m, metrics: {t: [mean, p95]}, correct_for: 1h,
+     output: {parquet: {path: var/d_1m}}}
 """
 OUTPUTS = ("{kafka: {topic: out, transactional_id: tx}}", "{parquet: {path: var/out}}", "{console: {rows: 5}}",
            "{database: {url: 'postgresql://u@h/d', table: t, write: state}, kafka: {topic: out}}")
@@ -130,9 +133,10 @@ def enrich_form(key: str) -> str:
     key = re.sub(r"^spark\..+", "spark.<setting>", key)
     key = re.sub(r"^state\.aggregates\..+", "state.aggregates", key)
     key = re.sub(r"^calls\[\d+\]\.response\..+", "calls[].response", key)
-    if key in ("joins", "calls"):
+    key = re.sub(r"^rollups\[\d+\]\.metrics\..+", "rollups[].metrics", key)
+    if key in ("joins", "calls", "rollups"):
         return key + "[]"
-    return re.sub(r"^(joins|calls)\[\d+\]", r"\1[]", key)
+    return re.sub(r"^(joins|calls|rollups)\[\d+\]", r"\1[]", key)
 
 
 def load_all_refresh(tmp_path: Path) -> RefreshConfig:

@@ -92,6 +92,9 @@ def rescale(cfg: EnrichConfig, partitions: int, *, spark: SparkSession | None = 
         raise ConfigError(f"--partitions {partitions}: the number of state partitions must be positive")
     if cfg.state is None:
         raise ConfigError(f"{cfg.source}: no state: section; only a job's device state is rescaled")
+    if cfg.rollups:
+        raise ConfigError(f"{cfg.source}: rollups ({', '.join(r.name for r in cfg.rollups)}); a rescale does not "
+                          "move their windows yet")
     ck = CheckpointLayout(cfg.checkpoint)
     if not ck.state_record.exists():
         raise RescaleRefused(f"{ck.root}: the job has not run with state: on this checkpoint; its first run "

@@ -103,6 +103,9 @@ def take(cfg: EnrichConfig, to: str | Path, *, spark: SparkSession | None = None
     if cfg.waits:  # the events a waiting join holds are read (their offsets passed) but not in the state
         raise SavepointRefused(f"{cfg.source}: joins wait for completeness ({', '.join(sorted(cfg.waits))}); "
                                "a savepoint does not hold the events they hold")
+    if cfg.rollups:  # a fork would start their windows afresh, writing revisions the original wrote
+        raise SavepointRefused(f"{cfg.source}: rollups ({', '.join(r.name for r in cfg.rollups)}); a savepoint does "
+                               "not hold their windows yet")
     if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
         raise SavepointRefused(f"{directory}: not an empty directory; a savepoint is written to a new or empty one")
     ck = CheckpointLayout(cfg.checkpoint)

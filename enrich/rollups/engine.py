@@ -75,11 +75,13 @@ def state_schema(spec: RollupSpec) -> pa.Schema:
 @dataclass(frozen=True)
 class Advanced:
     """:func:`advance`'s (and :func:`finalize_idle`'s) result: the bucket's new state table, the rows
-    to write (``spec.output_schema()``) and how many windows were dropped from the state."""
+    to write (``spec.output_schema()``), how many windows were dropped from the state, and how many
+    of the batch's events went into windows already final (written as corrections)."""
 
     state: pa.Table
     rows: pa.Table
     evicted: int
+    corrected: int = 0
 
 
 def advance(spec: RollupSpec, state: pa.Table | None, partials: pa.Table | None,
@@ -103,6 +105,8 @@ def advance(spec: RollupSpec, state: pa.Table | None, partials: pa.Table | None,
     touched = np.logical_or.reduceat(order >= stored, starts)
     revision = np.maximum.reduceat(revisions, starts)
     was_final = np.logical_or.reduceat(finals, starts)
+    fresh = np.concatenate([np.zeros(stored, np.int64), as_numpy(batch.column(EVENTS))])[order]
+    corrected = int(np.add.reduceat(fresh, starts)[was_final].sum())
 
     # Only the touched windows have rows to combine; an untouched one is its single stored row.
     rows_touched = np.repeat(touched, sizes)
@@ -123,7 +127,7 @@ def advance(spec: RollupSpec, state: pa.Table | None, partials: pa.Table | None,
     evict = final & (end + spec.correct_for_us <= watermark_us) if watermark_us is not None \
         else np.zeros(len(end), bool)
     new_state = _state(windows, revision, final).filter(pa.array(~evict))
-    return Advanced(new_state, rows, int(evict.sum()))
+    return Advanced(new_state, rows, int(evict.sum()), corrected)
 
 
 def finalize_idle(spec: RollupSpec, state: pa.Table | None) -> Advanced:

@@ -136,5 +136,6 @@ def _wanted(cfg: EnrichConfig) -> dict[str, str | None]:
     out = cfg.output
     if out.kind == "kafka":
         assert out.topic is not None
-        return {out.topic: out.transactional_id}
+        # The rollups' dead letters are the driver's to write, beside the output's tasks.
+        return {out.topic: out.transactional_id, **({cfg.dead_letter_topic: None} if cfg.rollups else {})}
     return {cfg.dead_letter_topic: None}  # the driver's dead-letter writer (enrich.sinks.deadletter)

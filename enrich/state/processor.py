@@ -42,7 +42,18 @@ from pyspark.sql.streaming.stateful_processor import (
 
 from enrich import packed
 from enrich.calls.step import KEY, BucketCalls, CallStep
-from enrich.columns import ERROR, FLAT, LATE, LATE_AT_READ, PROVISIONAL, TS_US
+from enrich.columns import (
+    ERROR,
+    FLAT,
+    LATE,
+    LATE_AT_READ,
+    PACK_KIND,
+    PROVISIONAL,
+    RBUCKET,
+    ROLLUP_TIME,
+    ROWS,
+    TS_US,
+)
 from enrich.ipc import from_ipc, to_ipc
 from enrich.joins import PINNED_PROPERTY
 from enrich.joins.asof import CLIPPED
@@ -55,7 +66,9 @@ from enrich.joins.partitioned import (
     conform,
     lookup,
 )
-from enrich.state import engine, wait
+from enrich.rollups import packs
+from enrich.rollups.spec import RollupSpec
+from enrich.state import engine, rollups, wait
 from enrich.state.cache import TableCache
 from enrich.state.engine import StateSpec
 from enrich.state.stored import (
@@ -87,7 +100,8 @@ class DeviceStateProcessor(StatefulProcessor):
     bucket's ``held`` state variable, and every event gets ``_provisional``); ``floor_us``: a watermark
     floor (event time, microseconds): a job forked from a savepoint (:mod:`enrich.ops.savepoint`)
     judges late events and expiry against the savepoint job's watermark until its own passes it.
-    ``server_timeout_s``: how long a request to the task's state server may go unanswered before it
+    ``rollups``: the rollups the step feeds (:mod:`enrich.state.rollups`), over ``rollup_buckets``
+    buckets of the rollup step; with them the step's rows are the rollup step's input. ``server_timeout_s``: how long a request to the task's state server may go unanswered before it
     fails the task (``state.server_timeout``; a state server thread that died would otherwise leave
     the task, its batch and the query waiting for good)."""
 
@@ -96,11 +110,13 @@ class DeviceStateProcessor(StatefulProcessor):
                  cache: TableCache | None = None, waits: wait.WaitSpec | None = None,
                  floor_us: int | None = None, calls: CallStep | None = None,
                  call_counts: Accumulator[dict[int, dict[str, Any]]] | None = None,
-                 *, server_timeout_s: float = 120.0) -> None:
+                 *, server_timeout_s: float = 120.0, rollups: tuple[RollupSpec, ...] = (),
+                 rollup_buckets: int = 1) -> None:
         self.spec, self.columns, self.devices, self.dims, self.cache = spec, columns, devices, dims, cache
         self.waits, self.floor_us = waits, floor_us
         self.calls, self.call_counts = calls, call_counts
         self.server_timeout_s = server_timeout_s
+        self.rollups, self.rollup_buckets = rollups, rollup_buckets
         self._loaded: str | None = None
         self._sizes = (0, 0)
         self._types = {spec.key: spec.key_type, spec.timestamp: pa.int64(),
@@ -176,9 +192,30 @@ class DeviceStateProcessor(StatefulProcessor):
             if dim.inner:
                 matched = pc.fill_null(out.column(dim.join.matched), False)
                 keep = matched if keep is None else pc.and_(keep, matched)
+        if self.rollups:
+            out = out.append_column(TS_US, table.column(TS_US))
         if keep is not None:
             out = out.filter(pc.or_(keep, pa.array(~ok)))
-        yield packed.pack_output(out)
+        if not self.rollups:
+            yield packed.pack_output(out)
+            return
+        yield self._with_rollups(int(key[0]), out, timerValues)
+
+    def _with_rollups(self, bucket: int, out: pa.Table, timer_values: TimerValues) -> pd.DataFrame:
+        """The step's output for the rollup step (:mod:`enrich.state.rollups`): the events packed as
+        without rollups, in the rollup bucket of their bucket, with each rollup's partials and the
+        dead letters of events beyond a rollup's horizon."""
+        good = out.filter(pc.is_null(out.column(ERROR)))
+        fed = rollups.feed(self.rollups, good, self._watermark(timer_values), self.rollup_buckets)
+        home = bucket % self.rollup_buckets
+        parts = [(home, packs.EVENTS, v) for v in packed.pack_output(out.drop_columns([TS_US]))[ROWS]]
+        parts += fed.parts
+        if fed.dead is not None:
+            parts.append((home, packs.DEAD, to_ipc(fed.dead)))
+        # Just after the batch's watermark: Spark refuses an output time at or behind it.
+        at = pd.Timestamp(max(timer_values.getCurrentWatermarkInMs(), 0) + 1, unit="ms", tz="UTC")
+        return pd.DataFrame({RBUCKET: np.array([p[0] for p in parts], np.int32), ROLLUP_TIME: [at] * len(parts),
+                             PACK_KIND: [p[1] for p in parts], ROWS: [p[2] for p in parts]})
 
     def _wait(self, table: pa.Table | None, watermark_us: int | None) -> pa.Table | None:
         """This batch's events (``table``; None: a tick alone) and the bucket's held ones decided

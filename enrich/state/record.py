@@ -20,6 +20,8 @@ from typing import Any
 from enrich.checkpoint import CheckpointLayout
 from enrich.config import StateConfig
 from enrich.joins.partitioned import PartitionedDim
+from enrich.rollups.engine import state_schema
+from enrich.rollups.spec import RollupSpec
 from enrich.state.engine import StateSpec
 from enrich.state.layout import BucketLayout
 from refstream.atomic import write_json_atomic
@@ -31,6 +33,8 @@ PARTITIONS = "state_partitions"
 BUCKET_IDS = "bucket_ids"
 #: Whether the checkpoint's query waits for completeness (``joins[].wait``).
 WAITS = "waits"
+#: The checkpoint's rollups: what their stored windows' layout depends on.
+ROLLUPS = "rollups"
 
 _RESTORE = "restore it from a backup of the checkpoint, or start a new checkpoint"
 
@@ -47,7 +51,8 @@ def record(cfg: StateConfig, spec: StateSpec, dims: Sequence[PartitionedDim] = (
 
 def check_checkpoint(layout: CheckpointLayout, cfg: StateConfig | None, spec: StateSpec | None,
                      source: str = "config", dims: Sequence[PartitionedDim] = (), *,
-                     partitions: int | None = None, waits: bool | None = None) -> BucketLayout | None:
+                     partitions: int | None = None, waits: bool | None = None,
+                     rollups: Sequence[RollupSpec] | None = None) -> BucketLayout | None:
     """Record the state settings in a new checkpoint; refuse a start whose settings differ from the
     recorded ones (or that adds or removes ``state:`` against a checkpoint that has run). Returns the
     checkpoint's bucket layout (None without ``state:``): a new checkpoint's is even over
@@ -55,7 +60,9 @@ def check_checkpoint(layout: CheckpointLayout, cfg: StateConfig | None, spec: St
     needs) and over every number that divides ``state.buckets``. ``waits``: whether some join waits
     for completeness (``joins[].wait``), which adds an input to the query (the tick source) and
     keeps held events in the state: a start that turns it on or off against a checkpoint that has
-    run is refused (None: not checked)."""
+    run is refused (None: not checked). ``rollups``: the rollups (:mod:`enrich.state.rollups`), whose
+    step and stored windows a start may not add, remove or change against a checkpoint that has run
+    (None: not checked)."""
     checkpoint, path = layout.root, layout.state_record
     if not path.exists():
         if cfg is None:
@@ -70,7 +77,7 @@ def check_checkpoint(layout: CheckpointLayout, cfg: StateConfig | None, spec: St
         assert spec is not None
         even = BucketLayout.even(cfg.buckets, partitions)
         write_json_atomic(path, {**record(cfg, spec, dims), BUCKET_IDS: list(even.ids), PARTITIONS: partitions,
-                                 WAITS: bool(waits)})
+                                 WAITS: bool(waits), ROLLUPS: rollup_record(rollups or ())})
         return even
     kept = read_record(path)
     new = "point checkpoint: at a new directory to start over (device state starts empty)"
@@ -96,9 +103,34 @@ def check_checkpoint(layout: CheckpointLayout, cfg: StateConfig | None, spec: St
             "completeness and whose query has an input (the tick source) it would lose"
         ).format(checkpoint=checkpoint) + f"; put it back, or {new}")
     if waits is not None and was != waits:  # nothing ran yet: the record follows the config
-        write_json_atomic(path, {**kept, WAITS: waits})
+        kept = {**kept, WAITS: waits}
+        write_json_atomic(path, kept)
+    if rollups is not None:
+        kept = _check_rollups(kept, rollup_record(rollups), layout, path, source, new)
     state_partitions(kept, path)
     return bucket_layout(kept, path)
+
+
+def rollup_record(rollups: Sequence[RollupSpec]) -> list[dict[str, Any]]:
+    """What the rollups' stored windows depend on: each one's name, keys, window and stored schema."""
+    return [{"name": r.name, "by": list(r.by), "window_us": r.window_us, "state_schema": str(state_schema(r))}
+            for r in rollups]
+
+
+def _check_rollups(kept: dict[str, Any], now: list[dict[str, Any]], layout: CheckpointLayout, path: Path,
+                   source: str, new: str) -> dict[str, Any]:
+    was = kept.get(ROLLUPS)
+    if was == now:
+        return kept
+    if layout.planned_any():
+        names = [r.get("name") for r in was] if isinstance(was, list) else was
+        raise ConfigError(f"{source}: rollups changed against the checkpoint {layout.root}, whose query ran with "
+                          f"rollups {json.dumps(names)} (their windows are kept in its state, laid out by their "
+                          f"names, by columns, windows and metrics), now {json.dumps([r['name'] for r in now])}; "
+                          f"put them back, or {new}")
+    kept = {**kept, ROLLUPS: now}  # nothing ran yet: the record follows the config
+    write_json_atomic(path, kept)
+    return kept
 
 
 def read_record(path: Path) -> dict[str, Any]:

@@ -37,6 +37,7 @@ from enrich.columns import BUCKET, ERROR, FLAT, LATE, STATE
 from enrich.config import EnrichConfig
 from enrich.ipc import to_ipc
 from enrich.joins.partitioned import PartitionedDim
+from enrich.rollups.spec import RollupSpec
 from enrich.session import SHUFFLE_PARTITIONS
 from enrich.state.engine import StateSpec
 from enrich.state.layout import BucketLayout
@@ -73,7 +74,7 @@ class Fork:
 
 
 def prepare(spark: SparkSession, cfg: EnrichConfig, ck: CheckpointLayout, spec: StateSpec,
-            dims: Sequence[PartitionedDim]) -> BucketLayout:
+            dims: Sequence[PartitionedDim], rollups: Sequence[RollupSpec] = ()) -> BucketLayout:
     """The state step checked against the checkpoint ``ck`` before the query starts, and its bucket
     layout: a start on a rescale that did not finish is refused; a warning when the config's
     ``spark.sql.shuffle.partitions`` is not the number the checkpoint runs with, or the buckets
@@ -86,7 +87,8 @@ def prepare(spark: SparkSession, cfg: EnrichConfig, ck: CheckpointLayout, spec: 
                           f"finish; run enrich rescale --partitions {pending} again before the job")
     # A new checkpoint's state partitions: Spark keeps this number in the offset log at its first batch.
     session = int(spark.conf.get(SHUFFLE_PARTITIONS) or "200")
-    layout = check_checkpoint(ck, cfg.state, spec, cfg.source, dims, partitions=session, waits=bool(cfg.waits))
+    layout = check_checkpoint(ck, cfg.state, spec, cfg.source, dims, partitions=session, waits=bool(cfg.waits),
+                              rollups=rollups)
     assert layout is not None
     planned = ck.planned()
     recorded = ck.recorded_partitions(planned[-1]) if planned else None

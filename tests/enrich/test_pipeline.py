@@ -94,3 +94,46 @@ def c_data() -> dict[str, Any]:
             "events": {"topic": "ev", "schema": "device_id STRING, site_id STRING, ts TIMESTAMP, temp DOUBLE"},
             "output": {"kafka": {"topic": "out"}}, "dead_letter_topic": "dlq", "checkpoint": "ck",
             "state": {"key": "device_id", "timestamp": "ts", "aggregates": {"temp": ["mean"], "region": ["last"]}}}
+
+
+def with_rollups(*rollups: dict[str, Any]) -> config.EnrichConfig:
+    data = {"kafka": {"bootstrap_servers": "127.0.0.1:9"},
+            "events": {"topic": "ev", "schema": "device_id STRING, site_id STRING, ts TIMESTAMP, temp DOUBLE"},
+            "joins": [{"dataset": "models", "on": {"model_id": "id"}, "columns": ["model_name"]},
+                      {"dataset": "sites", "on": "site_id"},
+                      {"dataset": "devices", "on": "device_id", "strategy": "partitioned"}],
+            "output": {"kafka": {"topic": "out"}}, "dead_letter_topic": "dlq", "checkpoint": "ck",
+            "state": {"key": "device_id", "timestamp": "ts", "ttl": "2h"},
+            "rollups": [{"output": {"parquet": {"path": f"rollups/{r['name']}"}}, **r} for r in rollups]}
+    return config.parse(data, "test.yaml")
+
+
+def test_a_rollup_by_a_join_column_moves_its_join_before_the_state_step(spark: SparkSession) -> None:
+    p = Pipeline.build(with_rollups(
+        {"name": "region_1h", "by": ["region"], "window": "1h", "metrics": {"temp": ["mean", "p95"]}},
+        {"name": "device_1m", "by": ["device_id"], "window": "1m", "correct_for": "10m",
+         "metrics": {"temp": ["max"], "model_id": ["count_distinct"]}}), SCHEMAS)
+    assert p.state is not None
+    assert [j.dataset for j in p.state.before] == ["sites"]           # the rollup groups by region
+    assert [(s.kind, s.name) for s in p.stages()][4:7] == [
+        ("state", "keyed by device_id"), ("rollup", "region_1h"), ("rollup", "device_1m")]
+    region, device = p.state.rollups
+    assert region.correct_for_us == 2 * 3600 * 10**6                  # the default: state.ttl
+    assert (device.window_us, device.correct_for_us) == (60 * 10**6, 600 * 10**6)
+    assert [str(t) for t in region.by_types] == ["string"]
+    assert "by region per 3600s window, temp mean/p95, corrected for 7200s" in p.stages()[5].where
+
+
+def test_a_rollup_column_the_state_step_cannot_see_is_refused(spark: SparkSession) -> None:
+    # model_name comes from models, which joins on a column of the partitioned devices join.
+    with pytest.raises(ConfigError, match=r"^test\.yaml: rollups\[0\] \(m\)\.by: 'model_name' comes from a join "
+                                          r"that cannot run before the state step"):
+        Pipeline.build(with_rollups({"name": "m", "by": ["model_name"], "window": "1m",
+                                     "metrics": {"temp": ["mean"]}}), SCHEMAS)
+    with pytest.raises(ConfigError, match=r"^test\.yaml: rollups\[0\] \(m\)\.metrics\.humidity: no such column"):
+        Pipeline.build(with_rollups({"name": "m", "by": ["device_id"], "window": "1m",
+                                     "metrics": {"humidity": ["mean"]}}), SCHEMAS)
+    with pytest.raises(ConfigError, match=r"rollups\[0\] \(m\): rollup 'm': metric\(s\) \['mean'\] need a numeric "
+                                          r"column; 'site_id' is string"):
+        Pipeline.build(with_rollups({"name": "m", "by": ["device_id"], "window": "1m",
+                                     "metrics": {"site_id": ["mean"]}}), SCHEMAS)

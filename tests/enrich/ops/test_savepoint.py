@@ -120,6 +120,15 @@ def test_refused_for_a_job_whose_joins_wait(tmp_path: Path, capsys: pytest.Captu
     assert not (tmp_path / "new").exists()
 
 
+def test_refused_for_a_job_with_rollups(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write_config(tmp_path, rollups=[{"name": "d_1m", "by": ["device_id"], "window": "1m",
+                                            "metrics": {"temp": ["mean"]},
+                                            "output": {"parquet": {"path": str(tmp_path / "r")}}}])
+    checkpoint(tmp_path)
+    assert cli.main(["savepoint", "--config", str(path), "--to", str(tmp_path / "new")]) == 2
+    assert "rollups (d_1m); a savepoint does not hold their windows yet" in capsys.readouterr().err
+
+
 def test_a_fork_is_refused_on_a_checkpoint_with_batches(tmp_path: Path) -> None:
     ck = checkpoint(tmp_path)
     batch(ck, 2, 2)

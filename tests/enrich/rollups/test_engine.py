@@ -261,3 +261,14 @@ def test_micro_batches_in_any_order_end_as_a_batch_recompute_of_the_events_count
                 assert last[name] == pytest.approx(value, rel=1e-12), (key, name)
             else:
                 assert last[name] == value, (key, name, last[name], value)
+
+
+def test_the_events_folded_into_final_windows_are_counted_as_corrected() -> None:
+    steps = [([("a", 10, 1.0), ("b", 20, 2.0)], None, 0),      # provisional
+             ([("a", 30, 1.0), ("b", W + 5, 1.0)], W, 0),      # window 0 turns final in this batch: not a correction
+             ([("a", 40, 1.0), ("a", 50, 2.0), ("b", 60, 3.0), ("b", W + 6, 1.0)], W + 10, 3)]  # 3 into window 0
+    state = None
+    for rows, watermark, corrected in steps:
+        got = engine.advance(SPEC, state, partial.partials(SPEC, events(rows)), watermark)
+        assert got.corrected == corrected
+        state = got.state

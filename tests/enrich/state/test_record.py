@@ -123,3 +123,24 @@ def test_waiting_turned_on_or_off_against_a_checkpoint_that_ran_is_refused(tmp_p
     check_checkpoint(old, CFG, SPEC, waits=False)
     with pytest.raises(ConfigError, match=r"joins\[\]\.wait: complete is new against the checkpoint"):
         check_checkpoint(old, CFG, SPEC, waits=True)
+
+
+def test_rollups_added_removed_or_changed_against_a_checkpoint_that_ran_are_refused(tmp_path: Path) -> None:
+    from enrich.rollups.spec import RollupSpec
+
+    r1m = RollupSpec(name="d_1m", by=("device_id",), by_types=(pa.string(),), window_us=60_000_000,
+                     correct_for_us=60_000_000, metrics=(("t", ("mean",), pa.float64()),))
+    ck = CheckpointLayout(tmp_path)
+    check_checkpoint(ck, CFG, SPEC, partitions=2, rollups=())
+    check_checkpoint(ck, CFG, SPEC, rollups=(r1m,))   # nothing ran yet: the record follows
+    assert [r["name"] for r in json.loads(ck.state_record.read_text())["rollups"]] == ["d_1m"]
+    ck.offsets.mkdir(parents=True)
+    (ck.offsets / "0").write_text("v1")
+    check_checkpoint(ck, CFG, SPEC, rollups=(r1m,))
+    # A longer horizon keeps the stored windows' layout: allowed.
+    check_checkpoint(ck, CFG, SPEC, rollups=(RollupSpec(**{**r1m.__dict__, "correct_for_us": 120_000_000}),))
+    for other in [(), (RollupSpec(**{**r1m.__dict__, "window_us": 120_000_000}),),
+                  (r1m, RollupSpec(**{**r1m.__dict__, "name": "d_2m"}))]:
+        with pytest.raises(ConfigError, match=r"rollups changed against the checkpoint .* ran with rollups "
+                                              r"\[\"d_1m\"\]"):
+            check_checkpoint(ck, CFG, SPEC, rollups=other)

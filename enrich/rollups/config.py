@@ -1,0 +1,108 @@
+"""The ``rollups:`` section of enrich.yaml as frozen dataclasses (the semantics: docs/rollups.md)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+from enrich.rollups.spec import METRICS, Metric
+from refstream.config import Section
+
+__all__ = ["RollupConfig", "RollupOutput", "parse_rollups"]
+
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RollupOutput:
+    """Where a rollup's rows go: ``parquet`` a directory of the rollup's own (every revision
+    appended, a ``batch_id=<N>`` directory per micro-batch)."""
+
+    parquet: Path
+
+
+@dataclass(frozen=True, kw_only=True)
+class RollupConfig:
+    """One rollup: events grouped by the ``by`` columns (event fields or columns a join adds) and a
+    tumbling event-time ``window`` aligned to the epoch, ``metrics`` per column, corrected for
+    ``correct_for`` after a window's end (None: the state's ttl)."""
+
+    name: str
+    by: tuple[str, ...]
+    window: timedelta
+    metrics: tuple[tuple[str, tuple[Metric, ...]], ...]
+    output: RollupOutput
+    correct_for: timedelta | None = None
+
+    @property
+    def columns(self) -> tuple[str, ...]:
+        """Every event column the rollup reads: its ``by`` columns, then its metrics' columns."""
+        return (*self.by, *[c for c, _ in self.metrics if c not in self.by])
+
+
+def parse_rollups(top: Section, has_state: bool) -> tuple[RollupConfig, ...]:
+    """The ``rollups:`` list of ``top``; a :class:`ConfigError` naming the rollup and key at fault."""
+    raw = top.raw("rollups", [])
+    if not isinstance(raw, list):
+        raise top.error(f"expected a list of rollups, got {raw!r}", "rollups")
+    if raw and not has_state:
+        raise top.error("rollups need a state: section (its timestamp is the events' time, its watermark "
+                        "says when a window is final)", "rollups")
+    rollups = tuple(_rollup(Section(r, f"rollups[{i}]", top.source)) for i, r in enumerate(raw))
+    for i, r in enumerate(rollups):
+        if any(o.name == r.name for o in rollups[:i]):
+            raise top.error(f"rollup name {r.name!r} is used twice", f"rollups[{i}].name")
+        for o in rollups[:i]:
+            if o.output.parquet.resolve() == r.output.parquet.resolve():
+                raise top.error(f"rollups {o.name!r} and {r.name!r} write the same directory; give each its own",
+                                f"rollups[{i}].output.parquet")
+    return rollups
+
+
+def _rollup(sec: Section) -> RollupConfig:
+    name = sec.get("name", str)
+    if not _NAME.match(name):
+        raise sec.error(f"{name!r} is not a name (letters, digits and _, not first a digit)", "name")
+    by = tuple(sec.str_list("by"))
+    if not by or len(set(by)) != len(by):
+        raise sec.error(f"expected one or more distinct columns, got {list(by)}", "by")
+    window = sec.duration("window")
+    if window <= timedelta(0) or window % timedelta(milliseconds=1):
+        raise sec.error("must be a positive whole number of milliseconds", "window")
+    correct_for = sec.duration("correct_for") if sec.has("correct_for") else None
+    if correct_for is not None and correct_for <= timedelta(0):
+        raise sec.error("must be positive", "correct_for")
+    metrics = _metrics(sec.section("metrics"))
+    out = sec.section("output")
+    if not out.has("parquet"):
+        raise out.error("a rollup needs an output: parquet: {path: ...}")
+    pq = out.section("parquet")
+    output = RollupOutput(parquet=Path(pq.get("path", str)))
+    pq.done()
+    out.done()
+    cfg = RollupConfig(name=name, by=by, window=window, metrics=metrics, output=output, correct_for=correct_for)
+    sec.done()
+    return cfg
+
+
+def _metrics(sec: Section) -> tuple[tuple[str, tuple[Metric, ...]], ...]:
+    out: list[tuple[str, tuple[Metric, ...]]] = []
+    for column in list(sec.data):
+        raw = sec.raw(column)
+        names = [raw] if isinstance(raw, str) else raw
+        if not isinstance(column, str) or not column:
+            raise sec.error(f"expected a column name, got {column!r}")
+        if not isinstance(names, list) or not names:
+            raise sec.error(f"expected a list of metrics ({', '.join(METRICS)}), got {raw!r}", column)
+        for m in names:
+            if m not in METRICS:
+                raise sec.error(f"{m!r} is not one of {', '.join(METRICS)}", column)
+        if len(set(names)) != len(names):
+            raise sec.error(f"a metric is listed twice: {names}", column)
+        out.append((column, tuple(names)))
+    if not out:
+        raise sec.error("expected at least one column and its metrics")
+    sec.done()
+    return tuple(out)

@@ -1,0 +1,28 @@
+"""What the rollup steps' packed values hold (``PACK_KIND`` beside each; :mod:`enrich.state.rollups`)."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+__all__ = ["BEYOND", "COUNTS", "COUNTS_SCHEMA", "DEAD", "EVENTS", "RESULTS", "partial_kind", "rows_kind"]
+
+#: Events (as the state step emits them), dead letters (``enrich.sinks.deadletter.COLUMNS``) and
+#: counts (:data:`COUNTS_SCHEMA`).
+EVENTS, DEAD, COUNTS = "events", "dead", "counts"
+#: The dead-letter reason of an event beyond a rollup's correction horizon (the rollups named after it).
+BEYOND = "beyond the rollup horizon"
+#: What became of a rollup's events: in a window not final yet, in a final one (a correction), or
+#: beyond its horizon (a dead letter).
+RESULTS = ("counted", "corrected", "beyond_horizon")
+COUNTS_SCHEMA = pa.schema([pa.field("rollup", pa.string(), False), pa.field("result", pa.string(), False),
+                           pa.field("events", pa.int64(), False)])
+
+
+def partial_kind(i: int) -> str:
+    """Rollup ``i``'s partial aggregates (a window table), from the state step to the rollup step."""
+    return f"partial:{i}"
+
+
+def rows_kind(i: int) -> str:
+    """Rollup ``i``'s rows written (its output schema), from the rollup step to the job's batch."""
+    return f"rollup:{i}"

@@ -1,0 +1,249 @@
+"""The rollups in the running query: the state step feeds them, a second keyed step keeps their
+windows (semantics: docs/rollups.md; the pure engine: :mod:`enrich.rollups`).
+
+::
+
+    state step (per device bucket)      the batch's events, each rollup's partial aggregates of the
+                                        events within its horizon (:func:`feed`), a dead letter per
+                                        event beyond the horizon of one or more rollups, counts
+    rollup step (per rollup bucket)     the events passed on; each rollup's windows of the bucket
+                                        folded with the partials (:class:`RollupProcessor`) and
+                                        written provisional, final or as a correction; timers at
+                                        window ends make windows final when the watermark passes
+
+Both steps emit packed values (:mod:`enrich.packed`) with their kind beside them (``PACK_KIND``:
+:mod:`enrich.rollups.packs`); the job's batch
+splits the rollup step's output by kind. A rollup's partials go to the rollup bucket of their
+``by`` values, so each (keys, window) lives in one bucket; the events go on in the bucket of their
+device bucket. Spark's watermark reaches the rollup step through the state step's output time
+column (``ROLLUP_TIME``): the batch's watermark plus 1 ms, which Spark accepts as not late.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+from pyspark.sql.streaming.stateful_processor import (
+    ExpiredTimerInfo,
+    StatefulProcessor,
+    StatefulProcessorHandle,
+    TimerValues,
+)
+from pyspark.sql.types import BinaryType, StringType, StructField, StructType
+
+from enrich.columns import ERROR, PACK_KIND, ROWS, TS_US
+from enrich.ipc import from_ipc, to_ipc
+from enrich.rollups import engine, partial
+from enrich.rollups.packs import BEYOND, COUNTS, COUNTS_SCHEMA, partial_kind, rows_kind
+from enrich.rollups.spec import EVENTS as EVENT_COUNT
+from enrich.rollups.spec import FINAL, WINDOW_START, RollupSpec
+from enrich.state.hashing import buckets_of
+from enrich.state.stored import VALUE_SCHEMA
+from enrich.worker import settle
+from refstream.compat import spark_state_server_timeout
+
+__all__ = ["OUTPUT", "Fed", "RollupProcessor", "feed", "state_name"]
+
+#: The rollup step's output: what each packed value holds, and the value.
+OUTPUT = StructType([StructField(PACK_KIND, StringType(), False), StructField(ROWS, BinaryType(), False)])
+
+
+def _dead(events: pa.Table, reasons: list[str]) -> pa.Table:
+    """Dead letters (``DEAD_COLUMNS``) of good ``events`` inside the step, where their Kafka bytes
+    are no longer kept: the value is the event as parsed, as JSON (its own columns and those the
+    joins before the step added; times in ISO 8601), the key as read when it was kept."""
+    own = [c for c in events.column_names if not c.startswith("_")]
+    values = [json.dumps(row, default=_text, separators=(",", ":")).encode() for row in events.select(own).to_pylist()]
+    n = events.num_rows
+    key = events.column("_key") if "_key" in events.column_names else pa.nulls(n, pa.binary())
+    return pa.table({ERROR: pa.array(reasons, pa.string()), "_key": key.cast(pa.binary()),
+                     "_value": pa.array(values, pa.binary()), "_topic": events.column("_topic"),
+                     "_partition": events.column("_partition"), "_offset": events.column("_offset")})
+
+
+def _text(value: object) -> str:
+    return value.isoformat() if hasattr(value, "isoformat") else str(value)
+
+
+@dataclass(frozen=True)
+class Fed:
+    """What the state step hands the rollup step for one bucket and batch besides its events:
+    ``parts`` (rollup bucket, kind, packed value), and the dead letters of the events beyond a
+    rollup's horizon (``DEAD_COLUMNS``; None: none)."""
+
+    parts: list[tuple[int, str, bytes]]
+    dead: pa.Table | None
+
+
+def _route(table: pa.Table, by: Sequence[str], buckets: int) -> np.ndarray:
+    """The rollup bucket of every row's ``by`` values: a hash of their text (a null apart from any text)."""
+    texts = [pc.fill_null(pc.cast(table.column(b), pa.string()), "\x00") for b in by]
+    key = texts[0] if len(texts) == 1 else pc.binary_join_element_wise(*texts, "\x1f")
+    return buckets_of(key, buckets)
+
+
+def feed(specs: Sequence[RollupSpec], events: pa.Table, watermark_us: int | None, buckets: int) -> Fed:
+    """The state step's part for one bucket: ``events`` (the batch's good events, with ``_ts_us``,
+    ``_partition``, ``_offset`` and the dead-letter columns) to each rollup's partials per rollup
+    bucket, leaving out the events beyond its horizon as of ``watermark_us``, and the counts of both."""
+    ts = partial.as_numpy(events.column(TS_US)) if events.num_rows else np.zeros(0, np.int64)
+    parts: list[tuple[int, str, bytes]] = []
+    beyond_any = np.zeros(len(ts), bool)
+    names: list[list[str]] = [[] for _ in range(len(ts))]
+    counts: list[tuple[str, str, int]] = []
+    for i, spec in enumerate(specs):
+        beyond = engine.beyond_horizon(spec, ts, watermark_us)
+        within = events.filter(pa.array(~beyond)) if beyond.any() else events
+        if beyond.any():
+            beyond_any |= beyond
+            for j in np.flatnonzero(beyond).tolist():
+                names[j].append(spec.name)
+            counts.append((spec.name, "beyond_horizon", int(beyond.sum())))
+        if within.num_rows == 0:
+            continue
+        windows = partial.partials(spec, within)
+        rb = _route(windows, spec.by, buckets)
+        order = np.argsort(rb, kind="stable")
+        ids = rb[order]
+        starts = np.concatenate([[0], np.flatnonzero(np.diff(ids)) + 1])
+        ordered = windows.take(pa.array(order))
+        for s, e in zip(starts.tolist(), [*starts[1:].tolist(), len(ids)], strict=True):
+            parts.append((int(ids[s]), partial_kind(i), to_ipc(ordered.slice(s, e - s))))
+    dead = None
+    if beyond_any.any():
+        dead = _dead(events.filter(pa.array(beyond_any)),
+                     [f"{BEYOND}: {', '.join(n)}" for n, b in zip(names, beyond_any.tolist(), strict=True) if b])
+    if counts:
+        parts.append((0, COUNTS, to_ipc(pa.Table.from_pylist(
+            [{"rollup": r, "result": k, "events": n} for r, k, n in counts], schema=COUNTS_SCHEMA))))
+    return Fed(parts, dead)
+
+
+class RollupProcessor(StatefulProcessor):
+    """The rollup step: one call per rollup bucket and micro-batch. Passes every packed value but a
+    rollup's partials on; folds each rollup's partials into the bucket's windows of it
+    (:func:`enrich.rollups.engine.advance`) and emits the rows written (``rollup:<i>``) and the
+    batch's counts (``counted``: events into windows not yet final; ``corrected``: into final ones).
+    One event-time timer per bucket, at the next window end (or horizon) the watermark must reach,
+    makes windows final (and drops them) in batches that bring the bucket nothing."""
+
+    def __init__(self, specs: tuple[RollupSpec, ...], *, server_timeout_s: float = 120.0) -> None:
+        self.specs, self.server_timeout_s = specs, server_timeout_s
+
+    def init(self, handle: StatefulProcessorHandle) -> None:
+        spark_state_server_timeout(handle, self.server_timeout_s)
+        self.handle = handle
+        self.values = [handle.getValueState(state_name(s), VALUE_SCHEMA) for s in self.specs]
+
+    def handleInputRows(self, key: Any, rows: Iterator[pd.DataFrame],  # type: ignore[override]
+                        timerValues: TimerValues) -> Iterator[pd.DataFrame]:
+        settle()
+        kinds: list[str] = []
+        values: list[bytes] = []
+        partials: dict[int, list[pa.Table]] = {}
+        for pdf in rows:
+            for kind, value in zip(pdf.iloc[:, -2], pdf.iloc[:, -1], strict=True):
+                if kind.startswith("partial:"):
+                    partials.setdefault(int(kind[len("partial:"):]), []).append(from_ipc(value))
+                else:
+                    kinds.append(kind)
+                    values.append(value)
+        watermark = _watermark_us(timerValues)
+        counts = []
+        for i in sorted(partials):
+            spec, parts = self.specs[i], partials[i]
+            batch = pa.concat_tables(parts) if len(parts) > 1 else parts[0]
+            adv = engine.advance(spec, self._load(i), batch, watermark)
+            self._store(i, adv.state)
+            events = int(pc.sum(batch.column(EVENT_COUNT)).as_py() or 0)
+            counts += [(spec.name, "counted", events - adv.corrected), (spec.name, "corrected", adv.corrected)]
+            if adv.rows.num_rows:
+                kinds.append(rows_kind(i))
+                values.append(to_ipc(adv.rows))
+        self._advance_rest(set(partials), watermark, kinds, values)
+        if counts:
+            kinds.append(COUNTS)
+            values.append(to_ipc(pa.Table.from_pylist(
+                [{"rollup": r, "result": k, "events": n} for r, k, n in counts if n], schema=COUNTS_SCHEMA)))
+        self._timer()
+        if kinds:
+            yield pd.DataFrame({PACK_KIND: kinds, ROWS: values})
+
+    def handleExpiredTimer(self, key: Any, timerValues: TimerValues,
+                           expiredTimerInfo: ExpiredTimerInfo) -> Iterator[pd.DataFrame]:
+        kinds: list[str] = []
+        values: list[bytes] = []
+        self._advance_rest(set(), _watermark_us(timerValues), kinds, values)
+        self._timer()
+        if kinds:
+            yield pd.DataFrame({PACK_KIND: kinds, ROWS: values})
+
+    def _advance_rest(self, done: set[int], watermark: int | None, kinds: list[str], values: list[bytes]) -> None:
+        """The rollups of the bucket the batch brought no partials for: windows the watermark has
+        reached written final, those past the horizon dropped."""
+        if watermark is None:
+            return
+        for i, spec in enumerate(self.specs):
+            if i in done:
+                continue
+            state = self._load(i)
+            due = _next_due(spec, state) if state is not None else None
+            if due is None or due > watermark:
+                continue
+            adv = engine.advance(spec, state, None, watermark)
+            self._store(i, adv.state)
+            if adv.rows.num_rows:
+                kinds.append(rows_kind(i))
+                values.append(to_ipc(adv.rows))
+
+    def _load(self, i: int) -> pa.Table | None:
+        got = self.values[i].get()
+        return engine.state_from_ipc(got[0], self.specs[i]) if got is not None else None
+
+    def _store(self, i: int, state: pa.Table) -> None:
+        if state.num_rows:
+            self.values[i].update((engine.state_to_ipc(state),))
+        else:
+            self.values[i].clear()
+
+    def _timer(self) -> None:
+        """One timer at the earliest time any rollup of the bucket needs the watermark to reach."""
+        due = [d for i, s in enumerate(self.specs) if (st := self._load(i)) is not None
+               and (d := _next_due(s, st)) is not None]
+        want = [-(-min(due) // 1000)] if due else []  # milliseconds, rounded up: never early
+        timers = list(self.handle.listTimers())
+        if timers == want:
+            return
+        for timer in timers:
+            self.handle.deleteTimer(timer)
+        for timer in want:
+            self.handle.registerTimer(timer)
+
+    def close(self) -> None:
+        pass
+
+
+def state_name(spec: RollupSpec) -> str:
+    """The rollup's state variable in the rollup step: its windows of the bucket."""
+    return f"rollup_{spec.name}"
+
+
+def _next_due(spec: RollupSpec, state: pa.Table) -> int | None:
+    """The earliest watermark (µs) at which a window of ``state`` becomes final or leaves the state."""
+    if state.num_rows == 0:
+        return None
+    end = partial.as_numpy(state.column(WINDOW_START)) + spec.window_us
+    final = partial.as_numpy(state.column(FINAL)).astype(bool)
+    return int(np.min(np.where(final, end + spec.correct_for_us, end)))
+
+
+def _watermark_us(timer_values: TimerValues) -> int | None:
+    ms = timer_values.getCurrentWatermarkInMs()
+    return ms * 1000 if ms > 0 else None

@@ -1,0 +1,59 @@
+"""The state step's part of the rollups (``enrich.state.rollups.feed``): partials routed by their
+keys, events beyond a horizon left out of that rollup and dead-lettered once, with their counts."""
+
+from __future__ import annotations
+
+import json
+
+import pyarrow as pa
+
+from enrich.ipc import from_ipc
+from enrich.rollups.packs import COUNTS, partial_kind
+from enrich.rollups.spec import RollupSpec
+from enrich.state.rollups import feed
+
+MIN = 60_000_000
+DEVICE = RollupSpec(name="device_1m", by=("device_id",), by_types=(pa.string(),), window_us=MIN,
+                    correct_for_us=2 * MIN, metrics=(("temp", ("mean",), pa.float64()),))
+SITE = RollupSpec(name="site_1h", by=("site",), by_types=(pa.string(),), window_us=60 * MIN,
+                  correct_for_us=30 * MIN, metrics=(("temp", ("max",), pa.float64()),))
+
+
+def good_events(rows: list[tuple[str, str, int, float]]) -> pa.Table:
+    """(device, site, minute, temp) as the state step holds its good events (no Kafka bytes kept)."""
+    n = len(rows)
+    return pa.table({"device_id": [r[0] for r in rows], "site": [r[1] for r in rows],
+                     "temp": pa.array([r[3] for r in rows], pa.float64()),
+                     "_ts_us": pa.array([r[2] * MIN for r in rows], pa.int64()),
+                     "_key": pa.nulls(n, pa.binary()), "_value": pa.nulls(n, pa.binary()),
+                     "_topic": ["ev"] * n, "_partition": pa.array([0] * n, pa.int32()),
+                     "_offset": pa.array(range(n), pa.int64())})
+
+
+def test_partials_go_to_the_bucket_of_their_keys_and_late_events_beyond_a_horizon_are_dead_letters() -> None:
+    events = good_events([("a", "s1", 100, 1.0), ("b", "s1", 100, 2.0), ("c", "s2", 101, 3.0),
+                          ("a", "s1", 96, 4.0),     # window 96's end + 2m = 99m <= 100m: beyond device_1m only
+                          ("b", "s1", 30, 5.0)])    # beyond both (site_1h: 60m + 30m <= 100m)
+    fed = feed((DEVICE, SITE), events, watermark_us=100 * MIN, buckets=4)
+    parts = {}
+    for bucket, kind, value in fed.parts:
+        parts.setdefault(kind, []).append((bucket, from_ipc(value)))
+    devices = [(b, d) for b, t in parts[partial_kind(0)] for d in t.column("device_id").to_pylist()]
+    assert sorted(d for _, d in devices) == ["a", "b", "c"]             # window 100 of a and b, 101 of c
+    assert len({b for b, d in devices if d == "a"}) == 1
+    sites = sorted((s, e) for _, t in parts[partial_kind(1)] for s, e in zip(t.column("site").to_pylist(),
+                                                                            t.column("_events").to_pylist(), strict=True))
+    assert sites == [("s1", 3), ("s2", 1)]                               # the event at minute 96 counts here
+    [(_, counts)] = parts[COUNTS]
+    assert counts.to_pylist() == [{"rollup": "device_1m", "result": "beyond_horizon", "events": 2},
+                                  {"rollup": "site_1h", "result": "beyond_horizon", "events": 1}]
+    assert fed.dead is not None
+    assert fed.dead.column("_error").to_pylist() == ["beyond the rollup horizon: device_1m",
+                                                     "beyond the rollup horizon: device_1m, site_1h"]
+    assert fed.dead.column("_offset").to_pylist() == [3, 4]
+    assert json.loads(fed.dead.column("_value")[1].as_py()) == {"device_id": "b", "site": "s1", "temp": 5.0}
+
+
+def test_without_a_watermark_nothing_is_beyond_a_horizon() -> None:
+    fed = feed((DEVICE,), good_events([("a", "s1", 1, 1.0), ("a", "s1", 500, 2.0)]), watermark_us=None, buckets=2)
+    assert fed.dead is None and [k for _, k, _ in fed.parts] == [partial_kind(0)] * len(fed.parts)

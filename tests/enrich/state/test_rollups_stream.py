@@ -1,0 +1,142 @@
+"""Rollups in the running job (enrich/state/rollups.py), on real Spark (local) and the real broker:
+provisional, final and corrected rows over micro-batches, the events beyond the horizon
+dead-lettered, and the latest rows equal to a batch recompute of the counted events."""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import pyarrow.parquet as pq
+import pytest
+from pyspark.sql import SparkSession
+
+from enrich import config
+from enrich.job import EnrichJob
+from refstream.contract import Column, DatasetSchema
+from tests.enrich.helpers import changelog, produce_events, publish, read_all
+
+pytestmark = pytest.mark.integration
+
+DEVICES = DatasetSchema("devices", ("device_id",), (Column("device_id", "string"), Column("site", "string")))
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+
+
+def at(minutes: float) -> str:
+    return (T0 + timedelta(minutes=minutes)).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+def make_config(kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path) -> dict[str, Any]:
+    return {
+        "kafka": {"bootstrap_servers": kafka["bootstrap.servers"]},
+        "events": {"topic": unique("events"), "schema": "device_id STRING, ts TIMESTAMP, temp DOUBLE, n INT",
+                   "starting_offsets": "earliest"},
+        "joins": [{"dataset": "devices", "topic": unique("ref.devices"), "on": "device_id"}],
+        "output": {"parquet": {"path": str(tmp_path / "events")}},
+        "dead_letter_topic": unique("dlq"),
+        "checkpoint": str(tmp_path / "checkpoint"),
+        "max_events_per_batch": 4,
+        "state": {"key": "device_id", "timestamp": "ts", "ttl": "10m", "watermark": "1m", "buckets": 4},
+        "rollups": [
+            {"name": "device_1m", "by": ["device_id"], "window": "1m", "correct_for": "3m",
+             "metrics": {"temp": ["count", "min", "max", "mean", "sum", "p95", "last"]},
+             "output": {"parquet": {"path": str(tmp_path / "device_1m")}}},
+            {"name": "site_5m", "by": ["site"], "window": "5m", "correct_for": "10m",
+             "metrics": {"temp": ["mean"], "device_id": ["count_distinct"]},
+             "output": {"parquet": {"path": str(tmp_path / "site_5m")}}},
+        ],
+    }
+
+
+def rows_of(path: Path) -> pd.DataFrame:
+    return pq.read_table(path, partitioning="hive").to_pandas() if any(path.glob("batch_id=*")) else pd.DataFrame()
+
+
+def latest(rows: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
+    return rows.sort_values("_revision").groupby([*keys, "window_start"], dropna=False).tail(1)
+
+
+def test_rollups_are_provisional_then_final_then_corrected_and_equal_a_recompute(
+        spark: SparkSession, kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    data = make_config(kafka, unique, tmp_path)
+    publish(kafka, data["joins"][0]["topic"], changelog(DEVICES, [{"device_id": "a", "site": "s1"},
+                                                                  {"device_id": "b", "site": "s1"}]))
+    events = [
+        # batch 0 (no watermark yet): windows 0 and 1 of a and b
+        {"device_id": "a", "ts": at(0.1), "temp": 10.0, "n": 1},
+        {"device_id": "a", "ts": at(0.5), "temp": 20.0, "n": 2},
+        {"device_id": "b", "ts": at(0.2), "temp": 5.0, "n": 3},
+        {"device_id": "a", "ts": at(1.2), "temp": 30.0, "n": 4},
+        # batch 1 (watermark 0.2m): time moves to 6m; window 0 is not reached yet
+        {"device_id": "a", "ts": at(6.0), "temp": 1.0, "n": 5},
+        {"device_id": "b", "ts": at(6.5), "temp": 2.0, "n": 6},
+        {"device_id": "b", "ts": at(3.0), "temp": 4.0, "n": 7},
+        {"device_id": "a", "ts": at(6.1), "temp": 3.0, "n": 8},
+        # batch 2 (watermark 5.5m): windows 0-5 of device_1m final, site_5m's window 0 final;
+        # late events: a's window 1 (within 3m of its end? 2m + 3m = 5m <= 5.5m: beyond) and window 4
+        {"device_id": "a", "ts": at(1.9), "temp": 99.0, "n": 9},     # device_1m: beyond; site_5m: corrects
+        {"device_id": "b", "ts": at(4.5), "temp": 7.0, "n": 10},     # both: corrections (5m + 3m > 5.5m)
+        {"device_id": "a", "ts": at(7.0), "temp": 8.0, "n": 11},
+        {"device_id": "b", "ts": at(7.5), "temp": 9.0, "n": 12},
+        # batch 3 (watermark 6.5m): corrections of windows made final in batch 2
+        {"device_id": "b", "ts": at(3.5), "temp": 11.0, "n": 13},    # b's window 3 (final, 4m + 3m > 6.5m)
+        {"device_id": "b", "ts": at(4.8), "temp": 12.0, "n": 14},    # b's window 4 (written final in batch 2)
+        {"device_id": "a", "ts": at(4.9), "temp": 13.0, "n": 15},    # site_5m's window 0 (final in batch 2)
+        {"device_id": "a", "ts": at(8.0), "temp": 14.0, "n": 16},
+    ]
+    produce_events(kafka, data["events"]["topic"], events)
+    with caplog.at_level(logging.INFO, logger="enrich.job"):
+        EnrichJob(config.parse(data, "test.yaml"), available_now=True).run(spark)
+    # Every event is counted once per rollup: into an open window, as a correction, or beyond the horizon.
+    counts: Counter[tuple[str, str]] = Counter()
+    for line in (r.getMessage() for r in caplog.records if ": rollup events " in r.getMessage()):
+        for part in line.split(": rollup events ")[1].split(", "):
+            rollup, result, n = part.split(" ")
+            counts[(rollup, result)] += int(n)
+    assert counts == {("device_1m", "counted"): 13, ("device_1m", "corrected"): 2,   # n=13 and n=14
+                      ("device_1m", "beyond_horizon"): 1,                            # n=9
+                      ("site_5m", "counted"): 13, ("site_5m", "corrected"): 3}, counts  # n=13, 14, 15
+
+    dev = rows_of(tmp_path / "device_1m")
+    site = rows_of(tmp_path / "site_5m")
+    assert set(dev["_kind"]) >= {"provisional", "final", "correction"}, dev
+    # Revisions strictly increase per window, exactly one final row per window, corrections after it.
+    for _, g in dev.sort_values(["batch_id", "_revision"]).groupby(["device_id", "window_start"]):
+        assert list(g["_revision"]) == list(range(1, len(g) + 1)), g
+        kinds = list(g["_kind"])
+        assert kinds.count("final") <= 1, g
+        if "final" in kinds:
+            after = kinds[kinds.index("final") + 1:]
+            assert after == ["correction"] * len(after), g
+    # The dead letters: n=9 beyond device_1m's horizon only (one dead letter naming it).
+    dead = read_all(kafka, data["dead_letter_topic"])
+    assert [dict(m.headers() or [])["error"].decode() for m in dead] == ["beyond the rollup horizon: device_1m"]
+    assert json.loads(dead[0].value())["n"] == 9
+    # Every event counted where within the horizon: the latest rows equal a pandas recompute.
+    ev = pd.DataFrame(events)
+    ev["ts"] = pd.to_datetime(ev["ts"], utc=True)
+    ev["site"] = "s1"
+    counted = ev[ev["n"] != 9]
+    want = counted.assign(window_start=counted["ts"].dt.floor("1min")).groupby(["device_id", "window_start"]).agg(
+        temp_count=("temp", "count"), temp_min=("temp", "min"), temp_max=("temp", "max"),
+        temp_sum=("temp", "sum"), _events=("n", "count")).reset_index()
+    got = latest(dev, ["device_id"])[["device_id", "window_start", "temp_count", "temp_min", "temp_max",
+                                      "temp_sum", "_events"]]
+    got = got.assign(window_start=pd.to_datetime(got["window_start"], utc=True))
+    pd.testing.assert_frame_equal(got.sort_values(["device_id", "window_start"]).reset_index(drop=True),
+                                  want.sort_values(["device_id", "window_start"]).reset_index(drop=True),
+                                  check_dtype=False)
+    want_site = ev.assign(window_start=ev["ts"].dt.floor("5min")).groupby(["site", "window_start"]).agg(
+        temp_mean=("temp", "mean"), device_id_count_distinct=("device_id", "nunique"),
+        _events=("n", "count")).reset_index()
+    got_site = latest(site, ["site"])[["site", "window_start", "temp_mean", "device_id_count_distinct", "_events"]]
+    got_site = got_site.assign(window_start=pd.to_datetime(got_site["window_start"], utc=True))
+    pd.testing.assert_frame_equal(got_site.sort_values("window_start").reset_index(drop=True),
+                                  want_site.sort_values("window_start").reset_index(drop=True), check_dtype=False)
