@@ -2,7 +2,9 @@
 its first records and before its commit, kills its own Python worker - or the whole job. A database
 sink task (``output.database`` alone) does the same after writing its rows, before its commit.
 
-Run the job through it: ``python -m tests.enrich.kill [job:]BATCH[+]:SLOT|*:FLAG run --config F ...``.
+Run the job through it: ``python -m tests.enrich.kill [job:]BATCH[+]:SLOT|*:FLAG run --config F ...``
+(or ``rollup:BATCH:FLAG``: the driver kills the job once the first rollup's rows of the batch are
+written, :func:`kill_after_rollup_rows`).
 It replaces the sink's task writer with :class:`KillingTaskWriter` and runs ``enrich``'s CLI; the
 writer travels to the workers pickled (its class by reference: the workers import this module, so
 ``tests`` must be on their ``PYTHONPATH``). The first task of ``SLOT`` (``*``: any) writing records in
@@ -282,6 +284,27 @@ def read_note(flag: str | Path) -> dict[str, Any] | None:
     return json.loads(lines[-1]) if len(lines) > 1 else None
 
 
+def kill_after_rollup_rows(batch: int, flag: str) -> None:
+    """The ``rollup:BATCH:FLAG`` kill point: once the first rollup's rows of batch ``BATCH`` are in
+    place (its directory renamed), before the other rollups' and before Spark commits the batch,
+    SIGKILL the job (``FLAG`` created first, so it fires once)."""
+    from enrich.sinks import rollups
+
+    parquet = rollups.RollupWriter._parquet
+
+    def killing(self: Any, batch_id: int, *args: Any) -> int | None:
+        written = parquet(self, batch_id, *args)
+        if batch_id == batch:
+            try:
+                os.close(os.open(flag, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                return written
+            kill_session()
+        return written
+
+    rollups.RollupWriter._parquet = killing  # type: ignore[method-assign]
+
+
 def main(argv: list[str]) -> int:
     import functools
 
@@ -290,6 +313,10 @@ def main(argv: list[str]) -> int:
     from enrich.sinks.kafka import sink
     from tests.enrich import kill  # this module by its name, not as __main__: pickled by reference
 
+    if argv[0].startswith("rollup:"):  # rollup:BATCH:FLAG
+        _, batch, flag = argv[0].split(":", 2)
+        kill.kill_after_rollup_rows(int(batch), flag)
+        return cli.main(argv[1:])
     point = kill.KillPoint.from_spec(argv[0])
     sink.TaskWriter = functools.partial(kill.KillingTaskWriter, kill=point)  # type: ignore[misc]
     database.DatabaseTaskWriter = functools.partial(kill.KillingDatabaseWriter, kill=point)  # type: ignore[misc]

@@ -15,12 +15,15 @@ from typing import Any
 import pandas as pd
 import pyarrow.parquet as pq
 import pytest
+import yaml
 from pyspark.sql import SparkSession
 
 from enrich import config
 from enrich.job import EnrichJob
 from refstream.contract import Column, DatasetSchema
 from tests.enrich.helpers import changelog, produce_events, publish, read_all
+from tests.enrich.process import start_job
+from tests.timing import bound
 
 pytestmark = pytest.mark.integration
 
@@ -30,6 +33,30 @@ T0 = datetime(2026, 1, 1, tzinfo=UTC)
 
 def at(minutes: float) -> str:
     return (T0 + timedelta(minutes=minutes)).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+EVENTS = [
+    # batch 0 (no watermark yet): windows 0 and 1 of a and b
+    {"device_id": "a", "ts": at(0.1), "temp": 10.0, "n": 1},
+    {"device_id": "a", "ts": at(0.5), "temp": 20.0, "n": 2},
+    {"device_id": "b", "ts": at(0.2), "temp": 5.0, "n": 3},
+    {"device_id": "a", "ts": at(1.2), "temp": 30.0, "n": 4},
+    # batch 1 (watermark 0.2m): time moves to 6m; window 0 is not reached yet
+    {"device_id": "a", "ts": at(6.0), "temp": 1.0, "n": 5},
+    {"device_id": "b", "ts": at(6.5), "temp": 2.0, "n": 6},
+    {"device_id": "b", "ts": at(3.0), "temp": 4.0, "n": 7},
+    {"device_id": "a", "ts": at(6.1), "temp": 3.0, "n": 8},
+    # batch 2 (watermark 5.5m): device_1m's windows up to 5m and site_5m's window 0 turn final
+    {"device_id": "a", "ts": at(1.9), "temp": 99.0, "n": 9},     # device_1m: 2m + 3m <= 5.5m, beyond
+    {"device_id": "b", "ts": at(4.5), "temp": 7.0, "n": 10},     # b's window 4: all late, final at once
+    {"device_id": "a", "ts": at(7.0), "temp": 8.0, "n": 11},
+    {"device_id": "b", "ts": at(7.5), "temp": 9.0, "n": 12},
+    # batch 3 (watermark 6.5m): corrections of windows made final in batch 2
+    {"device_id": "b", "ts": at(3.5), "temp": 11.0, "n": 13},    # b's window 3 (final, 4m + 3m > 6.5m)
+    {"device_id": "b", "ts": at(4.8), "temp": 12.0, "n": 14},    # b's window 4 (written final in batch 2)
+    {"device_id": "a", "ts": at(4.9), "temp": 13.0, "n": 15},    # site_5m's window 0 (final in batch 2)
+    {"device_id": "a", "ts": at(8.0), "temp": 14.0, "n": 16},
+]
 
 
 def make_config(kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path) -> dict[str, Any]:
@@ -68,30 +95,7 @@ def test_rollups_are_provisional_then_final_then_corrected_and_equal_a_recompute
     data = make_config(kafka, unique, tmp_path)
     publish(kafka, data["joins"][0]["topic"], changelog(DEVICES, [{"device_id": "a", "site": "s1"},
                                                                   {"device_id": "b", "site": "s1"}]))
-    events = [
-        # batch 0 (no watermark yet): windows 0 and 1 of a and b
-        {"device_id": "a", "ts": at(0.1), "temp": 10.0, "n": 1},
-        {"device_id": "a", "ts": at(0.5), "temp": 20.0, "n": 2},
-        {"device_id": "b", "ts": at(0.2), "temp": 5.0, "n": 3},
-        {"device_id": "a", "ts": at(1.2), "temp": 30.0, "n": 4},
-        # batch 1 (watermark 0.2m): time moves to 6m; window 0 is not reached yet
-        {"device_id": "a", "ts": at(6.0), "temp": 1.0, "n": 5},
-        {"device_id": "b", "ts": at(6.5), "temp": 2.0, "n": 6},
-        {"device_id": "b", "ts": at(3.0), "temp": 4.0, "n": 7},
-        {"device_id": "a", "ts": at(6.1), "temp": 3.0, "n": 8},
-        # batch 2 (watermark 5.5m): windows 0-5 of device_1m final, site_5m's window 0 final;
-        # late events: a's window 1 (within 3m of its end? 2m + 3m = 5m <= 5.5m: beyond) and window 4
-        {"device_id": "a", "ts": at(1.9), "temp": 99.0, "n": 9},     # device_1m: beyond; site_5m: corrects
-        {"device_id": "b", "ts": at(4.5), "temp": 7.0, "n": 10},     # both: corrections (5m + 3m > 5.5m)
-        {"device_id": "a", "ts": at(7.0), "temp": 8.0, "n": 11},
-        {"device_id": "b", "ts": at(7.5), "temp": 9.0, "n": 12},
-        # batch 3 (watermark 6.5m): corrections of windows made final in batch 2
-        {"device_id": "b", "ts": at(3.5), "temp": 11.0, "n": 13},    # b's window 3 (final, 4m + 3m > 6.5m)
-        {"device_id": "b", "ts": at(4.8), "temp": 12.0, "n": 14},    # b's window 4 (written final in batch 2)
-        {"device_id": "a", "ts": at(4.9), "temp": 13.0, "n": 15},    # site_5m's window 0 (final in batch 2)
-        {"device_id": "a", "ts": at(8.0), "temp": 14.0, "n": 16},
-    ]
-    produce_events(kafka, data["events"]["topic"], events)
+    produce_events(kafka, data["events"]["topic"], EVENTS)
     with caplog.at_level(logging.INFO, logger="enrich.job"):
         EnrichJob(config.parse(data, "test.yaml"), available_now=True).run(spark)
     # Every event is counted once per rollup: into an open window, as a correction, or beyond the horizon.
@@ -104,6 +108,12 @@ def test_rollups_are_provisional_then_final_then_corrected_and_equal_a_recompute
                       ("device_1m", "beyond_horizon"): 1,                            # n=9
                       ("site_5m", "counted"): 13, ("site_5m", "corrected"): 3}, counts  # n=13, 14, 15
 
+    check_outputs(kafka, data, tmp_path)
+
+
+def check_outputs(kafka: dict[str, str], data: dict[str, Any], tmp_path: Path) -> None:
+    """Each window's revisions once each, in order; the dead letter once; the latest rows equal to a
+    pandas recompute of the events each rollup counted."""
     dev = rows_of(tmp_path / "device_1m")
     site = rows_of(tmp_path / "site_5m")
     assert set(dev["_kind"]) >= {"provisional", "final", "correction"}, dev
@@ -120,7 +130,7 @@ def test_rollups_are_provisional_then_final_then_corrected_and_equal_a_recompute
     assert [dict(m.headers() or [])["error"].decode() for m in dead] == ["beyond the rollup horizon: device_1m"]
     assert json.loads(dead[0].value())["n"] == 9
     # Every event counted where within the horizon: the latest rows equal a pandas recompute.
-    ev = pd.DataFrame(events)
+    ev = pd.DataFrame(EVENTS)
     ev["ts"] = pd.to_datetime(ev["ts"], utc=True)
     ev["site"] = "s1"
     counted = ev[ev["n"] != 9]
@@ -140,3 +150,24 @@ def test_rollups_are_provisional_then_final_then_corrected_and_equal_a_recompute
     got_site = got_site.assign(window_start=pd.to_datetime(got_site["window_start"], utc=True))
     pd.testing.assert_frame_equal(got_site.sort_values("window_start").reset_index(drop=True),
                                   want_site.sort_values("window_start").reset_index(drop=True), check_dtype=False)
+
+
+def test_a_sigkill_after_a_rollups_rows_are_written_writes_each_revision_once(
+        kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path) -> None:
+    """Killed once device_1m's rows of batch 2 are in place, before site_5m's and before Spark
+    commits the batch: the restart replays batch 2, writes site_5m's rows and not device_1m's again."""
+    data = make_config(kafka, unique, tmp_path)
+    publish(kafka, data["joins"][0]["topic"], changelog(DEVICES, [{"device_id": "a", "site": "s1"},
+                                                                  {"device_id": "b", "site": "s1"}]))
+    produce_events(kafka, data["events"]["topic"], EVENTS)
+    config_path = tmp_path / "enrich.yaml"
+    config_path.write_text(yaml.safe_dump({**data, "spark": {"spark.sql.shuffle.partitions": "2"}}))
+    flag, log = tmp_path / "killed", tmp_path / "job.log"
+    proc = start_job(config_path, log, "--available-now", kill=f"rollup:2:{flag}")
+    assert proc.wait(bound(300)) != 0, log.read_text()[-3000:]
+    assert flag.exists(), log.read_text()[-3000:]
+    assert (tmp_path / "device_1m" / "batch_id=2").exists() and not (tmp_path / "site_5m" / "batch_id=2").exists()
+    proc = start_job(config_path, log, "--available-now")
+    assert proc.wait(bound(300)) == 0, log.read_text()[-3000:]
+    assert "rollup device_1m: " in log.read_text() and "batch_id=2 exists (a replay)" in log.read_text()
+    check_outputs(kafka, data, tmp_path)
