@@ -300,6 +300,12 @@ def parse(data: Mapping[str, Any], source: str = "config") -> EnrichConfig:
     _check_as_of(top, joins, state)
     calls = parse_calls(top, state is not None)
     rollups = parse_rollups(top, state is not None)
+    taken = {events.topic: "events.topic", output.topic: "output.kafka.topic",
+             top.get("dead_letter_topic", str): "dead_letter_topic", **{j.topic: "a join's topic" for j in joins}}
+    for i, r in enumerate(rollups):
+        if r.output.kafka is not None and r.output.kafka in taken:
+            raise top.error(f"{r.output.kafka!r} is also {taken[r.output.kafka]}; give the rollup a topic of its own",
+                            f"rollups[{i}].output.kafka.topic")
     if output.database is not None:
         _check_database_names(top, output.database, joins, state, calls)
     # Always bounded: after downtime the backlog is read in batches of this size, not in one.

@@ -167,12 +167,9 @@ class EnrichJob:
             self._fork = saved.fork(spark, pipeline)
             log.info("starting from the savepoint %s (batch %d of %s)", saved.directory, saved.batch_id,
                      saved.meta.get("checkpoint"))
-        sink, dead = self._sinks(pipeline)
+        sink, dead, rollups = self._sinks(pipeline)
         metrics = self._metrics(sink)
         stream, devices = self._stream(spark, pipeline, dims, sink, metrics)
-        rollups = None
-        if pipeline.state is not None and pipeline.state.rollups:
-            rollups = RollupWriter(pipeline.state.rollups, self.cfg.rollups)
         self._started = Started(spark, pipeline, dims, sink, dead, metrics, stream.fast, stream.state, devices,
                                 rollups)
         self._pass = pipeline.join_pass
@@ -268,9 +265,10 @@ class EnrichJob:
             log.info("plan: %s", line.strip())
         return pipeline
 
-    def _sinks(self, pipeline: Pipeline) -> tuple[Sink, DeadLetters | None]:
-        """The sink and, unless it writes them itself, the dead-letter writer, with the checkpoint's
-        writer identity (:mod:`enrich.sinks.identity`: a start that would change it is refused)."""
+    def _sinks(self, pipeline: Pipeline) -> tuple[Sink, DeadLetters | None, RollupWriter | None]:
+        """The sink, the dead-letter writer unless the sink writes them itself (and there are no
+        rollups), and the rollups' writer, with the checkpoint's writer identity
+        (:mod:`enrich.sinks.identity`: a start that would change it is refused)."""
         cfg = self.cfg
         ident = SinkIdentity.load(self.layout, cfg)
         # The Kafka output's writers' base id, else the dead letters' (the database output's tasks write them).
@@ -283,7 +281,13 @@ class EnrichJob:
         if not sink.writes_dead_letters or cfg.rollups:  # the rollups' dead letters are the driver's to write
             dead = DeadLetters(cfg.kafka, cfg.dead_letter_topic, ident.id_of(cfg.dead_letter_topic), ident.scope)
             self._stack.callback(dead.close)
-        return sink, dead
+        rollups = None
+        if pipeline.state is not None and pipeline.state.rollups:
+            specs = pipeline.state.rollups
+            rollups = call_with_retry(lambda: RollupWriter(specs, cfg.rollups, cfg.kafka, ident.ids, ident.scope),
+                                      what="opening the rollups' outputs", policy=self.retry, stop=self._stop)
+            self._stack.callback(rollups.close)
+        return sink, dead, rollups
 
     def _metrics(self, sink: Sink) -> EnrichMetrics | None:
         if self.cfg.metrics is None:

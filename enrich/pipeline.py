@@ -163,9 +163,10 @@ class Pipeline:
                              ("state", "_late", *((PROVISIONAL,) if cfg.waits else ()))))
             for r, rc in zip(st.rollups, cfg.rollups, strict=True):
                 metrics = ", ".join(f"{c} {'/'.join(ms)}" for c, ms, _ in r.metrics)
+                to = [f"Parquet in {rc.output.parquet}"] if rc.output.parquet is not None else []
+                to += [f"Kafka topic {rc.output.kafka}"] if rc.output.kafka is not None else []
                 out.append(Stage("rollup", r.name, f"by {', '.join(r.by)} per {_seconds(rc.window)} window, "
-                                 f"{metrics}, corrected for {r.correct_for_us / 1e6:g}s; to Parquet in "
-                                 f"{rc.output.parquet}"))
+                                 f"{metrics}, corrected for {r.correct_for_us / 1e6:g}s; to {' and '.join(to)}"))
         for j, s in zip(self.after, self.join_pass.specs, strict=True):
             out.append(_join_stage(j, s, "broadcast, in the join pass"))
         o = cfg.output

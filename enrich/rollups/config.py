@@ -17,10 +17,12 @@ _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 @dataclass(frozen=True, kw_only=True)
 class RollupOutput:
-    """Where a rollup's rows go: ``parquet`` a directory of the rollup's own (every revision
-    appended, a ``batch_id=<N>`` directory per micro-batch)."""
+    """Where a rollup's rows go, one or both: ``parquet`` a directory of the rollup's own (every
+    revision appended, a ``batch_id=<N>`` directory per micro-batch); ``kafka`` a topic, keyed by
+    the rollup's keys and ``window_start`` and compacted, written exactly once per batch."""
 
-    parquet: Path
+    parquet: Path | None = None
+    kafka: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,9 +57,13 @@ def parse_rollups(top: Section, has_state: bool) -> tuple[RollupConfig, ...]:
         if any(o.name == r.name for o in rollups[:i]):
             raise top.error(f"rollup name {r.name!r} is used twice", f"rollups[{i}].name")
         for o in rollups[:i]:
-            if o.output.parquet.resolve() == r.output.parquet.resolve():
+            if r.output.parquet is not None and o.output.parquet is not None \
+                    and o.output.parquet.resolve() == r.output.parquet.resolve():
                 raise top.error(f"rollups {o.name!r} and {r.name!r} write the same directory; give each its own",
                                 f"rollups[{i}].output.parquet")
+            if r.output.kafka is not None and o.output.kafka == r.output.kafka:
+                raise top.error(f"rollups {o.name!r} and {r.name!r} write the same topic; give each its own",
+                                f"rollups[{i}].output.kafka")
     return rollups
 
 
@@ -76,11 +82,20 @@ def _rollup(sec: Section) -> RollupConfig:
         raise sec.error("must be positive", "correct_for")
     metrics = _metrics(sec.section("metrics"))
     out = sec.section("output")
-    if not out.has("parquet"):
-        raise out.error("a rollup needs an output: parquet: {path: ...}")
-    pq = out.section("parquet")
-    output = RollupOutput(parquet=Path(pq.get("path", str)))
-    pq.done()
+    if not out.has("parquet") and not out.has("kafka"):
+        raise out.error("a rollup needs an output: parquet: {path: ...} and/or kafka: {topic: ...}")
+    parquet = kafka = None
+    if out.has("parquet"):
+        pq = out.section("parquet")
+        parquet = Path(pq.get("path", str))
+        pq.done()
+    if out.has("kafka"):
+        kf = out.section("kafka")
+        kafka = kf.get("topic", str)
+        if not kafka:
+            raise kf.error("must name a topic", "topic")
+        kf.done()
+    output = RollupOutput(parquet=parquet, kafka=kafka)
     out.done()
     cfg = RollupConfig(name=name, by=by, window=window, metrics=metrics, output=output, correct_for=correct_for)
     sec.done()

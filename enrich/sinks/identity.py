@@ -111,8 +111,9 @@ def _refuse_expired_ledgers(cfg: EnrichConfig, layout: CheckpointLayout, topic: 
     if not any(end > 0 for end in written_ends(cfg.kafka, [topic]).values()):
         return  # nothing written yet: no ledger to expect
     pending, ledger = planned[-1], ledger_topic(topic)
-    for slot in range(LEDGER_PROBE_SLOTS):
-        book = Ledger(cfg.kafka, ledger, slot_id(base_id, slot), scope, timeout=30)
+    # The driver's writer (dead letters, rollups) writes under the base id; the tasks' under slot ids.
+    for writer in (base_id, *(slot_id(base_id, slot) for slot in range(LEDGER_PROBE_SLOTS))):
+        book = Ledger(cfg.kafka, ledger, writer, scope, timeout=30)
         try:
             entry = book.read()
         finally:
@@ -134,8 +135,9 @@ def _refuse_expired_ledgers(cfg: EnrichConfig, layout: CheckpointLayout, topic: 
 def _wanted(cfg: EnrichConfig) -> dict[str, str | None]:
     """The topics ``cfg`` writes in transactions, each with the id the config sets (None: derived)."""
     out = cfg.output
+    # The rollups' topics, and their dead letters: the driver's to write, beside the output's tasks.
+    rollups: dict[str, str | None] = {r.output.kafka: None for r in cfg.rollups if r.output.kafka is not None}
     if out.kind == "kafka":
         assert out.topic is not None
-        # The rollups' dead letters are the driver's to write, beside the output's tasks.
-        return {out.topic: out.transactional_id, **({cfg.dead_letter_topic: None} if cfg.rollups else {})}
-    return {cfg.dead_letter_topic: None}  # the driver's dead-letter writer (enrich.sinks.deadletter)
+        return {out.topic: out.transactional_id, **({cfg.dead_letter_topic: None} if cfg.rollups else {}), **rollups}
+    return {cfg.dead_letter_topic: None, **rollups}  # the driver's dead-letter writer (enrich.sinks.deadletter)

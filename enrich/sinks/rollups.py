@@ -1,6 +1,11 @@
 """The rollups' outputs: each rollup's rows of a micro-batch, and the batch's rollup dead letters
 and counts, from the rollup step's packed values (:mod:`enrich.state.rollups`).
 
+Kafka: one topic per rollup (``cleanup.policy=compact``), each row a record keyed by the JSON
+object of the rollup's keys and ``window_start``, its value the row as JSON; a batch's rows are
+written in one transaction with the batch id in the topic's ledger (the driver's transactional
+writer, as the dead letters'), so a replayed batch is not written again.
+
 Parquet: one directory per rollup, ``<path>/batch_id=<N>/`` per micro-batch holding every row the
 batch wrote (each revision appended); written by the executors to ``<path>/_staging/`` and renamed
 into place once complete, and not written again for a batch whose directory exists (a replay after
@@ -10,13 +15,17 @@ greatest ``_revision`` per (keys, ``window_start``) (docs/rollups.md gives the q
 
 from __future__ import annotations
 
+import base64
+import json
 import logging
 import os
 import shutil
 import uuid
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import UTC, date, datetime, time
+from decimal import Decimal
 from pathlib import Path
 
 import pyarrow as pa
@@ -28,9 +37,12 @@ from enrich.columns import PACK_KIND, ROWS
 from enrich.ipc import from_ipc
 from enrich.rollups.config import RollupConfig
 from enrich.rollups.packs import COUNTS, COUNTS_SCHEMA, DEAD
-from enrich.rollups.spec import RollupSpec
+from enrich.rollups.spec import WINDOW_START, RollupSpec
 from enrich.sinks.deadletter import COLUMNS as DEAD_COLUMNS
+from enrich.sinks.kafka.writer import TransactionalBatchWriter
 from refstream.atomic import fsync_dir
+from refstream.contract import TOPIC_CONFIG
+from refstream.kafka import ensure_topic
 
 log = logging.getLogger(__name__)
 
@@ -60,18 +72,43 @@ class RollupWriter:
     """Writes each rollup's rows of a batch (at most once per batch id) and reads the batch's rollup
     dead letters and counts (small: collected)."""
 
-    def __init__(self, specs: Sequence[RollupSpec], configs: Sequence[RollupConfig]) -> None:
+    def __init__(self, specs: Sequence[RollupSpec], configs: Sequence[RollupConfig],
+                 kafka: Mapping[str, str] | None = None, ids: Mapping[str, str] | None = None,
+                 scope: str | None = None) -> None:
+        """``kafka``: the librdkafka settings, ``ids``: topic -> transactional id and ``scope``: the
+        query's (``enrich.sinks.identity``), for the rollups with a Kafka topic."""
         self.specs = tuple(specs)
-        self.paths = tuple(c.output.parquet.resolve() for c in configs)
+        self.paths = tuple(c.output.parquet.resolve() if c.output.parquet is not None else None for c in configs)
         for path in self.paths:
-            (path / "_staging").mkdir(parents=True, exist_ok=True)
+            if path is not None:
+                (path / "_staging").mkdir(parents=True, exist_ok=True)
+        self.topics: list[TransactionalBatchWriter | None] = []
+        try:
+            for c in configs:
+                topic = c.output.kafka
+                if topic is None:
+                    self.topics.append(None)
+                    continue
+                assert kafka is not None and ids is not None
+                ensure_topic(kafka, topic, config=TOPIC_CONFIG)
+                self.topics.append(TransactionalBatchWriter(kafka, topic, ids[topic], scope=scope))
+        except BaseException:
+            self.close()
+            raise
 
     def write(self, batch_id: int, df: DataFrame, frames: Sequence[DataFrame]) -> RollupBatch:
         """``df``: a batch of the rollup step's output (``PACK_KIND``, ``ROWS``), cached by the caller;
         ``frames``: each rollup's rows in it (``enrich.query.rollup_rows``)."""
         rows: dict[str, int | None] = {}
-        for spec, path, frame in zip(self.specs, self.paths, frames, strict=True):
-            rows[spec.name] = self._parquet(batch_id, frame, spec, path)
+        for spec, path, kafka, frame in zip(self.specs, self.paths, self.topics, frames, strict=True):
+            if path is not None:
+                rows[spec.name] = self._parquet(batch_id, frame, spec, path)
+            if kafka is not None:
+                last = kafka.last_committed_batch()
+                if last is not None and batch_id <= last:  # a replay: not collected again
+                    log.info("batch %d: rollup %s: committed to %s before (a replay)", batch_id, spec.name, kafka.topic)
+                else:
+                    rows[spec.name] = kafka.write(batch_id, records(spec, frame.toArrow()))
         small = df.where(F.col(PACK_KIND).isin(DEAD, COUNTS)).toArrow()
         dead, counts = [], Counter[tuple[str, str]]()
         for kind, value in zip(small.column(PACK_KIND).to_pylist(), small.column(ROWS).to_pylist(), strict=True):
@@ -82,6 +119,11 @@ class RollupWriter:
                 for r in table.cast(COUNTS_SCHEMA).to_pylist():
                     counts[(r["rollup"], r["result"])] += r["events"]
         return RollupBatch(pa.concat_tables(dead) if dead else _no_dead(), dict(counts), rows)
+
+    def close(self) -> None:
+        for writer in self.topics:
+            if writer is not None:
+                writer.close()
 
     def _parquet(self, batch_id: int, df: DataFrame, spec: RollupSpec, path: Path) -> int | None:
         final = path / f"batch_id={batch_id}"
@@ -95,6 +137,31 @@ class RollupWriter:
         for stale in (path / "_staging").glob(f"batch_id={batch_id}-*"):
             shutil.rmtree(stale, ignore_errors=True)
         return sum(pq.read_metadata(f).num_rows for f in final.glob("*.parquet"))
+
+
+def records(spec: RollupSpec, rows: pa.Table) -> pa.Table:
+    """Rollup rows as Kafka records (``key``, ``value``): the key the JSON object of the rollup's
+    keys and ``window_start``, the value the row; times as ``2026-01-01T00:00:00.000000Z``."""
+    keys, values = [], []
+    for row in rows.cast(spec.output_schema()).to_pylist():
+        row = {k: _json_value(v) for k, v in row.items()}
+        keys.append(_dumps({**{b: row[b] for b in spec.by}, WINDOW_START: row[WINDOW_START]}))
+        values.append(_dumps(row))
+    return pa.table({"key": pa.array(keys, pa.binary()), "value": pa.array(values, pa.binary())})
+
+
+def _json_value(v: object) -> object:
+    if isinstance(v, datetime):
+        return v.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+    if isinstance(v, date | time | Decimal):
+        return v.isoformat() if not isinstance(v, Decimal) else str(v)
+    if isinstance(v, bytes):
+        return base64.b64encode(v).decode()
+    return v
+
+
+def _dumps(obj: dict[str, object]) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
 
 
 def _no_dead() -> pa.Table:

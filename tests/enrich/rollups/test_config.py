@@ -34,6 +34,8 @@ def test_a_rollup_is_read_with_its_durations_converted() -> None:
     assert r.output.parquet == Path("out/d_1m")
     assert r.columns == ("d", "t")
     assert parse().rollups == ()
+    (k,) = parse(rollup(output={"kafka": {"topic": "r.d_1m"}})).rollups
+    assert (k.output.kafka, k.output.parquet) == ("r.d_1m", None)
     assert parse(rollup()).rollups[0].correct_for is None          # the state's ttl, in the plan
 
 
@@ -53,6 +55,10 @@ def test_a_rollup_is_read_with_its_durations_converted() -> None:
     ([rollup(output={})], True, r"rollups\[0\]\.output: a rollup needs an output"),
     ([rollup(output={"parquet": {"path": "p"}, "csv": {}})], True, r"rollups\[0\]\.output: unknown key"),
     ([rollup(windows="1m")], True, r"rollups\[0\]: unknown key"),
+    ([rollup(output={"kafka": {"topic": "dlq"}})], True,
+     r"rollups\[0\]\.output\.kafka\.topic: 'dlq' is also dead_letter_topic"),
+    ([rollup(output={"kafka": {"topic": "r"}}), rollup(name="b", output={"kafka": {"topic": "r"}})], True,
+     r"rollups\[1\]\.output\.kafka: rollups 'd_1m' and 'b' write the same topic"),
 ])
 def test_a_bad_rollup_is_refused_naming_the_key(rollups: Any, state: bool, error: str) -> None:
     with pytest.raises(ConfigError, match=r"^test\.yaml: " + error):

@@ -113,3 +113,29 @@ def test_two_deployments_with_the_same_checkpoint_path_never_share_a_transaction
         path.rename(tmp_path / deployment)
     assert ids[0] != ids[1]
     assert committed_count(kafka, out) == 100  # each deployment wrote every event
+
+
+def test_a_pending_batch_is_checked_against_the_drivers_writer_ledger_too(
+        kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path) -> None:
+    """A topic the driver writes (the dead letters of a Parquet output, a rollup's topic) has its
+    ledger under the base id, not the tasks' slot ids: a pending batch after one it committed is
+    not taken for one whose ledgers the broker dropped."""
+    import pyarrow as pa
+
+    from enrich.sinks.kafka.writer import TransactionalBatchWriter
+
+    dlq = unique("dlq")
+    layout = CheckpointLayout(tmp_path / "ck")
+    conf = config.parse({
+        "kafka": {"bootstrap_servers": kafka["bootstrap.servers"]},
+        "events": {"topic": "ev", "schema": "device_id STRING"}, "output": {"parquet": {"path": str(tmp_path / "o")}},
+        "dead_letter_topic": dlq, "checkpoint": str(layout.root)}, "test.yaml")
+    ident = SinkIdentity.load(layout, conf)
+    with TransactionalBatchWriter(kafka, dlq, ident.id_of(dlq), scope=ident.scope) as writer:
+        writer.write(0, pa.table({"value": [b"a dead letter"]}))
+    layout.offsets.mkdir(parents=True)
+    layout.commits.mkdir(parents=True)
+    for n in (0, 1):
+        (layout.offsets / str(n)).write_text("v1\n")
+    (layout.commits / "0").write_text("v1\n")
+    assert SinkIdentity.load(layout, conf).ids == ident.ids   # batch 1 pending, the driver's ledger has 0

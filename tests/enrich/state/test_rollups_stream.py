@@ -73,7 +73,7 @@ def make_config(kafka: dict[str, str], unique: Callable[[str], str], tmp_path: P
         "rollups": [
             {"name": "device_1m", "by": ["device_id"], "window": "1m", "correct_for": "3m",
              "metrics": {"temp": ["count", "min", "max", "mean", "sum", "p95", "last"]},
-             "output": {"parquet": {"path": str(tmp_path / "device_1m")}}},
+             "output": {"parquet": {"path": str(tmp_path / "device_1m")}, "kafka": {"topic": unique("device_1m")}}},
             {"name": "site_5m", "by": ["site"], "window": "5m", "correct_for": "10m",
              "metrics": {"temp": ["mean"], "device_id": ["count_distinct"]},
              "output": {"parquet": {"path": str(tmp_path / "site_5m")}}},
@@ -116,6 +116,14 @@ def check_outputs(kafka: dict[str, str], data: dict[str, Any], tmp_path: Path) -
     pandas recompute of the events each rollup counted."""
     dev = rows_of(tmp_path / "device_1m")
     site = rows_of(tmp_path / "site_5m")
+    # The Kafka topic holds the same rows, once each, keyed by the keys and window_start.
+    records = read_all(kafka, data["rollups"][0]["output"]["kafka"]["topic"])
+    values = [json.loads(m.value()) for m in records]
+    assert [json.loads(m.key()) for m in records] == [{"device_id": v["device_id"], "window_start": v["window_start"]}
+                                                      for v in values]
+    assert sorted((v["device_id"], v["window_start"], v["_revision"], v["_kind"], v["temp_mean"]) for v in values) == \
+        sorted((r["device_id"], r["window_start"].strftime("%Y-%m-%dT%H:%M:%S.%fZ"), r["_revision"], r["_kind"],
+                r["temp_mean"]) for r in dev.to_dict("records"))
     assert set(dev["_kind"]) >= {"provisional", "final", "correction"}, dev
     # Revisions strictly increase per window, exactly one final row per window, corrections after it.
     for _, g in dev.sort_values(["batch_id", "_revision"]).groupby(["device_id", "window_start"]):
