@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -299,10 +300,19 @@ def parse(data: Mapping[str, Any], source: str = "config") -> EnrichConfig:
     _check_partitioned(top, joins, state)
     _check_as_of(top, joins, state)
     calls = parse_calls(top, state is not None)
-    rollups = parse_rollups(top, state is not None)
+    rollups = parse_rollups(top, state is not None, functools.partial(_database, write="state"))
     taken = {events.topic: "events.topic", output.topic: "output.kafka.topic",
              top.get("dead_letter_topic", str): "dead_letter_topic", **{j.topic: "a join's topic" for j in joins}}
+    dirs = {Path(top.get("checkpoint", str)).resolve(): "checkpoint"}
+    if output.path is not None:
+        dirs[output.path.resolve()] = "output.parquet.path"
     for i, r in enumerate(rollups):
+        here = r.output.parquet.resolve() if r.output.parquet is not None else None
+        for d, key in dirs.items() if here is not None else ():
+            assert here is not None
+            if here == d or d in here.parents or here in d.parents:
+                raise top.error(f"{r.output.parquet} overlaps {key} {d}; give the rollup a directory of its own",
+                                f"rollups[{i}].output.parquet.path")
         if r.output.kafka is not None and r.output.kafka in taken:
             raise top.error(f"{r.output.kafka!r} is also {taken[r.output.kafka]}; give the rollup a topic of its own",
                             f"rollups[{i}].output.kafka.topic")
@@ -478,7 +488,8 @@ _DIALECTS: dict[str, DatabaseDialect] = {"postgresql": "postgresql", "postgres":
                                          "mysql+pymysql": "mysql", "mariadb": "mysql", "mariadb+pymysql": "mysql"}
 
 
-def _database(sec: Section) -> DatabaseOutput:
+def _database(sec: Section, write: DatabaseWrite | None = None) -> DatabaseOutput:
+    """``output.database`` (``write``: fixed by the caller, a rollup's table: not read)."""
     url = sec.get("url", str)
     scheme = url.split("://", 1)[0] if "://" in url else ""
     if scheme not in _DIALECTS:
@@ -489,7 +500,7 @@ def _database(sec: Section) -> DatabaseOutput:
     timeout = sec.duration("statement_timeout", timedelta(seconds=30))
     if timeout <= timedelta(0):
         raise sec.error("must be positive", "statement_timeout")
-    out = DatabaseOutput(url=url, table=table, write=sec.choice("write", DatabaseWrite), dialect=_DIALECTS[scheme],
+    out = DatabaseOutput(url=url, table=table, write=write or sec.choice("write", DatabaseWrite), dialect=_DIALECTS[scheme],
                          statement_timeout=timeout)
     sec.done()
     return out

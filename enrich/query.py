@@ -269,7 +269,7 @@ def attach(raw: DataFrame, pipeline: Pipeline, layout: BucketLayout, changelogs:
     waits = WaitSpec.of(cfg.waits) if cfg.waits else None
     processor = DeviceStateProcessor(inner, columns, devices, st.dims, cache, waits, floor_us, st.calls, call_counts,
                                      server_timeout_s=cfg.state.server_timeout.total_seconds(),
-                                     rollups=st.rollups, rollup_buckets=cfg.state.buckets)
+                                     rollups=st.rollups, rollup_ids=layout.ids, inner=st.inner)
     flat_type = [*inner.output_type(), *[pa.field(n, t) for n, t in (st.calls.result_columns() if st.calls else ())]]
     # What the processor's packed tables hold: the passed columns, the flat state fields (the calls'
     # results last), the late flag.

@@ -78,7 +78,8 @@ calls:
      timeout: 1s, retries: {attempts: 2, backoff: 10ms}, concurrency: 8, on_error: dead_letter, needs: [a]}
 rollups:
   - {name: d_1m, by: [device_id], window: 1m, metrics: {t: [mean, p95]}, correct_for: 1h,
-     output: {parquet: {path: var/d_1m}, kafka: {topic: d_1m}}}
+     output: {parquet: {path: var/d_1m}, kafka: {topic: d_1m},
+              database: {url: "postgresql://u@127.0.0.1:9/db", table: d_1m, statement_timeout: 5s}}}
 """
 OUTPUTS = ("{kafka: {topic: out, transactional_id: tx}}", "{parquet: {path: var/out}}", "{console: {rows: 5}}",
            "{database: {url: 'postgresql://u@h/d', table: t, write: state}, kafka: {topic: out}}")

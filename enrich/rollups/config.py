@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 from enrich.rollups.spec import METRICS, Metric
 from refstream.config import Section
@@ -23,6 +25,8 @@ class RollupOutput:
 
     parquet: Path | None = None
     kafka: str | None = None
+    #: The database table (``enrich.config.DatabaseOutput``): a row per (keys, window), upserted.
+    database: Any = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -44,15 +48,17 @@ class RollupConfig:
         return (*self.by, *[c for c, _ in self.metrics if c not in self.by])
 
 
-def parse_rollups(top: Section, has_state: bool) -> tuple[RollupConfig, ...]:
-    """The ``rollups:`` list of ``top``; a :class:`ConfigError` naming the rollup and key at fault."""
+def parse_rollups(top: Section, has_state: bool,
+                  database: Callable[[Section], Any] | None = None) -> tuple[RollupConfig, ...]:
+    """The ``rollups:`` list of ``top``; a :class:`ConfigError` naming the rollup and key at fault.
+    ``database`` reads an ``output.database`` section (the job's reader of its own, in ``enrich.config``)."""
     raw = top.raw("rollups", [])
     if not isinstance(raw, list):
         raise top.error(f"expected a list of rollups, got {raw!r}", "rollups")
     if raw and not has_state:
         raise top.error("rollups need a state: section (its timestamp is the events' time, its watermark "
                         "says when a window is final)", "rollups")
-    rollups = tuple(_rollup(Section(r, f"rollups[{i}]", top.source)) for i, r in enumerate(raw))
+    rollups = tuple(_rollup(Section(r, f"rollups[{i}]", top.source), database) for i, r in enumerate(raw))
     for i, r in enumerate(rollups):
         if any(o.name == r.name for o in rollups[:i]):
             raise top.error(f"rollup name {r.name!r} is used twice", f"rollups[{i}].name")
@@ -64,10 +70,15 @@ def parse_rollups(top: Section, has_state: bool) -> tuple[RollupConfig, ...]:
             if r.output.kafka is not None and o.output.kafka == r.output.kafka:
                 raise top.error(f"rollups {o.name!r} and {r.name!r} write the same topic; give each its own",
                                 f"rollups[{i}].output.kafka")
+            if r.output.database is not None and o.output.database is not None \
+                    and (o.output.database.url, o.output.database.table) == (r.output.database.url,
+                                                                               r.output.database.table):
+                raise top.error(f"rollups {o.name!r} and {r.name!r} write the same table; give each its own",
+                                f"rollups[{i}].output.database.table")
     return rollups
 
 
-def _rollup(sec: Section) -> RollupConfig:
+def _rollup(sec: Section, database: Callable[[Section], Any] | None) -> RollupConfig:
     name = sec.get("name", str)
     if not _NAME.match(name):
         raise sec.error(f"{name!r} is not a name (letters, digits and _, not first a digit)", "name")
@@ -82,9 +93,12 @@ def _rollup(sec: Section) -> RollupConfig:
         raise sec.error("must be positive", "correct_for")
     metrics = _metrics(sec.section("metrics"))
     out = sec.section("output")
-    if not out.has("parquet") and not out.has("kafka"):
-        raise out.error("a rollup needs an output: parquet: {path: ...} and/or kafka: {topic: ...}")
-    parquet = kafka = None
+    if not any(out.has(k) for k in ("parquet", "kafka", "database")):
+        raise out.error("a rollup needs an output: parquet: {path: ...}, kafka: {topic: ...} and/or "
+                        "database: {url: ..., table: ...}")
+    parquet = kafka = db = None
+    if out.has("database") and database is not None:
+        db = database(out.section("database"))
     if out.has("parquet"):
         pq = out.section("parquet")
         parquet = Path(pq.get("path", str))
@@ -95,7 +109,7 @@ def _rollup(sec: Section) -> RollupConfig:
         if not kafka:
             raise kf.error("must name a topic", "topic")
         kf.done()
-    output = RollupOutput(parquet=parquet, kafka=kafka)
+    output = RollupOutput(parquet=parquet, kafka=kafka, database=db)
     out.done()
     cfg = RollupConfig(name=name, by=by, window=window, metrics=metrics, output=output, correct_for=correct_for)
     sec.done()

@@ -18,9 +18,10 @@ COUNTS_SCHEMA = pa.schema([pa.field("rollup", pa.string(), False), pa.field("res
                            pa.field("events", pa.int64(), False)])
 
 
-def partial_kind(i: int) -> str:
-    """Rollup ``i``'s partial aggregates (a window table), from the state step to the rollup step."""
-    return f"partial:{i}"
+def partial_kind(i: int, source: int) -> str:
+    """Rollup ``i``'s partial aggregates (a window table) from state bucket ``source`` to the rollup
+    step, which merges a batch's in the order of their source (the same on a replay)."""
+    return f"partial:{i}:{source}"
 
 
 def rows_kind(i: int) -> str:

@@ -6,6 +6,12 @@ object of the rollup's keys and ``window_start``, its value the row as JSON; a b
 written in one transaction with the batch id in the topic's ledger (the driver's transactional
 writer, as the dead letters'), so a replayed batch is not written again.
 
+Database (PostgreSQL, MariaDB/MySQL): one table per rollup, created if missing with a primary key on
+(keys, ``window_start``), a row per window upserted with its latest revision; the batch's rows and
+its fence row (``<table>_commits``: query, batch) in one transaction, so a replayed batch writes
+nothing (the event output's database fence, :mod:`enrich.sinks.database.slots`). A window whose
+keys hold a null cannot have a primary key: it is not written to the table (counted in the log).
+
 Parquet: one directory per rollup, ``<path>/batch_id=<N>/`` per micro-batch holding every row the
 batch wrote (each revision appended); written by the executors to ``<path>/_staging/`` and renamed
 into place once complete, and not written again for a batch whose directory exists (a replay after
@@ -29,15 +35,21 @@ from decimal import Decimal
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
+from pyspark.sql.pandas.types import from_arrow_schema
 
 from enrich.columns import PACK_KIND, ROWS
 from enrich.ipc import from_ipc
 from enrich.rollups.config import RollupConfig
 from enrich.rollups.packs import COUNTS, COUNTS_SCHEMA, DEAD
 from enrich.rollups.spec import WINDOW_START, RollupSpec
+from enrich.sinks.database.connect import connect
+from enrich.sinks.database.sink import check_existing, ensure, prune_fence
+from enrich.sinks.database.slots import write_slot
+from enrich.sinks.database.tables import TableSpec, table_spec
 from enrich.sinks.deadletter import COLUMNS as DEAD_COLUMNS
 from enrich.sinks.kafka.writer import TransactionalBatchWriter
 from refstream.atomic import fsync_dir
@@ -83,6 +95,18 @@ class RollupWriter:
             if path is not None:
                 (path / "_staging").mkdir(parents=True, exist_ok=True)
         self.topics: list[TransactionalBatchWriter | None] = []
+        self.tables: list[TableSpec | None] = []
+        self.scope = scope or ""
+        for spec, c in zip(self.specs, configs, strict=True):
+            db = c.output.database
+            if db is None:
+                self.tables.append(None)
+                continue
+            table = table_spec(db, from_arrow_schema(spec.output_schema()).fields, (*spec.by, WINDOW_START))
+            ensure(table)
+            check_existing(db, table.key)
+            self.tables.append(table)
+        self.databases = [c.output.database for c in configs]
         try:
             for c in configs:
                 topic = c.output.kafka
@@ -100,9 +124,13 @@ class RollupWriter:
         """``df``: a batch of the rollup step's output (``PACK_KIND``, ``ROWS``), cached by the caller;
         ``frames``: each rollup's rows in it (``enrich.query.rollup_rows``)."""
         rows: dict[str, int | None] = {}
-        for spec, path, kafka, frame in zip(self.specs, self.paths, self.topics, frames, strict=True):
+        for i, (spec, frame) in enumerate(zip(self.specs, frames, strict=True)):
+            path, kafka, table, db = self.paths[i], self.topics[i], self.tables[i], self.databases[i]
             if path is not None:
                 rows[spec.name] = self._parquet(batch_id, frame, spec, path)
+            if table is not None:
+                rows[spec.name] = self._database(batch_id, frame, spec, table)
+                prune_fence(db, self.scope, batch_id)
             if kafka is not None:
                 last = kafka.last_committed_batch()
                 if last is not None and batch_id <= last:  # a replay: not collected again
@@ -119,6 +147,22 @@ class RollupWriter:
                 for r in table.cast(COUNTS_SCHEMA).to_pylist():
                     counts[(r["rollup"], r["result"])] += r["events"]
         return RollupBatch(pa.concat_tables(dead) if dead else _no_dead(), dict(counts), rows)
+
+    def _database(self, batch_id: int, df: DataFrame, spec: RollupSpec, table: TableSpec) -> int | None:
+        rows = df.toArrow().cast(spec.output_schema())
+        keyed = pc.is_valid(rows.column(spec.by[0]))
+        for b in spec.by[1:]:
+            keyed = pc.and_(keyed, pc.is_valid(rows.column(b)))
+        nulls = rows.num_rows - int(pc.sum(keyed).as_py() or 0)
+        if nulls:
+            log.warning("batch %d: rollup %s: %d row(s) with a null key not written to %s (a primary key "
+                        "cannot hold one)", batch_id, spec.name, nulls, table.table)
+            rows = rows.filter(keyed)
+        conn = connect(table.url, table.dialect, table.timeout)
+        try:
+            return write_slot(conn, table, self.scope, 0, batch_id, rows)
+        finally:
+            conn.close()
 
     def close(self) -> None:
         for writer in self.topics:

@@ -100,8 +100,10 @@ class DeviceStateProcessor(StatefulProcessor):
     bucket's ``held`` state variable, and every event gets ``_provisional``); ``floor_us``: a watermark
     floor (event time, microseconds): a job forked from a savepoint (:mod:`enrich.ops.savepoint`)
     judges late events and expiry against the savepoint job's watermark until its own passes it.
-    ``rollups``: the rollups the step feeds (:mod:`enrich.state.rollups`), over ``rollup_buckets``
-    buckets of the rollup step; with them the step's rows are the rollup step's input. ``server_timeout_s``: how long a request to the task's state server may go unanswered before it
+    ``rollups``: the rollups the step feeds (:mod:`enrich.state.rollups`), over the rollup step's
+    buckets ``rollup_ids`` (grouping keys); with them the step's rows are the rollup step's input,
+    and the events the in-plan inner joins did not match (their ``matched`` columns: ``inner``)
+    count in no rollup. ``server_timeout_s``: how long a request to the task's state server may go unanswered before it
     fails the task (``state.server_timeout``; a state server thread that died would otherwise leave
     the task, its batch and the query waiting for good)."""
 
@@ -111,12 +113,12 @@ class DeviceStateProcessor(StatefulProcessor):
                  floor_us: int | None = None, calls: CallStep | None = None,
                  call_counts: Accumulator[dict[int, dict[str, Any]]] | None = None,
                  *, server_timeout_s: float = 120.0, rollups: tuple[RollupSpec, ...] = (),
-                 rollup_buckets: int = 1) -> None:
+                 rollup_ids: tuple[int, ...] = (), inner: tuple[str, ...] = ()) -> None:
         self.spec, self.columns, self.devices, self.dims, self.cache = spec, columns, devices, dims, cache
         self.waits, self.floor_us = waits, floor_us
         self.calls, self.call_counts = calls, call_counts
         self.server_timeout_s = server_timeout_s
-        self.rollups, self.rollup_buckets = rollups, rollup_buckets
+        self.rollups, self.rollup_ids, self.inner = rollups, rollup_ids, inner
         self._loaded: str | None = None
         self._sizes = (0, 0)
         self._types = {spec.key: spec.key_type, spec.timestamp: pa.int64(),
@@ -205,9 +207,11 @@ class DeviceStateProcessor(StatefulProcessor):
         """The step's output for the rollup step (:mod:`enrich.state.rollups`): the events packed as
         without rollups, in the rollup bucket of their bucket, with each rollup's partials and the
         dead letters of events beyond a rollup's horizon."""
-        good = out.filter(pc.is_null(out.column(ERROR)))
-        fed = rollups.feed(self.rollups, good, self._watermark(timer_values), self.rollup_buckets)
-        home = bucket % self.rollup_buckets
+        keep = pc.is_null(out.column(ERROR))
+        for matched in self.inner:  # an in-plan inner join drops them after the step
+            keep = pc.and_(keep, pc.fill_null(out.column(matched), False))
+        fed = rollups.feed(self.rollups, out.filter(keep), self._watermark(timer_values), self.rollup_ids, bucket)
+        home = bucket  # the events stay with the rollup bucket of the same grouping key
         parts = [(home, packs.EVENTS, v) for v in packed.pack_output(out.drop_columns([TS_US]))[ROWS]]
         parts += fed.parts
         if fed.dead is not None:

@@ -112,21 +112,23 @@ def check_checkpoint(layout: CheckpointLayout, cfg: StateConfig | None, spec: St
 
 
 def rollup_record(rollups: Sequence[RollupSpec]) -> list[dict[str, Any]]:
-    """What the rollups' stored windows depend on: each one's name, keys, window and stored schema."""
-    return [{"name": r.name, "by": list(r.by), "window_us": r.window_us, "state_schema": str(state_schema(r))}
-            for r in rollups]
+    """What the rollups' stored windows depend on: each one's name, keys, window, horizon (a longer one
+    would take late events for windows already dropped, and write them again from revision 1) and
+    stored schema."""
+    return [{"name": r.name, "by": list(r.by), "window_us": r.window_us, "correct_for_us": r.correct_for_us,
+             "state_schema": str(state_schema(r))} for r in rollups]
 
 
 def _check_rollups(kept: dict[str, Any], now: list[dict[str, Any]], layout: CheckpointLayout, path: Path,
                    source: str, new: str) -> dict[str, Any]:
-    was = kept.get(ROLLUPS)
+    was = kept.get(ROLLUPS, [])  # a record written by a start without rollups: none
     if was == now:
         return kept
     if layout.planned_any():
         names = [r.get("name") for r in was] if isinstance(was, list) else was
         raise ConfigError(f"{source}: rollups changed against the checkpoint {layout.root}, whose query ran with "
                           f"rollups {json.dumps(names)} (their windows are kept in its state, laid out by their "
-                          f"names, by columns, windows and metrics), now {json.dumps([r['name'] for r in now])}; "
+                          f"names, by columns, windows, horizons and metrics), now {json.dumps([r['name'] for r in now])}; "
                           f"put them back, or {new}")
     kept = {**kept, ROLLUPS: now}  # nothing ran yet: the record follows the config
     write_json_atomic(path, kept)

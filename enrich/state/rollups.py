@@ -82,17 +82,21 @@ class Fed:
     dead: pa.Table | None
 
 
-def _route(table: pa.Table, by: Sequence[str], buckets: int) -> np.ndarray:
-    """The rollup bucket of every row's ``by`` values: a hash of their text (a null apart from any text)."""
+def _route(table: pa.Table, by: Sequence[str], ids: Sequence[int]) -> np.ndarray:
+    """The rollup bucket (one of ``ids``) of every row's ``by`` values: a hash of their text (a null
+    apart from any text)."""
     texts = [pc.fill_null(pc.cast(table.column(b), pa.string()), "\x00") for b in by]
     key = texts[0] if len(texts) == 1 else pc.binary_join_element_wise(*texts, "\x1f")
-    return buckets_of(key, buckets)
+    return np.asarray(ids, np.int32)[buckets_of(key, len(ids))]
 
 
-def feed(specs: Sequence[RollupSpec], events: pa.Table, watermark_us: int | None, buckets: int) -> Fed:
-    """The state step's part for one bucket: ``events`` (the batch's good events, with ``_ts_us``,
-    ``_partition``, ``_offset`` and the dead-letter columns) to each rollup's partials per rollup
-    bucket, leaving out the events beyond its horizon as of ``watermark_us``, and the counts of both."""
+def feed(specs: Sequence[RollupSpec], events: pa.Table, watermark_us: int | None, ids: Sequence[int],
+         source: int) -> Fed:
+    """The state step's part for state bucket ``source``: ``events`` (the batch's good events, with
+    ``_ts_us``, ``_partition``, ``_offset`` and the dead-letter columns) to each rollup's partials per
+    rollup bucket (``ids``: the buckets' grouping keys, the state step's, spread evenly over the state
+    partitions: enrich.state.layout), leaving out the events beyond its horizon as of
+    ``watermark_us``, and the counts of both."""
     ts = partial.as_numpy(events.column(TS_US)) if events.num_rows else np.zeros(0, np.int64)
     parts: list[tuple[int, str, bytes]] = []
     beyond_any = np.zeros(len(ts), bool)
@@ -109,19 +113,19 @@ def feed(specs: Sequence[RollupSpec], events: pa.Table, watermark_us: int | None
         if within.num_rows == 0:
             continue
         windows = partial.partials(spec, within)
-        rb = _route(windows, spec.by, buckets)
+        rb = _route(windows, spec.by, ids)
         order = np.argsort(rb, kind="stable")
-        ids = rb[order]
-        starts = np.concatenate([[0], np.flatnonzero(np.diff(ids)) + 1])
+        keys = rb[order]
+        starts = np.concatenate([[0], np.flatnonzero(np.diff(keys)) + 1])
         ordered = windows.take(pa.array(order))
-        for s, e in zip(starts.tolist(), [*starts[1:].tolist(), len(ids)], strict=True):
-            parts.append((int(ids[s]), partial_kind(i), to_ipc(ordered.slice(s, e - s))))
+        for s, e in zip(starts.tolist(), [*starts[1:].tolist(), len(keys)], strict=True):
+            parts.append((int(keys[s]), partial_kind(i, source), to_ipc(ordered.slice(s, e - s))))
     dead = None
     if beyond_any.any():
         dead = _dead(events.filter(pa.array(beyond_any)),
                      [f"{BEYOND}: {', '.join(n)}" for n, b in zip(names, beyond_any.tolist(), strict=True) if b])
     if counts:
-        parts.append((0, COUNTS, to_ipc(pa.Table.from_pylist(
+        parts.append((source, COUNTS, to_ipc(pa.Table.from_pylist(
             [{"rollup": r, "result": k, "events": n} for r, k, n in counts], schema=COUNTS_SCHEMA))))
     return Fed(parts, dead)
 
@@ -147,14 +151,17 @@ class RollupProcessor(StatefulProcessor):
         settle()
         kinds: list[str] = []
         values: list[bytes] = []
-        partials: dict[int, list[pa.Table]] = {}
+        got: dict[int, list[tuple[int, bytes]]] = {}
         for pdf in rows:
             for kind, value in zip(pdf.iloc[:, -2], pdf.iloc[:, -1], strict=True):
                 if kind.startswith("partial:"):
-                    partials.setdefault(int(kind[len("partial:"):]), []).append(from_ipc(value))
+                    _, i, source = kind.split(":")
+                    got.setdefault(int(i), []).append((int(source), value))
                 else:
                     kinds.append(kind)
                     values.append(value)
+        # In the order of their source buckets, not the shuffle's: a replay merges them alike.
+        partials = {i: [from_ipc(v) for _, v in sorted(parts, key=lambda p: p[0])] for i, parts in got.items()}
         watermark = _watermark_us(timerValues)
         counts = []
         for i in sorted(partials):

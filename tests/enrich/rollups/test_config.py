@@ -55,6 +55,8 @@ def test_a_rollup_is_read_with_its_durations_converted() -> None:
     ([rollup(output={})], True, r"rollups\[0\]\.output: a rollup needs an output"),
     ([rollup(output={"parquet": {"path": "p"}, "csv": {}})], True, r"rollups\[0\]\.output: unknown key"),
     ([rollup(windows="1m")], True, r"rollups\[0\]: unknown key"),
+    ([rollup(output={"parquet": {"path": "ck/rollups"}})], True,
+     r"rollups\[0\]\.output\.parquet\.path: ck/rollups overlaps checkpoint"),
     ([rollup(output={"kafka": {"topic": "dlq"}})], True,
      r"rollups\[0\]\.output\.kafka\.topic: 'dlq' is also dead_letter_topic"),
     ([rollup(output={"kafka": {"topic": "r"}}), rollup(name="b", output={"kafka": {"topic": "r"}})], True,
@@ -66,3 +68,11 @@ def test_a_bad_rollup_is_refused_naming_the_key(rollups: Any, state: bool, error
             "kafka": {"bootstrap_servers": "127.0.0.1:9"}, "events": {"topic": "ev", "schema": "d STRING"},
             "output": {"kafka": {"topic": "out"}}, "dead_letter_topic": "dlq", "checkpoint": "ck",
             "state": {"key": "d", "timestamp": "ts"}, "rollups": rollups}, "test.yaml")
+
+
+def test_a_rollup_directory_inside_the_event_output_is_refused() -> None:
+    with pytest.raises(ConfigError, match=r"rollups\[0\]\.output\.parquet\.path: out/d_1m overlaps output\.parquet\.path"):
+        config.parse({"kafka": {"bootstrap_servers": "127.0.0.1:9"},
+                      "events": {"topic": "ev", "schema": "d STRING, ts TIMESTAMP"},
+                      "output": {"parquet": {"path": "out"}}, "dead_letter_topic": "dlq", "checkpoint": "ck",
+                      "state": {"key": "d", "timestamp": "ts"}, "rollups": [rollup()]}, "test.yaml")

@@ -137,10 +137,21 @@ def test_rollups_added_removed_or_changed_against_a_checkpoint_that_ran_are_refu
     ck.offsets.mkdir(parents=True)
     (ck.offsets / "0").write_text("v1")
     check_checkpoint(ck, CFG, SPEC, rollups=(r1m,))
-    # A longer horizon keeps the stored windows' layout: allowed.
-    check_checkpoint(ck, CFG, SPEC, rollups=(RollupSpec(**{**r1m.__dict__, "correct_for_us": 120_000_000}),))
+    # A longer horizon would reopen windows already dropped: refused as the rest.
     for other in [(), (RollupSpec(**{**r1m.__dict__, "window_us": 120_000_000}),),
+                  (RollupSpec(**{**r1m.__dict__, "correct_for_us": 120_000_000}),),
                   (r1m, RollupSpec(**{**r1m.__dict__, "name": "d_2m"}))]:
         with pytest.raises(ConfigError, match=r"rollups changed against the checkpoint .* ran with rollups "
                                               r"\[\"d_1m\"\]"):
             check_checkpoint(ck, CFG, SPEC, rollups=other)
+
+
+def test_a_record_without_rollups_reads_as_none(tmp_path: Path) -> None:
+    ck = CheckpointLayout(tmp_path)
+    check_checkpoint(ck, CFG, SPEC, partitions=2)
+    kept = json.loads(ck.state_record.read_text())
+    assert kept.pop("rollups") == []
+    ck.state_record.write_text(json.dumps(kept))
+    ck.offsets.mkdir(parents=True)
+    (ck.offsets / "0").write_text("v1")
+    check_checkpoint(ck, CFG, SPEC, rollups=())        # a job without rollups starts

@@ -34,14 +34,15 @@ def test_partials_go_to_the_bucket_of_their_keys_and_late_events_beyond_a_horizo
     events = good_events([("a", "s1", 100, 1.0), ("b", "s1", 100, 2.0), ("c", "s2", 101, 3.0),
                           ("a", "s1", 96, 4.0),     # window 96's end + 2m = 99m <= 100m: beyond device_1m only
                           ("b", "s1", 30, 5.0)])    # beyond both (site_1h: 60m + 30m <= 100m)
-    fed = feed((DEVICE, SITE), events, watermark_us=100 * MIN, buckets=4)
+    fed = feed((DEVICE, SITE), events, watermark_us=100 * MIN, ids=(11, 22, 33, 44), source=22)
     parts = {}
     for bucket, kind, value in fed.parts:
         parts.setdefault(kind, []).append((bucket, from_ipc(value)))
-    devices = [(b, d) for b, t in parts[partial_kind(0)] for d in t.column("device_id").to_pylist()]
+    assert {b for b, _, _ in fed.parts} <= {11, 22, 33, 44}            # the rollup step's grouping keys
+    devices = [(b, d) for b, t in parts[partial_kind(0, 22)] for d in t.column("device_id").to_pylist()]
     assert sorted(d for _, d in devices) == ["a", "b", "c"]             # window 100 of a and b, 101 of c
     assert len({b for b, d in devices if d == "a"}) == 1
-    sites = sorted((s, e) for _, t in parts[partial_kind(1)] for s, e in zip(t.column("site").to_pylist(),
+    sites = sorted((s, e) for _, t in parts[partial_kind(1, 22)] for s, e in zip(t.column("site").to_pylist(),
                                                                             t.column("_events").to_pylist(), strict=True))
     assert sites == [("s1", 3), ("s2", 1)]                               # the event at minute 96 counts here
     [(_, counts)] = parts[COUNTS]
@@ -55,5 +56,6 @@ def test_partials_go_to_the_bucket_of_their_keys_and_late_events_beyond_a_horizo
 
 
 def test_without_a_watermark_nothing_is_beyond_a_horizon() -> None:
-    fed = feed((DEVICE,), good_events([("a", "s1", 1, 1.0), ("a", "s1", 500, 2.0)]), watermark_us=None, buckets=2)
-    assert fed.dead is None and [k for _, k, _ in fed.parts] == [partial_kind(0)] * len(fed.parts)
+    fed = feed((DEVICE,), good_events([("a", "s1", 1, 1.0), ("a", "s1", 500, 2.0)]), watermark_us=None, ids=(0, 1),
+               source=0)
+    assert fed.dead is None and [k for _, k, _ in fed.parts] == [partial_kind(0, 0)] * len(fed.parts)

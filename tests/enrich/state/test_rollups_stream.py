@@ -12,9 +12,11 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import pyarrow.parquet as pq
 import pytest
+import sqlalchemy as sa
 import yaml
 from pyspark.sql import SparkSession
 
@@ -59,7 +61,7 @@ EVENTS = [
 ]
 
 
-def make_config(kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path) -> dict[str, Any]:
+def make_config(kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path, db_url: str) -> dict[str, Any]:
     return {
         "kafka": {"bootstrap_servers": kafka["bootstrap.servers"]},
         "events": {"topic": unique("events"), "schema": "device_id STRING, ts TIMESTAMP, temp DOUBLE, n INT",
@@ -76,13 +78,17 @@ def make_config(kafka: dict[str, str], unique: Callable[[str], str], tmp_path: P
              "output": {"parquet": {"path": str(tmp_path / "device_1m")}, "kafka": {"topic": unique("device_1m")}}},
             {"name": "site_5m", "by": ["site"], "window": "5m", "correct_for": "10m",
              "metrics": {"temp": ["mean"], "device_id": ["count_distinct"]},
-             "output": {"parquet": {"path": str(tmp_path / "site_5m")}}},
+             "output": {"parquet": {"path": str(tmp_path / "site_5m")},
+                        "database": {"url": db_url, "table": unique("site_5m")}}},
         ],
     }
 
 
 def rows_of(path: Path) -> pd.DataFrame:
-    return pq.read_table(path, partitioning="hive").to_pandas() if any(path.glob("batch_id=*")) else pd.DataFrame()
+    if not any(path.glob("batch_id=*")):
+        return pd.DataFrame()
+    rows = pq.read_table(path, partitioning="hive").to_pandas()
+    return rows.assign(batch_id=rows["batch_id"].astype(int))
 
 
 def latest(rows: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
@@ -91,8 +97,8 @@ def latest(rows: pd.DataFrame, keys: list[str]) -> pd.DataFrame:
 
 def test_rollups_are_provisional_then_final_then_corrected_and_equal_a_recompute(
         spark: SparkSession, kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path,
-        caplog: pytest.LogCaptureFixture) -> None:
-    data = make_config(kafka, unique, tmp_path)
+        caplog: pytest.LogCaptureFixture, mysql_url: str) -> None:
+    data = make_config(kafka, unique, tmp_path, mysql_url)
     publish(kafka, data["joins"][0]["topic"], changelog(DEVICES, [{"device_id": "a", "site": "s1"},
                                                                   {"device_id": "b", "site": "s1"}]))
     produce_events(kafka, data["events"]["topic"], EVENTS)
@@ -125,6 +131,12 @@ def check_outputs(kafka: dict[str, str], data: dict[str, Any], tmp_path: Path) -
         sorted((r["device_id"], r["window_start"].strftime("%Y-%m-%dT%H:%M:%S.%fZ"), r["_revision"], r["_kind"],
                 r["temp_mean"]) for r in dev.to_dict("records"))
     assert set(dev["_kind"]) >= {"provisional", "final", "correction"}, dev
+    # The last batch reads no event: its rows are windows made final by their buckets' timers.
+    quiet = dev[dev["batch_id"] == dev["batch_id"].max()]
+    assert not quiet.empty and set(quiet["_kind"]) == {"final"}, dev
+    assert not set(map(tuple, quiet[["device_id", "window_start"]].values)) & set(
+        map(tuple, dev[dev["batch_id"] < quiet["batch_id"].iloc[0]].query("_kind == 'final'")[
+            ["device_id", "window_start"]].values))
     # Revisions strictly increase per window, exactly one final row per window, corrections after it.
     for _, g in dev.sort_values(["batch_id", "_revision"]).groupby(["device_id", "window_start"]):
         assert list(g["_revision"]) == list(range(1, len(g) + 1)), g
@@ -142,11 +154,13 @@ def check_outputs(kafka: dict[str, str], data: dict[str, Any], tmp_path: Path) -
     ev["ts"] = pd.to_datetime(ev["ts"], utc=True)
     ev["site"] = "s1"
     counted = ev[ev["n"] != 9]
-    want = counted.assign(window_start=counted["ts"].dt.floor("1min")).groupby(["device_id", "window_start"]).agg(
+    by_time = counted.sort_values("ts")
+    want = by_time.assign(window_start=by_time["ts"].dt.floor("1min")).groupby(["device_id", "window_start"]).agg(
         temp_count=("temp", "count"), temp_min=("temp", "min"), temp_max=("temp", "max"),
-        temp_sum=("temp", "sum"), _events=("n", "count")).reset_index()
+        temp_sum=("temp", "sum"), temp_p95=("temp", lambda v: np.quantile(v, 0.95, method="inverted_cdf")),
+        temp_last=("temp", "last"), _events=("n", "count")).reset_index()
     got = latest(dev, ["device_id"])[["device_id", "window_start", "temp_count", "temp_min", "temp_max",
-                                      "temp_sum", "_events"]]
+                                      "temp_sum", "temp_p95", "temp_last", "_events"]]
     got = got.assign(window_start=pd.to_datetime(got["window_start"], utc=True))
     pd.testing.assert_frame_equal(got.sort_values(["device_id", "window_start"]).reset_index(drop=True),
                                   want.sort_values(["device_id", "window_start"]).reset_index(drop=True),
@@ -155,16 +169,28 @@ def check_outputs(kafka: dict[str, str], data: dict[str, Any], tmp_path: Path) -
         temp_mean=("temp", "mean"), device_id_count_distinct=("device_id", "nunique"),
         _events=("n", "count")).reset_index()
     got_site = latest(site, ["site"])[["site", "window_start", "temp_mean", "device_id_count_distinct", "_events"]]
+    # The database table holds each window's latest revision, one row per (site, window_start).
+    db = data["rollups"][1]["output"]["database"]
+    engine = sa.create_engine(db["url"])
+    try:
+        table = pd.read_sql(f"SELECT site, window_start, temp_mean, _revision, _kind FROM {db['table']}", engine)
+    finally:
+        engine.dispose()
+    want_rows = latest(site, ["site"])
+    assert sorted((r["site"], pd.Timestamp(r["window_start"]).tz_localize(None), r["_revision"], r["_kind"])
+                  for r in table.to_dict("records")) == \
+        sorted((r["site"], pd.Timestamp(r["window_start"]).tz_localize(None), r["_revision"], r["_kind"])
+               for r in want_rows.to_dict("records"))
     got_site = got_site.assign(window_start=pd.to_datetime(got_site["window_start"], utc=True))
     pd.testing.assert_frame_equal(got_site.sort_values("window_start").reset_index(drop=True),
                                   want_site.sort_values("window_start").reset_index(drop=True), check_dtype=False)
 
 
 def test_a_sigkill_after_a_rollups_rows_are_written_writes_each_revision_once(
-        kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path) -> None:
+        kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path, pg_url: str) -> None:
     """Killed once device_1m's rows of batch 2 are in place, before site_5m's and before Spark
     commits the batch: the restart replays batch 2, writes site_5m's rows and not device_1m's again."""
-    data = make_config(kafka, unique, tmp_path)
+    data = make_config(kafka, unique, tmp_path, pg_url)
     publish(kafka, data["joins"][0]["topic"], changelog(DEVICES, [{"device_id": "a", "site": "s1"},
                                                                   {"device_id": "b", "site": "s1"}]))
     produce_events(kafka, data["events"]["topic"], EVENTS)
