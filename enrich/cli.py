@@ -1,7 +1,7 @@
 """``enrich run --config conf/enrich.yaml [--master local[*]] [--available-now] [--debug]``,
 ``enrich validate --config conf/enrich.yaml [--connect]``, ``enrich status --config F [--json] [--check
 --max-age 10m]``, ``enrich lookup --config F DATASET KEY [--batch N]``, ``enrich lookup --config F --state
-DEVICE [--batch N]``, ``enrich rescale --config F --partitions N [--master M]``, ``enrich savepoint --config F
+DEVICE [--batch N]``, ``enrich lookup --config F --rollup NAME --key V [--limit N]``, ``enrich rescale --config F --partitions N [--master M]``, ``enrich savepoint --config F
 --to DIR [--master M]``, ``enrich run --config F --from-savepoint DIR``; ``--version``,
 ``--log-format text|json``.
 
@@ -74,6 +74,12 @@ def parser() -> argparse.ArgumentParser:
                     help="print this device's state (its state.key value) instead: from output.database's "
                          "table when it has write: state and no --batch is given, else from the checkpoint")
     lk.add_argument("--batch", type=int, default=None, help="a committed batch id (default: the last one)")
+    lk.add_argument("--rollup", metavar="NAME", default=None,
+                    help="print the latest revision of a key's windows of this rollup, newest first, as JSON "
+                         "lines (from its database table, else its Parquet directory); give the key with --key")
+    lk.add_argument("--key", dest="rollup_keys", action="append", default=[], metavar="V",
+                    help="with --rollup: a by: value, once per by: column, in that order")
+    lk.add_argument("--limit", type=_positive, default=100, metavar="N", help="with --rollup: at most N windows")
 
     rs = sub.add_parser("rescale", parents=[common],
                         help="move the device state of a stopped job (its last batch committed) to N state "
@@ -104,8 +110,14 @@ def _positive(text: str) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     p = parser()
     args = p.parse_args(argv)
-    if args.command == "lookup" and not (args.key is not None if args.state is None else args.dataset is None):
-        p.error("lookup takes DATASET KEY, or --state DEVICE")
+    if args.command == "lookup":
+        if args.rollup is not None:
+            if args.dataset is not None or args.state is not None or not args.rollup_keys:
+                p.error("lookup --rollup NAME takes --key V (once per by: column) and no DATASET KEY or --state")
+        elif args.rollup_keys:
+            p.error("--key goes with --rollup NAME")
+        elif not (args.key is not None if args.state is None else args.dataset is None):
+            p.error("lookup takes DATASET KEY, --state DEVICE, or --rollup NAME --key V")
     setup_logging(debug=args.debug, log_format=args.log_format)
     try:
         if args.command == "validate":
@@ -211,11 +223,19 @@ def status(args: argparse.Namespace) -> int:
 
 def lookup(args: argparse.Namespace) -> int:
     """Prints the row (or the device's state) as JSON; exit 0 when the batch saw the key (left state
-    for the device), 1 when it was absent or deleted."""
+    for the device), 1 when it was absent or deleted. With ``--rollup``: the key's windows as JSON
+    lines, newest first; exit 1 when it has none."""
     import json
 
     from enrich import config
 
+    if args.rollup is not None:
+        from enrich.ops.rollups import rollup_rows
+
+        rows = rollup_rows(config.load(args.config), args.rollup, args.rollup_keys, args.limit)
+        for row in rows:
+            print(json.dumps(row, default=str))
+        return 0 if rows else 1
     if args.state is not None:
         cfg = config.load(args.config)
         db = cfg.output.database

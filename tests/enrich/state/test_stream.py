@@ -182,7 +182,8 @@ def test_state_of_a_broadcast_join_column(spark: SparkSession, kafka: dict[str, 
     bad["joins"].append({**sites, "on": "owner"})    # on a column the devices join adds: fine in the plan
     bad["joins"][0]["strategy"] = "partitioned"      # ... unless devices is joined inside the step
     publish(kafka, bad["joins"][0]["topic"], changelog(DEVICES, [{"device_id": "a", "owner": "ann"}]))
-    with pytest.raises(ConfigError, match=r"joins\[0\] \(sites\): on: column 'owner' is neither an event field"):
+    with pytest.raises(ConfigError, match=r"state\.aggregates\.city: 'city' comes from a join that cannot run before "
+                                          r"the state step"):
         run(spark, bad)
     unknown = {**data, "state": {**data["state"], "aggregates": {"humidity": ["last"]}}}
     with pytest.raises(ConfigError, match=r"state\.aggregates\.humidity: column 'humidity' is neither an event "
