@@ -33,7 +33,8 @@ class RollupOutput:
 class RollupConfig:
     """One rollup: events grouped by the ``by`` columns (event fields or columns a join adds) and a
     tumbling event-time ``window`` aligned to the epoch, ``metrics`` per column, corrected for
-    ``correct_for`` after a window's end (None: the state's ttl)."""
+    ``correct_for`` after a window's end (None: the state's ttl); ``fill``: a row with count 0 for
+    every empty window between a key's first and last window."""
 
     name: str
     by: tuple[str, ...]
@@ -41,6 +42,7 @@ class RollupConfig:
     metrics: tuple[tuple[str, tuple[Metric, ...]], ...]
     output: RollupOutput
     correct_for: timedelta | None = None
+    fill: bool = False
 
     @property
     def columns(self) -> tuple[str, ...]:
@@ -111,7 +113,8 @@ def _rollup(sec: Section, database: Callable[[Section], Any] | None) -> RollupCo
         kf.done()
     output = RollupOutput(parquet=parquet, kafka=kafka, database=db)
     out.done()
-    cfg = RollupConfig(name=name, by=by, window=window, metrics=metrics, output=output, correct_for=correct_for)
+    cfg = RollupConfig(name=name, by=by, window=window, metrics=metrics, output=output, correct_for=correct_for,
+                       fill=sec.get("fill", bool, False))
     sec.done()
     return cfg
 

@@ -130,6 +130,46 @@ def advance(spec: RollupSpec, state: pa.Table | None, partials: pa.Table | None,
     return Advanced(new_state, rows, int(evict.sum()), corrected)
 
 
+def fill(spec: RollupSpec, state: pa.Table | None, partials: pa.Table | None) -> pa.Table:
+    """``fill: true``: a window table of the empty windows (no events: ``_events`` and the counts 0,
+    the other accumulators null) between each key's first and last window in ``state`` and
+    ``partials`` that neither holds; folded in by :func:`advance` with the batch's partials, they
+    are written as any window is (provisional, then final)."""
+    wschema = spec.window_schema()
+    parts = [t.select(wschema.names).cast(wschema) for t in (state, partials) if t is not None and t.num_rows]
+    if not parts:
+        return wschema.empty_table()
+    windows = pa.concat_tables(parts)
+    keys = [f"k{i}" for i in range(len(spec.by))]  # names of their own: a by column may be called anything
+    t = pa.Table.from_arrays([*(windows.column(b) for b in spec.by), windows.column(WINDOW_START)],
+                             names=[*keys, "start"])
+    grouped = t.group_by(keys, use_threads=False).aggregate([("start", "list")])
+    missing: list[int] = []
+    at: list[int] = []
+    for i, starts in enumerate(grouped.column("start_list").to_pylist()):
+        have = set(starts)
+        gaps = [w for w in range(min(have), max(have), spec.window_us) if w not in have]
+        missing += gaps
+        at += [i] * len(gaps)
+    if not missing:
+        return wschema.empty_table()
+    take = pa.array(at, pa.int64())
+    n = len(missing)
+    columns: dict[str, pa.Array | pa.ChunkedArray] = {
+        b: grouped.column(k).take(take) for b, k in zip(spec.by, keys, strict=True)}
+    columns[WINDOW_START] = pa.array(missing, pa.int64())
+    for f in wschema:
+        if f.name in columns:
+            continue
+        if f.name == EVENTS or f.name.endswith(".n"):
+            columns[f.name] = pa.array(np.zeros(n, np.int64))
+        elif f.name.endswith(".set"):
+            columns[f.name] = pa.array([[]] * n, f.type)
+        else:
+            columns[f.name] = pa.nulls(n, f.type)
+    return pa.Table.from_arrays([columns[f.name] for f in wschema], schema=wschema)
+
+
 def finalize_idle(spec: RollupSpec, state: pa.Table | None) -> Advanced:
     """Write every window of the bucket that is not final yet ``final`` (``_finalized_by: idle``),
     its revision + 1; nothing is dropped (there is no watermark to drop by)."""

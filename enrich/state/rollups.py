@@ -167,7 +167,10 @@ class RollupProcessor(StatefulProcessor):
         for i in sorted(partials):
             spec, parts = self.specs[i], partials[i]
             batch = pa.concat_tables(parts) if len(parts) > 1 else parts[0]
-            adv = engine.advance(spec, self._load(i), batch, watermark)
+            state = self._load(i)
+            if spec.fill:
+                batch = pa.concat_tables([batch.cast(spec.window_schema()), engine.fill(spec, state, batch)])
+            adv = engine.advance(spec, state, batch, watermark)
             self._store(i, adv.state)
             events = int(pc.sum(batch.column(EVENT_COUNT)).as_py() or 0)
             counts += [(spec.name, "counted", events - adv.corrected), (spec.name, "corrected", adv.corrected)]

@@ -272,3 +272,21 @@ def test_the_events_folded_into_final_windows_are_counted_as_corrected() -> None
         got = engine.advance(SPEC, state, partial.partials(SPEC, events(rows)), watermark)
         assert got.corrected == corrected
         state = got.state
+
+
+def test_fill_writes_the_empty_windows_between_a_keys_first_and_last_with_count_zero() -> None:
+    spec = RollupSpec(**{**SPEC.__dict__, "fill": True})
+    rows = [("a", 10, 1.0, "x"), ("a", 3 * W + 1, 2.0, "y"), ("b", 2 * W, 3.0, "z")]
+    parts = partial.partials(spec, events(rows, spec))
+    empty = engine.fill(spec, None, parts)
+    assert [(r["dev"], r["window_start"], r["_events"]) for r in empty.to_pylist()] == [("a", W, 0), ("a", 2 * W, 0)]
+    got = engine.advance(spec, None, pa.concat_tables([parts, empty]), None)
+    by_window = {(r["dev"], r["window_start"]): r for r in as_dicts(got.rows)}
+    assert sorted(by_window) == [("a", 0), ("a", W), ("a", 2 * W), ("a", 3 * W), ("b", 2 * W)]
+    gap = by_window[("a", W)]
+    assert (gap["t_count"], gap["t_mean"], gap["t_last"], gap["t_p95"], gap["s_count_distinct"], gap["_events"],
+            gap["_kind"], gap["_revision"]) == (0, None, None, None, 0, 0, "provisional", 1)
+    # Against the state: a later event at window 5 fills window 4 only; windows already held are not.
+    later = partial.partials(spec, events([("a", 5 * W, 1.0, "x")], spec))
+    assert [r["window_start"] for r in engine.fill(spec, got.state, later).to_pylist()] == [4 * W]
+    assert engine.fill(spec, got.state, None).num_rows == 0

@@ -73,7 +73,7 @@ def make_config(kafka: dict[str, str], unique: Callable[[str], str], tmp_path: P
         "max_events_per_batch": 4,
         "state": {"key": "device_id", "timestamp": "ts", "ttl": "10m", "watermark": "1m", "buckets": 4},
         "rollups": [
-            {"name": "device_1m", "by": ["device_id"], "window": "1m", "correct_for": "3m",
+            {"name": "device_1m", "by": ["device_id"], "window": "1m", "correct_for": "3m", "fill": True,
              "metrics": {"temp": ["count", "min", "max", "mean", "sum", "p95", "last"]},
              "output": {"parquet": {"path": str(tmp_path / "device_1m")}, "kafka": {"topic": unique("device_1m")}}},
             {"name": "site_5m", "by": ["site"], "window": "5m", "correct_for": "10m",
@@ -110,7 +110,8 @@ def test_rollups_are_provisional_then_final_then_corrected_and_equal_a_recompute
         for part in line.split(": rollup events ")[1].split(", "):
             rollup, result, n = part.split(" ")
             counts[(rollup, result)] += int(n)
-    assert counts == {("device_1m", "counted"): 13, ("device_1m", "corrected"): 2,   # n=13 and n=14
+    # device_1m fills its empty windows: a's window 4 is there (empty, then final) when n=15 comes.
+    assert counts == {("device_1m", "counted"): 12, ("device_1m", "corrected"): 3,   # n=13, 14 and 15
                       ("device_1m", "beyond_horizon"): 1,                            # n=9
                       ("site_5m", "counted"): 13, ("site_5m", "corrected"): 3}, counts  # n=13, 14, 15
 
@@ -129,7 +130,7 @@ def check_outputs(kafka: dict[str, str], data: dict[str, Any], tmp_path: Path) -
                                                       for v in values]
     assert sorted((v["device_id"], v["window_start"], v["_revision"], v["_kind"], v["temp_mean"]) for v in values) == \
         sorted((r["device_id"], r["window_start"].strftime("%Y-%m-%dT%H:%M:%S.%fZ"), r["_revision"], r["_kind"],
-                r["temp_mean"]) for r in dev.to_dict("records"))
+                None if pd.isna(r["temp_mean"]) else r["temp_mean"]) for r in dev.to_dict("records"))
     assert set(dev["_kind"]) >= {"provisional", "final", "correction"}, dev
     # The last batch reads no event: its rows are windows made final by their buckets' timers.
     quiet = dev[dev["batch_id"] == dev["batch_id"].max()]
@@ -159,6 +160,13 @@ def check_outputs(kafka: dict[str, str], data: dict[str, Any], tmp_path: Path) -
         temp_count=("temp", "count"), temp_min=("temp", "min"), temp_max=("temp", "max"),
         temp_sum=("temp", "sum"), temp_p95=("temp", lambda v: np.quantile(v, 0.95, method="inverted_cdf")),
         temp_last=("temp", "last"), _events=("n", "count")).reset_index()
+    # fill: every device has a row for each window from its first to its last, count 0 where empty.
+    full = [(d, w) for d, g in want.groupby("device_id")
+            for w in pd.date_range(g["window_start"].min(), g["window_start"].max(), freq="1min")]
+    want = want.set_index(["device_id", "window_start"]).reindex(pd.MultiIndex.from_tuples(
+        full, names=["device_id", "window_start"])).reset_index()
+    want[["temp_count", "_events"]] = want[["temp_count", "_events"]].fillna(0)
+    assert (want["_events"] == 0).sum() >= 4, want     # a and b have empty windows between their events
     got = latest(dev, ["device_id"])[["device_id", "window_start", "temp_count", "temp_min", "temp_max",
                                       "temp_sum", "temp_p95", "temp_last", "_events"]]
     got = got.assign(window_start=pd.to_datetime(got["window_start"], utc=True))

@@ -200,7 +200,9 @@ def test_sigkill_then_restart_continues_every_device_count(kafka: dict[str, str]
     from tests.enrich.process import committed_count, run_then_kill, start_job, write_config
 
     config = tmp_path / "enrich.yaml"
-    cfg = write_config(config, kafka, unique, max_events_per_batch=500,
+    # Batches of 100: the kill at 300 written lands with most of the 2,000 still to come, however
+    # fast the machine (with batches of 500 a quick run had written every event before it landed).
+    cfg = write_config(config, kafka, unique, max_events_per_batch=100,
                        state={"key": "device_id", "timestamp": "ts", "watermark": "2h", "buckets": 8,
                               "aggregates": {"n": ["max"]}})
     cfg["events"]["schema"] = "device_id STRING, ts TIMESTAMP, n INT"
@@ -212,7 +214,7 @@ def test_sigkill_then_restart_continues_every_device_count(kafka: dict[str, str]
                    [{"device_id": f"d{i % 12}", "ts": at(i / 60), "n": i} for i in range(total)], partitions=2)
     out_topic = cfg["output"]["kafka"]["topic"]
     log = tmp_path / "job.log"
-    run_then_kill(config, log, lambda: committed_count(kafka, out_topic) >= 500)
+    run_then_kill(config, log, lambda: committed_count(kafka, out_topic) >= 300)
     assert committed_count(kafka, out_topic) < total, "the job should have been killed mid-stream"
 
     # The restart also loses a task: the first one to write records in a batch after the last
