@@ -22,6 +22,8 @@ names a path under it. Every module that reads or writes the checkpoint takes it
         devices.json            devices in state per bucket (enrich.state.devices)
         schemas.json            the published schemas the pipeline was last planned with (lookups)
         calls/<batch>/<bucket>.json   the responses a bucket's calls received in a batch (enrich.calls.record)
+        idle.json               the last batch that read events and its time, for the rollups'
+                                idle_finalize (enrich.state.rollups.idle_facts)
 
 Spark's part belongs to Spark; the job writes the rest, each file atomically
 (:mod:`refstream.atomic`), and never a file of Spark's. Spark's offset and commit logs are read
@@ -120,6 +122,10 @@ class CheckpointLayout:
     @property
     def calls(self) -> Path:
         return self.own / "calls"
+
+    @property
+    def idle(self) -> Path:
+        return self.own / "idle.json"
 
     def call_record(self, batch_id: int, bucket: int) -> Path:
         """Where the responses of ``bucket``'s calls in batch ``batch_id`` are kept."""

@@ -48,11 +48,13 @@ from enrich.metrics import RESULTS, EnrichMetrics
 from enrich.origin import Origin
 from enrich.pipeline import JoinPass, Pipeline
 from enrich.query import StateStream, Stream, apply_joins, build, rollup_rows, writer
+from enrich.rollups.packs import IDLE_PROPERTY
 from enrich.sinks import Counted, EnrichedBatch, Sink, make_sink
 from enrich.sinks.deadletter import DeadLetters
 from enrich.sinks.identity import SinkIdentity
 from enrich.sinks.rollups import RollupWriter
 from enrich.state.devices import DeviceCount
+from enrich.state.rollups import idle_facts
 from enrich.state.stream import Fork
 from enrich.state.wait import BatchFacts
 from refstream import kafka as rkafka
@@ -483,6 +485,9 @@ class EnrichJob:
         if files is not None or facts is not None:  # joins in the plan, or waiting: the tasks learn it here
             st.spark.sparkContext.setLocalProperty(joins.PINNED_PROPERTY, joins.pinned_property(
                 shipped, str(files.resolve()) if files is not None else None, facts))
+        if any(r.idle_finalize for r in self.cfg.rollups):  # the rollup step's idleness, from the offset log
+            st.spark.sparkContext.setLocalProperty(IDLE_PROPERTY, json.dumps(
+                idle_facts(self.layout, batch_id, self.cfg.events.topic)))
         if self._call_counts is not None:  # the calls' budgets run from here
             st.spark.sparkContext.setLocalProperty(STARTED_PROPERTY, repr(time.time()))
         jp = self._join_pass()

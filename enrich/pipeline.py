@@ -288,7 +288,8 @@ def _rollups(cfg: EnrichConfig, passed: list[StructField], enriched: StructType)
                 name=r.name, by=r.by, by_types=tuple(to_arrow_type(types[b]) for b in r.by),
                 window_us=r.window // timedelta(microseconds=1),
                 metrics=tuple((c, ms, to_arrow_type(types[c])) for c, ms in r.metrics),
-                correct_for_us=(r.correct_for or cfg.state.ttl) // timedelta(microseconds=1), fill=r.fill))
+                correct_for_us=(r.correct_for or cfg.state.ttl) // timedelta(microseconds=1), fill=r.fill,
+                idle_finalize_us=r.idle_finalize // timedelta(microseconds=1) if r.idle_finalize else None))
         except ValueError as exc:
             raise ConfigError(f"{where}: {exc}") from None
     return tuple(out)

@@ -199,7 +199,8 @@ def state_step(spark: SparkSession, pipeline: Pipeline, raw: DataFrame,
     changelogs = [read_stream(spark, cfg.kafka, [d.topic], starting_offsets=starts.get(d.topic, "earliest"))
                   for d in st.dims]
     initial = initial_state(spark, pipeline, layout, fork) if fork is not None else None
-    ticks = read_ticks(spark, layout) if cfg.waits else None
+    # Every bucket called each trigger: to decide what waits, or whether the rollups are idle.
+    ticks = read_ticks(spark, layout) if cfg.waits or any(r.idle_finalize_us for r in st.rollups) else None
     return attach(raw, pipeline, layout, changelogs, devices, parser=parser, cache=TableCache(uuid.uuid4().hex),
                   initial=initial, floor_us=fork.floor_us if fork is not None else floor_us, ticks=ticks,
                   call_counts=call_counts)

@@ -77,7 +77,7 @@ calls:
   - {name: b, url: "http://127.0.0.1:9/b", method: GET, body: {v: "{a.x}"}, response: {y: STRING}, refresh: 10m,
      timeout: 1s, retries: {attempts: 2, backoff: 10ms}, concurrency: 8, on_error: dead_letter, needs: [a]}
 rollups:
-  - {name: d_1m, by: [device_id], window: 1m, metrics: {t: [mean, p95]}, correct_for: 1h, fill: true,
+  - {name: d_1m, by: [device_id], window: 1m, metrics: {t: [mean, p95]}, correct_for: 1h, fill: true, idle_finalize: 2m,
      output: {parquet: {path: var/d_1m}, kafka: {topic: d_1m},
               database: {url: "postgresql://u@127.0.0.1:9/db", table: d_1m, statement_timeout: 5s}}}
 """

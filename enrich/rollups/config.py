@@ -34,7 +34,8 @@ class RollupConfig:
     """One rollup: events grouped by the ``by`` columns (event fields or columns a join adds) and a
     tumbling event-time ``window`` aligned to the epoch, ``metrics`` per column, corrected for
     ``correct_for`` after a window's end (None: the state's ttl); ``fill``: a row with count 0 for
-    every empty window between a key's first and last window."""
+    every empty window between a key's first and last window; ``idle_finalize``: the wall-clock time
+    without any event after which open windows are made final (None: never)."""
 
     name: str
     by: tuple[str, ...]
@@ -43,6 +44,7 @@ class RollupConfig:
     output: RollupOutput
     correct_for: timedelta | None = None
     fill: bool = False
+    idle_finalize: timedelta | None = None
 
     @property
     def columns(self) -> tuple[str, ...]:
@@ -113,8 +115,11 @@ def _rollup(sec: Section, database: Callable[[Section], Any] | None) -> RollupCo
         kf.done()
     output = RollupOutput(parquet=parquet, kafka=kafka, database=db)
     out.done()
+    idle = sec.duration("idle_finalize") if sec.has("idle_finalize") else None
+    if idle is not None and idle <= timedelta(0):
+        raise sec.error("must be positive", "idle_finalize")
     cfg = RollupConfig(name=name, by=by, window=window, metrics=metrics, output=output, correct_for=correct_for,
-                       fill=sec.get("fill", bool, False))
+                       fill=sec.get("fill", bool, False), idle_finalize=idle)
     sec.done()
     return cfg
 

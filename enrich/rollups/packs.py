@@ -4,11 +4,18 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-__all__ = ["BEYOND", "COUNTS", "COUNTS_SCHEMA", "DEAD", "EVENTS", "RESULTS", "partial_kind", "rows_kind"]
+__all__ = ["BEYOND", "COUNTS", "COUNTS_SCHEMA", "DEAD", "EVENTS", "IDLE_PROPERTY", "RESULTS", "TICK", "partial_kind",
+           "rows_kind"]
 
 #: Events (as the state step emits them), dead letters (``enrich.sinks.deadletter.COLUMNS``) and
 #: counts (:data:`COUNTS_SCHEMA`).
 EVENTS, DEAD, COUNTS = "events", "dead", "counts"
+#: A value that only calls its rollup bucket (a trigger without events: idle finalization).
+TICK = "tick"
+#: The Spark local property the driver sets for a batch's tasks when a rollup has ``idle_finalize``:
+#: JSON ``{"time_ms": the batch's time, "read_ms": the time of the last batch that read events
+#: (null: none known)}``, both from Spark's offset log, so a replay decides alike.
+IDLE_PROPERTY = "refstream.rollups.idle"
 #: The dead-letter reason of an event beyond a rollup's correction horizon (the rollups named after it).
 BEYOND = "beyond the rollup horizon"
 #: What became of a rollup's events: in a window not final yet, in a final one (a correction), or

@@ -150,6 +150,8 @@ class DeviceStateProcessor(StatefulProcessor):
         if self.waits is not None:  # a tick row (enrich.source.tick) calls every bucket each trigger
             table = self._wait(table, self._watermark(timerValues))
         if table is None:
+            if any(r.idle_finalize_us for r in self.rollups):  # a tick: the rollup step decides idleness
+                yield self._rollup_frame([(int(key[0]), packs.TICK, b"")], timerValues)
             return
         # Shuffle order is not stable: rows leave in source order, so a replay gives the same output.
         table = table.take(pc.sort_indices(table, [("_partition", "ascending"), ("_offset", "ascending")]))
@@ -216,6 +218,11 @@ class DeviceStateProcessor(StatefulProcessor):
         parts += fed.parts
         if fed.dead is not None:
             parts.append((home, packs.DEAD, to_ipc(fed.dead)))
+        return self._rollup_frame(parts, timer_values)
+
+    @staticmethod
+    def _rollup_frame(parts: list[tuple[int, str, bytes]], timer_values: TimerValues) -> pd.DataFrame:
+        """(rollup bucket, kind, packed value)s as the rollup step's input rows."""
         # Just after the batch's watermark: Spark refuses an output time at or behind it.
         at = pd.Timestamp(max(timer_values.getCurrentWatermarkInMs(), 0) + 1, unit="ms", tz="UTC")
         return pd.DataFrame({RBUCKET: np.array([p[0] for p in parts], np.int32), ROLLUP_TIME: [at] * len(parts),

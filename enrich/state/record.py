@@ -113,10 +113,11 @@ def check_checkpoint(layout: CheckpointLayout, cfg: StateConfig | None, spec: St
 
 def rollup_record(rollups: Sequence[RollupSpec]) -> list[dict[str, Any]]:
     """What the rollups' stored windows depend on: each one's name, keys, window, horizon (a longer one
-    would take late events for windows already dropped, and write them again from revision 1) and
-    stored schema."""
+    would take late events for windows already dropped, and write them again from revision 1),
+    whether it finalizes when idle (the query then has the tick source, which Spark cannot add to
+    or remove from a checkpoint) and stored schema."""
     return [{"name": r.name, "by": list(r.by), "window_us": r.window_us, "correct_for_us": r.correct_for_us,
-             "state_schema": str(state_schema(r))} for r in rollups]
+             "idle": r.idle_finalize_us is not None, "state_schema": str(state_schema(r))} for r in rollups]
 
 
 def _check_rollups(kept: dict[str, Any], now: list[dict[str, Any]], layout: CheckpointLayout, path: Path,

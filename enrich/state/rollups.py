@@ -38,18 +38,20 @@ from pyspark.sql.streaming.stateful_processor import (
 )
 from pyspark.sql.types import BinaryType, StringType, StructField, StructType
 
+from enrich.checkpoint import CheckpointLayout
 from enrich.columns import ERROR, PACK_KIND, ROWS, TS_US
 from enrich.ipc import from_ipc, to_ipc
 from enrich.rollups import engine, partial
-from enrich.rollups.packs import BEYOND, COUNTS, COUNTS_SCHEMA, partial_kind, rows_kind
+from enrich.rollups.packs import BEYOND, COUNTS, COUNTS_SCHEMA, IDLE_PROPERTY, TICK, partial_kind, rows_kind
 from enrich.rollups.spec import EVENTS as EVENT_COUNT
 from enrich.rollups.spec import FINAL, WINDOW_START, RollupSpec
 from enrich.state.hashing import buckets_of
 from enrich.state.stored import VALUE_SCHEMA
 from enrich.worker import settle
+from refstream.atomic import write_json_atomic
 from refstream.compat import spark_state_server_timeout
 
-__all__ = ["OUTPUT", "Fed", "RollupProcessor", "feed", "state_name"]
+__all__ = ["OUTPUT", "Fed", "RollupProcessor", "feed", "idle_facts", "state_name"]
 
 #: The rollup step's output: what each packed value holds, and the value.
 OUTPUT = StructType([StructField(PACK_KIND, StringType(), False), StructField(ROWS, BinaryType(), False)])
@@ -157,7 +159,7 @@ class RollupProcessor(StatefulProcessor):
                 if kind.startswith("partial:"):
                     _, i, source = kind.split(":")
                     got.setdefault(int(i), []).append((int(source), value))
-                else:
+                elif kind != TICK:
                     kinds.append(kind)
                     values.append(value)
         # In the order of their source buckets, not the shuffle's: a replay merges them alike.
@@ -178,6 +180,7 @@ class RollupProcessor(StatefulProcessor):
                 kinds.append(rows_kind(i))
                 values.append(to_ipc(adv.rows))
         self._advance_rest(set(partials), watermark, kinds, values)
+        self._finalize_idle(kinds, values)
         if counts:
             kinds.append(COUNTS)
             values.append(to_ipc(pa.Table.from_pylist(
@@ -213,6 +216,20 @@ class RollupProcessor(StatefulProcessor):
                 kinds.append(rows_kind(i))
                 values.append(to_ipc(adv.rows))
 
+    def _finalize_idle(self, kinds: list[str], values: list[bytes]) -> None:
+        """In a batch the job read no event in for ``idle_finalize`` (wall clock, downtime included),
+        the bucket's open windows of that rollup written final (``_finalized_by: idle``)."""
+        for i, spec in enumerate(self.specs):
+            if not _idle_for(spec):
+                continue
+            state = self._load(i)
+            if state is None or bool(pc.all(state.column(FINAL)).as_py()):
+                continue
+            adv = engine.finalize_idle(spec, state)
+            self._store(i, adv.state)
+            kinds.append(rows_kind(i))
+            values.append(to_ipc(adv.rows))
+
     def _load(self, i: int) -> pa.Table | None:
         got = self.values[i].get()
         return engine.state_from_ipc(got[0], self.specs[i]) if got is not None else None
@@ -238,6 +255,43 @@ class RollupProcessor(StatefulProcessor):
 
     def close(self) -> None:
         pass
+
+
+def idle_facts(layout: CheckpointLayout, batch_id: int, topic: str) -> dict[str, int | None]:
+    """The driver's :data:`IDLE_PROPERTY` for ``batch_id`` (planned: in Spark's offset log): its
+    time, and the time of the last batch that read events from ``topic`` (this one when its end
+    offsets differ from the batch before's), kept in the checkpoint (``idle.json``) so that downtime
+    counts as idle time. Decided from the offset log, a replay gets the same."""
+    entry = layout.offset_entry(batch_id, missing_ok=False)
+    assert entry is not None
+    time_ms = int(entry.meta.get("batchTimestampMs", 0))
+    before = layout.offset_entry(batch_id - 1) if batch_id > 0 else None
+    now = next((src for src in entry.sources if topic in src), None)
+    read = before is None or now != next((src for src in before.sources if topic in src), None)
+    path = layout.idle
+    if read:
+        if not path.exists() or json.loads(path.read_text(encoding="utf-8")).get("batch") != batch_id:
+            write_json_atomic(path, {"batch": batch_id, "read_ms": time_ms})
+        return {"time_ms": time_ms, "read_ms": time_ms}
+    kept = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+    read_ms = kept.get("read_ms") if isinstance(kept.get("batch"), int) and kept["batch"] < batch_id else None
+    return {"time_ms": time_ms, "read_ms": read_ms if isinstance(read_ms, int) else None}
+
+
+def _idle_for(spec: RollupSpec) -> bool:
+    """Whether this batch makes ``spec``'s open windows final by idleness (:data:`IDLE_PROPERTY`)."""
+    if spec.idle_finalize_us is None:
+        return False
+    from pyspark import TaskContext
+
+    ctx = TaskContext.get()
+    raw = ctx.getLocalProperty(IDLE_PROPERTY) if ctx is not None else None
+    if raw is None:
+        return False
+    facts = json.loads(raw)
+    if facts.get("read_ms") is None:
+        return False
+    return (int(facts["time_ms"]) - int(facts["read_ms"])) * 1000 >= spec.idle_finalize_us
 
 
 def state_name(spec: RollupSpec) -> str:

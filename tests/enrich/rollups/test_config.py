@@ -28,7 +28,9 @@ def rollup(**over: Any) -> dict[str, Any]:
 
 
 def test_a_rollup_is_read_with_its_durations_converted() -> None:
-    (r,) = parse(rollup(correct_for="24h", metrics={"t": "mean", "d": ["count_distinct"]})).rollups
+    (r,) = parse(rollup(correct_for="24h", metrics={"t": "mean", "d": ["count_distinct"]}, idle_finalize="2m",
+                        fill=True)).rollups
+    assert (r.idle_finalize, r.fill) == (timedelta(minutes=2), True)
     assert (r.name, r.by, r.window, r.correct_for) == ("d_1m", ("d",), timedelta(minutes=1), timedelta(hours=24))
     assert r.metrics == (("t", ("mean",)), ("d", ("count_distinct",)))
     assert r.output.parquet == Path("out/d_1m")
@@ -49,6 +51,7 @@ def test_a_rollup_is_read_with_its_durations_converted() -> None:
     ([rollup(by=["d", "d"])], True, r"rollups\[0\]\.by: expected one or more distinct columns"),
     ([rollup(window="0s")], True, r"rollups\[0\]\.window: must be a positive whole number of milliseconds"),
     ([rollup(correct_for="0s")], True, r"rollups\[0\]\.correct_for: must be positive"),
+    ([rollup(idle_finalize="0s")], True, r"rollups\[0\]\.idle_finalize: must be positive"),
     ([rollup(metrics={"t": ["median"]})], True, r"rollups\[0\]\.metrics\.t: 'median' is not one of count, min"),
     ([rollup(metrics={"t": ["max", "max"]})], True, r"rollups\[0\]\.metrics\.t: a metric is listed twice"),
     ([rollup(metrics={})], True, r"rollups\[0\]\.metrics: expected at least one column"),

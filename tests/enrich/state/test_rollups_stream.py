@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
+import time
 from collections import Counter
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
@@ -213,3 +215,42 @@ def test_a_sigkill_after_a_rollups_rows_are_written_writes_each_revision_once(
     assert proc.wait(bound(300)) == 0, log.read_text()[-3000:]
     assert "rollup device_1m: " in log.read_text() and "batch_id=2 exists (a replay)" in log.read_text()
     check_outputs(kafka, data, tmp_path)
+
+
+def test_a_quiet_stream_finalizes_its_open_windows_by_wall_clock_and_later_events_correct_them(
+        spark: SparkSession, kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path) -> None:
+    """idle_finalize: no event for 4 s (wall clock) makes the open windows final, _finalized_by idle,
+    although the watermark never reached them; an event that comes later for one is a correction."""
+    data = make_config(kafka, unique, tmp_path, "unused")
+    data["rollups"] = [{"name": "device_1m", "by": ["device_id"], "window": "1m", "idle_finalize": "4s",
+                        "metrics": {"temp": ["count", "max"]}, "output": {"parquet": {"path": str(tmp_path / "d")}}}]
+    data["trigger"] = "500ms"
+    publish(kafka, data["joins"][0]["topic"], changelog(DEVICES, [{"device_id": "a", "site": "s1"}]))
+    produce_events(kafka, data["events"]["topic"], [
+        {"device_id": "a", "ts": at(0.1), "temp": 1.0, "n": 1}, {"device_id": "a", "ts": at(1.1), "temp": 2.0, "n": 2}])
+    job = EnrichJob(config.parse(data, "test.yaml"))
+    runner = threading.Thread(target=job.run, args=(spark,), daemon=True)
+    runner.start()
+
+    def kinds() -> list[tuple[str, str, int]]:
+        rows = rows_of(tmp_path / "d")
+        return [] if rows.empty else sorted(
+            (str(r["window_start"])[11:16], r["_finalized_by"] if isinstance(r["_finalized_by"], str) else "-",
+             r["_revision"]) for r in rows.to_dict("records") if r["_kind"] != "provisional")
+
+    try:
+        deadline = time.monotonic() + bound(120)
+        while kinds() != [("00:00", "idle", 2), ("00:01", "idle", 2)]:
+            assert runner.is_alive() and time.monotonic() < deadline, kinds()
+            time.sleep(0.5)
+        produce_events(kafka, data["events"]["topic"], [{"device_id": "a", "ts": at(0.5), "temp": 9.0, "n": 3}])
+        while len(kinds()) < 3:
+            assert runner.is_alive() and time.monotonic() < deadline, kinds()
+            time.sleep(0.5)
+    finally:
+        job.stop()
+        runner.join(bound(60))
+    rows = latest(rows_of(tmp_path / "d"), ["device_id"]).sort_values("window_start")
+    assert [(r["_kind"], r["_revision"], r["temp_count"], r["temp_max"],
+             r["_cause"] if isinstance(r["_cause"], str) else None) for r in rows.to_dict("records")] \
+        == [("correction", 3, 2, 9.0, "late event"), ("final", 2, 1, 2.0, None)], rows
