@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from demo.broker import EmbeddedBroker, free_port
+from demo.graphs import GraphsServer, demo_graphs
 from demo.processes import Child, ChildExited
 from demo.scenario import SUBJECT, ChangeNotSeen, Operator, Stopped, device_state, matched, say, stamp
 from demo.seed import MODELS, SITES, device, seed_database, write_sites
@@ -144,7 +145,7 @@ class Demo:
             os.environ.update(demo_environment(self.workdir, broker.bootstrap, db_url))
             refresh_yaml = stack.enter_context(config_file("refresh.yaml"))
             enrich_yaml = stack.enter_context(config_file("enrich.yaml"))
-            load_configs(refresh_yaml, enrich_yaml)
+            _, enrich_conf = load_configs(refresh_yaml, enrich_yaml)
             refresh_cmd = [sys.executable, "-m", "refresh", "--config", str(refresh_yaml)]
 
             self._start(stack, "refresher", [*refresh_cmd, "daemon"])
@@ -157,6 +158,10 @@ class Demo:
                                                   str(enrich_yaml), "--master", self.args.master])
             say(f"           metrics http://127.0.0.1:{os.environ['DEMO_ENRICH_METRICS_PORT']}/metrics, Spark UI "
                 f"http://127.0.0.1:{os.environ['DEMO_SPARK_UI_PORT']}/")
+            # The rollups' graphs, served from this process: it reads the job's Parquet directories.
+            graphs = GraphsServer(demo_graphs(enrich_conf.rollups, device(SUBJECT).device_id)).start()
+            stack.callback(graphs.stop)
+            say(f"           graphs: {graphs.url}")
             self._start(stack, "simulator", [sys.executable, "-m", "demo.simulate", "--bootstrap",
                                              broker.bootstrap, "--topic", EVENTS_TOPIC, "--rate",
                                              f"{self.args.rate:g}", "--devices", str(self.args.devices),

@@ -411,3 +411,47 @@ def test_the_risk_service_is_the_one_the_jobs_call_reaches(compose: dict[str, An
     _, args = parse_cli(job["command"])
     conf = load_enrich_config(host_path(job, args.config))
     assert [c.url for c in conf.calls] == [f"http://risk:{port}/score"]
+
+
+def test_grafana_reads_the_jobs_rollup_table_from_the_mysql_service(compose: dict[str, Any],
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The job upserts a rollup into the MySQL service's database (rollups: in conf/docker/enrich.yaml),
+    and Grafana's rollups dashboard reads that table, through a datasource with the same database and
+    user, querying only columns the rollup writes."""
+    services = compose["services"]
+    job, grafana, menv = services["enrich"], services["grafana"], service_env(services["mysql"])
+    for k, v in service_env(job).items():
+        monkeypatch.setenv(k, v)
+    _, args = parse_cli(job["command"])
+    conf = load_enrich_config(host_path(job, args.config))
+    (rollup,) = [r for r in conf.rollups if r.output.database is not None]
+    db = rollup.output.database
+    url = make_url(db.url)
+    assert (url.drivername, url.host, url.port or 3306, url.database) == ("mysql+pymysql", "mysql", 3306,
+                                                                          menv["MYSQL_DATABASE"])
+    assert (url.username, url.password) == (menv["MYSQL_USER"], menv["MYSQL_PASSWORD"])
+    assert job["depends_on"]["mysql"]["condition"] == "service_healthy"
+    assert grafana["depends_on"]["mysql"]["condition"] == "service_healthy"
+
+    sources = [s for f in sorted((ROOT / "conf" / "grafana" / "provisioning" / "datasources").glob("*.yaml"))
+               for s in yaml.safe_load(f.read_text())["datasources"]]
+    (mysql,) = [s for s in sources if s["type"] == "mysql"]
+    assert mysql["url"] == f"{url.host}:{url.port or 3306}" and mysql["user"] == url.username
+    assert mysql["jsonData"]["database"] == url.database
+    # The password reaches Grafana through its environment (Grafana expands $VAR), not the file.
+    assert mysql["secureJsonData"]["password"] == "$MYSQL_PASSWORD"
+    assert service_env(grafana)["MYSQL_PASSWORD"] == menv["MYSQL_PASSWORD"]
+
+    board = ROOT / "conf" / "grafana" / "rollups.json"
+    assert Path("/var/lib/grafana/dashboards/rollups.json") in {t for _, t in mounts(grafana)}
+    assert host_path(grafana, "/var/lib/grafana/dashboards/rollups.json") == board
+    dash = json.loads(board.read_text())
+    columns = {*rollup.by, "window_start", "window_end", "_kind", "_revision", "_events", "_finalized_by",
+               "_cause", *(f"{c}_{m}" for c, metrics in rollup.metrics for m in metrics)}
+    sqls = [t["rawSql"] for p in dash["panels"] for t in p.get("targets", [])]
+    assert sqls and all(t["datasource"]["uid"] == mysql["uid"] for p in dash["panels"] for t in p["targets"])
+    for sql in sqls:
+        assert re.search(rf"\bFROM {db.table}\b", sql), sql
+        names = {n for n in re.findall(r"[A-Za-z_]\w*", re.sub(r"\$__\w+", "", sql)) if "_" in n} - {db.table}
+        assert names <= columns, f"{sql}: {sorted(names - columns)} are not columns of rollup {rollup.name}"
+    assert any("_kind" in s for s in sqls)  # provisional, final and corrected windows told apart

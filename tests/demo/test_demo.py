@@ -3,6 +3,7 @@ the enriched output; Ctrl-C (SIGINT) then stops it cleanly, leaving no process b
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -81,6 +82,16 @@ def test_demo_shows_every_change_in_the_enriched_output_and_stops_cleanly(tmp_pa
         except OSError as exc:
             pages[url] = f"unreachable: {exc}"
     finished = done.wait(LIMIT + 60)
+    # The rollups' graphs page (demo/graphs.py, the rollups of demo/conf/enrich.yaml), while the demo
+    # still runs: its JSON has the subject device's and the sites' points by now.
+    graphs = re.search(r"^ +graphs: (http://127\.0\.0\.1:\d+/)$", "".join(lines), re.M)
+    graph_points: dict[str, int] | str = "no graphs address printed"
+    if graphs:
+        try:
+            with urllib.request.urlopen(graphs.group(1) + "data.json", timeout=bound(30)) as r:
+                graph_points = {g["id"]: sum(len(s["points"]) for s in g["series"]) for g in json.load(r)["graphs"]}
+        except OSError as exc:
+            graph_points = f"unreachable: {exc}"
     # The demo's progress lines (every 10 s once the changes are through), which the README's
     # transcript shows too, before Ctrl-C.
     deadline = time.monotonic() + bound(60)
@@ -107,6 +118,8 @@ def test_demo_shows_every_change_in_the_enriched_output_and_stops_cleanly(tmp_pa
     assert len(html) == 2 and all("<html" in t.lower() for t in html), pages   # the status page, the Spark UI
     assert any("devices" in t for t in html), pages
     assert proc.returncode == 0, f"exit {proc.returncode}\n{out}\n{err}"
+    assert isinstance(graph_points, dict) and set(graph_points) == {"device", "sites"} \
+        and all(graph_points.values()), graph_points
 
     # The README's transcript (make readme-demo) is what this code prints: each of its lines has the
     # shape of a line of this run (numbers, times, names and ports aside).
