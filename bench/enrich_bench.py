@@ -66,6 +66,18 @@ STATE_SECTION = {"key": "device_id", "timestamp": "ts", "ttl": "1h", "watermark"
                  "aggregates": {"temperature": ["last", "min", "max", "mean"], "battery": ["last"]}}
 
 
+#: The ``rollups:`` of ``--job-with-rollups`` (with STATE_SECTION): per device per minute, and per
+#: site (a column of the devices join) per hour, written to Parquet in the round's work directory.
+def rollups_section(workdir: Path) -> list[dict[str, Any]]:
+    tag = uuid.uuid4().hex[:8]
+    return [{"name": "device_1m", "by": ["device_id"], "window": "1m",
+             "metrics": {"temperature": ["count", "mean", "max", "p95"], "battery": ["last"]},
+             "output": {"parquet": {"path": str(workdir / f"rollups-{tag}" / "device_1m")}}},
+            {"name": "site_1h", "by": ["site_id"], "window": "1h",
+             "metrics": {"temperature": ["mean", "max", "p95"], "device_id": ["count_distinct"]},
+             "output": {"parquet": {"path": str(workdir / f"rollups-{tag}" / "site_1h")}}}]
+
+
 def _in_process(fn: Callable[..., Any], *args: Any) -> Any:
     """Run ``fn(*args)`` in a fresh process (keeps the Python driver's memory the job's alone)."""
     with ProcessPoolExecutor(max_workers=1, mp_context=get_context("spawn")) as ex:
@@ -169,7 +181,7 @@ def steady(progress: list[dict[str, Any]], skip: int = 2) -> dict[str, float]:
 
 def _job_config(settings: dict[str, str], events_topic: str, devices_topic: str, workdir: Path, *,
                 batch: int | None, trigger: str, starting: str, parser: str = "auto",
-                state: dict[str, Any] | None = None) -> Any:
+                state: dict[str, Any] | None = None, rollups: list[dict[str, Any]] | None = None) -> Any:
     from enrich import config
 
     tag = uuid.uuid4().hex[:8]
@@ -185,6 +197,7 @@ def _job_config(settings: dict[str, str], events_topic: str, devices_topic: str,
         "trigger": trigger,
         **({"max_events_per_batch": batch} if batch else {}),
         **({"state": state} if state else {}),
+        **({"rollups": rollups} if rollups else {}),
     }, "bench")
 
 
@@ -209,11 +222,12 @@ def _check_output(settings: dict[str, str], topic: str, sample: int = 2000) -> f
 
 def run_job(spark: Any, settings: dict[str, str], events_topic: str, devices_topic: str, workdir: Path,
             batch: int, n: int, parser: str = "auto", state: dict[str, Any] | None = None,
-            spy: Path | None = None, spy_idle: bool = False, cpu_only: bool = False) -> dict[str, float]:
+            spy: Path | None = None, spy_idle: bool = False, cpu_only: bool = False,
+            rollups: list[dict[str, Any]] | None = None) -> dict[str, float]:
     from enrich.job import EnrichJob
 
     cfg = _job_config(settings, events_topic, devices_topic, workdir, batch=batch, trigger="1s",
-                      starting="earliest", parser=parser, state=state)
+                      starting="earliest", parser=parser, state=state, rollups=rollups)
     job = EnrichJob(cfg, available_now=True)
     t0 = time.monotonic()
     spies: _Spies | None = None
@@ -551,6 +565,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="also run the job with events.parser: spark in every round (A/B of the fast parser)")
     ap.add_argument("--job-with-state", action="store_true",
                     help="also run the job with a state: section (STATE_SECTION) in every round")
+    ap.add_argument("--job-with-rollups", action="store_true",
+                    help="also run the job with state and two rollups (rollups_section: device per minute, site "
+                         "per hour, to Parquet) in every round, beside --job-with-state's")
     ap.add_argument("--cover-devices", action="store_true",
                     help="events visit every device once per pass (shuffled) instead of at random, so "
                          "min(events, dimension rows) devices are in the backlog")
@@ -599,7 +616,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"Spark session ({args.master}) up in {results['spark_startup_s']:.1f}s", flush=True)
 
         rounds: dict[str, list[dict[str, Any]]] = {"plain": [], "job": [], "naive": [], "careful": [],
-                                                   "job_from_json": [], "job_state": []}
+                                                   "job_from_json": [], "job_state": [], "job_rollups": []}
         for r in range(args.repeat):
             if "plain" not in skip:
                 broker0 = _broker_cpu()
@@ -645,6 +662,15 @@ def main(argv: list[str] | None = None) -> int:
                       f"{res['batches']} batches (median batch {res['batch_s_median']:.2f}s; "
                       f"{_parts(res)}); state store, median per batch: "
                       + ", ".join(f"{k} {v:,.0f}" for k, v in res.get("state_store", {}).items() if v), flush=True)
+            if args.job_with_rollups:
+                sampler.phase = f"job (rollups) round {r + 1}"
+                res = run_job(spark, settings, events_topic, devices_topic, workdir, args.batch, args.events,
+                              state=STATE_SECTION, rollups=rollups_section(workdir), cpu_only=args.cpu_only)
+                sampler.phase = None
+                rounds["job_rollups"].append(res)
+                print(f"[{r + 1}/{args.repeat}] job with state and two rollups: {res['rate']:,.0f} events/s steady "
+                      f"over {res['batches']} batches (median batch {res['batch_s_median']:.2f}s; {_parts(res)})",
+                      flush=True)
             if "naive" not in skip:
                 sampler.phase = f"naive round {r + 1}"
                 res = run_naive(spark, settings, events_topic, devices_topic, workdir, args.batch,
@@ -716,6 +742,10 @@ def _summary(res: dict[str, Any]) -> None:
         js = _med(rounds["job_state"], "rate")
         print(f"job with state:            {js:,.0f} events/s  (state on / off = {js / job:.2f}, target >= 0.5: "
               f"{'met' if js >= 0.5 * job else 'MISSED'})")
+    if rounds.get("job_rollups") and rounds["job_state"]:
+        jr, js = _med(rounds["job_rollups"], "rate"), _med(rounds["job_state"], "rate")
+        print(f"job with state and rollups: {jr:,.0f} events/s  (rollups on / off, both with state = {jr / js:.2f}, "
+              f"target >= 0.7: {'met' if jr >= 0.7 * js else 'MISSED'}); per core of local[2]: {jr / 2:,.0f} events/s")
     cpu = [r["cpu_us"]["job"] for r in rounds["job"] if "cpu_us" in r]
     if cpu and rounds["plain"]:
         copy = statistics.median(r["cpu_s"] for r in rounds["plain"]) * 1e6 / res["args"]["events"]

@@ -54,8 +54,8 @@ def _from_database(rollup: RollupConfig, keys: Sequence[str], limit: int) -> lis
             # Text compared with each key column as its own type, so its index serves the query.
             casts = ["%s"] * len(keys)
             if db.dialect == "postgresql":
-                cur.execute("SELECT column_name, data_type FROM information_schema.columns WHERE table_name = %s",
-                            (db.table,))
+                cur.execute("SELECT column_name, data_type FROM information_schema.columns "
+                            "WHERE table_schema = current_schema() AND table_name = %s", (db.table,))
                 types = dict(cur.fetchall())
                 casts = [f"CAST(%s AS {types.get(b, 'text')})" for b in rollup.by]
             where = " AND ".join(f"{q(b)} = {c}" for b, c in zip(rollup.by, casts, strict=True))
@@ -75,12 +75,11 @@ def _from_parquet(rollup: RollupConfig, keys: Sequence[str], limit: int) -> list
     if not path.is_dir() or not any(path.glob("batch_id=*")):
         return []
     data = ds.dataset(path, format="parquet", partitioning="hive", exclude_invalid_files=True)
-    table = data.to_table()
-    mask = None
-    for b, k in zip(rollup.by, keys, strict=True):
-        match = pc.equal(pc.cast(table.column(b), pa.string()), k)
-        mask = match if mask is None else pc.and_(mask, match)
-    table = table.filter(mask).drop_columns(["batch_id"])
+    match = None
+    for b, k in zip(rollup.by, keys, strict=True):  # read only the key's rows
+        one = pc.field(b).cast(pa.string()) == k
+        match = one if match is None else match & one
+    table = data.to_table(filter=match).drop_columns(["batch_id"])
     ordered = table.sort_by([(WINDOW_START, "descending"), (REVISION, "descending")]).to_pylist()
     latest, seen = [], set()
     for row in ordered:

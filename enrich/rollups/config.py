@@ -67,10 +67,11 @@ def parse_rollups(top: Section, has_state: bool,
         if any(o.name == r.name for o in rollups[:i]):
             raise top.error(f"rollup name {r.name!r} is used twice", f"rollups[{i}].name")
         for o in rollups[:i]:
-            if r.output.parquet is not None and o.output.parquet is not None \
-                    and o.output.parquet.resolve() == r.output.parquet.resolve():
-                raise top.error(f"rollups {o.name!r} and {r.name!r} write the same directory; give each its own",
-                                f"rollups[{i}].output.parquet")
+            if r.output.parquet is not None and o.output.parquet is not None:
+                a, b = o.output.parquet.resolve(), r.output.parquet.resolve()
+                if a == b or a in b.parents or b in a.parents:
+                    raise top.error(f"rollups {o.name!r} and {r.name!r} write the same or nested directories; give "
+                                    "each its own", f"rollups[{i}].output.parquet")
             if r.output.kafka is not None and o.output.kafka == r.output.kafka:
                 raise top.error(f"rollups {o.name!r} and {r.name!r} write the same topic; give each its own",
                                 f"rollups[{i}].output.kafka")

@@ -130,11 +130,15 @@ def advance(spec: RollupSpec, state: pa.Table | None, partials: pa.Table | None,
     return Advanced(new_state, rows, int(evict.sum()), corrected)
 
 
-def fill(spec: RollupSpec, state: pa.Table | None, partials: pa.Table | None) -> pa.Table:
+def fill(spec: RollupSpec, state: pa.Table | None, partials: pa.Table | None,
+         watermark_us: int | None = None) -> pa.Table:
     """``fill: true``: a window table of the empty windows (no events: ``_events`` and the counts 0,
     the other accumulators null) between each key's first and last window in ``state`` and
     ``partials`` that neither holds; folded in by :func:`advance` with the batch's partials, they
-    are written as any window is (provisional, then final)."""
+    are written as any window is (provisional, then final). Only windows within the correction
+    horizon are filled: those whose end plus ``correct_for`` is past ``watermark_us``, and without a
+    watermark those within ``correct_for`` before the key's last window; so one event with a
+    timestamp far in the past fills at most ``correct_for / window`` windows of its key."""
     wschema = spec.window_schema()
     parts = [t.select(wschema.names).cast(wschema) for t in (state, partials) if t is not None and t.num_rows]
     if not parts:
@@ -146,9 +150,16 @@ def fill(spec: RollupSpec, state: pa.Table | None, partials: pa.Table | None) ->
     grouped = t.group_by(keys, use_threads=False).aggregate([("start", "list")])
     missing: list[int] = []
     at: list[int] = []
+    w = spec.window_us
     for i, starts in enumerate(grouped.column("start_list").to_pylist()):
         have = set(starts)
-        gaps = [w for w in range(min(have), max(have), spec.window_us) if w not in have]
+        last = max(have)
+        if watermark_us is not None:  # the first window still correctable: end + correct_for > watermark
+            first = ((watermark_us - spec.correct_for_us - w) // w + 1) * w
+        else:  # the first within correct_for before the key's last
+            first = -((spec.correct_for_us - last) // w) * w
+        first = max(min(have), first)
+        gaps = [s for s in range(first, last, w) if s not in have]
         missing += gaps
         at += [i] * len(gaps)
     if not missing:

@@ -80,7 +80,10 @@ class SinkIdentity:
             if topic not in ids:
                 ids[topic] = configured or transactional_id_for(scope, topic)
         if check_ledgers and layout.planned_any():
-            for topic in (t for t in wanted if t in written):
+            # A Kafka output's tasks write dead letters too, committed in the output topic's ledgers
+            # (checked with it): the dead-letter topic's own ledger, the driver's, may hold nothing.
+            shared = cfg.dead_letter_topic if cfg.output.kind == "kafka" else None
+            for topic in (t for t in wanted if t in written and t != shared):
                 if not partitions_of(cfg.kafka, ledger_topic(topic)):
                     raise ConfigError(f"{cfg.source}: the ledger topic {ledger_topic(topic)} of {topic} is gone "
                                       f"(deleted?): the record of the batches the checkpoint {layout.root} wrote is "

@@ -126,17 +126,21 @@ class RollupWriter:
         rows: dict[str, int | None] = {}
         for i, (spec, frame) in enumerate(zip(self.specs, frames, strict=True)):
             path, kafka, table, db = self.paths[i], self.topics[i], self.tables[i], self.databases[i]
+            # Collected once for the driver's writers; a batch without rows writes nothing anywhere
+            # (a replay has none either), so quiet triggers leave no empty directories or fence rows.
+            got = frame.toArrow().cast(spec.output_schema()) if kafka is not None or table is not None else None
+            if (got.num_rows == 0) if got is not None else frame.isEmpty():
+                rows[spec.name] = 0
+                continue
             if path is not None:
                 rows[spec.name] = self._parquet(batch_id, frame, spec, path)
             if table is not None:
-                rows[spec.name] = self._database(batch_id, frame, spec, table)
+                assert got is not None
+                rows[spec.name] = self._database(batch_id, got, spec, table)
                 prune_fence(db, self.scope, batch_id)
             if kafka is not None:
-                last = kafka.last_committed_batch()
-                if last is not None and batch_id <= last:  # a replay: not collected again
-                    log.info("batch %d: rollup %s: committed to %s before (a replay)", batch_id, spec.name, kafka.topic)
-                else:
-                    rows[spec.name] = kafka.write(batch_id, records(spec, frame.toArrow()))
+                assert got is not None
+                rows[spec.name] = kafka.write(batch_id, records(spec, got))
         small = df.where(F.col(PACK_KIND).isin(DEAD, COUNTS)).toArrow()
         dead, counts = [], Counter[tuple[str, str]]()
         for kind, value in zip(small.column(PACK_KIND).to_pylist(), small.column(ROWS).to_pylist(), strict=True):
@@ -148,8 +152,7 @@ class RollupWriter:
                     counts[(r["rollup"], r["result"])] += r["events"]
         return RollupBatch(pa.concat_tables(dead) if dead else _no_dead(), dict(counts), rows)
 
-    def _database(self, batch_id: int, df: DataFrame, spec: RollupSpec, table: TableSpec) -> int | None:
-        rows = df.toArrow().cast(spec.output_schema())
+    def _database(self, batch_id: int, rows: pa.Table, spec: RollupSpec, table: TableSpec) -> int | None:
         keyed = pc.is_valid(rows.column(spec.by[0]))
         for b in spec.by[1:]:
             keyed = pc.and_(keyed, pc.is_valid(rows.column(b)))

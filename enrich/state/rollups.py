@@ -171,7 +171,8 @@ class RollupProcessor(StatefulProcessor):
             batch = pa.concat_tables(parts) if len(parts) > 1 else parts[0]
             state = self._load(i)
             if spec.fill:
-                batch = pa.concat_tables([batch.cast(spec.window_schema()), engine.fill(spec, state, batch)])
+                batch = pa.concat_tables([batch.cast(spec.window_schema()),
+                                          engine.fill(spec, state, batch, watermark)])
             adv = engine.advance(spec, state, batch, watermark)
             self._store(i, adv.state)
             events = int(pc.sum(batch.column(EVENT_COUNT)).as_py() or 0)
@@ -180,7 +181,7 @@ class RollupProcessor(StatefulProcessor):
                 kinds.append(rows_kind(i))
                 values.append(to_ipc(adv.rows))
         self._advance_rest(set(partials), watermark, kinds, values)
-        self._finalize_idle(kinds, values)
+        self._finalize_idle(set(partials), kinds, values)
         if counts:
             kinds.append(COUNTS)
             values.append(to_ipc(pa.Table.from_pylist(
@@ -216,11 +217,13 @@ class RollupProcessor(StatefulProcessor):
                 kinds.append(rows_kind(i))
                 values.append(to_ipc(adv.rows))
 
-    def _finalize_idle(self, kinds: list[str], values: list[bytes]) -> None:
+    def _finalize_idle(self, done: set[int], kinds: list[str], values: list[bytes]) -> None:
         """In a batch the job read no event in for ``idle_finalize`` (wall clock, downtime included),
-        the bucket's open windows of that rollup written final (``_finalized_by: idle``)."""
+        the bucket's open windows of that rollup written final (``_finalized_by: idle``); not those
+        of a rollup the call brought partials (events held for completeness, released now): one row
+        per window and batch."""
         for i, spec in enumerate(self.specs):
-            if not _idle_for(spec):
+            if i in done or not _idle_for(spec):
                 continue
             state = self._load(i)
             if state is None or bool(pc.all(state.column(FINAL)).as_py()):

@@ -284,22 +284,37 @@ def read_note(flag: str | Path) -> dict[str, Any] | None:
     return json.loads(lines[-1]) if len(lines) > 1 else None
 
 
-def kill_after_rollup_rows(batch: int, flag: str) -> None:
-    """The ``rollup:BATCH:FLAG`` kill point: once the first rollup's rows of batch ``BATCH`` are in
-    place (its directory renamed), before the other rollups' and before Spark commits the batch,
-    SIGKILL the job (``FLAG`` created first, so it fires once)."""
+def kill_after_rollup_rows(batch: int, flag: str, every: bool = False) -> None:
+    """The ``rollup:BATCH:FLAG`` kill point: once the first rollup's Parquet rows of batch ``BATCH``
+    are in place (its directory renamed), before the other outputs' and before Spark commits the
+    batch, SIGKILL the job (``FLAG`` created first, so it fires once). ``rollups:`` (``every``):
+    once every rollup output of the batch is written (Parquet, tables, topics), before the commit."""
     from enrich.sinks import rollups
 
+    def fire() -> None:
+        try:
+            os.close(os.open(flag, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            return
+        kill_session()
+
+    if every:
+        write = rollups.RollupWriter.write
+
+        def killing_all(self: Any, batch_id: int, *args: Any) -> Any:
+            done = write(self, batch_id, *args)
+            if batch_id == batch:
+                fire()
+            return done
+
+        rollups.RollupWriter.write = killing_all  # type: ignore[method-assign]
+        return
     parquet = rollups.RollupWriter._parquet
 
     def killing(self: Any, batch_id: int, *args: Any) -> int | None:
         written = parquet(self, batch_id, *args)
         if batch_id == batch:
-            try:
-                os.close(os.open(flag, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-            except FileExistsError:
-                return written
-            kill_session()
+            fire()
         return written
 
     rollups.RollupWriter._parquet = killing  # type: ignore[method-assign]
@@ -313,9 +328,9 @@ def main(argv: list[str]) -> int:
     from enrich.sinks.kafka import sink
     from tests.enrich import kill  # this module by its name, not as __main__: pickled by reference
 
-    if argv[0].startswith("rollup:"):  # rollup:BATCH:FLAG
-        _, batch, flag = argv[0].split(":", 2)
-        kill.kill_after_rollup_rows(int(batch), flag)
+    if argv[0].startswith(("rollup:", "rollups:")):  # rollup[s]:BATCH:FLAG
+        which, batch, flag = argv[0].split(":", 2)
+        kill.kill_after_rollup_rows(int(batch), flag, every=which == "rollups")
         return cli.main(argv[1:])
     point = kill.KillPoint.from_spec(argv[0])
     sink.TaskWriter = functools.partial(kill.KillingTaskWriter, kill=point)  # type: ignore[misc]

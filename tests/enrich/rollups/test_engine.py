@@ -290,3 +290,13 @@ def test_fill_writes_the_empty_windows_between_a_keys_first_and_last_with_count_
     later = partial.partials(spec, events([("a", 5 * W, 1.0, "x")], spec))
     assert [r["window_start"] for r in engine.fill(spec, got.state, later).to_pylist()] == [4 * W]
     assert engine.fill(spec, got.state, None).num_rows == 0
+
+
+def test_fill_stays_within_the_correction_horizon_whatever_a_keys_first_window() -> None:
+    spec = RollupSpec(**{**SPEC.__dict__, "fill": True})   # correct_for 3 windows
+    # One event with a time far behind the key's others: only the correctable windows are filled.
+    parts = partial.partials(spec, events([("a", 10, 1.0), ("a", 100 * W + 1, 2.0)], spec))
+    assert [r["window_start"] for r in engine.fill(spec, None, parts).to_pylist()] == [97 * W, 98 * W, 99 * W]
+    # With a watermark: the windows whose end + correct_for is past it (from 47 on at 50).
+    starts = [r["window_start"] for r in engine.fill(spec, None, parts, watermark_us=50 * W).to_pylist()]
+    assert starts == [w * W for w in range(47, 100)]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 import time
 from collections import Counter
@@ -149,7 +150,8 @@ def check_outputs(kafka: dict[str, str], data: dict[str, Any], tmp_path: Path) -
             after = kinds[kinds.index("final") + 1:]
             assert after == ["correction"] * len(after), g
     # The dead letters: n=9 beyond device_1m's horizon only (one dead letter naming it).
-    dead = read_all(kafka, data["dead_letter_topic"])
+    dead = [m for m in read_all(kafka, data["dead_letter_topic"])
+            if dict(m.headers() or [])["error"].decode().startswith("beyond the rollup horizon")]
     assert [dict(m.headers() or [])["error"].decode() for m in dead] == ["beyond the rollup horizon: device_1m"]
     assert json.loads(dead[0].value())["n"] == 9
     # Every event counted where within the horizon: the latest rows equal a pandas recompute.
@@ -196,24 +198,39 @@ def check_outputs(kafka: dict[str, str], data: dict[str, Any], tmp_path: Path) -
                                   want_site.sort_values("window_start").reset_index(drop=True), check_dtype=False)
 
 
-def test_a_sigkill_after_a_rollups_rows_are_written_writes_each_revision_once(
-        kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path, pg_url: str) -> None:
-    """Killed once device_1m's rows of batch 2 are in place, before site_5m's and before Spark
-    commits the batch: the restart replays batch 2, writes site_5m's rows and not device_1m's again."""
+@pytest.mark.parametrize("point", ["rollup", "rollups"])
+def test_a_sigkill_while_a_batchs_rollups_are_written_writes_each_revision_once(
+        kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path, pg_url: str, point: str) -> None:
+    """``rollup``: killed once device_1m's Parquet rows of batch 2 are in place, before its Kafka rows,
+    site_5m's and Spark's commit: the restart replays batch 2, writes the rest and not those again.
+    ``rollups``: killed once every rollup output of batch 2 is written (Parquet, the topic and its
+    ledger, the table and its fence), with a Kafka event output whose tasks wrote a dead letter: the
+    restart replays batch 2 and writes none of them again."""
     data = make_config(kafka, unique, tmp_path, pg_url)
+    events = list(EVENTS)
+    if point == "rollups":  # last, alone in a batch of its own: batches 0-3 stay as they were
+        data["output"] = {"kafka": {"topic": unique("enriched")}}
+        events.append({"device_id": "a", "ts": at(8.5), "temp": "not a number", "n": 17})
     publish(kafka, data["joins"][0]["topic"], changelog(DEVICES, [{"device_id": "a", "site": "s1"},
                                                                   {"device_id": "b", "site": "s1"}]))
-    produce_events(kafka, data["events"]["topic"], EVENTS)
+    produce_events(kafka, data["events"]["topic"], events)
     config_path = tmp_path / "enrich.yaml"
     config_path.write_text(yaml.safe_dump({**data, "spark": {"spark.sql.shuffle.partitions": "2"}}))
     flag, log = tmp_path / "killed", tmp_path / "job.log"
-    proc = start_job(config_path, log, "--available-now", kill=f"rollup:2:{flag}")
+    proc = start_job(config_path, log, "--available-now", kill=f"{point}:2:{flag}")
     assert proc.wait(bound(300)) != 0, log.read_text()[-3000:]
     assert flag.exists(), log.read_text()[-3000:]
-    assert (tmp_path / "device_1m" / "batch_id=2").exists() and not (tmp_path / "site_5m" / "batch_id=2").exists()
+    assert (tmp_path / "device_1m" / "batch_id=2").exists()
+    assert (tmp_path / "site_5m" / "batch_id=2").exists() == (point == "rollups")
     proc = start_job(config_path, log, "--available-now")
     assert proc.wait(bound(300)) == 0, log.read_text()[-3000:]
-    assert "rollup device_1m: " in log.read_text() and "batch_id=2 exists (a replay)" in log.read_text()
+    text = log.read_text()
+    assert "batch_id=2 exists (a replay)" in text
+    if point == "rollups":  # the topic's ledger and the table's fence held batch 2
+        assert re.search(r"batch 2 already committed to device_1m_\w+ \(last 2\): skipped", text), text[-3000:]
+        assert re.search(r"batch 2 slot 0: committed to site_5m_\w+ before; skipped", text), text[-3000:]
+        errors = [dict(m.headers() or [])["error"].decode() for m in read_all(kafka, data["dead_letter_topic"])]
+        assert len(errors) == 2 and sum(e.startswith("beyond the rollup horizon") for e in errors) == 1, errors
     check_outputs(kafka, data, tmp_path)
 
 
