@@ -9,7 +9,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal, get_args
+from typing import Any, Literal, cast, get_args
 
 from enrich.calls.config import CallConfig, parse_calls
 from enrich.rollups.config import RollupConfig, parse_rollups
@@ -459,21 +459,8 @@ def _state(sec: Section) -> StateConfig:
     if server_timeout <= timedelta(0):
         raise sec.error("must be positive", "server_timeout")
     aggs = sec.section("aggregates", {})
-    aggregates: list[tuple[str, tuple[StateAgg, ...]]] = []
-    for column in list(aggs.data):
-        raw = aggs.raw(column)
-        names = [raw] if isinstance(raw, str) else raw
-        if not isinstance(column, str) or not column:
-            raise aggs.error(f"expected a column name, got {column!r}")
-        if not isinstance(names, list) or not names:
-            raise aggs.error(f"expected a list of aggregates ({', '.join(allowed_values(StateAgg))}), "
-                             f"got {raw!r}", column)
-        for name in names:
-            if name not in allowed_values(StateAgg):
-                raise aggs.error(f"{name!r} is not one of {', '.join(allowed_values(StateAgg))}", column)
-        if len(set(names)) != len(names):
-            raise aggs.error(f"an aggregate is listed twice: {names}", column)
-        aggregates.append((column, tuple(names)))
+    aggregates = cast("list[tuple[str, tuple[StateAgg, ...]]]",
+                      aggs.choice_lists("aggregate", allowed_values(StateAgg)))
     aggs.done()
     cfg = StateConfig(key=key, timestamp=timestamp, ttl=ttl, watermark=watermark, max_future_skew=max_future_skew,
                       aggregates=tuple(aggregates), buckets=buckets, max_key_bytes=max_key_bytes,

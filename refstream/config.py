@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, get_args
@@ -233,6 +233,27 @@ class Section:
         if not isinstance(value, list) or not all(isinstance(v, str) and v for v in value):
             raise self.error(f"expected a list of names, got {value!r}", name)
         return list(value)
+
+    def choice_lists(self, what: str, allowed: Sequence[str]) -> list[tuple[str, tuple[str, ...]]]:
+        """Every key of this section as a column with a list of ``allowed`` names (a single name for
+        a one-item list): ``{temperature: [mean, max]}`` -> ``[("temperature", ("mean", "max"))]``,
+        in file order; errors name the column and call each name a ``what`` (``aggregate``)."""
+        out = []
+        for column in list(self.data):
+            raw = self.raw(column)
+            names = [raw] if isinstance(raw, str) else raw
+            if not isinstance(column, str) or not column:
+                raise self.error(f"expected a column name, got {column!r}")
+            if not isinstance(names, list) or not names:
+                raise self.error(f"expected a list of {what}s ({', '.join(allowed)}), got {raw!r}", column)
+            for name in names:
+                if name not in allowed:
+                    raise self.error(f"{name!r} is not one of {', '.join(allowed)}", column)
+            if len(set(names)) != len(names):
+                article = "an" if what[:1] in "aeiou" else "a"
+                raise self.error(f"{article} {what} is listed twice: {names}", column)
+            out.append((column, tuple(names)))
+        return out
 
     def section(self, name: str, default: Any = ...) -> Section:
         return Section(self.raw(name, {} if default is ... else default), self.key(name), self.source)

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from enrich.rollups.spec import METRICS, Metric
 from refstream.config import Section
@@ -126,20 +126,7 @@ def _rollup(sec: Section, database: Callable[[Section], Any] | None) -> RollupCo
 
 
 def _metrics(sec: Section) -> tuple[tuple[str, tuple[Metric, ...]], ...]:
-    out: list[tuple[str, tuple[Metric, ...]]] = []
-    for column in list(sec.data):
-        raw = sec.raw(column)
-        names = [raw] if isinstance(raw, str) else raw
-        if not isinstance(column, str) or not column:
-            raise sec.error(f"expected a column name, got {column!r}")
-        if not isinstance(names, list) or not names:
-            raise sec.error(f"expected a list of metrics ({', '.join(METRICS)}), got {raw!r}", column)
-        for m in names:
-            if m not in METRICS:
-                raise sec.error(f"{m!r} is not one of {', '.join(METRICS)}", column)
-        if len(set(names)) != len(names):
-            raise sec.error(f"a metric is listed twice: {names}", column)
-        out.append((column, tuple(names)))
+    out = cast("list[tuple[str, tuple[Metric, ...]]]", sec.choice_lists("metric", METRICS))
     if not out:
         raise sec.error("expected at least one column and its metrics")
     sec.done()
