@@ -116,24 +116,32 @@ api.StatefulProcessorApiClient.__init__ = _refuse_once
 """
 
 
-def test_the_query_starts_again_when_a_state_worker_cannot_reach_its_state_server(
-        kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path) -> None:
-    flag = tmp_path / "refused-once"
-    inject = tmp_path / "inject"
-    inject.mkdir()
-    (inject / "sitecustomize.py").write_text(REFUSE_ONCE.format(flag=str(flag)))
+def run_injected_state_job(tmp_path: Path, kafka: dict[str, str], unique: Callable[[str], str], inject: str,
+                           total: int, why: str = "a Python worker did not start", **state: str) -> tuple[str, list[dict]]:
+    """A job with state over ``total`` events of one device, run through :func:`run_restarted` with
+    ``inject`` as the ``sitecustomize`` of the workers' daemon (``state``: more ``state:`` keys); its
+    log and output rows."""
+    path = tmp_path / "inject"
+    path.mkdir()
+    (path / "sitecustomize.py").write_text(inject)
     config = tmp_path / "enrich.yaml"
     cfg = write_config(config, kafka, unique, state={"key": "device_id", "timestamp": "ts", "watermark": "2h",
-                                                     "aggregates": {"n": ["max"]}})
+                                                     "aggregates": {"n": ["max"]}, **state})
     cfg["events"]["schema"] = "device_id STRING, ts TIMESTAMP, n INT"
     config.write_text(yaml.safe_dump(cfg))
     publish(kafka, cfg["joins"][0]["topic"], changelog(SCHEMA, [{"device_id": "d1", "owner": "o1"}]))
-    total = 200
     produce_events(kafka, cfg["events"]["topic"],
                    [{"device_id": "d1", "ts": f"2026-01-01T00:{i // 60:02d}:{i % 60:02d}", "n": i}
                     for i in range(total)], partitions=2)
-    text, rows = run_restarted(tmp_path, kafka, config,
-                               f"  *daemon*) PYTHONPATH={inject}:$PYTHONPATH; export PYTHONPATH ;;")
+    return run_restarted(tmp_path, kafka, config, f"  *daemon*) PYTHONPATH={path}:$PYTHONPATH; export PYTHONPATH ;;",
+                         why)
+
+
+def test_the_query_starts_again_when_a_state_worker_cannot_reach_its_state_server(
+        kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path) -> None:
+    flag = tmp_path / "refused-once"
+    total = 200
+    text, rows = run_injected_state_job(tmp_path, kafka, unique, REFUSE_ONCE.format(flag=str(flag)), total)
     assert flag.exists(), "no state step's worker was refused: the test proves nothing"
     assert "ConnectionRefusedError" in text, text[-4000:]
     assert sorted(r["n"] for r in rows) == list(range(total))
@@ -173,22 +181,11 @@ api.StatefulProcessorApiClient.__init__ = _silent_once
 def test_the_query_starts_again_when_a_state_server_stops_answering(
         kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path) -> None:
     flag = tmp_path / "silent-once"
-    inject = tmp_path / "inject"
-    inject.mkdir()
-    (inject / "sitecustomize.py").write_text(SILENT_ONCE.format(flag=str(flag)))
-    config = tmp_path / "enrich.yaml"
-    cfg = write_config(config, kafka, unique, state={"key": "device_id", "timestamp": "ts", "watermark": "2h",
-                                                     "server_timeout": "5s", "aggregates": {"n": ["max"]}})
-    cfg["events"]["schema"] = "device_id STRING, ts TIMESTAMP, n INT"
-    config.write_text(yaml.safe_dump(cfg))
-    publish(kafka, cfg["joins"][0]["topic"], changelog(SCHEMA, [{"device_id": "d1", "owner": "o1"}]))
     total = 100
-    produce_events(kafka, cfg["events"]["topic"],
-                   [{"device_id": "d1", "ts": f"2026-01-01T00:{i // 60:02d}:{i % 60:02d}", "n": i}
-                    for i in range(total)], partitions=2)
-    text, rows = run_restarted(
-        tmp_path, kafka, config, f"  *daemon*) PYTHONPATH={inject}:$PYTHONPATH; export PYTHONPATH ;;",
-        why="a state step's worker got no answer from its state server within state.server_timeout")
+    _, rows = run_injected_state_job(
+        tmp_path, kafka, unique, SILENT_ONCE.format(flag=str(flag)), total,
+        why="a state step's worker got no answer from its state server within state.server_timeout",
+        server_timeout="5s")
     assert flag.exists(), "no state step's worker was sent to a silent server: the test proves nothing"
     assert sorted(r["n"] for r in rows) == list(range(total))
     assert max(r["state"]["events"] for r in rows) == total
