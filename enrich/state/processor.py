@@ -83,6 +83,7 @@ from enrich.state.stored import (
     VALUE_SCHEMA,
     bucket_table,
 )
+from enrich.state.timers import keep_one_timer, watermark_us
 from enrich.worker import settle
 from refstream.compat import spark_state_server_timeout
 from refstream.contract import DatasetSchema
@@ -323,7 +324,7 @@ class DeviceStateProcessor(StatefulProcessor):
 
     def _watermark(self, timer_values: TimerValues) -> int | None:
         """The batch's watermark in microseconds, never below the floor (None: none yet)."""
-        us = _watermark_us(timer_values)
+        us = watermark_us(timer_values)
         if self.floor_us is None:
             return us
         return self.floor_us if us is None else max(us, self.floor_us)
@@ -420,15 +421,7 @@ class DeviceStateProcessor(StatefulProcessor):
                     self.token.clear()
                     if self._loaded is not None:
                         self.cache.drop(self._loaded)
-        expiry = engine.next_expiry(self.spec, state)
-        want = [-(-expiry // 1000)] if expiry is not None else []  # milliseconds, rounded up: never early
-        timers = list(self.handle.listTimers())
-        if timers == want:  # most batches leave a bucket's oldest device alone: two state calls saved
-            return
-        for timer in timers:
-            self.handle.deleteTimer(timer)
-        for timer in want:
-            self.handle.registerTimer(timer)
+        keep_one_timer(self.handle, engine.next_expiry(self.spec, state))
 
     def _events(self, table: pa.Table) -> pa.Table:
         """The columns the engine reads, in the engine's types."""
@@ -470,7 +463,3 @@ def _batch_facts() -> wait.BatchFacts:
     return wait.BatchFacts.from_json(facts)
 
 
-def _watermark_us(timer_values: TimerValues) -> int | None:
-    """The batch's event-time watermark in microseconds; None before the first one (Spark reports 0)."""
-    ms = timer_values.getCurrentWatermarkInMs()
-    return ms * 1000 if ms > 0 else None

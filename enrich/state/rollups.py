@@ -47,6 +47,7 @@ from enrich.rollups.spec import EVENTS as EVENT_COUNT
 from enrich.rollups.spec import FINAL, WINDOW_START, RollupSpec
 from enrich.state.hashing import buckets_of
 from enrich.state.stored import VALUE_SCHEMA
+from enrich.state.timers import keep_one_timer, watermark_us
 from enrich.worker import settle
 from refstream.atomic import write_json_atomic
 from refstream.compat import spark_state_server_timeout
@@ -55,6 +56,12 @@ __all__ = ["OUTPUT", "Fed", "RollupProcessor", "feed", "idle_facts", "state_name
 
 #: The rollup step's output: what each packed value holds, and the value.
 OUTPUT = StructType([StructField(PACK_KIND, StringType(), False), StructField(ROWS, BinaryType(), False)])
+
+
+def _counts(counts: Sequence[tuple[str, str, int]]) -> bytes:
+    """(rollup, result, events)s as a packed :data:`COUNTS` value."""
+    return to_ipc(pa.Table.from_pylist([{"rollup": r, "result": k, "events": n} for r, k, n in counts],
+                                       schema=COUNTS_SCHEMA))
 
 
 def _dead(events: pa.Table, reasons: list[str]) -> pa.Table:
@@ -127,8 +134,7 @@ def feed(specs: Sequence[RollupSpec], events: pa.Table, watermark_us: int | None
         dead = _dead(events.filter(pa.array(beyond_any)),
                      [f"{BEYOND}: {', '.join(n)}" for n, b in zip(names, beyond_any.tolist(), strict=True) if b])
     if counts:
-        parts.append((source, COUNTS, to_ipc(pa.Table.from_pylist(
-            [{"rollup": r, "result": k, "events": n} for r, k, n in counts], schema=COUNTS_SCHEMA))))
+        parts.append((source, COUNTS, _counts(counts)))
     return Fed(parts, dead)
 
 
@@ -147,10 +153,14 @@ class RollupProcessor(StatefulProcessor):
         spark_state_server_timeout(handle, self.server_timeout_s)
         self.handle = handle
         self.values = [handle.getValueState(state_name(s), VALUE_SCHEMA) for s in self.specs]
+        # The states this call read or wrote (a call is one bucket): the steps after advance, the
+        # idle finalization and the timer read them again.
+        self._held: dict[int, pa.Table | None] = {}
 
     def handleInputRows(self, key: Any, rows: Iterator[pd.DataFrame],  # type: ignore[override]
                         timerValues: TimerValues) -> Iterator[pd.DataFrame]:
         settle()
+        self._held = {}
         kinds: list[str] = []
         values: list[bytes] = []
         got: dict[int, list[tuple[int, bytes]]] = {}
@@ -164,7 +174,7 @@ class RollupProcessor(StatefulProcessor):
                     values.append(value)
         # In the order of their source buckets, not the shuffle's: a replay merges them alike.
         partials = {i: [from_ipc(v) for _, v in sorted(parts, key=lambda p: p[0])] for i, parts in got.items()}
-        watermark = _watermark_us(timerValues)
+        watermark = watermark_us(timerValues)
         counts = []
         for i in sorted(partials):
             spec, parts = self.specs[i], partials[i]
@@ -184,17 +194,17 @@ class RollupProcessor(StatefulProcessor):
         self._finalize_idle(set(partials), kinds, values)
         if counts:
             kinds.append(COUNTS)
-            values.append(to_ipc(pa.Table.from_pylist(
-                [{"rollup": r, "result": k, "events": n} for r, k, n in counts if n], schema=COUNTS_SCHEMA)))
+            values.append(_counts([c for c in counts if c[2]]))
         self._timer()
         if kinds:
             yield pd.DataFrame({PACK_KIND: kinds, ROWS: values})
 
     def handleExpiredTimer(self, key: Any, timerValues: TimerValues,
                            expiredTimerInfo: ExpiredTimerInfo) -> Iterator[pd.DataFrame]:
+        self._held = {}
         kinds: list[str] = []
         values: list[bytes] = []
-        self._advance_rest(set(), _watermark_us(timerValues), kinds, values)
+        self._advance_rest(set(), watermark_us(timerValues), kinds, values)
         self._timer()
         if kinds:
             yield pd.DataFrame({PACK_KIND: kinds, ROWS: values})
@@ -234,27 +244,24 @@ class RollupProcessor(StatefulProcessor):
             values.append(to_ipc(adv.rows))
 
     def _load(self, i: int) -> pa.Table | None:
-        got = self.values[i].get()
-        return engine.state_from_ipc(got[0], self.specs[i]) if got is not None else None
+        """Rollup ``i``'s windows of the bucket: read once per call (``_held``), then as stored."""
+        if i not in self._held:
+            got = self.values[i].get()
+            self._held[i] = engine.state_from_ipc(got[0], self.specs[i]) if got is not None else None
+        return self._held[i]
 
     def _store(self, i: int, state: pa.Table) -> None:
         if state.num_rows:
             self.values[i].update((engine.state_to_ipc(state),))
         else:
             self.values[i].clear()
+        self._held[i] = state if state.num_rows else None
 
     def _timer(self) -> None:
         """One timer at the earliest time any rollup of the bucket needs the watermark to reach."""
         due = [d for i, s in enumerate(self.specs) if (st := self._load(i)) is not None
                and (d := _next_due(s, st)) is not None]
-        want = [-(-min(due) // 1000)] if due else []  # milliseconds, rounded up: never early
-        timers = list(self.handle.listTimers())
-        if timers == want:
-            return
-        for timer in timers:
-            self.handle.deleteTimer(timer)
-        for timer in want:
-            self.handle.registerTimer(timer)
+        keep_one_timer(self.handle, min(due) if due else None)
 
     def close(self) -> None:
         pass
@@ -311,6 +318,3 @@ def _next_due(spec: RollupSpec, state: pa.Table) -> int | None:
     return int(np.min(np.where(final, end + spec.correct_for_us, end)))
 
 
-def _watermark_us(timer_values: TimerValues) -> int | None:
-    ms = timer_values.getCurrentWatermarkInMs()
-    return ms * 1000 if ms > 0 else None
