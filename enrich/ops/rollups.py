@@ -14,12 +14,11 @@ import pyarrow.dataset as ds
 
 from enrich.config import EnrichConfig
 from enrich.rollups.config import RollupConfig
+from enrich.rollups.spec import REVISION, WINDOW_START
 from enrich.sinks.database.connect import connect, quote
 from refstream.errors import ConfigError
 
 __all__ = ["rollup_rows"]
-
-WINDOW_START, REVISION = "window_start", "_revision"
 
 
 def rollup_rows(cfg: EnrichConfig, name: str, keys: Sequence[str], limit: int) -> list[dict[str, Any]]:

@@ -12,6 +12,7 @@ import logging
 import os
 import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 
 import pyarrow as pa
@@ -21,6 +22,21 @@ from enrich.sinks.abc import Counted, EnrichedBatch
 from refstream.atomic import fsync_dir
 
 log = logging.getLogger(__name__)
+
+
+def write_batch(path: Path, batch_id: int, write: Callable[[str], None]) -> int:
+    """Batch ``batch_id``'s directory under ``path``, ``batch_id=<N>``, written by ``write`` (given a
+    ``file://`` URI in ``path/_staging/``) and renamed into place once complete; the rows its files
+    hold. The caller checks first that it does not exist (a replay)."""
+    staging = path / "_staging"
+    final = path / f"batch_id={batch_id}"
+    tmp = staging / f"batch_id={batch_id}-{uuid.uuid4().hex[:8]}"
+    write("file://" + str(tmp))  # not as_uri(): it escapes "="
+    os.replace(tmp, final)
+    fsync_dir(path)
+    for stale in staging.glob(f"batch_id={batch_id}-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    return sum(pq.read_metadata(f).num_rows for f in final.glob("*.parquet"))
 
 
 class ParquetSink:
@@ -39,23 +55,17 @@ class ParquetSink:
         return self.path / f"batch_id={batch_id}"
 
     def write(self, batch_id: int, batch: EnrichedBatch) -> pa.Table:
-        final = self.final_dir(batch_id)
         self.counted = Counted(enriched=0)
-        if final.exists():
-            log.info("batch %d: %s exists (a replay); not written again", batch_id, final)
+        if self.final_dir(batch_id).exists():
+            log.info("batch %d: %s exists (a replay); not written again", batch_id, self.final_dir(batch_id))
             return batch.dead_letters()
-        tmp = self.staging / f"batch_id={batch_id}-{uuid.uuid4().hex[:8]}"
         df = batch.df.persist()
         try:
-            batch.good().write.parquet("file://" + str(tmp))  # not as_uri(): it escapes "="
+            written = write_batch(self.path, batch_id, lambda uri: batch.good().write.parquet(uri))
             dead = batch.dead_letters()
         finally:
             df.unpersist()
-        os.replace(tmp, final)
-        fsync_dir(self.path)
-        self.counted = Counted(enriched=sum(pq.read_metadata(f).num_rows for f in final.glob("*.parquet")))
-        for stale in self.staging.glob(f"batch_id={batch_id}-*"):
-            shutil.rmtree(stale, ignore_errors=True)
+        self.counted = Counted(enriched=written)
         return dead
 
     def close(self) -> None:

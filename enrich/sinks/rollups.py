@@ -24,19 +24,15 @@ from __future__ import annotations
 import base64
 import json
 import logging
-import os
-import shutil
-import uuid
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import UTC, date, datetime, time
+from datetime import date, datetime, time
 from decimal import Decimal
 from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 from pyspark.sql import DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql.pandas.types import from_arrow_schema
@@ -52,8 +48,8 @@ from enrich.sinks.database.slots import write_slot
 from enrich.sinks.database.tables import TableSpec, table_spec
 from enrich.sinks.deadletter import COLUMNS as DEAD_COLUMNS
 from enrich.sinks.kafka.writer import TransactionalBatchWriter
-from refstream.atomic import fsync_dir
-from refstream.contract import TOPIC_CONFIG
+from enrich.sinks.parquet import write_batch
+from refstream.contract import TOPIC_CONFIG, format_time
 from refstream.kafka import ensure_topic
 
 log = logging.getLogger(__name__)
@@ -177,13 +173,7 @@ class RollupWriter:
         if final.exists():
             log.info("batch %d: rollup %s: %s exists (a replay); not written again", batch_id, spec.name, final)
             return None
-        tmp = path / "_staging" / f"batch_id={batch_id}-{uuid.uuid4().hex[:8]}"
-        df.write.parquet("file://" + str(tmp))  # not as_uri(): it escapes "="
-        os.replace(tmp, final)
-        fsync_dir(path)
-        for stale in (path / "_staging").glob(f"batch_id={batch_id}-*"):
-            shutil.rmtree(stale, ignore_errors=True)
-        return sum(pq.read_metadata(f).num_rows for f in final.glob("*.parquet"))
+        return write_batch(path, batch_id, df.write.parquet)
 
 
 def records(spec: RollupSpec, rows: pa.Table) -> pa.Table:
@@ -199,7 +189,7 @@ def records(spec: RollupSpec, rows: pa.Table) -> pa.Table:
 
 def _json_value(v: object) -> object:
     if isinstance(v, datetime):
-        return v.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+        return format_time(v)
     if isinstance(v, date | time | Decimal):
         return v.isoformat() if not isinstance(v, Decimal) else str(v)
     if isinstance(v, bytes):
