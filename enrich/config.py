@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal, cast, get_args
 
 from enrich.calls.config import CallConfig, parse_calls
-from enrich.rollups.config import RollupConfig, parse_rollups
+from enrich.rollups.config import RollupConfig, overlap, parse_rollups
 from enrich.source.options import OnOffsetReset
 from refstream.config import Section, allowed_values, kafka_settings, load_config_data, redact_url
 from refstream.contract import default_topic
@@ -307,10 +307,8 @@ def parse(data: Mapping[str, Any], source: str = "config") -> EnrichConfig:
     if output.path is not None:
         dirs[output.path.resolve()] = "output.parquet.path"
     for i, r in enumerate(rollups):
-        here = r.output.parquet.resolve() if r.output.parquet is not None else None
-        for d, key in dirs.items() if here is not None else ():
-            assert here is not None
-            if here == d or d in here.parents or here in d.parents:
+        for d, key in dirs.items():
+            if r.output.parquet is not None and overlap(r.output.parquet, d):
                 raise top.error(f"{r.output.parquet} overlaps {key} {d}; give the rollup a directory of its own",
                                 f"rollups[{i}].output.parquet.path")
         if r.output.kafka is not None and r.output.kafka in taken:

@@ -12,7 +12,7 @@ from typing import Any, cast
 from enrich.rollups.spec import METRICS, Metric
 from refstream.config import Section
 
-__all__ = ["RollupConfig", "RollupOutput", "parse_rollups"]
+__all__ = ["RollupConfig", "RollupOutput", "overlap", "parse_rollups"]
 
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
@@ -52,6 +52,12 @@ class RollupConfig:
         return (*self.by, *[c for c, _ in self.metrics if c not in self.by])
 
 
+def overlap(a: Path, b: Path) -> bool:
+    """Whether directories ``a`` and ``b`` are the same or one holds the other (resolved)."""
+    a, b = a.resolve(), b.resolve()
+    return a == b or a in b.parents or b in a.parents
+
+
 def parse_rollups(top: Section, has_state: bool,
                   database: Callable[[Section], Any] | None = None) -> tuple[RollupConfig, ...]:
     """The ``rollups:`` list of ``top``; a :class:`ConfigError` naming the rollup and key at fault.
@@ -67,11 +73,10 @@ def parse_rollups(top: Section, has_state: bool,
         if any(o.name == r.name for o in rollups[:i]):
             raise top.error(f"rollup name {r.name!r} is used twice", f"rollups[{i}].name")
         for o in rollups[:i]:
-            if r.output.parquet is not None and o.output.parquet is not None:
-                a, b = o.output.parquet.resolve(), r.output.parquet.resolve()
-                if a == b or a in b.parents or b in a.parents:
-                    raise top.error(f"rollups {o.name!r} and {r.name!r} write the same or nested directories; give "
-                                    "each its own", f"rollups[{i}].output.parquet")
+            if r.output.parquet is not None and o.output.parquet is not None \
+                    and overlap(o.output.parquet, r.output.parquet):
+                raise top.error(f"rollups {o.name!r} and {r.name!r} write the same or nested directories; give "
+                                "each its own", f"rollups[{i}].output.parquet")
             if r.output.kafka is not None and o.output.kafka == r.output.kafka:
                 raise top.error(f"rollups {o.name!r} and {r.name!r} write the same topic; give each its own",
                                 f"rollups[{i}].output.kafka")
