@@ -43,6 +43,7 @@ from enrich.rollups.config import RollupConfig
 from enrich.rollups.packs import COUNTS, COUNTS_SCHEMA, DEAD
 from enrich.rollups.spec import WINDOW_START, RollupSpec
 from enrich.sinks.database.connect import connect
+from enrich.sinks.database.refuse import refused
 from enrich.sinks.database.sink import check_existing, ensure, prune_fence
 from enrich.sinks.database.slots import write_slot
 from enrich.sinks.database.tables import TableSpec, table_spec
@@ -157,6 +158,14 @@ class RollupWriter:
             log.warning("batch %d: rollup %s: %d row(s) with a null key not written to %s (a primary key "
                         "cannot hold one)", batch_id, spec.name, nulls, table.table)
             rows = rows.filter(keyed)
+        # What the database would refuse (a key longer than MariaDB's key column, a NUL in
+        # PostgreSQL text) is left out, not a statement that fails every retry and restart.
+        why = refused(rows, table.dialect, table.key)
+        if why.null_count < len(why):
+            log.warning("batch %d: rollup %s: %d row(s) not written to %s, the database would refuse them "
+                        "(first: %s)", batch_id, spec.name, len(why) - why.null_count, table.table,
+                        pc.drop_null(why)[0].as_py())
+            rows = rows.filter(pc.is_null(why))
         conn = connect(table.url, table.dialect, table.timeout)
         try:
             return write_slot(conn, table, self.scope, 0, batch_id, rows)

@@ -1,0 +1,56 @@
+"""The rollups' database output (``enrich.sinks.rollups.RollupWriter``) on real PostgreSQL and
+MariaDB: rows the table cannot hold are left out with a warning, the others written once per batch."""
+
+from __future__ import annotations
+
+import logging
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+
+from enrich import config
+from enrich.rollups.spec import RollupSpec
+from enrich.sinks.database.connect import connect
+from enrich.sinks.rollups import RollupWriter
+
+SPEC = RollupSpec(name="site_1m", by=("site",), by_types=(pa.string(),), window_us=60_000_000,
+                  correct_for_us=60_000_000, metrics=(("t", ("max",), pa.float64()),))
+
+
+def rows(sites: list[str | None]) -> pa.Table:
+    t0 = datetime(2026, 1, 1, tzinfo=UTC)
+    return pa.Table.from_pylist([
+        {"site": s, "window_start": t0, "window_end": t0, "t_max": 1.0, "_kind": "provisional", "_revision": 1,
+         "_events": 1, "_finalized_by": None, "_cause": None} for s in sites], schema=SPEC.output_schema())
+
+
+@pytest.mark.parametrize(("db", "hostile"), [("mysql_url", "s" * 300), ("pg_url", "s\x00nul")])
+def test_rows_the_table_cannot_hold_are_left_out_with_a_warning_not_a_failed_batch(
+        db: str, hostile: str, request: pytest.FixtureRequest, tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
+    url = request.getfixturevalue(db)
+    table = f"site_1m_{tmp_path.name[-8:]}".replace("-", "_").lower()
+    cfg = config.parse({
+        "kafka": {"bootstrap_servers": "127.0.0.1:9"}, "events": {"topic": "ev", "schema": "site STRING, ts TIMESTAMP"},
+        "output": {"kafka": {"topic": "out"}}, "dead_letter_topic": "dlq", "checkpoint": str(tmp_path / "ck"),
+        "state": {"key": "site", "timestamp": "ts"},
+        "rollups": [{"name": "site_1m", "by": ["site"], "window": "1m", "metrics": {"t": ["max"]},
+                     "output": {"database": {"url": url, "table": table}}}]}, "test.yaml")
+    writer = RollupWriter((SPEC,), cfg.rollups, scope="q")
+    spec = writer.tables[0]
+    assert spec is not None
+    with caplog.at_level(logging.WARNING, logger="enrich.sinks.rollups"):
+        assert writer._database(0, rows(["s-1", hostile, None]), SPEC, spec) == 1
+        assert writer._database(0, rows(["s-1"]), SPEC, spec) is None   # batch 0 again: fenced
+    text = caplog.text
+    assert "1 row(s) with a null key not written" in text and "1 row(s) not written to" in text, text
+    conn = connect(spec.url, spec.dialect)
+    try:
+        with conn.cursor() as cur:
+            cur.execute(f"SELECT site FROM {table}")
+            assert [tuple(r) for r in cur.fetchall()] == [("s-1",)]
+        conn.commit()
+    finally:
+        conn.close()
