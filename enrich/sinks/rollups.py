@@ -137,7 +137,14 @@ class RollupWriter:
                 prune_fence(db, self.scope, batch_id)
             if kafka is not None:
                 assert got is not None
-                rows[spec.name] = kafka.write(batch_id, records(spec, got))
+                recs = records(spec, got)
+                fits = fitting(recs, kafka.record_limit)
+                if not pc.all(fits).as_py():
+                    log.warning("batch %d: rollup %s: %d row(s) not written to %s, larger than a record may be "
+                                "(%d bytes, message.max.bytes)", batch_id, spec.name,
+                                recs.num_rows - int(pc.sum(fits).as_py() or 0), kafka.topic, kafka.record_limit)
+                    recs = recs.filter(fits)
+                rows[spec.name] = kafka.write(batch_id, recs)
         small = df.where(F.col(PACK_KIND).isin(DEAD, COUNTS)).toArrow()
         dead, counts = [], Counter[tuple[str, str]]()
         for kind, value in zip(small.column(PACK_KIND).to_pylist(), small.column(ROWS).to_pylist(), strict=True):
@@ -194,6 +201,13 @@ def records(spec: RollupSpec, rows: pa.Table) -> pa.Table:
         keys.append(_dumps({**{b: row[b] for b in spec.by}, WINDOW_START: row[WINDOW_START]}))
         values.append(_dumps(row))
     return pa.table({"key": pa.array(keys, pa.binary()), "value": pa.array(values, pa.binary())})
+
+
+def fitting(recs: pa.Table, limit: int) -> pa.Array:
+    """Per record (``key``, ``value``): whether it is at most ``limit`` bytes, what the broker takes."""
+    size = pc.add(pc.fill_null(pc.binary_length(recs.column("key")), 0),
+                  pc.fill_null(pc.binary_length(recs.column("value")), 0))
+    return pc.less_equal(size, limit).combine_chunks()
 
 
 def _json_value(v: object) -> object:
