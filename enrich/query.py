@@ -65,7 +65,7 @@ from enrich.state.cache import TableCache
 from enrich.state.ingest import EventPacker
 from enrich.state.layout import BucketLayout
 from enrich.state.processor import DeviceStateProcessor
-from enrich.state.record import check_checkpoint
+from enrich.state.record import check_checkpoint, dropped_rollups
 from enrich.state.rollups import RollupProcessor
 from enrich.state.stored import STATE_NAME, stored_spec
 from enrich.state.stream import INITIAL, Fork, Unpack, changelog_key, initial_packer, prepare
@@ -284,7 +284,8 @@ def attach(raw: DataFrame, pipeline: Pipeline, layout: BucketLayout, changelogs:
     else:
         stepped = rollup_step(rows.groupBy(BUCKET).transformWithStateInPandas(
             processor, outputStructType=ROLLUP_INPUT, outputMode="Append", timeMode="EventTime", initialState=init,
-            eventTimeColumnName=ROLLUP_TIME), st.rollups, cfg.state.server_timeout.total_seconds())
+            eventTimeColumnName=ROLLUP_TIME), st.rollups, cfg.state.server_timeout.total_seconds(),
+            dropped_rollups(pipeline.checkpoint))
     unpack = Unpack(to_arrow_schema(flat_schema, timezone=timezone), to_arrow_schema(st.schema, timezone=timezone),
                     tuple(f.name for f in st.passed), st.inner,
                     tuple(n for n, _ in st.calls.result_columns()) if st.calls else ())
@@ -296,11 +297,13 @@ ROLLUP_INPUT = StructType([StructField(RBUCKET, IntegerType(), False), StructFie
                            StructField(PACK_KIND, StringType(), False), StructField(ROWS, BinaryType(), False)])
 
 
-def rollup_step(stepped: DataFrame, specs: tuple[RollupSpec, ...], server_timeout_s: float) -> DataFrame:
+def rollup_step(stepped: DataFrame, specs: tuple[RollupSpec, ...], server_timeout_s: float,
+                dropped: tuple[str, ...] = ()) -> DataFrame:
     """The rollup step after the state step (:class:`enrich.state.rollups.RollupProcessor`), keyed by
-    rollup bucket: the events pass through it; its rows are ``PACK_KIND``, ``ROWS``."""
+    rollup bucket: the events pass through it; its rows are ``PACK_KIND``, ``ROWS``. ``dropped``: the
+    rollups removed from the checkpoint, whose windows it deletes."""
     return stepped.groupBy(RBUCKET).transformWithStateInPandas(
-        RollupProcessor(specs, server_timeout_s=server_timeout_s), outputStructType=rollups.OUTPUT,
+        RollupProcessor(specs, server_timeout_s=server_timeout_s, dropped=dropped), outputStructType=rollups.OUTPUT,
         outputMode="Append", timeMode="EventTime")
 
 

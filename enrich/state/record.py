@@ -13,6 +13,7 @@ runs with).
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -27,6 +28,8 @@ from enrich.state.layout import BucketLayout
 from refstream.atomic import write_json_atomic
 from refstream.errors import ConfigError
 
+log = logging.getLogger(__name__)
+
 #: The record's number of state partitions: the one Spark's offset log holds, as of the last start or rescale.
 PARTITIONS = "state_partitions"
 #: The record's grouping key of each bucket (:class:`enrich.state.layout.BucketLayout`).
@@ -35,6 +38,8 @@ BUCKET_IDS = "bucket_ids"
 WAITS = "waits"
 #: The checkpoint's rollups: what their stored windows' layout depends on.
 ROLLUPS = "rollups"
+#: The rollups removed from the checkpoint: the rollup step deletes their windows; their names are not reused.
+DROPPED = "rollups_dropped"
 
 _RESTORE = "restore it from a backup of the checkpoint, or start a new checkpoint"
 
@@ -60,8 +65,8 @@ def check_checkpoint(layout: CheckpointLayout, cfg: StateConfig | None, spec: St
     needs) and over every number that divides ``state.buckets``. ``waits``: whether some join waits
     for completeness (``joins[].wait``), which adds an input to the query (the tick source) and
     keeps held events in the state: a start that turns it on or off against a checkpoint that has
-    run is refused (None: not checked). ``rollups``: the rollups (:mod:`enrich.state.rollups`), whose
-    step and stored windows a start may not add, remove or change against a checkpoint that has run
+    run is refused (None: not checked). ``rollups``: the rollups (:mod:`enrich.state.rollups`): what a
+    start may add, remove or not change against a checkpoint that has run is :func:`_check_rollups`'s
     (None: not checked)."""
     checkpoint, path = layout.root, layout.state_record
     if not path.exists():
@@ -122,18 +127,65 @@ def rollup_record(rollups: Sequence[RollupSpec]) -> list[dict[str, Any]]:
 
 def _check_rollups(kept: dict[str, Any], now: list[dict[str, Any]], layout: CheckpointLayout, path: Path,
                    source: str, new: str) -> dict[str, Any]:
+    """Against a checkpoint that has run: a rollup may be added (it counts events from the next batch
+    on, no backfill) or removed (the rollup step deletes its windows from the state at the next batch,
+    :func:`dropped_rollups`); one kept under its name must keep its layout; the first rollup, the last
+    one, a change of the tick source (``idle_finalize``) and a removed name added back are refused."""
     was = kept.get(ROLLUPS, [])  # a record written by a start without rollups: none
     if was == now:
         return kept
-    if layout.planned_any():
-        names = [r.get("name") for r in was] if isinstance(was, list) else was
-        raise ConfigError(f"{source}: rollups changed against the checkpoint {layout.root}, whose query ran with "
-                          f"rollups {json.dumps(names)} (their windows are kept in its state, laid out by their "
-                          f"names, by columns, windows, horizons and metrics), now {json.dumps([r['name'] for r in now])}; "
-                          f"put them back, or {new}")
-    kept = {**kept, ROLLUPS: now}  # nothing ran yet: the record follows the config
+    if not layout.planned_any():  # nothing ran yet: the record follows the config
+        kept = {**kept, ROLLUPS: now}
+        write_json_atomic(path, kept)
+        return kept
+    root = layout.root
+    old = {str(r.get("name")): r for r in was} if isinstance(was, list) else {}
+    cur = {r["name"]: r for r in now}
+    if not old or not cur:
+        what = (f"the first rollups {json.dumps(sorted(cur))} cannot be added to the checkpoint {root}, whose query "
+                "ran without rollups" if cur else
+                f"the last rollups {json.dumps(sorted(old))} cannot be removed from the checkpoint {root}")
+        raise ConfigError(f"{source}: rollups: {what}: the rollup step is a keyed step of the query, which Spark "
+                          f"cannot add to or drop from a checkpoint; keep at least one rollup, or {new}")
+    idle_was, idle_now = any(r.get("idle") for r in old.values()), any(r["idle"] for r in cur.values())
+    if idle_was != idle_now and not kept.get(WAITS):  # waiting has the tick source either way
+        raise ConfigError(f"{source}: rollups[].idle_finalize is {'new' if idle_now else 'gone'} against the "
+                          f"checkpoint {root}: it adds an input to the query (the tick source), which Spark cannot "
+                          f"add to or drop from a checkpoint; put it back, or {new}")
+    for name in sorted(old.keys() & cur.keys()):
+        changed = [_SETTING.get(k, k) for k in cur[name] if k != "idle" and old[name].get(k) != cur[name][k]]
+        if changed:
+            raise ConfigError(f"{source}: rollup {name} changed against the checkpoint {root} ({', '.join(changed)}): "
+                              "its windows are kept in the state laid out by its keys, window, horizon and metrics; "
+                              "put it back, or give the changed rollup a new name (the old one's windows are "
+                              "dropped, the new one starts with the next batch)")
+    dropped = [str(n) for n in kept.get(DROPPED, [])]
+    back = sorted((set(cur) - set(old)) & set(dropped))
+    if back:
+        raise ConfigError(f"{source}: rollup {back[0]} was removed from the checkpoint {root}: added back under its "
+                          "name it would write its windows again from revision 1, under the revisions its outputs "
+                          "hold; give it a new name")
+    for name in sorted(set(cur) - set(old)):
+        log.info("%s: rollup %s is new against the checkpoint %s: it counts events from the next batch on "
+                 "(no backfill)", source, name, root)
+    for name in sorted(set(old) - set(cur)):
+        log.warning("%s: rollup %s is gone against the checkpoint %s: the next batch drops its windows from the "
+                    "state; its outputs are left as they are", source, name, root)
+    kept = {**kept, ROLLUPS: now, DROPPED: sorted({*dropped, *(set(old) - set(cur))})}
     write_json_atomic(path, kept)
     return kept
+
+
+#: The rollup record's entries as the settings they come from.
+_SETTING = {"window_us": "window", "correct_for_us": "correct_for", "state_schema": "metrics or their types"}
+
+
+def dropped_rollups(layout: CheckpointLayout) -> tuple[str, ...]:
+    """The rollups removed from the checkpoint (their names), whose windows the rollup step deletes."""
+    if not layout.state_record.exists():
+        return ()
+    got = read_record(layout.state_record).get(DROPPED, [])
+    return tuple(str(n) for n in got) if isinstance(got, list) else ()
 
 
 def read_record(path: Path) -> dict[str, Any]:

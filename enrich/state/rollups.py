@@ -52,7 +52,7 @@ from enrich.worker import settle
 from refstream.atomic import write_json_atomic
 from refstream.compat import spark_state_server_timeout
 
-__all__ = ["OUTPUT", "Fed", "RollupProcessor", "feed", "idle_facts", "state_name"]
+__all__ = ["OUTPUT", "Fed", "RollupProcessor", "feed", "idle_facts", "state_name", "state_name_of"]
 
 #: The rollup step's output: what each packed value holds, and the value.
 OUTPUT = StructType([StructField(PACK_KIND, StringType(), False), StructField(ROWS, BinaryType(), False)])
@@ -146,12 +146,16 @@ class RollupProcessor(StatefulProcessor):
     One event-time timer per bucket, at the next window end (or horizon) the watermark must reach,
     makes windows final (and drops them) in batches that bring the bucket nothing."""
 
-    def __init__(self, specs: tuple[RollupSpec, ...], *, server_timeout_s: float = 120.0) -> None:
-        self.specs, self.server_timeout_s = specs, server_timeout_s
+    def __init__(self, specs: tuple[RollupSpec, ...], *, server_timeout_s: float = 120.0,
+                 dropped: tuple[str, ...] = ()) -> None:
+        """``dropped``: the names of rollups removed from the checkpoint, whose windows are deleted."""
+        self.specs, self.server_timeout_s, self.dropped = specs, server_timeout_s, dropped
 
     def init(self, handle: StatefulProcessorHandle) -> None:
         spark_state_server_timeout(handle, self.server_timeout_s)
         self.handle = handle
+        for name in self.dropped:  # Spark keeps a state variable no processor names until it is deleted
+            handle.deleteIfExists(state_name_of(name))
         self.values = [handle.getValueState(state_name(s), VALUE_SCHEMA) for s in self.specs]
         # The states this call read or wrote (a call is one bucket): the steps after advance, the
         # idle finalization and the timer read them again.
@@ -306,7 +310,12 @@ def _idle_for(spec: RollupSpec) -> bool:
 
 def state_name(spec: RollupSpec) -> str:
     """The rollup's state variable in the rollup step: its windows of the bucket."""
-    return f"rollup_{spec.name}"
+    return state_name_of(spec.name)
+
+
+def state_name_of(name: str) -> str:
+    """The state variable of the rollup named ``name``."""
+    return f"rollup_{name}"
 
 
 def _next_due(spec: RollupSpec, state: pa.Table) -> int | None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
 from pathlib import Path
 
 import pyarrow as pa
@@ -10,9 +12,10 @@ import pytest
 
 from enrich.checkpoint import CheckpointLayout
 from enrich.config import StateConfig
+from enrich.rollups.spec import RollupSpec
 from enrich.state.engine import StateSpec
 from enrich.state.layout import BucketLayout
-from enrich.state.record import BUCKET_IDS, PARTITIONS, check_checkpoint, record_partitions
+from enrich.state.record import BUCKET_IDS, PARTITIONS, check_checkpoint, dropped_rollups, record_partitions
 from refstream.errors import ConfigError
 
 CFG = StateConfig(key="device_id", timestamp="ts", aggregates=(("t", ("max",)),))
@@ -125,25 +128,60 @@ def test_waiting_turned_on_or_off_against_a_checkpoint_that_ran_is_refused(tmp_p
         check_checkpoint(old, CFG, SPEC, waits=True)
 
 
-def test_rollups_added_removed_or_changed_against_a_checkpoint_that_ran_are_refused(tmp_path: Path) -> None:
-    from enrich.rollups.spec import RollupSpec
+def _rollup(name: str = "d_1m", **changes: object) -> RollupSpec:
+    r = RollupSpec(name=name, by=("device_id",), by_types=(pa.string(),), window_us=60_000_000,
+                   correct_for_us=60_000_000, metrics=(("t", ("mean",), pa.float64()),))
+    return dataclasses.replace(r, **changes)  # type: ignore[arg-type]
 
-    r1m = RollupSpec(name="d_1m", by=("device_id",), by_types=(pa.string(),), window_us=60_000_000,
-                     correct_for_us=60_000_000, metrics=(("t", ("mean",), pa.float64()),))
-    ck = CheckpointLayout(tmp_path)
+
+def _ran(ck: CheckpointLayout, rollups: tuple[RollupSpec, ...]) -> None:
     check_checkpoint(ck, CFG, SPEC, partitions=2, rollups=())
-    check_checkpoint(ck, CFG, SPEC, rollups=(r1m,))   # nothing ran yet: the record follows
-    assert [r["name"] for r in json.loads(ck.state_record.read_text())["rollups"]] == ["d_1m"]
+    check_checkpoint(ck, CFG, SPEC, rollups=rollups)   # nothing ran yet: the record follows
     ck.offsets.mkdir(parents=True)
     (ck.offsets / "0").write_text("v1")
-    check_checkpoint(ck, CFG, SPEC, rollups=(r1m,))
-    # A longer horizon would reopen windows already dropped: refused as the rest.
-    for other in [(), (RollupSpec(**{**r1m.__dict__, "window_us": 120_000_000}),),
-                  (RollupSpec(**{**r1m.__dict__, "correct_for_us": 120_000_000}),),
-                  (r1m, RollupSpec(**{**r1m.__dict__, "name": "d_2m"}))]:
-        with pytest.raises(ConfigError, match=r"rollups changed against the checkpoint .* ran with rollups "
-                                              r"\[\"d_1m\"\]"):
-            check_checkpoint(ck, CFG, SPEC, rollups=other)
+
+
+def test_rollups_added_or_removed_against_a_checkpoint_that_ran_are_taken(tmp_path: Path,
+                                                                          caplog: pytest.LogCaptureFixture) -> None:
+    ck = CheckpointLayout(tmp_path)
+    _ran(ck, (_rollup(),))
+    assert [r["name"] for r in json.loads(ck.state_record.read_text())["rollups"]] == ["d_1m"]
+    check_checkpoint(ck, CFG, SPEC, rollups=(_rollup(),))
+    with caplog.at_level(logging.INFO, logger="enrich.state.record"):
+        check_checkpoint(ck, CFG, SPEC, rollups=(_rollup(), _rollup("d_2m", window_us=120_000_000)))
+    assert "rollup d_2m is new against the checkpoint" in caplog.text and "no backfill" in caplog.text
+    assert dropped_rollups(ck) == ()
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="enrich.state.record"):
+        check_checkpoint(ck, CFG, SPEC, rollups=(_rollup("d_2m", window_us=120_000_000),))
+    assert "rollup d_1m is gone against the checkpoint" in caplog.text
+    assert dropped_rollups(ck) == ("d_1m",)
+    assert [r["name"] for r in json.loads(ck.state_record.read_text())["rollups"]] == ["d_2m"]
+    # Turning idle_finalize on would add the tick source (the query's inputs are fixed); fill is free.
+    check_checkpoint(ck, CFG, SPEC, rollups=(_rollup("d_2m", window_us=120_000_000, fill=True),))
+    with pytest.raises(ConfigError, match=r"idle_finalize is new against the checkpoint .*tick source"):
+        check_checkpoint(ck, CFG, SPEC, rollups=(_rollup("d_2m", window_us=120_000_000, idle_finalize_us=1),))
+
+
+def test_rollup_changes_that_the_state_cannot_follow_are_refused(tmp_path: Path) -> None:
+    ck = CheckpointLayout(tmp_path)
+    _ran(ck, (_rollup(),))
+    # A longer horizon would reopen windows already dropped: refused as the layout's changes are.
+    for changed, what in [(_rollup(window_us=120_000_000), "window"),
+                          (_rollup(correct_for_us=120_000_000), "correct_for"),
+                          (_rollup(by=("site",)), "by, metrics or their types"),
+                          (_rollup(metrics=(("t", ("max",), pa.float64()),)), "metrics or their types")]:
+        with pytest.raises(ConfigError, match=rf"rollup d_1m changed against the checkpoint .*\({what}\).*new name"):
+            check_checkpoint(ck, CFG, SPEC, rollups=(changed,))
+    with pytest.raises(ConfigError, match=r'the last rollups \["d_1m"\] cannot be removed .* keyed step'):
+        check_checkpoint(ck, CFG, SPEC, rollups=())
+    check_checkpoint(ck, CFG, SPEC, rollups=(_rollup("other"),))   # d_1m removed
+    with pytest.raises(ConfigError, match=r"rollup d_1m was removed from the checkpoint .* revision 1"):
+        check_checkpoint(ck, CFG, SPEC, rollups=(_rollup("other"), _rollup()))
+    bare = CheckpointLayout(tmp_path / "bare")
+    _ran(bare, ())
+    with pytest.raises(ConfigError, match=r'the first rollups \["d_1m"\] cannot be added .* ran without rollups'):
+        check_checkpoint(bare, CFG, SPEC, rollups=(_rollup(),))
 
 
 def test_a_record_without_rollups_reads_as_none(tmp_path: Path) -> None:

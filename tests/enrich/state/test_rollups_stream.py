@@ -26,6 +26,7 @@ from pyspark.sql import SparkSession
 from enrich import config
 from enrich.job import EnrichJob
 from refstream.contract import Column, DatasetSchema
+from refstream.errors import ConfigError
 from tests.enrich.helpers import changelog, produce_events, publish, read_all
 from tests.enrich.process import start_job
 from tests.timing import bound
@@ -271,3 +272,50 @@ def test_a_quiet_stream_finalizes_its_open_windows_by_wall_clock_and_later_event
     assert [(r["_kind"], r["_revision"], r["temp_count"], r["temp_max"],
              r["_cause"] if isinstance(r["_cause"], str) else None) for r in rows.to_dict("records")] \
         == [("correction", 3, 2, 9.0, "late event"), ("final", 2, 1, 2.0, None)], rows
+
+
+def test_a_rollup_added_to_a_checkpoint_starts_with_the_next_batch_and_a_removed_one_is_dropped(
+        spark: SparkSession, kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path,
+        caplog: pytest.LogCaptureFixture, mysql_url: str) -> None:
+    """device_1m runs alone, then beside site_5m (added: no backfill), then site_5m alone (device_1m
+    removed: its windows leave the rollup step's state); each run continues the checkpoint."""
+    data = make_config(kafka, unique, tmp_path, mysql_url)
+    device_1m, site_5m = data["rollups"]
+    device_1m["output"] = {"parquet": device_1m["output"]["parquet"]}
+    site_5m["output"] = {"parquet": site_5m["output"]["parquet"]}
+    publish(kafka, data["joins"][0]["topic"], changelog(DEVICES, [{"device_id": "a", "site": "s1"},
+                                                                  {"device_id": "b", "site": "s1"}]))
+
+    def run(rollups: list[dict[str, Any]], events: list[dict[str, Any]]) -> None:
+        produce_events(kafka, data["events"]["topic"], events)
+        EnrichJob(config.parse({**data, "rollups": rollups}, "test.yaml"), available_now=True).run(spark)
+
+    def windows(name: str) -> int:  # the rollup step is the query's operator 0 (the state step's is 1)
+        return (spark.read.format("statestore").option("path", str(tmp_path / "checkpoint" / "spark"))
+                .option("operatorId", 0).option("stateVarName", f"rollup_{name}").load().count())
+
+    run([device_1m], EVENTS[:4])
+    assert windows("device_1m") > 0
+    with caplog.at_level(logging.INFO, logger="enrich.state.record"):
+        run([device_1m, site_5m], EVENTS[4:8])
+    assert "rollup site_5m is new against the checkpoint" in caplog.text
+    # site_5m counts the events from its first batch on: those of the first run are not backfilled.
+    site = latest(rows_of(tmp_path / "site_5m"), ["site"])
+    assert site["_events"].sum() == 4 and pd.to_datetime(site["window_start"], utc=True).min() == T0, site
+    # device_1m kept its windows: a's first minute went on from revision 1 (provisional) to 2 (final).
+    dev = rows_of(tmp_path / "device_1m")
+    first = dev[(dev["device_id"] == "a") & (pd.to_datetime(dev["window_start"], utc=True) == T0)]
+    assert sorted(zip(first["_revision"], first["_kind"], strict=True)) == [(1, "provisional"), (2, "final")], dev
+    written = set(dev["batch_id"])
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="enrich.state.record"):
+        run([site_5m], EVENTS[8:12])
+    assert "rollup device_1m is gone against the checkpoint" in caplog.text
+    assert set(rows_of(tmp_path / "device_1m")["batch_id"]) == written
+    with pytest.raises(Exception, match="State variable rollup_device_1m is not defined"):
+        windows("device_1m")
+    site = latest(rows_of(tmp_path / "site_5m"), ["site"])
+    assert site["_events"].sum() == 8, site
+    # Added back under its name, device_1m would write its windows from revision 1 again: refused.
+    with pytest.raises(ConfigError, match="rollup device_1m was removed from the checkpoint"):
+        run([site_5m, device_1m], [])
