@@ -6,8 +6,10 @@ first batch and keeps it in the offset log. Spark 4.2 added an offline state rep
 only): with the last batch ``n`` committed, it writes batch ``n + 1`` to the checkpoint with the
 same source offsets and watermark as batch ``n`` and the new number, rewrites the state of every
 stateful operator as of batch ``n`` into the new partitions (every state variable of the step: the
-device tables, the partitioned dimensions' rows, the timers; each grouping key goes to
-``pmod(hash(key), N)``, as the query's shuffle will put it), and commits it. Batch ``n + 1`` reads
+device tables, the partitioned dimensions' rows, the timers; and the rollup step's windows and
+timers: each grouping key goes to ``pmod(hash(key), N)``, as the query's shuffle will put it), and
+commits it. The rollup buckets are the state buckets' grouping keys (:mod:`enrich.state.rollups`),
+which a rescale keeps, so every window stays in the bucket its keys route to. Batch ``n + 1`` reads
 no input and runs no ``foreachBatch``; the next start of the job goes on from batch ``n + 2`` with
 ``N`` partitions.
 
@@ -92,9 +94,6 @@ def rescale(cfg: EnrichConfig, partitions: int, *, spark: SparkSession | None = 
         raise ConfigError(f"--partitions {partitions}: the number of state partitions must be positive")
     if cfg.state is None:
         raise ConfigError(f"{cfg.source}: no state: section; only a job's device state is rescaled")
-    if cfg.rollups:
-        raise ConfigError(f"{cfg.source}: rollups ({', '.join(r.name for r in cfg.rollups)}); a rescale does not "
-                          "move their windows yet")
     ck = CheckpointLayout(cfg.checkpoint)
     if not ck.state_record.exists():
         raise RescaleRefused(f"{ck.root}: the job has not run with state: on this checkpoint; its first run "

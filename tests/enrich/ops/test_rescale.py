@@ -222,11 +222,3 @@ def test_a_job_rescaled_from_2_to_4_to_1_state_partitions_continues_every_device
     with pytest.raises(ConfigError, match="a rescale to 2 state partitions did not finish; run enrich rescale "
                                           "--partitions 2 again before the job"):
         run(spark, data)
-
-
-def test_refused_with_rollups(tmp_path: Path) -> None:
-    path = write_config(tmp_path, rollups=[{"name": "d_1m", "by": ["device_id"], "window": "1m",
-                                            "metrics": {"device_id": ["count"]},
-                                            "output": {"parquet": {"path": str(tmp_path / "r")}}}])
-    with pytest.raises(ConfigError, match=r"rollups \(d_1m\); a rescale does not move their windows yet"):
-        rescale(config.load(path), 4)

@@ -25,6 +25,8 @@ from pyspark.sql import SparkSession
 
 from enrich import config
 from enrich.job import EnrichJob
+from enrich.ops.rescale import rescale
+from enrich.state.layout import partitions_of
 from refstream.contract import Column, DatasetSchema
 from refstream.errors import ConfigError
 from tests.enrich.helpers import changelog, produce_events, publish, read_all
@@ -319,3 +321,26 @@ def test_a_rollup_added_to_a_checkpoint_starts_with_the_next_batch_and_a_removed
     # Added back under its name, device_1m would write its windows from revision 1 again: refused.
     with pytest.raises(ConfigError, match="rollup device_1m was removed from the checkpoint"):
         run([site_5m, device_1m], [])
+
+
+def test_a_job_rescaled_between_runs_keeps_its_rollups_windows(
+        spark: SparkSession, kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path,
+        mysql_url: str) -> None:
+    """enrich rescale moves the rollup step's windows and timers with the state step's (Spark's
+    repartition, every stateful step): run on 2 state partitions, rescaled to 4, run on: every
+    revision once, in order, and the latest rows equal the recompute."""
+    data = {**make_config(kafka, unique, tmp_path, mysql_url), "spark": {"spark.sql.shuffle.partitions": "2"}}
+    publish(kafka, data["joins"][0]["topic"], changelog(DEVICES, [{"device_id": "a", "site": "s1"},
+                                                                  {"device_id": "b", "site": "s1"}]))
+    produce_events(kafka, data["events"]["topic"], EVENTS[:8])
+    EnrichJob(config.parse(data, "test.yaml"), available_now=True).run(spark)
+    got = rescale(config.parse(data, "test.yaml"), 4, spark=spark)
+    assert (got.before, got.after) == (2, 4)
+    # The rollup step's windows are in the partitions Spark's shuffle puts their buckets in now.
+    rows = (spark.read.format("statestore").option("path", str(tmp_path / "checkpoint" / "spark"))
+            .option("operatorId", 0).option("stateVarName", "rollup_device_1m").load()
+            .select("partition_id", "key._rbucket").collect())
+    assert rows and all(r["partition_id"] == partitions_of([r["_rbucket"]], 4)[0] for r in rows), rows
+    produce_events(kafka, data["events"]["topic"], EVENTS[8:])
+    EnrichJob(config.parse(data, "test.yaml"), available_now=True).run(spark)
+    check_outputs(kafka, data, tmp_path)
