@@ -165,7 +165,8 @@ class EnrichJob:
         pipeline = self._plan(spark, dims)
         if saved is not None:
             st = pipeline.state
-            saved.check(self.cfg, st.spec if st is not None else None, st.dims if st is not None else ())
+            saved.check(self.cfg, st.spec if st is not None else None, st.dims if st is not None else (),
+                        st.rollups if st is not None else ())
             self._fork = saved.fork(spark, pipeline)
             log.info("starting from the savepoint %s (batch %d of %s)", saved.directory, saved.batch_id,
                      saved.meta.get("checkpoint"))

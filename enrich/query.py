@@ -201,9 +201,13 @@ def state_step(spark: SparkSession, pipeline: Pipeline, raw: DataFrame,
     initial = initial_state(spark, pipeline, layout, fork) if fork is not None else None
     # Every bucket called each trigger: to decide what waits, or whether the rollups are idle.
     ticks = read_ticks(spark, layout) if cfg.waits or any(r.idle_finalize_us for r in st.rollups) else None
+    windows = None
+    if fork is not None and fork.rollups is not None and st.rollups:  # the fork's rollup windows, re-routed
+        windows = fork.rollups.mapInArrow(functools.partial(rollups.initial_windows, specs=st.rollups,
+                                                            ids=layout.ids), rollups.INITIAL)
     return attach(raw, pipeline, layout, changelogs, devices, parser=parser, cache=TableCache(uuid.uuid4().hex),
                   initial=initial, floor_us=fork.floor_us if fork is not None else floor_us, ticks=ticks,
-                  call_counts=call_counts)
+                  call_counts=call_counts, windows=windows)
 
 
 def initial_state(spark: SparkSession, pipeline: Pipeline, layout: BucketLayout, fork: Fork) -> DataFrame:
@@ -235,7 +239,8 @@ def attach(raw: DataFrame, pipeline: Pipeline, layout: BucketLayout, changelogs:
            devices: Accumulator[dict[int, int]] | None = None, *, parser: FastParser | None = None,
            cache: TableCache | None = None, initial: DataFrame | None = None,
            floor_us: int | None = None, ticks: DataFrame | None = None,
-           call_counts: Accumulator[dict[int, dict[str, Any]]] | None = None) -> StateStream:
+           call_counts: Accumulator[dict[int, dict[str, Any]]] | None = None,
+           windows: DataFrame | None = None) -> StateStream:
     """The Kafka stream ``raw`` through the pipeline's state step (:class:`StateStream`): parsed,
     joined in the plan by the joins before the step, then keyed by bucket (``layout``) into the
     step with the partitioned dimensions' ``changelogs`` (one stream each, in the plan's order,
@@ -248,7 +253,8 @@ def attach(raw: DataFrame, pipeline: Pipeline, layout: BucketLayout, changelogs:
     (:class:`enrich.state.processor.DeviceStateProcessor`). ``ticks``: the tick stream
     (:mod:`enrich.source.tick`) when a join waits for completeness: it calls every bucket each trigger.
     ``call_counts``: an accumulator of ``enrich.accumulators.KeyedTallies`` the step reports each
-    bucket's call counts to."""
+    bucket's call counts to. ``windows``: the rollup step's initial state
+    (:data:`enrich.state.rollups.INITIAL`), a fork's rollup windows."""
     cfg, st = pipeline.cfg, pipeline.state
     assert cfg.state is not None and st is not None
     timezone = pipeline.timezone
@@ -285,7 +291,7 @@ def attach(raw: DataFrame, pipeline: Pipeline, layout: BucketLayout, changelogs:
         stepped = rollup_step(rows.groupBy(BUCKET).transformWithStateInPandas(
             processor, outputStructType=ROLLUP_INPUT, outputMode="Append", timeMode="EventTime", initialState=init,
             eventTimeColumnName=ROLLUP_TIME), st.rollups, cfg.state.server_timeout.total_seconds(),
-            dropped_rollups(pipeline.checkpoint))
+            dropped_rollups(pipeline.checkpoint), windows)
     unpack = Unpack(to_arrow_schema(flat_schema, timezone=timezone), to_arrow_schema(st.schema, timezone=timezone),
                     tuple(f.name for f in st.passed), st.inner,
                     tuple(n for n, _ in st.calls.result_columns()) if st.calls else ())
@@ -298,13 +304,15 @@ ROLLUP_INPUT = StructType([StructField(RBUCKET, IntegerType(), False), StructFie
 
 
 def rollup_step(stepped: DataFrame, specs: tuple[RollupSpec, ...], server_timeout_s: float,
-                dropped: tuple[str, ...] = ()) -> DataFrame:
+                dropped: tuple[str, ...] = (), windows: DataFrame | None = None) -> DataFrame:
     """The rollup step after the state step (:class:`enrich.state.rollups.RollupProcessor`), keyed by
     rollup bucket: the events pass through it; its rows are ``PACK_KIND``, ``ROWS``. ``dropped``: the
-    rollups removed from the checkpoint, whose windows it deletes."""
+    rollups removed from the checkpoint, whose windows it deletes; ``windows``: its initial state
+    (:data:`enrich.state.rollups.INITIAL`, a fork's first batch)."""
     return stepped.groupBy(RBUCKET).transformWithStateInPandas(
         RollupProcessor(specs, server_timeout_s=server_timeout_s, dropped=dropped), outputStructType=rollups.OUTPUT,
-        outputMode="Append", timeMode="EventTime")
+        outputMode="Append", timeMode="EventTime",
+        initialState=windows.groupBy(RBUCKET) if windows is not None else None)
 
 
 def _changelog_rows(changelog: DataFrame, dim: PartitionedDim, key_type: DataType, layout: BucketLayout,

@@ -9,6 +9,9 @@ job runs or not: never from a batch that has not committed. It is a directory of
   ``first_seen``, ``last_seen``, ``<column>_<agg>``), plus each ``mean``'s accumulators
   (``<column>_mean_sum``, ``<column>_mean_count``) so a fork continues it exactly;
 * ``dimensions/<dataset>.parquet``: each partitioned dimension's rows as the state step held them;
+* ``rollups.parquet``: each rollup's windows as the rollup step held them (``rollup``: its name,
+  ``windows``: one rollup bucket's windows as Arrow IPC, with their accumulators, sketches and
+  revisions), re-routed to the fork's rollup buckets when it starts;
 * ``savepoint.json``: the batch id, the source offsets the batch read to (events and changelogs),
   the broadcast dimensions' changelog positions, the watermark for the next batch, and the
   settings the checkpoint fixes (``state.key`` and its type, aggregates and their types, TTL,
@@ -41,6 +44,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.sql import DataFrame, SparkSession
+from pyspark.sql import functions as F
 from pyspark.sql.pandas.types import to_arrow_schema
 
 from enrich.checkpoint import CheckpointLayout
@@ -49,10 +53,19 @@ from enrich.dimension.versions import FileVersionLog
 from enrich.joins.partitioned import PartitionedDim
 from enrich.ops import stateread
 from enrich.pipeline import Pipeline
+from enrich.rollups.spec import RollupSpec
 from enrich.source.offsets import from_json_offsets, to_json_offsets
-from enrich.state import engine
+from enrich.state import engine, rollups
 from enrich.state.engine import StateSpec
-from enrich.state.record import PARTITIONS, check_checkpoint, read_record, record
+from enrich.state.record import (
+    PARTITIONS,
+    ROLLUPS,
+    check_checkpoint,
+    read_record,
+    record,
+    rollup_changes,
+    rollup_record,
+)
 from enrich.state.stored import stored_spec
 from enrich.state.stream import Fork
 from refstream.atomic import write_json_atomic
@@ -63,7 +76,7 @@ __all__ = ["FORMAT", "Savepoint", "SavepointRefused", "SavepointResult", "load",
 log = logging.getLogger(__name__)
 
 FORMAT = 1
-META, STATE = "savepoint.json", "state.parquet"
+META, STATE, ROLLUPS_FILE = "savepoint.json", "state.parquet", "rollups.parquet"
 _DIMS = "dimensions"
 _TS = pa.timestamp("us", tz="UTC")
 _TS_TYPE_CONF = "spark.sql.parquet.outputTimestampType"
@@ -103,9 +116,6 @@ def take(cfg: EnrichConfig, to: str | Path, *, spark: SparkSession | None = None
     if cfg.waits:  # the events a waiting join holds are read (their offsets passed) but not in the state
         raise SavepointRefused(f"{cfg.source}: joins wait for completeness ({', '.join(sorted(cfg.waits))}); "
                                "a savepoint does not hold the events they hold")
-    if cfg.rollups:  # a fork would start their windows afresh, writing revisions the original wrote
-        raise SavepointRefused(f"{cfg.source}: rollups ({', '.join(r.name for r in cfg.rollups)}); a savepoint does "
-                               "not hold their windows yet")
     if directory.exists() and (not directory.is_dir() or any(directory.iterdir())):
         raise SavepointRefused(f"{directory}: not an empty directory; a savepoint is written to a new or empty one")
     ck = CheckpointLayout(cfg.checkpoint)
@@ -122,11 +132,17 @@ def take(cfg: EnrichConfig, to: str | Path, *, spark: SparkSession | None = None
     st = pipeline.state
     assert st is not None
     check_checkpoint(ck, cfg.state, st.spec, cfg.source, st.dims)  # the record exists: compares only
+    kept = read_record(ck.state_record)
+    saved_rollups = rollup_record(st.rollups)
+    if _by_name(kept.get(ROLLUPS, [])) != _by_name(saved_rollups):
+        raise SavepointRefused(f"{cfg.source}: rollups {json.dumps(sorted(r.name for r in st.rollups))} differ from "
+                               f"those the checkpoint {ck.root} runs with "
+                               f"{json.dumps(sorted(_by_name(kept.get(ROLLUPS, []))))}; take the savepoint with the "
+                               "config the job runs with")
     key = cfg.state.key
     devices = stateread.device_frame(spark, ck, batch_id, stored_spec(st.spec),
                                      functools.partial(to_rows, spec=st.spec, key=key), rows_schema(st.spec, key))
     sources = _sources(ck, batch_id)
-    kept = read_record(ck.state_record)
     meta: dict[str, Any] = {
         "format": FORMAT, "batch_id": batch_id, "checkpoint": str(ck.root),
         "taken_at": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -136,6 +152,7 @@ def take(cfg: EnrichConfig, to: str | Path, *, spark: SparkSession | None = None
                       for ds, pos in (FileVersionLog(ck.dimensions, create=False).get(batch_id) or {}).items()
                       if ds in pipeline.broadcast_datasets},
         "partitioned": [],
+        "rollups": {"rows": ROLLUPS_FILE, "rollups": saved_rollups},
         "state": {**record(cfg.state, st.spec, st.dims), "key_type": str(st.spec.key_type),
                   "aggregate_types": {c: str(t) for c, _, t in st.spec.aggregates},
                   "ttl_s": cfg.state.ttl.total_seconds(), "watermark_s": cfg.state.watermark.total_seconds(),
@@ -153,6 +170,11 @@ def take(cfg: EnrichConfig, to: str | Path, *, spark: SparkSession | None = None
             meta["partitioned"].append({"dataset": dim.dataset, "topic": dim.topic, "rows": name,
                                         "offsets": _offsets(sources, dim.topic),
                                         "schema": None if schema is None else json.loads(schema.to_json())})
+        if st.rollups:
+            windows = functools.reduce(DataFrame.unionByName, [
+                stateread.scan(spark, ck, batch_id, rollups.state_name(r)).select(
+                    F.lit(r.name).alias("rollup"), F.col("value.table").alias("windows")) for r in st.rollups])
+            _write_parquet(spark, windows, directory / ROLLUPS_FILE)
         write_json_atomic(directory / META, meta)
     except BaseException:
         # Leave the directory as it was (empty, or absent), so that the command can simply run again.
@@ -219,13 +241,16 @@ class Savepoint:
     def batch_id(self) -> int:
         return int(self.meta["batch_id"])
 
-    def check(self, cfg: EnrichConfig, spec: StateSpec | None, dims: Sequence[PartitionedDim] = ()) -> None:
+    def check(self, cfg: EnrichConfig, spec: StateSpec | None, dims: Sequence[PartitionedDim] = (),
+              rollup_specs: Sequence[RollupSpec] = ()) -> None:
         """Refuse (:class:`SavepointRefused`, one line naming the setting) a config whose state cannot
         continue the savepoint's: another ``state.key`` or key type, another events topic, an
         aggregate removed or an aggregated column of another type, a partitioned join (``dims``)
         whose stored rows differ from the savepoint's (its ``columns:`` or ``as_of`` changed: the
-        rows would not fit the step's state). Added aggregates, another TTL, watermark, bucket count
-        or number of state partitions, a partitioned join added or removed are fine."""
+        rows would not fit the step's state), a rollup (``rollup_specs``) the savepoint holds under its
+        name with other keys, window, horizon or metrics. Added aggregates, another TTL, watermark,
+        bucket count or number of state partitions, a partitioned join or a rollup added or removed are
+        fine (an added rollup starts empty)."""
         if cfg.state is None:
             raise SavepointRefused(f"{cfg.source}: no state: section; a savepoint starts a job's device state")
         assert spec is not None
@@ -259,6 +284,13 @@ class Savepoint:
             if column in types and types[column] != str(typ):
                 raise SavepointRefused(f"{cfg.source}: state.aggregates.{column}: the column is {typ}; in {where} "
                                        f"it is {types[column]}")
+        held = _by_name(self.meta.get("rollups", {}).get("rollups", []))
+        for name, now in _by_name(rollup_record(rollup_specs)).items():
+            changed = rollup_changes(held[name], now) if name in held else []
+            if changed:
+                raise SavepointRefused(f"{cfg.source}: rollup {name}: {', '.join(changed)} changed; {where} holds its "
+                                       "windows laid out by the old settings (put them back, or give the rollup a "
+                                       "new name: it starts empty)")
 
     def fork(self, spark: SparkSession, pipeline: Pipeline) -> tuple[str, Fork]:
         """The events' starting offsets (Spark's JSON) and the state step's start, for ``pipeline``
@@ -285,7 +317,12 @@ class Savepoint:
             if entry.get("schema") is not None and _has_rows(self.directory / entry["rows"]):
                 dims[dim.state_name] = (spark.read.parquet(str(self.directory / entry["rows"])),
                                         json.dumps(entry["schema"]).encode("utf-8"))
-        return self.events_start, Fork(devices=devices, dims=dims, changelogs=changelogs, floor_us=self.floor_us)
+        windows = None
+        rows = self.directory / str(self.meta.get("rollups", {}).get("rows", ROLLUPS_FILE))
+        if st.rollups and _has_rows(rows):
+            windows = spark.read.schema(rollups.SAVED).parquet(str(rows))
+        return self.events_start, Fork(devices=devices, dims=dims, changelogs=changelogs, floor_us=self.floor_us,
+                                       rollups=windows)
 
     @property
     def events_start(self) -> str:
@@ -298,6 +335,11 @@ class Savepoint:
         """A fork's watermark floor (event time, microseconds): the savepoint's next watermark; None: none."""
         watermark = self.meta.get("watermark_ms")
         return int(watermark) * 1000 if watermark else None
+
+
+def _by_name(entries: object) -> dict[str, Any]:
+    """Rollup record entries (:func:`enrich.state.record.rollup_record`) by name."""
+    return {str(e.get("name")): e for e in entries if isinstance(e, dict)} if isinstance(entries, list) else {}
 
 
 def _has_rows(path: Path) -> bool:

@@ -31,11 +31,14 @@ from enrich.config import EnrichConfig
 from enrich.ipc import from_ipc
 from enrich.joins.partitioned import PartitionedDim, conform
 from enrich.state.engine import StateSpec
+from enrich.state.record import ROLLUPS, read_record
+from enrich.state.rollups import ROLLUP_PREFIX
 from enrich.state.stored import CALLS_NAME, DELTAS, STATE_NAME, bucket_table
 from enrich.state.stream import CHANGELOG_CONF, CHANGELOG_DEFAULT, PROVIDER_CONF, ROCKSDB
 from refstream.contract import DatasetSchema
 
-__all__ = ["call_table", "device_frame", "device_tables", "dimension_frame", "scan", "session", "spark_schema"]
+__all__ = ["call_table", "device_frame", "device_tables", "dimension_frame", "operator_id", "scan", "session",
+           "spark_schema"]
 
 #: The state data source's error for a state variable the operator did not define as of the batch.
 _NO_VARIABLE = "STDS_INVALID_OPTION_VALUE.WITH_MESSAGE"
@@ -57,8 +60,16 @@ def scan(spark: SparkSession, ck: CheckpointLayout, batch_id: int, name: str, bu
     """The state variable ``name`` of every bucket (or of the one grouping key ``bucket``) as the
     committed batch ``batch_id`` left it."""
     df = (spark.read.format("statestore").option("path", str(ck.spark.resolve()))
-          .option("batchId", batch_id).option("stateVarName", name).load())
+          .option("batchId", batch_id).option("operatorId", operator_id(ck, name)).option("stateVarName", name).load())
     return df if bucket is None else df.filter(F.col(f"key.{BUCKET}") == bucket)
+
+
+def operator_id(ck: CheckpointLayout, name: str) -> int:
+    """Spark's id of the stateful step that keeps the state variable ``name``: Spark numbers a query's
+    stateful steps from its last, so with rollups the rollup step is 0 and the state step 1."""
+    if name.startswith(ROLLUP_PREFIX):
+        return 0
+    return 1 if ck.state_record.exists() and read_record(ck.state_record).get(ROLLUPS) else 0
 
 
 def device_tables(spark: SparkSession, ck: CheckpointLayout, batch_id: int, stored: StateSpec,

@@ -153,7 +153,7 @@ def _check_rollups(kept: dict[str, Any], now: list[dict[str, Any]], layout: Chec
                           f"checkpoint {root}: it adds an input to the query (the tick source), which Spark cannot "
                           f"add to or drop from a checkpoint; put it back, or {new}")
     for name in sorted(old.keys() & cur.keys()):
-        changed = [_SETTING.get(k, k) for k in cur[name] if k != "idle" and old[name].get(k) != cur[name][k]]
+        changed = rollup_changes(old[name], cur[name])
         if changed:
             raise ConfigError(f"{source}: rollup {name} changed against the checkpoint {root} ({', '.join(changed)}): "
                               "its windows are kept in the state laid out by its keys, window, horizon and metrics; "
@@ -178,6 +178,12 @@ def _check_rollups(kept: dict[str, Any], now: list[dict[str, Any]], layout: Chec
 
 #: The rollup record's entries as the settings they come from.
 _SETTING = {"window_us": "window", "correct_for_us": "correct_for", "state_schema": "metrics or their types"}
+
+
+def rollup_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
+    """The settings in which two record entries of one rollup differ, as a config names them: those
+    its kept windows are laid out by (``idle_finalize`` is not one)."""
+    return [_SETTING.get(k, k) for k in new if k != "idle" and old.get(k) != new[k]]
 
 
 def dropped_rollups(layout: CheckpointLayout) -> tuple[str, ...]:

@@ -36,10 +36,10 @@ from pyspark.sql.streaming.stateful_processor import (
     StatefulProcessorHandle,
     TimerValues,
 )
-from pyspark.sql.types import BinaryType, StringType, StructField, StructType
+from pyspark.sql.types import BinaryType, IntegerType, StringType, StructField, StructType
 
 from enrich.checkpoint import CheckpointLayout
-from enrich.columns import ERROR, PACK_KIND, ROWS, TS_US
+from enrich.columns import ERROR, PACK_KIND, RBUCKET, ROWS, TS_US
 from enrich.ipc import from_ipc, to_ipc
 from enrich.rollups import engine, partial
 from enrich.rollups.packs import BEYOND, COUNTS, COUNTS_SCHEMA, IDLE_PROPERTY, TICK, partial_kind, rows_kind
@@ -52,7 +52,8 @@ from enrich.worker import settle
 from refstream.atomic import write_json_atomic
 from refstream.compat import spark_state_server_timeout
 
-__all__ = ["OUTPUT", "Fed", "RollupProcessor", "feed", "idle_facts", "state_name", "state_name_of"]
+__all__ = ["INITIAL", "OUTPUT", "ROLLUP_PREFIX", "SAVED", "Fed", "RollupProcessor", "feed", "idle_facts",
+           "initial_windows", "state_name", "state_name_of"]
 
 #: The rollup step's output: what each packed value holds, and the value.
 OUTPUT = StructType([StructField(PACK_KIND, StringType(), False), StructField(ROWS, BinaryType(), False)])
@@ -203,6 +204,19 @@ class RollupProcessor(StatefulProcessor):
         if kinds:
             yield pd.DataFrame({PACK_KIND: kinds, ROWS: values})
 
+    def handleInitialState(self, key: Any, initialState: pd.DataFrame,  # type: ignore[override]
+                           timerValues: TimerValues) -> None:
+        """A fork's first batch: the bucket's windows of each rollup from the savepoint
+        (:func:`initial_windows`), their timer set."""
+        self._held = {}
+        got: dict[str, list[pa.Table]] = {}
+        for name, value in zip(initialState.iloc[:, -2], initialState.iloc[:, -1], strict=True):  # as INITIAL ends
+            got.setdefault(name, []).append(from_ipc(value))
+        for i, spec in enumerate(self.specs):
+            if spec.name in got:
+                self._store(i, pa.concat_tables(got[spec.name]).cast(engine.state_schema(spec)))
+        self._timer()
+
     def handleExpiredTimer(self, key: Any, timerValues: TimerValues,
                            expiredTimerInfo: ExpiredTimerInfo) -> Iterator[pd.DataFrame]:
         self._held = {}
@@ -313,9 +327,44 @@ def state_name(spec: RollupSpec) -> str:
     return state_name_of(spec.name)
 
 
+#: The rollups' state variables' names begin so.
+ROLLUP_PREFIX = "rollup_"
+
+
 def state_name_of(name: str) -> str:
     """The state variable of the rollup named ``name``."""
-    return f"rollup_{name}"
+    return ROLLUP_PREFIX + name
+
+
+#: A savepoint's rollup windows (:mod:`enrich.ops.savepoint`): the rollup's name, and one bucket's
+#: state table of it (Arrow IPC).
+SAVED = StructType([StructField("rollup", StringType(), False), StructField("windows", BinaryType(), False)])
+#: The rollup step's initial state: a rollup bucket, the rollup's name, its windows of that bucket.
+INITIAL = StructType([StructField(RBUCKET, IntegerType(), False), StructField(PACK_KIND, StringType(), False),
+                      StructField(ROWS, BinaryType(), False)])
+
+
+def initial_windows(batches: Iterator[pa.RecordBatch], *, specs: tuple[RollupSpec, ...],
+                    ids: tuple[int, ...]) -> Iterator[pa.RecordBatch]:
+    """``mapInArrow``: a savepoint's windows (:data:`SAVED`) as the rollup step's initial state
+    (:data:`INITIAL`): each window in the rollup bucket its keys route to under the new checkpoint's
+    grouping keys ``ids``; a rollup the job no longer has is left out."""
+    by_name = {s.name: s for s in specs}
+    for batch in batches:
+        out: tuple[list[int], list[str], list[bytes]] = ([], [], [])
+        for name, value in zip(batch.column("rollup").to_pylist(), batch.column("windows").to_pylist(), strict=True):
+            spec = by_name.get(name)
+            if spec is None:
+                continue
+            table = engine.state_from_ipc(value, spec)
+            rb = _route(table, spec.by, ids)
+            for b in np.unique(rb).tolist():
+                out[0].append(int(b))
+                out[1].append(name)
+                out[2].append(engine.state_to_ipc(table.filter(pa.array(rb == b))))
+        if out[0]:
+            yield pa.RecordBatch.from_arrays([pa.array(out[0], pa.int32()), pa.array(out[1], pa.string()),
+                                              pa.array(out[2], pa.binary())], names=INITIAL.fieldNames())
 
 
 def _next_due(spec: RollupSpec, state: pa.Table) -> int | None:

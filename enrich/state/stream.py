@@ -65,12 +65,14 @@ class Fork:
     devices as rows of the stored layout (:func:`enrich.state.stored.stored_spec`), ``dims`` each
     partitioned dimension's rows and published schema (JSON) by state name, all read by Spark;
     ``changelogs`` the Spark starting offsets of their changelog topics (a topic missing: from the
-    earliest), and ``floor_us`` the savepoint job's watermark (event time, microseconds; None: it had none)."""
+    earliest), ``floor_us`` the savepoint job's watermark (event time, microseconds; None: it had
+    none), and ``rollups`` the rollups' windows (:data:`enrich.state.rollups.SAVED`; None: none)."""
 
     devices: DataFrame
     dims: Mapping[str, tuple[DataFrame, bytes]]
     changelogs: Mapping[str, str]
     floor_us: int | None
+    rollups: DataFrame | None = None
 
 
 def prepare(spark: SparkSession, cfg: EnrichConfig, ck: CheckpointLayout, spec: StateSpec,

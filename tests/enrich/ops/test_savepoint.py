@@ -120,13 +120,21 @@ def test_refused_for_a_job_whose_joins_wait(tmp_path: Path, capsys: pytest.Captu
     assert not (tmp_path / "new").exists()
 
 
-def test_refused_for_a_job_with_rollups(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    path = write_config(tmp_path, rollups=[{"name": "d_1m", "by": ["device_id"], "window": "1m",
-                                            "metrics": {"temp": ["mean"]},
-                                            "output": {"parquet": {"path": str(tmp_path / "r")}}}])
-    checkpoint(tmp_path)
-    assert cli.main(["savepoint", "--config", str(path), "--to", str(tmp_path / "new")]) == 2
-    assert "rollups (d_1m); a savepoint does not hold their windows yet" in capsys.readouterr().err
+def test_a_rollup_the_savepoint_holds_must_keep_its_layout(tmp_path: Path) -> None:
+    """A rollup held under its name with another window is refused; one added or removed is fine."""
+    from enrich.rollups.spec import RollupSpec
+    from enrich.state.record import rollup_record
+
+    r = RollupSpec(name="d_1m", by=("device_id",), by_types=(pa.string(),), window_us=60_000_000,
+                   correct_for_us=60_000_000, metrics=(("temp", ("mean",), pa.float64()),))
+    point = saved(tmp_path)
+    point.meta["rollups"] = {"rows": "rollups.parquet", "rollups": rollup_record([r])}
+    cfg = cfg_with(tmp_path, aggregates={"temp": ["last", "mean"]})
+    point.check(cfg, SPEC, (), [r])
+    point.check(cfg, SPEC, (), [])                                            # removed
+    point.check(cfg, SPEC, (), [r, RollupSpec(**{**r.__dict__, "name": "d_2m"})])   # added
+    with pytest.raises(SavepointRefused, match=r"rollup d_1m: window changed; the savepoint .* new name"):
+        point.check(cfg, SPEC, (), [RollupSpec(**{**r.__dict__, "window_us": 120_000_000})])
 
 
 def test_a_fork_is_refused_on_a_checkpoint_with_batches(tmp_path: Path) -> None:

@@ -26,6 +26,7 @@ from pyspark.sql import SparkSession
 from enrich import config
 from enrich.job import EnrichJob
 from enrich.ops.rescale import rescale
+from enrich.ops.savepoint import take
 from enrich.state.layout import partitions_of
 from refstream.contract import Column, DatasetSchema
 from refstream.errors import ConfigError
@@ -157,7 +158,23 @@ def check_outputs(kafka: dict[str, str], data: dict[str, Any], tmp_path: Path) -
             if dict(m.headers() or [])["error"].decode().startswith("beyond the rollup horizon")]
     assert [dict(m.headers() or [])["error"].decode() for m in dead] == ["beyond the rollup horizon: device_1m"]
     assert json.loads(dead[0].value())["n"] == 9
-    # Every event counted where within the horizon: the latest rows equal a pandas recompute.
+    equal_recompute(dev, site)
+    # The database table holds each window's latest revision, one row per (site, window_start).
+    db = data["rollups"][1]["output"]["database"]
+    engine = sa.create_engine(db["url"])
+    try:
+        table = pd.read_sql(f"SELECT site, window_start, temp_mean, _revision, _kind FROM {db['table']}", engine)
+    finally:
+        engine.dispose()
+    want_rows = latest(site, ["site"])
+    assert sorted((r["site"], pd.Timestamp(r["window_start"]).tz_localize(None), r["_revision"], r["_kind"])
+                  for r in table.to_dict("records")) == \
+        sorted((r["site"], pd.Timestamp(r["window_start"]).tz_localize(None), r["_revision"], r["_kind"])
+               for r in want_rows.to_dict("records"))
+
+
+def equal_recompute(dev: pd.DataFrame, site: pd.DataFrame) -> None:
+    """The latest rows of device_1m and site_5m equal a pandas recompute of the events each counted."""
     ev = pd.DataFrame(EVENTS)
     ev["ts"] = pd.to_datetime(ev["ts"], utc=True)
     ev["site"] = "s1"
@@ -184,18 +201,6 @@ def check_outputs(kafka: dict[str, str], data: dict[str, Any], tmp_path: Path) -
         temp_mean=("temp", "mean"), device_id_count_distinct=("device_id", "nunique"),
         _events=("n", "count")).reset_index()
     got_site = latest(site, ["site"])[["site", "window_start", "temp_mean", "device_id_count_distinct", "_events"]]
-    # The database table holds each window's latest revision, one row per (site, window_start).
-    db = data["rollups"][1]["output"]["database"]
-    engine = sa.create_engine(db["url"])
-    try:
-        table = pd.read_sql(f"SELECT site, window_start, temp_mean, _revision, _kind FROM {db['table']}", engine)
-    finally:
-        engine.dispose()
-    want_rows = latest(site, ["site"])
-    assert sorted((r["site"], pd.Timestamp(r["window_start"]).tz_localize(None), r["_revision"], r["_kind"])
-                  for r in table.to_dict("records")) == \
-        sorted((r["site"], pd.Timestamp(r["window_start"]).tz_localize(None), r["_revision"], r["_kind"])
-               for r in want_rows.to_dict("records"))
     got_site = got_site.assign(window_start=pd.to_datetime(got_site["window_start"], utc=True))
     pd.testing.assert_frame_equal(got_site.sort_values("window_start").reset_index(drop=True),
                                   want_site.sort_values("window_start").reset_index(drop=True), check_dtype=False)
@@ -344,3 +349,35 @@ def test_a_job_rescaled_between_runs_keeps_its_rollups_windows(
     produce_events(kafka, data["events"]["topic"], EVENTS[8:])
     EnrichJob(config.parse(data, "test.yaml"), available_now=True).run(spark)
     check_outputs(kafka, data, tmp_path)
+
+
+def test_a_fork_from_a_savepoint_carries_the_rollups_windows_on(
+        spark: SparkSession, kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path,
+        mysql_url: str) -> None:
+    """enrich savepoint holds the rollup step's windows; a fork (16 buckets where the original had 4)
+    re-routes them and goes on: with the original's rows, each window's revisions run 1, 2, ... once,
+    and the latest rows equal the recompute of all the events."""
+    data = make_config(kafka, unique, tmp_path, mysql_url)
+    for r in data["rollups"]:
+        r["output"] = {"parquet": r["output"]["parquet"]}
+    publish(kafka, data["joins"][0]["topic"], changelog(DEVICES, [{"device_id": "a", "site": "s1"},
+                                                                  {"device_id": "b", "site": "s1"}]))
+    produce_events(kafka, data["events"]["topic"], EVENTS[:8])
+    EnrichJob(config.parse(data, "test.yaml"), available_now=True).run(spark)
+    got = take(config.parse(data, "test.yaml"), tmp_path / "savepoint", spark=spark)
+    assert (tmp_path / "savepoint" / "rollups.parquet").is_dir() and got.devices == 2
+    fork = {**data, "checkpoint": str(tmp_path / "fork" / "checkpoint"),
+            "output": {"parquet": {"path": str(tmp_path / "fork" / "events")}},
+            "state": {**data["state"], "buckets": 16},
+            "rollups": [{**r, "output": {"parquet": {"path": str(tmp_path / "fork" / r["name"])}}}
+                        for r in data["rollups"]]}
+    produce_events(kafka, data["events"]["topic"], EVENTS[8:])
+    EnrichJob(config.parse(fork, "test.yaml"), available_now=True,
+              from_savepoint=tmp_path / "savepoint").run(spark)
+    rows = {name: pd.concat([rows_of(tmp_path / name).assign(run=0), rows_of(tmp_path / "fork" / name).assign(run=1)])
+            for name in ("device_1m", "site_5m")}
+    assert not rows_of(tmp_path / "fork" / "device_1m").empty
+    for name, keys in (("device_1m", ["device_id"]), ("site_5m", ["site"])):
+        for _, g in rows[name].sort_values(["run", "batch_id", "_revision"]).groupby([*keys, "window_start"]):
+            assert list(g["_revision"]) == list(range(1, len(g) + 1)), g
+    equal_recompute(rows["device_1m"], rows["site_5m"])
