@@ -261,14 +261,17 @@ def _state_plan(cfg: EnrichConfig, parsed: StructType, schemas: Mapping[str, Dat
         passed.append(StructField(PROVISIONAL, BooleanType(), True))
     calls = _check_calls(cfg, spec, [f.name for f in passed]) if cfg.calls else None
     schema = StructType(passed + output_fields(spec, calls.result_columns() if calls is not None else ()))
-    rollups = _rollups(cfg, passed, enriched)
+    rollups = _rollups(cfg, passed, enriched, specs)
     return StatePlan(spec=spec, before=tuple(before), before_specs=tuple(specs), inner=inner, joined=joined,
                      dims=dims, passed=tuple(passed), schema=schema, calls=calls, rollups=rollups)
 
 
-def _rollups(cfg: EnrichConfig, passed: list[StructField], enriched: StructType) -> tuple[RollupSpec, ...]:
+def _rollups(cfg: EnrichConfig, passed: list[StructField], enriched: StructType,
+             before: Sequence[JoinSpec]) -> tuple[RollupSpec, ...]:
     """The rollups resolved against the columns the state step passes (the events' fields and the
-    columns of the joins before and inside it): each is computed there."""
+    columns of the joins before and inside it): each is computed there. A ``fill`` whose ``by``
+    columns all come from one broadcast join (``before``: its columns, at least one, and its key)
+    fills by that dimension's keys (``fill_keys``)."""
     assert cfg.state is not None
     types = {f.name: f.dataType for f in passed}
     out = []
@@ -289,10 +292,20 @@ def _rollups(cfg: EnrichConfig, passed: list[StructField], enriched: StructType)
                 window_us=r.window // timedelta(microseconds=1),
                 metrics=tuple((c, ms, to_arrow_type(types[c])) for c, ms in r.metrics),
                 correct_for_us=(r.correct_for or cfg.state.ttl) // timedelta(microseconds=1), fill=r.fill,
-                idle_finalize_us=r.idle_finalize // timedelta(microseconds=1) if r.idle_finalize else None))
+                idle_finalize_us=r.idle_finalize // timedelta(microseconds=1) if r.idle_finalize else None,
+                fill_keys=_fill_keys(r.by, before) if r.fill else None))
         except ValueError as exc:
             raise ConfigError(f"{where}: {exc}") from None
     return tuple(out)
+
+
+def _fill_keys(by: Sequence[str], before: Sequence[JoinSpec]) -> str | None:
+    """The dataset of the broadcast join whose columns (one at least) and key hold all of ``by``."""
+    for s in before:
+        outputs = {out for _, out in s.columns}
+        if set(by) <= outputs | {e for e, _ in s.pairs} and set(by) & outputs:
+            return s.dataset
+    return None
 
 
 def _check_calls(cfg: EnrichConfig, spec: StateSpec, passed: list[str]) -> CallStep:

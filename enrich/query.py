@@ -200,7 +200,7 @@ def state_step(spark: SparkSession, pipeline: Pipeline, raw: DataFrame,
                   for d in st.dims]
     initial = initial_state(spark, pipeline, layout, fork) if fork is not None else None
     # Every bucket called each trigger: to decide what waits, or whether the rollups are idle.
-    ticks = read_ticks(spark, layout) if cfg.waits or any(r.idle_finalize_us for r in st.rollups) else None
+    ticks = read_ticks(spark, layout) if cfg.waits or any(r.needs_ticks for r in st.rollups) else None
     windows = None
     if fork is not None and fork.rollups is not None and st.rollups:  # the fork's rollup windows, re-routed
         windows = fork.rollups.mapInArrow(functools.partial(rollups.initial_windows, specs=st.rollups,
@@ -291,7 +291,8 @@ def attach(raw: DataFrame, pipeline: Pipeline, layout: BucketLayout, changelogs:
         stepped = rollup_step(rows.groupBy(BUCKET).transformWithStateInPandas(
             processor, outputStructType=ROLLUP_INPUT, outputMode="Append", timeMode="EventTime", initialState=init,
             eventTimeColumnName=ROLLUP_TIME), st.rollups, cfg.state.server_timeout.total_seconds(),
-            dropped_rollups(pipeline.checkpoint), windows)
+            dropped_rollups(pipeline.checkpoint), windows,
+            {s.dataset: s for s in st.before_specs if any(r.fill_keys == s.dataset for r in st.rollups)}, layout.ids)
     unpack = Unpack(to_arrow_schema(flat_schema, timezone=timezone), to_arrow_schema(st.schema, timezone=timezone),
                     tuple(f.name for f in st.passed), st.inner,
                     tuple(n for n, _ in st.calls.result_columns()) if st.calls else ())
@@ -304,13 +305,16 @@ ROLLUP_INPUT = StructType([StructField(RBUCKET, IntegerType(), False), StructFie
 
 
 def rollup_step(stepped: DataFrame, specs: tuple[RollupSpec, ...], server_timeout_s: float,
-                dropped: tuple[str, ...] = (), windows: DataFrame | None = None) -> DataFrame:
+                dropped: tuple[str, ...] = (), windows: DataFrame | None = None,
+                fills: Mapping[str, joins.JoinSpec] | None = None, ids: tuple[int, ...] = ()) -> DataFrame:
     """The rollup step after the state step (:class:`enrich.state.rollups.RollupProcessor`), keyed by
     rollup bucket: the events pass through it; its rows are ``PACK_KIND``, ``ROWS``. ``dropped``: the
     rollups removed from the checkpoint, whose windows it deletes; ``windows``: its initial state
-    (:data:`enrich.state.rollups.INITIAL`, a fork's first batch)."""
+    (:data:`enrich.state.rollups.INITIAL`, a fork's first batch); ``fills``: the in-plan joins whose
+    dimension's keys rollups fill by, by dataset; ``ids``: the rollup buckets' grouping keys."""
     return stepped.groupBy(RBUCKET).transformWithStateInPandas(
-        RollupProcessor(specs, server_timeout_s=server_timeout_s, dropped=dropped), outputStructType=rollups.OUTPUT,
+        RollupProcessor(specs, server_timeout_s=server_timeout_s, dropped=dropped, joins=fills, ids=ids),
+        outputStructType=rollups.OUTPUT,
         outputMode="Append", timeMode="EventTime",
         initialState=windows.groupBy(RBUCKET) if windows is not None else None)
 

@@ -165,10 +165,17 @@ def fill(spec: RollupSpec, state: pa.Table | None, partials: pa.Table | None,
     if not missing:
         return wschema.empty_table()
     take = pa.array(at, pa.int64())
-    n = len(missing)
-    columns: dict[str, pa.Array | pa.ChunkedArray] = {
-        b: grouped.column(k).take(take) for b, k in zip(spec.by, keys, strict=True)}
-    columns[WINDOW_START] = pa.array(missing, pa.int64())
+    keyed = pa.Table.from_arrays([grouped.column(k).take(take) for k in keys], names=list(spec.by))
+    return empty_windows(spec, keyed, pa.array(missing, pa.int64()))
+
+
+def empty_windows(spec: RollupSpec, keys: pa.Table, starts: pa.Array) -> pa.Table:
+    """A window table of empty windows: ``keys`` (the ``by`` columns) at ``starts`` (µs), row by row;
+    ``_events`` and the counts 0, the other accumulators null."""
+    wschema = spec.window_schema()
+    n = keys.num_rows
+    columns: dict[str, pa.Array | pa.ChunkedArray] = {b: keys.column(b) for b in spec.by}
+    columns[WINDOW_START] = starts
     for f in wschema:
         if f.name in columns:
             continue
@@ -178,7 +185,7 @@ def fill(spec: RollupSpec, state: pa.Table | None, partials: pa.Table | None,
             columns[f.name] = pa.array([[]] * n, f.type)
         else:
             columns[f.name] = pa.nulls(n, f.type)
-    return pa.Table.from_arrays([columns[f.name] for f in wschema], schema=wschema)
+    return pa.Table.from_arrays([pc.cast(columns[f.name], f.type) for f in wschema], schema=wschema)
 
 
 def finalize_idle(spec: RollupSpec, state: pa.Table | None) -> Advanced:

@@ -91,6 +91,15 @@ class RollupSpec:
     correct_for_us: int
     fill: bool = False
     idle_finalize_us: int | None = None
+    #: With ``fill``: the dataset of the broadcast join every ``by`` column comes from (its key or its
+    #: columns), whose every key gets a row for each window the watermark passes; None: keys with events.
+    fill_keys: str | None = None
+
+    @property
+    def needs_ticks(self) -> bool:
+        """Whether every rollup bucket must be called each trigger (the tick source): to finalize by
+        wall clock, or to fill windows of keys that have no events."""
+        return self.idle_finalize_us is not None or self.fill_keys is not None
 
     def __post_init__(self) -> None:
         where = f"rollup {self.name!r}"

@@ -151,7 +151,7 @@ class DeviceStateProcessor(StatefulProcessor):
         if self.waits is not None:  # a tick row (enrich.source.tick) calls every bucket each trigger
             table = self._wait(table, self._watermark(timerValues))
         if table is None:
-            if any(r.idle_finalize_us for r in self.rollups):  # a tick: the rollup step decides idleness
+            if any(r.needs_ticks for r in self.rollups):  # a tick: the rollup step decides idleness, fills
                 yield self._rollup_frame([(int(key[0]), packs.TICK, b"")], timerValues)
             return
         # Shuffle order is not stable: rows leave in source order, so a replay gives the same output.

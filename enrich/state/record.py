@@ -119,10 +119,10 @@ def check_checkpoint(layout: CheckpointLayout, cfg: StateConfig | None, spec: St
 def rollup_record(rollups: Sequence[RollupSpec]) -> list[dict[str, Any]]:
     """What the rollups' stored windows depend on: each one's name, keys, window, horizon (a longer one
     would take late events for windows already dropped, and write them again from revision 1),
-    whether it finalizes when idle (the query then has the tick source, which Spark cannot add to
-    or remove from a checkpoint) and stored schema."""
+    whether it needs the tick source (``idle_finalize``, a fill by a join's keys: Spark cannot add it
+    to or remove it from a checkpoint) and stored schema."""
     return [{"name": r.name, "by": list(r.by), "window_us": r.window_us, "correct_for_us": r.correct_for_us,
-             "idle": r.idle_finalize_us is not None, "state_schema": str(state_schema(r))} for r in rollups]
+             "ticks": r.needs_ticks, "state_schema": str(state_schema(r))} for r in rollups]
 
 
 def _check_rollups(kept: dict[str, Any], now: list[dict[str, Any]], layout: CheckpointLayout, path: Path,
@@ -147,11 +147,12 @@ def _check_rollups(kept: dict[str, Any], now: list[dict[str, Any]], layout: Chec
                 f"the last rollups {json.dumps(sorted(old))} cannot be removed from the checkpoint {root}")
         raise ConfigError(f"{source}: rollups: {what}: the rollup step is a keyed step of the query, which Spark "
                           f"cannot add to or drop from a checkpoint; keep at least one rollup, or {new}")
-    idle_was, idle_now = any(r.get("idle") for r in old.values()), any(r["idle"] for r in cur.values())
-    if idle_was != idle_now and not kept.get(WAITS):  # waiting has the tick source either way
-        raise ConfigError(f"{source}: rollups[].idle_finalize is {'new' if idle_now else 'gone'} against the "
-                          f"checkpoint {root}: it adds an input to the query (the tick source), which Spark cannot "
-                          f"add to or drop from a checkpoint; put it back, or {new}")
+    ticked, ticks = any(r.get("ticks") for r in old.values()), any(r["ticks"] for r in cur.values())
+    if ticked != ticks and not kept.get(WAITS):  # waiting has the tick source either way
+        raise ConfigError(f"{source}: rollups[].idle_finalize or a fill by a join's keys is "
+                          f"{'new' if ticks else 'gone'} against the checkpoint {root}: it adds an input to the "
+                          f"query (the tick source), which Spark cannot add to or drop from a checkpoint; put it "
+                          f"back, or {new}")
     for name in sorted(old.keys() & cur.keys()):
         changed = rollup_changes(old[name], cur[name])
         if changed:
@@ -183,7 +184,7 @@ _SETTING = {"window_us": "window", "correct_for_us": "correct_for", "state_schem
 def rollup_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """The settings in which two record entries of one rollup differ, as a config names them: those
     its kept windows are laid out by (``idle_finalize`` is not one)."""
-    return [_SETTING.get(k, k) for k in new if k != "idle" and old.get(k) != new[k]]
+    return [_SETTING.get(k, k) for k in new if k != "ticks" and old.get(k) != new[k]]
 
 
 def dropped_rollups(layout: CheckpointLayout) -> tuple[str, ...]:

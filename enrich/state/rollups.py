@@ -21,8 +21,11 @@ column (``ROLLUP_TIME``): the batch's watermark plus 1 ms, which Spark accepts a
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
-from collections.abc import Iterator, Sequence
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,11 +39,12 @@ from pyspark.sql.streaming.stateful_processor import (
     StatefulProcessorHandle,
     TimerValues,
 )
-from pyspark.sql.types import BinaryType, IntegerType, StringType, StructField, StructType
+from pyspark.sql.types import BinaryType, IntegerType, LongType, StringType, StructField, StructType
 
 from enrich.checkpoint import CheckpointLayout
 from enrich.columns import ERROR, PACK_KIND, RBUCKET, ROWS, TS_US
 from enrich.ipc import from_ipc, to_ipc
+from enrich.joins import JoinSpec, Lookup, PlanEnricher, join_table
 from enrich.rollups import engine, partial
 from enrich.rollups.packs import BEYOND, COUNTS, COUNTS_SCHEMA, IDLE_PROPERTY, TICK, partial_kind, rows_kind
 from enrich.rollups.spec import EVENTS as EVENT_COUNT
@@ -148,16 +152,26 @@ class RollupProcessor(StatefulProcessor):
     makes windows final (and drops them) in batches that bring the bucket nothing."""
 
     def __init__(self, specs: tuple[RollupSpec, ...], *, server_timeout_s: float = 120.0,
-                 dropped: tuple[str, ...] = ()) -> None:
-        """``dropped``: the names of rollups removed from the checkpoint, whose windows are deleted."""
+                 dropped: tuple[str, ...] = (), joins: Mapping[str, JoinSpec] | None = None,
+                 ids: tuple[int, ...] = ()) -> None:
+        """``dropped``: the names of rollups removed from the checkpoint, whose windows are deleted;
+        ``joins``: the in-plan joins of the rollups that fill by a dimension's keys (``fill_keys``),
+        by dataset; ``ids``: the rollup buckets' grouping keys (the state layout's)."""
         self.specs, self.server_timeout_s, self.dropped = specs, server_timeout_s, dropped
+        self.joins, self.ids = dict(joins or {}), ids
 
     def init(self, handle: StatefulProcessorHandle) -> None:
         spark_state_server_timeout(handle, self.server_timeout_s)
         self.handle = handle
         for name in self.dropped:  # Spark keeps a state variable no processor names until it is deleted
             handle.deleteIfExists(state_name_of(name))
+            handle.deleteIfExists(state_name_of(name) + FILLED)
         self.values = [handle.getValueState(state_name(s), VALUE_SCHEMA) for s in self.specs]
+        # Per rollup filled by a dimension's keys: the last window end the bucket filled to.
+        self.filled = {i: handle.getValueState(state_name(s) + FILLED, FILLED_SCHEMA)
+                       for i, s in enumerate(self.specs) if s.fill_keys is not None}
+        self._watermark: int | None = None
+        self._bucket = -1  # the call's rollup bucket (its grouping key)
         # The states this call read or wrote (a call is one bucket): the steps after advance, the
         # idle finalization and the timer read them again.
         self._held: dict[int, pa.Table | None] = {}
@@ -166,6 +180,7 @@ class RollupProcessor(StatefulProcessor):
                         timerValues: TimerValues) -> Iterator[pd.DataFrame]:
         settle()
         self._held = {}
+        self._bucket = int(key[0])
         kinds: list[str] = []
         values: list[bytes] = []
         got: dict[int, list[tuple[int, bytes]]] = {}
@@ -179,11 +194,13 @@ class RollupProcessor(StatefulProcessor):
                     values.append(value)
         # In the order of their source buckets, not the shuffle's: a replay merges them alike.
         partials = {i: [from_ipc(v) for _, v in sorted(parts, key=lambda p: p[0])] for i, parts in got.items()}
-        watermark = watermark_us(timerValues)
+        watermark = self._watermark = watermark_us(timerValues)
+        for i, empty in self._key_fill(watermark).items():
+            partials.setdefault(i, []).append(empty)
         counts = []
         for i in sorted(partials):
             spec, parts = self.specs[i], partials[i]
-            batch = pa.concat_tables(parts) if len(parts) > 1 else parts[0]
+            batch = pa.concat_tables([p.cast(spec.window_schema()) for p in parts]) if len(parts) > 1 else parts[0]
             state = self._load(i)
             if spec.fill:
                 batch = pa.concat_tables([batch.cast(spec.window_schema()),
@@ -209,6 +226,7 @@ class RollupProcessor(StatefulProcessor):
         """A fork's first batch: the bucket's windows of each rollup from the savepoint
         (:func:`initial_windows`), their timer set."""
         self._held = {}
+        self._watermark = watermark_us(timerValues)
         got: dict[str, list[pa.Table]] = {}
         for name, value in zip(initialState.iloc[:, -2], initialState.iloc[:, -1], strict=True):  # as INITIAL ends
             got.setdefault(name, []).append(from_ipc(value))
@@ -220,9 +238,18 @@ class RollupProcessor(StatefulProcessor):
     def handleExpiredTimer(self, key: Any, timerValues: TimerValues,
                            expiredTimerInfo: ExpiredTimerInfo) -> Iterator[pd.DataFrame]:
         self._held = {}
+        self._bucket = int(key[0])
         kinds: list[str] = []
         values: list[bytes] = []
-        self._advance_rest(set(), watermark_us(timerValues), kinds, values)
+        watermark = self._watermark = watermark_us(timerValues)
+        filled = self._key_fill(watermark)
+        for i, empty in filled.items():
+            adv = engine.advance(self.specs[i], self._load(i), empty, watermark)
+            self._store(i, adv.state)
+            if adv.rows.num_rows:
+                kinds.append(rows_kind(i))
+                values.append(to_ipc(adv.rows))
+        self._advance_rest(set(filled), watermark, kinds, values)
         self._timer()
         if kinds:
             yield pd.DataFrame({PACK_KIND: kinds, ROWS: values})
@@ -244,6 +271,47 @@ class RollupProcessor(StatefulProcessor):
             if adv.rows.num_rows:
                 kinds.append(rows_kind(i))
                 values.append(to_ipc(adv.rows))
+
+    def _key_fill(self, watermark: int | None) -> dict[int, pa.Table]:
+        """Per rollup that fills by a dimension's keys (``fill_keys``): the empty windows of the
+        dimension's keys routed to this bucket that the bucket's state does not hold, for every window
+        the watermark passed since the last call (the first call with a watermark marks where filling
+        starts: every bucket has it in the same batch, called by the tick source or its timer),
+        within the correction horizon."""
+        out: dict[int, pa.Table] = {}
+        if watermark is None or not self.joins:
+            return out
+        lookups = None
+        for i, spec in enumerate(self.specs):
+            if spec.fill_keys is None:
+                continue
+            w = spec.window_us
+            last = (watermark // w) * w  # the last window end the watermark has reached
+            got = self.filled[i].get()
+            if got is None or got[0] < last:
+                self.filled[i].update((last,))
+            if got is None:
+                continue
+            starts = [e - w for e in range(int(got[0]) + w, last + 1, w) if e + spec.correct_for_us > watermark]
+            if not starts:
+                continue
+            join = self.joins[spec.fill_keys]
+            if lookups is None:  # the batch's pinned versions, as the in-plan joins read them
+                lookups = PlanEnricher(tuple(self.joins.values()), None).lookups()
+            base, overlay = lookups[spec.fill_keys]
+            tables = []
+            for s in starts:
+                keys = dimension_keys(spec, join, base, overlay, s)
+                mine = keys.filter(pa.array(_route(keys, spec.by, self.ids) == self._bucket))
+                tables.append(mine.append_column(WINDOW_START, pa.array(np.full(mine.num_rows, s), pa.int64())))
+            wanted = pa.concat_tables(tables)
+            state = self._load(i)
+            if state is not None and state.num_rows and wanted.num_rows:
+                wanted = wanted.join(state.select([*spec.by, WINDOW_START]), [*spec.by, WINDOW_START],
+                                     join_type="left anti", use_threads=False)
+            if wanted.num_rows:
+                out[i] = engine.empty_windows(spec, wanted.select(list(spec.by)), wanted.column(WINDOW_START))
+        return out
 
     def _finalize_idle(self, done: set[int], kinds: list[str], values: list[bytes]) -> None:
         """In a batch the job read no event in for ``idle_finalize`` (wall clock, downtime included),
@@ -276,9 +344,15 @@ class RollupProcessor(StatefulProcessor):
         self._held[i] = state if state.num_rows else None
 
     def _timer(self) -> None:
-        """One timer at the earliest time any rollup of the bucket needs the watermark to reach."""
+        """One timer at the earliest time any rollup of the bucket needs the watermark to reach: a
+        window of it final or out of the horizon, the next window end of a rollup filled by a
+        dimension's keys (which keeps every bucket called as the watermark moves)."""
         due = [d for i, s in enumerate(self.specs) if (st := self._load(i)) is not None
                and (d := _next_due(s, st)) is not None]
+        wm = self._watermark
+        # Before the first watermark: a timer at its first moment, so every bucket has it alike.
+        due += [(wm // s.window_us + 1) * s.window_us if wm is not None else 1
+                for s in self.specs if s.fill_keys is not None]
         keep_one_timer(self.handle, min(due) if due else None)
 
     def close(self) -> None:
@@ -304,6 +378,35 @@ def idle_facts(layout: CheckpointLayout, batch_id: int, topic: str) -> dict[str,
     kept = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
     read_ms = kept.get("read_ms") if isinstance(kept.get("batch"), int) and kept["batch"] < batch_id else None
     return {"time_ms": time_ms, "read_ms": read_ms if isinstance(read_ms, int) else None}
+
+
+# A reused Python worker keeps the keys of the dimension versions it saw: the buckets of a batch
+# (and later batches, while the versions stay) read them once. Keyed by the lookups themselves, kept.
+_KEYS: OrderedDict[tuple[int, int, int | None, tuple[str, ...]], tuple[object, object, pa.Table]] = OrderedDict()
+
+
+def dimension_keys(spec: RollupSpec, join: JoinSpec, base: Lookup, overlay: Lookup | None, start_us: int) -> pa.Table:
+    """The distinct ``by`` values (none null) of every key of ``join``'s dimension, as the join gives
+    them (an ``as_of`` join: valid at ``start_us``; a deleted key has none)."""
+    ident = (id(base), id(overlay), start_us if join.time is not None else None, spec.by)
+    hit = _KEYS.get(ident)
+    if hit is not None:
+        return hit[2]
+    names = [k for _, k in join.pairs]
+    parts = [base.table.select(names)] + ([overlay.table.select(names)] if overlay is not None else [])
+    keys = pa.concat_tables([p.cast(parts[0].schema) for p in parts]).group_by(names, use_threads=False).aggregate([])
+    events = pa.table({e: keys.column(k) for e, k in join.pairs})
+    if join.time is not None:
+        events = events.append_column(join.time, pa.array(np.full(events.num_rows, start_us), pa.timestamp("us", "UTC")))
+    joined = join_table(events, dataclasses.replace(join, inner=True), base, overlay)
+    by = list(spec.by)
+    got = joined.select(by).cast(pa.schema([pa.field(b, t) for b, t in zip(by, spec.by_types, strict=True)]))
+    valid = functools.reduce(pc.and_, [pc.is_valid(got.column(b)) for b in by])
+    got = got.filter(valid).group_by(by, use_threads=False).aggregate([])
+    _KEYS[ident] = (base, overlay, got)
+    while len(_KEYS) > 16:
+        _KEYS.popitem(last=False)
+    return got
 
 
 def _idle_for(spec: RollupSpec) -> bool:
@@ -335,6 +438,10 @@ def state_name_of(name: str) -> str:
     """The state variable of the rollup named ``name``."""
     return ROLLUP_PREFIX + name
 
+
+#: The state variable (after the rollup's own name) of the last window end a bucket filled by keys to.
+FILLED = "_filled"
+FILLED_SCHEMA = StructType([StructField("end_us", LongType(), False)])
 
 #: A savepoint's rollup windows (:mod:`enrich.ops.savepoint`): the rollup's name, and one bucket's
 #: state table of it (Arrow IPC).

@@ -124,6 +124,21 @@ def test_a_rollup_by_a_join_column_moves_its_join_before_the_state_step(spark: S
     assert "by region per 3600s window, temp mean/p95, corrected for 7200s" in p.stages()[5].where
 
 
+def test_a_fill_by_a_joins_columns_fills_by_its_dimensions_keys(spark: SparkSession) -> None:
+    """fill: by a broadcast join's columns (its key beside them allowed): every key of that dimension;
+    by an event column, or by the join's key alone: the keys with events."""
+    metrics = {"temp": ["mean"]}
+    p = Pipeline.build(with_rollups(
+        {"name": "region", "by": ["region"], "window": "1h", "metrics": metrics, "fill": True},
+        {"name": "site", "by": ["site_id", "region"], "window": "1h", "metrics": metrics, "fill": True},
+        {"name": "device", "by": ["device_id"], "window": "1m", "metrics": metrics, "fill": True},
+        {"name": "both", "by": ["device_id", "region"], "window": "1m", "metrics": metrics, "fill": True},
+        {"name": "unfilled", "by": ["region"], "window": "1m", "metrics": metrics}), SCHEMAS)
+    assert p.state is not None
+    assert [(r.fill_keys, r.needs_ticks) for r in p.state.rollups] == [
+        ("sites", True), ("sites", True), (None, False), (None, False), (None, False)]
+
+
 def test_a_rollup_column_the_state_step_cannot_see_is_refused(spark: SparkSession) -> None:
     # model_name comes from models, which joins on a column of the partitioned devices join.
     with pytest.raises(ConfigError, match=r"^test\.yaml: rollups\[0\] \(m\)\.by: 'model_name' comes from a join "

@@ -159,7 +159,7 @@ def test_rollups_added_or_removed_against_a_checkpoint_that_ran_are_taken(tmp_pa
     assert [r["name"] for r in json.loads(ck.state_record.read_text())["rollups"]] == ["d_2m"]
     # Turning idle_finalize on would add the tick source (the query's inputs are fixed); fill is free.
     check_checkpoint(ck, CFG, SPEC, rollups=(_rollup("d_2m", window_us=120_000_000, fill=True),))
-    with pytest.raises(ConfigError, match=r"idle_finalize is new against the checkpoint .*tick source"):
+    with pytest.raises(ConfigError, match=r"idle_finalize or a fill by a join.s keys is new against the checkpoint .*tick source"):
         check_checkpoint(ck, CFG, SPEC, rollups=(_rollup("d_2m", window_us=120_000_000, idle_finalize_us=1),))
 
 

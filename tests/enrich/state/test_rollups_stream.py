@@ -381,3 +381,38 @@ def test_a_fork_from_a_savepoint_carries_the_rollups_windows_on(
         for _, g in rows[name].sort_values(["run", "batch_id", "_revision"]).groupby([*keys, "window_start"]):
             assert list(g["_revision"]) == list(range(1, len(g) + 1)), g
     equal_recompute(rows["device_1m"], rows["site_5m"])
+
+
+def test_a_fill_by_a_joins_column_writes_every_key_of_the_dimension(
+        spark: SparkSession, kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path,
+        mysql_url: str) -> None:
+    """fill: true by the devices join's site: every site of the devices dimension gets a final row
+    with count 0 for each window the watermark passed without its events (s2: no device of it sends),
+    and the latest rows equal the recompute with those empty windows."""
+    data = make_config(kafka, unique, tmp_path, mysql_url)
+    data["rollups"] = [{"name": "site_1m", "by": ["site"], "window": "1m", "correct_for": "10m", "fill": True,
+                        "metrics": {"temp": ["count", "mean"]},
+                        "output": {"parquet": {"path": str(tmp_path / "site_1m")}}}]
+    publish(kafka, data["joins"][0]["topic"], changelog(DEVICES, [{"device_id": "a", "site": "s1"},
+                                                                  {"device_id": "b", "site": "s1"},
+                                                                  {"device_id": "c", "site": "s2"}]))
+    produce_events(kafka, data["events"]["topic"], EVENTS)
+    EnrichJob(config.parse(data, "test.yaml"), available_now=True).run(spark)
+    rows = rows_of(tmp_path / "site_1m")
+    rows = rows.assign(window_start=pd.to_datetime(rows["window_start"], utc=True))
+    # The last watermark is 7m (the latest event, 8m, less the 1m delay): s2 has minutes 0 to 6, each
+    # written once, final, empty.
+    s2 = rows[rows["site"] == "s2"].sort_values("window_start")
+    assert list(s2["window_start"]) == [T0 + timedelta(minutes=m) for m in range(7)], s2
+    assert set(zip(s2["_kind"], s2["_revision"], s2["_events"], s2["temp_count"], strict=True)) == {("final", 1, 0, 0)}
+    assert s2["temp_mean"].isna().all()
+    ev = pd.DataFrame(EVENTS)
+    ev["ts"] = pd.to_datetime(ev["ts"], utc=True)
+    want = ev.assign(window_start=ev["ts"].dt.floor("1min")).groupby("window_start").agg(
+        temp_count=("temp", "count"), temp_mean=("temp", "mean"), _events=("n", "count"))
+    want = want.reindex(pd.date_range(T0, T0 + timedelta(minutes=8), freq="1min", name="window_start"))
+    want[["temp_count", "_events"]] = want[["temp_count", "_events"]].fillna(0)
+    got = latest(rows[rows["site"] == "s1"], ["site"]).set_index("window_start").sort_index()
+    assert (want["_events"] == 0).sum() == 2     # minutes 2 and 5
+    pd.testing.assert_frame_equal(got[["temp_count", "temp_mean", "_events"]], want, check_dtype=False,
+                                  check_freq=False, check_index_type=False)
