@@ -16,9 +16,16 @@ a process with the demo's three joins and state aggregates (its ``calls:`` secti
 - **change to output**: ``--changes`` UPDATEs of a device's ``owner``, one after another at random
   phases of the poll, each timed from the moment its commit returned to the first enriched event
   read back that carries the new owner (probe events for that device flow meanwhile, as in the
-  demo): p50, p95, p99 and max.
+  demo): p50, p95, p99 and max;
+- **rollup rows** (``--rollup-seconds N``): the demo's ``device_1m`` rollup written to a database
+  table (``--rollup-db-url``) instead of Parquet; for ``N`` seconds the events are read back from
+  the events topic (their Kafka timestamps) and the table is polled every 0.2 s. An event's
+  provisional latency runs from its Kafka timestamp to the first poll that shows its window's row
+  with at least as many events as the window had with it; a window's final latency from the time
+  its end plus the watermark delay (30 s) passed to the first poll that shows it ``final``.
 
     python -m bench.run pipeline --rates 1000,20000 --changes 25
+    python -m bench.run pipeline --rates 1000 --changes 0 --rollup-seconds 120
 """
 
 from __future__ import annotations
@@ -29,14 +36,17 @@ import os
 import random
 import statistics
 import sys
+import threading
 import time
+import uuid
 from contextlib import ExitStack
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
 import yaml
-from confluent_kafka import Producer
+from confluent_kafka import OFFSET_END, Producer, TopicPartition
 
 from bench.common import BATCH_DONE, LogRecord, json_log, percentile, workdir
 from demo.broker import EmbeddedBroker
@@ -50,14 +60,25 @@ from refstream.contract import default_topic
 
 ROOT = Path(__file__).resolve().parents[1]
 EVENTS_TOPIC, OUTPUT_TOPIC = "device-events", "device-events-enriched"
+ROLLUP, WATERMARK_S = "device_1m", 30.0  # the demo's per-device rollup (1-minute windows) and state.watermark
 _RNG = random.Random(7)
 
 
 def job_config(path: Path, *, trigger: str, calls: bool, checkpoint: Path, spark: dict[str, str],
-               buckets: int | None = None) -> None:
+               buckets: int | None = None, rollup_table: dict[str, str] | None = None,
+               correct_for: str | None = None) -> None:
     """The demo's enrich.yaml, with this run's trigger, checkpoint and Spark settings, and without
-    ``calls:`` unless asked (its ``${DEMO_...}`` variables stay for the job to substitute)."""
+    ``calls:`` unless asked (its ``${DEMO_...}`` variables stay for the job to substitute);
+    ``rollup_table``: ``device_1m``'s output (``{url, table}``) instead of its Parquet directory;
+    ``correct_for``: the rollups' correction horizon (default: the demo's, ``state.ttl``)."""
     data = yaml.safe_load((ROOT / "demo" / "conf" / "enrich.yaml").read_text())
+    if rollup_table is not None:
+        for r in data["rollups"]:
+            if r["name"] == ROLLUP:
+                r["output"] = {"database": rollup_table}
+    if correct_for is not None:
+        for r in data["rollups"]:
+            r["correct_for"] = correct_for
     data["trigger"] = trigger
     data["checkpoint"] = str(checkpoint)
     data["spark"] = {**(data.get("spark") or {}), **spark}
@@ -130,8 +151,11 @@ class Round:
             os.environ.update(env)  # the tail and producer below need nothing of it; `refresh` children do
             refresh_yaml, enrich_yaml = self.work / "refresh.yaml", self.work / "enrich.yaml"
             refresh_config(refresh_yaml, poll=a.poll)
+            table = {"url": a.rollup_db_url, "table": f"bench_{ROLLUP}_{uuid.uuid4().hex[:8]}"} \
+                if a.rollup_seconds else None
             job_config(enrich_yaml, trigger=a.trigger, calls=a.calls, checkpoint=self.work / "checkpoint",
-                       spark=dict(kv.split("=", 1) for kv in a.spark), buckets=a.buckets)
+                       spark=dict(kv.split("=", 1) for kv in a.spark), buckets=a.buckets, rollup_table=table,
+                       correct_for=a.rollup_correct_for)
 
             def start(name: str, argv: list[str]) -> Child:
                 child = Child(name, argv, self.logs / f"{name}.log", env=env, cwd=self.work).start()
@@ -162,8 +186,12 @@ class Round:
             producer = kafka.producer(settings, **{"linger.ms": "5"})
             stack.callback(producer.flush, 5)
             latencies = self._changes(db_url, tail, producer, job)
+            rollups = RollupWatch(settings, table).run(a.rollup_seconds, job) if table is not None else None
             records = json_log(self.logs / "job.log")
-        return self._report(records, wall0, wall1, startup, latencies)
+        report = self._report(records, wall0, wall1, startup, latencies)
+        if rollups is not None:
+            report["rollup_rows"] = rollups
+        return report
 
     def _changes(self, db_url: str, tail: EnrichedTail, producer: Producer, job: Child) -> list[float]:
         a = self.args
@@ -216,8 +244,101 @@ class Round:
             "job_batch_median_s": round(statistics.median(bt), 3) if (bt := batch_times(records, wall1)) else None,
             "changes": len(latencies),
             "change_to_output_s": {"p50": round(percentile(latencies, 50), 2), "p95": round(percentile(latencies, 95), 2),
-                                   "p99": round(percentile(latencies, 99), 2), "max": round(max(latencies), 2)},
+                                   "p99": round(percentile(latencies, 99), 2),
+                                   "max": round(max(latencies), 2) if latencies else float("nan")},
         }
+
+
+class RollupWatch:
+    """The rollup table's rows against the events that made them (see the module doc)."""
+
+    def __init__(self, settings: dict[str, str], table: dict[str, str]) -> None:
+        self.settings, self.table = settings, table
+
+    def run(self, seconds: float, job: Child) -> dict[str, Any]:
+        stop = threading.Event()
+        events: list[tuple[str, float, float]] = []   # device, event time, Kafka timestamp (s)
+        seen: dict[tuple[str, float], list[tuple[float, int]]] = {}   # (device, window) -> (poll time, events)
+        final: dict[tuple[str, float], float] = {}
+        start = time.time()
+
+        def read() -> None:
+            consumer = kafka.consumer(self.settings)
+            consumer.assign([TopicPartition(EVENTS_TOPIC, p, OFFSET_END)
+                             for p in kafka.partitions_of(self.settings, EVENTS_TOPIC)])
+            try:
+                while not stop.is_set():
+                    for m in consumer.consume(1000, 0.2):
+                        value = m.value()
+                        if m.error() is None and value:
+                            e = json.loads(value)
+                            ts = datetime.fromisoformat(e["ts"].replace("Z", "+00:00")).timestamp()
+                            events.append((e["device_id"], ts, m.timestamp()[1] / 1000))
+            finally:
+                consumer.close()
+
+        def poll() -> None:
+            engine = sa.create_engine(self.table["url"])
+            sql = sa.text(f"SELECT device_id, window_start, _events, _kind FROM {self.table['table']} "
+                          "WHERE window_start >= :since")
+            since = datetime.fromtimestamp(start - 120, UTC).replace(tzinfo=None)
+            try:
+                while not stop.is_set():
+                    try:
+                        with engine.connect() as conn:
+                            rows = conn.execute(sql, {"since": since}).all()
+                    except sa.exc.ProgrammingError:  # the table is made by the job's first write
+                        rows = []
+                    now = time.time()
+                    for device, window, n, kind in rows:
+                        key = (device, window.replace(tzinfo=UTC).timestamp())
+                        got = seen.setdefault(key, [])
+                        if not got or got[-1][1] < n:
+                            got.append((now, int(n)))
+                        if kind == "final" and key not in final:
+                            final[key] = now
+                    stop.wait(0.2)
+            finally:
+                engine.dispose()
+
+        threads = [threading.Thread(target=f, daemon=True) for f in (read, poll)]
+        for t in threads:
+            t.start()
+        end = start + seconds
+        while time.time() < end:
+            job.check()
+            time.sleep(1.0)
+        stop.set()
+        for t in threads:
+            t.join(30)
+        return _rollup_figures(events, seen, final, start, end)
+
+
+def _rollup_figures(events: list[tuple[str, float, float]], seen: dict[tuple[str, float], list[tuple[float, int]]],
+                    final: dict[tuple[str, float], float], start: float, end: float) -> dict[str, Any]:
+    """Provisional latency per event, final latency per window (module doc); only events and windows
+    whose rows had time to appear (10 s before the end), and windows the reader saw from their start."""
+    counted: dict[tuple[str, float], int] = {}
+    provisional, missing = [], 0
+    for device, ts, at in sorted(events, key=lambda e: e[2]):
+        key = (device, ts // 60 * 60)
+        counted[key] = counted.get(key, 0) + 1
+        if at > end - 10 or key[1] < start:  # a window begun before the reader started: its count is unknown
+            continue
+        first = next((t for t, n in seen.get(key, []) if n >= counted[key]), None)
+        if first is None:
+            missing += 1
+        else:
+            provisional.append(first - at)
+    finals = [t - (w + 60 + WATERMARK_S) for (_, w), t in final.items() if w >= start and w + 60 + WATERMARK_S < end - 10]
+    due = sum(1 for (_, w) in counted if w >= start and w + 60 + WATERMARK_S < end - 10)
+
+    def q(xs: list[float]) -> dict[str, float]:
+        return {p: round(percentile(xs, v), 2) for p, v in (("p50", 50), ("p95", 95), ("p99", 99))} | \
+            {"max": round(max(xs), 2) if xs else float("nan")}
+
+    return {"events": len(provisional), "events_not_seen": missing, "provisional_s": q(provisional),
+            "windows_final": len(finals), "windows_due": due, "final_after_watermark_s": q(finals)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -236,6 +357,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--spark", action="append", default=[], metavar="KEY=VALUE",
                    help="a Spark setting for the job (e.g. spark.eventLog.enabled=true; bench.tools.eventlog reads it)")
     p.add_argument("--db-url", default=None, help="reference database (default: a SQLite file per round)")
+    p.add_argument("--rollup-seconds", type=float, default=0.0,
+                   help="time the device_1m rollup's rows in a database table for this long (0: not)")
+    p.add_argument("--rollup-db-url", default="postgresql://postgres@127.0.0.1:5432/test",
+                   help="the database of the rollup's table")
+    p.add_argument("--rollup-correct-for", default=None, help="the rollups' correct_for (default: state.ttl)")
     p.add_argument("--keep", type=Path, default=None, help="keep configs and logs here")
     p.add_argument("--json", action="store_true", help="one JSON line per round")
     args = p.parse_args(argv)
@@ -260,7 +386,15 @@ def _text(r: dict[str, Any]) -> str:
             f"{r['triggers']} triggers, triggerExecution median {m.get('triggerExecution', float('nan')):.3f} s, "
             f"p95 {r['trigger_p95_s']} s ({parts}); the job's batch median {r['job_batch_median_s']} s; "
             f"change to output over {r['changes']}: p50 {c['p50']} s, p95 {c['p95']} s, p99 {c['p99']} s, "
-            f"max {c['max']} s")
+            f"max {c['max']} s" + (_rollup_text(r["rollup_rows"]) if "rollup_rows" in r else ""))
+
+
+def _rollup_text(r: dict[str, Any]) -> str:
+    p, f = r["provisional_s"], r["final_after_watermark_s"]
+    return (f"; rollup rows: provisional over {r['events']} events ({r['events_not_seen']} not seen) p50 {p['p50']} s, "
+            f"p95 {p['p95']} s, p99 {p['p99']} s, max {p['max']} s; final over {r['windows_final']} of "
+            f"{r['windows_due']} windows, after end + watermark p50 {f['p50']} s, p95 {f['p95']} s, p99 {f['p99']} s, "
+            f"max {f['max']} s")
 
 
 if __name__ == "__main__":
