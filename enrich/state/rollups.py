@@ -45,6 +45,7 @@ from enrich.checkpoint import CheckpointLayout
 from enrich.columns import ERROR, PACK_KIND, RBUCKET, ROWS, TS_US
 from enrich.ipc import from_ipc, to_ipc
 from enrich.joins import JoinSpec, Lookup, PlanEnricher, join_table
+from enrich.joins.asof import CLIPPED
 from enrich.rollups import engine, partial
 from enrich.rollups.packs import BEYOND, COUNTS, COUNTS_SCHEMA, IDLE_PROPERTY, TICK, partial_kind, rows_kind
 from enrich.rollups.spec import EVENTS as EVENT_COUNT
@@ -387,7 +388,8 @@ _KEYS: OrderedDict[tuple[int, int, int | None, tuple[str, ...]], tuple[object, o
 
 def dimension_keys(spec: RollupSpec, join: JoinSpec, base: Lookup, overlay: Lookup | None, start_us: int) -> pa.Table:
     """The distinct ``by`` values (none null) of every key of ``join``'s dimension, as the join gives
-    them (an ``as_of`` join: valid at ``start_us``; a deleted key has none)."""
+    them (an ``as_of`` join: valid at ``start_us``; a key deleted by then, or whose first version is
+    later, has none)."""
     ident = (id(base), id(overlay), start_us if join.time is not None else None, spec.by)
     hit = _KEYS.get(ident)
     if hit is not None:
@@ -399,6 +401,8 @@ def dimension_keys(spec: RollupSpec, join: JoinSpec, base: Lookup, overlay: Look
     if join.time is not None:
         events = events.append_column(join.time, pa.array(np.full(events.num_rows, start_us), pa.timestamp("us", "UTC")))
     joined = join_table(events, dataclasses.replace(join, inner=True), base, overlay)
+    if CLIPPED in joined.column_names:  # a key whose first version is later: not there yet
+        joined = joined.filter(pc.invert(pc.fill_null(joined.column(CLIPPED), False)))
     by = list(spec.by)
     got = joined.select(by).cast(pa.schema([pa.field(b, t) for b, t in zip(by, spec.by_types, strict=True)]))
     valid = functools.reduce(pc.and_, [pc.is_valid(got.column(b)) for b in by])

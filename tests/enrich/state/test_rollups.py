@@ -59,3 +59,56 @@ def test_without_a_watermark_nothing_is_beyond_a_horizon() -> None:
     fed = feed((DEVICE,), good_events([("a", "s1", 1, 1.0), ("a", "s1", 500, 2.0)]), watermark_us=None, ids=(0, 1),
                source=0)
     assert fed.dead is None and [k for _, k, _ in fed.parts] == [partial_kind(0, 0)] * len(fed.parts)
+
+
+def test_the_keys_a_fill_by_a_join_writes_are_the_join_values_valid_at_the_windows_start() -> None:
+    """dimension_keys: every key of an as_of dimension (base and overlay) joined at the window's
+    start: a key deleted by then or whose value is null gives no row; values are distinct."""
+    from enrich.columns import DELETED, VALID_FROM
+    from enrich.joins import AsOfLookup, JoinSpec
+    from enrich.state.rollups import dimension_keys
+
+    def versions(rows: list[tuple[str, str | None, int, bool]]) -> pa.Table:
+        return pa.table({"device_id": [r[0] for r in rows], "site": pa.array([r[1] for r in rows], pa.string()),
+                         VALID_FROM: pa.array([r[2] * MIN for r in rows], pa.int64()),
+                         DELETED: pa.array([r[3] for r in rows], pa.bool_())})
+
+    base = AsOfLookup(versions([("a", "s1", 0, False), ("b", "s1", 0, False), ("c", "s2", 0, False),
+                                ("d", None, 0, False), ("c", "s3", 10, False)]), ["device_id"])
+    overlay = AsOfLookup(versions([("b", None, 5, True), ("e", "s4", 8, False)]), ["device_id"])
+    join = JoinSpec(dataset="devices", pairs=(("device_id", "device_id"),), key_types=(pa.string(),),
+                    columns=(("site", "site"),), out_types=(pa.string(),), matched="_devices_matched",
+                    inner=False, time="ts")
+    site = RollupSpec(name="site_1m", by=("site",), by_types=(pa.string(),), window_us=MIN,
+                      correct_for_us=10 * MIN, metrics=(("temp", ("mean",), pa.float64()),), fill=True,
+                      fill_keys="devices")
+
+    def at(minute: int) -> list[str]:
+        return sorted(dimension_keys(site, join, base, overlay, minute * MIN).column("site").to_pylist())
+
+    assert at(1) == ["s1", "s2"]            # a and b in s1, c in s2; d's site is null
+    assert at(6) == ["s1", "s2"]            # b deleted at 5: a keeps s1
+    assert at(9) == ["s1", "s2", "s4"]      # e from 8
+    assert at(12) == ["s1", "s3", "s4"]     # c moved to s3 at 10
+
+
+def test_a_savepoints_windows_go_to_the_rollup_bucket_of_their_keys_in_the_new_layout() -> None:
+    """initial_windows: each window of a saved bucket re-routed by its keys over the new grouping
+    keys; a rollup the job no longer has is left out."""
+    from enrich.rollups import engine
+    from enrich.state.rollups import _route, initial_windows
+
+    windows = engine.advance(DEVICE, None, from_ipc(next(
+        v for _, k, v in feed((DEVICE,), good_events([(d, "s1", 100, 1.0) for d in "abcdefgh"]), None,
+                              ids=(0,), source=0).parts if k == partial_kind(0, 0))), None).state
+    saved = pa.RecordBatch.from_pylist([{"rollup": "device_1m", "windows": engine.state_to_ipc(windows)},
+                                        {"rollup": "gone", "windows": b"x"}])
+    ids = (7, 8, 9)
+    out = pa.Table.from_batches(list(initial_windows(iter([saved]), specs=(DEVICE,), ids=ids)))
+    assert set(out.column("_pack_kind").to_pylist()) == {"device_1m"}
+    got = {}
+    for bucket, value in zip(out.column("_rbucket").to_pylist(), out.column("rows").to_pylist(), strict=True):
+        table = engine.state_from_ipc(value, DEVICE)
+        assert set(_route(table, DEVICE.by, ids).tolist()) == {bucket}
+        got.update(dict.fromkeys(table.column("device_id").to_pylist(), bucket))
+    assert sorted(got) == list("abcdefgh") and len(set(got.values())) > 1
