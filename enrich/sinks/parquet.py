@@ -24,19 +24,22 @@ from refstream.atomic import fsync_dir
 log = logging.getLogger(__name__)
 
 
-def write_batch(path: Path, batch_id: int, write: Callable[[str], None]) -> int:
+def write_batch(path: Path, batch_id: int, write: Callable[[str], None], *, keep_empty: bool = True) -> int:
     """Batch ``batch_id``'s directory under ``path``, ``batch_id=<N>``, written by ``write`` (given a
     ``file://`` URI in ``path/_staging/``) and renamed into place once complete; the rows its files
-    hold. The caller checks first that it does not exist (a replay)."""
+    hold. The caller checks first that it does not exist (a replay). Without ``keep_empty``, a batch
+    of no rows leaves no directory (0)."""
     staging = path / "_staging"
     final = path / f"batch_id={batch_id}"
     tmp = staging / f"batch_id={batch_id}-{uuid.uuid4().hex[:8]}"
     write("file://" + str(tmp))  # not as_uri(): it escapes "="
-    os.replace(tmp, final)
-    fsync_dir(path)
+    rows = sum(pq.read_metadata(f).num_rows for f in tmp.glob("*.parquet"))
+    if rows or keep_empty:
+        os.replace(tmp, final)
+        fsync_dir(path)
     for stale in staging.glob(f"batch_id={batch_id}-*"):
         shutil.rmtree(stale, ignore_errors=True)
-    return sum(pq.read_metadata(f).num_rows for f in final.glob("*.parquet"))
+    return rows
 
 
 class ParquetSink:

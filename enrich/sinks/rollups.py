@@ -40,7 +40,7 @@ from pyspark.sql.pandas.types import from_arrow_schema
 from enrich.columns import PACK_KIND, ROWS
 from enrich.ipc import from_ipc
 from enrich.rollups.config import RollupConfig
-from enrich.rollups.packs import COUNTS, COUNTS_SCHEMA, DEAD
+from enrich.rollups.packs import COUNTS, COUNTS_SCHEMA, DEAD, rows_kind
 from enrich.rollups.spec import WINDOW_START, RollupSpec
 from enrich.sinks.database.connect import connect
 from enrich.sinks.database.refuse import refused
@@ -121,12 +121,22 @@ class RollupWriter:
         """``df``: a batch of the rollup step's output (``PACK_KIND``, ``ROWS``), cached by the caller;
         ``frames``: each rollup's rows in it (``enrich.query.rollup_rows``)."""
         rows: dict[str, int | None] = {}
+        # One Spark job collects what the driver writes or reads: the rows of the rollups with a
+        # table or a topic, the dead letters and the counts (small: windows, not events).
+        driver = {rows_kind(i) for i in range(len(self.specs)) if self.topics[i] is not None or self.tables[i] is not None}
+        small = df.where(F.col(PACK_KIND).isin(DEAD, COUNTS, *driver)).select(PACK_KIND, ROWS).toArrow()
+        packed: dict[str, list[pa.Table]] = {}
+        for kind, value in zip(small.column(PACK_KIND).to_pylist(), small.column(ROWS).to_pylist(), strict=True):
+            packed.setdefault(kind, []).append(from_ipc(value))
         for i, (spec, frame) in enumerate(zip(self.specs, frames, strict=True)):
             path, kafka, table, db = self.paths[i], self.topics[i], self.tables[i], self.databases[i]
-            # Collected once for the driver's writers; a batch without rows writes nothing anywhere
-            # (a replay has none either), so quiet triggers leave no empty directories or fence rows.
-            got = frame.toArrow().cast(spec.output_schema()) if kafka is not None or table is not None else None
-            if (got.num_rows == 0) if got is not None else frame.isEmpty():
+            got = None
+            if rows_kind(i) in driver:
+                got = pa.concat_tables([t.cast(spec.output_schema()) for t in packed.get(rows_kind(i), [])]) \
+                    if rows_kind(i) in packed else spec.output_schema().empty_table()
+            # A batch without rows writes nothing anywhere (a replay has none either), so quiet
+            # triggers leave no empty directories, fence rows or transactions.
+            if got is not None and got.num_rows == 0:
                 rows[spec.name] = 0
                 continue
             if path is not None:
@@ -145,15 +155,11 @@ class RollupWriter:
                                 recs.num_rows - int(pc.sum(fits).as_py() or 0), kafka.topic, kafka.record_limit)
                     recs = recs.filter(fits)
                 rows[spec.name] = kafka.write(batch_id, recs)
-        small = df.where(F.col(PACK_KIND).isin(DEAD, COUNTS)).toArrow()
-        dead, counts = [], Counter[tuple[str, str]]()
-        for kind, value in zip(small.column(PACK_KIND).to_pylist(), small.column(ROWS).to_pylist(), strict=True):
-            table = from_ipc(value)
-            if kind == DEAD:
-                dead.append(table.select(list(DEAD_COLUMNS)))
-            else:
-                for r in table.cast(COUNTS_SCHEMA).to_pylist():
-                    counts[(r["rollup"], r["result"])] += r["events"]
+        dead = [t.select(list(DEAD_COLUMNS)) for t in packed.get(DEAD, [])]
+        counts = Counter[tuple[str, str]]()
+        for part in packed.get(COUNTS, []):
+            for r in part.cast(COUNTS_SCHEMA).to_pylist():
+                counts[(r["rollup"], r["result"])] += r["events"]
         return RollupBatch(pa.concat_tables(dead) if dead else _no_dead(), dict(counts), rows)
 
     def _database(self, batch_id: int, rows: pa.Table, spec: RollupSpec, table: TableSpec) -> int | None:
@@ -189,7 +195,7 @@ class RollupWriter:
         if final.exists():
             log.info("batch %d: rollup %s: %s exists (a replay); not written again", batch_id, spec.name, final)
             return None
-        return write_batch(path, batch_id, df.write.parquet)
+        return write_batch(path, batch_id, df.write.parquet, keep_empty=False)  # no isEmpty() job first
 
 
 def records(spec: RollupSpec, rows: pa.Table) -> pa.Table:
