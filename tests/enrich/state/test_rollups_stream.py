@@ -25,6 +25,7 @@ from pyspark.sql import SparkSession
 
 from enrich import config
 from enrich.job import EnrichJob
+from enrich.ops.device import device_state
 from enrich.ops.rescale import rescale
 from enrich.ops.savepoint import take
 from enrich.state.layout import partitions_of
@@ -398,6 +399,9 @@ def test_a_fill_by_a_joins_column_writes_every_key_of_the_dimension(
                                                                   {"device_id": "c", "site": "s2"}]))
     produce_events(kafka, data["events"]["topic"], EVENTS)
     EnrichJob(config.parse(data, "test.yaml"), available_now=True).run(spark)
+    # enrich lookup --state reads the state step, not the rollup step (Spark's operator 0 with rollups).
+    got = device_state(config.parse(data, "test.yaml"), "a", spark=spark)
+    assert got.found == "present" and got.state is not None and got.state["events"] >= 1, got
     rows = rows_of(tmp_path / "site_1m")
     rows = rows.assign(window_start=pd.to_datetime(rows["window_start"], utc=True))
     # The last watermark is 7m (the latest event, 8m, less the 1m delay): s2 has minutes 0 to 6, each
