@@ -60,6 +60,7 @@ from enrich.state.engine import StateSpec
 from enrich.state.record import (
     PARTITIONS,
     ROLLUPS,
+    by_name,
     check_checkpoint,
     read_record,
     record,
@@ -134,10 +135,10 @@ def take(cfg: EnrichConfig, to: str | Path, *, spark: SparkSession | None = None
     check_checkpoint(ck, cfg.state, st.spec, cfg.source, st.dims)  # the record exists: compares only
     kept = read_record(ck.state_record)
     saved_rollups = rollup_record(st.rollups)
-    if _by_name(kept.get(ROLLUPS, [])) != _by_name(saved_rollups):
+    if by_name(kept.get(ROLLUPS, [])) != by_name(saved_rollups):
         raise SavepointRefused(f"{cfg.source}: rollups {json.dumps(sorted(r.name for r in st.rollups))} differ from "
                                f"those the checkpoint {ck.root} runs with "
-                               f"{json.dumps(sorted(_by_name(kept.get(ROLLUPS, []))))}; take the savepoint with the "
+                               f"{json.dumps(sorted(by_name(kept.get(ROLLUPS, []))))}; take the savepoint with the "
                                "config the job runs with")
     key = cfg.state.key
     devices = stateread.device_frame(spark, ck, batch_id, stored_spec(st.spec),
@@ -284,8 +285,8 @@ class Savepoint:
             if column in types and types[column] != str(typ):
                 raise SavepointRefused(f"{cfg.source}: state.aggregates.{column}: the column is {typ}; in {where} "
                                        f"it is {types[column]}")
-        held = _by_name(self.meta.get("rollups", {}).get("rollups", []))
-        for name, now in _by_name(rollup_record(rollup_specs)).items():
+        held = by_name(self.meta.get("rollups", {}).get("rollups", []))
+        for name, now in by_name(rollup_record(rollup_specs)).items():
             changed = rollup_changes(held[name], now) if name in held else []
             if changed:
                 raise SavepointRefused(f"{cfg.source}: rollup {name}: {', '.join(changed)} changed; {where} holds its "
@@ -335,11 +336,6 @@ class Savepoint:
         """A fork's watermark floor (event time, microseconds): the savepoint's next watermark; None: none."""
         watermark = self.meta.get("watermark_ms")
         return int(watermark) * 1000 if watermark else None
-
-
-def _by_name(entries: object) -> dict[str, Any]:
-    """Rollup record entries (:func:`enrich.state.record.rollup_record`) by name."""
-    return {str(e.get("name")): e for e in entries if isinstance(e, dict)} if isinstance(entries, list) else {}
 
 
 def _has_rows(path: Path) -> bool:

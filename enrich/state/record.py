@@ -130,7 +130,8 @@ def _check_rollups(kept: dict[str, Any], now: list[dict[str, Any]], layout: Chec
     """Against a checkpoint that has run: a rollup may be added (it counts events from the next batch
     on, no backfill) or removed (the rollup step deletes its windows from the state at the next batch,
     :func:`dropped_rollups`); one kept under its name must keep its layout; the first rollup, the last
-    one, a change of the tick source (``idle_finalize``) and a removed name added back are refused."""
+    one, a change of the tick source (``idle_finalize``, a fill by a join's keys) and a removed name
+    added back are refused."""
     was = kept.get(ROLLUPS, [])  # a record written by a start without rollups: none
     if was == now:
         return kept
@@ -139,8 +140,7 @@ def _check_rollups(kept: dict[str, Any], now: list[dict[str, Any]], layout: Chec
         write_json_atomic(path, kept)
         return kept
     root = layout.root
-    old = {str(r.get("name")): r for r in was} if isinstance(was, list) else {}
-    cur = {r["name"]: r for r in now}
+    old, cur = by_name(was), by_name(now)
     if not old or not cur:
         what = (f"the first rollups {json.dumps(sorted(cur))} cannot be added to the checkpoint {root}, whose query "
                 "ran without rollups" if cur else
@@ -181,9 +181,14 @@ def _check_rollups(kept: dict[str, Any], now: list[dict[str, Any]], layout: Chec
 _SETTING = {"window_us": "window", "correct_for_us": "correct_for", "state_schema": "metrics or their types"}
 
 
+def by_name(entries: object) -> dict[str, dict[str, Any]]:
+    """Rollup record entries (:func:`rollup_record`, as read from a record or a savepoint) by name."""
+    return {str(e.get("name")): e for e in entries if isinstance(e, dict)} if isinstance(entries, list) else {}
+
+
 def rollup_changes(old: dict[str, Any], new: dict[str, Any]) -> list[str]:
     """The settings in which two record entries of one rollup differ, as a config names them: those
-    its kept windows are laid out by (``idle_finalize`` is not one)."""
+    its kept windows are laid out by (the tick source is not one)."""
     return [_SETTING.get(k, k) for k in new if k != "ticks" and old.get(k) != new[k]]
 
 

@@ -206,13 +206,9 @@ class RollupProcessor(StatefulProcessor):
             if spec.fill:
                 batch = pa.concat_tables([batch.cast(spec.window_schema()),
                                           engine.fill(spec, state, batch, watermark)])
-            adv = engine.advance(spec, state, batch, watermark)
-            self._store(i, adv.state)
+            adv = self._advance(i, batch, watermark, kinds, values)
             events = int(pc.sum(batch.column(EVENT_COUNT)).as_py() or 0)
             counts += [(spec.name, "counted", events - adv.corrected), (spec.name, "corrected", adv.corrected)]
-            if adv.rows.num_rows:
-                kinds.append(rows_kind(i))
-                values.append(to_ipc(adv.rows))
         self._advance_rest(set(partials), watermark, kinds, values)
         self._finalize_idle(set(partials), kinds, values)
         if counts:
@@ -245,11 +241,7 @@ class RollupProcessor(StatefulProcessor):
         watermark = self._watermark = watermark_us(timerValues)
         filled = self._key_fill(watermark)
         for i, empty in filled.items():
-            adv = engine.advance(self.specs[i], self._load(i), empty, watermark)
-            self._store(i, adv.state)
-            if adv.rows.num_rows:
-                kinds.append(rows_kind(i))
-                values.append(to_ipc(adv.rows))
+            self._advance(i, empty, watermark, kinds, values)
         self._advance_rest(set(filled), watermark, kinds, values)
         self._timer()
         if kinds:
@@ -267,11 +259,18 @@ class RollupProcessor(StatefulProcessor):
             due = _next_due(spec, state) if state is not None else None
             if due is None or due > watermark:
                 continue
-            adv = engine.advance(spec, state, None, watermark)
-            self._store(i, adv.state)
-            if adv.rows.num_rows:
-                kinds.append(rows_kind(i))
-                values.append(to_ipc(adv.rows))
+            self._advance(i, None, watermark, kinds, values)
+
+    def _advance(self, i: int, batch: pa.Table | None, watermark: int | None, kinds: list[str],
+                 values: list[bytes]) -> engine.Advanced:
+        """Rollup ``i``'s windows of the bucket folded with ``batch`` (:func:`enrich.rollups.engine.advance`),
+        stored, and the rows written appended to ``kinds``/``values``."""
+        adv = engine.advance(self.specs[i], self._load(i), batch, watermark)
+        self._store(i, adv.state)
+        if adv.rows.num_rows:
+            kinds.append(rows_kind(i))
+            values.append(to_ipc(adv.rows))
+        return adv
 
     def _key_fill(self, watermark: int | None) -> dict[int, pa.Table]:
         """Per rollup that fills by a dimension's keys (``fill_keys``): the empty windows of the
