@@ -24,6 +24,8 @@ names a path under it. Every module that reads or writes the checkpoint takes it
         calls/<batch>/<bucket>.json   the responses a bucket's calls received in a batch (enrich.calls.record)
         idle.json               the last batch that read events and its time, for the rollups'
                                 idle_finalize (enrich.state.rollups.idle_facts)
+        gaps.json               the time each source partition reached before and after the last
+                                batch, and its quiet partitions, for the gaps (enrich.sinks.gaps)
 
 Spark's part belongs to Spark; the job writes the rest, each file atomically
 (:mod:`refstream.atomic`), and never a file of Spark's. Spark's offset and commit logs are read
@@ -126,6 +128,10 @@ class CheckpointLayout:
     @property
     def idle(self) -> Path:
         return self.own / "idle.json"
+
+    @property
+    def gaps(self) -> Path:
+        return self.own / "gaps.json"
 
     def call_record(self, batch_id: int, bucket: int) -> Path:
         """Where the responses of ``bucket``'s calls in batch ``batch_id`` are kept."""

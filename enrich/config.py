@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Literal, cast, get_args
 
 from enrich.calls.config import CallConfig, parse_calls
+from enrich.gaps.config import GapsConfig, parse_gaps
 from enrich.rollups.config import RollupConfig, overlap, parse_rollups
 from enrich.source.options import OnOffsetReset
 from refstream.config import Section, allowed_values, kafka_settings, load_config_data, redact_url
@@ -205,6 +206,7 @@ class EnrichConfig:
     metrics: MetricsConfig | None = None       # /metrics of the job (None: off)
     calls: tuple[CallConfig, ...] = ()         # external calls in the state step, ordered by needs
     rollups: tuple[RollupConfig, ...] = ()     # windowed metrics after the state step (enrich.rollups)
+    gaps: GapsConfig | None = None             # devices' silences, from the state step (enrich.gaps)
     source: str = "config"
 
     @property
@@ -301,8 +303,13 @@ def parse(data: Mapping[str, Any], source: str = "config") -> EnrichConfig:
     _check_as_of(top, joins, state)
     calls = parse_calls(top, state is not None)
     rollups = parse_rollups(top, state is not None, functools.partial(_database, write="state"))
+    gaps = parse_gaps(top, state is not None, functools.partial(_database, write="events"))
     taken = {events.topic: "events.topic", output.topic: "output.kafka.topic",
              top.get("dead_letter_topic", str): "dead_letter_topic", **{j.topic: "a join's topic" for j in joins}}
+    if gaps is not None and gaps.kafka is not None:
+        if gaps.kafka in taken or any(r.output.kafka == gaps.kafka for r in rollups):
+            raise top.error(f"{gaps.kafka!r} is also {taken.get(gaps.kafka, 'a rollup topic')}; give the gaps a "
+                            "topic of their own", "gaps.output.kafka.topic")
     dirs = {Path(top.get("checkpoint", str)).resolve(): "checkpoint"}
     if output.path is not None:
         dirs[output.path.resolve()] = "output.parquet.path"
@@ -339,6 +346,7 @@ def parse(data: Mapping[str, Any], source: str = "config") -> EnrichConfig:
         spark_conf=spark_conf,
         calls=calls,
         rollups=rollups,
+        gaps=gaps,
         source=source,
     )
     top.done()

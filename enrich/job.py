@@ -44,6 +44,7 @@ from enrich.dimension.ship import Shipper
 from enrich.dimension.versions import FileVersionLog
 from enrich.events.fastparse import FastParser
 from enrich.failures import root_cause, transient_worker_failure
+from enrich.gaps.engine import TIMES_PROPERTY
 from enrich.metrics import RESULTS, EnrichMetrics
 from enrich.origin import Origin
 from enrich.pipeline import JoinPass, Pipeline
@@ -51,6 +52,7 @@ from enrich.query import StateStream, Stream, apply_joins, build, rollup_rows, w
 from enrich.rollups.packs import IDLE_PROPERTY
 from enrich.sinks import Counted, EnrichedBatch, Sink, make_sink
 from enrich.sinks.deadletter import DeadLetters
+from enrich.sinks.gaps import GapWriter
 from enrich.sinks.identity import SinkIdentity
 from enrich.sinks.rollups import RollupWriter
 from enrich.state.devices import DeviceCount
@@ -92,6 +94,7 @@ class Started:
     state: StateStream | None
     devices: DeviceCount | None
     rollups: RollupWriter | None = None  # the rollups' outputs (the batches are the rollup step's output)
+    gaps: GapWriter | None = None        # the gaps' records (enrich.sinks.gaps)
 
 
 class EnrichJob:
@@ -117,6 +120,8 @@ class EnrichJob:
         self._started: Started | None = None
         self._pass: JoinPass | None = None
         self._call_counts: Accumulator[dict[int, dict[str, Any]]] | None = None  # with calls: only
+        self._gap_records: Accumulator[dict[int, dict[str, Any]]] | None = None  # with gaps: only
+        self._ident: SinkIdentity | None = None
         self.batches = 0
         self._trigger_logged: int | None = None
 
@@ -174,7 +179,7 @@ class EnrichJob:
         metrics = self._metrics(sink)
         stream, devices = self._stream(spark, pipeline, dims, sink, metrics)
         self._started = Started(spark, pipeline, dims, sink, dead, metrics, stream.fast, stream.state, devices,
-                                rollups)
+                                rollups, self._gaps(pipeline))
         self._pass = pipeline.join_pass
         self.query = self._start_query(stream.frame)
         log.info("enrichment query started: %s -> %s (checkpoint %s)", self.cfg.events.topic,
@@ -273,7 +278,7 @@ class EnrichJob:
         rollups), and the rollups' writer, with the checkpoint's writer identity
         (:mod:`enrich.sinks.identity`: a start that would change it is refused)."""
         cfg = self.cfg
-        ident = SinkIdentity.load(self.layout, cfg)
+        ident = self._ident = SinkIdentity.load(self.layout, cfg)
         # The Kafka output's writers' base id, else the dead letters' (the database output's tasks write them).
         # Opening it reaches the database output (its tables checked): a database still starting is waited for.
         sink = call_with_retry(lambda: make_sink(cfg, ident.scope, ident.id_of(cfg.output.topic or cfg.dead_letter_topic),
@@ -291,6 +296,19 @@ class EnrichJob:
                                       what="opening the rollups' outputs", policy=self.retry, stop=self._stop)
             self._stack.callback(rollups.close)
         return sink, dead, rollups
+
+    def _gaps(self, pipeline: Pipeline) -> GapWriter | None:
+        """The gaps' writer (with ``gaps:``), with the checkpoint's writer identity."""
+        cfg, st = self.cfg, pipeline.state
+        if st is None or st.gaps is None or cfg.gaps is None:
+            return None
+        ident = self._ident
+        assert ident is not None
+        spec, gaps = st.gaps, cfg.gaps
+        out = call_with_retry(lambda: GapWriter(spec, gaps, self.layout, cfg.kafka, ident.ids, ident.scope),
+                              what="opening the gaps' outputs", policy=self.retry, stop=self._stop)
+        self._stack.callback(out.close)
+        return out
 
     def _metrics(self, sink: Sink) -> EnrichMetrics | None:
         if self.cfg.metrics is None:
@@ -316,10 +334,12 @@ class EnrichJob:
                 dims.shipper.write_to(self.layout.shipped)
             if pipeline.state.calls is not None:
                 self._call_counts = spark.sparkContext.accumulator({}, KeyedTallies())
+            if pipeline.state.gaps is not None:
+                self._gap_records = spark.sparkContext.accumulator({}, KeyedTallies())
         stream = build(spark, pipeline, starting=self.origin.events, reparses=sink.reparses,
                        devices=devices.accumulator if devices is not None else None,
                        fork=self._fork[1] if self._fork is not None else None, call_counts=self._call_counts,
-                       floor_us=self.origin.floor_us)
+                       floor_us=self.origin.floor_us, gap_records=self._gap_records)
         if stream.state is not None and stream.state.cache is not None:
             self._stack.callback(stream.state.cache.remove)  # after the query has stopped (the stack unwinds in reverse)
         return stream, devices
@@ -412,6 +432,8 @@ class EnrichJob:
         st.devices.before_batch()
         if self._call_counts is not None:
             self._call_counts.value = {}
+        if self._gap_records is not None:
+            self._gap_records.value = {}
         if "late" in st.sink.counts and st.rollups is None:
             dead, counted = self._process_batch(batch_df, batch_id)
             late = counted.late
@@ -425,6 +447,12 @@ class EnrichJob:
         devices = st.devices.after_batch(batch_id)
         if self._call_counts is not None:
             self._after_calls(batch_id, st.metrics)
+        if st.gaps is not None and self._gap_records is not None:
+            gaps, reported = st.gaps, self._gap_records.value
+            got = call_with_retry(lambda: gaps.write(batch_id, reported), what=f"batch {batch_id}: writing gaps",
+                                  policy=self.retry, stop=self._stop)
+            if st.metrics is not None:
+                st.metrics.gap_records(got.kinds, got.no_interval)
         log.info("batch %d: %d late event(s) written with a null state; %s device(s) in state", batch_id, late,
                  "unknown" if devices is None else devices)
         if st.metrics is not None:
@@ -489,6 +517,8 @@ class EnrichJob:
         if any(r.idle_finalize for r in self.cfg.rollups):  # the rollup step's idleness, from the offset log
             st.spark.sparkContext.setLocalProperty(IDLE_PROPERTY, json.dumps(
                 idle_facts(self.layout, batch_id, self.cfg.events.topic)))
+        if st.gaps is not None:  # the partitions' times the state step judges silent devices against
+            st.spark.sparkContext.setLocalProperty(TIMES_PROPERTY, st.gaps.pin(batch_id))
         if self._call_counts is not None:  # the calls' budgets run from here
             st.spark.sparkContext.setLocalProperty(STARTED_PROPERTY, repr(time.time()))
         jp = self._join_pass()

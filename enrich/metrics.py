@@ -12,6 +12,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from enrich.gaps.engine import KINDS as GAP_KINDS
 from enrich.rollups.packs import RESULTS as ROLLUP_RESULTS
 from enrich.source.offsets import from_json_offsets
 
@@ -44,6 +45,7 @@ class EnrichMetrics:
         self.devices: Gauge | None = None  # with state: only, once the count is known
         self.watermark: Gauge | None = None  # with state: only, once Spark has one
         self.calls: Counter | None = None  # with calls: only
+        self.gaps: Counter | None = None  # with gaps: only, from the first batch
         self._changed_ms: dict[str, int | None] = {}
         for result in results:
             self.events.labels(result)
@@ -82,6 +84,23 @@ class EnrichMetrics:
                                  "batch (counted exactly, also across task retries: each bucket's call reports its "
                                  "absolute count)", registry=self.registry)
         self.devices.set(devices)
+
+    def gap_records(self, kinds: Mapping[str, int], no_interval: int) -> None:
+        """Add a batch's gap records by kind to ``refstream_enrich_gaps_total`` and its devices without
+        an expected interval to ``refstream_enrich_gaps_skipped_total{reason="no_interval"}``."""
+        if self.gaps is None:
+            self.gaps = Counter("refstream_enrich_gaps", "Gap records written, by kind: opened, closed, retracted "
+                                "(a device's silence), source_idle, source_resumed (a source partition's)",
+                                ["kind"], registry=self.registry)
+            self.gaps_skipped = Counter("refstream_enrich_gaps_skipped", "Devices with events in a batch whose "
+                                        "expected interval is null (no gaps for them), once per batch",
+                                        ["reason"], registry=self.registry)
+            for kind in GAP_KINDS:
+                self.gaps.labels(kind)
+            self.gaps_skipped.labels("no_interval")
+        for kind, n in kinds.items():
+            self.gaps.labels(kind).inc(n)
+        self.gaps_skipped.labels("no_interval").inc(no_interval)
 
     def rollup_events(self, counts: Mapping[tuple[str, str], int]) -> None:
         """Add a batch's rollup counts, by ``(rollup, result)``, to ``refstream_enrich_rollup_events_total``."""

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Literal
 
+import pyarrow as pa
 from pyspark.sql.pandas.types import from_arrow_type, to_arrow_type
 from pyspark.sql.types import BooleanType, StructField, StructType
 
@@ -39,6 +40,7 @@ from enrich.calls.template import STATE as STATE_SCOPE
 from enrich.checkpoint import CheckpointLayout
 from enrich.columns import BATCH_TIME, BUCKET, FLAT, INTERNAL, MAX_TS, PROVISIONAL, TS_US
 from enrich.config import EnrichConfig, JoinConfig
+from enrich.gaps.engine import GapSpec
 from enrich.joins import JoinSpec
 from enrich.joins.asof import CLIPPED
 from enrich.joins.partitioned import PartitionedDim, partitioned_dim
@@ -54,7 +56,7 @@ __all__ = ["JoinPass", "Pipeline", "Stage", "StatePlan"]
 #: name would be overwritten).
 STEP_COLUMNS = frozenset({BUCKET, TS_US, MAX_TS, BATCH_TIME, PROVISIONAL})
 #: What a stage does.
-StageKind = Literal["read", "parse", "join", "state", "rollup", "sink"]
+StageKind = Literal["read", "parse", "join", "state", "rollup", "gaps", "sink"]
 
 
 @dataclass(frozen=True)
@@ -97,6 +99,7 @@ class StatePlan:
     schema: StructType                  # the step's output: ``passed``, the calls' columns, ``state``, ``_late``
     calls: CallStep | None = None       # the external calls, inside the step (enrich.calls)
     rollups: tuple[RollupSpec, ...] = ()  # the rollups: partials in the step, windows in the rollup step
+    gaps: GapSpec | None = None         # the devices' gaps, judged in the step (enrich.gaps)
 
 
 @dataclass(frozen=True)
@@ -167,6 +170,15 @@ class Pipeline:
                 to += [f"Kafka topic {rc.output.kafka}"] if rc.output.kafka is not None else []
                 out.append(Stage("rollup", r.name, f"by {', '.join(r.by)} per {_seconds(rc.window)} window, "
                                  f"{metrics}, corrected for {r.correct_for_us / 1e6:g}s; to {' and '.join(to)}"))
+            if st.gaps is not None and cfg.gaps is not None:
+                g = cfg.gaps
+                every = g.every_column if g.every_column is not None else _seconds(g.every or timedelta(0))
+                to = [f"Kafka topic {g.kafka}"] if g.kafka is not None else []
+                to += [g.database.describe().replace("one row per event", "one row per record")] \
+                    if g.database is not None else []
+                out.append(Stage("gaps", f"after {g.after:g} x {every}", f"in the state step, against each source "
+                                 f"partition's time; source idle after {_seconds(g.idle_after)}; to "
+                                 f"{' and '.join(to)}"))
         for j, s in zip(self.after, self.join_pass.specs, strict=True):
             out.append(_join_stage(j, s, "broadcast, in the join pass"))
         o = cfg.output
@@ -262,8 +274,36 @@ def _state_plan(cfg: EnrichConfig, parsed: StructType, schemas: Mapping[str, Dat
     calls = _check_calls(cfg, spec, [f.name for f in passed]) if cfg.calls else None
     schema = StructType(passed + output_fields(spec, calls.result_columns() if calls is not None else ()))
     rollups = _rollups(cfg, passed, enriched, specs)
+    gaps = _gaps(cfg, passed, enriched, specs, dims, spec) if cfg.gaps is not None else None
     return StatePlan(spec=spec, before=tuple(before), before_specs=tuple(specs), inner=inner, joined=joined,
-                     dims=dims, passed=tuple(passed), schema=schema, calls=calls, rollups=rollups)
+                     dims=dims, passed=tuple(passed), schema=schema, calls=calls, rollups=rollups, gaps=gaps)
+
+
+def _gaps(cfg: EnrichConfig, passed: list[StructField], enriched: StructType, before: Sequence[JoinSpec],
+          dims: Sequence[PartitionedDim], spec: StateSpec) -> GapSpec:
+    """The gaps against the columns the state step sees: ``expected_every``'s column, a number of
+    seconds or an interval; the records carry every column the joins before and inside the step add."""
+    assert cfg.gaps is not None and cfg.state is not None
+    g, where = cfg.gaps, f"{cfg.source}: gaps.expected_every"
+    types = {f.name: f.dataType for f in passed}
+    every_us = g.every // timedelta(microseconds=1) if g.every is not None else None
+    if g.every_column is not None:
+        name = g.every_column
+        if name not in types:
+            if name in enriched.fieldNames():
+                raise ConfigError(f"{where}: {name!r} comes from a join that cannot run before the state step "
+                                  "(docs/gaps.md)")
+            raise ConfigError(f"{where}: no such column (have: "
+                              f"{', '.join(sorted(n for n in types if not n.startswith('_')))})")
+        t = to_arrow_type(types[name])
+        if not (pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_decimal(t)
+                or pa.types.is_duration(t)):
+            raise ConfigError(f"{where}: {name!r} is {types[name].simpleString()}; expected a number of seconds or "
+                              "an interval")
+    refs = [out for s in before for _, out in s.columns] + [out for d in dims for _, out in d.join.columns]
+    return GapSpec(key=cfg.state.key, key_type=spec.key_type, after=g.after, every_us=every_us, every_column=g.every_column,
+                   refs=tuple((r, to_arrow_type(types[r])) for r in dict.fromkeys(refs) if r != cfg.state.key),
+                   ttl_us=cfg.state.ttl // timedelta(microseconds=1), topic=cfg.events.topic)
 
 
 def _rollups(cfg: EnrichConfig, passed: list[StructField], enriched: StructType,
@@ -342,6 +382,7 @@ def _needed_by_state(cfg: EnrichConfig, schemas: Mapping[str, DatasetSchema], pa
     needed, chosen = set(cfg.state.columns), set()
     needed |= {r.name for c in cfg.calls for r in c.body.refs() if r.scope is None}
     needed |= {c for r in cfg.rollups for c in r.columns}
+    needed |= set(cfg.gaps.columns) if cfg.gaps is not None else set()
     for _ in range(len(specs)):
         for i, s in enumerate(specs):
             if i not in chosen and ({out for _, out in s.columns} | {s.matched}) & needed \

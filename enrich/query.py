@@ -90,7 +90,7 @@ class Stream:
 def build(spark: SparkSession, pipeline: Pipeline, *, starting: str, reparses: bool,
           devices: Accumulator[dict[int, int]] | None = None, fork: Fork | None = None,
           call_counts: Accumulator[dict[int, dict[str, Any]]] | None = None,
-          floor_us: int | None = None) -> Stream:
+          floor_us: int | None = None, gap_records: Accumulator[dict[int, dict[str, Any]]] | None = None) -> Stream:
     """The query of ``pipeline`` from its source to what ``foreachBatch`` receives: the events topic
     read from ``starting`` (Spark's starting offsets), then parsed and through the state step when
     the plan has one (:func:`state_step`: ``devices``, ``fork``, ``call_counts``, ``floor_us``).
@@ -107,7 +107,8 @@ def build(spark: SparkSession, pipeline: Pipeline, *, starting: str, reparses: b
         check_checkpoint(pipeline.checkpoint, None, None, cfg.source)
         return Stream(raw, fast, None)
     log.info("events parsed by %s", "pyarrow, with from_json for what it leaves" if parser else "from_json")
-    state = state_step(spark, pipeline, raw, devices, parser, fork, call_counts, floor_us=floor_us)
+    state = state_step(spark, pipeline, raw, devices, parser, fork, call_counts, floor_us=floor_us,
+                       gap_records=gap_records)
     return Stream(state.packed, None, state)
 
 
@@ -186,12 +187,14 @@ def state_step(spark: SparkSession, pipeline: Pipeline, raw: DataFrame,
                devices: Accumulator[dict[int, int]] | None = None, parser: FastParser | None = None,
                fork: Fork | None = None,
                call_counts: Accumulator[dict[int, dict[str, Any]]] | None = None, *,
-               floor_us: int | None = None) -> StateStream:
+               floor_us: int | None = None,
+               gap_records: Accumulator[dict[int, dict[str, Any]]] | None = None) -> StateStream:
     """The ``raw`` Kafka stream through the pipeline's state step, checked against the checkpoint
     first (:func:`enrich.state.stream.prepare`), through :func:`attach` (``devices``, ``parser``: see
     there), the partitioned dimensions' changelogs read as streams beside it; with a ``fork``, the
     step starts from its state, changelog offsets and watermark; ``floor_us``: the watermark floor
-    of a checkpoint that began as a fork (:mod:`enrich.origin`), at every start."""
+    of a checkpoint that began as a fork (:mod:`enrich.origin`), at every start; ``gap_records``:
+    an accumulator of ``enrich.accumulators.KeyedTallies`` each bucket reports its gaps to."""
     cfg, st = pipeline.cfg, pipeline.state
     assert cfg.state is not None and st is not None
     layout = prepare(spark, cfg, pipeline.checkpoint, st.spec, st.dims, st.rollups)
@@ -199,15 +202,23 @@ def state_step(spark: SparkSession, pipeline: Pipeline, raw: DataFrame,
     changelogs = [read_stream(spark, cfg.kafka, [d.topic], starting_offsets=starts.get(d.topic, "earliest"))
                   for d in st.dims]
     initial = initial_state(spark, pipeline, layout, fork) if fork is not None else None
-    # Every bucket called each trigger: to decide what waits, or whether the rollups are idle.
-    ticks = read_ticks(spark, layout) if cfg.waits or any(r.needs_ticks for r in st.rollups) else None
+    # Every bucket called each trigger: to decide what waits, whether the rollups are idle, which
+    # silent devices' partitions passed their thresholds.
+    ticks = read_ticks(spark, layout) if needs_ticks(pipeline) else None
     windows = None
     if fork is not None and fork.rollups is not None and st.rollups:  # the fork's rollup windows, re-routed
         windows = fork.rollups.mapInArrow(functools.partial(rollups.initial_windows, specs=st.rollups,
                                                             ids=layout.ids), rollups.INITIAL)
     return attach(raw, pipeline, layout, changelogs, devices, parser=parser, cache=TableCache(uuid.uuid4().hex),
                   initial=initial, floor_us=fork.floor_us if fork is not None else floor_us, ticks=ticks,
-                  call_counts=call_counts, windows=windows)
+                  call_counts=call_counts, windows=windows, gap_records=gap_records)
+
+
+def needs_ticks(pipeline: Pipeline) -> bool:
+    """Whether the state step has the tick source: a join waits, a rollup needs it, or gaps."""
+    st = pipeline.state
+    return st is not None and bool(pipeline.cfg.waits or any(r.needs_ticks for r in st.rollups)
+                                   or st.gaps is not None)
 
 
 def initial_state(spark: SparkSession, pipeline: Pipeline, layout: BucketLayout, fork: Fork) -> DataFrame:
@@ -240,7 +251,8 @@ def attach(raw: DataFrame, pipeline: Pipeline, layout: BucketLayout, changelogs:
            cache: TableCache | None = None, initial: DataFrame | None = None,
            floor_us: int | None = None, ticks: DataFrame | None = None,
            call_counts: Accumulator[dict[int, dict[str, Any]]] | None = None,
-           windows: DataFrame | None = None) -> StateStream:
+           windows: DataFrame | None = None,
+           gap_records: Accumulator[dict[int, dict[str, Any]]] | None = None) -> StateStream:
     """The Kafka stream ``raw`` through the pipeline's state step (:class:`StateStream`): parsed,
     joined in the plan by the joins before the step, then keyed by bucket (``layout``) into the
     step with the partitioned dimensions' ``changelogs`` (one stream each, in the plan's order,
@@ -254,7 +266,8 @@ def attach(raw: DataFrame, pipeline: Pipeline, layout: BucketLayout, changelogs:
     (:mod:`enrich.source.tick`) when a join waits for completeness: it calls every bucket each trigger.
     ``call_counts``: an accumulator of ``enrich.accumulators.KeyedTallies`` the step reports each
     bucket's call counts to. ``windows``: the rollup step's initial state
-    (:data:`enrich.state.rollups.INITIAL`), a fork's rollup windows."""
+    (:data:`enrich.state.rollups.INITIAL`), a fork's rollup windows. ``gap_records``: an accumulator
+    of ``enrich.accumulators.KeyedTallies`` the step reports each bucket's gaps to (:mod:`enrich.gaps`)."""
     cfg, st = pipeline.cfg, pipeline.state
     assert cfg.state is not None and st is not None
     timezone = pipeline.timezone
@@ -276,7 +289,8 @@ def attach(raw: DataFrame, pipeline: Pipeline, layout: BucketLayout, changelogs:
     waits = WaitSpec.of(cfg.waits) if cfg.waits else None
     processor = DeviceStateProcessor(inner, columns, devices, st.dims, cache, waits, floor_us, st.calls, call_counts,
                                      server_timeout_s=cfg.state.server_timeout.total_seconds(),
-                                     rollups=st.rollups, rollup_ids=layout.ids, inner=st.inner)
+                                     rollups=st.rollups, rollup_ids=layout.ids, inner=st.inner, gaps=st.gaps,
+                                     gap_records=gap_records)
     flat_type = [*inner.output_type(), *[pa.field(n, t) for n, t in (st.calls.result_columns() if st.calls else ())]]
     # What the processor's packed tables hold: the passed columns, the flat state fields (the calls'
     # results last), the late flag.

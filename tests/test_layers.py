@@ -158,7 +158,7 @@ def test_internal_column_names_have_one_home() -> None:
 # be placed here before it can be imported.
 ENRICH_LAYERS: tuple[frozenset[str], ...] = tuple(frozenset(layer) for layer in (
     {"columns", "ipc", "accumulators", "worker", "session", "daemon", "failures"},  # import nothing of enrich
-    {"packed", "events", "dimension", "checkpoint", "rollups"},
+    {"packed", "events", "dimension", "checkpoint", "rollups", "gaps"},
     {"source", "origin"},
     {"calls", "metrics"},
     {"config"},

@@ -21,14 +21,10 @@ greatest ``_revision`` per (keys, ``window_start``) (docs/rollups.md gives the q
 
 from __future__ import annotations
 
-import base64
-import json
 import logging
 from collections import Counter
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import date, datetime, time
-from decimal import Decimal
 from pathlib import Path
 
 import pyarrow as pa
@@ -48,9 +44,10 @@ from enrich.sinks.database.sink import check_existing, ensure, prune_fence
 from enrich.sinks.database.slots import write_slot
 from enrich.sinks.database.tables import TableSpec, table_spec
 from enrich.sinks.deadletter import COLUMNS as DEAD_COLUMNS
+from enrich.sinks.jsonrow import dumps, json_value
 from enrich.sinks.kafka.writer import TransactionalBatchWriter
 from enrich.sinks.parquet import write_batch
-from refstream.contract import TOPIC_CONFIG, format_time
+from refstream.contract import TOPIC_CONFIG
 from refstream.kafka import ensure_topic
 
 log = logging.getLogger(__name__)
@@ -203,9 +200,9 @@ def records(spec: RollupSpec, rows: pa.Table) -> pa.Table:
     keys and ``window_start``, the value the row; times as ``2026-01-01T00:00:00.000000Z``."""
     keys, values = [], []
     for row in rows.cast(spec.output_schema()).to_pylist():
-        row = {k: _json_value(v) for k, v in row.items()}
-        keys.append(_dumps({**{b: row[b] for b in spec.by}, WINDOW_START: row[WINDOW_START]}))
-        values.append(_dumps(row))
+        row = {k: json_value(v) for k, v in row.items()}
+        keys.append(dumps({**{b: row[b] for b in spec.by}, WINDOW_START: row[WINDOW_START]}))
+        values.append(dumps(row))
     return pa.table({"key": pa.array(keys, pa.binary()), "value": pa.array(values, pa.binary())})
 
 
@@ -214,20 +211,6 @@ def fitting(recs: pa.Table, limit: int) -> pa.Array:
     size = pc.add(pc.fill_null(pc.binary_length(recs.column("key")), 0),
                   pc.fill_null(pc.binary_length(recs.column("value")), 0))
     return pc.less_equal(size, limit).combine_chunks()
-
-
-def _json_value(v: object) -> object:
-    if isinstance(v, datetime):
-        return format_time(v)
-    if isinstance(v, date | time | Decimal):
-        return v.isoformat() if not isinstance(v, Decimal) else str(v)
-    if isinstance(v, bytes):
-        return base64.b64encode(v).decode()
-    return v
-
-
-def _dumps(obj: dict[str, object]) -> bytes:
-    return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
 
 
 def _no_dead() -> pa.Table:

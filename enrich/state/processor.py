@@ -54,6 +54,7 @@ from enrich.columns import (
     ROWS,
     TS_US,
 )
+from enrich.gaps import engine as gap_engine
 from enrich.ipc import from_ipc, to_ipc
 from enrich.joins import PINNED_PROPERTY
 from enrich.joins.asof import CLIPPED
@@ -76,6 +77,8 @@ from enrich.state.stored import (
     DELTA_SCHEMA,
     DELTAS,
     DIM_SCHEMA,
+    GAPS,
+    GAPS_CLOSED,
     HELD,
     SIZES_SCHEMA,
     STATE_NAME,
@@ -114,12 +117,15 @@ class DeviceStateProcessor(StatefulProcessor):
                  floor_us: int | None = None, calls: CallStep | None = None,
                  call_counts: Accumulator[dict[int, dict[str, Any]]] | None = None,
                  *, server_timeout_s: float = 120.0, rollups: tuple[RollupSpec, ...] = (),
-                 rollup_ids: tuple[int, ...] = (), inner: tuple[str, ...] = ()) -> None:
+                 rollup_ids: tuple[int, ...] = (), inner: tuple[str, ...] = (),
+                 gaps: gap_engine.GapSpec | None = None,
+                 gap_records: Accumulator[dict[int, dict[str, Any]]] | None = None) -> None:
         self.spec, self.columns, self.devices, self.dims, self.cache = spec, columns, devices, dims, cache
         self.waits, self.floor_us = waits, floor_us
         self.calls, self.call_counts = calls, call_counts
         self.server_timeout_s = server_timeout_s
         self.rollups, self.rollup_ids, self.inner = rollups, rollup_ids, inner
+        self.gaps, self.gap_records = gaps, gap_records
         self._loaded: str | None = None
         self._sizes = (0, 0)
         self._types = {spec.key: spec.key_type, spec.timestamp: pa.int64(),
@@ -140,6 +146,9 @@ class DeviceStateProcessor(StatefulProcessor):
             CACHE.resize(cache_limit())
         if self.waits is not None:  # only then: a checkpoint without waiting keeps its state variables
             self.held = handle.getValueState(HELD, VALUE_SCHEMA)
+        if self.gaps is not None:
+            self.gap_table = handle.getValueState(GAPS, VALUE_SCHEMA)
+            self.gap_closed = handle.getValueState(GAPS_CLOSED, VALUE_SCHEMA)
 
     def handleInputRows(self, key: Any, rows: Iterator[pd.DataFrame],  # type: ignore[override]
                         timerValues: TimerValues) -> Iterator[pd.DataFrame]:
@@ -151,6 +160,8 @@ class DeviceStateProcessor(StatefulProcessor):
         if self.waits is not None:  # a tick row (enrich.source.tick) calls every bucket each trigger
             table = self._wait(table, self._watermark(timerValues))
         if table is None:
+            if self.gaps is not None:  # a tick: silent devices' gaps open against the partitions' times
+                self._gaps(int(key[0]), None, self._watermark(timerValues))
             if any(r.needs_ticks for r in self.rollups):  # a tick: the rollup step decides idleness, fills
                 yield self._rollup_frame([(int(key[0]), packs.TICK, b"")], timerValues)
             return
@@ -164,6 +175,8 @@ class DeviceStateProcessor(StatefulProcessor):
                 names.append(CLIPPED)
         ok = pc.is_null(table.column(ERROR)).to_numpy(zero_copy_only=False)
         good = table.filter(pa.array(ok))
+        if self.gaps is not None:
+            self._gaps(int(key[0]), good, self._watermark(timerValues))
         events = self._events(good)
         late_at_read = None
         if self.waits is not None:
@@ -265,6 +278,27 @@ class DeviceStateProcessor(StatefulProcessor):
                     .append_column(PROVISIONAL, pa.array([False] * n)))
             out = pa.concat_tables([out, dead.cast(out.schema)])
         return out if out.num_rows else None
+
+    def _gaps(self, bucket: int, good: pa.Table | None, watermark: int | None) -> None:
+        """The bucket's gaps after this batch's events (``good``: no dead letter; None: a tick),
+        stored; its records, its devices without an interval and its partitions' times reported to
+        the driver (``gap_records``: small, the driver writes them)."""
+        spec = self.gaps
+        assert spec is not None
+        events = _gap_events(spec, good) if good is not None else None
+        got = [v.get() for v in (self.gap_table, self.gap_closed)]
+        stored = [from_ipc(g[0]) if g is not None else None for g in got]
+        done = gap_engine.advance(spec, stored[0], stored[1], events if events is not None else _no_gap_events(spec),
+                                  _gap_times(), watermark)
+        for var, t in ((self.gap_table, done.table), (self.gap_closed, done.closed)):
+            if t.num_rows:
+                var.update((to_ipc(t),))
+            elif var.exists():
+                var.clear()
+        if self.gap_records is not None:
+            times = gap_engine.partition_times({}, events) if events is not None else {}
+            self.gap_records.add({bucket: {"records": to_ipc(done.records) if done.records.num_rows else b"",
+                                           "no_interval": done.no_interval, "times": times}})
 
     def _dimension(self, i: int, records: pa.Table | None) -> Version:
         """Dimension ``i``'s rows in this bucket, this batch's changelog ``records`` applied (and
@@ -447,6 +481,35 @@ def _conform(held: pa.Table, schema: pa.Schema | None, columns: tuple[str, ...])
         return held
     return pa.Table.from_arrays([held.column(f.name).cast(f.type) if f.name in held.column_names
                                  else pa.nulls(held.num_rows, f.type) for f in schema], schema=schema)
+
+
+def _gap_events(spec: gap_engine.GapSpec, good: pa.Table) -> pa.Table:
+    """The gap engine's events of ``good`` (a key and a time each)."""
+    keyed = pc.and_(pc.is_valid(good.column(spec.key)), pc.is_valid(good.column(TS_US)))
+    t = good.filter(keyed)
+    every = (pa.array([spec.every_us] * t.num_rows, pa.int64()) if spec.every_us is not None
+             else gap_engine.every_us(t.column(spec.every_column or "")))
+    return pa.table({gap_engine.KEY: t.column(spec.key).cast(spec.key_type), gap_engine.TS: t.column(TS_US),
+                     gap_engine.PARTITION: t.column("_partition").cast(pa.int32()), gap_engine.EVERY: every,
+                     **{n: t.column(n).cast(typ) for n, typ in spec.refs}})
+
+
+def _no_gap_events(spec: gap_engine.GapSpec) -> pa.Table:
+    return pa.table({gap_engine.KEY: pa.array([], spec.key_type), gap_engine.TS: pa.array([], pa.int64()),
+                     gap_engine.PARTITION: pa.array([], pa.int32()), gap_engine.EVERY: pa.array([], pa.int64()),
+                     **{n: pa.array([], typ) for n, typ in spec.refs}})
+
+
+def _gap_times() -> dict[int, int]:
+    """The partitions' times the driver recorded for this batch (:data:`enrich.gaps.engine.TIMES_PROPERTY`)."""
+    from pyspark import TaskContext
+
+    ctx = TaskContext.get()
+    raw = ctx.getLocalProperty(gap_engine.TIMES_PROPERTY) if ctx is not None else None
+    if raw is None:
+        raise RuntimeError(f"no partition times in the {gap_engine.TIMES_PROPERTY} local property of this task: "
+                           "the state step ran outside a batch the job pinned")
+    return {int(p): int(t) for p, t in json.loads(raw).items()}
 
 
 def _batch_facts() -> wait.BatchFacts:

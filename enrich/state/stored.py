@@ -17,7 +17,7 @@ from enrich.ipc import from_ipc
 from enrich.state import engine
 from enrich.state.engine import StateSpec
 
-__all__ = ["CALLS_NAME", "DELTAS", "DELTA_SCHEMA", "DIM_SCHEMA", "HELD", "SIZES_SCHEMA", "STATE_NAME",
+__all__ = ["CALLS_NAME", "DELTAS", "GAPS", "GAPS_CLOSED", "DELTA_SCHEMA", "DIM_SCHEMA", "HELD", "SIZES_SCHEMA", "STATE_NAME",
            "TOKEN_SCHEMA", "VALUE_SCHEMA", "bucket_table", "stored_spec"]
 
 #: The state variable holding a bucket's device table (its base: see :class:`DeviceStateProcessor`),
@@ -40,6 +40,9 @@ TOKEN_SCHEMA = StructType([StructField("token", StringType(), False)])
 #: With ``joins[].wait``: a bucket's events held for completeness (``enrich.state.wait``), as one
 #: Arrow IPC value of :data:`VALUE_SCHEMA`; absent when none are held.
 HELD = "held"
+#: The state variables of a bucket's gaps (``enrich.gaps.engine``: its devices, its closed gaps;
+#: VALUE_SCHEMA tables), when the job has ``gaps:``.
+GAPS, GAPS_CLOSED = "gaps", "gaps_closed"
 
 
 def stored_spec(spec: StateSpec) -> StateSpec:

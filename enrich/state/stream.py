@@ -90,7 +90,7 @@ def prepare(spark: SparkSession, cfg: EnrichConfig, ck: CheckpointLayout, spec: 
     # A new checkpoint's state partitions: Spark keeps this number in the offset log at its first batch.
     session = int(spark.conf.get(SHUFFLE_PARTITIONS) or "200")
     layout = check_checkpoint(ck, cfg.state, spec, cfg.source, dims, partitions=session, waits=bool(cfg.waits),
-                              rollups=rollups)
+                              rollups=rollups, gaps=cfg.gaps is not None)
     assert layout is not None
     planned = ck.planned()
     recorded = ck.recorded_partitions(planned[-1]) if planned else None

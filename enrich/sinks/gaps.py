@@ -1,0 +1,190 @@
+"""The gaps' records: written by the driver once per batch, and the partitions' times and silences
+the next batch judges against (docs/gaps.md).
+
+The state step's buckets report their records, their devices without an interval and the greatest
+event time they read per source partition (small: a record per gap, not per event). The driver
+writes a batch's records in one Kafka transaction with the batch id in the topic's ledger (keyed by
+``gap_id``) and/or in one database transaction with its fence row (primary key ``gap_id``, ``kind``),
+so a replayed batch writes nothing twice.
+
+The source partitions' silences are the driver's, from Spark's offset log: a partition whose end
+offset has not moved for ``idle_after`` of batch time (wall clock, downtime included) gets one
+``source_idle`` record, and a ``source_resumed`` when it moves again.
+
+``gaps.json`` in the checkpoint holds, for the last batch written, what it started from and what it
+left (each partition's time, when it last moved, which are idle): a batch is pinned to what the
+batch before left, and a replay of the last batch to what it started from, so it judges alike.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections import Counter
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+from pyspark.sql.pandas.types import from_arrow_schema
+
+from enrich.checkpoint import CheckpointLayout
+from enrich.gaps.config import GapsConfig
+from enrich.gaps.engine import GapSpec, gap_id, records
+from enrich.ipc import from_ipc
+from enrich.sinks.database.connect import connect
+from enrich.sinks.database.refuse import refused
+from enrich.sinks.database.sink import check_existing, ensure, prune_fence
+from enrich.sinks.database.slots import write_slot
+from enrich.sinks.database.tables import TableSpec, table_spec
+from enrich.sinks.jsonrow import dumps, json_value
+from enrich.sinks.kafka.writer import TransactionalBatchWriter
+from refstream.atomic import write_json_atomic
+from refstream.contract import TOPIC_CONFIG
+from refstream.kafka import ensure_topic
+
+log = logging.getLogger(__name__)
+
+__all__ = ["GapBatch", "GapWriter"]
+
+#: The records' key in the database table.
+KEY = ("gap_id", "kind")
+
+
+@dataclass(frozen=True)
+class GapBatch:
+    """What a batch wrote: records by kind, devices with events and no interval, records written
+    (None: the batch was written before, a replay)."""
+
+    kinds: dict[str, int]
+    no_interval: int
+    written: int | None
+
+
+class GapWriter:
+    """Pins each batch's partition times (:meth:`pin`) and writes its records (:meth:`write`)."""
+
+    def __init__(self, spec: GapSpec, cfg: GapsConfig, layout: CheckpointLayout,
+                 kafka: Mapping[str, str] | None = None, ids: Mapping[str, str] | None = None,
+                 scope: str | None = None) -> None:
+        """``kafka``: the librdkafka settings, ``ids``: topic -> transactional id and ``scope``: the
+        query's (``enrich.sinks.identity``)."""
+        self.spec, self.cfg, self.layout, self.scope = spec, cfg, layout, scope or ""
+        self.idle_ms = int(cfg.idle_after.total_seconds() * 1000)
+        self.table: TableSpec | None = None
+        self.topic: TransactionalBatchWriter | None = None
+        if cfg.database is not None:
+            self.table = table_spec(cfg.database, from_arrow_schema(spec.record_schema()).fields, KEY)
+            ensure(self.table)
+            check_existing(cfg.database, self.table.key)
+        if cfg.kafka is not None:
+            assert kafka is not None and ids is not None
+            ensure_topic(kafka, cfg.kafka, config=TOPIC_CONFIG)
+            self.topic = TransactionalBatchWriter(kafka, cfg.kafka, ids[cfg.kafka], scope=scope)
+
+    def close(self) -> None:
+        if self.topic is not None:
+            self.topic.close()
+
+    def _kept(self) -> dict[str, Any]:
+        path = self.layout.gaps
+        return json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+
+    def _start(self, batch_id: int) -> dict[str, Any]:
+        """What batch ``batch_id`` starts from: what the batch before left (a replay: what it started from)."""
+        kept = self._kept()
+        if kept.get("batch") == batch_id:
+            return dict(kept["before"])
+        if isinstance(kept.get("batch"), int) and kept["batch"] < batch_id:
+            return dict(kept["after"])
+        return {"times": {}, "read_ms": {}, "idle": {}}
+
+    def pin(self, batch_id: int) -> str:
+        """Batch ``batch_id``'s partition times, as :data:`enrich.gaps.engine.TIMES_PROPERTY`'s JSON."""
+        return json.dumps(self._start(batch_id)["times"])
+
+    def write(self, batch_id: int, reported: Mapping[int, Mapping[str, Any]]) -> GapBatch:
+        """The batch's records written: the buckets' (``reported``: bucket -> ``records`` (Arrow IPC,
+        empty: none), ``no_interval``, ``times``), in bucket order, then the source partitions'; what
+        the next batch starts from recorded."""
+        before = self._start(batch_id)
+        after = {"times": dict(before["times"]), "read_ms": dict(before["read_ms"]), "idle": dict(before["idle"])}
+        parts, no_interval = [], 0
+        for bucket in sorted(reported):
+            got = reported[bucket]
+            no_interval += int(got.get("no_interval", 0))
+            for p, t in dict(got.get("times", {})).items():
+                cur = after["times"].get(str(p))
+                after["times"][str(p)] = int(t) if cur is None else max(int(cur), int(t))
+            if got.get("records"):
+                parts.append(from_ipc(got["records"]).cast(self.spec.record_schema()))
+        parts.append(self._sources(batch_id, after))
+        out = pa.concat_tables(parts)
+        kinds = Counter(out.column("kind").to_pylist())
+        written = self._write(batch_id, out) if out.num_rows else 0
+        write_json_atomic(self.layout.gaps, {"batch": batch_id, "before": before, "after": after})
+        if out.num_rows:
+            log.info("batch %d: gap records %s", batch_id, ", ".join(f"{k} {n}" for k, n in sorted(kinds.items())))
+        return GapBatch(dict(kinds), no_interval, written)
+
+    def _sources(self, batch_id: int, state: dict[str, Any]) -> pa.Table:
+        """The source partitions that went quiet or came back in batch ``batch_id`` (offset log), and
+        ``state`` moved on."""
+        entry = self.layout.offset_entry(batch_id, missing_ok=False)
+        assert entry is not None
+        time_ms = int(entry.meta.get("batchTimestampMs", 0))
+        prior = self.layout.offset_entry(batch_id - 1) if batch_id > 0 else None
+        topic = self.spec.topic
+        now = next((dict(src[topic]) for src in entry.sources if topic in src), {})
+        was = next((dict(src[topic]) for src in prior.sources if topic in src), None) if prior is not None else None
+        rows = []
+        for p in sorted(now, key=int):
+            moved = was is None or now[p] != was.get(p)
+            idle = state["idle"].get(p)
+            if moved:
+                state["read_ms"][p] = time_ms
+                if idle is not None:
+                    rows.append(self._source("source_resumed", idle["id"], int(p), idle["since"], time_ms))
+                    del state["idle"][p]
+                continue
+            read = state["read_ms"].get(p)
+            if idle is None and read is not None and time_ms - read >= self.idle_ms:
+                gid = gap_id(("source", topic, int(p)), read * 1000)
+                state["idle"][p] = {"id": gid, "since": read}
+                rows.append(self._source("source_idle", gid, int(p), read, time_ms))
+        return records(self.spec, rows)
+
+    def _source(self, kind: str, gid: str, partition: int, since_ms: int, at_ms: int) -> dict[str, Any]:
+        return {"gap_id": gid, "kind": kind, "topic": self.spec.topic, "partition": partition,
+                "since": since_ms * 1000, "at": at_ms * 1000}
+
+    def _write(self, batch_id: int, rows: pa.Table) -> int | None:
+        written: int | None = rows.num_rows
+        if self.table is not None:
+            assert self.cfg.database is not None
+            unique = _last_per_key(rows)
+            why = refused(unique, self.table.dialect, self.table.key)
+            if why.null_count < len(why):
+                log.warning("batch %d: %d gap record(s) not written to %s, the database would refuse them (first: "
+                            "%s)", batch_id, len(why) - why.null_count, self.table.table, pc.drop_null(why)[0].as_py())
+                unique = unique.filter(pc.is_null(why))
+            conn = connect(self.table.url, self.table.dialect, self.table.timeout)
+            try:
+                written = write_slot(conn, self.table, self.scope, 0, batch_id, unique)
+            finally:
+                conn.close()
+            prune_fence(self.cfg.database, self.scope, batch_id)
+        if self.topic is not None:
+            recs = [(r["gap_id"].encode(), dumps({k: json_value(v) for k, v in r.items()})) for r in rows.to_pylist()]
+            written = self.topic.write(batch_id, pa.table({"key": pa.array([k for k, _ in recs], pa.binary()),
+                                                           "value": pa.array([v for _, v in recs], pa.binary())}))
+        return written
+
+
+def _last_per_key(rows: pa.Table) -> pa.Table:
+    """One row per (``gap_id``, ``kind``): the last (a database upsert takes one)."""
+    seen: dict[tuple[str, str], int] = {}
+    for i, k in enumerate(zip(rows.column("gap_id").to_pylist(), rows.column("kind").to_pylist(), strict=True)):
+        seen[k] = i
+    return rows.take(pa.array(sorted(seen.values()), pa.int64())) if len(seen) < rows.num_rows else rows

@@ -1,0 +1,103 @@
+"""Gaps in the running job (enrich.gaps, the state step's part in enrich/state/processor.py, the
+driver's in enrich/sinks/gaps.py), on real Spark (local), the real broker and MariaDB: a silent
+device's gap opened against its partition's time, retracted by its late readings, opened again and
+closed, across a restart, each record written once to the topic and the table."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+from pyspark.sql import SparkSession
+
+from enrich import config
+from enrich.gaps.engine import gap_id
+from enrich.job import EnrichJob
+from refstream.contract import Column, DatasetSchema
+from tests.enrich.helpers import changelog, produce_events, publish, read_all
+
+pytestmark = pytest.mark.integration
+
+DEVICES = DatasetSchema("devices", ("device_id",), (Column("device_id", "string"), Column("site", "string"),
+                                                   Column("report_s", "int64")))
+T0 = datetime(2026, 1, 1, tzinfo=UTC)
+S = 1_000_000
+
+
+def ev(device: str, seconds: float) -> dict[str, Any]:
+    return {"device_id": device, "ts": (T0 + timedelta(seconds=seconds)).strftime("%Y-%m-%dT%H:%M:%S.%fZ")}
+
+
+def iso(seconds: float) -> str:
+    return (T0 + timedelta(seconds=seconds)).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
+
+
+# Three events a batch, one partition; a, b and c report every 10 s (a gap: 3 x 10 s of silence), d has no interval.
+FIRST = [ev("a", 0), ev("b", 0), ev("c", 0), ev("a", 10), ev("b", 10), ev("c", 10),
+         ev("a", 20), ev("b", 20), ev("d", 20), ev("a", 30), ev("b", 30), ev("a", 35),
+         ev("a", 45), ev("b", 45), ev("b", 46)]           # the partition passes c's threshold (40)
+THEN = [ev("a", 50), ev("b", 50), ev("a", 55),
+        ev("c", 25), ev("c", 28), ev("a", 60),            # c was not silent from 10: retracted; silent from 28
+        ev("a", 70), ev("b", 70), ev("c", 90)]            # c's second gap closes at 90
+
+
+def test_a_silent_devices_gap_opens_is_retracted_opens_again_and_closes_once_each(
+        spark: SparkSession, kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path,
+        mysql_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    table = unique("gaps")
+    data = {
+        "kafka": {"bootstrap_servers": kafka["bootstrap.servers"]},
+        "events": {"topic": unique("events"), "schema": "device_id STRING, ts TIMESTAMP",
+                   "starting_offsets": "earliest"},
+        "joins": [{"dataset": "devices", "topic": unique("ref.devices"), "on": "device_id"}],
+        "output": {"parquet": {"path": str(tmp_path / "events")}},
+        "dead_letter_topic": unique("dlq"),
+        "checkpoint": str(tmp_path / "checkpoint"),
+        "max_events_per_batch": 3,
+        "state": {"key": "device_id", "timestamp": "ts", "ttl": "1h", "watermark": "1m", "buckets": 4},
+        "gaps": {"expected_every": "report_s", "after": 3,
+                 "output": {"kafka": {"topic": unique("gaps")}, "database": {"url": mysql_url, "table": table}}},
+    }
+    publish(kafka, data["joins"][0]["topic"], changelog(DEVICES, [
+        {"device_id": d, "site": f"s-{d}", "report_s": 10} for d in "abc"] + [
+        {"device_id": "d", "site": "s-d", "report_s": None}]))
+    cfg = config.parse(data, "test.yaml")
+    produce_events(kafka, data["events"]["topic"], FIRST)
+    with caplog.at_level(logging.INFO, logger="enrich.sinks.gaps"):
+        EnrichJob(cfg, available_now=True).run(spark)
+        first = read_all(kafka, data["gaps"]["output"]["kafka"]["topic"])
+        assert [json.loads(m.value())["kind"] for m in first] == ["opened"]
+        produce_events(kafka, data["events"]["topic"], THEN)
+        EnrichJob(cfg, available_now=True).run(spark)  # a restart: the gaps and the partitions' times kept
+
+    records = read_all(kafka, data["gaps"]["output"]["kafka"]["topic"])
+    values = [json.loads(m.value()) for m in records]
+    assert [m.key().decode() for m in records] == [v["gap_id"] for v in values]
+    t0 = int(T0.timestamp()) * S
+    one, two = gap_id("c", t0 + 10 * S), gap_id("c", t0 + 28 * S)
+    assert [(v["kind"], v["gap_id"]) for v in values] == [("opened", one), ("retracted", one), ("opened", two),
+                                                         ("closed", two)], values
+    opened, _, again, closed = values
+    assert (opened["device_id"], opened["last_seen"], opened["opened_at"], opened["expected_every_s"],
+            opened["site"], opened["partition"]) == ("c", iso(10), iso(40), 10.0, "s-c", 0)
+    assert (again["last_seen"], again["opened_at"]) == (iso(28), iso(58))
+    assert (closed["start"], closed["end"], closed["duration_s"]) == (iso(28), iso(90), 62.0)
+
+    # The table holds the same records, one row each by (gap_id, kind).
+    engine = sa.create_engine(mysql_url)
+    with engine.connect() as conn:
+        rows = conn.execute(sa.text(f"SELECT gap_id, kind, device_id, duration_s FROM {table} "
+                                    "ORDER BY gap_id, kind")).all()
+    engine.dispose()
+    assert sorted((r[0], r[1], r[2], r[3]) for r in rows) == sorted(
+        (v["gap_id"], v["kind"], "c", v.get("duration_s")) for v in values)
+    logged = [r.getMessage() for r in caplog.records if "gap records" in r.getMessage()]
+    assert sum(int(n) for line in logged for n in re.findall(r"[a-z_]+ (\d+)", line.split("gap records")[1])) == 4, \
+        logged  # each record in the line of the batch that wrote it, none twice
