@@ -38,7 +38,7 @@ class GapsConfig:
 
 def parse_gaps(top: Section, has_state: bool, database: Callable[[Section], Any] | None = None) -> GapsConfig | None:
     """The ``gaps:`` section of ``top`` (None: absent); a :class:`ConfigError` naming the key at fault."""
-    if not top.has("gaps"):
+    if top.raw("gaps", None) is None:
         return None
     sec = top.section("gaps")
     if not has_state:

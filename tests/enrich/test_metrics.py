@@ -27,3 +27,16 @@ def test_calls_are_counted_by_call_and_result_once_there_are_calls() -> None:
     assert value("refstream_enrich_calls_total", {"call": "risk", "result": "ok"}) == 4
     assert value("refstream_enrich_calls_total", {"call": "risk", "result": "retried"}) == 2
     assert value("refstream_enrich_calls_total", {"call": "action", "result": "replayed"}) == 4
+
+
+def test_gap_records_are_counted_by_kind_and_the_devices_without_an_interval() -> None:
+    m = EnrichMetrics()
+    value = m.registry.get_sample_value
+    assert value("refstream_enrich_gaps_total", {"kind": "opened"}) is None
+    m.gap_records({}, 0)  # the first batch shows every kind at 0
+    assert value("refstream_enrich_gaps_total", {"kind": "source_idle"}) == 0
+    m.gap_records({"opened": 2, "retracted": 1}, 3)
+    m.gap_records({"opened": 1}, 1)
+    assert value("refstream_enrich_gaps_total", {"kind": "opened"}) == 3
+    assert value("refstream_enrich_gaps_total", {"kind": "retracted"}) == 1
+    assert value("refstream_enrich_gaps_skipped_total", {"reason": "no_interval"}) == 4

@@ -152,3 +152,47 @@ def test_a_rollup_column_the_state_step_cannot_see_is_refused(spark: SparkSessio
                                           r"column; 'site_id' is string"):
         Pipeline.build(with_rollups({"name": "m", "by": ["device_id"], "window": "1m",
                                      "metrics": {"site_id": ["mean"]}}), SCHEMAS)
+
+
+GAP_SCHEMAS = {**SCHEMAS, "sites": DatasetSchema("sites", ("site_id",), (
+    Column("site_id", "string"), Column("region", "string"), Column("every_s", "float64"),
+    Column("note", "string")))}
+
+
+def with_gaps(every: str) -> config.EnrichConfig:
+    data = {"kafka": {"bootstrap_servers": "127.0.0.1:9"},
+            "events": {"topic": "ev", "schema": "device_id STRING, site_id STRING, ts TIMESTAMP, temp DOUBLE"},
+            "joins": [{"dataset": "models", "on": {"model_id": "id"}, "columns": ["model_name"]},
+                      {"dataset": "sites", "on": "site_id", "columns": ["region", "every_s"]},
+                      {"dataset": "devices", "on": "device_id", "strategy": "partitioned"}],
+            "output": {"kafka": {"topic": "out"}}, "dead_letter_topic": "dlq", "checkpoint": "ck",
+            "state": {"key": "device_id", "timestamp": "ts", "ttl": "2h"},
+            "gaps": {"expected_every": every, "output": {"kafka": {"topic": "gaps"}}}}
+    return config.parse(data, "test.yaml")
+
+
+def test_gaps_by_a_join_column_move_its_join_before_the_step_and_carry_the_joins_columns(
+        spark: SparkSession) -> None:
+    p = Pipeline.build(with_gaps("every_s"), GAP_SCHEMAS)
+    assert p.state is not None and p.state.gaps is not None
+    assert [j.dataset for j in p.state.before] == ["sites"]
+    g = p.state.gaps
+    assert (g.key, g.every_us, g.every_column, g.after, g.ttl_us, g.topic) == (
+        "device_id", None, "every_s", 3.0, 2 * 3600 * 10**6, "ev")
+    # the before-join's columns and the partitioned join's, the device's reference columns
+    assert [n for n, _ in g.refs] == ["region", "every_s", "model_id"]
+    assert [(s.kind, s.name) for s in p.stages()][5] == ("gaps", "after 3 x every_s")
+    fixed = Pipeline.build(with_gaps("45s"), GAP_SCHEMAS)
+    assert fixed.state is not None and fixed.state.gaps is not None
+    assert (fixed.state.gaps.every_us, fixed.state.before) == (45 * 10**6, ())
+
+
+def test_a_gaps_column_the_step_cannot_see_or_not_a_number_is_refused(spark: SparkSession) -> None:
+    with pytest.raises(ConfigError, match=r"^test\.yaml: gaps\.expected_every: 'model_name' comes from a join that "
+                                          r"cannot run before the state step"):
+        Pipeline.build(with_gaps("model_name"), GAP_SCHEMAS)
+    with pytest.raises(ConfigError, match=r"^test\.yaml: gaps\.expected_every: no such column"):
+        Pipeline.build(with_gaps("interval"), GAP_SCHEMAS)
+    with pytest.raises(ConfigError, match=r"^test\.yaml: gaps\.expected_every: 'region' is string; expected a "
+                                          r"number of seconds or an interval"):
+        Pipeline.build(with_gaps("region"), GAP_SCHEMAS)

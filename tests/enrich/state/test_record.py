@@ -128,6 +128,24 @@ def test_waiting_turned_on_or_off_against_a_checkpoint_that_ran_is_refused(tmp_p
         check_checkpoint(old, CFG, SPEC, waits=True)
 
 
+def test_gaps_turned_on_or_off_against_a_checkpoint_that_ran_are_refused(tmp_path: Path) -> None:
+    ck = CheckpointLayout(tmp_path)
+    check_checkpoint(ck, CFG, SPEC, partitions=2, gaps=False)
+    check_checkpoint(ck, CFG, SPEC, gaps=True)  # nothing ran yet: the record follows the config
+    assert json.loads(ck.state_record.read_text())["gaps"] is True
+    ck.offsets.mkdir(parents=True)
+    (ck.offsets / "0").write_text("v1")
+    check_checkpoint(ck, CFG, SPEC, gaps=True)
+    with pytest.raises(ConfigError, match=r"gaps: is gone against the checkpoint .* \(the tick source\)"):
+        check_checkpoint(ck, CFG, SPEC, gaps=False)
+    other = CheckpointLayout(tmp_path / "other")
+    check_checkpoint(other, CFG, SPEC, partitions=2, gaps=False)
+    other.offsets.mkdir(parents=True)
+    (other.offsets / "0").write_text("v1")
+    with pytest.raises(ConfigError, match=r"gaps: is new against the checkpoint"):
+        check_checkpoint(other, CFG, SPEC, gaps=True)
+
+
 def _rollup(name: str = "d_1m", **changes: object) -> RollupSpec:
     r = RollupSpec(name=name, by=("device_id",), by_types=(pa.string(),), window_us=60_000_000,
                    correct_for_us=60_000_000, metrics=(("t", ("mean",), pa.float64()),))
