@@ -179,7 +179,7 @@ class EnrichJob:
         metrics = self._metrics(sink)
         stream, devices = self._stream(spark, pipeline, dims, sink, metrics)
         self._started = Started(spark, pipeline, dims, sink, dead, metrics, stream.fast, stream.state, devices,
-                                rollups, self._gaps(pipeline))
+                                rollups, self._gaps(pipeline, saved.gaps_driver if saved is not None else None))
         self._pass = pipeline.join_pass
         self.query = self._start_query(stream.frame)
         log.info("enrichment query started: %s -> %s (checkpoint %s)", self.cfg.events.topic,
@@ -297,15 +297,16 @@ class EnrichJob:
             self._stack.callback(rollups.close)
         return sink, dead, rollups
 
-    def _gaps(self, pipeline: Pipeline) -> GapWriter | None:
-        """The gaps' writer (with ``gaps:``), with the checkpoint's writer identity."""
+    def _gaps(self, pipeline: Pipeline, initial: dict[str, Any] | None) -> GapWriter | None:
+        """The gaps' writer (with ``gaps:``), with the checkpoint's writer identity; ``initial``: a
+        fork's savepoint's partition times and silences."""
         cfg, st = self.cfg, pipeline.state
         if st is None or st.gaps is None or cfg.gaps is None:
             return None
         ident = self._ident
         assert ident is not None
         spec, gaps = st.gaps, cfg.gaps
-        out = call_with_retry(lambda: GapWriter(spec, gaps, self.layout, cfg.kafka, ident.ids, ident.scope),
+        out = call_with_retry(lambda: GapWriter(spec, gaps, self.layout, cfg.kafka, ident.ids, ident.scope, initial),
                               what="opening the gaps' outputs", policy=self.retry, stop=self._stop)
         self._stack.callback(out.close)
         return out

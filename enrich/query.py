@@ -54,6 +54,7 @@ from enrich.columns import BATCH_TIME, BUCKET, FLAT, LATE, MAX_TS, PACK_KIND, RB
 from enrich.dimension.ship import Shipped
 from enrich.events import FastEvents
 from enrich.events.fastparse import FastParser
+from enrich.gaps import engine as gap_engine
 from enrich.joins.partitioned import PUBLISHED, VALID_FROM_TEXT, PartitionedDim
 from enrich.pipeline import Pipeline
 from enrich.rollups import packs
@@ -235,6 +236,8 @@ def initial_state(spark: SparkSession, pipeline: Pipeline, layout: BucketLayout,
             table, schema = fork.dims[dim.state_name]
             out = out.unionByName(_packed(table, [k for _, k in dim.join.pairs][0], key_type, layout,
                                           dim.state_name, schema))
+    for name, rows in fork.gaps.items():  # the gap tables' rows, by device
+        out = out.unionByName(_packed(rows, gap_engine.KEY, key_type, layout, name, None))
     return out
 
 

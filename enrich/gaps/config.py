@@ -8,10 +8,13 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from enrich.gaps.engine import MAX_EVERY_S
 from refstream.config import Section, parse_duration
 
 __all__ = ["GapsConfig", "parse_gaps"]
 
+#: The most intervals of silence ``after`` takes (a threshold must stay within int64 microseconds).
+MAX_AFTER = 1000.0
 _COLUMN = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -52,11 +55,12 @@ def parse_gaps(top: Section, has_state: bool, database: Callable[[Section], Any]
             every = parse_duration(raw)
         except ValueError:
             raise sec.error(f"expected a duration (30s, 5m) or a column name, got {raw!r}", "expected_every") from None
-        if every <= timedelta(0):
-            raise sec.error("must be positive", "expected_every")
+        if every <= timedelta(0) or every.total_seconds() > MAX_EVERY_S:
+            raise sec.error(f"must be positive and at most {MAX_EVERY_S:g}s", "expected_every")
     after = sec.get("after", float, 3.0)
-    if not after > 0:
-        raise sec.error("must be positive (how many expected intervals of silence open a gap)", "after")
+    if not 0 < after <= MAX_AFTER:
+        raise sec.error(f"must be positive and at most {MAX_AFTER:g} (how many expected intervals of silence open a "
+                        "gap)", "after")
     idle = sec.duration("idle_after", timedelta(minutes=5))
     if idle <= timedelta(0):
         raise sec.error("must be positive", "idle_after")

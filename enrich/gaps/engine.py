@@ -329,12 +329,18 @@ def records(spec: GapSpec, rows: list[dict[str, Any]]) -> pa.Table:
     return pa.table(cols, schema=schema)
 
 
+#: The longest expected interval taken (about 31 years); a longer one, or one not positive, is none:
+#: a threshold must stay within int64 microseconds.
+MAX_EVERY_S = 1e9
+
+
 def every_us(values: pa.Array | pa.ChunkedArray) -> pa.Array:
-    """An interval column as microseconds (int64, null where null): seconds (a number) or a duration."""
+    """An interval column as microseconds (int64): seconds (a number) or a duration; null where null,
+    not a positive finite number, or longer than :data:`MAX_EVERY_S`."""
     a = values.combine_chunks() if isinstance(values, pa.ChunkedArray) else values
     if pa.types.is_duration(a.type):
-        return pc.cast(a.cast(pa.duration("us")), pa.int64())
+        a = pc.divide(pc.cast(pc.cast(a, pa.duration("us")), pa.int64()).cast(pa.float64()), 1e6)
     f = pc.cast(a, pa.float64())
-    ok = pc.and_(pc.is_finite(f), pc.greater(f, 0))
-    us = pc.cast(pc.round(pc.multiply(f, 1e6)), pa.int64(), safe=False)
+    ok = pc.and_(pc.and_(pc.is_finite(f), pc.greater(f, 0)), pc.less_equal(f, MAX_EVERY_S))
+    us = pc.cast(pc.round(pc.multiply(pc.if_else(ok, f, 0.0), 1e6)), pa.int64())
     return pc.if_else(ok, us, pa.scalar(None, pa.int64()))

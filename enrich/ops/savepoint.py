@@ -12,6 +12,9 @@ job runs or not: never from a batch that has not committed. It is a directory of
 * ``rollups.parquet``: each rollup's windows as the rollup step held them (``rollup``: its name,
   ``windows``: one rollup bucket's windows as Arrow IPC, with their accumulators, sketches and
   revisions), re-routed to the fork's rollup buckets when it starts;
+* ``gaps.parquet`` (with ``gaps:``): each state bucket's gap tables as the state step held them
+  (``kind``: ``gaps`` or ``gaps_closed``, ``table``: Arrow IPC), re-routed to the fork's buckets
+  when it starts; ``savepoint.json`` holds the partitions' times and silences the driver had;
 * ``savepoint.json``: the batch id, the source offsets the batch read to (events and changelogs),
   the broadcast dimensions' changelog positions, the watermark for the next batch, and the
   settings the checkpoint fixes (``state.key`` and its type, aggregates and their types, TTL,
@@ -45,11 +48,12 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.sql import DataFrame, SparkSession
 from pyspark.sql import functions as F
-from pyspark.sql.pandas.types import to_arrow_schema
+from pyspark.sql.pandas.types import from_arrow_schema, to_arrow_schema
 
 from enrich.checkpoint import CheckpointLayout
 from enrich.config import EnrichConfig
 from enrich.dimension.versions import FileVersionLog
+from enrich.ipc import from_ipc
 from enrich.joins.partitioned import PartitionedDim
 from enrich.ops import stateread
 from enrich.pipeline import Pipeline
@@ -67,7 +71,7 @@ from enrich.state.record import (
     rollup_changes,
     rollup_record,
 )
-from enrich.state.stored import stored_spec
+from enrich.state.stored import GAPS, GAPS_CLOSED, stored_spec
 from enrich.state.stream import Fork
 from refstream.atomic import write_json_atomic
 from refstream.errors import ConfigError, DataError
@@ -77,7 +81,7 @@ __all__ = ["FORMAT", "Savepoint", "SavepointRefused", "SavepointResult", "load",
 log = logging.getLogger(__name__)
 
 FORMAT = 1
-META, STATE, ROLLUPS_FILE = "savepoint.json", "state.parquet", "rollups.parquet"
+META, STATE, ROLLUPS_FILE, GAPS_FILE = "savepoint.json", "state.parquet", "rollups.parquet", "gaps.parquet"
 _DIMS = "dimensions"
 _TS = pa.timestamp("us", tz="UTC")
 _TS_TYPE_CONF = "spark.sql.parquet.outputTimestampType"
@@ -171,6 +175,12 @@ def take(cfg: EnrichConfig, to: str | Path, *, spark: SparkSession | None = None
             meta["partitioned"].append({"dataset": dim.dataset, "topic": dim.topic, "rows": name,
                                         "offsets": _offsets(sources, dim.topic),
                                         "schema": None if schema is None else json.loads(schema.to_json())})
+        if st.gaps is not None:
+            tables = functools.reduce(DataFrame.unionByName, [
+                stateread.scan(spark, ck, batch_id, name).select(F.lit(name).alias("kind"), F.col("value.table"))
+                for name in (GAPS, GAPS_CLOSED)])
+            meta["gaps"] = {"rows": GAPS_FILE, "driver": driver_state(ck, batch_id)}
+            _write_parquet(spark, tables, directory / GAPS_FILE)
         if st.rollups:
             windows = functools.reduce(DataFrame.unionByName, [
                 stateread.scan(spark, ck, batch_id, rollups.state_name(r)).select(
@@ -322,8 +332,21 @@ class Savepoint:
         rows = self.directory / str(self.meta.get("rollups", {}).get("rows", ROLLUPS_FILE))
         if st.rollups and _has_rows(rows):
             windows = spark.read.schema(rollups.SAVED).parquet(str(rows))
+        gaps: dict[str, DataFrame] = {}
+        rows = self.directory / str(self.meta.get("gaps", {}).get("rows", GAPS_FILE))
+        if st.gaps is not None and _has_rows(rows):
+            saved_gaps = spark.read.parquet(str(rows))
+            for name, schema in ((GAPS, st.gaps.table_schema()), (GAPS_CLOSED, st.gaps.closed_schema())):
+                gaps[name] = saved_gaps.where(F.col("kind") == F.lit(name)).select("table").mapInArrow(
+                    functools.partial(_gap_rows, schema=schema), from_arrow_schema(schema))
         return self.events_start, Fork(devices=devices, dims=dims, changelogs=changelogs, floor_us=self.floor_us,
-                                       rollups=windows)
+                                       rollups=windows, gaps=gaps)
+
+    @property
+    def gaps_driver(self) -> dict[str, Any] | None:
+        """The partitions' times and silences the savepoint's job had (None: it had no gaps)."""
+        got = self.meta.get("gaps", {}).get("driver")
+        return dict(got) if isinstance(got, dict) else None
 
     @property
     def events_start(self) -> str:
@@ -348,6 +371,29 @@ def _stored_rows(batches: Iterator[pa.RecordBatch], *, spec: StateSpec, key: str
                  schema: pa.Schema) -> Iterator[pa.RecordBatch]:
     for batch in batches:
         yield from from_rows(pa.Table.from_batches([batch]), spec, key).cast(schema).to_batches()
+
+
+def _gap_rows(batches: Iterator[pa.RecordBatch], *, schema: pa.Schema) -> Iterator[pa.RecordBatch]:
+    """A savepoint's gap tables (one bucket's each) as rows of ``schema``: a column the savepoint's
+    job had not (another join's reference column) is null, one it had and the fork has not, left out."""
+    for batch in batches:
+        for value in batch.column("table").to_pylist():
+            t = from_ipc(value)
+            yield from pa.Table.from_arrays(
+                [t.column(f.name).cast(f.type) if f.name in t.column_names else pa.nulls(t.num_rows, f.type)
+                 for f in schema], schema=schema).to_batches()
+
+
+def driver_state(ck: CheckpointLayout, batch_id: int) -> dict[str, Any]:
+    """What the gaps' driver had after ``batch_id`` (``gaps.json``: a job that went on, its start of the
+    batch after); empty when it recorded none."""
+    path = ck.gaps
+    kept = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+    if kept.get("batch") == batch_id:
+        return dict(kept["after"])
+    if kept.get("batch") == batch_id + 1:
+        return dict(kept["before"])
+    return {"times": {}, "read_ms": {}, "idle": {}}
 
 
 def load(directory: str | Path) -> Savepoint:
@@ -377,7 +423,8 @@ def _sources(ck: CheckpointLayout, batch_id: int) -> dict[tuple[str, int], int]:
     assert entry is not None
     out: dict[tuple[str, int], int] = {}
     for source in entry.sources:
-        out.update(from_json_offsets(source))
+        if all(isinstance(v, dict) for k, v in source.items() if not k.startswith("@")):  # not the tick source's
+            out.update(from_json_offsets(source))
     return out
 
 

@@ -40,6 +40,7 @@ from enrich.sinks.database.slots import write_slot
 from enrich.sinks.database.tables import TableSpec, table_spec
 from enrich.sinks.jsonrow import dumps, json_value
 from enrich.sinks.kafka.writer import TransactionalBatchWriter
+from enrich.sinks.rollups import fitting
 from refstream.atomic import write_json_atomic
 from refstream.contract import TOPIC_CONFIG
 from refstream.kafka import ensure_topic
@@ -67,10 +68,12 @@ class GapWriter:
 
     def __init__(self, spec: GapSpec, cfg: GapsConfig, layout: CheckpointLayout,
                  kafka: Mapping[str, str] | None = None, ids: Mapping[str, str] | None = None,
-                 scope: str | None = None) -> None:
+                 scope: str | None = None, initial: Mapping[str, Any] | None = None) -> None:
         """``kafka``: the librdkafka settings, ``ids``: topic -> transactional id and ``scope``: the
-        query's (``enrich.sinks.identity``)."""
+        query's (``enrich.sinks.identity``); ``initial``: what a fork's first batch starts from (the
+        savepoint's partition times and silences)."""
         self.spec, self.cfg, self.layout, self.scope = spec, cfg, layout, scope or ""
+        self.initial = dict(initial) if initial is not None else None
         self.idle_ms = int(cfg.idle_after.total_seconds() * 1000)
         self.table: TableSpec | None = None
         self.topic: TransactionalBatchWriter | None = None
@@ -98,6 +101,8 @@ class GapWriter:
             return dict(kept["before"])
         if isinstance(kept.get("batch"), int) and kept["batch"] < batch_id:
             return dict(kept["after"])
+        if self.initial is not None:
+            return {"times": {}, "read_ms": {}, "idle": {}, **self.initial}
         return {"times": {}, "read_ms": {}, "idle": {}}
 
     def pin(self, batch_id: int) -> str:
@@ -176,9 +181,16 @@ class GapWriter:
                 conn.close()
             prune_fence(self.cfg.database, self.scope, batch_id)
         if self.topic is not None:
-            recs = [(r["gap_id"].encode(), dumps({k: json_value(v) for k, v in r.items()})) for r in rows.to_pylist()]
-            written = self.topic.write(batch_id, pa.table({"key": pa.array([k for k, _ in recs], pa.binary()),
-                                                           "value": pa.array([v for _, v in recs], pa.binary())}))
+            pairs = [(r["gap_id"].encode(), dumps({k: json_value(v) for k, v in r.items()})) for r in rows.to_pylist()]
+            recs = pa.table({"key": pa.array([k for k, _ in pairs], pa.binary()),
+                             "value": pa.array([v for _, v in pairs], pa.binary())})
+            fits = fitting(recs, self.topic.record_limit)
+            if not pc.all(fits).as_py():  # a record the broker would refuse fails no batch: left out, logged
+                log.warning("batch %d: %d gap record(s) not written to %s, larger than a record may be (%d bytes, "
+                            "message.max.bytes; long reference columns?)", batch_id,
+                            recs.num_rows - int(pc.sum(fits).as_py() or 0), self.topic.topic, self.topic.record_limit)
+                recs = recs.filter(fits)
+            written = self.topic.write(batch_id, recs)
         return written
 
 

@@ -338,8 +338,9 @@ class DeviceStateProcessor(StatefulProcessor):
     def handleInitialState(self, key: Any, initialState: pd.DataFrame,  # type: ignore[override]
                            timerValues: TimerValues) -> None:
         """A forked job's first batch (:func:`enrich.query.initial_state`): the bucket's rows
-        of the savepoint, ``kind`` :data:`STATE_NAME` (devices, in the stored layout) or a partitioned
-        dimension's state name (its rows and published schema), each as Arrow IPC bytes; merged into
+        of the savepoint, ``kind`` :data:`STATE_NAME` (devices, in the stored layout), a partitioned
+        dimension's state name (its rows and published schema) or a gap table's (:data:`GAPS`,
+        :data:`GAPS_CLOSED`), each as Arrow IPC bytes; merged into
         what the bucket holds (PySpark may hand a bucket's rows over in several calls)."""
         settle()
         for kind, data, schema in zip(initialState["kind"], initialState["table"], initialState["schema"],
@@ -349,6 +350,13 @@ class DeviceStateProcessor(StatefulProcessor):
                 rows = rows.cast(self.spec.state_schema())
                 state = engine.merge(self.spec, self._load(), rows, pa.array([], self.spec.key_type))
                 self._store(key, state, rows.num_rows, None)
+                continue
+            if kind in (GAPS, GAPS_CLOSED):
+                var = self.gap_table if kind == GAPS else self.gap_closed
+                got = var.get()
+                if got is not None:
+                    rows = pa.concat_tables([from_ipc(got[0]), rows.cast(from_ipc(got[0]).schema)])
+                var.update((to_ipc(rows),))
                 continue
             i = next(n for n, d in enumerate(self.dims) if d.state_name == kind)
             version = self._dimension(i, None)

@@ -11,6 +11,7 @@ savepoint, :func:`changelog_key` the key of a partitioned dimension's changelog 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -66,13 +67,15 @@ class Fork:
     partitioned dimension's rows and published schema (JSON) by state name, all read by Spark;
     ``changelogs`` the Spark starting offsets of their changelog topics (a topic missing: from the
     earliest), ``floor_us`` the savepoint job's watermark (event time, microseconds; None: it had
-    none), and ``rollups`` the rollups' windows (:data:`enrich.state.rollups.SAVED`; None: none)."""
+    none), ``rollups`` the rollups' windows (:data:`enrich.state.rollups.SAVED`; None: none), and
+    ``gaps`` the gap tables' rows by state variable (``gaps``, ``gaps_closed``; empty: none)."""
 
     devices: DataFrame
     dims: Mapping[str, tuple[DataFrame, bytes]]
     changelogs: Mapping[str, str]
     floor_us: int | None
     rollups: DataFrame | None = None
+    gaps: Mapping[str, DataFrame] = dataclasses.field(default_factory=dict)
 
 
 def prepare(spark: SparkSession, cfg: EnrichConfig, ck: CheckpointLayout, spec: StateSpec,

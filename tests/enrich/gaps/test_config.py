@@ -40,8 +40,8 @@ def test_gaps_are_read_with_a_column_or_a_duration_and_their_defaults() -> None:
 
 @pytest.mark.parametrize(("gaps", "message"), [
     ({"expected_every": "-5s", "output": {"kafka": {"topic": "g"}}}, r"gaps\.expected_every: expected a duration"),
-    ({"expected_every": 0, "output": {"kafka": {"topic": "g"}}}, r"gaps\.expected_every: must be positive"),
-    ({"expected_every": "30s", "after": 0, "output": {"kafka": {"topic": "g"}}}, r"gaps\.after: must be positive"),
+    ({"expected_every": 0, "output": {"kafka": {"topic": "g"}}}, r"gaps\.expected_every: must be positive and at most"),
+    ({"expected_every": "30s", "after": 0, "output": {"kafka": {"topic": "g"}}}, r"gaps\.after: must be positive and at most 1000"),
     ({"expected_every": "30s", "idle_after": "0s", "output": {"kafka": {"topic": "g"}}},
      r"gaps\.idle_after: must be positive"),
     ({"expected_every": "30s", "output": {}}, r"gaps\.output: gaps need an output"),

@@ -142,3 +142,16 @@ def test_an_interval_column_is_seconds_or_a_duration(every: pa.Array) -> None:
     from enrich.gaps.engine import every_us
 
     assert every_us(every).to_pylist() == [30 * S, None]
+
+
+def test_an_interval_that_is_not_a_positive_number_of_at_most_31_years_is_none() -> None:
+    from enrich.gaps.engine import every_us
+
+    bad = pa.array([0.0, -5.0, float("nan"), float("inf"), 1e300, 2e9, 1e9, 0.5])
+    assert every_us(bad).to_pylist() == [None, None, None, None, None, None, 10**15, 500_000]
+    assert every_us(pa.array([-30_000_000, 0], pa.duration("us"))).to_pylist() == [None, None]
+    run = Run()  # a device whose interval is none gets no gap, counted; nothing fails
+    got = advance(SPEC, None, None, events(("d1", 100, 0, None, None)).set_column(
+        3, EVERY, every_us(pa.array([1e300]))), {0: 10**12}, None)
+    assert (got.records.num_rows, got.no_interval) == (0, 1)
+    assert run.batch() == []

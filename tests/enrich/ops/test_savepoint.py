@@ -382,3 +382,13 @@ def test_a_savepoint_of_no_device_forks_an_empty_state(
     fork(spark, same, point)
     forked = settled(kafka, same["output"]["kafka"]["topic"], 1)
     assert list(forked) == [3] and forked[3]["state"]["events"] == 1
+
+
+def test_the_source_offsets_of_a_batch_leave_the_tick_sources_out(tmp_path: Path) -> None:
+    """A job with the tick source (gaps, idle_finalize, a fill by a join's keys) has its offset beside
+    the topics' in the offset log: a savepoint reads the topics' only (it failed on the tick's before)."""
+    ck = CheckpointLayout(tmp_path)
+    ck.offsets.mkdir(parents=True)
+    (ck.offsets / "4").write_text('v1\n{"batchTimestampMs": 5}\n{"events": {"0": 3, "1": 7}, "@topic_ids": '
+                                  '{"events": "x"}}\n{"ms": 1796314669455}\n')
+    assert sp._sources(ck, 4) == {("events", 0): 3, ("events", 1): 7}

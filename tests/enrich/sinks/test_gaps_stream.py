@@ -1,7 +1,8 @@
 """Gaps in the running job (enrich.gaps, the state step's part in enrich/state/processor.py, the
 driver's in enrich/sinks/gaps.py), on real Spark (local), the real broker and MariaDB: a silent
 device's gap opened against its partition's time, retracted by its late readings, opened again and
-closed, across a restart, each record written once to the topic and the table."""
+closed, across a restart and a fork from a savepoint onto more buckets, each record written once
+to the topic and the table."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from pyspark.sql import SparkSession
 from enrich import config
 from enrich.gaps.engine import gap_id
 from enrich.job import EnrichJob
+from enrich.ops.savepoint import take
 from refstream.contract import Column, DatasetSchema
 from tests.enrich.helpers import changelog, produce_events, publish, read_all
 
@@ -74,8 +76,15 @@ def test_a_silent_devices_gap_opens_is_retracted_opens_again_and_closes_once_eac
         EnrichJob(cfg, available_now=True).run(spark)
         first = read_all(kafka, data["gaps"]["output"]["kafka"]["topic"])
         assert [json.loads(m.value())["kind"] for m in first] == ["opened"]
+        take(cfg, tmp_path / "savepoint", spark=spark)
         produce_events(kafka, data["events"]["topic"], THEN)
         EnrichJob(cfg, available_now=True).run(spark)  # a restart: the gaps and the partitions' times kept
+    # A fork of the savepoint onto 8 buckets (4 before) writes the same records after it, to its own topic.
+    fork = {**data, "checkpoint": str(tmp_path / "fork"), "output": {"parquet": {"path": str(tmp_path / "fork-out")}},
+            "state": {**data["state"], "buckets": 8}, "gaps": {**data["gaps"], "output": {"kafka": {
+                "topic": unique("fork-gaps")}}}}
+    EnrichJob(config.parse(fork, "fork.yaml"), available_now=True, from_savepoint=tmp_path / "savepoint").run(spark)
+    forked = [json.loads(m.value()) for m in read_all(kafka, fork["gaps"]["output"]["kafka"]["topic"])]
 
     records = read_all(kafka, data["gaps"]["output"]["kafka"]["topic"])
     values = [json.loads(m.value()) for m in records]
@@ -84,6 +93,7 @@ def test_a_silent_devices_gap_opens_is_retracted_opens_again_and_closes_once_eac
     one, two = gap_id("c", t0 + 10 * S), gap_id("c", t0 + 28 * S)
     assert [(v["kind"], v["gap_id"]) for v in values] == [("opened", one), ("retracted", one), ("opened", two),
                                                          ("closed", two)], values
+    assert forked == values[1:]  # the retraction names the gap the savepoint's job opened
     opened, _, again, closed = values
     assert (opened["device_id"], opened["last_seen"], opened["opened_at"], opened["expected_every_s"],
             opened["site"], opened["partition"]) == ("c", iso(10), iso(40), 10.0, "s-c", 0)
