@@ -80,6 +80,8 @@ rollups:
   - {name: d_1m, by: [device_id], window: 1m, metrics: {t: [mean, p95]}, correct_for: 1h, fill: true, idle_finalize: 2m,
      output: {parquet: {path: var/d_1m}, kafka: {topic: d_1m},
               database: {url: "postgresql://u@127.0.0.1:9/db", table: d_1m, statement_timeout: 5s}}}
+gaps: {expected_every: 30s, after: 2, idle_after: 1m,
+       output: {kafka: {topic: gaps}, database: {url: "postgresql://u@127.0.0.1:9/db", table: gaps, statement_timeout: 5s}}}
 """
 OUTPUTS = ("{kafka: {topic: out, transactional_id: tx}}", "{parquet: {path: var/out}}", "{console: {rows: 5}}",
            "{database: {url: 'postgresql://u@h/d', table: t, write: state}, kafka: {topic: out}}")
