@@ -4,7 +4,8 @@ sink task (``output.database`` alone) does the same after writing its rows, befo
 
 Run the job through it: ``python -m tests.enrich.kill [job:]BATCH[+]:SLOT|*:FLAG run --config F ...``
 (or ``rollup:BATCH:FLAG``: the driver kills the job once the first rollup's rows of the batch are
-written, :func:`kill_after_rollup_rows`).
+written, :func:`kill_after_rollup_rows`; ``gaps:KIND:FLAG``: once a batch's gap records with one of
+``KIND`` are written, :func:`kill_after_gaps`).
 It replaces the sink's task writer with :class:`KillingTaskWriter` and runs ``enrich``'s CLI; the
 writer travels to the workers pickled (its class by reference: the workers import this module, so
 ``tests`` must be on their ``PYTHONPATH``). The first task of ``SLOT`` (``*``: any) writing records in
@@ -320,6 +321,28 @@ def kill_after_rollup_rows(batch: int, flag: str, every: bool = False) -> None:
     rollups.RollupWriter._parquet = killing  # type: ignore[method-assign]
 
 
+def kill_after_gaps(kind: str, flag: str) -> None:
+    """The ``gaps:KIND:FLAG`` kill point: once the first batch whose gap records include one of
+    ``KIND`` has written them (the topic and its ledger, the table and its fence, ``gaps.json``),
+    before Spark commits it, SIGKILL the job (``FLAG`` created first, so it fires once)."""
+    from enrich.sinks import gaps
+
+    write = gaps.GapWriter.write
+
+    def killing(self: Any, batch_id: int, *args: Any) -> Any:
+        done = write(self, batch_id, *args)
+        if done.kinds.get(kind):
+            try:
+                os.close(os.open(flag, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                return done
+            Path(flag).write_text(str(batch_id))
+            kill_session()
+        return done
+
+    gaps.GapWriter.write = killing  # type: ignore[method-assign]
+
+
 def main(argv: list[str]) -> int:
     import functools
 
@@ -328,6 +351,10 @@ def main(argv: list[str]) -> int:
     from enrich.sinks.kafka import sink
     from tests.enrich import kill  # this module by its name, not as __main__: pickled by reference
 
+    if argv[0].startswith("gaps:"):  # gaps:KIND:FLAG
+        _, kind, flag = argv[0].split(":", 2)
+        kill.kill_after_gaps(kind, flag)
+        return cli.main(argv[1:])
     if argv[0].startswith(("rollup:", "rollups:")):  # rollup[s]:BATCH:FLAG
         which, batch, flag = argv[0].split(":", 2)
         kill.kill_after_rollup_rows(int(batch), flag, every=which == "rollups")

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import sqlalchemy as sa
+import yaml
 from pyspark.sql import SparkSession
 
 from enrich import config
@@ -24,6 +25,8 @@ from enrich.job import EnrichJob
 from enrich.ops.savepoint import take
 from refstream.contract import Column, DatasetSchema
 from tests.enrich.helpers import changelog, produce_events, publish, read_all
+from tests.enrich.process import start_job
+from tests.timing import bound
 
 pytestmark = pytest.mark.integration
 
@@ -50,11 +53,8 @@ THEN = [ev("a", 50), ev("b", 50), ev("a", 55),
         ev("a", 70), ev("b", 70), ev("c", 90)]            # c's second gap closes at 90
 
 
-def test_a_silent_devices_gap_opens_is_retracted_opens_again_and_closes_once_each(
-        spark: SparkSession, kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path,
-        mysql_url: str, caplog: pytest.LogCaptureFixture) -> None:
-    table = unique("gaps")
-    data = {
+def make_config(kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path, db_url: str) -> dict[str, Any]:
+    return {
         "kafka": {"bootstrap_servers": kafka["bootstrap.servers"]},
         "events": {"topic": unique("events"), "schema": "device_id STRING, ts TIMESTAMP",
                    "starting_offsets": "earliest"},
@@ -65,11 +65,21 @@ def test_a_silent_devices_gap_opens_is_retracted_opens_again_and_closes_once_eac
         "max_events_per_batch": 3,
         "state": {"key": "device_id", "timestamp": "ts", "ttl": "1h", "watermark": "1m", "buckets": 4},
         "gaps": {"expected_every": "report_s", "after": 3,
-                 "output": {"kafka": {"topic": unique("gaps")}, "database": {"url": mysql_url, "table": table}}},
+                 "output": {"kafka": {"topic": unique("gaps")}, "database": {"url": db_url, "table": unique("gaps")}}},
     }
+
+
+def seed_devices(kafka: dict[str, str], data: dict[str, Any]) -> None:
     publish(kafka, data["joins"][0]["topic"], changelog(DEVICES, [
         {"device_id": d, "site": f"s-{d}", "report_s": 10} for d in "abc"] + [
         {"device_id": "d", "site": "s-d", "report_s": None}]))
+
+
+def test_a_silent_devices_gap_opens_is_retracted_opens_again_and_closes_once_each(
+        spark: SparkSession, kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path,
+        mysql_url: str, caplog: pytest.LogCaptureFixture) -> None:
+    data = make_config(kafka, unique, tmp_path, mysql_url)
+    seed_devices(kafka, data)
     cfg = config.parse(data, "test.yaml")
     produce_events(kafka, data["events"]["topic"], FIRST)
     with caplog.at_level(logging.INFO, logger="enrich.sinks.gaps"):
@@ -86,6 +96,15 @@ def test_a_silent_devices_gap_opens_is_retracted_opens_again_and_closes_once_eac
     EnrichJob(config.parse(fork, "fork.yaml"), available_now=True, from_savepoint=tmp_path / "savepoint").run(spark)
     forked = [json.loads(m.value()) for m in read_all(kafka, fork["gaps"]["output"]["kafka"]["topic"])]
 
+    values = check_records(kafka, data)
+    assert forked == values[1:]  # the retraction names the gap the savepoint's job opened
+    logged = [r.getMessage() for r in caplog.records if "gap records" in r.getMessage()]
+    assert sum(int(n) for line in logged for n in re.findall(r"[a-z_]+ (\d+)", line.split("gap records")[1])) == 4, \
+        logged  # each record in the line of the batch that wrote it, none twice
+
+
+def check_records(kafka: dict[str, str], data: dict[str, Any]) -> list[dict[str, Any]]:
+    """The expected records, once each, in the topic and the table; returns the topic's."""
     records = read_all(kafka, data["gaps"]["output"]["kafka"]["topic"])
     values = [json.loads(m.value()) for m in records]
     assert [m.key().decode() for m in records] == [v["gap_id"] for v in values]
@@ -93,7 +112,6 @@ def test_a_silent_devices_gap_opens_is_retracted_opens_again_and_closes_once_eac
     one, two = gap_id("c", t0 + 10 * S), gap_id("c", t0 + 28 * S)
     assert [(v["kind"], v["gap_id"]) for v in values] == [("opened", one), ("retracted", one), ("opened", two),
                                                          ("closed", two)], values
-    assert forked == values[1:]  # the retraction names the gap the savepoint's job opened
     opened, _, again, closed = values
     assert (opened["device_id"], opened["last_seen"], opened["opened_at"], opened["expected_every_s"],
             opened["site"], opened["partition"]) == ("c", iso(10), iso(40), 10.0, "s-c", 0)
@@ -101,13 +119,34 @@ def test_a_silent_devices_gap_opens_is_retracted_opens_again_and_closes_once_eac
     assert (closed["start"], closed["end"], closed["duration_s"]) == (iso(28), iso(90), 62.0)
 
     # The table holds the same records, one row each by (gap_id, kind).
-    engine = sa.create_engine(mysql_url)
+    db = data["gaps"]["output"]["database"]
+    engine = sa.create_engine(db["url"])
     with engine.connect() as conn:
-        rows = conn.execute(sa.text(f"SELECT gap_id, kind, device_id, duration_s FROM {table} "
-                                    "ORDER BY gap_id, kind")).all()
+        rows = conn.execute(sa.text(f"SELECT gap_id, kind, device_id, duration_s FROM {db['table']}")).all()
     engine.dispose()
     assert sorted((r[0], r[1], r[2], r[3]) for r in rows) == sorted(
         (v["gap_id"], v["kind"], "c", v.get("duration_s")) for v in values)
-    logged = [r.getMessage() for r in caplog.records if "gap records" in r.getMessage()]
-    assert sum(int(n) for line in logged for n in re.findall(r"[a-z_]+ (\d+)", line.split("gap records")[1])) == 4, \
-        logged  # each record in the line of the batch that wrote it, none twice
+    return values
+
+
+def test_a_sigkill_after_a_batchs_gap_records_are_written_writes_none_again(
+        kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path, pg_url: str) -> None:
+    """Killed once the batch that retracts c's first gap has written its records (the topic and its
+    ledger, the table and its fence, gaps.json), before Spark commits it: the restart replays the
+    batch against the partition times it first had, and writes none of its records again."""
+    data = make_config(kafka, unique, tmp_path, pg_url)
+    seed_devices(kafka, data)
+    produce_events(kafka, data["events"]["topic"], FIRST + THEN)
+    config_path = tmp_path / "enrich.yaml"
+    config_path.write_text(yaml.safe_dump({**data, "spark": {"spark.sql.shuffle.partitions": "2"}}))
+    flag, log = tmp_path / "killed", tmp_path / "job.log"
+    proc = start_job(config_path, log, "--available-now", kill=f"gaps:retracted:{flag}")
+    assert proc.wait(bound(300)) != 0, log.read_text()[-3000:]
+    assert flag.exists(), log.read_text()[-3000:]
+    batch = int(flag.read_text())
+    proc = start_job(config_path, log, "--available-now")
+    assert proc.wait(bound(300)) == 0, log.read_text()[-3000:]
+    text = log.read_text()
+    assert re.search(rf"batch {batch} already committed to gaps_\w+ \(last {batch}\): skipped", text), text[-3000:]
+    assert re.search(rf"batch {batch} slot 0: committed to gaps_\w+ before; skipped", text), text[-3000:]
+    check_records(kafka, data)
