@@ -273,14 +273,14 @@ def _state_plan(cfg: EnrichConfig, parsed: StructType, schemas: Mapping[str, Dat
         passed.append(StructField(PROVISIONAL, BooleanType(), True))
     calls = _check_calls(cfg, spec, [f.name for f in passed]) if cfg.calls else None
     schema = StructType(passed + output_fields(spec, calls.result_columns() if calls is not None else ()))
-    rollups = _rollups(cfg, passed, enriched, specs)
-    gaps = _gaps(cfg, passed, enriched, specs, dims, spec) if cfg.gaps is not None else None
+    rollups = _rollups(cfg, passed, enriched, specs, timezone)
+    gaps = _gaps(cfg, passed, enriched, specs, dims, spec, timezone) if cfg.gaps is not None else None
     return StatePlan(spec=spec, before=tuple(before), before_specs=tuple(specs), inner=inner, joined=joined,
                      dims=dims, passed=tuple(passed), schema=schema, calls=calls, rollups=rollups, gaps=gaps)
 
 
 def _gaps(cfg: EnrichConfig, passed: list[StructField], enriched: StructType, before: Sequence[JoinSpec],
-          dims: Sequence[PartitionedDim], spec: StateSpec) -> GapSpec:
+          dims: Sequence[PartitionedDim], spec: StateSpec, timezone: str) -> GapSpec:
     """The gaps against the columns the state step sees: ``expected_every``'s column, a number of
     seconds or an interval; the records carry every column the joins before and inside the step add."""
     assert cfg.gaps is not None and cfg.state is not None
@@ -295,19 +295,19 @@ def _gaps(cfg: EnrichConfig, passed: list[StructField], enriched: StructType, be
                                   "(docs/gaps.md)")
             raise ConfigError(f"{where}: no such column (have: "
                               f"{', '.join(sorted(n for n in types if not n.startswith('_')))})")
-        t = to_arrow_type(types[name])
+        t = to_arrow_type(types[name], timezone=timezone)
         if not (pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_decimal(t)
                 or pa.types.is_duration(t)):
             raise ConfigError(f"{where}: {name!r} is {types[name].simpleString()}; expected a number of seconds or "
                               "an interval")
     refs = [out for s in before for _, out in s.columns] + [out for d in dims for _, out in d.join.columns]
     return GapSpec(key=cfg.state.key, key_type=spec.key_type, after=g.after, every_us=every_us, every_column=g.every_column,
-                   refs=tuple((r, to_arrow_type(types[r])) for r in dict.fromkeys(refs) if r != cfg.state.key),
+                   refs=tuple((r, to_arrow_type(types[r], timezone=timezone)) for r in dict.fromkeys(refs) if r != cfg.state.key),
                    ttl_us=cfg.state.ttl // timedelta(microseconds=1), topic=cfg.events.topic)
 
 
 def _rollups(cfg: EnrichConfig, passed: list[StructField], enriched: StructType,
-             before: Sequence[JoinSpec]) -> tuple[RollupSpec, ...]:
+             before: Sequence[JoinSpec], timezone: str) -> tuple[RollupSpec, ...]:
     """The rollups resolved against the columns the state step passes (the events' fields and the
     columns of the joins before and inside it): each is computed there. A ``fill`` whose ``by``
     columns all come from one broadcast join (``before``: its columns, at least one, and its key)
@@ -328,12 +328,13 @@ def _rollups(cfg: EnrichConfig, passed: list[StructField], enriched: StructType,
                               f"{', '.join(sorted(n for n in types if not n.startswith('_')))})")
         try:
             out.append(RollupSpec(
-                name=r.name, by=r.by, by_types=tuple(to_arrow_type(types[b]) for b in r.by),
+                name=r.name, by=r.by, by_types=tuple(to_arrow_type(types[b], timezone=timezone) for b in r.by),
                 window_us=r.window // timedelta(microseconds=1),
-                metrics=tuple((c, ms, to_arrow_type(types[c])) for c, ms in r.metrics),
+                metrics=tuple((c, ms, to_arrow_type(types[c], timezone=timezone)) for c, ms in r.metrics),
                 correct_for_us=(r.correct_for or cfg.state.ttl) // timedelta(microseconds=1), fill=r.fill,
                 idle_finalize_us=r.idle_finalize // timedelta(microseconds=1) if r.idle_finalize else None,
-                fill_keys=_fill_keys(r.by, before) if r.fill else None))
+                fill_keys=_fill_keys(r.by, before) if r.fill else None,
+                gaps=r.fill and cfg.gaps is not None and r.by == (cfg.state.key,)))
         except ValueError as exc:
             raise ConfigError(f"{where}: {exc}") from None
     return tuple(out)

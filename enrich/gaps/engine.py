@@ -255,7 +255,7 @@ def _device(spec: GapSpec, key: Any, row: dict[str, Any] | None, device: list[di
                 out.closed(key, cur[OPEN], last, t, cur)
                 device.append(_closed(cur, cur[OPEN], last, t, refs))
             else:
-                out.retracted(key, cur[OPEN], cur)
+                out.retracted(key, cur[OPEN], cur, last, None)
             cur[OPEN] = cur[OPENED_AT] = None
         elif silent:  # silent between two events read at once: opened and closed
             gid = gap_id(key, last)
@@ -280,7 +280,7 @@ def _split(spec: GapSpec, key: Any, t: int, every: int | None, device: list[dict
         if not g[START] < t < g[END]:
             continue
         device.remove(g)
-        out.retracted(key, g[OPEN], g)
+        out.retracted(key, g[OPEN], g, g[START], g[END])
         parts = [(g[START], t, g[EVERY]), (t, g[END], every)]
         for s, e, ev in parts:
             if ev is not None and e - s >= spec.threshold(ev):
@@ -311,8 +311,9 @@ class _Records:
         self.rows.append({**self._base("closed", key, gid, device), "last_seen": start, "start": start, "end": end,
                           "duration_s": (end - start) / 1e6})
 
-    def retracted(self, key: Any, gid: str, device: Mapping[str, Any]) -> None:
-        self.rows.append(self._base("retracted", key, gid, device))
+    def retracted(self, key: Any, gid: str, device: Mapping[str, Any], start: int, end: int | None) -> None:
+        """The gap withdrawn: its ``start`` and, a closed one's, ``end``."""
+        self.rows.append({**self._base("retracted", key, gid, device), "start": start, "end": end})
 
     def table(self) -> pa.Table:
         return records(self.spec, self.rows)

@@ -36,6 +36,7 @@ inputs give the same tables.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -53,6 +54,7 @@ from enrich.rollups.spec import (
     FINAL,
     FINAL_KIND,
     FINALIZED_BY,
+    GAP,
     KIND,
     LATE_EVENT,
     PROVISIONAL_KIND,
@@ -67,9 +69,45 @@ from enrich.rollups.spec import (
 
 def state_schema(spec: RollupSpec) -> pa.Schema:
     """A bucket's state: its window table, with each window's last revision written and whether a
-    final row was written."""
+    final row was written (and, marking gaps, whether it lies in a gap of its device)."""
     return pa.schema([*spec.window_schema(), pa.field(REVISION, pa.int64(), False),
-                      pa.field(FINAL, pa.bool_(), False)])
+                      pa.field(FINAL, pa.bool_(), False), *([pa.field(GAP, pa.bool_(), False)] if spec.gaps else [])])
+
+
+@dataclass(frozen=True)
+class Marks:
+    """A batch's gaps of the devices of a per-device rollup (``by`` the state key): the closed ones
+    (their empty windows lie in a gap) and the withdrawn ones (theirs no longer do, unless a closed
+    one holds them), each ``(key, start µs, end µs or None: open)``."""
+
+    closed: tuple[tuple[Any, int, int | None], ...] = ()
+    withdrawn: tuple[tuple[Any, int, int | None], ...] = ()
+
+    @classmethod
+    def of(cls, table: pa.Table | None) -> Marks:
+        """From the state step's table (``key``, ``start``, ``end``, ``closed``)."""
+        if table is None or not table.num_rows:
+            return cls()
+        rows = list(zip(table.column("key").to_pylist(), table.column("start").to_pylist(),
+                        table.column("end").to_pylist(), table.column("closed").to_pylist(), strict=True))
+        return cls(tuple((k, s, e) for k, s, e, c in rows if c), tuple((k, s, e) for k, s, e, c in rows if not c))
+
+
+def _marked(spec: RollupSpec, windows: pa.Table, old: np.ndarray, marks: Marks) -> np.ndarray:
+    """Each window's ``_gap`` after ``marks``: a window of no events wholly inside a closed gap of its
+    device is in a gap; one inside a withdrawn gap is not, unless a closed one holds it."""
+    gap = old.copy()
+    if not windows.num_rows or not (marks.closed or marks.withdrawn):
+        return gap
+    keys = np.asarray(windows.column(spec.by[0]).to_pylist(), dtype=object)
+    start = as_numpy(windows.column(WINDOW_START))
+    end = start + spec.window_us
+    empty = as_numpy(windows.column(EVENTS)) == 0
+    for marked, intervals in ((False, marks.withdrawn), (True, marks.closed)):
+        for k, s, e in intervals:
+            inside = (keys == k) & (start >= s) & (end <= (e if e is not None else np.iinfo(np.int64).max))
+            gap[inside & (empty if marked else True)] = marked
+    return gap & empty
 
 
 @dataclass(frozen=True)
@@ -85,16 +123,20 @@ class Advanced:
 
 
 def advance(spec: RollupSpec, state: pa.Table | None, partials: pa.Table | None,
-            watermark_us: int | None) -> Advanced:
+            watermark_us: int | None, marks: Marks | None = None) -> Advanced:
     """Fold one micro-batch's window table into the bucket's state and write what changed (see the
     module docstring). ``watermark_us``: the batch's watermark in microseconds (None: the
-    watermark makes no window final and drops none)."""
+    watermark makes no window final and drops none). ``marks``: the batch's gaps of the rollup's
+    devices (:class:`Marks`; a rollup that marks gaps): a window whose ``_gap`` they change is
+    written again."""
     sschema, wschema = state_schema(spec), spec.window_schema()
     state = sschema.empty_table() if state is None else state.cast(sschema)
     batch = wschema.empty_table() if partials is None else partials.cast(wschema)
     stored = state.num_rows
     if stored + batch.num_rows == 0:
         return Advanced(state, spec.output_schema().empty_table(), 0)
+    gaps_before = np.concatenate([as_numpy(state.column(GAP)), np.zeros(batch.num_rows, bool)]) if spec.gaps \
+        else None
 
     windows = pa.concat_tables([state.select(wschema.names), batch])
     order, starts = sort_groups(windows, [*spec.by, WINDOW_START])
@@ -119,14 +161,19 @@ def advance(spec: RollupSpec, state: pa.Table | None, partials: pa.Table | None,
     end = as_numpy(windows.column(WINDOW_START)) + spec.window_us
     reached = end <= watermark_us if watermark_us is not None else np.zeros(len(end), bool)
     written = touched | (reached & ~was_final)
+    gap = None
+    if gaps_before is not None:
+        old = np.logical_or.reduceat(gaps_before[order], starts)
+        gap = _marked(spec, windows, old, marks or Marks())
+        written |= gap != old
     # A final window (by the watermark or idle) only ever gets corrections after its final row.
     kind = np.where(was_final, CORRECTION_KIND, np.where(reached, FINAL_KIND, PROVISIONAL_KIND))
     revision = revision + written
     final = was_final | reached
-    rows = _rows(spec, windows, written, kind, revision, BY_WATERMARK)
+    rows = _rows(spec, windows, written, kind, revision, BY_WATERMARK, gap)
     evict = final & (end + spec.correct_for_us <= watermark_us) if watermark_us is not None \
         else np.zeros(len(end), bool)
-    new_state = _state(windows, revision, final).filter(pa.array(~evict))
+    new_state = _state(windows, revision, final, gap).filter(pa.array(~evict))
     return Advanced(new_state, rows, int(evict.sum()), corrected)
 
 
@@ -198,8 +245,9 @@ def finalize_idle(spec: RollupSpec, state: pa.Table | None) -> Advanced:
     revision = as_numpy(state.column(REVISION)) + written
     windows = state.select(spec.window_schema().names)
     kind = np.full(state.num_rows, FINAL_KIND)
-    rows = _rows(spec, windows, written, kind, revision, BY_IDLE)
-    return Advanced(_state(windows, revision, np.ones(state.num_rows, bool)), rows, 0)
+    gap = as_numpy(state.column(GAP)).astype(bool) if spec.gaps else None
+    rows = _rows(spec, windows, written, kind, revision, BY_IDLE, gap)
+    return Advanced(_state(windows, revision, np.ones(state.num_rows, bool), gap), rows, 0)
 
 
 def beyond_horizon(spec: RollupSpec, ts_us: np.ndarray, watermark_us: int | None) -> np.ndarray:
@@ -227,15 +275,17 @@ def state_from_ipc(data: bytes, spec: RollupSpec) -> pa.Table:
     return table
 
 
-def _state(windows: pa.Table, revision: np.ndarray, final: np.ndarray) -> pa.Table:
-    return (windows.append_column(pa.field(REVISION, pa.int64(), False), pa.array(revision, pa.int64()))
-            .append_column(pa.field(FINAL, pa.bool_(), False), pa.array(final, pa.bool_())))
+def _state(windows: pa.Table, revision: np.ndarray, final: np.ndarray, gap: np.ndarray | None = None) -> pa.Table:
+    out = (windows.append_column(pa.field(REVISION, pa.int64(), False), pa.array(revision, pa.int64()))
+           .append_column(pa.field(FINAL, pa.bool_(), False), pa.array(final, pa.bool_())))
+    return out if gap is None else out.append_column(pa.field(GAP, pa.bool_(), False), pa.array(gap, pa.bool_()))
 
 
 def _rows(spec: RollupSpec, windows: pa.Table, written: np.ndarray, kind: np.ndarray, revision: np.ndarray,
-          finalized_by: str) -> pa.Table:
+          finalized_by: str, gap: np.ndarray | None = None) -> pa.Table:
     """The output rows of the ``written`` windows: their metrics, and ``kind`` and ``revision`` per
-    window; ``finalized_by`` is what a final row says made it final."""
+    window; ``finalized_by`` is what a final row says made it final; ``gap`` (a rollup marking
+    gaps) whether each window lies in a gap of its device."""
     schema = spec.output_schema()
     pick = pa.array(np.flatnonzero(written))
     t = windows.take(pick)
@@ -269,6 +319,8 @@ def _rows(spec: RollupSpec, windows: pa.Table, written: np.ndarray, kind: np.nda
     out[EVENTS] = t.column(EVENTS).combine_chunks()
     out[FINALIZED_BY] = pa.array(np.full(len(kind), finalized_by), pa.string(), mask=kind != FINAL_KIND)
     out[CAUSE] = pa.array(np.full(len(kind), LATE_EVENT), pa.string(), mask=kind != CORRECTION_KIND)
+    if spec.gaps:
+        out[GAP] = pa.array(gap[written] if gap is not None else np.zeros(len(kind), bool), pa.bool_())
     return pa.Table.from_arrays([out[f.name].cast(f.type) for f in schema], schema=schema)
 
 

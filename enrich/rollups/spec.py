@@ -33,6 +33,9 @@ QUANTILES: dict[Metric, float] = {"p50": 0.50, "p95": 0.95, "p99": 0.99}
 WINDOW_START, WINDOW_END = "window_start", "window_end"
 KIND, REVISION, EVENTS, FINALIZED_BY, CAUSE = "_kind", "_revision", "_events", "_finalized_by", "_cause"
 FINAL = "_final"
+#: A per-device rollup's window inside a gap of its device (``gaps:``, with ``fill``): the row says
+#: the device was silent, not that it had nothing to report.
+GAP = "_gap"
 #: ``_kind`` values; ``_finalized_by`` values (a final row's); ``_cause`` of a correction.
 PROVISIONAL_KIND, FINAL_KIND, CORRECTION_KIND = "provisional", "final", "correction"
 BY_WATERMARK, BY_IDLE = "watermark", "idle"
@@ -94,6 +97,9 @@ class RollupSpec:
     #: With ``fill``: the dataset of the broadcast join every ``by`` column comes from (its key or its
     #: columns), whose every key gets a row for each window the watermark passes; None: keys with events.
     fill_keys: str | None = None
+    #: With ``fill`` by the state key alone and ``gaps:``: each row says whether its window lies in a
+    #: gap of its device (``_gap``), from the gaps the state step closes and withdraws.
+    gaps: bool = False
 
     @property
     def needs_ticks(self) -> bool:
@@ -149,6 +155,8 @@ class RollupSpec:
         fields += [pa.field(KIND, pa.string(), False), pa.field(REVISION, pa.int64(), False),
                    pa.field(EVENTS, pa.int64(), False), pa.field(FINALIZED_BY, pa.string()),
                    pa.field(CAUSE, pa.string())]
+        if self.gaps:
+            fields.append(pa.field(GAP, pa.bool_(), False))
         return pa.schema(fields)
 
     def window_schema(self) -> pa.Schema:

@@ -126,6 +126,7 @@ class DeviceStateProcessor(StatefulProcessor):
         self.server_timeout_s = server_timeout_s
         self.rollups, self.rollup_ids, self.inner = rollups, rollup_ids, inner
         self.gaps, self.gap_records = gaps, gap_records
+        self._gap_done: pa.Table | None = None   # this call's gap records (the rollups' marks)
         self._loaded: str | None = None
         self._sizes = (0, 0)
         self._types = {spec.key: spec.key_type, spec.timestamp: pa.int64(),
@@ -153,6 +154,7 @@ class DeviceStateProcessor(StatefulProcessor):
     def handleInputRows(self, key: Any, rows: Iterator[pd.DataFrame],  # type: ignore[override]
                         timerValues: TimerValues) -> Iterator[pd.DataFrame]:
         settle()
+        self._gap_done = None
         kinds = packed.unpack_kinds(rows)
         # A batch's changelog records come first: its events see the dimension as of their end.
         versions = [self._dimension(i, kinds.get(d.kind)) for i, d in enumerate(self.dims)]
@@ -230,6 +232,8 @@ class DeviceStateProcessor(StatefulProcessor):
         home = bucket  # the events stay with the rollup bucket of the same grouping key
         parts = [(home, packs.EVENTS, v) for v in packed.pack_output(out.drop_columns([TS_US]))[ROWS]]
         parts += fed.parts
+        if self.gaps is not None and self._gap_done is not None:  # the rollups that mark their devices' gaps
+            parts += rollups.gap_marks(self.rollups, self._gap_done, self.gaps.key, self.rollup_ids, bucket)
         if fed.dead is not None:
             parts.append((home, packs.DEAD, to_ipc(fed.dead)))
         return self._rollup_frame(parts, timer_values)
@@ -290,6 +294,7 @@ class DeviceStateProcessor(StatefulProcessor):
         stored = [from_ipc(g[0]) if g is not None else None for g in got]
         done = gap_engine.advance(spec, stored[0], stored[1], events if events is not None else _no_gap_events(spec),
                                   _gap_times(), watermark)
+        self._gap_done = done.records
         for var, t in ((self.gap_table, done.table), (self.gap_closed, done.closed)):
             if t.num_rows:
                 var.update((to_ipc(t),))

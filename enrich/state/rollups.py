@@ -144,6 +144,33 @@ def feed(specs: Sequence[RollupSpec], events: pa.Table, watermark_us: int | None
     return Fed(parts, dead)
 
 
+def gap_marks(specs: Sequence[RollupSpec], records: pa.Table, key: str, ids: Sequence[int],
+              source: int) -> list[tuple[int, str, bytes]]:
+    """The gaps state bucket ``source`` closed and withdrew this batch (its gap ``records``,
+    :mod:`enrich.gaps.engine`), for each rollup that marks them (``gaps``), in the rollup bucket of
+    each device (``key``: the state key, the rollup's one ``by`` column)."""
+    pick = pc.is_in(records.column("kind"), value_set=pa.array(["closed", "retracted"]))
+    got = records.filter(pick)
+    if not got.num_rows:
+        return []
+    marks = pa.table({"key": got.column(key), "start": pc.cast(got.column("start"), pa.int64()),
+                      "end": pc.cast(got.column("end"), pa.int64()),
+                      "closed": pc.equal(got.column("kind"), "closed")})
+    parts = []
+    for i, spec in enumerate(specs):
+        if not spec.gaps:
+            continue
+        rb = _route(pa.table({spec.by[0]: marks.column("key")}), spec.by, ids)
+        for b in sorted(set(rb.tolist())):
+            parts.append((int(b), gap_kind(i, source), to_ipc(marks.filter(pa.array(rb == b)))))
+    return parts
+
+
+def gap_kind(i: int, source: int) -> str:
+    """Rollup ``i``'s gap marks (:func:`gap_marks`) from state bucket ``source``."""
+    return f"gaps:{i}:{source}"
+
+
 class RollupProcessor(StatefulProcessor):
     """The rollup step: one call per rollup bucket and micro-batch. Passes every packed value but a
     rollup's partials on; folds each rollup's partials into the bucket's windows of it
@@ -185,19 +212,27 @@ class RollupProcessor(StatefulProcessor):
         kinds: list[str] = []
         values: list[bytes] = []
         got: dict[int, list[tuple[int, bytes]]] = {}
+        marked: dict[int, list[tuple[int, bytes]]] = {}
         for pdf in rows:
             for kind, value in zip(pdf.iloc[:, -2], pdf.iloc[:, -1], strict=True):
                 if kind.startswith("partial:"):
                     _, i, source = kind.split(":")
                     got.setdefault(int(i), []).append((int(source), value))
+                elif kind.startswith("gaps:"):
+                    _, i, source = kind.split(":")
+                    marked.setdefault(int(i), []).append((int(source), value))
                 elif kind != TICK:
                     kinds.append(kind)
                     values.append(value)
         # In the order of their source buckets, not the shuffle's: a replay merges them alike.
         partials = {i: [from_ipc(v) for _, v in sorted(parts, key=lambda p: p[0])] for i, parts in got.items()}
+        marks = {i: engine.Marks.of(pa.concat_tables([from_ipc(v) for _, v in sorted(parts, key=lambda p: p[0])]))
+                 for i, parts in marked.items()}
         watermark = self._watermark = watermark_us(timerValues)
         for i, empty in self._key_fill(watermark).items():
             partials.setdefault(i, []).append(empty)
+        for i in marks:  # a withdrawn gap rewrites windows even in a batch with no partials for them
+            partials.setdefault(i, []).append(self.specs[i].window_schema().empty_table())
         counts = []
         for i in sorted(partials):
             spec, parts = self.specs[i], partials[i]
@@ -206,7 +241,7 @@ class RollupProcessor(StatefulProcessor):
             if spec.fill:
                 batch = pa.concat_tables([batch.cast(spec.window_schema()),
                                           engine.fill(spec, state, batch, watermark)])
-            adv = self._advance(i, batch, watermark, kinds, values)
+            adv = self._advance(i, batch, watermark, kinds, values, marks.get(i))
             events = int(pc.sum(batch.column(EVENT_COUNT)).as_py() or 0)
             counts += [(spec.name, "counted", events - adv.corrected), (spec.name, "corrected", adv.corrected)]
         self._advance_rest(set(partials), watermark, kinds, values)
@@ -262,10 +297,10 @@ class RollupProcessor(StatefulProcessor):
             self._advance(i, None, watermark, kinds, values)
 
     def _advance(self, i: int, batch: pa.Table | None, watermark: int | None, kinds: list[str],
-                 values: list[bytes]) -> engine.Advanced:
-        """Rollup ``i``'s windows of the bucket folded with ``batch`` (:func:`enrich.rollups.engine.advance`),
-        stored, and the rows written appended to ``kinds``/``values``."""
-        adv = engine.advance(self.specs[i], self._load(i), batch, watermark)
+                 values: list[bytes], marks: engine.Marks | None = None) -> engine.Advanced:
+        """Rollup ``i``'s windows of the bucket folded with ``batch`` (:func:`enrich.rollups.engine.advance`,
+        with the batch's gap ``marks``), stored, and the rows written appended to ``kinds``/``values``."""
+        adv = engine.advance(self.specs[i], self._load(i), batch, watermark, marks)
         self._store(i, adv.state)
         if adv.rows.num_rows:
             kinds.append(rows_kind(i))

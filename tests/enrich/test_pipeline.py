@@ -3,6 +3,7 @@ stages in order, where the joins run, and what it refuses (Spark parses the DDL:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -182,6 +183,18 @@ def test_gaps_by_a_join_column_move_its_join_before_the_step_and_carry_the_joins
     # the before-join's columns and the partitioned join's, the device's reference columns
     assert [n for n, _ in g.refs] == ["region", "every_s", "model_id"]
     assert [(s.kind, s.name) for s in p.stages()][5] == ("gaps", "after 3 x every_s")
+    assert p.state.rollups == ()
+    marked = with_gaps("every_s")
+    marked = dataclasses.replace(marked, rollups=with_rollups(
+        {"name": "device", "by": ["device_id"], "window": "1m", "metrics": {"ts": ["count"]}, "fill": True},
+        {"name": "unfilled", "by": ["device_id"], "window": "1m", "metrics": {"temp": ["max"]}},
+        {"name": "by_site", "by": ["device_id", "site_id"], "window": "1m", "metrics": {"temp": ["max"]},
+         "fill": True}).rollups)
+    m = Pipeline.build(marked, GAP_SCHEMAS)
+    assert m.state is not None
+    # _gap: a filled rollup by the device alone; a metric over a timestamp column planned (it failed before)
+    assert [(r.name, r.gaps) for r in m.state.rollups] == [("device", True), ("unfilled", False), ("by_site", False)]
+    assert str(m.state.rollups[0].metrics[0][2]) == "timestamp[us, tz=UTC]"
     fixed = Pipeline.build(with_gaps("45s"), GAP_SCHEMAS)
     assert fixed.state is not None and fixed.state.gaps is not None
     assert (fixed.state.gaps.every_us, fixed.state.before) == (45 * 10**6, ())

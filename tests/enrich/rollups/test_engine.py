@@ -300,3 +300,30 @@ def test_fill_stays_within_the_correction_horizon_whatever_a_keys_first_window()
     # With a watermark: the windows whose end + correct_for is past it (from 47 on at 50).
     starts = [r["window_start"] for r in engine.fill(spec, None, parts, watermark_us=50 * W).to_pylist()]
     assert starts == [w * W for w in range(47, 100)]
+
+
+def test_a_per_device_rollup_marks_the_empty_windows_inside_its_devices_gaps() -> None:
+    """With gaps: the filled windows wholly inside a closed gap say _gap true; a withdrawn gap's say
+    false again (written again), unless a closed part of it still holds them; a window with events
+    is never in a gap."""
+    spec = RollupSpec(**{**SPEC.__dict__, "fill": True, "gaps": True, "correct_for_us": 10 * W})
+    assert spec.output_schema().field("_gap").type == pa.bool_()
+    parts = partial.partials(spec, events([("a", 10, 1.0), ("a", 5 * W + 1, 2.0), ("b", 10, 3.0)], spec))
+    filled = pa.concat_tables([parts, engine.fill(spec, None, parts)])
+    # a was silent from 10 to 5W + 1: windows 1 to 4 lie in the gap; b's window 0 has an event.
+    marks = engine.Marks(closed=(("a", 10, 5 * W + 1), ("b", 0, 2 * W)))
+    got = engine.advance(spec, None, filled, None, marks)
+    rows = {(r["dev"], r["window_start"]): r for r in as_dicts(got.rows)}
+    assert {k: r["_gap"] for k, r in rows.items()} == {
+        ("a", 0): False, ("a", W): True, ("a", 2 * W): True, ("a", 3 * W): True, ("a", 4 * W): True,
+        ("a", 5 * W): False, ("b", 0): False}
+    # A reading at 2.5W withdraws the gap; 2.5W..5W + 1 is still one: windows 3 and 4 stay in it.
+    late = partial.partials(spec, events([("a", 2 * W + W // 2, 4.0)], spec))
+    again = engine.advance(spec, got.state, late, None, engine.Marks(
+        closed=(("a", 2 * W + W // 2, 5 * W + 1),), withdrawn=(("a", 10, 5 * W + 1),)))
+    changed = {(r["dev"], r["window_start"]): (r["_gap"], r["_revision"], r["_events"]) for r in as_dicts(again.rows)}
+    assert changed == {("a", W): (False, 2, 0), ("a", 2 * W): (False, 2, 1)}
+    # Unmarked, the same rollup writes _gap false; an idle finalization keeps the marks.
+    idle = engine.finalize_idle(spec, again.state)
+    assert {(r["dev"], r["window_start"]): r["_gap"] for r in as_dicts(idle.rows)}[("a", 3 * W)] is True
+    assert not any(r["_gap"] for r in as_dicts(engine.advance(spec, None, filled, None).rows))

@@ -14,6 +14,8 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+import pandas as pd
+import pyarrow.parquet as pq
 import pytest
 import sqlalchemy as sa
 import yaml
@@ -38,6 +40,12 @@ S = 1_000_000
 
 def ev(device: str, seconds: float) -> dict[str, Any]:
     return {"device_id": device, "ts": (T0 + timedelta(seconds=seconds)).strftime("%Y-%m-%dT%H:%M:%S.%fZ")}
+
+
+def seconds(t: Any) -> float:
+    """A Parquet time (naive: UTC) as seconds after T0."""
+    t = pd.Timestamp(t)
+    return ((t if t.tzinfo is not None else t.tz_localize("UTC")) - T0).total_seconds()
 
 
 def iso(seconds: float) -> str:
@@ -66,6 +74,9 @@ def make_config(kafka: dict[str, str], unique: Callable[[str], str], tmp_path: P
         "state": {"key": "device_id", "timestamp": "ts", "ttl": "1h", "watermark": "1m", "buckets": 4},
         "gaps": {"expected_every": "report_s", "after": 3,
                  "output": {"kafka": {"topic": unique("gaps")}, "database": {"url": db_url, "table": unique("gaps")}}},
+        # A per-device rollup with fill marks the empty windows inside a gap of its device.
+        "rollups": [{"name": "device_10s", "by": ["device_id"], "window": "10s", "fill": True,
+                     "metrics": {"ts": ["count"]}, "output": {"parquet": {"path": str(tmp_path / "device_10s")}}}],
     }
 
 
@@ -97,6 +108,14 @@ def test_a_silent_devices_gap_opens_is_retracted_opens_again_and_closes_once_eac
     forked = [json.loads(m.value()) for m in read_all(kafka, fork["gaps"]["output"]["kafka"]["topic"])]
 
     values = check_records(kafka, data)
+    rows = pq.read_table(tmp_path / "device_10s").to_pandas()
+    latest = rows.sort_values("_revision").groupby(["device_id", "window_start"]).tail(1)
+    c = latest[latest["device_id"] == "c"].sort_values("window_start")
+    # c: events in windows 0, 10 and 20 (25, 28), silent from 28 to 90: windows 30 to 80 in the gap.
+    assert [(int(seconds(w)), n, g) for w, n, g in zip(c["window_start"], c["_events"], c["_gap"],
+                                                                     strict=True)] == [
+        (0, 1, False), (10, 1, False), (20, 2, False), *[(s, 0, True) for s in range(30, 90, 10)], (90, 1, False)]
+    assert not latest[latest["device_id"] != "c"]["_gap"].any()
     assert forked == values[1:]  # the retraction names the gap the savepoint's job opened
     logged = [r.getMessage() for r in caplog.records if "gap records" in r.getMessage()]
     assert sum(int(n) for line in logged for n in re.findall(r"[a-z_]+ (\d+)", line.split("gap records")[1])) == 4, \
