@@ -1,7 +1,7 @@
 """Gaps in the running job (enrich.gaps, the state step's part in enrich/state/processor.py, the
 driver's in enrich/sinks/gaps.py), on real Spark (local), the real broker and MariaDB: a silent
 device's gap opened against its partition's time, retracted by its late readings, opened again and
-closed, across a restart and a fork from a savepoint onto more buckets, each record written once
+closed, across a restart after a rescale and a fork from a savepoint onto more buckets, each record written once
 to the topic and the table."""
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from pyspark.sql import SparkSession
 from enrich import config
 from enrich.gaps.engine import gap_id
 from enrich.job import EnrichJob
+from enrich.ops.rescale import rescale
 from enrich.ops.savepoint import take
 from refstream.contract import Column, DatasetSchema
 from tests.enrich.helpers import changelog, produce_events, publish, read_all
@@ -98,6 +99,7 @@ def test_a_silent_devices_gap_opens_is_retracted_opens_again_and_closes_once_eac
         first = read_all(kafka, data["gaps"]["output"]["kafka"]["topic"])
         assert [json.loads(m.value())["kind"] for m in first] == ["opened"]
         take(cfg, tmp_path / "savepoint", spark=spark)
+        assert rescale(cfg, 4, spark=spark).after == 4  # the gap tables move with the state step's partitions
         produce_events(kafka, data["events"]["topic"], THEN)
         EnrichJob(cfg, available_now=True).run(spark)  # a restart: the gaps and the partitions' times kept
     # A fork of the savepoint onto 8 buckets (4 before) writes the same records after it, to its own topic.
