@@ -44,8 +44,9 @@ KEY, TS, PARTITION, EVERY = "_key", "_ts", "_partition", "_every"
 LAST, OPEN, OPENED_AT, START, END = "last_seen", "gap_id", "opened_at", "start", "end"
 _US = pa.timestamp("us", tz="UTC")
 #: The Spark local property the driver sets for a batch's tasks when the job has ``gaps:``: JSON
-#: ``{partition: time}``, the greatest event time (microseconds) each source partition reached in
-#: the batches before, recorded in the checkpoint so that a replay judges alike.
+#: ``{"times": {partition: time}, "now_us": the batch's time}``: the greatest event time
+#: (microseconds) each source partition reached in the batches before, recorded in the checkpoint,
+#: and the batch's wall-clock time from Spark's offset log, so that a replay judges alike.
 TIMES_PROPERTY = "refstream.gaps.times"
 
 
@@ -110,29 +111,34 @@ def gap_id(key: Any, start_us: int, end_us: int | None = None) -> str:
     return hashlib.sha1(text.encode()).hexdigest()[:20]
 
 
-def partition_times(pinned: Mapping[int, int], events: pa.Table) -> dict[int, int]:
+def partition_times(pinned: Mapping[int, int], events: pa.Table, now_us: int | None = None) -> dict[int, int]:
     """The time each partition has reached: ``pinned`` (the batches before, recorded by the driver)
-    and the greatest time of ``events`` per partition."""
+    and the greatest time of ``events`` per partition, each taken at most ``now_us`` (the batch's
+    wall-clock time): a device whose clock runs ahead moves its partition no further than now, so it
+    opens no gap for the others on it."""
     out = dict(pinned)
     if events.num_rows:
-        got = events.group_by(PARTITION, use_threads=False).aggregate([(TS, "max")])
+        ts = events.column(TS) if now_us is None else pc.min_element_wise(events.column(TS), pa.scalar(now_us))
+        got = pa.table({PARTITION: events.column(PARTITION), TS: ts}).group_by(
+            PARTITION, use_threads=False).aggregate([(TS, "max")])
         for p, t in zip(got.column(PARTITION).to_pylist(), got.column(f"{TS}_max").to_pylist(), strict=True):
             out[p] = max(out.get(p, t), t)
     return out
 
 
 def advance(spec: GapSpec, table: pa.Table | None, closed: pa.Table | None, events: pa.Table,
-            pinned: Mapping[int, int], watermark_us: int | None) -> Advanced:
+            pinned: Mapping[int, int], watermark_us: int | None, now_us: int | None = None) -> Advanced:
     """The bucket's gap ``table`` and ``closed`` gaps (None: none stored) after ``events`` (columns
     ``_key``, ``_ts``, ``_partition``, ``_every`` (microseconds, null: none), the ``refs``; no null
-    key or time) against the partitions' times (``pinned`` and the events' own).
+    key or time) against the partitions' times (``pinned`` and the events' own, taken at most
+    ``now_us``: :func:`partition_times`).
 
     Vectorised for the devices whose events only move ``last_seen`` on (the steady state); a device
     whose events close, retract or split a gap, or hold a silence, goes through :func:`_device`."""
     schema = spec.table_schema()
     table = table.cast(schema) if table is not None else schema.empty_table()
     closed = closed.cast(spec.closed_schema()) if closed is not None else spec.closed_schema().empty_table()
-    times = partition_times(pinned, events)
+    times = partition_times(pinned, events, now_us)
     out = _Records(spec)
     no_interval = 0
     if events.num_rows:

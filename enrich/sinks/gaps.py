@@ -106,8 +106,11 @@ class GapWriter:
         return {"times": {}, "read_ms": {}, "idle": {}}
 
     def pin(self, batch_id: int) -> str:
-        """Batch ``batch_id``'s partition times, as :data:`enrich.gaps.engine.TIMES_PROPERTY`'s JSON."""
-        return json.dumps(self._start(batch_id)["times"])
+        """Batch ``batch_id``'s partition times and time, as :data:`enrich.gaps.engine.TIMES_PROPERTY`'s JSON."""
+        entry = self.layout.offset_entry(batch_id)
+        now = int(entry.meta["batchTimestampMs"]) * 1000 if entry is not None and "batchTimestampMs" in entry.meta \
+            else None
+        return json.dumps({"times": self._start(batch_id)["times"], "now_us": now})
 
     def write(self, batch_id: int, reported: Mapping[int, Mapping[str, Any]]) -> GapBatch:
         """The batch's records written: the buckets' (``reported``: bucket -> ``records`` (Arrow IPC,

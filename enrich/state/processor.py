@@ -292,8 +292,9 @@ class DeviceStateProcessor(StatefulProcessor):
         events = _gap_events(spec, good) if good is not None else None
         got = [v.get() for v in (self.gap_table, self.gap_closed)]
         stored = [from_ipc(g[0]) if g is not None else None for g in got]
+        times, now_us = _gap_times()
         done = gap_engine.advance(spec, stored[0], stored[1], events if events is not None else _no_gap_events(spec),
-                                  _gap_times(), watermark)
+                                  times, watermark, now_us)
         self._gap_done = done.records
         for var, t in ((self.gap_table, done.table), (self.gap_closed, done.closed)):
             if t.num_rows:
@@ -301,7 +302,7 @@ class DeviceStateProcessor(StatefulProcessor):
             elif var.exists():
                 var.clear()
         if self.gap_records is not None:
-            times = gap_engine.partition_times({}, events) if events is not None else {}
+            times = gap_engine.partition_times({}, events, now_us) if events is not None else {}
             self.gap_records.add({bucket: {"records": to_ipc(done.records) if done.records.num_rows else b"",
                                            "no_interval": done.no_interval, "times": times}})
 
@@ -513,8 +514,9 @@ def _no_gap_events(spec: gap_engine.GapSpec) -> pa.Table:
                      **{n: pa.array([], typ) for n, typ in spec.refs}})
 
 
-def _gap_times() -> dict[int, int]:
-    """The partitions' times the driver recorded for this batch (:data:`enrich.gaps.engine.TIMES_PROPERTY`)."""
+def _gap_times() -> tuple[dict[int, int], int | None]:
+    """The partitions' times the driver recorded for this batch and the batch's time
+    (:data:`enrich.gaps.engine.TIMES_PROPERTY`)."""
     from pyspark import TaskContext
 
     ctx = TaskContext.get()
@@ -522,7 +524,9 @@ def _gap_times() -> dict[int, int]:
     if raw is None:
         raise RuntimeError(f"no partition times in the {gap_engine.TIMES_PROPERTY} local property of this task: "
                            "the state step ran outside a batch the job pinned")
-    return {int(p): int(t) for p, t in json.loads(raw).items()}
+    got = json.loads(raw)
+    now = got.get("now_us")
+    return {int(p): int(t) for p, t in got["times"].items()}, int(now) if now is not None else None
 
 
 def _batch_facts() -> wait.BatchFacts:

@@ -155,3 +155,14 @@ def test_an_interval_that_is_not_a_positive_number_of_at_most_31_years_is_none()
         3, EVERY, every_us(pa.array([1e300]))), {0: 10**12}, None)
     assert (got.records.num_rows, got.no_interval) == (0, 1)
     assert run.batch() == []
+
+
+def test_a_device_whose_clock_runs_ahead_moves_its_partition_no_further_than_the_batchs_time() -> None:
+    run = Run()
+    run.batch(("d1", 100, 0, 30, None), ("d2", 100, 0, 30, None))
+    # d2's clock jumps 50 minutes ahead (a silence of its own, by its clock): with the cap at the
+    # batch's time (110) d1 is not silent; uncapped it would be.
+    got = advance(SPEC, run.table, run.closed, events(("d2", 3100, 0, 30, None)), {0: 100 * S}, None, 110 * S)
+    assert [r["kind"] for r in got.records.to_pylist() if r["device_id"] == "d1"] == []
+    got = advance(SPEC, run.table, run.closed, events(("d2", 3100, 0, 30, None)), {0: 100 * S}, None)
+    assert [r["kind"] for r in got.records.to_pylist() if r["device_id"] == "d1"] == ["opened"]

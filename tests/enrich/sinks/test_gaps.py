@@ -84,14 +84,14 @@ def test_each_batch_is_pinned_to_the_times_the_batch_before_left_and_a_replay_to
     w = writer(layout)
     for b in range(3):
         offsets(layout, b, b * 100, {"0": b, "1": b})
-    assert json.loads(w.pin(0)) == {}
+    assert json.loads(w.pin(0)) == {"times": {}, "now_us": 0}
     empty = to_ipc(records(SPEC, []))
     w.write(0, {3: {"records": empty, "no_interval": 2, "times": {0: 50, 1: 7}},
                 1: {"records": b"", "no_interval": 1, "times": {0: 60}}})
-    assert json.loads(w.pin(1)) == {"0": 60, "1": 7}
+    assert json.loads(w.pin(1))["times"] == {"0": 60, "1": 7}
     got = w.write(1, {0: {"records": b"", "no_interval": 0, "times": {1: 90}}})
     assert got.no_interval == 0
-    assert json.loads(w.pin(1)) == {"0": 60, "1": 7}    # a replay of batch 1
-    assert json.loads(w.pin(2)) == {"0": 60, "1": 90}
+    assert json.loads(w.pin(1))["times"] == {"0": 60, "1": 7}    # a replay of batch 1
+    assert json.loads(w.pin(2)) == {"times": {"0": 60, "1": 90}, "now_us": 200_000}
     bucket = records(SPEC, [{"gap_id": "g", "kind": "opened", "device_id": "d1", "last_seen": 5, "opened_at": 35}])
     assert w.write(2, {5: {"records": to_ipc(bucket), "no_interval": 0, "times": {}}}).kinds == {"opened": 1}
