@@ -142,6 +142,12 @@ def test_the_same_number_again_finishes_the_records_and_changes_nothing(tmp_path
 # ------------------------------------------------------------------------------- the job, rescaled
 
 
+def transient(record: logging.LogRecord) -> bool:
+    """A transient failure the job retried (a Python worker that did not start on a loaded machine):
+    not what the test is about."""
+    return "which is transient" in record.getMessage()
+
+
 @pytest.mark.integration
 def test_a_job_rescaled_from_2_to_4_to_1_state_partitions_continues_every_device(
         spark: SparkSession, kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path,
@@ -188,13 +194,13 @@ def test_a_job_rescaled_from_2_to_4_to_1_state_partitions_continues_every_device
 
     round_of(0)
     assert ck.recorded_partitions(ck.committed()[-1]) == 2 and json.loads(ck.state_record.read_text())[PARTITIONS] == 2
-    assert not [r for r in caplog.records if r.name.startswith("enrich")]
+    assert not [r for r in caplog.records if r.name.startswith("enrich") and not transient(r)]
     rescaled_to(4)
     publish(kafka, devices_topic, changelog(DEVICES, [{"device_id": "d2", "owner": "bo"}], version=2,
                                             with_schema=False))
     round_of(1)
     # The config's spark.sql.shuffle.partitions (2) is ignored, with one warning: the checkpoint's 4 count.
-    warned = [r.getMessage() for r in caplog.records if r.name.startswith("enrich")]
+    warned = [r.getMessage() for r in caplog.records if r.name.startswith("enrich") and not transient(r)]
     assert len(warned) == 1 and "spark.sql.shuffle.partitions is 2, ignored" in warned[0], warned
     assert "keeps its state in 4 state partitions" in warned[0]
     assert ck.recorded_partitions(ck.committed()[-1]) == 4

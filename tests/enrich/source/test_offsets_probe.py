@@ -72,7 +72,15 @@ def test_a_partition_that_does_not_answer_keeps_its_start_offset(tmp_path: Path,
     class Silenced(EndOffsetProbe):
         def listed_end(self, tp: tuple[str, int]) -> tuple[int, int]:
             listed = super().listed_end(tp)
-            os.kill(broker.proc.pid, signal.SIGSTOP)  # type: ignore[union-attr]
+            pid = broker.proc.pid  # type: ignore[union-attr]
+            os.kill(pid, signal.SIGSTOP)
+            # The signal stops the broker when it is next scheduled; on a loaded machine that can be
+            # after the probe's first fetch: wait until the kernel says it is stopped.
+            stat = Path(f"/proc/{pid}/stat")
+            deadline = time.monotonic() + bound(10)
+            while stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "T":
+                assert time.monotonic() < deadline, "the broker did not stop"
+                time.sleep(0.005)
             return listed
 
     probe = Silenced(settings, deadline=1.0)
