@@ -8,7 +8,8 @@ the events' schema and the published schemas of the datasets it joins.
     join      the broadcast joins the state needs (their columns are          (the streaming plan,
               aggregated, or other such joins join on them)                    before the state step)
     state     the keyed state step: the partitioned joins, then the device    (the state step)
-              state; + state, _late
+              state; + state, _late; the devices' gaps (enrich.gaps)
+    rollup    each rollup's windows (enrich.rollups)                          (the rollup step)
     join      the other broadcast joins                                       (the join pass, in foreachBatch)
     sink      Kafka, Parquet or the console; dead letters to their topic
 
