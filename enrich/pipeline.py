@@ -41,7 +41,7 @@ from enrich.calls.template import STATE as STATE_SCOPE
 from enrich.checkpoint import CheckpointLayout
 from enrich.columns import BATCH_TIME, BUCKET, FLAT, INTERNAL, MAX_TS, PROVISIONAL, TS_US
 from enrich.config import EnrichConfig, JoinConfig
-from enrich.gaps.engine import GapSpec
+from enrich.gaps.engine import RESERVED, GapSpec
 from enrich.joins import JoinSpec
 from enrich.joins.asof import CLIPPED
 from enrich.joins.partitioned import PartitionedDim, partitioned_dim
@@ -302,6 +302,11 @@ def _gaps(cfg: EnrichConfig, passed: list[StructField], enriched: StructType, be
             raise ConfigError(f"{where}: {name!r} is {types[name].simpleString()}; expected a number of seconds or "
                               "an interval")
     refs = [out for s in before for _, out in s.columns] + [out for d in dims for _, out in d.join.columns]
+    taken = sorted({*refs, cfg.state.key} & RESERVED)
+    if taken:
+        raise ConfigError(f"{cfg.source}: gaps: column(s) {taken} (the state key, or a join's before or inside the "
+                          f"state step) are named like fields of the gap records ({', '.join(sorted(RESERVED))}); "
+                          "rename them with the join's prefix: or columns:")
     return GapSpec(key=cfg.state.key, key_type=spec.key_type, after=g.after, every_us=every_us, every_column=g.every_column,
                    refs=tuple((r, to_arrow_type(types[r], timezone=timezone)) for r in dict.fromkeys(refs) if r != cfg.state.key),
                    ttl_us=cfg.state.ttl // timedelta(microseconds=1), topic=cfg.events.topic)

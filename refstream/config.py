@@ -282,14 +282,17 @@ def parse_duration(value: Any) -> timedelta:
     """``"30s"``, ``"6h"``, ``"1.5m"``, ``"250ms"``, ``"2d"`` or a number of seconds -> timedelta."""
     if isinstance(value, bool):
         raise ValueError(f"{value!r} is not a duration")
-    if isinstance(value, int | float):
-        if value < 0:
-            raise ValueError(f"{value!r} is negative")
-        return timedelta(seconds=value)
-    if isinstance(value, str):
-        m = _DURATION.match(value)
-        if m:
-            return timedelta(seconds=float(m.group(1)) * _UNITS[m.group(2)])
+    try:
+        if isinstance(value, int | float):
+            if value < 0:
+                raise ValueError(f"{value!r} is negative")
+            return timedelta(seconds=value)
+        if isinstance(value, str):
+            m = _DURATION.match(value)
+            if m:
+                return timedelta(seconds=float(m.group(1)) * _UNITS[m.group(2)])
+    except OverflowError:  # inf, 1e300 s: longer than any duration Python holds
+        raise ValueError(f"{value!r} is too long a duration") from None
     raise ValueError(f"{value!r} is not a duration (use e.g. 250ms, 30s, 5m, 6h, 1d)")
 
 

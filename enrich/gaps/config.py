@@ -53,7 +53,7 @@ def parse_gaps(top: Section, has_state: bool, database: Callable[[Section], Any]
     else:
         try:
             every = parse_duration(raw)
-        except ValueError:
+        except (ValueError, OverflowError):
             raise sec.error(f"expected a duration (30s, 5m) or a column name, got {raw!r}", "expected_every") from None
         if every <= timedelta(0) or every.total_seconds() > MAX_EVERY_S:
             raise sec.error(f"must be positive and at most {MAX_EVERY_S:g}s", "expected_every")

@@ -30,19 +30,24 @@ import hashlib
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from datetime import UTC, date, datetime
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-__all__ = ["KINDS", "TIMES_PROPERTY", "Advanced", "GapSpec", "advance", "every_us", "gap_id", "partition_times", "records"]
+__all__ = ["KINDS", "RESERVED", "TIMES_PROPERTY", "Advanced", "GapSpec", "advance", "every_us", "gap_id", "partition_times", "records"]
 
 #: The records' kinds: a device's gap, and a source partition's silence.
 KINDS = ("opened", "closed", "retracted", "source_idle", "source_resumed")
 KEY, TS, PARTITION, EVERY = "_key", "_ts", "_partition", "_every"
 LAST, OPEN, OPENED_AT, START, END = "last_seen", "gap_id", "opened_at", "start", "end"
 _US = pa.timestamp("us", tz="UTC")
+#: Names the records and the engine's tables use for their own fields: a reference column or a
+#: ``state.key`` of one of these names is refused at planning (a join's ``prefix:`` renames it).
+RESERVED = frozenset({KEY, TS, PARTITION, EVERY, "gap_id", "kind", "last_seen", "expected_every_s", "opened_at",
+                      "start", "end", "duration_s", "topic", "partition", "since", "at"})
 #: The Spark local property the driver sets for a batch's tasks when the job has ``gaps:``: JSON
 #: ``{"times": {partition: time}, "now_us": the batch's time}``: the greatest event time
 #: (microseconds) each source partition reached in the batches before, recorded in the checkpoint,
@@ -106,9 +111,48 @@ class Advanced:
 
 
 def gap_id(key: Any, start_us: int, end_us: int | None = None) -> str:
-    """A gap's stable id: its device and start (and end: a part of a split gap)."""
-    text = f"{key!r}|{start_us}" + (f"|{end_us}" if end_us is not None else "")
+    """A gap's stable id: its device and start (and end: a part of a split gap), hashed from a
+    canonical text of the key (not ``repr``, which for a timestamp names its time zone's library)."""
+    text = f"{_canonical(key)}|{start_us}" + (f"|{end_us}" if end_us is not None else "")
     return hashlib.sha1(text.encode()).hexdigest()[:20]
+
+
+def _canonical(key: Any) -> str:
+    if isinstance(key, tuple):
+        return "(" + ",".join(_canonical(k) for k in key) + ")"
+    if isinstance(key, str):
+        return "s:" + key
+    if isinstance(key, bytes):
+        return "b:" + key.hex()
+    if isinstance(key, bool):
+        return "o:" + str(int(key))
+    if isinstance(key, int):
+        return "i:" + str(key)
+    if isinstance(key, datetime):
+        aware = key if key.tzinfo is not None else key.replace(tzinfo=UTC)
+        return "t:" + str(int(round(aware.timestamp() * 1_000_000)))
+    if isinstance(key, date):
+        return "d:" + key.isoformat()
+    return f"{type(key).__name__}:{key}"
+
+
+def conform(table: pa.Table, schema: pa.Schema) -> pa.Table:
+    """A stored gap table as ``schema``: kept under another plan (the joins before the step added,
+    dropped or retyped a reference column), a column it lacks is null, one ``schema`` lacks left
+    out, a type cast (null where the cast cannot be made)."""
+    if table.schema == schema:
+        return table
+    out = []
+    for f in schema:
+        if f.name not in table.column_names:
+            out.append(pa.nulls(table.num_rows, f.type))
+            continue
+        col = table.column(f.name)
+        try:
+            out.append(col.cast(f.type))
+        except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+            out.append(pa.nulls(table.num_rows, f.type))
+    return pa.Table.from_arrays(out, schema=schema)
 
 
 def partition_times(pinned: Mapping[int, int], events: pa.Table, now_us: int | None = None) -> dict[int, int]:
@@ -136,8 +180,8 @@ def advance(spec: GapSpec, table: pa.Table | None, closed: pa.Table | None, even
     Vectorised for the devices whose events only move ``last_seen`` on (the steady state); a device
     whose events close, retract or split a gap, or hold a silence, goes through :func:`_device`."""
     schema = spec.table_schema()
-    table = table.cast(schema) if table is not None else schema.empty_table()
-    closed = closed.cast(spec.closed_schema()) if closed is not None else spec.closed_schema().empty_table()
+    table = conform(table, schema) if table is not None else schema.empty_table()
+    closed = conform(closed, spec.closed_schema()) if closed is not None else spec.closed_schema().empty_table()
     times = partition_times(pinned, events, now_us)
     out = _Records(spec)
     no_interval = 0
@@ -162,7 +206,7 @@ def advance(spec: GapSpec, table: pa.Table | None, closed: pa.Table | None, even
         has_prev = ~first | known
         limit = np.ceil(spec.after * np.nan_to_num(prev_every, nan=0.0))
         silence = has_prev & ~np.isnan(prev_every) & (ts - prev >= limit)
-        back = has_prev & (ts < prev)
+        back = has_prev & (ts <= prev)  # before, or at, the last: the per-device path decides
         open_before = first & known & pc.is_valid(table.column(OPEN).take(at)).to_numpy(zero_copy_only=False)
         slow = np.maximum.reduceat((silence | back | open_before).astype(np.int8), starts).astype(bool)
         no_interval = int(np.isnan(every[lasts]).sum())
@@ -343,11 +387,11 @@ MAX_EVERY_S = 1e9
 
 def every_us(values: pa.Array | pa.ChunkedArray) -> pa.Array:
     """An interval column as microseconds (int64): seconds (a number) or a duration; null where null,
-    not a positive finite number, or longer than :data:`MAX_EVERY_S`."""
+    not a positive finite number, under a microsecond, or longer than :data:`MAX_EVERY_S`."""
     a = values.combine_chunks() if isinstance(values, pa.ChunkedArray) else values
     if pa.types.is_duration(a.type):
         a = pc.divide(pc.cast(pc.cast(a, pa.duration("us")), pa.int64()).cast(pa.float64()), 1e6)
     f = pc.cast(a, pa.float64())
     ok = pc.and_(pc.and_(pc.is_finite(f), pc.greater(f, 0)), pc.less_equal(f, MAX_EVERY_S))
     us = pc.cast(pc.round(pc.multiply(pc.if_else(ok, f, 0.0), 1e6)), pa.int64())
-    return pc.if_else(ok, us, pa.scalar(None, pa.int64()))
+    return pc.if_else(pc.and_(ok, pc.greater(us, 0)), us, pa.scalar(None, pa.int64()))

@@ -99,14 +99,22 @@ def _marked(spec: RollupSpec, windows: pa.Table, old: np.ndarray, marks: Marks) 
     gap = old.copy()
     if not windows.num_rows or not (marks.closed or marks.withdrawn):
         return gap
-    keys = np.asarray(windows.column(spec.by[0]).to_pylist(), dtype=object)
+    # Each mark looks at its own device's windows only: a site's outage marks thousands at once.
+    keys = windows.column(spec.by[0]).to_pylist()
+    marked_keys = {k for k, _, _ in (*marks.closed, *marks.withdrawn)}
+    rows: dict[Any, list[int]] = {}
+    for i, k in enumerate(keys):
+        if k in marked_keys:
+            rows.setdefault(k, []).append(i)
     start = as_numpy(windows.column(WINDOW_START))
-    end = start + spec.window_us
     empty = as_numpy(windows.column(EVENTS)) == 0
     for marked, intervals in ((False, marks.withdrawn), (True, marks.closed)):
         for k, s, e in intervals:
-            inside = (keys == k) & (start >= s) & (end <= (e if e is not None else np.iinfo(np.int64).max))
-            gap[inside & (empty if marked else True)] = marked
+            at = np.asarray(rows.get(k, ()), dtype=np.int64)
+            if not len(at):
+                continue
+            inside = at[(start[at] >= s) & (start[at] + spec.window_us <= (e if e is not None else np.iinfo(np.int64).max))]
+            gap[inside[empty[inside]] if marked else inside] = marked
     return gap & empty
 
 

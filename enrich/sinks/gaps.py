@@ -102,8 +102,8 @@ class GapWriter:
         if isinstance(kept.get("batch"), int) and kept["batch"] < batch_id:
             return dict(kept["after"])
         if self.initial is not None:
-            return {"times": {}, "read_ms": {}, "idle": {}, **self.initial}
-        return {"times": {}, "read_ms": {}, "idle": {}}
+            return {"times": {}, "read_ms": {}, "idle": {}, "ends": None, **self.initial}
+        return {"times": {}, "read_ms": {}, "idle": {}, "ends": None}
 
     def pin(self, batch_id: int) -> str:
         """Batch ``batch_id``'s partition times and time, as :data:`enrich.gaps.engine.TIMES_PROPERTY`'s JSON."""
@@ -117,20 +117,23 @@ class GapWriter:
         empty: none), ``no_interval``, ``times``), in bucket order, then the source partitions'; what
         the next batch starts from recorded."""
         before = self._start(batch_id)
-        after = {"times": dict(before["times"]), "read_ms": dict(before["read_ms"]), "idle": dict(before["idle"])}
+        times: dict[str, int] = dict(before["times"])
+        after: dict[str, Any] = {"times": times, "read_ms": dict(before["read_ms"]), "idle": dict(before["idle"]),
+                                 "ends": before.get("ends")}
         parts, no_interval = [], 0
         for bucket in sorted(reported):
             got = reported[bucket]
             no_interval += int(got.get("no_interval", 0))
             for p, t in dict(got.get("times", {})).items():
-                cur = after["times"].get(str(p))
-                after["times"][str(p)] = int(t) if cur is None else max(int(cur), int(t))
+                cur = times.get(str(p))
+                times[str(p)] = int(t) if cur is None else max(int(cur), int(t))
             if got.get("records"):
                 parts.append(from_ipc(got["records"]).cast(self.spec.record_schema()))
         parts.append(self._sources(batch_id, after))
         out = pa.concat_tables(parts)
-        kinds = Counter(out.column("kind").to_pylist())
         written = self._write(batch_id, out) if out.num_rows else 0
+        # Counted once: a replay of a batch written before counts nothing again.
+        kinds = Counter(out.column("kind").to_pylist()) if written is not None else Counter()
         write_json_atomic(self.layout.gaps, {"batch": batch_id, "before": before, "after": after})
         if out.num_rows:
             log.info("batch %d: gap records %s", batch_id, ", ".join(f"{k} {n}" for k, n in sorted(kinds.items())))
@@ -142,10 +145,12 @@ class GapWriter:
         entry = self.layout.offset_entry(batch_id, missing_ok=False)
         assert entry is not None
         time_ms = int(entry.meta.get("batchTimestampMs", 0))
-        prior = self.layout.offset_entry(batch_id - 1) if batch_id > 0 else None
         topic = self.spec.topic
-        now = next((dict(src[topic]) for src in entry.sources if topic in src), {})
-        was = next((dict(src[topic]) for src in prior.sources if topic in src), None) if prior is not None else None
+        now = {str(p): int(o) for p, o in next((src[topic] for src in entry.sources if topic in src), {}).items()}
+        # Against the ends the batch before left (a fork's first batch: the savepoint's), not the
+        # offset log's entry before, which a fork has not.
+        was = state.get("ends")
+        state["ends"] = now
         rows = []
         for p in sorted(now, key=int):
             moved = was is None or now[p] != was.get(p)

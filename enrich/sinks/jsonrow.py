@@ -1,10 +1,11 @@
 """Rows as the JSON the driver's Kafka records carry (the rollups', the gaps'): times as
-``2026-01-01T00:00:00.000000Z``, decimals as text, bytes as base64, no NaN."""
+``2026-01-01T00:00:00.000000Z``, decimals as text, bytes as base64, NaN and infinities as null."""
 
 from __future__ import annotations
 
 import base64
 import json
+import math
 from datetime import date, datetime, time
 from decimal import Decimal
 
@@ -21,6 +22,8 @@ def json_value(v: object) -> object:
         return v.isoformat() if not isinstance(v, Decimal) else str(v)
     if isinstance(v, bytes):
         return base64.b64encode(v).decode()
+    if isinstance(v, float) and not math.isfinite(v):
+        return None  # JSON has no NaN or infinity: a reference row's may hold one
     return v
 
 

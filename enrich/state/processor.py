@@ -296,10 +296,13 @@ class DeviceStateProcessor(StatefulProcessor):
         done = gap_engine.advance(spec, stored[0], stored[1], events if events is not None else _no_gap_events(spec),
                                   times, watermark, now_us)
         self._gap_done = done.records
-        for var, t in ((self.gap_table, done.table), (self.gap_closed, done.closed)):
+        moved = (events is not None and events.num_rows > 0) or done.records.num_rows > 0
+        for var, t, was in ((self.gap_table, done.table, stored[0]), (self.gap_closed, done.closed, stored[1])):
+            if not moved and t.num_rows == (was.num_rows if was is not None else 0):
+                continue  # a tick that changed nothing (no event, none opened, none dropped): nothing to store
             if t.num_rows:
                 var.update((to_ipc(t),))
-            elif var.exists():
+            elif was is not None:
                 var.clear()
         if self.gap_records is not None:
             times = gap_engine.partition_times({}, events, now_us) if events is not None else {}

@@ -209,3 +209,14 @@ def test_a_gaps_column_the_step_cannot_see_or_not_a_number_is_refused(spark: Spa
     with pytest.raises(ConfigError, match=r"^test\.yaml: gaps\.expected_every: 'region' is string; expected a "
                                           r"number of seconds or an interval"):
         Pipeline.build(with_gaps("region"), GAP_SCHEMAS)
+    # A reference column named like a record's field would overwrite it (a join's prefix: renames it).
+    named = {**GAP_SCHEMAS, "sites": DatasetSchema("sites", ("site_id",), (
+        Column("site_id", "string"), Column("region", "string"), Column("every_s", "float64"),
+        Column("kind", "string")))}
+    cfg_kind = with_gaps("every_s")
+    cfg_kind = dataclasses.replace(cfg_kind, joins=tuple(
+        dataclasses.replace(j, columns=("region", "every_s", "kind")) if j.dataset == "sites" else j
+        for j in cfg_kind.joins))
+    with pytest.raises(ConfigError, match=r"^test\.yaml: gaps: column\(s\) \['kind'\] .* are named like fields of "
+                                          r"the gap records"):
+        Pipeline.build(cfg_kind, named)

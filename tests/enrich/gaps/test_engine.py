@@ -166,3 +166,38 @@ def test_a_device_whose_clock_runs_ahead_moves_its_partition_no_further_than_the
     assert [r["kind"] for r in got.records.to_pylist() if r["device_id"] == "d1"] == []
     got = advance(SPEC, run.table, run.closed, events(("d2", 3100, 0, 30, None)), {0: 100 * S}, None)
     assert [r["kind"] for r in got.records.to_pylist() if r["device_id"] == "d1"] == ["opened"]
+
+
+def test_a_stored_table_of_another_plan_is_conformed_and_an_interval_under_a_microsecond_is_none() -> None:
+    from enrich.gaps.engine import every_us
+
+    run = Run()
+    run.batch(("d1", 100, 0, 30, "s-2"))
+    assert run.table is not None
+    # The joins before the step now add region and no longer site: the stored rows still load.
+    wider = GapSpec(key="device_id", key_type=pa.string(), after=3.0, refs=(("region", pa.string()),),
+                    ttl_us=3600 * S)
+    got = advance(wider, run.table, run.closed, events().drop_columns(["site"]).append_column(
+        "region", pa.array([], pa.string())), {0: 200 * S}, None)
+    assert [(r["kind"], r["region"]) for r in got.records.to_pylist()] == [("opened", None)]
+    assert every_us(pa.array([1e-7, 4e-7, 1e-6])).to_pylist() == [None, None, 1]
+
+
+def test_an_event_at_the_devices_last_time_is_judged_alike_whatever_else_the_batch_holds() -> None:
+    """An event at a device's last_seen neither moves it nor changes the interval the next event is
+    judged by, whether the device goes the vectorised way or the per-device one."""
+    for extra in ([], [("d1", 10, 0, 30, None)]):   # with a backward event: the per-device path
+        run = Run()
+        run.batch(("d1", 20, 0, 10, None))
+        got = run.batch(("d1", 20, 0, 1000, None), ("d1", 55, 0, 1000, None), *extra)
+        assert [r["kind"] for r in got] == ["opened", "closed"], extra  # 55 - 20 >= 3 x 10
+
+
+def test_gap_ids_hash_a_canonical_key_not_its_repr() -> None:
+    from datetime import UTC, datetime, timedelta, timezone
+    from zoneinfo import ZoneInfo
+
+    t = datetime(2026, 1, 1, 12, tzinfo=UTC)
+    assert gap_id(t, 5) == gap_id(t.astimezone(ZoneInfo("Europe/Berlin")), 5) == \
+        gap_id(t.astimezone(timezone(timedelta(hours=1))), 5)
+    assert gap_id("1", 5) != gap_id(1, 5) != gap_id(b"1", 5)

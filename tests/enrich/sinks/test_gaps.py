@@ -95,3 +95,18 @@ def test_each_batch_is_pinned_to_the_times_the_batch_before_left_and_a_replay_to
     assert json.loads(w.pin(2)) == {"times": {"0": 60, "1": 90}, "now_us": 200_000}
     bucket = records(SPEC, [{"gap_id": "g", "kind": "opened", "device_id": "d1", "last_seen": 5, "opened_at": 35}])
     assert w.write(2, {5: {"records": to_ipc(bucket), "no_interval": 0, "times": {}}}).kinds == {"opened": 1}
+
+
+def test_a_forks_first_batch_goes_on_from_the_savepoints_ends_and_silences(layout: CheckpointLayout) -> None:
+    """A fork has no offset log entry before its first batch: it compares with the ends the
+    savepoint's driver recorded, so a partition idle there and still quiet is not 'resumed'."""
+    gid = gap_id(("source", "events", 1), 1_000_000)
+    initial = {"times": {"0": 5}, "read_ms": {"0": 1000, "1": 1000}, "idle": {"1": {"id": gid, "since": 1000}},
+               "ends": {"0": 7, "1": 3}}
+    w = GapWriter(SPEC, GapsConfig(every=timedelta(seconds=10), idle_after=timedelta(seconds=2)), layout,
+                  initial=initial)
+    assert json.loads(w.pin(0))["times"] == {"0": 5}
+    offsets(layout, 0, 9000, {"0": 8, "1": 3})
+    assert w.write(0, {}).kinds == {}
+    offsets(layout, 1, 9500, {"0": 8, "1": 4})
+    assert w.write(1, {}).kinds == {"source_resumed": 1}
