@@ -47,6 +47,7 @@ BENCHMARKS = {
                  "on one versioned changelog"),
     "state_savepoint": ("bench.state_savepoint", "state of N devices: enrich savepoint, a fork's first run vs a "
                         "restart"),
+    "gaps": ("bench.gaps_bench", "gaps: judging a bucket's devices' silences per batch and tick (no Spark)"),
     "wait": ("bench.wait_bench", "waiting for completeness: deciding and storing a bucket's held events (no Spark)"),
     "calls": ("bench.calls", "calls: in the state step: calls/s per task vs concurrency / latency, the job with "
               "and without a call"),
