@@ -255,6 +255,15 @@ class Section:
             out.append((column, tuple(names)))
         return out
 
+    def topic(self, name: str = "kafka") -> str:
+        """An output's ``{name}: {topic: ...}`` subsection: the topic, which must not be empty."""
+        sub = self.section(name)
+        topic = sub.get("topic", str)
+        if not topic:
+            raise sub.error("must name a topic", "topic")
+        sub.done()
+        return str(topic)
+
     def section(self, name: str, default: Any = ...) -> Section:
         return Section(self.raw(name, {} if default is ... else default), self.key(name), self.source)
 

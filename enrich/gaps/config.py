@@ -69,11 +69,7 @@ def parse_gaps(top: Section, has_state: bool, database: Callable[[Section], Any]
         raise out.error("gaps need an output: kafka: {topic: ...} and/or database: {url: ..., table: ...}")
     kafka = db = None
     if out.has("kafka"):
-        kf = out.section("kafka")
-        kafka = kf.get("topic", str)
-        if not kafka:
-            raise kf.error("must name a topic", "topic")
-        kf.done()
+        kafka = out.topic("kafka")
     if out.has("database") and database is not None:
         db = database(out.section("database"))
     out.done()

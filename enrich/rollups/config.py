@@ -114,11 +114,7 @@ def _rollup(sec: Section, database: Callable[[Section], Any] | None) -> RollupCo
         parquet = Path(pq.get("path", str))
         pq.done()
     if out.has("kafka"):
-        kf = out.section("kafka")
-        kafka = kf.get("topic", str)
-        if not kafka:
-            raise kf.error("must name a topic", "topic")
-        kf.done()
+        kafka = out.topic("kafka")
     output = RollupOutput(parquet=parquet, kafka=kafka, database=db)
     out.done()
     idle = sec.duration("idle_finalize") if sec.has("idle_finalize") else None
