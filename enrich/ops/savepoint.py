@@ -58,6 +58,7 @@ from enrich.joins.partitioned import PartitionedDim
 from enrich.ops import stateread
 from enrich.pipeline import Pipeline
 from enrich.rollups.spec import RollupSpec
+from enrich.sinks.gaps import recorded_start
 from enrich.source.offsets import from_json_offsets, to_json_offsets
 from enrich.state import engine, rollups
 from enrich.state.engine import StateSpec
@@ -179,7 +180,8 @@ def take(cfg: EnrichConfig, to: str | Path, *, spark: SparkSession | None = None
             tables = functools.reduce(DataFrame.unionByName, [
                 stateread.scan(spark, ck, batch_id, name).select(F.lit(name).alias("kind"), F.col("value.table"))
                 for name in (GAPS, GAPS_CLOSED)])
-            meta["gaps"] = {"rows": GAPS_FILE, "driver": driver_state(ck, batch_id)}
+            # what the gaps' driver had after the batch: what the next one starts from
+            meta["gaps"] = {"rows": GAPS_FILE, "driver": recorded_start(ck, batch_id + 1)}
             _write_parquet(spark, tables, directory / GAPS_FILE)
         if st.rollups:
             windows = functools.reduce(DataFrame.unionByName, [
@@ -382,18 +384,6 @@ def _gap_rows(batches: Iterator[pa.RecordBatch], *, schema: pa.Schema) -> Iterat
             yield from pa.Table.from_arrays(
                 [t.column(f.name).cast(f.type) if f.name in t.column_names else pa.nulls(t.num_rows, f.type)
                  for f in schema], schema=schema).to_batches()
-
-
-def driver_state(ck: CheckpointLayout, batch_id: int) -> dict[str, Any]:
-    """What the gaps' driver had after ``batch_id`` (``gaps.json``: a job that went on, its start of the
-    batch after); empty when it recorded none."""
-    path = ck.gaps
-    kept = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
-    if kept.get("batch") == batch_id:
-        return dict(kept["after"])
-    if kept.get("batch") == batch_id + 1:
-        return dict(kept["before"])
-    return {"times": {}, "read_ms": {}, "idle": {}}
 
 
 def load(directory: str | Path) -> Savepoint:

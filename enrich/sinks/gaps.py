@@ -47,7 +47,7 @@ from refstream.kafka import ensure_topic
 
 log = logging.getLogger(__name__)
 
-__all__ = ["GapBatch", "GapWriter"]
+__all__ = ["GapBatch", "GapWriter", "recorded_start"]
 
 #: The records' key in the database table.
 KEY = ("gap_id", "kind")
@@ -90,20 +90,8 @@ class GapWriter:
         if self.topic is not None:
             self.topic.close()
 
-    def _kept(self) -> dict[str, Any]:
-        path = self.layout.gaps
-        return json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
-
     def _start(self, batch_id: int) -> dict[str, Any]:
-        """What batch ``batch_id`` starts from: what the batch before left (a replay: what it started from)."""
-        kept = self._kept()
-        if kept.get("batch") == batch_id:
-            return dict(kept["before"])
-        if isinstance(kept.get("batch"), int) and kept["batch"] < batch_id:
-            return dict(kept["after"])
-        if self.initial is not None:
-            return {"times": {}, "read_ms": {}, "idle": {}, "ends": None, **self.initial}
-        return {"times": {}, "read_ms": {}, "idle": {}, "ends": None}
+        return recorded_start(self.layout, batch_id, self.initial)
 
     def pin(self, batch_id: int) -> str:
         """Batch ``batch_id``'s partition times and time, as :data:`enrich.gaps.engine.TIMES_PROPERTY`'s JSON."""
@@ -200,6 +188,19 @@ class GapWriter:
                 recs = recs.filter(fits)
             written = self.topic.write(batch_id, recs)
         return written
+
+
+def recorded_start(layout: CheckpointLayout, batch_id: int, initial: Mapping[str, Any] | None = None) -> dict[str, Any]:
+    """What batch ``batch_id`` starts from, as ``gaps.json`` records it: what the batch before left
+    (a replay of the last batch written: what it started from); with none recorded, ``initial`` (a
+    fork's first batch) or nothing."""
+    path = layout.gaps
+    kept = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+    if kept.get("batch") == batch_id:
+        return dict(kept["before"])
+    if isinstance(kept.get("batch"), int) and kept["batch"] < batch_id:
+        return dict(kept["after"])
+    return {"times": {}, "read_ms": {}, "idle": {}, "ends": None, **(initial or {})}
 
 
 def _last_per_key(rows: pa.Table) -> pa.Table:
