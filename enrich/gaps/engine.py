@@ -26,6 +26,7 @@ the same records on a replay, and a retraction names what it withdraws.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import math
 from collections.abc import Mapping
@@ -72,6 +73,11 @@ class GapSpec:
     ttl_us: int = 0
     topic: str = ""
 
+    def event_schema(self) -> pa.Schema:
+        """The events :func:`advance` takes."""
+        return pa.schema([pa.field(KEY, self.key_type), pa.field(TS, pa.int64()), pa.field(PARTITION, pa.int32()),
+                          pa.field(EVERY, pa.int64()), *[pa.field(n, t) for n, t in self.refs]])
+
     def table_schema(self) -> pa.Schema:
         """A bucket's devices: one row each, the open gap's id and time when one is open."""
         return pa.schema([pa.field(KEY, self.key_type), pa.field(PARTITION, pa.int32()), pa.field(LAST, pa.int64()),
@@ -101,13 +107,16 @@ class GapSpec:
 
 @dataclass(frozen=True)
 class Advanced:
-    """:func:`advance`'s result: the bucket's new tables, the batch's records (in a fixed order)
-    and the devices with events whose interval is null."""
+    """:func:`advance`'s result: the bucket's new tables, the batch's records (in a fixed order),
+    the devices with events whose interval is null and the partitions' times the events reached."""
 
     table: pa.Table
     closed: pa.Table
     records: pa.Table
     no_interval: int
+    #: The greatest time the events brought each partition to (capped at the batch's time): the
+    #: bucket's report to the driver, which carries the partitions' times to the next batch.
+    reached: dict[int, int] = dataclasses.field(default_factory=dict)
 
 
 def gap_id(key: Any, start_us: int, end_us: int | None = None) -> str:
@@ -182,7 +191,10 @@ def advance(spec: GapSpec, table: pa.Table | None, closed: pa.Table | None, even
     schema = spec.table_schema()
     table = conform(table, schema) if table is not None else schema.empty_table()
     closed = conform(closed, spec.closed_schema()) if closed is not None else spec.closed_schema().empty_table()
-    times = partition_times(pinned, events, now_us)
+    reached = partition_times({}, events, now_us)
+    times = dict(pinned)
+    for p, t in reached.items():
+        times[p] = max(times.get(p, t), t)
     out = _Records(spec)
     no_interval = 0
     if events.num_rows:
@@ -242,7 +254,7 @@ def advance(spec: GapSpec, table: pa.Table | None, closed: pa.Table | None, even
         closed = closed.filter(pc.and_(pc.greater(pc.add(closed.column(END), spec.ttl_us), watermark_us),
                                        pc.is_in(closed.column(KEY), value_set=table.column(KEY))))
     table = _open(spec, table, times, out)
-    return Advanced(table, closed, out.table(), no_interval)
+    return Advanced(table, closed, out.table(), no_interval, reached)
 
 
 def _open(spec: GapSpec, table: pa.Table, times: Mapping[int, int], out: _Records) -> pa.Table:

@@ -293,7 +293,8 @@ class DeviceStateProcessor(StatefulProcessor):
         got = [v.get() for v in (self.gap_table, self.gap_closed)]
         stored = [from_ipc(g[0]) if g is not None else None for g in got]
         times, now_us = _gap_times()
-        done = gap_engine.advance(spec, stored[0], stored[1], events if events is not None else _no_gap_events(spec),
+        done = gap_engine.advance(spec, stored[0], stored[1],
+                                  events if events is not None else spec.event_schema().empty_table(),
                                   times, watermark, now_us)
         self._gap_done = done.records
         moved = (events is not None and events.num_rows > 0) or done.records.num_rows > 0
@@ -305,9 +306,8 @@ class DeviceStateProcessor(StatefulProcessor):
             elif was is not None:
                 var.clear()
         if self.gap_records is not None:
-            times = gap_engine.partition_times({}, events, now_us) if events is not None else {}
             self.gap_records.add({bucket: {"records": to_ipc(done.records) if done.records.num_rows else b"",
-                                           "no_interval": done.no_interval, "times": times}})
+                                           "no_interval": done.no_interval, "times": done.reached}})
 
     def _dimension(self, i: int, records: pa.Table | None) -> Version:
         """Dimension ``i``'s rows in this bucket, this batch's changelog ``records`` applied (and
@@ -506,28 +506,15 @@ def _gap_events(spec: gap_engine.GapSpec, good: pa.Table) -> pa.Table:
     t = good.filter(keyed)
     every = (pa.array([spec.every_us] * t.num_rows, pa.int64()) if spec.every_us is not None
              else gap_engine.every_us(t.column(spec.every_column or "")))
-    return pa.table({gap_engine.KEY: t.column(spec.key).cast(spec.key_type), gap_engine.TS: t.column(TS_US),
-                     gap_engine.PARTITION: t.column("_partition").cast(pa.int32()), gap_engine.EVERY: every,
-                     **{n: t.column(n).cast(typ) for n, typ in spec.refs}})
-
-
-def _no_gap_events(spec: gap_engine.GapSpec) -> pa.Table:
-    return pa.table({gap_engine.KEY: pa.array([], spec.key_type), gap_engine.TS: pa.array([], pa.int64()),
-                     gap_engine.PARTITION: pa.array([], pa.int32()), gap_engine.EVERY: pa.array([], pa.int64()),
-                     **{n: pa.array([], typ) for n, typ in spec.refs}})
+    return pa.table({gap_engine.KEY: t.column(spec.key), gap_engine.TS: t.column(TS_US),
+                     gap_engine.PARTITION: t.column("_partition"), gap_engine.EVERY: every,
+                     **{n: t.column(n) for n, _ in spec.refs}}).cast(spec.event_schema())
 
 
 def _gap_times() -> tuple[dict[int, int], int | None]:
     """The partitions' times the driver recorded for this batch and the batch's time
     (:data:`enrich.gaps.engine.TIMES_PROPERTY`)."""
-    from pyspark import TaskContext
-
-    ctx = TaskContext.get()
-    raw = ctx.getLocalProperty(gap_engine.TIMES_PROPERTY) if ctx is not None else None
-    if raw is None:
-        raise RuntimeError(f"no partition times in the {gap_engine.TIMES_PROPERTY} local property of this task: "
-                           "the state step ran outside a batch the job pinned")
-    got = json.loads(raw)
+    got = _pinned(gap_engine.TIMES_PROPERTY, "partition times", None)
     now = got.get("now_us")
     return {int(p): int(t) for p, t in got["times"].items()}, int(now) if now is not None else None
 
@@ -535,14 +522,22 @@ def _gap_times() -> tuple[dict[int, int], int | None]:
 def _batch_facts() -> wait.BatchFacts:
     """This batch's facts (:class:`enrich.state.wait.BatchFacts`), set by the driver with the
     pinned versions (``enrich.joins.PINNED_PROPERTY``)."""
+    return wait.BatchFacts.from_json(_pinned(PINNED_PROPERTY, "batch facts", "wait"))
+
+
+def _pinned(name: str, what: str, entry: str | None) -> dict[str, Any]:
+    """The JSON the driver set in the task's local property ``name`` for the batch (its ``entry``);
+    an error naming it when there is none: the state step ran outside a batch the job pinned."""
     from pyspark import TaskContext
 
     ctx = TaskContext.get()
-    raw = ctx.getLocalProperty(PINNED_PROPERTY) if ctx is not None else None
-    facts = json.loads(raw).get("wait") if raw is not None else None
-    if facts is None:
-        raise RuntimeError(f"no batch facts in the {PINNED_PROPERTY} local property of this task: the state "
-                           "step ran outside a batch the job pinned")
-    return wait.BatchFacts.from_json(facts)
+    raw = ctx.getLocalProperty(name) if ctx is not None else None
+    got = json.loads(raw) if raw is not None else None
+    if got is not None and entry is not None:
+        got = got.get(entry)
+    if got is None:
+        raise RuntimeError(f"no {what} in the {name} local property of this task: the state step ran outside a "
+                           "batch the job pinned")
+    return dict(got)
 
 
