@@ -26,21 +26,17 @@ from dataclasses import dataclass
 from typing import Any
 
 import pyarrow as pa
-import pyarrow.compute as pc
 from pyspark.sql.pandas.types import from_arrow_schema
 
 from enrich.checkpoint import CheckpointLayout
 from enrich.gaps.config import GapsConfig
 from enrich.gaps.engine import GapSpec, gap_id, records
 from enrich.ipc import from_ipc
-from enrich.sinks.database.connect import connect
-from enrich.sinks.database.refuse import refused
 from enrich.sinks.database.sink import check_existing, ensure, prune_fence
-from enrich.sinks.database.slots import write_slot
+from enrich.sinks.database.slots import write_rows
 from enrich.sinks.database.tables import TableSpec, table_spec
 from enrich.sinks.jsonrow import dumps, json_value
 from enrich.sinks.kafka.writer import TransactionalBatchWriter
-from enrich.sinks.rollups import fitting
 from refstream.atomic import write_json_atomic
 from refstream.contract import TOPIC_CONFIG
 from refstream.kafka import ensure_topic
@@ -164,29 +160,13 @@ class GapWriter:
         written: int | None = rows.num_rows
         if self.table is not None:
             assert self.cfg.database is not None
-            unique = _last_per_key(rows)
-            why = refused(unique, self.table.dialect, self.table.key)
-            if why.null_count < len(why):
-                log.warning("batch %d: %d gap record(s) not written to %s, the database would refuse them (first: "
-                            "%s)", batch_id, len(why) - why.null_count, self.table.table, pc.drop_null(why)[0].as_py())
-                unique = unique.filter(pc.is_null(why))
-            conn = connect(self.table.url, self.table.dialect, self.table.timeout)
-            try:
-                written = write_slot(conn, self.table, self.scope, 0, batch_id, unique)
-            finally:
-                conn.close()
+            written = write_rows(self.table, self.scope, batch_id, _last_per_key(rows), "gaps")
             prune_fence(self.cfg.database, self.scope, batch_id)
         if self.topic is not None:
             pairs = [(r["gap_id"].encode(), dumps({k: json_value(v) for k, v in r.items()})) for r in rows.to_pylist()]
             recs = pa.table({"key": pa.array([k for k, _ in pairs], pa.binary()),
                              "value": pa.array([v for _, v in pairs], pa.binary())})
-            fits = fitting(recs, self.topic.record_limit)
-            if not pc.all(fits).as_py():  # a record the broker would refuse fails no batch: left out, logged
-                log.warning("batch %d: %d gap record(s) not written to %s, larger than a record may be (%d bytes, "
-                            "message.max.bytes; long reference columns?)", batch_id,
-                            recs.num_rows - int(pc.sum(fits).as_py() or 0), self.topic.topic, self.topic.record_limit)
-                recs = recs.filter(fits)
-            written = self.topic.write(batch_id, recs)
+            written = self.topic.write_fitting(batch_id, recs, "gaps")
         return written
 
 

@@ -38,10 +38,8 @@ from enrich.ipc import from_ipc
 from enrich.rollups.config import RollupConfig
 from enrich.rollups.packs import COUNTS, COUNTS_SCHEMA, DEAD, rows_kind
 from enrich.rollups.spec import WINDOW_START, RollupSpec
-from enrich.sinks.database.connect import connect
-from enrich.sinks.database.refuse import refused
 from enrich.sinks.database.sink import check_existing, ensure, prune_fence
-from enrich.sinks.database.slots import write_slot
+from enrich.sinks.database.slots import write_rows
 from enrich.sinks.database.tables import TableSpec, table_spec
 from enrich.sinks.deadletter import COLUMNS as DEAD_COLUMNS
 from enrich.sinks.jsonrow import dumps, json_value
@@ -144,14 +142,7 @@ class RollupWriter:
                 prune_fence(db, self.scope, batch_id)
             if kafka is not None:
                 assert got is not None
-                recs = records(spec, got)
-                fits = fitting(recs, kafka.record_limit)
-                if not pc.all(fits).as_py():
-                    log.warning("batch %d: rollup %s: %d row(s) not written to %s, larger than a record may be "
-                                "(%d bytes, message.max.bytes)", batch_id, spec.name,
-                                recs.num_rows - int(pc.sum(fits).as_py() or 0), kafka.topic, kafka.record_limit)
-                    recs = recs.filter(fits)
-                rows[spec.name] = kafka.write(batch_id, recs)
+                rows[spec.name] = kafka.write_fitting(batch_id, records(spec, got), f"rollup {spec.name}")
         dead = [t.select(list(DEAD_COLUMNS)) for t in packed.get(DEAD, [])]
         counts = Counter[tuple[str, str]]()
         for part in packed.get(COUNTS, []):
@@ -168,19 +159,7 @@ class RollupWriter:
             log.warning("batch %d: rollup %s: %d row(s) with a null key not written to %s (a primary key "
                         "cannot hold one)", batch_id, spec.name, nulls, table.table)
             rows = rows.filter(keyed)
-        # What the database would refuse (a key longer than MariaDB's key column, a NUL in
-        # PostgreSQL text) is left out, not a statement that fails every retry and restart.
-        why = refused(rows, table.dialect, table.key)
-        if why.null_count < len(why):
-            log.warning("batch %d: rollup %s: %d row(s) not written to %s, the database would refuse them "
-                        "(first: %s)", batch_id, spec.name, len(why) - why.null_count, table.table,
-                        pc.drop_null(why)[0].as_py())
-            rows = rows.filter(pc.is_null(why))
-        conn = connect(table.url, table.dialect, table.timeout)
-        try:
-            return write_slot(conn, table, self.scope, 0, batch_id, rows)
-        finally:
-            conn.close()
+        return write_rows(table, self.scope, batch_id, rows, f"rollup {spec.name}")
 
     def close(self) -> None:
         for writer in self.topics:
@@ -204,13 +183,6 @@ def records(spec: RollupSpec, rows: pa.Table) -> pa.Table:
         keys.append(dumps({**{b: row[b] for b in spec.by}, WINDOW_START: row[WINDOW_START]}))
         values.append(dumps(row))
     return pa.table({"key": pa.array(keys, pa.binary()), "value": pa.array(values, pa.binary())})
-
-
-def fitting(recs: pa.Table, limit: int) -> pa.Array:
-    """Per record (``key``, ``value``): whether it is at most ``limit`` bytes, what the broker takes."""
-    size = pc.add(pc.fill_null(pc.binary_length(recs.column("key")), 0),
-                  pc.fill_null(pc.binary_length(recs.column("value")), 0))
-    return pc.less_equal(size, limit).combine_chunks()
 
 
 def _no_dead() -> pa.Table:

@@ -12,14 +12,32 @@ from collections.abc import Callable
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
-from enrich.sinks.database.connect import fence_insert, transient, upsert
+from enrich.sinks.database.connect import connect, fence_insert, transient, upsert
+from enrich.sinks.database.refuse import refused
 from enrich.sinks.database.tables import TableSpec
 from refstream.errors import RefstreamError
 
 log = logging.getLogger(__name__)
 
 __all__ = ["write_slot"]
+
+
+def write_rows(spec: TableSpec, query_id: str, batch_id: int, rows: pa.Table, what: str) -> int | None:
+    """The driver's rows of a batch (slot 0) written as :func:`write_slot` on a connection of its
+    own; what the database would refuse (a key longer than MariaDB's key column, a NUL in PostgreSQL
+    text) is left out, logged naming ``what``, not a statement that fails every retry and restart."""
+    why = refused(rows, spec.dialect, spec.key)
+    if why.null_count < len(why):
+        log.warning("batch %d: %s: %d row(s) not written to %s, the database would refuse them (first: %s)",
+                    batch_id, what, len(why) - why.null_count, spec.table, pc.drop_null(why)[0].as_py())
+        rows = rows.filter(pc.is_null(why))
+    conn = connect(spec.url, spec.dialect, spec.timeout)
+    try:
+        return write_slot(conn, spec, query_id, 0, batch_id, rows)
+    finally:
+        conn.close()
 
 
 def write_slot(conn: Any, spec: TableSpec, query_id: str, slot: int, batch_id: int, rows: pa.Table, *,

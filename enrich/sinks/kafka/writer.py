@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from types import TracebackType
 
 import pyarrow as pa
+import pyarrow.compute as pc
 from confluent_kafka import KafkaError, KafkaException, Producer
 
 from enrich.sinks.kafka.ledger import Ledger, ensure_ledger
@@ -36,6 +37,13 @@ log = logging.getLogger(__name__)
 #: ``message.max.bytes`` (record framing; generous: a record near the limit is refused, never the batch).
 RECORD_OVERHEAD = 1024
 DEFAULT_MESSAGE_MAX_BYTES = 1_000_000  # librdkafka's
+
+
+def fitting(recs: pa.Table, limit: int) -> pa.Array:
+    """Per record (``key``, ``value``): whether it is at most ``limit`` bytes, what the broker takes."""
+    size = pc.add(pc.fill_null(pc.binary_length(recs.column("key")), 0),
+                  pc.fill_null(pc.binary_length(recs.column("value")), 0))
+    return pc.less_equal(size, limit).combine_chunks()
 
 
 def record_limit(settings: Mapping[str, object]) -> int:
@@ -247,6 +255,17 @@ class TransactionalBatchWriter:
         return leaked
 
     # -- writing -----------------------------------------------------------------------------------
+
+    def write_fitting(self, batch_id: int, recs: pa.Table, what: str) -> int:
+        """:meth:`write` of the records (``key``, ``value``) the broker takes; one larger than a record
+        may be (``message.max.bytes``) fails no batch: it is left out, logged naming ``what``."""
+        fits = fitting(recs, self.record_limit)
+        if not pc.all(fits).as_py():
+            log.warning("batch %d: %s: %d record(s) not written to %s, larger than a record may be (%d bytes, "
+                        "message.max.bytes)", batch_id, what, recs.num_rows - int(pc.sum(fits).as_py() or 0),
+                        self.topic, self.record_limit)
+            recs = recs.filter(fits)
+        return self.write(batch_id, recs)
 
     def write(self, batch_id: int, table: pa.Table | pa.RecordBatch) -> int:
         """Produce ``table`` (columns ``value`` BINARY, optional ``key`` BINARY and ``headers``

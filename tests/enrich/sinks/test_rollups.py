@@ -57,7 +57,8 @@ def test_rows_the_table_cannot_hold_are_left_out_with_a_warning_not_a_failed_bat
 
 
 def test_a_rollup_record_larger_than_the_broker_takes_is_left_out_of_the_topic() -> None:
-    from enrich.sinks.rollups import fitting, records
+    from enrich.sinks.kafka.writer import fitting
+    from enrich.sinks.rollups import records
 
     recs = records(SPEC, rows(["s-1", "x" * 2000, "s-2"]))
     assert fitting(recs, 1000).to_pylist() == [True, False, True]
