@@ -39,10 +39,11 @@ def to_records(bad: pa.Table, limit: int | None = None) -> pa.Table:
     keys, values, headers = [], [], []
     for r in rows:
         key, value = r["_key"], r["_value"]
+        # A dead letter that is no event (a rollup row too large for its topic) has no position.
         hdr = [{"key": "error", "value": (r["_error"] or "").encode()},
                {"key": "source.topic", "value": str(r["_topic"]).encode()},
-               {"key": "source.partition", "value": str(r["_partition"]).encode()},
-               {"key": "source.offset", "value": str(r["_offset"]).encode()}]
+               *[{"key": f"source.{f}", "value": str(r[f"_{f}"]).encode()} for f in ("partition", "offset")
+                 if r[f"_{f}"] is not None]]
         size = len(key or b"") + len(value or b"") + sum(len(h["key"]) + len(h["value"]) for h in hdr)
         if limit is not None and size > limit:
             if not (r["_error"] or "").startswith(TOO_LARGE):

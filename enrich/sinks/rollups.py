@@ -42,6 +42,7 @@ from enrich.sinks.database.sink import check_existing, ensure, prune_fence
 from enrich.sinks.database.slots import write_rows
 from enrich.sinks.database.tables import TableSpec, table_spec
 from enrich.sinks.deadletter import COLUMNS as DEAD_COLUMNS
+from enrich.sinks.deadletter import too_large_error
 from enrich.sinks.jsonrow import dumps, json_value
 from enrich.sinks.kafka.writer import TransactionalBatchWriter
 from enrich.sinks.parquet import write_batch
@@ -116,6 +117,7 @@ class RollupWriter:
         """``df``: a batch of the rollup step's output (``PACK_KIND``, ``ROWS``), cached by the caller;
         ``frames``: each rollup's rows in it (``enrich.query.rollup_rows``)."""
         rows: dict[str, int | None] = {}
+        too_large: list[pa.Table] = []
         # One Spark job collects what the driver writes or reads: the rows of the rollups with a
         # table or a topic, the dead letters and the counts (small: windows, not events).
         driver = {rows_kind(i) for i in range(len(self.specs)) if self.topics[i] is not None or self.tables[i] is not None}
@@ -142,8 +144,10 @@ class RollupWriter:
                 prune_fence(db, self.scope, batch_id)
             if kafka is not None:
                 assert got is not None
-                rows[spec.name] = kafka.write_fitting(batch_id, records(spec, got), f"rollup {spec.name}")
-        dead = [t.select(list(DEAD_COLUMNS)) for t in packed.get(DEAD, [])]
+                rows[spec.name], left = kafka.write_fitting(batch_id, records(spec, got), f"rollup {spec.name}")
+                if left.num_rows:
+                    too_large.append(_too_large(spec, kafka.topic, left, kafka.record_limit))
+        dead = [t.select(list(DEAD_COLUMNS)) for t in packed.get(DEAD, [])] + too_large
         counts = Counter[tuple[str, str]]()
         for part in packed.get(COUNTS, []):
             for r in part.cast(COUNTS_SCHEMA).to_pylist():
@@ -183,6 +187,18 @@ def records(spec: RollupSpec, rows: pa.Table) -> pa.Table:
         keys.append(dumps({**{b: row[b] for b in spec.by}, WINDOW_START: row[WINDOW_START]}))
         values.append(dumps(row))
     return pa.table({"key": pa.array(keys, pa.binary()), "value": pa.array(values, pa.binary())})
+
+
+def _too_large(spec: RollupSpec, topic: str, left: pa.Table, limit: int) -> pa.Table:
+    """Dead letters of rollup rows too large for ``topic``: the record's key and value (cut to fit
+    by the dead-letter writer), ``_topic`` the rollup's topic, no source partition or offset."""
+    sizes = pc.add(pc.fill_null(pc.binary_length(left.column("key")), 0),
+                   pc.fill_null(pc.binary_length(left.column("value")), 0)).to_pylist()
+    n = left.num_rows
+    return pa.Table.from_pydict({
+        "_error": [too_large_error(f"rollup {spec.name} row", size, limit) for size in sizes],
+        "_key": left.column("key"), "_value": left.column("value"), "_topic": [topic] * n,
+        "_partition": pa.nulls(n, pa.int64()), "_offset": pa.nulls(n, pa.int64())}, schema=_no_dead().schema)
 
 
 def _no_dead() -> pa.Table:

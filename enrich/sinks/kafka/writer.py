@@ -256,16 +256,19 @@ class TransactionalBatchWriter:
 
     # -- writing -----------------------------------------------------------------------------------
 
-    def write_fitting(self, batch_id: int, recs: pa.Table, what: str) -> int:
-        """:meth:`write` of the records (``key``, ``value``) the broker takes; one larger than a record
-        may be (``message.max.bytes``) fails no batch: it is left out, logged naming ``what``."""
+    def write_fitting(self, batch_id: int, recs: pa.Table, what: str) -> tuple[int, pa.Table]:
+        """:meth:`write` of the records (``key``, ``value``) the broker takes. One larger than a record
+        may be (``message.max.bytes``) fails no batch: it is left out, logged naming ``what``, and
+        returned with the others left out (``key``, ``value``: the same on a replay), for the caller
+        to dead-letter. Returns the records written (0: a replay) and those left out."""
         fits = fitting(recs, self.record_limit)
-        if not pc.all(fits).as_py():
+        left = recs.filter(pc.invert(fits))
+        if left.num_rows:
             log.warning("batch %d: %s: %d record(s) not written to %s, larger than a record may be (%d bytes, "
-                        "message.max.bytes)", batch_id, what, recs.num_rows - int(pc.sum(fits).as_py() or 0),
-                        self.topic, self.record_limit)
+                        "message.max.bytes)", batch_id, what, left.num_rows, self.topic,
+                        self.record_limit)
             recs = recs.filter(fits)
-        return self.write(batch_id, recs)
+        return self.write(batch_id, recs), left
 
     def write(self, batch_id: int, table: pa.Table | pa.RecordBatch) -> int:
         """Produce ``table`` (columns ``value`` BINARY, optional ``key`` BINARY and ``headers``

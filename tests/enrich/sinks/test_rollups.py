@@ -62,3 +62,23 @@ def test_a_rollup_record_larger_than_the_broker_takes_is_left_out_of_the_topic()
 
     recs = records(SPEC, rows(["s-1", "x" * 2000, "s-2"]))
     assert fitting(recs, 1000).to_pylist() == [True, False, True]
+
+
+def test_a_rollup_row_too_large_becomes_a_dead_letter_cut_to_fit_with_no_position() -> None:
+    from enrich.sinks.deadletter import to_records
+    from enrich.sinks.kafka.writer import fitting
+    from enrich.sinks.rollups import _too_large, records
+
+    recs = records(SPEC, rows(["s-1", "x" * 2000, "s-2"]))
+    left = recs.filter(pa.compute.invert(fitting(recs, 1000)))
+    dead = _too_large(SPEC, "site_1h", left, 1000)
+    assert dead.num_rows == 1 and dead.column("_partition").null_count == 1
+    assert dead.column("_error")[0].as_py().startswith(f"too_large: rollup {SPEC.name} row of ")
+    out = to_records(dead, 1000).to_pylist()[0]
+    headers = {h["key"]: h["value"] for h in out["headers"]}
+    assert set(headers) == {"error", "source.topic", "reason", "original.size"}
+    assert headers["source.topic"] == b"site_1h" and headers["reason"] == b"too_large"
+    # The key (the rollup's keys: here the long value itself) is too large to keep as well.
+    assert int(headers["original.size"]) > 2000 and out["key"] is None
+    size = len(out["value"]) + sum(len(k) + len(v) for k, v in headers.items())
+    assert size <= 1000 and out["value"] == left.column("value")[0].as_py()[:len(out["value"])]

@@ -25,6 +25,7 @@ from pyspark.sql import SparkSession
 
 from enrich import config
 from enrich.job import EnrichJob
+from enrich.ops.batches import Checkpoint
 from enrich.ops.device import device_state
 from enrich.ops.rescale import rescale
 from enrich.ops.savepoint import take
@@ -280,6 +281,78 @@ def test_a_quiet_stream_finalizes_its_open_windows_by_wall_clock_and_later_event
     assert [(r["_kind"], r["_revision"], r["temp_count"], r["temp_max"],
              r["_cause"] if isinstance(r["_cause"], str) else None) for r in rows.to_dict("records")] \
         == [("correction", 3, 2, 9.0, "late event"), ("final", 2, 1, 2.0, None)], rows
+
+
+def test_downtime_counts_as_idle_time_and_the_restarts_first_batch_finalizes(
+        spark: SparkSession, kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path) -> None:
+    """A job stopped with windows open and started again after longer than idle_finalize, with no
+    event since: the restart's first batch writes them final (_finalized_by idle). The quiet time
+    before the stop and the downtime count; a restart does not start the idle clock again."""
+    data = make_config(kafka, unique, tmp_path, "unused")
+    # Longer than the first run's batches take apart, on any machine: that run must not go idle itself.
+    idle = round(bound(10))
+    data["rollups"] = [{"name": "device_1m", "by": ["device_id"], "window": "1m", "idle_finalize": f"{idle}s",
+                        "metrics": {"temp": ["count"]}, "output": {"parquet": {"path": str(tmp_path / "d")}}}]
+    data["trigger"] = "500ms"
+    publish(kafka, data["joins"][0]["topic"], changelog(DEVICES, [{"device_id": "a", "site": "s1"}]))
+    produce_events(kafka, data["events"]["topic"], [
+        {"device_id": "a", "ts": at(0.1), "temp": 1.0, "n": 1}, {"device_id": "a", "ts": at(1.1), "temp": 2.0, "n": 2}])
+    cfg = config.parse(data, "test.yaml")
+    EnrichJob(cfg, available_now=True).run(spark)
+    first = rows_of(tmp_path / "d")
+    assert sorted(first["_kind"]) == ["provisional", "provisional"], first
+    last = Checkpoint(tmp_path / "checkpoint").last_committed()
+    assert last is not None
+    read_at = time.monotonic()
+    time.sleep(idle + 1)  # the stream's quiet time is all downtime: longer than idle_finalize
+
+    job = EnrichJob(cfg)
+    runner = threading.Thread(target=job.run, args=(spark,), daemon=True)
+    runner.start()
+    try:
+        deadline = time.monotonic() + bound(120)
+        while len(final := [r for r in rows_of(tmp_path / "d").to_dict("records") if r["_kind"] == "final"]) < 2:
+            assert runner.is_alive() and time.monotonic() < deadline, rows_of(tmp_path / "d")
+            time.sleep(0.5)
+    finally:
+        job.stop()
+        runner.join(bound(60))
+    # Both written by the restart's first batch, which the restart's own wall-clock time alone (a
+    # batch after its start) could not have made idle.
+    assert sorted((str(r["window_start"])[11:16], r["_finalized_by"], r["_revision"], r["batch_id"]) for r in final) \
+        == [("00:00", "idle", 2, last + 1), ("00:01", "idle", 2, last + 1)], (final, time.monotonic() - read_at)
+
+
+def test_a_rollup_row_too_large_for_its_topic_is_a_dead_letter_and_the_batch_commits(
+        spark: SparkSession, kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path) -> None:
+    """A rollup row larger than a record may be (``message.max.bytes``: here a ``last`` of a 30 kB
+    string) fails no batch: the other rows are in the topic, that row is a dead letter naming the
+    rollup (its value cut to fit), and the Parquet output has every row."""
+    limit = 20_000
+    data = make_config(kafka, unique, tmp_path, "unused")
+    data["kafka"]["message.max.bytes"] = limit
+    data["events"]["schema"] = "device_id STRING, ts TIMESTAMP, note STRING"
+    topic = unique("notes")
+    data["rollups"] = [{"name": "notes_1m", "by": ["device_id"], "window": "1m", "metrics": {"note": ["last"]},
+                        "output": {"kafka": {"topic": topic}, "parquet": {"path": str(tmp_path / "notes")}}}]
+    publish(kafka, data["joins"][0]["topic"], changelog(DEVICES, [{"device_id": "a", "site": "s1"}]))
+    produce_events(kafka, data["events"]["topic"], [
+        {"device_id": "a", "ts": at(0.1), "note": "small"}, {"device_id": "b", "ts": at(0.2), "note": "x" * 30_000},
+        {"device_id": "a", "ts": at(1.1), "note": "also small"}])
+    EnrichJob(config.parse(data, "test.yaml"), available_now=True).run(spark)
+
+    written = sorted((json.loads(m.value())["device_id"], json.loads(m.value())["note_last"])
+                     for m in read_all(kafka, topic))
+    assert written == [("a", "also small"), ("a", "small")], written
+    dead = [m for m in read_all(kafka, data["dead_letter_topic"])]
+    assert len(dead) == 1, [dict(m.headers()) for m in dead]
+    headers = dict(dead[0].headers())
+    assert headers["error"].startswith(b"too_large: rollup notes_1m row of "), headers
+    assert headers["source.topic"] == topic.encode() and "source.offset" not in headers
+    assert headers["reason"] == b"too_large" and int(headers["original.size"]) > 30_000
+    assert json.loads(dead[0].key()) == {"device_id": "b", "window_start": "2026-01-01T00:00:00.000000Z"}
+    assert dead[0].value().startswith(b'{"device_id":"b"') and len(dead[0].value()) < limit
+    assert sorted(rows_of(tmp_path / "notes")["device_id"]) == ["a", "a", "b"]
 
 
 def test_a_rollup_added_to_a_checkpoint_starts_with_the_next_batch_and_a_removed_one_is_dropped(
