@@ -286,7 +286,9 @@ class EnrichJob:
                                what="opening the output", policy=self.retry, stop=self._stop)
         self._stack.callback(sink.close)
         dead = None
-        if not sink.writes_dead_letters or cfg.rollups:  # the rollups' dead letters are the driver's to write
+        # The rollups' dead letters, and the rollup rows and gap records an output could not take, are
+        # the driver's to write.
+        if not sink.writes_dead_letters or cfg.rollups or cfg.gaps is not None:
             dead = DeadLetters(cfg.kafka, cfg.dead_letter_topic, ident.id_of(cfg.dead_letter_topic), ident.scope)
             self._stack.callback(dead.close)
         rollups = None
@@ -448,12 +450,6 @@ class EnrichJob:
         devices = st.devices.after_batch(batch_id)
         if self._call_counts is not None:
             self._after_calls(batch_id, st.metrics)
-        if st.gaps is not None and self._gap_records is not None:
-            gaps, reported = st.gaps, self._gap_records.value
-            got = call_with_retry(lambda: gaps.write(batch_id, reported), what=f"batch {batch_id}: writing gaps",
-                                  policy=self.retry, stop=self._stop)
-            if st.metrics is not None:
-                st.metrics.gap_records(got.kinds, got.no_interval)
         log.info("batch %d: %d late event(s) written with a null state; %s device(s) in state", batch_id, late,
                  "unknown" if devices is None else devices)
         if st.metrics is not None:
@@ -549,6 +545,8 @@ class EnrichJob:
         counted = st.sink.counted
         if st.rollups is not None:
             dead = self._rollups(batch_id, batch_df, dead)
+        if st.gaps is not None and self._gap_records is not None:
+            dead = self._write_gaps(batch_id, dead)
         if unmatched is not None:
             counted = dataclasses.replace(counted, unmatched=sum(unmatched.value.values()))
         redone = st.sink.pending
@@ -586,6 +584,21 @@ class EnrichJob:
         if not dead.num_rows:
             return got.dead
         return pa.concat_tables([dead, got.dead.cast(dead.schema)]) if got.dead.num_rows else dead
+
+    def _write_gaps(self, batch_id: int, dead: pa.Table) -> pa.Table:
+        """The batch's gap records written (the state step has reported them: the sink's write ran
+        it); ``dead`` with the records an output could not take added, before the dead letters'
+        write."""
+        st = self.started
+        assert st.gaps is not None and self._gap_records is not None
+        gaps, reported = st.gaps, self._gap_records.value
+        got = call_with_retry(lambda: gaps.write(batch_id, reported), what=f"batch {batch_id}: writing gaps",
+                              policy=self.retry, stop=self._stop)
+        if st.metrics is not None:
+            st.metrics.gap_records(got.kinds, got.no_interval)
+        if not got.dead.num_rows:
+            return dead
+        return pa.concat_tables([dead, got.dead.cast(dead.schema)]) if dead.num_rows else got.dead
 
     def _observe(self, t0: float, collected_dead: int, counted: Counted, progress: dict[str, Any] | None, *,
                  late: int | None) -> None:

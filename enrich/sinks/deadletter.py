@@ -2,8 +2,8 @@
 
 Record: key and value are the original event's key and value, byte for byte; headers ``error``,
 ``source.topic``, ``source.partition``, ``source.offset`` say what went wrong and where it came from.
-A record larger than the producer's ``message.max.bytes`` (an enriched event, or a dead letter
-itself) gets ``reason: too_large`` and ``original.size`` headers and its value cut to fit: it never
+A record larger than the producer's ``message.max.bytes`` (an enriched event, a rollup row or a
+gap record, or a dead letter itself) gets ``reason: too_large`` and ``original.size`` headers and its value cut to fit: it never
 fails the batch. For an enriched event the value is the enriched JSON (cut), its key the output key.
 Written per micro-batch in one Kafka transaction that is skipped when the batch id was committed
 already, so a replayed batch does not duplicate dead letters.
@@ -12,9 +12,10 @@ already, so a replayed batch does not duplicate dead letters.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +60,23 @@ def to_records(bad: pa.Table, limit: int | None = None) -> pa.Table:
         headers.append(hdr)
     return pa.table({"key": pa.array(keys, pa.binary()), "value": pa.array(values, pa.binary()),
                      "headers": pa.array(headers, HEADERS_TYPE)})
+
+
+def unpositioned(errors: Sequence[str], keys: pa.Array | Sequence[bytes | None],
+                 values: pa.Array | Sequence[bytes | None], output: str) -> pa.Table:
+    """Dead letters (:data:`COLUMNS`) of records that are no event - a rollup row, a gap record - which
+    their output could not take: ``_topic`` the output (a topic or a table), no partition or offset
+    (:func:`to_records` then writes no ``source.partition`` or ``source.offset`` header)."""
+    n = len(errors)
+    return pa.table({"_error": pa.array(list(errors), pa.string()), "_key": pa.array(keys, pa.binary()),
+                     "_value": pa.array(values, pa.binary()), "_topic": pa.array([output] * n, pa.string()),
+                     "_partition": pa.nulls(n, pa.int64()), "_offset": pa.nulls(n, pa.int64())})
+
+
+def sizes(recs: pa.Table) -> list[int]:
+    """Per record (``key``, ``value``): its size in bytes."""
+    return pc.add(pc.fill_null(pc.binary_length(recs.column("key")), 0),
+                  pc.fill_null(pc.binary_length(recs.column("value")), 0)).to_pylist()
 
 
 class DeadLetters:

@@ -35,6 +35,7 @@ from enrich.ipc import from_ipc
 from enrich.sinks.database.sink import check_existing, ensure, prune_fence
 from enrich.sinks.database.slots import write_rows
 from enrich.sinks.database.tables import TableSpec, table_spec
+from enrich.sinks.deadletter import sizes, too_large_error, unpositioned
 from enrich.sinks.jsonrow import dumps, json_value
 from enrich.sinks.kafka.writer import TransactionalBatchWriter
 from refstream.atomic import write_json_atomic
@@ -57,6 +58,9 @@ class GapBatch:
     kinds: dict[str, int]
     no_interval: int
     written: int | None
+    #: Records an output could not take (too large for the topic, refused by the table), as dead
+    #: letters (:data:`enrich.sinks.deadletter.COLUMNS`) for the batch's dead-letter write.
+    dead: pa.Table
 
 
 class GapWriter:
@@ -115,13 +119,13 @@ class GapWriter:
                 parts.append(from_ipc(got["records"]).cast(self.spec.record_schema()))
         parts.append(self._sources(batch_id, after))
         out = pa.concat_tables(parts)
-        written = self._write(batch_id, out) if out.num_rows else 0
+        written, dead = self._write(batch_id, out) if out.num_rows else (0, unpositioned([], [], [], ""))
         # Counted once: a replay of a batch written before counts nothing again.
         kinds = Counter(out.column("kind").to_pylist()) if written is not None else Counter()
         write_json_atomic(self.layout.gaps, {"batch": batch_id, "before": before, "after": after})
         if out.num_rows:
             log.info("batch %d: gap records %s", batch_id, ", ".join(f"{k} {n}" for k, n in sorted(kinds.items())))
-        return GapBatch(dict(kinds), no_interval, written)
+        return GapBatch(dict(kinds), no_interval, written, dead)
 
     def _sources(self, batch_id: int, state: dict[str, Any]) -> pa.Table:
         """The source partitions that went quiet or came back in batch ``batch_id`` (offset log), and
@@ -156,19 +160,31 @@ class GapWriter:
         return {"gap_id": gid, "kind": kind, "topic": self.spec.topic, "partition": partition,
                 "since": since_ms * 1000, "at": at_ms * 1000}
 
-    def _write(self, batch_id: int, rows: pa.Table) -> int | None:
+    def _write(self, batch_id: int, rows: pa.Table) -> tuple[int | None, pa.Table]:
+        """The records written (None: a replay) and, as dead letters, those an output could not take."""
         written: int | None = rows.num_rows
+        dead = []
         if self.table is not None:
             assert self.cfg.database is not None
-            written = write_rows(self.table, self.scope, batch_id, _last_per_key(rows), "gaps")
+            last = _last_per_key(rows)
+            written, left, reasons = write_rows(self.table, self.scope, batch_id, last, "gaps")
+            if left.num_rows:
+                refused = _records(left)
+                dead.append(unpositioned([f"gap record refused by {self.table.table}: {r}" for r in reasons],
+                                         refused.column("key"), refused.column("value"), self.table.table))
             prune_fence(self.cfg.database, self.scope, batch_id)
         if self.topic is not None:
-            pairs = [(r["gap_id"].encode(), dumps({k: json_value(v) for k, v in r.items()})) for r in rows.to_pylist()]
-            recs = pa.table({"key": pa.array([k for k, _ in pairs], pa.binary()),
-                             "value": pa.array([v for _, v in pairs], pa.binary())})
-            # Written after the batch's dead letters: a record too large is left out and logged only.
-            written, _ = self.topic.write_fitting(batch_id, recs, "gaps")
-        return written
+            written, left = self.topic.write_fitting(batch_id, _records(rows), "gaps")
+            dead.append(unpositioned([too_large_error("gap record", n, self.topic.record_limit) for n in sizes(left)],
+                                     left.column("key"), left.column("value"), self.topic.topic))
+        return written, pa.concat_tables(dead) if dead else unpositioned([], [], [], "")
+
+
+def _records(rows: pa.Table) -> pa.Table:
+    """Gap records as Kafka records (``key`` the gap id, ``value`` the record as JSON)."""
+    return pa.table({"key": pa.array([r.encode() for r in rows.column("gap_id").to_pylist()], pa.binary()),
+                     "value": pa.array([dumps({k: json_value(v) for k, v in r.items()}) for r in rows.to_pylist()],
+                                       pa.binary())})
 
 
 def recorded_start(layout: CheckpointLayout, batch_id: int, initial: Mapping[str, Any] | None = None) -> dict[str, Any]:

@@ -42,7 +42,7 @@ from enrich.sinks.database.sink import check_existing, ensure, prune_fence
 from enrich.sinks.database.slots import write_rows
 from enrich.sinks.database.tables import TableSpec, table_spec
 from enrich.sinks.deadletter import COLUMNS as DEAD_COLUMNS
-from enrich.sinks.deadletter import too_large_error
+from enrich.sinks.deadletter import sizes, too_large_error, unpositioned
 from enrich.sinks.jsonrow import dumps, json_value
 from enrich.sinks.kafka.writer import TransactionalBatchWriter
 from enrich.sinks.parquet import write_batch
@@ -117,7 +117,7 @@ class RollupWriter:
         """``df``: a batch of the rollup step's output (``PACK_KIND``, ``ROWS``), cached by the caller;
         ``frames``: each rollup's rows in it (``enrich.query.rollup_rows``)."""
         rows: dict[str, int | None] = {}
-        too_large: list[pa.Table] = []
+        dead_rows: list[pa.Table] = []  # rows an output could not take, as dead letters
         # One Spark job collects what the driver writes or reads: the rows of the rollups with a
         # table or a topic, the dead letters and the counts (small: windows, not events).
         driver = {rows_kind(i) for i in range(len(self.specs)) if self.topics[i] is not None or self.tables[i] is not None}
@@ -140,21 +140,25 @@ class RollupWriter:
                 rows[spec.name] = self._parquet(batch_id, frame, spec, path)
             if table is not None:
                 assert got is not None
-                rows[spec.name] = self._database(batch_id, got, spec, table)
+                rows[spec.name], refused = self._database(batch_id, got, spec, table)
+                dead_rows.append(refused)
                 prune_fence(db, self.scope, batch_id)
             if kafka is not None:
                 assert got is not None
                 rows[spec.name], left = kafka.write_fitting(batch_id, records(spec, got), f"rollup {spec.name}")
-                if left.num_rows:
-                    too_large.append(_too_large(spec, kafka.topic, left, kafka.record_limit))
-        dead = [t.select(list(DEAD_COLUMNS)) for t in packed.get(DEAD, [])] + too_large
+                dead_rows.append(unpositioned([too_large_error(f"rollup {spec.name} row", n, kafka.record_limit)
+                                               for n in sizes(left)], left.column("key"), left.column("value"),
+                                              kafka.topic))
+        dead = [t.select(list(DEAD_COLUMNS)) for t in packed.get(DEAD, [])] + [t for t in dead_rows if t.num_rows]
         counts = Counter[tuple[str, str]]()
         for part in packed.get(COUNTS, []):
             for r in part.cast(COUNTS_SCHEMA).to_pylist():
                 counts[(r["rollup"], r["result"])] += r["events"]
         return RollupBatch(pa.concat_tables(dead) if dead else _no_dead(), dict(counts), rows)
 
-    def _database(self, batch_id: int, rows: pa.Table, spec: RollupSpec, table: TableSpec) -> int | None:
+    def _database(self, batch_id: int, rows: pa.Table, spec: RollupSpec,
+                  table: TableSpec) -> tuple[int | None, pa.Table]:
+        """The rows written (None: a replay) and, as dead letters, those the table would refuse."""
         keyed = pc.is_valid(rows.column(spec.by[0]))
         for b in spec.by[1:]:
             keyed = pc.and_(keyed, pc.is_valid(rows.column(b)))
@@ -163,7 +167,10 @@ class RollupWriter:
             log.warning("batch %d: rollup %s: %d row(s) with a null key not written to %s (a primary key "
                         "cannot hold one)", batch_id, spec.name, nulls, table.table)
             rows = rows.filter(keyed)
-        return write_rows(table, self.scope, batch_id, rows, f"rollup {spec.name}")
+        written, left, reasons = write_rows(table, self.scope, batch_id, rows, f"rollup {spec.name}")
+        recs = records(spec, left)
+        return written, unpositioned([f"rollup {spec.name} row refused by {table.table}: {r}" for r in reasons],
+                                     recs.column("key"), recs.column("value"), table.table)
 
     def close(self) -> None:
         for writer in self.topics:
@@ -187,18 +194,6 @@ def records(spec: RollupSpec, rows: pa.Table) -> pa.Table:
         keys.append(dumps({**{b: row[b] for b in spec.by}, WINDOW_START: row[WINDOW_START]}))
         values.append(dumps(row))
     return pa.table({"key": pa.array(keys, pa.binary()), "value": pa.array(values, pa.binary())})
-
-
-def _too_large(spec: RollupSpec, topic: str, left: pa.Table, limit: int) -> pa.Table:
-    """Dead letters of rollup rows too large for ``topic``: the record's key and value (cut to fit
-    by the dead-letter writer), ``_topic`` the rollup's topic, no source partition or offset."""
-    sizes = pc.add(pc.fill_null(pc.binary_length(left.column("key")), 0),
-                   pc.fill_null(pc.binary_length(left.column("value")), 0)).to_pylist()
-    n = left.num_rows
-    return pa.Table.from_pydict({
-        "_error": [too_large_error(f"rollup {spec.name} row", size, limit) for size in sizes],
-        "_key": left.column("key"), "_value": left.column("value"), "_topic": [topic] * n,
-        "_partition": pa.nulls(n, pa.int64()), "_offset": pa.nulls(n, pa.int64())}, schema=_no_dead().schema)
 
 
 def _no_dead() -> pa.Table:

@@ -24,18 +24,23 @@ log = logging.getLogger(__name__)
 __all__ = ["write_slot"]
 
 
-def write_rows(spec: TableSpec, query_id: str, batch_id: int, rows: pa.Table, what: str) -> int | None:
+def write_rows(spec: TableSpec, query_id: str, batch_id: int, rows: pa.Table,
+               what: str) -> tuple[int | None, pa.Table, list[str]]:
     """The driver's rows of a batch (slot 0) written as :func:`write_slot` on a connection of its
-    own; what the database would refuse (a key longer than MariaDB's key column, a NUL in PostgreSQL
-    text) is left out, logged naming ``what``, not a statement that fails every retry and restart."""
+    own. What the database would refuse (a key longer than MariaDB's key column, a NUL in PostgreSQL
+    text) is left out, logged naming ``what``, not a statement that fails every retry and restart;
+    returned with the reasons, for the caller to dead-letter (the same on a replay). Returns the
+    rows written (None: a replay), the rows left out and why."""
     why = refused(rows, spec.dialect, spec.key)
+    left, reasons = rows.slice(0, 0), []
     if why.null_count < len(why):
+        left, reasons = rows.filter(pc.is_valid(why)), pc.drop_null(why).to_pylist()
         log.warning("batch %d: %s: %d row(s) not written to %s, the database would refuse them (first: %s)",
-                    batch_id, what, len(why) - why.null_count, spec.table, pc.drop_null(why)[0].as_py())
+                    batch_id, what, left.num_rows, spec.table, reasons[0])
         rows = rows.filter(pc.is_null(why))
     conn = connect(spec.url, spec.dialect, spec.timeout)
     try:
-        return write_slot(conn, spec, query_id, 0, batch_id, rows)
+        return write_slot(conn, spec, query_id, 0, batch_id, rows), left, reasons
     finally:
         conn.close()
 

@@ -10,12 +10,15 @@ from typing import Any
 
 import pyarrow as pa
 import pytest
+import sqlalchemy as sa
 
+from enrich import config
 from enrich.checkpoint import CheckpointLayout
 from enrich.gaps.config import GapsConfig
 from enrich.gaps.engine import GapSpec, gap_id, records
 from enrich.ipc import to_ipc
 from enrich.sinks.gaps import GapWriter
+from tests.enrich.helpers import read_all
 
 SPEC = GapSpec(key="device_id", key_type=pa.string(), after=3.0, topic="events")
 
@@ -62,9 +65,9 @@ def test_the_records_name_the_partition_and_the_resumed_one_the_idle_ones_id(lay
     rows: list[dict[str, Any]] = []
 
     class Capture(GapWriter):
-        def _write(self, batch_id: int, table: pa.Table) -> int | None:
+        def _write(self, batch_id: int, table: pa.Table) -> tuple[int | None, pa.Table]:
             rows.extend(table.to_pylist())
-            return table.num_rows
+            return table.num_rows, table.slice(0, 0)
 
     w = Capture(SPEC, GapsConfig(every=timedelta(seconds=10), idle_after=timedelta(seconds=2)), layout)
     offsets(layout, 0, 1000, {"0": 5})
@@ -110,3 +113,50 @@ def test_a_forks_first_batch_goes_on_from_the_savepoints_ends_and_silences(layou
     assert w.write(0, {}).kinds == {}
     offsets(layout, 1, 9500, {"0": 8, "1": 4})
     assert w.write(1, {}).kinds == {"source_resumed": 1}
+
+
+def test_records_an_output_cannot_take_are_dead_letters_and_the_others_are_written(
+        layout: CheckpointLayout, kafka: dict[str, str], pg_url: str, unique: Any) -> None:
+    """A reference column with a NUL (PostgreSQL text refuses it) or of 30 kB (larger than a record
+    may be) fails no batch: the output that cannot take the record leaves it out, the other keeps it,
+    and each left-out record is a dead letter naming the output; a replay gives the same."""
+    from datetime import UTC, datetime
+
+    from enrich.sinks.deadletter import to_records
+
+    spec = GapSpec(key="device_id", key_type=pa.string(), after=3.0, topic="events", refs=(("site", pa.string()),))
+    topic, table = unique("gaps"), unique("gaps")
+    cfg = config.parse({
+        "kafka": {"bootstrap_servers": kafka["bootstrap.servers"]},
+        "events": {"topic": "events", "schema": "device_id STRING, ts TIMESTAMP"},
+        "output": {"console": {}}, "checkpoint": str(layout.root), "dead_letter_topic": unique("dlq"),
+        "state": {"key": "device_id", "timestamp": "ts"},
+        "gaps": {"expected_every": "10s", "idle_after": "1h",
+                 "output": {"kafka": {"topic": topic}, "database": {"url": pg_url, "table": table}}}}, "t.yaml").gaps
+    assert cfg is not None
+    settings = {**kafka, "message.max.bytes": "20000"}
+    t0 = int(datetime(2026, 1, 1, tzinfo=UTC).timestamp() * 1e6)
+    rows = [{"gap_id": gap_id(d, t0), "kind": "opened", "device_id": d, "last_seen": t0, "opened_at": t0 + 30_000_000,
+             "expected_every_s": 10.0, "partition": 0, "site": site}
+            for d, site in (("a", "s-a"), ("b", "s-\x00b"), ("c", "x" * 30_000))]
+    offsets(layout, 0, 0, {"0": 5})
+    w = GapWriter(spec, cfg, layout, settings, {topic: unique("tid")}, "scope")
+    try:
+        got = w.write(0, {0: {"records": to_ipc(records(spec, rows))}})
+        again = w.write(0, {0: {"records": to_ipc(records(spec, rows))}})  # a replay
+    finally:
+        w.close()
+    assert got.written == 2 and again.written == 0
+    for batch in (got, again):
+        dead = batch.dead.to_pylist()
+        assert [(d["_topic"], d["_error"].split(":")[0], d["_key"]) for d in dead] == [
+            (table, f"gap record refused by {table}", gap_id("b", t0).encode()),
+            (topic, "too_large", gap_id("c", t0).encode())], dead
+        assert dead[0]["_partition"] is None and json.loads(dead[0]["_value"])["site"] == "s-\x00b"
+        assert "message.max.bytes" in dead[1]["_error"]
+    assert [json.loads(m.value())["device_id"] for m in read_all(kafka, topic)] == ["a", "b"]
+    engine = sa.create_engine(pg_url)
+    with engine.connect() as conn:
+        assert sorted(r[0] for r in conn.execute(sa.text(f"SELECT device_id FROM {table}"))) == ["a", "c"]
+    engine.dispose()
+    assert all(len(r["value"] or b"") < 20_000 for r in to_records(got.dead, 20_000).to_pylist())

@@ -3,6 +3,7 @@ MariaDB: rows the table cannot hold are left out with a warning, the others writ
 
 from __future__ import annotations
 
+import json
 import logging
 from datetime import UTC, datetime
 from pathlib import Path
@@ -27,7 +28,7 @@ def rows(sites: list[str | None]) -> pa.Table:
 
 
 @pytest.mark.parametrize(("db", "hostile"), [("mysql_url", "s" * 300), ("pg_url", "s\x00nul")])
-def test_rows_the_table_cannot_hold_are_left_out_with_a_warning_not_a_failed_batch(
+def test_rows_the_table_cannot_hold_are_dead_letters_not_a_failed_batch(
         db: str, hostile: str, request: pytest.FixtureRequest, tmp_path: Path,
         caplog: pytest.LogCaptureFixture) -> None:
     url = request.getfixturevalue(db)
@@ -42,8 +43,14 @@ def test_rows_the_table_cannot_hold_are_left_out_with_a_warning_not_a_failed_bat
     spec = writer.tables[0]
     assert spec is not None
     with caplog.at_level(logging.WARNING, logger="enrich.sinks.rollups"):
-        assert writer._database(0, rows(["s-1", hostile, None]), SPEC, spec) == 1
-        assert writer._database(0, rows(["s-1"]), SPEC, spec) is None   # batch 0 again: fenced
+        written, dead = writer._database(0, rows(["s-1", hostile, None]), SPEC, spec)
+        again, _ = writer._database(0, rows(["s-1"]), SPEC, spec)   # batch 0 again: fenced
+    assert (written, again) == (1, None)
+    # The refused row is a dead letter naming the rollup and the table; the null-keyed one is not
+    # refused data, only unkeyable: the other outputs keep it.
+    (letter,) = dead.to_pylist()
+    assert letter["_error"].startswith(f"rollup {SPEC.name} row refused by {table}: ") and letter["_topic"] == table
+    assert json.loads(letter["_key"])["site"] == hostile and json.loads(letter["_value"])["site"] == hostile
     text = caplog.text
     assert "1 row(s) with a null key not written" in text and "1 row(s) not written to" in text, text
     conn = connect(spec.url, spec.dialect)
@@ -64,14 +71,15 @@ def test_a_rollup_record_larger_than_the_broker_takes_is_left_out_of_the_topic()
     assert fitting(recs, 1000).to_pylist() == [True, False, True]
 
 
-def test_a_rollup_row_too_large_becomes_a_dead_letter_cut_to_fit_with_no_position() -> None:
-    from enrich.sinks.deadletter import to_records
+def test_a_record_that_is_no_event_becomes_a_dead_letter_cut_to_fit_with_no_position() -> None:
+    from enrich.sinks.deadletter import sizes, to_records, too_large_error, unpositioned
     from enrich.sinks.kafka.writer import fitting
-    from enrich.sinks.rollups import _too_large, records
+    from enrich.sinks.rollups import records
 
     recs = records(SPEC, rows(["s-1", "x" * 2000, "s-2"]))
     left = recs.filter(pa.compute.invert(fitting(recs, 1000)))
-    dead = _too_large(SPEC, "site_1h", left, 1000)
+    dead = unpositioned([too_large_error(f"rollup {SPEC.name} row", n, 1000) for n in sizes(left)],
+                        left.column("key"), left.column("value"), "site_1h")
     assert dead.num_rows == 1 and dead.column("_partition").null_count == 1
     assert dead.column("_error")[0].as_py().startswith(f"too_large: rollup {SPEC.name} row of ")
     out = to_records(dead, 1000).to_pylist()[0]

@@ -493,3 +493,40 @@ def test_a_fill_by_a_joins_column_writes_every_key_of_the_dimension(
     assert (want["_events"] == 0).sum() == 2     # minutes 2 and 5
     pd.testing.assert_frame_equal(got[["temp_count", "temp_mean", "_events"]], want, check_dtype=False,
                                   check_freq=False, check_index_type=False)
+
+
+def test_hostile_keys_filled_by_a_joins_column_are_dead_letters_where_an_output_cannot_take_them(
+        spark: SparkSession, kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path,
+        pg_url: str) -> None:
+    """fill by the devices join's site, with sites no event comes from: one holding a NUL (PostgreSQL
+    text refuses it) and one of 30 kB (larger than a Kafka record may be). Every output takes what it
+    can, Parquet all of it; each row an output could not take is a dead letter naming the rollup and
+    that output; the batches commit."""
+    nul, huge = "s\x00nul", "x" * 30_000
+    data = make_config(kafka, unique, tmp_path, pg_url)
+    data["kafka"]["message.max.bytes"] = 20_000
+    topic, table = unique("site_1m"), unique("site_1m")
+    data["rollups"] = [{"name": "site_1m", "by": ["site"], "window": "1m", "correct_for": "10m", "fill": True,
+                        "metrics": {"temp": ["count"]},
+                        "output": {"parquet": {"path": str(tmp_path / "site_1m")}, "kafka": {"topic": topic},
+                                   "database": {"url": pg_url, "table": table}}}]
+    publish(kafka, data["joins"][0]["topic"], changelog(DEVICES, [
+        {"device_id": "a", "site": "s1"}, {"device_id": "b", "site": "s1"},
+        {"device_id": "c", "site": nul}, {"device_id": "d", "site": huge}]))
+    produce_events(kafka, data["events"]["topic"], EVENTS)
+    EnrichJob(config.parse(data, "test.yaml"), available_now=True).run(spark)
+
+    parquet = rows_of(tmp_path / "site_1m")
+    windows = {s: len(parquet[parquet["site"] == s]) for s in ("s1", nul, huge)}
+    assert windows[nul] == windows[huge] == 7, windows  # minutes 0 to 6, empty and final
+    in_topic = Counter(json.loads(m.value())["site"] for m in read_all(kafka, topic))
+    assert in_topic[nul] == 7 and in_topic[huge] == 0 and in_topic["s1"] == windows["s1"], in_topic
+    engine = sa.create_engine(pg_url)
+    with engine.connect() as conn:
+        in_table = Counter(r[0] for r in conn.execute(sa.text(f"SELECT site FROM {table}")))
+    engine.dispose()
+    assert in_table[nul] == 0 and in_table[huge] == 7 and in_table["s1"] > 0, in_table
+    dead = [dict(m.headers()) for m in read_all(kafka, data["dead_letter_topic"])]
+    why = Counter((h["source.topic"].decode(), h["error"].decode().split(":")[0]) for h in dead
+                  if b"rollup site_1m row" in h["error"])
+    assert why == {(table, f"rollup site_1m row refused by {table}"): 7, (topic, "too_large"): 7}, why
