@@ -565,7 +565,8 @@ class EnrichJob:
         log.info("batch %d done in %.2fs (dimensions pinned in %.3fs, %d slot(s) parsed again by from_json, "
                  "%d dead letter(s) collected)", batch_id, time.monotonic() - t0, st.dims.last_pin_seconds,
                  len(redone), dead.num_rows)
-        return dead.num_rows, counted
+        # Events only: a rollup row or gap record an output could not take has no source position.
+        return dead.num_rows - dead.column("_offset").null_count, counted
 
     def _rollups(self, batch_id: int, batch_df: DataFrame, dead: pa.Table) -> pa.Table:
         """The batch's rollup rows written; ``dead`` with the rollups' dead letters added; counts logged."""
