@@ -275,7 +275,7 @@ class EnrichJob:
 
     def _sinks(self, pipeline: Pipeline) -> tuple[Sink, DeadLetters | None, RollupWriter | None]:
         """The sink, the dead-letter writer unless the sink writes them itself (and there are no
-        rollups), and the rollups' writer, with the checkpoint's writer identity
+        rollups or gaps), and the rollups' writer, with the checkpoint's writer identity
         (:mod:`enrich.sinks.identity`: a start that would change it is refused)."""
         cfg = self.cfg
         ident = self._ident = SinkIdentity.load(self.layout, cfg)

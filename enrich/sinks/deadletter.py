@@ -95,7 +95,7 @@ class DeadLetters:
         # Per-row Python is fine here: dead letters are the exception, not the hot path.
         self._writer.write(batch_id, to_records(bad, self._writer.record_limit))
         self.total += bad.num_rows
-        log.warning("batch %d: %d event(s) to dead-letter topic %s (first: %s)", batch_id, bad.num_rows,
+        log.warning("batch %d: %d dead letter(s) to topic %s (first: %s)", batch_id, bad.num_rows,
                     self.topic, bad.column("_error")[0].as_py())
 
     def close(self) -> None:

@@ -175,6 +175,8 @@ class GapWriter:
             prune_fence(self.cfg.database, self.scope, batch_id)
         if self.topic is not None:
             written, left = self.topic.write_fitting(batch_id, _records(rows), "gaps")
+            if written == 0 and left.num_rows < rows.num_rows:
+                written = None  # records that fit, none written: the batch was committed before
             dead.append(unpositioned([too_large_error("gap record", n, self.topic.record_limit) for n in sizes(left)],
                                      left.column("key"), left.column("value"), self.topic.topic))
         return written, pa.concat_tables(dead) if dead else unpositioned([], [], [], "")

@@ -138,11 +138,12 @@ def _refuse_expired_ledgers(cfg: EnrichConfig, layout: CheckpointLayout, topic: 
 def _wanted(cfg: EnrichConfig) -> dict[str, str | None]:
     """The topics ``cfg`` writes in transactions, each with the id the config sets (None: derived)."""
     out = cfg.output
-    # The rollups' topics, and their dead letters: the driver's to write, beside the output's tasks.
+    # The rollups' and gaps' topics, and their dead letters: the driver's to write, beside the output's tasks.
     rollups: dict[str, str | None] = {r.output.kafka: None for r in cfg.rollups if r.output.kafka is not None}
     if cfg.gaps is not None and cfg.gaps.kafka is not None:  # the driver writes the gaps' records too
         rollups[cfg.gaps.kafka] = None
     if out.kind == "kafka":
         assert out.topic is not None
-        return {out.topic: out.transactional_id, **({cfg.dead_letter_topic: None} if cfg.rollups else {}), **rollups}
+        return {out.topic: out.transactional_id, **({cfg.dead_letter_topic: None} if cfg.rollups or cfg.gaps is not None else {}),
+                **rollups}
     return {cfg.dead_letter_topic: None, **rollups}  # the driver's dead-letter writer (enrich.sinks.deadletter)

@@ -149,12 +149,12 @@ class RollupWriter:
                 dead_rows.append(unpositioned([too_large_error(f"rollup {spec.name} row", n, kafka.record_limit)
                                                for n in sizes(left)], left.column("key"), left.column("value"),
                                               kafka.topic))
-        dead = [t.select(list(DEAD_COLUMNS)) for t in packed.get(DEAD, [])] + [t for t in dead_rows if t.num_rows]
+        dead = dead_letters([*packed.get(DEAD, []), *dead_rows])
         counts = Counter[tuple[str, str]]()
         for part in packed.get(COUNTS, []):
             for r in part.cast(COUNTS_SCHEMA).to_pylist():
                 counts[(r["rollup"], r["result"])] += r["events"]
-        return RollupBatch(pa.concat_tables(dead) if dead else _no_dead(), dict(counts), rows)
+        return RollupBatch(dead, dict(counts), rows)
 
     def _database(self, batch_id: int, rows: pa.Table, spec: RollupSpec,
                   table: TableSpec) -> tuple[int | None, pa.Table]:
@@ -194,6 +194,14 @@ def records(spec: RollupSpec, rows: pa.Table) -> pa.Table:
         keys.append(dumps({**{b: row[b] for b in spec.by}, WINDOW_START: row[WINDOW_START]}))
         values.append(dumps(row))
     return pa.table({"key": pa.array(keys, pa.binary()), "value": pa.array(values, pa.binary())})
+
+
+def dead_letters(parts: Iterable[pa.Table]) -> pa.Table:
+    """The batch's rollup dead letters in one table of one schema: the step's (Spark's types: an
+    int32 partition) and the rows an output could not take (pyarrow's)."""
+    schema = _no_dead().schema
+    got = [t.select(list(DEAD_COLUMNS)).cast(schema) for t in parts if t.num_rows]
+    return pa.concat_tables(got) if got else _no_dead()
 
 
 def _no_dead() -> pa.Table:

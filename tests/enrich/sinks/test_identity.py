@@ -51,6 +51,19 @@ def test_the_first_start_records_it_and_later_starts_and_moves_keep_it(tmp_path:
     assert both.scope == first.scope and both.id_of("out") == first.id_of("out") and "dlq" in both.ids
 
 
+def test_a_kafka_output_with_gaps_records_the_drivers_dead_letter_writer_and_the_gaps_topic(tmp_path: Path) -> None:
+    """The driver writes the gap records an output cannot take as dead letters (beside the output's
+    tasks, which write the events' own): its writer gets an id, as the gaps' topic's writer does."""
+    layout = CheckpointLayout(tmp_path / "ck")
+    data = {"kafka": {"bootstrap_servers": "127.0.0.1:9"},
+            "events": {"topic": "ev", "schema": "device_id STRING, ts TIMESTAMP"},
+            "output": {"kafka": {"topic": "out"}}, "dead_letter_topic": "dlq", "checkpoint": str(layout.root),
+            "state": {"key": "device_id", "timestamp": "ts"},
+            "gaps": {"expected_every": "10s", "output": {"kafka": {"topic": "gaps"}}}}
+    ident = SinkIdentity.load(layout, config.parse(data, "test.yaml"), check_ledgers=False)
+    assert set(ident.ids) == {"out", "dlq", "gaps"} and len(set(ident.ids.values())) == 3
+
+
 def test_a_configured_id_is_recorded_and_another_one_later_refused(tmp_path: Path) -> None:
     layout = CheckpointLayout(tmp_path / "ck")
     assert SinkIdentity.load(layout, cfg(layout.root, transactional_id="job-a"), check_ledgers=False).id_of("out") \

@@ -90,3 +90,15 @@ def test_a_record_that_is_no_event_becomes_a_dead_letter_cut_to_fit_with_no_posi
     assert int(headers["original.size"]) > 2000 and out["key"] is None
     size = len(out["value"]) + sum(len(k) + len(v) for k, v in headers.items())
     assert size <= 1000 and out["value"] == left.column("value")[0].as_py()[:len(out["value"])]
+
+
+def test_the_steps_dead_letters_and_the_rows_an_output_refused_make_one_table() -> None:
+    from enrich.sinks.deadletter import unpositioned
+    from enrich.sinks.rollups import dead_letters
+
+    step = pa.table({"_error": ["beyond the rollup horizon: site_1h"], "_key": [b"d1"], "_value": [b"{}"],
+                     "_topic": ["ev"], "_partition": pa.array([1], pa.int32()), "_offset": pa.array([7], pa.int64())})
+    refused = unpositioned(["rollup site_1h row refused by t: NUL"], [b"k"], [b"v"], "t")
+    got = dead_letters([step, refused.slice(0, 0), refused])
+    assert got.column("_topic").to_pylist() == ["ev", "t"] and got.column("_partition").to_pylist() == [1, None]
+    assert dead_letters([]).num_rows == 0
