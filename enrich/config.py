@@ -241,6 +241,12 @@ class EnrichConfig:
         return self.spark_conf.get("spark.sql.session.timeZone", "UTC")
 
     @property
+    def driver_dead_letters(self) -> bool:
+        """Whether the driver writes dead letters of its own, whatever the output: the rollups' (events
+        beyond a horizon) and the rollup rows and gap records an output could not take."""
+        return bool(self.rollups) or self.gaps is not None
+
+    @property
     def broadcast_datasets(self) -> dict[str, str]:
         """dataset -> changelog topic of the datasets the driver holds (broadcast joins)."""
         out: dict[str, str] = {}

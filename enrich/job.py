@@ -80,6 +80,13 @@ def _plus(a: Counted, b: Counted) -> Counted:
                    add(a.dead_letters, b.dead_letters))
 
 
+def _with(dead: pa.Table, more: pa.Table) -> pa.Table:
+    """The batch's dead letters ``dead`` (the sink's schema) with the driver's ``more`` added."""
+    if not dead.num_rows:
+        return more
+    return pa.concat_tables([dead, more.cast(dead.schema)]) if more.num_rows else dead
+
+
 @dataclass(frozen=True)
 class Started:
     """What :meth:`EnrichJob.start` opened for the query: the plan and the parts its batches use."""
@@ -286,9 +293,7 @@ class EnrichJob:
                                what="opening the output", policy=self.retry, stop=self._stop)
         self._stack.callback(sink.close)
         dead = None
-        # The rollups' dead letters, and the rollup rows and gap records an output could not take, are
-        # the driver's to write.
-        if not sink.writes_dead_letters or cfg.rollups or cfg.gaps is not None:
+        if not sink.writes_dead_letters or cfg.driver_dead_letters:
             dead = DeadLetters(cfg.kafka, cfg.dead_letter_topic, ident.id_of(cfg.dead_letter_topic), ident.scope)
             self._stack.callback(dead.close)
         rollups = None
@@ -582,9 +587,7 @@ class EnrichJob:
                      ", ".join(f"{r} {k} {n}" for (r, k), n in sorted(got.counts.items())))
         if st.metrics is not None:
             st.metrics.rollup_events(got.counts)
-        if not dead.num_rows:
-            return got.dead
-        return pa.concat_tables([dead, got.dead.cast(dead.schema)]) if got.dead.num_rows else dead
+        return _with(dead, got.dead)
 
     def _write_gaps(self, batch_id: int, dead: pa.Table) -> pa.Table:
         """The batch's gap records written (the state step has reported them: the sink's write ran
@@ -597,9 +600,7 @@ class EnrichJob:
                               policy=self.retry, stop=self._stop)
         if st.metrics is not None:
             st.metrics.gap_records(got.kinds, got.no_interval)
-        if not got.dead.num_rows:
-            return dead
-        return pa.concat_tables([dead, got.dead.cast(dead.schema)]) if dead.num_rows else got.dead
+        return _with(dead, got.dead)
 
     def _observe(self, t0: float, collected_dead: int, counted: Counted, progress: dict[str, Any] | None, *,
                  late: int | None) -> None:

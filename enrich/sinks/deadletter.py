@@ -2,9 +2,9 @@
 
 Record: key and value are the original event's key and value, byte for byte; headers ``error``,
 ``source.topic``, ``source.partition``, ``source.offset`` say what went wrong and where it came from.
-A record larger than the producer's ``message.max.bytes`` (an enriched event, a rollup row or a
-gap record, or a dead letter itself) gets ``reason: too_large`` and ``original.size`` headers and its value cut to fit: it never
-fails the batch. For an enriched event the value is the enriched JSON (cut), its key the output key.
+A record larger than the producer's ``message.max.bytes`` (an enriched event, a rollup row, a gap
+record, or a dead letter itself) gets ``reason: too_large`` and ``original.size`` headers and its
+value cut to fit: it never fails the batch. For an enriched event the value is the enriched JSON (cut), its key the output key.
 Written per micro-batch in one Kafka transaction that is skipped when the batch id was committed
 already, so a replayed batch does not duplicate dead letters.
 """
@@ -40,7 +40,7 @@ def to_records(bad: pa.Table, limit: int | None = None) -> pa.Table:
     keys, values, headers = [], [], []
     for r in rows:
         key, value = r["_key"], r["_value"]
-        # A dead letter that is no event (a rollup row too large for its topic) has no position.
+        # A dead letter that is no event (:func:`unpositioned`) has no position.
         hdr = [{"key": "error", "value": (r["_error"] or "").encode()},
                {"key": "source.topic", "value": str(r["_topic"]).encode()},
                *[{"key": f"source.{f}", "value": str(r[f"_{f}"]).encode()} for f in ("partition", "offset")
@@ -62,21 +62,39 @@ def to_records(bad: pa.Table, limit: int | None = None) -> pa.Table:
                      "headers": pa.array(headers, HEADERS_TYPE)})
 
 
-def unpositioned(errors: Sequence[str], keys: pa.Array | Sequence[bytes | None],
-                 values: pa.Array | Sequence[bytes | None], output: str) -> pa.Table:
-    """Dead letters (:data:`COLUMNS`) of records that are no event - a rollup row, a gap record - which
-    their output could not take: ``_topic`` the output (a topic or a table), no partition or offset
-    (:func:`to_records` then writes no ``source.partition`` or ``source.offset`` header)."""
-    n = len(errors)
-    return pa.table({"_error": pa.array(list(errors), pa.string()), "_key": pa.array(keys, pa.binary()),
-                     "_value": pa.array(values, pa.binary()), "_topic": pa.array([output] * n, pa.string()),
-                     "_partition": pa.nulls(n, pa.int64()), "_offset": pa.nulls(n, pa.int64())})
+#: The dead letters' columns as this module makes them (:func:`unpositioned`, :func:`empty`).
+SCHEMA = pa.schema([("_error", pa.string()), ("_key", pa.binary()), ("_value", pa.binary()), ("_topic", pa.string()),
+                    ("_partition", pa.int64()), ("_offset", pa.int64())])
 
 
-def sizes(recs: pa.Table) -> list[int]:
-    """Per record (``key``, ``value``): its size in bytes."""
-    return pc.add(pc.fill_null(pc.binary_length(recs.column("key")), 0),
-                  pc.fill_null(pc.binary_length(recs.column("value")), 0)).to_pylist()
+def empty() -> pa.Table:
+    """No dead letters, as :data:`SCHEMA`."""
+    return SCHEMA.empty_table()
+
+
+def unpositioned(errors: Sequence[str], recs: pa.Table, output: str) -> pa.Table:
+    """Dead letters (:data:`SCHEMA`) of records that are no event - a rollup row, a gap record - which
+    their output could not take: ``recs`` their Kafka records (``key``, ``value``), ``_topic`` the
+    output (a topic or a table), no partition or offset (:func:`to_records` then writes no
+    ``source.partition`` or ``source.offset`` header)."""
+    n = recs.num_rows
+    return pa.table({"_error": pa.array(list(errors), pa.string()), "_key": recs.column("key"),
+                     "_value": recs.column("value"), "_topic": pa.array([output] * n, pa.string()),
+                     "_partition": pa.nulls(n, pa.int64()), "_offset": pa.nulls(n, pa.int64())}, schema=SCHEMA)
+
+
+def too_large(left: pa.Table, what: str, limit: int, topic: str) -> pa.Table:
+    """:func:`unpositioned` dead letters of the records (``key``, ``value``) ``topic`` could not take,
+    larger than ``limit``; ``what`` names one (``rollup device_1m row``)."""
+    size = pc.add(pc.fill_null(pc.binary_length(left.column("key")), 0),
+                  pc.fill_null(pc.binary_length(left.column("value")), 0)).to_pylist()
+    return unpositioned([too_large_error(what, n, limit) for n in size], left, topic)
+
+
+def refused(recs: pa.Table, reasons: Sequence[str], what: str, table: str) -> pa.Table:
+    """:func:`unpositioned` dead letters of rows ``table`` would refuse (``reasons``, one per row),
+    as their Kafka records ``recs``; ``what`` names one."""
+    return unpositioned([f"{what} refused by {table}: {r}" for r in reasons], recs, table)
 
 
 class DeadLetters:

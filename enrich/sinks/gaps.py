@@ -35,7 +35,7 @@ from enrich.ipc import from_ipc
 from enrich.sinks.database.sink import check_existing, ensure, prune_fence
 from enrich.sinks.database.slots import write_rows
 from enrich.sinks.database.tables import TableSpec, table_spec
-from enrich.sinks.deadletter import sizes, too_large_error, unpositioned
+from enrich.sinks.deadletter import empty, refused, too_large
 from enrich.sinks.jsonrow import dumps, json_value
 from enrich.sinks.kafka.writer import TransactionalBatchWriter
 from refstream.atomic import write_json_atomic
@@ -119,7 +119,7 @@ class GapWriter:
                 parts.append(from_ipc(got["records"]).cast(self.spec.record_schema()))
         parts.append(self._sources(batch_id, after))
         out = pa.concat_tables(parts)
-        written, dead = self._write(batch_id, out) if out.num_rows else (0, unpositioned([], [], [], ""))
+        written, dead = self._write(batch_id, out) if out.num_rows else (0, empty())
         # Counted once: a replay of a batch written before counts nothing again.
         kinds = Counter(out.column("kind").to_pylist()) if written is not None else Counter()
         write_json_atomic(self.layout.gaps, {"batch": batch_id, "before": before, "after": after})
@@ -168,18 +168,14 @@ class GapWriter:
             assert self.cfg.database is not None
             last = _last_per_key(rows)
             written, left, reasons = write_rows(self.table, self.scope, batch_id, last, "gaps")
-            if left.num_rows:
-                refused = _records(left)
-                dead.append(unpositioned([f"gap record refused by {self.table.table}: {r}" for r in reasons],
-                                         refused.column("key"), refused.column("value"), self.table.table))
+            dead.append(refused(_records(left), reasons, "gap record", self.table.table))
             prune_fence(self.cfg.database, self.scope, batch_id)
         if self.topic is not None:
             written, left = self.topic.write_fitting(batch_id, _records(rows), "gaps")
             if written == 0 and left.num_rows < rows.num_rows:
                 written = None  # records that fit, none written: the batch was committed before
-            dead.append(unpositioned([too_large_error("gap record", n, self.topic.record_limit) for n in sizes(left)],
-                                     left.column("key"), left.column("value"), self.topic.topic))
-        return written, pa.concat_tables(dead) if dead else unpositioned([], [], [], "")
+            dead.append(too_large(left, "gap record", self.topic.record_limit, self.topic.topic))
+        return written, pa.concat_tables(dead) if dead else empty()
 
 
 def _records(rows: pa.Table) -> pa.Table:

@@ -144,6 +144,6 @@ def _wanted(cfg: EnrichConfig) -> dict[str, str | None]:
         rollups[cfg.gaps.kafka] = None
     if out.kind == "kafka":
         assert out.topic is not None
-        return {out.topic: out.transactional_id, **({cfg.dead_letter_topic: None} if cfg.rollups or cfg.gaps is not None else {}),
+        return {out.topic: out.transactional_id, **({cfg.dead_letter_topic: None} if cfg.driver_dead_letters else {}),
                 **rollups}
     return {cfg.dead_letter_topic: None, **rollups}  # the driver's dead-letter writer (enrich.sinks.deadletter)

@@ -42,7 +42,8 @@ from enrich.sinks.database.sink import check_existing, ensure, prune_fence
 from enrich.sinks.database.slots import write_rows
 from enrich.sinks.database.tables import TableSpec, table_spec
 from enrich.sinks.deadletter import COLUMNS as DEAD_COLUMNS
-from enrich.sinks.deadletter import sizes, too_large_error, unpositioned
+from enrich.sinks.deadletter import SCHEMA as DEAD_SCHEMA
+from enrich.sinks.deadletter import empty, refused, too_large
 from enrich.sinks.jsonrow import dumps, json_value
 from enrich.sinks.kafka.writer import TransactionalBatchWriter
 from enrich.sinks.parquet import write_batch
@@ -140,15 +141,13 @@ class RollupWriter:
                 rows[spec.name] = self._parquet(batch_id, frame, spec, path)
             if table is not None:
                 assert got is not None
-                rows[spec.name], refused = self._database(batch_id, got, spec, table)
-                dead_rows.append(refused)
+                rows[spec.name], left_out = self._database(batch_id, got, spec, table)
+                dead_rows.append(left_out)
                 prune_fence(db, self.scope, batch_id)
             if kafka is not None:
                 assert got is not None
                 rows[spec.name], left = kafka.write_fitting(batch_id, records(spec, got), f"rollup {spec.name}")
-                dead_rows.append(unpositioned([too_large_error(f"rollup {spec.name} row", n, kafka.record_limit)
-                                               for n in sizes(left)], left.column("key"), left.column("value"),
-                                              kafka.topic))
+                dead_rows.append(too_large(left, f"rollup {spec.name} row", kafka.record_limit, kafka.topic))
         dead = dead_letters([*packed.get(DEAD, []), *dead_rows])
         counts = Counter[tuple[str, str]]()
         for part in packed.get(COUNTS, []):
@@ -168,9 +167,7 @@ class RollupWriter:
                         "cannot hold one)", batch_id, spec.name, nulls, table.table)
             rows = rows.filter(keyed)
         written, left, reasons = write_rows(table, self.scope, batch_id, rows, f"rollup {spec.name}")
-        recs = records(spec, left)
-        return written, unpositioned([f"rollup {spec.name} row refused by {table.table}: {r}" for r in reasons],
-                                     recs.column("key"), recs.column("value"), table.table)
+        return written, refused(records(spec, left), reasons, f"rollup {spec.name} row", table.table)
 
     def close(self) -> None:
         for writer in self.topics:
@@ -198,12 +195,6 @@ def records(spec: RollupSpec, rows: pa.Table) -> pa.Table:
 
 def dead_letters(parts: Iterable[pa.Table]) -> pa.Table:
     """The batch's rollup dead letters in one table of one schema: the step's (Spark's types: an
-    int32 partition) and the rows an output could not take (pyarrow's)."""
-    schema = _no_dead().schema
-    got = [t.select(list(DEAD_COLUMNS)).cast(schema) for t in parts if t.num_rows]
-    return pa.concat_tables(got) if got else _no_dead()
-
-
-def _no_dead() -> pa.Table:
-    return pa.table({c: pa.array([], pa.string() if c in ("_error", "_topic") else
-                                 pa.binary() if c in ("_key", "_value") else pa.int64()) for c in DEAD_COLUMNS})
+    int32 partition) and the rows an output could not take (:mod:`enrich.sinks.deadletter`'s)."""
+    got = [t.select(list(DEAD_COLUMNS)).cast(DEAD_SCHEMA) for t in parts if t.num_rows]
+    return pa.concat_tables(got) if got else empty()

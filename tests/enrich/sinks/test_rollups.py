@@ -72,14 +72,13 @@ def test_a_rollup_record_larger_than_the_broker_takes_is_left_out_of_the_topic()
 
 
 def test_a_record_that_is_no_event_becomes_a_dead_letter_cut_to_fit_with_no_position() -> None:
-    from enrich.sinks.deadletter import sizes, to_records, too_large_error, unpositioned
+    from enrich.sinks.deadletter import to_records, too_large
     from enrich.sinks.kafka.writer import fitting
     from enrich.sinks.rollups import records
 
     recs = records(SPEC, rows(["s-1", "x" * 2000, "s-2"]))
     left = recs.filter(pa.compute.invert(fitting(recs, 1000)))
-    dead = unpositioned([too_large_error(f"rollup {SPEC.name} row", n, 1000) for n in sizes(left)],
-                        left.column("key"), left.column("value"), "site_1h")
+    dead = too_large(left, f"rollup {SPEC.name} row", 1000, "site_1h")
     assert dead.num_rows == 1 and dead.column("_partition").null_count == 1
     assert dead.column("_error")[0].as_py().startswith(f"too_large: rollup {SPEC.name} row of ")
     out = to_records(dead, 1000).to_pylist()[0]
@@ -93,12 +92,13 @@ def test_a_record_that_is_no_event_becomes_a_dead_letter_cut_to_fit_with_no_posi
 
 
 def test_the_steps_dead_letters_and_the_rows_an_output_refused_make_one_table() -> None:
-    from enrich.sinks.deadletter import unpositioned
+    from enrich.sinks.deadletter import refused as refused_letters
     from enrich.sinks.rollups import dead_letters
 
     step = pa.table({"_error": ["beyond the rollup horizon: site_1h"], "_key": [b"d1"], "_value": [b"{}"],
                      "_topic": ["ev"], "_partition": pa.array([1], pa.int32()), "_offset": pa.array([7], pa.int64())})
-    refused = unpositioned(["rollup site_1h row refused by t: NUL"], [b"k"], [b"v"], "t")
+    refused = refused_letters(pa.table({"key": [b"k"], "value": [b"v"]}), ["NUL"], "rollup site_1h row", "t")
+    assert refused.column("_error").to_pylist() == ["rollup site_1h row refused by t: NUL"]
     got = dead_letters([step, refused.slice(0, 0), refused])
     assert got.column("_topic").to_pylist() == ["ev", "t"] and got.column("_partition").to_pylist() == [1, None]
     assert dead_letters([]).num_rows == 0
