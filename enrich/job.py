@@ -48,7 +48,7 @@ from enrich.gaps.engine import TIMES_PROPERTY
 from enrich.metrics import RESULTS, EnrichMetrics
 from enrich.origin import Origin
 from enrich.pipeline import JoinPass, Pipeline
-from enrich.query import StateStream, Stream, apply_joins, build, rollup_rows, writer
+from enrich.query import StateStream, Stream, build, enriched, rollup_rows, writer
 from enrich.rollups.packs import IDLE_PROPERTY
 from enrich.sinks import Counted, EnrichedBatch, Sink, make_sink
 from enrich.sinks.deadletter import DeadLetters
@@ -532,17 +532,14 @@ class EnrichJob:
 
         def exact(df: DataFrame) -> EnrichedBatch:  # parsed by from_json, or the state step's packed rows
             if st.state is not None:
-                return EnrichedBatch(apply_joins(st.state.events(df), jp.specs, jp.schema, shipped, ERROR,
-                                                 first=st.state.unpack, unmatched=unmatched), jp.columns, matched)
+                return enriched(st.state.events(df), jp.specs, jp.schema, shipped, jp.columns, matched, ERROR,
+                                first=st.state.unpack, unmatched=unmatched)
             parsed = events.parse(df, st.pipeline.events, self.cfg.events.required)
-            return EnrichedBatch(apply_joins(parsed, jp.specs, jp.schema, shipped, ERROR, unmatched=unmatched),
-                                 jp.columns, matched)
+            return enriched(parsed, jp.specs, jp.schema, shipped, jp.columns, matched, ERROR, unmatched=unmatched)
 
         if st.fast is not None:
-            batch = EnrichedBatch(apply_joins(events.source_columns(batch_df), jp.specs, jp.fast_schema, shipped,
-                                              ERROR, parser=st.fast,
-                                              parsed_schema=events.fast_schema(st.pipeline.parsed)), jp.columns,
-                                  matched)
+            batch = enriched(events.source_columns(batch_df), jp.specs, jp.fast_schema, shipped, jp.columns,
+                             matched, ERROR, parser=st.fast, parsed_schema=events.fast_schema(st.pipeline.parsed))
         else:
             batch = exact(batch_df)
         dead = call_with_retry(lambda: st.sink.write(batch_id, batch), what=f"batch {batch_id}: writing output",

@@ -59,6 +59,7 @@ from enrich.joins.partitioned import PUBLISHED, VALID_FROM_TEXT, PartitionedDim
 from enrich.pipeline import Pipeline
 from enrich.rollups import packs
 from enrich.rollups.spec import RollupSpec
+from enrich.sinks.abc import EnrichedBatch
 from enrich.sinks.rollups import rows_of
 from enrich.source import stream_format, tick
 from enrich.state import engine, ingest, rollups
@@ -398,9 +399,21 @@ def apply_joins(df: DataFrame, specs: Sequence[joins.JoinSpec], out_schema: Stru
                 unmatched: Accumulator[dict[int, int]] | None = None) -> DataFrame:
     """``df`` with every join applied, in one ``mapInArrow`` pass of :func:`enrich.joins.enricher`
     (which says what ``parser``, ``parsed_schema``, ``first`` and ``unmatched`` do)."""
+    return enriched(df, specs, out_schema, shipped, (), (), error_column, parser, parsed_schema, first, unmatched).df
+
+
+def enriched(df: DataFrame, specs: Sequence[joins.JoinSpec], out_schema: StructType,
+             shipped: Mapping[str, Shipped], columns: Sequence[str], matched: Sequence[str],
+             error_column: str | None = None, parser: FastParser | None = None,
+             parsed_schema: StructType | None = None, first: Callable[[pa.RecordBatch], pa.Table] | None = None,
+             unmatched: Accumulator[dict[int, int]] | None = None) -> EnrichedBatch:
+    """The batch of output ``columns`` that :func:`apply_joins` makes of ``df``, with the pass
+    itself (``before``, ``step``, ``schema``) for a sink that runs it in its own tasks."""
     tz = (df.sparkSession.conf.get("spark.sql.session.timeZone") or "UTC") if parser is not None else "UTC"
     fn = joins.enricher(specs, shipped, error_column, parser, parsed_schema, first, unmatched, timezone=tz)
-    return df if fn is None else df.mapInArrow(fn, out_schema)
+    out = df if fn is None else df.mapInArrow(fn, out_schema)
+    return EnrichedBatch(out, tuple(columns), tuple(matched), before=df, step=fn,
+                         schema=out.schema if fn is None else out_schema)
 
 
 # ----------------------------------------------------------------------------------------- outputs

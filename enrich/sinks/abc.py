@@ -7,12 +7,14 @@ unless it writes them itself (``writes_dead_letters``: the Kafka sink, in the ta
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
 import pyarrow as pa
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
+from pyspark.sql.types import StructType
 
 from enrich.columns import ERROR, IDENTITY
 from enrich.sinks.deadletter import COLUMNS as DEAD_COLUMNS
@@ -26,11 +28,18 @@ JSON_OPTIONS = {"ignoreNullFields": "false", "timestampFormat": "yyyy-MM-dd'T'HH
 class EnrichedBatch:
     """``df`` holds the output ``columns`` plus ``_error`` and the Kafka source columns, and for a
     sink that ``reparses``, the fast parser's ``_slow`` flag (such rows hold no parsed fields).
-    ``matched`` names the joins' ``_<dataset>_matched`` columns among ``columns``."""
+    ``matched`` names the joins' ``_<dataset>_matched`` columns among ``columns``.
+
+    ``df`` is ``before`` through the join pass ``step`` (a ``mapInArrow`` function giving ``schema``;
+    None: ``df`` is ``before``) when those are given: a sink may run the pass in a task of its own
+    instead (the Kafka output does: ``enrich.sinks.kafka.values``)."""
 
     df: DataFrame
     columns: tuple[str, ...]
     matched: tuple[str, ...] = ()
+    before: DataFrame | None = None
+    step: Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]] | None = None
+    schema: StructType | None = None
 
     def good(self) -> DataFrame:
         return self.df.filter(F.col(ERROR).isNull()).select(*[F.col(f"`{c}`") for c in self.columns])

@@ -14,6 +14,7 @@ same slots), with the same batch id.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import time
@@ -22,13 +23,15 @@ from collections.abc import Mapping, Sequence
 import pyarrow as pa
 from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
+from pyspark.sql.types import StructType
 
-from enrich.columns import ERROR, LATE, SLOW, UNMATCHED
+from enrich.columns import ERROR, IDENTITY, LATE, SLOW, UNMATCHED
 from enrich.failures import transient_cause
 from enrich.sinks.abc import Counted, EnrichedBatch
 from enrich.sinks.deadletter import COLUMNS as DEAD_COLUMNS
 from enrich.sinks.kafka.ledger import ensure_ledger
 from enrich.sinks.kafka.tasks import RESULT_DDL, TaskWriter, summary
+from enrich.sinks.kafka.values import Fused, RecordMaker, supported
 
 log = logging.getLogger(__name__)
 
@@ -61,8 +64,14 @@ class KafkaSink:
         self.counted = Counted(0, 0, 0, 0)
         t0 = time.monotonic()
         writer = self.task_writer(batch_id, batch)
+        fused = self.fused(batch)
+        if fused is not None:
+            frame = fused[0]
+            writer = dataclasses.replace(writer, upstream=fused[1])
+        else:
+            frame = self.frame(batch)
         try:
-            rows = [r.asDict() for r in self.frame(batch).mapInArrow(writer, RESULT_DDL).collect()]
+            rows = [r.asDict() for r in frame.mapInArrow(writer, RESULT_DDL).collect()]
         except Exception as exc:
             # A task that failed transiently (broker away) fails the Spark job: the batch is tried
             # again, and the tasks that committed skip it by their ledgers.
@@ -95,6 +104,21 @@ class KafkaSink:
     def frame(self, batch: EnrichedBatch) -> DataFrame:
         """What the tasks get of ``batch``: :func:`records_frame`."""
         return records_frame(batch)
+
+    def fused(self, batch: EnrichedBatch) -> tuple[DataFrame, Fused] | None:
+        """What the tasks get of ``batch`` and make the records of themselves (the join pass and the
+        JSON in the writer's worker, :mod:`enrich.sinks.kafka.values`), or None: :meth:`frame`
+        makes them in the JVM (a subclass whose rows are more than the records, an output type
+        the Python JSON does not write)."""
+        if type(self).frame is not KafkaSink.frame or batch.before is None or batch.schema is None:
+            return None
+        fields = {f.name: f for f in batch.schema.fields}
+        ident = [c for c in IDENTITY if c in fields and c not in batch.columns]
+        values = StructType([fields[c] for c in (*batch.columns, *ident)])
+        if not supported(values):
+            return None
+        tz = batch.before.sparkSession.conf.get("spark.sql.session.timeZone") or "UTC"
+        return batch.before, Fused(batch.step, RecordMaker(values, batch.matched, tz))
 
     def close(self) -> None:
         pass

@@ -84,10 +84,15 @@ class TaskWriter:
     scope: str | None
     batch_id: int
     timeout: float = 60.0
+    #: What makes the rows above from the task's input, in this worker (``enrich.sinks.kafka.values.Fused``:
+    #: the join pass and the records); None: the input is the rows.
+    upstream: Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]] | None = None
 
     def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         from pyspark import TaskContext
 
+        if self.upstream is not None:
+            batches = self.upstream(batches)
         ctx = TaskContext.get()
         slot = ctx.partitionId() if ctx is not None else 0
         settle()
