@@ -48,7 +48,7 @@ from enrich.gaps.engine import TIMES_PROPERTY
 from enrich.metrics import RESULTS, EnrichMetrics
 from enrich.origin import Origin
 from enrich.pipeline import JoinPass, Pipeline
-from enrich.query import StateStream, Stream, build, enriched, rollup_rows, writer
+from enrich.query import RangeReader, StateStream, Stream, build, enriched, read_ranges, rollup_rows, writer
 from enrich.rollups.packs import IDLE_PROPERTY
 from enrich.sinks import Counted, EnrichedBatch, Sink, make_sink
 from enrich.sinks.deadletter import DeadLetters
@@ -102,6 +102,7 @@ class Started:
     devices: DeviceCount | None
     rollups: RollupWriter | None = None  # the rollups' outputs (the batches are the rollup step's output)
     gaps: GapWriter | None = None        # the gaps' records (enrich.sinks.gaps)
+    ranges: RangeReader | None = None    # the batches hold offset ranges: this reads their records
 
 
 class EnrichJob:
@@ -186,7 +187,8 @@ class EnrichJob:
         metrics = self._metrics(sink)
         stream, devices = self._stream(spark, pipeline, dims, sink, metrics)
         self._started = Started(spark, pipeline, dims, sink, dead, metrics, stream.fast, stream.state, devices,
-                                rollups, self._gaps(pipeline, saved.gaps_driver if saved is not None else None))
+                                rollups, self._gaps(pipeline, saved.gaps_driver if saved is not None else None),
+                                stream.ranges)
         self._pass = pipeline.join_pass
         self.query = self._start_query(stream.frame)
         log.info("enrichment query started: %s -> %s (checkpoint %s)", self.cfg.events.topic,
@@ -537,7 +539,10 @@ class EnrichJob:
             parsed = events.parse(df, st.pipeline.events, self.cfg.events.required)
             return enriched(parsed, jp.specs, jp.schema, shipped, jp.columns, matched, ERROR, unmatched=unmatched)
 
-        if st.fast is not None:
+        if st.fast is not None and st.ranges is not None:  # the pass reads the records of the batch's ranges
+            batch = enriched(batch_df, jp.specs, jp.fast_schema, shipped, jp.columns, matched, ERROR, parser=st.fast,
+                             parsed_schema=events.fast_schema(st.pipeline.parsed), read=st.ranges)
+        elif st.fast is not None:
             batch = enriched(events.source_columns(batch_df), jp.specs, jp.fast_schema, shipped, jp.columns,
                              matched, ERROR, parser=st.fast, parsed_schema=events.fast_schema(st.pipeline.parsed))
         else:
@@ -555,7 +560,8 @@ class EnrichJob:
         if redone:
             # Tasks that met events the fast parser left to from_json wrote nothing: their input
             # ranges (same partition indexes, so same slots) are written again from from_json's parse.
-            again = exact(batch_df.where(F.spark_partition_id().isin(list(redone))))
+            records = batch_df if st.ranges is None else read_ranges(batch_df, st.ranges)
+            again = exact(records.where(F.spark_partition_id().isin(list(redone))))
             call_with_retry(lambda: st.sink.write(batch_id, again), what=f"batch {batch_id}: writing output",
                             policy=self.retry, stop=self._stop)
             counted = _plus(counted, st.sink.counted)

@@ -23,10 +23,11 @@ call Spark themselves (tests/test_layers.py).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import uuid
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -50,7 +51,18 @@ from pyspark.sql.types import (
 )
 
 from enrich import events, joins, packed
-from enrich.columns import BATCH_TIME, BUCKET, FLAT, LATE, MAX_TS, PACK_KIND, RBUCKET, ROLLUP_TIME, ROWS
+from enrich.columns import (
+    BATCH_TIME,
+    BUCKET,
+    FLAT,
+    LATE,
+    MAX_TS,
+    PACK_KIND,
+    RBUCKET,
+    ROLLUP_TIME,
+    ROWS,
+    SOURCE,
+)
 from enrich.dimension.ship import Shipped
 from enrich.events import FastEvents
 from enrich.events.fastparse import FastParser
@@ -61,7 +73,8 @@ from enrich.rollups import packs
 from enrich.rollups.spec import RollupSpec
 from enrich.sinks.abc import EnrichedBatch
 from enrich.sinks.rollups import rows_of
-from enrich.source import stream_format, tick
+from enrich.source import range_reader, stream_format, tick
+from enrich.source.fetch import SCHEMA_DDL, RangeReader
 from enrich.state import engine, ingest, rollups
 from enrich.state.cache import TableCache
 from enrich.state.ingest import EventPacker
@@ -87,6 +100,9 @@ class Stream:
     frame: DataFrame
     fast: FastParser | None
     state: StateStream | None
+    #: With the fast parser: the step that reads the records of the offset ranges ``frame`` holds
+    #: (the source's ``ranges`` option), run in the join pass's task (or the writer's).
+    ranges: RangeReader | None = None
 
 
 def build(spark: SparkSession, pipeline: Pipeline, *, starting: str, reparses: bool,
@@ -100,14 +116,21 @@ def build(spark: SparkSession, pipeline: Pipeline, *, starting: str, reparses: b
     write a task's slot twice); with state, by from_json in the plan before the step
     (enrich.state.ingest)."""
     cfg = pipeline.cfg
-    raw = read_events(spark, pipeline, starting)
     parser = (FastParser.for_schema(pipeline.events, cfg.events.required, pipeline.timezone)
               if cfg.events.parser == "auto" else None)
     if pipeline.state is None:
         fast = parser if reparses else None
         log.info("events parsed by %s", "pyarrow, with from_json for what it leaves" if fast else "from_json")
         check_checkpoint(pipeline.checkpoint, None, None, cfg.source)
-        return Stream(raw, fast, None)
+        # The join pass (and the Kafka output's tasks) read the records themselves: they never
+        # cross into the JVM and back (docs/benchmarks.md).
+        ranges = fast is not None and cfg.events.source != "builtin"
+        if ranges:
+            log.info("events read from Kafka by the join pass's tasks (the source gives each its offset range)")
+        reader = (range_reader(cfg.kafka, [cfg.events.topic], fail_on_data_loss=cfg.events.fail_on_data_loss,
+                               columns=SOURCE) if ranges else None)
+        return Stream(read_events(spark, pipeline, starting, ranges=ranges), fast, None, reader)
+    raw = read_events(spark, pipeline, starting)
     log.info("events parsed by %s", "pyarrow, with from_json for what it leaves" if parser else "from_json")
     state = state_step(spark, pipeline, raw, devices, parser, fork, call_counts, floor_us=floor_us,
                        gap_records=gap_records)
@@ -118,7 +141,8 @@ def build(spark: SparkSession, pipeline: Pipeline, *, starting: str, reparses: b
 
 def read_stream(spark: SparkSession, settings: Mapping[str, str], topics: Sequence[str], *,
                 starting_offsets: str = "latest", max_offsets_per_trigger: int | None = None,
-                fail_on_data_loss: bool = True, on_offset_reset: str = "fail", builtin: bool = False) -> DataFrame:
+                fail_on_data_loss: bool = True, on_offset_reset: str = "fail", builtin: bool = False,
+                ranges: bool = False) -> DataFrame:
     """The streaming DataFrame of ``topics`` with the columns of Spark's Kafka source: ``key``,
     ``value`` (binary), ``topic``, ``partition``, ``offset``, ``timestamp``, ``timestampType``,
     ``headers``. ``settings`` are librdkafka settings (``bootstrap.servers``...), ``starting_offsets``
@@ -129,17 +153,25 @@ def read_stream(spark: SparkSession, settings: Mapping[str, str], topics: Sequen
     backwards (Spark's format has no such option)."""
     fmt, opts = stream_format(spark, settings, topics, starting_offsets=starting_offsets,
                               max_offsets_per_trigger=max_offsets_per_trigger, fail_on_data_loss=fail_on_data_loss,
-                              on_offset_reset=on_offset_reset, builtin=builtin)
+                              on_offset_reset=on_offset_reset, builtin=builtin, ranges=ranges)
     return spark.readStream.format(fmt).options(**opts).load()
 
 
-def read_events(spark: SparkSession, pipeline: Pipeline, starting: str) -> DataFrame:
-    """The events topic from ``starting`` (the checkpoint's origin, :mod:`enrich.origin`)."""
+def read_events(spark: SparkSession, pipeline: Pipeline, starting: str, *, ranges: bool = False) -> DataFrame:
+    """The events topic from ``starting`` (the checkpoint's origin, :mod:`enrich.origin`); with
+    ``ranges``, each task's offset range instead of its records (``enrich.source.fetch.RANGE_DDL``)."""
     cfg = pipeline.cfg
     ev = cfg.events
     return read_stream(spark, cfg.kafka, [ev.topic], starting_offsets=starting,
                        max_offsets_per_trigger=cfg.max_events_per_batch, fail_on_data_loss=ev.fail_on_data_loss,
-                       on_offset_reset=ev.on_offset_reset, builtin=ev.source == "builtin")
+                       on_offset_reset=ev.on_offset_reset, builtin=ev.source == "builtin", ranges=ranges)
+
+
+def read_ranges(df: DataFrame, reader: RangeReader) -> DataFrame:
+    """The Kafka records (:func:`read_stream`'s columns) of ``df``, a batch of offset ranges
+    (:attr:`Stream.ranges`), read by a ``mapInArrow`` step: each task its own range, so the
+    partition indexes (the Kafka output's slots) are the ranges'."""
+    return df.mapInArrow(dataclasses.replace(reader, columns=None), SCHEMA_DDL)
 
 
 def read_ticks(spark: SparkSession, layout: BucketLayout) -> DataFrame:
@@ -406,14 +438,30 @@ def enriched(df: DataFrame, specs: Sequence[joins.JoinSpec], out_schema: StructT
              shipped: Mapping[str, Shipped], columns: Sequence[str], matched: Sequence[str],
              error_column: str | None = None, parser: FastParser | None = None,
              parsed_schema: StructType | None = None, first: Callable[[pa.RecordBatch], pa.Table] | None = None,
-             unmatched: Accumulator[dict[int, int]] | None = None) -> EnrichedBatch:
+             unmatched: Accumulator[dict[int, int]] | None = None, read: RangeReader | None = None
+             ) -> EnrichedBatch:
     """The batch of output ``columns`` that :func:`apply_joins` makes of ``df``, with the pass
-    itself (``before``, ``step``, ``schema``) for a sink that runs it in its own tasks."""
+    itself (``before``, ``step``, ``schema``) for a sink that runs it in its own tasks. With
+    ``read``, ``df`` holds offset ranges (:attr:`Stream.ranges`) and the pass reads their records first."""
     tz = (df.sparkSession.conf.get("spark.sql.session.timeZone") or "UTC") if parser is not None else "UTC"
     fn = joins.enricher(specs, shipped, error_column, parser, parsed_schema, first, unmatched, timezone=tz)
-    out = df if fn is None else df.mapInArrow(fn, out_schema)
-    return EnrichedBatch(out, tuple(columns), tuple(matched), before=df, step=fn,
-                         schema=out.schema if fn is None else out_schema)
+    step: Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]] | None = fn
+    if read is not None:
+        step = read if fn is None else Chain(read, fn)
+    out = df if step is None else df.mapInArrow(step, out_schema)
+    return EnrichedBatch(out, tuple(columns), tuple(matched), before=df, step=step,
+                         schema=out.schema if step is None else out_schema)
+
+
+@dataclass(frozen=True)
+class Chain:
+    """Two ``mapInArrow`` functions as one: ``second`` over what ``first`` yields."""
+
+    first: Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]
+    second: Callable[[Iterator[pa.RecordBatch]], Iterator[pa.RecordBatch]]
+
+    def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        return self.second(self.first(batches))
 
 
 # ----------------------------------------------------------------------------------------- outputs

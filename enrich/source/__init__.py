@@ -19,9 +19,10 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
 
+    from enrich.source.fetch import RangeReader
     from enrich.source.kafka import FORMAT, KafkaDataSource
 
-__all__ = ["FORMAT", "KafkaDataSource", "register", "source_options", "stream_format"]
+__all__ = ["FORMAT", "KafkaDataSource", "range_reader", "register", "source_options", "stream_format"]
 
 
 def __getattr__(name: str) -> Any:
@@ -55,12 +56,24 @@ def source_options(settings: Mapping[str, str], topics: Sequence[str], *, starti
     return opts
 
 
+def range_reader(settings: Mapping[str, str], topics: Sequence[str], *, fail_on_data_loss: bool = True,
+                 columns: Mapping[str, str] | None = None) -> RangeReader:
+    """The step that reads the records of the offset ranges a stream of ``topics`` with the
+    ``ranges`` option gives (:func:`stream_format`), with the settings its own reader would use."""
+    from enrich.source.fetch import RangeReader
+    from enrich.source.options import SourceOptions
+
+    o = SourceOptions.parse(source_options(settings, topics, fail_on_data_loss=fail_on_data_loss))
+    return RangeReader(o.settings, o.poll_timeout_s, o.fail_on_data_loss, None if columns is None else dict(columns))
+
+
 def stream_format(spark: SparkSession, settings: Mapping[str, str], topics: Sequence[str], *,
                   starting_offsets: str = "latest", max_offsets_per_trigger: int | None = None,
-                  fail_on_data_loss: bool = True, on_offset_reset: str = "fail", builtin: bool = False
-                  ) -> tuple[str, dict[str, str]]:
+                  fail_on_data_loss: bool = True, on_offset_reset: str = "fail", builtin: bool = False,
+                  ranges: bool = False) -> tuple[str, dict[str, str]]:
     """The format and options of a streaming read of ``topics`` (the data source registered in
-    ``spark``); :func:`enrich.query.read_stream` documents the arguments."""
+    ``spark``); :func:`enrich.query.read_stream` documents the arguments. ``ranges`` (not with
+    ``builtin``): each task's offset range instead of its records (:func:`range_reader` reads them)."""
     opts = source_options(settings, topics, starting_offsets=starting_offsets,
                           max_offsets_per_trigger=max_offsets_per_trigger, fail_on_data_loss=fail_on_data_loss)
     if builtin:
@@ -71,4 +84,6 @@ def stream_format(spark: SparkSession, settings: Mapping[str, str], topics: Sequ
 
     register(spark)
     opts["onOffsetReset"] = on_offset_reset
+    if ranges:
+        opts["ranges"] = "true"
     return FORMAT, opts

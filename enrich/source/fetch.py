@@ -38,6 +38,12 @@ ARROW_SCHEMA = pa.schema([
     ("headers", HEADERS_TYPE),
 ])
 
+#: What the source gives with its ``ranges`` option, in place of the records: one row per task, the
+#: offsets ``[start, end)`` of one partition, which the task reads itself (:class:`RangeReader`).
+RANGE_DDL = "topic STRING, partition INT, start BIGINT, end BIGINT"
+RANGE_SCHEMA = pa.schema([("topic", pa.string()), ("partition", pa.int32()), ("start", pa.int64()),
+                          ("end", pa.int64())])
+
 BATCH_MESSAGES = 20_000
 POLL_TIMEOUT = 0.05
 
@@ -74,6 +80,39 @@ def _to_batch(msgs: list[Message], topic: str, partition: int) -> pa.RecordBatch
         pa.array(ts_type - 1),
         headers_col,
     ], schema=ARROW_SCHEMA)
+
+
+def range_batch(rng: OffsetRange) -> pa.RecordBatch:
+    """The one :data:`RANGE_SCHEMA` row of ``rng``."""
+    return pa.RecordBatch.from_pydict({"topic": [rng.topic], "partition": [rng.partition], "start": [rng.start],
+                                       "end": [rng.end]}, schema=RANGE_SCHEMA)
+
+
+@dataclass(frozen=True)
+class RangeReader:
+    """The ``mapInArrow`` step that reads the records of the ranges it is given (:data:`RANGE_SCHEMA`
+    rows, the source's ``ranges`` option) where it runs, so that they never cross into the JVM: as
+    :data:`ARROW_SCHEMA` batches, or with ``columns`` only those, renamed (``{new: old}``)."""
+
+    settings: dict[str, str]
+    poll_timeout_s: float
+    fail_on_data_loss: bool
+    columns: dict[str, str] | None = None
+
+    def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+        from enrich.worker import settle
+
+        settle()
+        for b in batches:
+            for r in b.to_pylist():
+                rng = OffsetRange(r["topic"], r["partition"], r["start"], r["end"])
+                for rec in read_range(self.settings, rng, poll_timeout_s=self.poll_timeout_s,
+                                      fail_on_data_loss=self.fail_on_data_loss):
+                    if self.columns is None:
+                        yield rec
+                    else:
+                        yield pa.RecordBatch.from_arrays([rec.column(old) for old in self.columns.values()],
+                                                         names=list(self.columns))
 
 
 def read_range(settings: Mapping[str, str], rng: OffsetRange, *, poll_timeout_s: float = 120.0,

@@ -25,7 +25,7 @@ from pyspark.sql.streaming.datasource import (
 )
 from pyspark.sql.types import StructType
 
-from enrich.source.fetch import SCHEMA_DDL, OffsetRange, read_range
+from enrich.source.fetch import RANGE_DDL, SCHEMA_DDL, OffsetRange, range_batch, read_range
 from enrich.source.offsets import (
     TP,
     EndOffsetProbe,
@@ -58,7 +58,7 @@ class KafkaDataSource(DataSource):
         return FORMAT
 
     def schema(self) -> str:
-        return SCHEMA_DDL
+        return RANGE_DDL if SourceOptions.parse(self.options).ranges else SCHEMA_DDL
 
     def streamReader(self, schema: StructType) -> DataSourceStreamReader:
         return KafkaStreamReader(SourceOptions.parse(self.options))
@@ -252,6 +252,8 @@ class KafkaStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         assert isinstance(partition, OffsetRange)
+        if self.options.ranges:
+            return iter([range_batch(partition)])
         settle()
         return read_range(self.options.settings, partition, poll_timeout_s=self.options.poll_timeout_s,
                           fail_on_data_loss=self.options.fail_on_data_loss)

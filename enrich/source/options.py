@@ -74,6 +74,9 @@ class SourceOptions:
     fail_on_data_loss: bool
     poll_timeout_s: float
     on_offset_reset: OnOffsetReset = "fail"
+    #: Each task gets its offset range (``enrich.source.fetch.RANGE_DDL``), not the records: its
+    #: next step reads them (``enrich.source.fetch.RangeReader``).
+    ranges: bool = False
 
     @classmethod
     def parse(cls, options: Mapping[str, str]) -> SourceOptions:
@@ -101,4 +104,5 @@ class SourceOptions:
             fail_on_data_loss=_bool(opts, "failOnDataLoss", True),
             poll_timeout_s=(timeout_ms or 120_000) / 1000.0,
             on_offset_reset=_choice(opts, "onOffsetReset", OnOffsetReset, "fail"),
+            ranges=_bool(opts, "ranges", False),
         )
