@@ -125,15 +125,15 @@ def build(spark: SparkSession, pipeline: Pipeline, *, starting: str, reparses: b
         # The join pass (and the Kafka output's tasks) read the records themselves: they never
         # cross into the JVM and back (docs/benchmarks.md).
         ranges = fast is not None and cfg.events.source != "builtin"
-        if ranges:
-            log.info("events read from Kafka by the join pass's tasks (the source gives each its offset range)")
-        reader = (range_reader(cfg.kafka, [cfg.events.topic], fail_on_data_loss=cfg.events.fail_on_data_loss,
-                               columns=SOURCE) if ranges else None)
-        return Stream(read_events(spark, pipeline, starting, ranges=ranges), fast, None, reader)
-    raw = read_events(spark, pipeline, starting)
+        return Stream(read_events(spark, pipeline, starting, ranges=ranges), fast, None,
+                      _events_reader(pipeline) if ranges else None)
     log.info("events parsed by %s", "pyarrow, with from_json for what it leaves" if parser else "from_json")
+    # The fast pass reads the records of its range itself; the events it leaves to from_json cross
+    # into the JVM alone, from it.
+    ranges = parser is not None and cfg.events.source != "builtin"
+    raw = read_events(spark, pipeline, starting, ranges=ranges)
     state = state_step(spark, pipeline, raw, devices, parser, fork, call_counts, floor_us=floor_us,
-                       gap_records=gap_records)
+                       gap_records=gap_records, ranges=_events_reader(pipeline) if ranges else None)
     return Stream(state.packed, None, state)
 
 
@@ -167,6 +167,15 @@ def read_events(spark: SparkSession, pipeline: Pipeline, starting: str, *, range
                        on_offset_reset=ev.on_offset_reset, builtin=ev.source == "builtin", ranges=ranges)
 
 
+def _events_reader(pipeline: Pipeline) -> RangeReader:
+    """The step that reads the events of the offset ranges the events source gives (its ``ranges``
+    option), as the internal source columns (``enrich.columns.SOURCE``)."""
+    cfg = pipeline.cfg
+    log.info("events read from Kafka by the tasks that parse them (the source gives each its offset range)")
+    return range_reader(cfg.kafka, [cfg.events.topic], fail_on_data_loss=cfg.events.fail_on_data_loss,
+                        columns=SOURCE)
+
+
 def read_ranges(df: DataFrame, reader: RangeReader) -> DataFrame:
     """The Kafka records (:func:`read_stream`'s columns) of ``df``, a batch of offset ranges
     (:attr:`Stream.ranges`), read by a ``mapInArrow`` step: each task its own range, so the
@@ -182,9 +191,10 @@ def read_ticks(spark: SparkSession, layout: BucketLayout) -> DataFrame:
 # ------------------------------------------------------------------------------------------- parse
 
 def _packed_events(raw: DataFrame, pipeline: Pipeline, parser: FastParser | None, packed_spark: StructType,
-                   layout: BucketLayout) -> DataFrame:
+                   layout: BucketLayout, ranges: RangeReader | None = None) -> DataFrame:
     """The events of ``raw`` packed for the step by :class:`enrich.state.ingest.EventPacker`: the fast
-    pass (with a ``parser``), ``from_json`` in the plan for what it leaves, then the rest pass."""
+    pass (with a ``parser``; reading the records of ``raw``'s offset ranges first with ``ranges``),
+    ``from_json`` in the plan for what it leaves, then the rest pass."""
     cfg, st, timezone = pipeline.cfg, pipeline.state, pipeline.timezone
     assert cfg.state is not None and st is not None
     state_cfg = cfg.state
@@ -205,11 +215,15 @@ def _packed_events(raw: DataFrame, pipeline: Pipeline, parser: FastParser | None
 
     rest_input, carry = raw, ()
     if parser is not None:
+        internal = {src: name for name, src in SOURCE.items()}
         first = StructType([StructField(BUCKET, IntegerType(), True), StructField(MAX_TS, TimestampType(), True),
                             StructField(ROWS, BinaryType(), True),
-                            *[StructField(c, raw.schema[c].dataType, True) for c in ingest.RAW]])
+                            *[StructField(c, events.SOURCE_TYPES[internal[c]], True) for c in ingest.RAW]])
         fast = FastEvents(parser, to_arrow_schema(events.fast_schema(pipeline.parsed), timezone=timezone))
-        rest_input = clocked(events.source_columns(raw)).mapInArrow(packer(first, fast), first)
+        if ranges is not None:
+            rest_input = clocked(raw).mapInArrow(Chain(ranges, packer(first, fast)), first)
+        else:
+            rest_input = clocked(events.source_columns(raw)).mapInArrow(packer(first, fast), first)
         carry = (BUCKET, MAX_TS, ROWS)  # type: ignore[assignment]
     parsed_rest = events.parse(rest_input, pipeline.events, cfg.events.required, keep_source=True, carry=carry)
     return clocked(parsed_rest).mapInArrow(packer(packed_spark, None), packed_spark)
@@ -222,13 +236,15 @@ def state_step(spark: SparkSession, pipeline: Pipeline, raw: DataFrame,
                fork: Fork | None = None,
                call_counts: Accumulator[dict[int, dict[str, Any]]] | None = None, *,
                floor_us: int | None = None,
-               gap_records: Accumulator[dict[int, dict[str, Any]]] | None = None) -> StateStream:
+               gap_records: Accumulator[dict[int, dict[str, Any]]] | None = None,
+               ranges: RangeReader | None = None) -> StateStream:
     """The ``raw`` Kafka stream through the pipeline's state step, checked against the checkpoint
     first (:func:`enrich.state.stream.prepare`), through :func:`attach` (``devices``, ``parser``: see
     there), the partitioned dimensions' changelogs read as streams beside it; with a ``fork``, the
     step starts from its state, changelog offsets and watermark; ``floor_us``: the watermark floor
     of a checkpoint that began as a fork (:mod:`enrich.origin`), at every start; ``gap_records``:
-    an accumulator of ``enrich.accumulators.KeyedTallies`` each bucket reports its gaps to."""
+    an accumulator of ``enrich.accumulators.KeyedTallies`` each bucket reports its gaps to;
+    ``ranges``: ``raw`` holds offset ranges, which this reads (with a ``parser`` only)."""
     cfg, st = pipeline.cfg, pipeline.state
     assert cfg.state is not None and st is not None
     layout = prepare(spark, cfg, pipeline.checkpoint, st.spec, st.dims, st.rollups)
@@ -245,7 +261,7 @@ def state_step(spark: SparkSession, pipeline: Pipeline, raw: DataFrame,
                                                             ids=layout.ids), rollups.INITIAL)
     return attach(raw, pipeline, layout, changelogs, devices, parser=parser, cache=TableCache(uuid.uuid4().hex),
                   initial=initial, floor_us=fork.floor_us if fork is not None else floor_us, ticks=ticks,
-                  call_counts=call_counts, windows=windows, gap_records=gap_records)
+                  call_counts=call_counts, windows=windows, gap_records=gap_records, ranges=ranges)
 
 
 def needs_ticks(pipeline: Pipeline) -> bool:
@@ -288,7 +304,8 @@ def attach(raw: DataFrame, pipeline: Pipeline, layout: BucketLayout, changelogs:
            floor_us: int | None = None, ticks: DataFrame | None = None,
            call_counts: Accumulator[dict[int, dict[str, Any]]] | None = None,
            windows: DataFrame | None = None,
-           gap_records: Accumulator[dict[int, dict[str, Any]]] | None = None) -> StateStream:
+           gap_records: Accumulator[dict[int, dict[str, Any]]] | None = None,
+           ranges: RangeReader | None = None) -> StateStream:
     """The Kafka stream ``raw`` through the pipeline's state step (:class:`StateStream`): parsed,
     joined in the plan by the joins before the step, then keyed by bucket (``layout``) into the
     step with the partitioned dimensions' ``changelogs`` (one stream each, in the plan's order,
@@ -313,7 +330,7 @@ def attach(raw: DataFrame, pipeline: Pipeline, layout: BucketLayout, changelogs:
     packed_arrow = to_arrow_schema(packed_spark, timezone=timezone)
     # Spark's watermark is taken on each chunk's greatest event time and the column dropped before
     # the step, so that Spark drops no row in front of the processor (see the module doc).
-    rows = (_packed_events(raw, pipeline, parser, packed_spark, layout)
+    rows = (_packed_events(raw, pipeline, parser, packed_spark, layout, ranges)
             .withWatermark(MAX_TS, f"{int(cfg.state.watermark.total_seconds() * 1000)} milliseconds")
             .drop(MAX_TS))
     key_type = st.joined[cfg.state.key].dataType

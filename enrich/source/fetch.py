@@ -92,7 +92,8 @@ def range_batch(rng: OffsetRange) -> pa.RecordBatch:
 class RangeReader:
     """The ``mapInArrow`` step that reads the records of the ranges it is given (:data:`RANGE_SCHEMA`
     rows, the source's ``ranges`` option) where it runs, so that they never cross into the JVM: as
-    :data:`ARROW_SCHEMA` batches, or with ``columns`` only those, renamed (``{new: old}``)."""
+    :data:`ARROW_SCHEMA` batches, or with ``columns`` only those, renamed (``{new: old}``). A column
+    of a range's row beyond the range's own (the batch's time, say) is repeated on each of its records."""
 
     settings: dict[str, str]
     poll_timeout_s: float
@@ -104,15 +105,19 @@ class RangeReader:
 
         settle()
         for b in batches:
-            for r in b.to_pylist():
+            extra = [n for n in b.schema.names if n not in RANGE_SCHEMA.names]
+            for i, r in enumerate(b.to_pylist()):
                 rng = OffsetRange(r["topic"], r["partition"], r["start"], r["end"])
                 for rec in read_range(self.settings, rng, poll_timeout_s=self.poll_timeout_s,
                                       fail_on_data_loss=self.fail_on_data_loss):
-                    if self.columns is None:
-                        yield rec
-                    else:
-                        yield pa.RecordBatch.from_arrays([rec.column(old) for old in self.columns.values()],
+                    if self.columns is not None:
+                        rec = pa.RecordBatch.from_arrays([rec.column(old) for old in self.columns.values()],
                                                          names=list(self.columns))
+                    if extra:
+                        at = pa.array(np.full(rec.num_rows, i, dtype=np.int64))
+                        rec = pa.RecordBatch.from_arrays([*rec.columns, *[b.column(n).take(at) for n in extra]],
+                                                         names=[*rec.schema.names, *extra])
+                    yield rec
 
 
 def read_range(settings: Mapping[str, str], rng: OffsetRange, *, poll_timeout_s: float = 120.0,
