@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import enrich_data as data
-from bench.common import broker_settings
+from bench.common import broker_settings, events_in
 from bench.enrich_bench import STATE_SECTION
 from refstream.logs import setup_logging
 
@@ -133,7 +133,7 @@ def run_job(spark: Any, settings: dict[str, str], topic: str, workdir: Path, n: 
         job.close()
     if exc is not None:
         raise RuntimeError(f"job failed: {exc}")
-    rows = sum(p["numInputRows"] for p in progress)
+    rows = sum(events_in(p) for p in progress)
     if rows != n:
         raise RuntimeError(f"job read {rows} events, expected {n}")
     secs = sum(p["durationMs"].get("triggerExecution", 0) for p in progress) / 1000

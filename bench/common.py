@@ -16,6 +16,9 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
+from typing import Any
+
+from enrich.source.offsets import from_json_offsets, starts_of
 
 ROOT = Path(__file__).resolve().parents[1]
 #: The job's line at the end of each batch's own work: batch id and seconds.
@@ -128,3 +131,16 @@ def percentile(xs: list[float], q: float) -> float:
     lo = int(k)
     hi = min(lo + 1, len(xs) - 1)
     return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+def events_in(progress: dict[str, Any]) -> int:
+    """The events a trigger read: offsets from its sources' start to their end (the events topic
+    holds no transaction markers). Not ``numInputRows``: a job without state reads the records in
+    its writer's tasks, and its source's rows are their offset ranges."""
+    n = 0
+    for src in progress.get("sources") or []:
+        end, start = ((json.loads(o) if isinstance(o, str) else o) or {}
+                      for o in (src.get("endOffset"), src.get("startOffset")))
+        begin = {**from_json_offsets(start), **starts_of(end)}
+        n += sum(max(0, o - begin.get(tp, 0)) for tp, o in from_json_offsets(end).items())
+    return n

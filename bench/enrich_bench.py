@@ -53,8 +53,7 @@ import psutil
 from confluent_kafka import KafkaError, TopicPartition
 
 from bench import enrich_data as data
-from bench.common import broker_settings, percentile, thread_times
-from enrich.source.offsets import from_json_offsets, starts_of
+from bench.common import broker_settings, events_in, percentile, thread_times
 from refstream import kafka as rkafka
 from refstream.logs import setup_logging
 
@@ -148,19 +147,6 @@ class MemorySampler(threading.Thread):
 
 def _ts(p: dict[str, Any]) -> float:
     return datetime.fromisoformat(p["timestamp"].replace("Z", "+00:00")).timestamp()
-
-
-def events_in(progress: dict[str, Any]) -> int:
-    """The events a trigger read: offsets from its sources' start to their end (the events topic
-    holds no transaction markers). Not ``numInputRows``: a job without state reads the records in
-    its writer's tasks, and its source's rows are their offset ranges."""
-    n = 0
-    for src in progress.get("sources") or []:
-        end, start = ((json.loads(o) if isinstance(o, str) else o) or {}
-                      for o in (src.get("endOffset"), src.get("startOffset")))
-        begin = {**from_json_offsets(start), **starts_of(end)}
-        n += sum(max(0, o - begin.get(tp, 0)) for tp, o in from_json_offsets(end).items())
-    return n
 
 
 def steady(progress: list[dict[str, Any]], skip: int = 2) -> dict[str, float]:
