@@ -12,5 +12,7 @@ docs/benchmarks.md. Each runs as ``python -m bench.tools.<name> --help``.
 - ``engine_apply``: one call of the state engine's ``apply`` on one bucket, no Spark.
 - ``dimension_bootstrap``: the driver's bootstrap of a broadcast dimension, step by step (run it
   under ``py-spy record``).
+- ``task_pieces``: what the Kafka output's task does per event without state (parse, join, JSON),
+  piece by piece, no Spark.
 - ``asof_memory``: an as-of dimension's versions and index in a Python worker, per million versions.
 """

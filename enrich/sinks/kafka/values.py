@@ -180,11 +180,17 @@ class RecordMaker:
         good = pc.invert(failed)
         if SLOW in names:
             good = pc.and_(good, pc.invert(pc.fill_null(t.column(SLOW), False)))
-        value = pc.if_else(good, json_values(t, self.values, self.timezone), pa.scalar(None, pa.binary()))
+        value = json_values(t, self.values, self.timezone)
+        if not pc.all(good).as_py():  # (the common batch has only good events: no copy of the values)
+            value = pc.if_else(good, value, pa.scalar(None, pa.binary()))
         cols: dict[str, pa.Array] = {"key": t.column("_key"), "value": value}
+        any_failed = pc.any(failed).as_py()
         for c in DEAD_COLUMNS:
             col = t.column(c)
-            cols[c] = col if c in IDENTITY else pc.if_else(failed, col, pa.scalar(None, col.type))
+            if c in IDENTITY:
+                cols[c] = col
+            else:
+                cols[c] = pc.if_else(failed, col, pa.scalar(None, col.type)) if any_failed else pa.nulls(len(col), col.type)
         if SLOW in names:
             cols[SLOW] = t.column(SLOW)
         if self.matched:

@@ -104,3 +104,15 @@ def test_records_are_records_frames_rows(spark: SparkSession) -> None:
 def test_a_batch_of_no_rows_is_written_as_none(spark: SparkSession) -> None:
     schema = StructType([StructField("s", StringType())])
     assert json_values(pa.table({"s": pa.array([], pa.string())}), schema, "UTC").to_pylist() == []
+
+
+def test_a_batch_of_good_events_has_no_dead_letter_columns_set() -> None:
+    t = pa.table({"_key": pa.array([b"k1", b"k2"]), "_value": pa.array([b"{}", b"{}"]), "_topic": ["e", "e"],
+                  "_partition": pa.array([0, 1], pa.int32()), "_offset": pa.array([5, 6], pa.int64()),
+                  "_error": pa.array([None, None], pa.string()), "n": pa.array([1, None], pa.int64())})
+    values = StructType([StructField("n", LongType()), StructField("_offset", LongType())])
+    got = RecordMaker(values, (), "UTC")(t)
+    assert [json.loads(v) for v in got.column("value").to_pylist()] == [{"n": 1, "_offset": 5},
+                                                                         {"n": None, "_offset": 6}]
+    assert got.column("_value").null_count == got.column("_key").null_count == got.column(ERROR).null_count == 2
+    assert got.column("_offset").to_pylist() == [5, 6] and got.column("key").to_pylist() == [b"k1", b"k2"]
