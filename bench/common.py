@@ -141,6 +141,8 @@ def events_in(progress: dict[str, Any]) -> int:
     for src in progress.get("sources") or []:
         end, start = ((json.loads(o) if isinstance(o, str) else o) or {}
                       for o in (src.get("endOffset"), src.get("startOffset")))
+        if not all(isinstance(v, dict) for k, v in end.items() if not k.startswith("@")):
+            continue  # not a Kafka source's offsets (the ticks' clock, a file stream's log offset)
         begin = {**from_json_offsets(start), **starts_of(end)}
         n += sum(max(0, o - begin.get(tp, 0)) for tp, o in from_json_offsets(end).items())
     return n

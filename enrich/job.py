@@ -560,8 +560,8 @@ class EnrichJob:
         if redone:
             # Tasks that met events the fast parser left to from_json wrote nothing: their input
             # ranges (same partition indexes, so same slots) are written again from from_json's parse.
-            records = batch_df if st.ranges is None else read_ranges(batch_df, st.ranges)
-            again = exact(records.where(F.spark_partition_id().isin(list(redone))))
+            redo = batch_df.where(F.spark_partition_id().isin(list(redone)))  # a range's partition is its slot
+            again = exact(redo if st.ranges is None else read_ranges(redo, st.ranges))
             call_with_retry(lambda: st.sink.write(batch_id, again), what=f"batch {batch_id}: writing output",
                             policy=self.retry, stop=self._stop)
             counted = _plus(counted, st.sink.counted)

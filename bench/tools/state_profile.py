@@ -24,7 +24,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.common import events_in
 from bench.tools import pyspy
 
 EVENT_SCHEMA = "device_id STRING, ts TIMESTAMP, temperature DOUBLE, battery DOUBLE"
@@ -85,7 +84,7 @@ def steady_rate(progress: list[dict[str, Any]], skip: int = 2) -> tuple[float, f
     """Events per second over the batches after ``skip`` warm-up ones, and their median duration."""
     rows = [p for p in progress if p["numInputRows"] > 0][skip:]
     secs = [p["durationMs"]["triggerExecution"] / 1000 for p in rows]
-    return sum(events_in(p) for p in rows) / sum(secs), statistics.median(secs)
+    return sum(p["numInputRows"] for p in rows) / sum(secs), statistics.median(secs)
 
 
 def main(argv: list[str] | None = None) -> int:

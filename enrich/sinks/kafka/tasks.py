@@ -91,6 +91,7 @@ class TaskWriter:
     def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
         from pyspark import TaskContext
 
+        raw = batches  # what is left of it is drained unread by a slot that writes nothing
         if self.upstream is not None:
             batches = self.upstream(batches)
         ctx = TaskContext.get()
@@ -113,7 +114,7 @@ class TaskWriter:
         companion = self.companion(slot)
         try:
             if tx.committed is not None and tx.committed >= self.batch_id:
-                for _ in batches:  # the input is consumed all the same
+                for _ in raw:  # the input is consumed all the same (not made into records)
                     pass
                 log.info("batch %d slot %d: committed before (last %d); skipped", self.batch_id, slot,
                          tx.committed)
@@ -124,7 +125,7 @@ class TaskWriter:
                     # An event the fast parser left to from_json: this slot is written by the
                     # from_json pass instead (the job runs it for the slots that ask).
                     tx.abort()
-                    for _ in batches:
+                    for _ in raw:
                         pass
                     yield self._result(slot, started, times, redo=True)
                     return
