@@ -124,16 +124,15 @@ def build(spark: SparkSession, pipeline: Pipeline, *, starting: str, reparses: b
         check_checkpoint(pipeline.checkpoint, None, None, cfg.source)
         # The join pass (and the Kafka output's tasks) read the records themselves: they never
         # cross into the JVM and back (docs/benchmarks.md).
-        ranges = fast is not None and cfg.events.source != "builtin"
-        return Stream(read_events(spark, pipeline, starting, ranges=ranges), fast, None,
-                      _events_reader(pipeline) if ranges else None)
+        reader = _events_reader(pipeline, fast)
+        return Stream(read_events(spark, pipeline, starting, ranges=reader is not None), fast, None, reader)
     log.info("events parsed by %s", "pyarrow, with from_json for what it leaves" if parser else "from_json")
     # The fast pass reads the records of its range itself; the events it leaves to from_json cross
     # into the JVM alone, from it.
-    ranges = parser is not None and cfg.events.source != "builtin"
-    raw = read_events(spark, pipeline, starting, ranges=ranges)
+    reader = _events_reader(pipeline, parser)
+    raw = read_events(spark, pipeline, starting, ranges=reader is not None)
     state = state_step(spark, pipeline, raw, devices, parser, fork, call_counts, floor_us=floor_us,
-                       gap_records=gap_records, ranges=_events_reader(pipeline) if ranges else None)
+                       gap_records=gap_records, ranges=reader)
     return Stream(state.packed, None, state)
 
 
@@ -167,10 +166,14 @@ def read_events(spark: SparkSession, pipeline: Pipeline, starting: str, *, range
                        on_offset_reset=ev.on_offset_reset, builtin=ev.source == "builtin", ranges=ranges)
 
 
-def _events_reader(pipeline: Pipeline) -> RangeReader:
+def _events_reader(pipeline: Pipeline, parser: FastParser | None) -> RangeReader | None:
     """The step that reads the events of the offset ranges the events source gives (its ``ranges``
-    option), as the internal source columns (``enrich.columns.SOURCE``)."""
+    option), as the internal source columns (``enrich.columns.SOURCE``), when the events are read
+    that way: the ``parser`` (the fast path) parses them where they are read, and the source is
+    refstream's own (Spark's ``builtin`` one has no ranges)."""
     cfg = pipeline.cfg
+    if parser is None or cfg.events.source == "builtin":
+        return None
     log.info("events read from Kafka by the tasks that parse them (the source gives each its offset range)")
     return range_reader(cfg.kafka, [cfg.events.topic], fail_on_data_loss=cfg.events.fail_on_data_loss,
                         columns=SOURCE)
