@@ -22,6 +22,7 @@ import pyarrow as pa
 from confluent_kafka import Consumer, KafkaError, Message, TopicPartition
 from pyspark.sql.datasource import InputPartition
 
+from enrich.worker import settle
 from refstream.errors import DataError, TransientError
 from refstream.kafka import offset_of, shared_consumer
 
@@ -58,8 +59,21 @@ class OffsetRange(InputPartition):
     end: int
 
 
-def _to_batch(msgs: list[Message], topic: str, partition: int) -> pa.RecordBatch:
+#: The columns every read gives; the timestamp's and the headers' follow when asked for.
+CORE = ("key", "value", "topic", "partition", "offset")
+
+
+def _to_batch(msgs: list[Message], topic: str, partition: int, full: bool = True) -> pa.RecordBatch:
     n = len(msgs)
+    core = [
+        pa.array([m.key() for m in msgs], pa.binary()),
+        pa.array([m.value() for m in msgs], pa.binary()),
+        pa.array([topic] * n, pa.string()),
+        pa.array(np.full(n, partition, dtype=np.int32)),
+        pa.array(np.fromiter((m.offset() for m in msgs), dtype=np.int64, count=n)),
+    ]
+    if not full:
+        return pa.RecordBatch.from_arrays(core, schema=pa.schema(list(ARROW_SCHEMA)[:len(CORE)]))
     ts = [m.timestamp() for m in msgs]
     ts_type = np.fromiter((t[0] for t in ts), dtype=np.int32, count=n)
     ts_ms = np.fromiter((t[1] for t in ts), dtype=np.int64, count=n)
@@ -71,11 +85,7 @@ def _to_batch(msgs: list[Message], topic: str, partition: int) -> pa.RecordBatch
     else:
         headers_col = pa.nulls(n, HEADERS_TYPE)
     return pa.RecordBatch.from_arrays([
-        pa.array([m.key() for m in msgs], pa.binary()),
-        pa.array([m.value() for m in msgs], pa.binary()),
-        pa.array([topic] * n, pa.string()),
-        pa.array(np.full(n, partition, dtype=np.int32)),
-        pa.array(np.fromiter((m.offset() for m in msgs), dtype=np.int64, count=n)),
+        *core,
         pa.array(ts_ms * 1000, type=pa.timestamp("us", tz="UTC"), mask=ts_missing if ts_missing.any() else None),
         pa.array(ts_type - 1),
         headers_col,
@@ -101,15 +111,14 @@ class RangeReader:
     columns: dict[str, str] | None = None
 
     def __call__(self, batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
-        from enrich.worker import settle
-
         settle()
+        full = self.columns is None or not set(self.columns.values()) <= set(CORE)
         for b in batches:
             extra = [n for n in b.schema.names if n not in RANGE_SCHEMA.names]
             for i, r in enumerate(b.to_pylist()):
                 rng = OffsetRange(r["topic"], r["partition"], r["start"], r["end"])
                 for rec in read_range(self.settings, rng, poll_timeout_s=self.poll_timeout_s,
-                                      fail_on_data_loss=self.fail_on_data_loss):
+                                      fail_on_data_loss=self.fail_on_data_loss, full=full):
                     if self.columns is not None:
                         rec = pa.RecordBatch.from_arrays([rec.column(old) for old in self.columns.values()],
                                                          names=list(self.columns))
@@ -121,8 +130,9 @@ class RangeReader:
 
 
 def read_range(settings: Mapping[str, str], rng: OffsetRange, *, poll_timeout_s: float = 120.0,
-               fail_on_data_loss: bool = True) -> Iterator[pa.RecordBatch]:
-    """Yield the records of ``rng`` as Arrow batches of :data:`ARROW_SCHEMA`.
+               fail_on_data_loss: bool = True, full: bool = True) -> Iterator[pa.RecordBatch]:
+    """Yield the records of ``rng`` as Arrow batches of :data:`ARROW_SCHEMA` (without ``full``, of
+    its :data:`CORE` columns only: no timestamps and headers made of every record).
 
     Raises :class:`TransientError` when the range's end is not reached within ``poll_timeout_s``
     without progress, :class:`DataError` when records of the range were deleted (retention) and
@@ -172,7 +182,7 @@ def read_range(settings: Mapping[str, str], rng: OffsetRange, *, poll_timeout_s:
                     next_offset = rng.end
                 if records:
                     next_offset = max(next_offset, offset_of(records[-1]) + 1)
-                    yield _to_batch(records, rng.topic, rng.partition)
+                    yield _to_batch(records, rng.topic, rng.partition, full)
             last_progress = time.monotonic()
         if first:
             # Not one record: the range may be all transaction markers and aborted records, or

@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 import pytest
 
-from enrich.source.fetch import OffsetRange, read_range
+from enrich.source.fetch import CORE, OffsetRange, read_range
 from refstream.errors import TransientError
 from refstream.kafka import ensure_topic
 from tests.enrich.source.test_kafka import produce
@@ -56,4 +56,8 @@ def test_a_range_reader_reads_the_records_of_the_ranges_it_is_given(kafka: dict[
         (0, 1), (0, 2), (0, 3), (1, 0), (1, 1)]
     assert got.column("_batch_time").to_pylist() == [7, 7, 7, 8, 8]
     whole = pa.Table.from_batches(list(range_reader(kafka, [topic])(iter(rows.select(range(4)).to_batches()))))
-    assert whole.column_names[:5] == ["key", "value", "topic", "partition", "offset"]
+    assert whole.column_names == ["key", "value", "topic", "partition", "offset", "timestamp", "timestampType",
+                                  "headers"]
+    # Without the timestamp's and the headers' columns when the reader gives none of them.
+    core = pa.Table.from_batches(list(read_range(kafka, OffsetRange(topic, 0, 0, 5), full=False)))
+    assert core.column_names == list(CORE) and core.column("value").to_pylist() == [b"e0", b"e2", b"e4", b"e6", b"e8"]
