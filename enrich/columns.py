@@ -10,7 +10,7 @@ event the fast parser left to ``from_json``). The state step (:mod:`enrich.state
 
 from __future__ import annotations
 
-__all__ = ["BATCH_TIME", "BUCKET", "CORRUPT", "DELETED", "ERROR", "FLAT", "IDENTITY", "INTERNAL", "KEY_BYTES", "LATE", "LATE_AT_READ", "MAX_TS", "PACK_KIND", "PROVISIONAL", "RBUCKET", "ROLLUP_TIME",
+__all__ = ["BATCH_TIME", "BUCKET", "CORRUPT", "DELETED", "ERROR", "FLAT", "IDENTITY", "INTERNAL", "KIND", "KIND_EVENT", "KEY_BYTES", "LATE", "LATE_AT_READ", "MAX_TS", "PACK_KIND", "PROVISIONAL", "RBUCKET", "ROLLUP_TIME",
            "ROWS", "SLOW", "SOURCE", "STATE", "TS_US", "UNMATCHED",
            "VALID_FROM"]
 
@@ -24,8 +24,11 @@ SLOW = "_slow"
 SOURCE = {"_key": "key", "_value": "value", "_topic": "topic", "_partition": "partition", "_offset": "offset"}
 #: Where an event was read: what makes each event, and each output record, one of its own.
 IDENTITY = ("_topic", "_partition", "_offset")
-#: The columns the output leaves out.
-INTERNAL = (ERROR, *SOURCE, SLOW)
+#: What an output record is (``event``; a correction of one is ``correction``): the last field of
+#: every enriched event the job writes, after its identity.
+KIND, KIND_EVENT = "_kind", "event"
+#: The columns the output leaves out (the identity and the kind are added again at its end).
+INTERNAL = (ERROR, *SOURCE, SLOW, KIND)
 
 #: The columns the state step adds to every event: the device's state struct and the late flag.
 STATE, LATE = "state", "_late"

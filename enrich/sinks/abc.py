@@ -16,7 +16,7 @@ from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql.types import StructType
 
-from enrich.columns import ERROR, IDENTITY
+from enrich.columns import ERROR, IDENTITY, KIND, KIND_EVENT
 from enrich.sinks.deadletter import COLUMNS as DEAD_COLUMNS
 
 #: How enriched events are written as JSON: nulls kept (an unmatched join shows as nulls), microseconds kept.
@@ -42,18 +42,24 @@ class EnrichedBatch:
     schema: StructType | None = None
 
     def good(self) -> DataFrame:
-        return self.df.filter(F.col(ERROR).isNull()).select(*[F.col(f"`{c}`") for c in self.columns])
+        """The good events as written: the output columns, then :meth:`tail`."""
+        return self.df.filter(F.col(ERROR).isNull()).select(*[F.col(f"`{c}`") for c in self.columns], *self.tail())
+
+    def tail(self) -> list[Column]:
+        """What ends every enriched event: where it was read (``_topic``, ``_partition``, ``_offset``)
+        and what it is (``_kind``: ``event``)."""
+        ident = [F.col(c) for c in IDENTITY if c in self.df.columns and c not in self.columns]
+        return [*ident, F.lit(KIND_EVENT).alias(KIND)]
 
     def dead_letters(self) -> pa.Table:
         return self.df.filter(F.col(ERROR).isNotNull()).select(*DEAD_COLUMNS).toArrow()
 
     def json_value(self) -> Column:
-        """An event's JSON: the output columns, then where it was read (``_topic``, ``_partition``,
-        ``_offset``). That identity makes every output record unique, so a retried task that counts
-        the records already in the log as its own (a broker that shows aborted transactions) never
-        takes another task's record for one of its own when two events carry the same bytes."""
-        ident = [c for c in IDENTITY if c in self.df.columns and c not in self.columns]
-        return F.to_json(F.struct(*[F.col(f"`{c}`") for c in (*self.columns, *ident)]), JSON_OPTIONS)
+        """An event's JSON: the output columns, then :meth:`tail`. The identity makes every output
+        record unique, so a retried task that counts the records already in the log as its own (a
+        broker that shows aborted transactions) never takes another task's record for one of its
+        own when two events carry the same bytes."""
+        return F.to_json(F.struct(*[F.col(f"`{c}`") for c in self.columns], *self.tail()), JSON_OPTIONS)
 
 
 @dataclass(frozen=True)

@@ -80,7 +80,7 @@ def test_enrichment_end_to_end(spark: SparkSession, kafka: dict[str, str], uniqu
     assert out[1] == {"device_id": "d1", "ts": "2024-05-01T10:00:00.000000Z", "n": 1, "site_id": 1, "owner": "ann",
                       "price": 9.99, "installed": "2024-03-01T08:30:00.250000", "_devices_matched": True,
                       "site_name": "Paris", "_sites_matched": True, "_kafka_key": b"d1",
-                      "_topic": cfg.events.topic, "_partition": 0, "_offset": 0}
+                      "_topic": cfg.events.topic, "_partition": 0, "_offset": 0, "_kind": "event"}
     assert (out[2]["owner"], out[2]["price"], out[2]["site_name"]) == ("bob", None, "Oslo")
     assert (out[3]["owner"], out[3]["_devices_matched"], out[3]["site_name"], out[3]["_sites_matched"]) == \
         ("cy", True, None, False)

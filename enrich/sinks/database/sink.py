@@ -31,7 +31,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.types import StringType, StructField, StructType
 
 from enrich.checkpoint import CheckpointLayout
-from enrich.columns import ERROR, LATE, STATE
+from enrich.columns import ERROR, KIND, KIND_EVENT, LATE, STATE
 from enrich.config import DatabaseOutput, EnrichConfig
 from enrich.events import SOURCE_TYPES
 from enrich.failures import transient_cause
@@ -76,7 +76,7 @@ class RowPlan:
     db: DatabaseOutput
     fields: tuple[StructField, ...]
     key: tuple[str, ...]
-    exprs: tuple[tuple[str, str], ...]   # column -> the batch column it comes from (``a.b``: a struct field)
+    exprs: tuple[tuple[str, str], ...]   # column -> the batch column it comes from (``a.b``: a struct field; ``'x'``: the string x)
 
     def select(self, prefix: str = "") -> list[Column]:
         return [_col(src).alias(prefix + name) for name, src in self.exprs]
@@ -86,6 +86,8 @@ class RowPlan:
 
 
 def _col(src: str) -> Column:
+    if src.startswith("'"):  # a constant
+        return F.lit(src[1:-1])
     if "." in src:
         struct, field = src.split(".", 1)
         return F.col(f"`{struct}`").getField(field)
@@ -94,7 +96,7 @@ def _col(src: str) -> Column:
 
 def row_plan(cfg: EnrichConfig, schema: StructType, columns: Sequence[str], event_fields: Sequence[str]) -> RowPlan:
     """The rows of ``write: events`` (every output column, ``state``'s fields as ``state_<field>``,
-    then the event's position) or ``write: state`` (``state.key``, ``state``'s fields - the calls'
+    then the event's position and ``_kind``) or ``write: state`` (``state.key``, ``state``'s fields - the calls'
     results among them - then the columns the joins added) from the join pass's ``schema`` and
     output ``columns``."""
     db = cfg.output.database
@@ -118,6 +120,8 @@ def row_plan(cfg: EnrichConfig, schema: StructType, columns: Sequence[str], even
                 continue
             exprs.append((c, c))
             fields.append(StructField(c, schema[c].dataType if c in schema.fieldNames() else SOURCE_TYPES[c]))
+        exprs.append((KIND, f"'{KIND_EVENT}'"))
+        fields.append(StructField(KIND, StringType(), False))
         return RowPlan(db, tuple(fields), POSITION, tuple(exprs))
     assert cfg.state is not None
     key = cfg.state.key

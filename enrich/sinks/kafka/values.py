@@ -46,7 +46,7 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
-from enrich.columns import ERROR, IDENTITY, LATE, SLOW, UNMATCHED
+from enrich.columns import ERROR, IDENTITY, KIND, KIND_EVENT, LATE, SLOW, UNMATCHED
 from enrich.sinks.deadletter import COLUMNS as DEAD_COLUMNS
 from refstream import encode
 
@@ -125,8 +125,8 @@ def _timestamps_ntz(arr: pa.Array) -> pa.Array:
     return _valid(arr, pc.binary_join_element_wise(_s('"'), wall, _s('"'), _s("")))
 
 
-def _object(names: Sequence[str], parts: Sequence[pa.Array], n: int) -> pa.Array:
-    """``{"name":fragment,...}`` per row."""
+def _object(names: Sequence[str], parts: Sequence[pa.Array | pa.Scalar], n: int) -> pa.Array:
+    """``{"name":fragment,...}`` per row (a scalar part: the same in every row)."""
     if not names:
         return pa.array(["{}"] * n, _LARGE)
     args: list[pa.Scalar | pa.Array] = []
@@ -154,18 +154,21 @@ def fragments(arr: pa.Array, dtype: DataType, timezone: str) -> pa.Array:
     return encode.fragments(arr)
 
 
-def json_values(t: pa.Table | pa.RecordBatch, schema: StructType, timezone: str) -> pa.Array:
-    """Each row of ``t``'s columns named by ``schema``, as the JSON object Spark's ``to_json``
-    writes of it (the module's doc), one binary value per row."""
-    parts = [fragments(t.column(f.name), f.dataType, timezone) for f in schema.fields]
-    joined = _object(schema.names, parts, t.num_rows)
+def json_values(t: pa.Table | pa.RecordBatch, schema: StructType, timezone: str,
+                constants: Sequence[tuple[str, str]] = ()) -> pa.Array:
+    """Each row of ``t``'s columns named by ``schema``, then the string fields ``constants`` (name,
+    value: the same in every row), as the JSON object Spark's ``to_json`` writes of it (the
+    module's doc), one binary value per row."""
+    parts: list[pa.Array | pa.Scalar] = [fragments(t.column(f.name), f.dataType, timezone) for f in schema.fields]
+    parts += [_s(json.dumps(v, ensure_ascii=False)) for _, v in constants]
+    joined = _object([*schema.names, *(n for n, _ in constants)], parts, t.num_rows)
     return pc.cast(joined, pa.large_binary()).cast(pa.binary())
 
 
 @dataclass(frozen=True)
 class RecordMaker:
     """One Arrow batch of the join pass to the Kafka writer's rows, as ``records_frame`` makes them:
-    ``key``, ``value`` (the JSON of ``values``' columns for a good event, null for a dead letter or
+    ``key``, ``value`` (the JSON of ``values``' columns and ``constants`` for a good event, null for a dead letter or
     an event the fast parser left to ``from_json``), the dead-letter columns (``_error``, ``_key``
     and ``_value`` of dead letters only, the positions of every row), ``_slow``, and the flags the
     tasks count: ``_unmatched`` (some of the ``matched`` columns not true), ``_late``."""
@@ -173,6 +176,7 @@ class RecordMaker:
     values: StructType
     matched: tuple[str, ...]
     timezone: str
+    constants: tuple[tuple[str, str], ...] = ((KIND, KIND_EVENT),)
 
     def __call__(self, t: pa.Table) -> pa.RecordBatch:
         names = t.column_names
@@ -180,7 +184,7 @@ class RecordMaker:
         good = pc.invert(failed)
         if SLOW in names:
             good = pc.and_(good, pc.invert(pc.fill_null(t.column(SLOW), False)))
-        value = json_values(t, self.values, self.timezone)
+        value = json_values(t, self.values, self.timezone, self.constants)
         if not pc.all(good).as_py():  # (the common batch has only good events: no copy of the values)
             value = pc.if_else(good, value, pa.scalar(None, pa.binary()))
         cols: dict[str, pa.Array] = {"key": t.column("_key"), "value": value}

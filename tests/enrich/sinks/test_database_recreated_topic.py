@@ -32,7 +32,8 @@ def test_a_recreated_events_topic_gives_new_rows(kafka: dict[str, str], unique: 
     cfg["events"]["on_offset_reset"] = "earliest"
     config.write_text(yaml.safe_dump(cfg))
     assert run_job(config, log) == 0, log.read_text()[-3000:]
-    rows = fetch(pg_url, "postgresql", f'SELECT n, "_offset", "_topic_id" FROM {table} ORDER BY n')
-    assert [(n, o) for n, o, _ in rows] == [(0, 0), (1, 1), (2, 2), (100, 0), (101, 1)]
+    rows = fetch(pg_url, "postgresql", f'SELECT n, "_offset", "_topic_id", "_kind" FROM {table} ORDER BY n')
+    assert [(n, o, k) for n, o, _, k in rows] == [(0, 0, "event"), (1, 1, "event"), (2, 2, "event"),
+                                                  (100, 0, "event"), (101, 1, "event")]
     first, second = {r[2] for r in rows[:3]}, {r[2] for r in rows[3:]}
     assert len(first) == len(second) == 1 and first != second and "" not in first | second

@@ -51,8 +51,13 @@ def test_update_while_running_and_idempotent_replay(spark: SparkSession, kafka: 
     rows = {r["n"]: r for r in parquet_rows(out)}
     assert {rows[i]["owner"] for i in range(5)} == {"old"} and {rows[i]["owner"] for i in range(5, 10)} == {"new"}
     assert str(rows[0]["price"]) == "1.125" and str(rows[9]["price"]) == "2.500"
+    # Every row ends with its event's identity and kind, as the Kafka output's records do.
+    assert pq.read_table(next(out.glob("batch_id=*/*.parquet"))).column_names[-4:] == [
+        "_topic", "_partition", "_offset", "_kind"]
     assert set(pq.read_table(next(out.glob("batch_id=*/*.parquet"))).column_names) == {
-        "device_id", "n", "owner", "price", "_devices_matched"}
+        "device_id", "n", "owner", "price", "_devices_matched", "_topic", "_partition", "_offset", "_kind"}
+    assert {r["_kind"] for r in rows.values()} == {"event"} and {r["_topic"] for r in rows.values()} == {cfg.events.topic}
+    assert len({(r["_partition"], r["_offset"]) for r in rows.values()}) == 10
 
     # Make Spark replay the last batch (as after a crash before its commit was recorded).
     commits = tmp_path / "checkpoint" / "spark" / "commits"

@@ -112,7 +112,7 @@ def test_a_batch_of_good_events_has_no_dead_letter_columns_set() -> None:
                   "_error": pa.array([None, None], pa.string()), "n": pa.array([1, None], pa.int64())})
     values = StructType([StructField("n", LongType()), StructField("_offset", LongType())])
     got = RecordMaker(values, (), "UTC")(t)
-    assert [json.loads(v) for v in got.column("value").to_pylist()] == [{"n": 1, "_offset": 5},
-                                                                         {"n": None, "_offset": 6}]
+    assert [json.loads(v) for v in got.column("value").to_pylist()] == [{"n": 1, "_offset": 5, "_kind": "event"},
+                                                                         {"n": None, "_offset": 6, "_kind": "event"}]
     assert got.column("_value").null_count == got.column("_key").null_count == got.column(ERROR).null_count == 2
     assert got.column("_offset").to_pylist() == [5, 6] and got.column("key").to_pylist() == [b"k1", b"k2"]
