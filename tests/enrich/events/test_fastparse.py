@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 
 import pyarrow as pa
+import pytest
 from pyspark.sql import SparkSession
 from pyspark.sql.types import (
     DecimalType,
@@ -29,6 +30,7 @@ from enrich.events.fastparse import FastParser
 from enrich.query import apply_joins
 from enrich.sinks.abc import EnrichedBatch
 from enrich.sinks.kafka.sink import records_frame
+from refstream.errors import ConfigError
 
 SCHEMA = StructType([StructField("device_id", StringType()), StructField("ts", TimestampType()),
                      StructField("temperature", DoubleType()), StructField("battery", IntegerType()),
@@ -149,3 +151,9 @@ def test_all_fast_batch_gives_the_same_values(spark: SparkSession) -> None:
     assert not any(fast.column(events.SLOW).to_pylist())
     assert fast.column("value").to_pylist() == exact.column("value").to_pylist()
     assert all(json.loads(v) for v in fast.column("value").to_pylist())
+
+
+@pytest.mark.parametrize("name", ["_kind", "_offset", "_error", "_corrupt_record"])
+def test_an_event_field_named_like_an_output_or_internal_column_is_refused(spark: SparkSession, name: str) -> None:
+    with pytest.raises(ConfigError, match=rf"events.schema: field name\(s\) \['{name}'\] are reserved"):
+        events.event_schema(f"device_id STRING, {name} STRING")
