@@ -24,6 +24,7 @@ import pyarrow.compute as pc
 
 from enrich.columns import DELETED, KEY_BYTES, VALID_FROM
 from enrich.dimension.abc import Record
+from enrich.dimension.corrections import Entry
 from enrich.dimension.store import DimensionState, Snapshot, decode_rows
 from refstream import contract
 
@@ -88,6 +89,9 @@ class HistoryState(DimensionState):
         self.history = history
         self.pending: list[tuple[bytes, bytes | None, int]] = []  # (key, value, valid_from) since the base
         self._base_live: tuple[int, int] | None = None  # (base generation, its live keys)
+        # While a journal is open (begin_journal): the records applied since, and the state before them.
+        self._journal: list[Entry] | None = None
+        self._mark = (0, 0)
 
     def __len__(self) -> int:
         return (self.base.num_rows if self.base is not None else 0) + len(self.pending)
@@ -98,6 +102,36 @@ class HistoryState(DimensionState):
         else:  # written before valid-from times existed: valid from its publish time
             at = rec.timestamp_ms * 1000 if rec.timestamp_ms is not None else 0
         self.pending.append((ch.key, ch.value, at))
+        if self._journal is not None:
+            self._journal.append(Entry(ch.key, at, ch.value is None, rec.partition, rec.offset))
+
+    def begin_journal(self) -> None:
+        """Record the versions applied from now on (:meth:`end_journal`)."""
+        self._journal, self._mark = [], (self.base_gen, len(self.pending))
+
+    def end_journal(self) -> tuple[list[Entry], pa.Table | None, pa.Table | None]:
+        """The versions applied since :meth:`begin_journal` (in changelog order), and the versions of
+        their keys after them and before them (None when a compaction since hides what was before;
+        both None when there are none), as :func:`version_table` gives them."""
+        entries, self._journal = self._journal or [], None
+        if not entries or self.schema is None:
+            return entries, None, None
+        keys = {e.key for e in entries}
+        gen, upto = self._mark
+        before = self.versions_of(keys, upto) if gen == self.base_gen else None
+        return entries, self.versions_of(keys), before
+
+    def versions_of(self, keys: set[bytes], pending: int | None = None) -> pa.Table:
+        """Every version kept of ``keys`` (the base's, then the first ``pending`` changes since it; None:
+        all), in changelog order, as :func:`version_table` gives them."""
+        assert self.schema is not None
+        changes = self.pending if pending is None else self.pending[:pending]
+        mine = [c for c in changes if c[0] in keys]
+        fresh = version_table(self.schema, [k for k, _, _ in mine], [v for _, v, _ in mine], [t for _, _, t in mine])
+        if self.base is None or self.base.num_rows == 0:
+            return fresh
+        old = self.base.filter(pc.is_in(self.base.column(KEY_BYTES), value_set=pa.array(list(keys), pa.binary())))
+        return pa.concat_tables([old, fresh.select(old.column_names)]) if mine else old
 
     def live_rows(self) -> int:
         """Keys whose newest version is a row (not a tombstone): the base's count, computed once per

@@ -1,0 +1,129 @@
+"""Which of a micro-batch's new versions of an as-of dataset correct events the job already wrote.
+
+An event is joined with the version of its key valid at its time (:mod:`enrich.joins.asof`). A
+version that reaches the job late - its ``valid_from`` earlier than events already written with
+the version before it - makes those events wrong. Per changelog record the batch brought
+(:class:`Entry`), :func:`changes` says which events it concerns: those of its key with a time in
+``[start, end)``, where ``end`` is the key's next version's ``valid_from`` and ``start`` its own (or
+no bound when it is the key's oldest version: older events are clipped to it), and whether it
+changes them at all:
+
+- ``unchanged``: the version those events were joined with (the one valid at ``valid_from`` before
+  the batch) has the same joined columns and is as absent or present: nothing to correct;
+- ``beyond_horizon``: it reaches back before the horizon's start: the events from that start on
+  are corrected, the older ones cannot be (the job keeps nothing of them) and are counted;
+- ``corrected``: every affected event within the horizon is corrected.
+
+When the state before the batch is not known (a job restarted after the records were read at its
+start), every version is taken as a change: a correction may then repeat what was written.
+Of a key's records with one ``valid_from`` in a batch, the last in the changelog is the version.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import pyarrow as pa
+
+from enrich.columns import DELETED, KEY_BYTES, VALID_FROM
+
+__all__ = ["CHANGE_COLUMNS", "NO_BOUND_END", "NO_BOUND_START", "Entry", "Result", "changes"]
+
+#: ``start`` of a change with no lower bound, ``end`` of one with no upper bound (microseconds).
+NO_BOUND_START, NO_BOUND_END = int(np.iinfo(np.int64).min), int(np.iinfo(np.int64).max)
+
+Result = Literal["corrected", "beyond_horizon", "unchanged"]
+
+#: The columns of :func:`changes`' table besides the dataset's key columns.
+CHANGE_COLUMNS = (KEY_BYTES, "valid_from", "start", "end", "partition", "offset", "result")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One changelog record of a key a batch applied: its key bytes, ``valid_from`` (UTC
+    microseconds), tombstone or not, and where it is in the changelog."""
+
+    key: bytes
+    valid_from: int
+    deleted: bool
+    partition: int
+    offset: int
+
+
+def _by_key(versions: pa.Table | None) -> dict[bytes, list[tuple[int, int]]]:
+    """key -> [(valid_from, row)] sorted by time, one per time: the last in changelog order."""
+    out: dict[bytes, dict[int, int]] = {}
+    if versions is None or versions.num_rows == 0:
+        return {}
+    keys = versions.column(KEY_BYTES).to_pylist()
+    vfs = versions.column(VALID_FROM).to_numpy(zero_copy_only=False)
+    for row, (k, vf) in enumerate(zip(keys, vfs, strict=True)):
+        out.setdefault(k, {})[int(vf)] = row
+    return {k: sorted(v.items()) for k, v in out.items()}
+
+
+def _valid_at(versions: list[tuple[int, int]], at: int) -> int | None:
+    """The row of the version the as-of join gives an event at ``at``: the latest at or before it,
+    else the oldest (clipped); None when the key has none."""
+    if not versions:
+        return None
+    times = [t for t, _ in versions]
+    i = int(np.searchsorted(times, at, side="right")) - 1
+    return versions[max(i, 0)][1]
+
+
+def _same(old: dict[str, Any], new: dict[str, Any], columns: Sequence[str]) -> bool:
+    if bool(old[DELETED]) != bool(new[DELETED]):
+        return False
+    return bool(new[DELETED]) or all(old.get(c) == new.get(c) for c in columns)
+
+
+def changes(entries: Sequence[Entry], new: pa.Table, old: pa.Table | None, key: Sequence[str],
+            columns: Sequence[str], horizon_start: int) -> pa.Table:
+    """The corrections ``entries`` (one batch's records of one dataset, in changelog order) call for.
+
+    ``new``: the versions of their keys after the batch, ``old``: before it (None: not known), both
+    as :func:`enrich.dimension.history.version_table` gives them (in changelog order); ``key`` the
+    dataset's key columns, ``columns`` the joined ones; ``horizon_start``: the earliest event time
+    (UTC microseconds) still corrected. One row per version (see the module doc): the key columns,
+    :data:`CHANGE_COLUMNS`."""
+    new_by, old_by = _by_key(new), _by_key(old)
+    new_rows = new.to_pylist()
+    old_rows = old.to_pylist() if old is not None else []
+    last = {(e.key, e.valid_from): i for i, e in enumerate(entries)}
+    picked: list[tuple[Entry, dict[str, Any], int, int, Result]] = []
+    for i, e in enumerate(entries):
+        if last[(e.key, e.valid_from)] != i:
+            continue  # a later record of this key and time replaced it in the same batch
+        versions = new_by.get(e.key, [])
+        at = next((r for t, r in versions if t == e.valid_from), None)
+        if at is None:  # pruned already (older than the join's history): nothing is joined with it
+            continue
+        times = [t for t, _ in versions]
+        pos = times.index(e.valid_from)
+        start = e.valid_from if pos > 0 else NO_BOUND_START
+        end = times[pos + 1] if pos + 1 < len(times) else NO_BOUND_END
+        result: Result = "corrected"
+        if old is not None:
+            was = _valid_at(old_by.get(e.key, []), e.valid_from)
+            if was is not None and _same(old_rows[was], new_rows[at], columns):
+                result = "unchanged"
+        if result == "corrected" and start < horizon_start:
+            result = "beyond_horizon"
+        picked.append((e, new_rows[at], start, end, result))
+    data: dict[str, list[Any]] = {k: [row[k] for _, row, _, _, _ in picked] for k in key}
+    data[KEY_BYTES] = [e.key for e, _, _, _, _ in picked]
+    data["valid_from"] = [e.valid_from for e, _, _, _, _ in picked]
+    data["start"] = [s for _, _, s, _, _ in picked]
+    data["end"] = [x for _, _, _, x, _ in picked]
+    data["partition"] = [e.partition for e, _, _, _, _ in picked]
+    data["offset"] = [e.offset for e, _, _, _, _ in picked]
+    data["result"] = [r for _, _, _, _, r in picked]
+    fields = [new.schema.field(k) for k in key] + [
+        pa.field(KEY_BYTES, pa.binary()), pa.field("valid_from", pa.int64()), pa.field("start", pa.int64()),
+        pa.field("end", pa.int64()), pa.field("partition", pa.int32()), pa.field("offset", pa.int64()),
+        pa.field("result", pa.string())]
+    return pa.Table.from_pydict(data, schema=pa.schema(fields))
