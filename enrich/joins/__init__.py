@@ -215,6 +215,18 @@ def _key_values(arrays: Sequence[pa.Array]) -> tuple[np.ndarray, np.ndarray]:
     return joined.to_numpy(zero_copy_only=False), joined.is_null().to_numpy(zero_copy_only=False)
 
 
+def event_keys(t: pa.Table, spec: JoinSpec) -> tuple[np.ndarray, np.ndarray]:
+    """Every event's key of join ``spec`` as the lookup hashes it (its ``on`` columns in the key's
+    types), and the null mask."""
+    return _key_values([_align(t.column(ev).combine_chunks(), typ)
+                        for (ev, _), typ in zip(spec.pairs, spec.key_types, strict=True)])
+
+
+def row_keys(t: pa.Table, key: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Every dimension row's key (columns ``key``) as :func:`event_keys` gives an event's, and the null mask."""
+    return _key_values([t.column(k).combine_chunks() for k in key])
+
+
 def _align(arr: pa.Array, typ: pa.DataType) -> pa.Array:
     """The event's key column in the dimension key's type; values that do not convert match nothing."""
     if arr.type == typ:
@@ -238,9 +250,7 @@ def _indices(idx: np.ndarray) -> pa.Array:
 def join_table(t: pa.Table, spec: JoinSpec, base: Lookup, overlay: Lookup | None,
                error_column: str | None = None) -> pa.Table:
     """Apply one join to ``t`` (one Arrow batch of events)."""
-    keys = [_align(t.column(ev).combine_chunks(), typ) for (ev, _), typ in zip(spec.pairs, spec.key_types,
-                                                                                strict=True)]
-    values, nulls = _key_values(keys)
+    values, nulls = event_keys(t, spec)
     take_ov: pa.Array | None = None
     pick_ov: pa.Array | None = None
     clipped: np.ndarray | None = None

@@ -1,0 +1,127 @@
+"""Corrections in the state step's buckets: what a bucket keeps of the events it wrote, and which of
+them a batch's late versions correct (the driver's side: :mod:`enrich.dimension.corrections`).
+
+A bucket keeps its written events (the step's output rows, whatever the plan put in them) with
+their event time (:data:`TS`) and their last revision (:data:`REVISION`, 0: as first written) for
+as long as they are within the horizon: :func:`keep` appends a batch's and drops those older
+than the horizon's start. :func:`match` finds, for each corrected join's changes, the kept events
+of the change's key with a time in its span, and gives each such event its next revision and the
+change as its cause (one row per event and change: two datasets changing one event in one batch
+give two revisions, in join order). Pure: Arrow and numpy, no Spark.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from enrich.columns import KEY_BYTES
+from enrich.joins import JoinSpec, event_keys, row_keys
+
+__all__ = ["CAUSE", "CAUSE_TYPE", "REVISION", "TS", "Matched", "keep", "match"]
+
+#: A kept event's time (UTC microseconds) and its last revision.
+TS, REVISION = "__c_ts", "_revision"
+#: A correction's cause: the dataset, the changelog key (its JSON text), the version's valid_from,
+#: and where the changelog record is.
+CAUSE = "_cause"
+CAUSE_TYPE = pa.struct([("dataset", pa.string()), ("key", pa.string()),
+                        ("valid_from", pa.timestamp("us", tz="UTC")), ("partition", pa.int32()),
+                        ("offset", pa.int64())])
+
+
+def keep(log: pa.Table | None, written: pa.Table | None, ts: pa.Array | np.ndarray | None,
+         horizon_start: int) -> pa.Table | None:
+    """``log`` with the events ``written`` (their times ``ts``, UTC microseconds) appended at revision
+    0, and those older than ``horizon_start`` dropped; None when none is left."""
+    parts = []
+    if log is not None and log.num_rows:
+        parts.append(log)
+    if written is not None and written.num_rows:
+        new = written.append_column(TS, pa.array(np.asarray(ts, dtype=np.int64), pa.int64()))
+        parts.append(new.append_column(REVISION, pa.array(np.zeros(written.num_rows, np.int32), pa.int32())))
+    if not parts:
+        return None
+    both = pa.concat_tables(parts, promote_options="permissive") if len(parts) > 1 else parts[0]
+    both = both.filter(pc.greater_equal(both.column(TS), pa.scalar(horizon_start, pa.int64())))
+    return both if both.num_rows else None
+
+
+@dataclass(frozen=True)
+class Matched:
+    """What :func:`match` found: ``rows``, the corrected events (the kept columns, :data:`REVISION` the
+    new one, :data:`CAUSE`), in kept order per change; ``log``, the kept events with their revisions."""
+
+    rows: pa.Table
+    log: pa.Table
+
+
+def _hits(log_keys: np.ndarray, log_nulls: np.ndarray, ts: np.ndarray, ch_keys: np.ndarray, ch_nulls: np.ndarray,
+          start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(kept row, change row) pairs: the change of the row's key whose span holds the row's time (the
+    spans of one key's changes never overlap)."""
+    codes, _ = pd.factorize(np.concatenate([np.asarray(ch_keys, dtype=object), np.asarray(log_keys, dtype=object)]))
+    c_code, r_code = codes[:len(ch_keys)], codes[len(ch_keys):]
+    c_code = np.where(ch_nulls, -2, c_code)
+    r_code = np.where(log_nulls, -3, r_code)
+    cand = np.flatnonzero(np.isin(r_code, c_code))
+    if not len(cand):
+        return np.zeros(0, np.int64), np.zeros(0, np.int64)
+    order = np.lexsort((start, c_code))
+    sc, ss = c_code[order], start[order]
+    rows, found = [], []
+    # Per kept row: the last change of its key starting at or before its time.
+    for code in np.unique(r_code[cand]):
+        lo, hi = np.searchsorted(sc, code, "left"), np.searchsorted(sc, code, "right")
+        mine = cand[r_code[cand] == code]
+        at = np.searchsorted(ss[lo:hi], ts[mine], "right") - 1
+        ok = at >= 0
+        ch = order[lo + at[ok]]
+        inside = ts[mine[ok]] < end[ch]
+        rows.append(mine[ok][inside])
+        found.append(ch[inside])
+    return np.concatenate(rows), np.concatenate(found)
+
+
+def match(log: pa.Table | None, changes: Sequence[tuple[JoinSpec, Sequence[str], pa.Table]]) -> Matched | None:
+    """The kept events ``changes`` correct (see the module doc); None when none. ``changes``: per
+    corrected join, in join order, its spec, the dataset's key columns and the batch's changes
+    (:func:`enrich.dimension.corrections.changes`; ``unchanged`` ones are left out here)."""
+    if log is None or log.num_rows == 0:
+        return None
+    ts = log.column(TS).to_numpy(zero_copy_only=False)
+    revision = log.column(REVISION).to_numpy(zero_copy_only=False).astype(np.int32).copy()
+    picked: list[pa.Table] = []
+    for spec, key, ch in changes:
+        ch = ch.filter(pc.not_equal(ch.column("result"), "unchanged"))
+        if ch.num_rows == 0:
+            continue
+        log_keys, log_nulls = event_keys(log, spec)
+        ch_keys, ch_nulls = row_keys(ch, key)
+        rows, found = _hits(log_keys, log_nulls, ts, ch_keys, ch_nulls,
+                            ch.column("start").to_numpy(zero_copy_only=False),
+                            ch.column("end").to_numpy(zero_copy_only=False))
+        if not len(rows):
+            continue
+        rows_order = np.argsort(rows, kind="stable")
+        rows, found = rows[rows_order], found[rows_order]
+        revision[rows] += 1
+        take = pa.array(found)
+        cause = pa.StructArray.from_arrays(
+            [pa.array([spec.dataset] * len(rows), pa.string()),
+             pc.cast(ch.column(KEY_BYTES).combine_chunks().take(take), pa.string()),
+             pc.cast(ch.column("valid_from").combine_chunks().take(take), pa.timestamp("us", tz="UTC")),
+             ch.column("partition").combine_chunks().take(take),
+             ch.column("offset").combine_chunks().take(take)],
+            fields=list(CAUSE_TYPE))
+        got = log.take(pa.array(rows)).drop_columns([REVISION])
+        picked.append(got.append_column(REVISION, pa.array(revision[rows], pa.int32())).append_column(CAUSE, cause))
+    if not picked:
+        return None
+    log = log.set_column(log.schema.get_field_index(REVISION), REVISION, pa.array(revision, pa.int32()))
+    return Matched(pa.concat_tables(picked), log)

@@ -1,0 +1,104 @@
+"""What a bucket keeps for corrections and which kept events a batch's changes correct
+(enrich.state.corrections), with the driver's changes made from real version state. Pure logic."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import pyarrow as pa
+
+from enrich.dimension.corrections import NO_BOUND_END, NO_BOUND_START
+from enrich.joins import JoinSpec
+from enrich.state.corrections import CAUSE, REVISION, TS, keep, match
+from tests.enrich.dimension.test_corrections import MIN, T0, Log, us
+
+DEVICES = JoinSpec("devices", (("device_id", "device_id"),), (pa.string(),), (("site_id", "site_id"),),
+                   (pa.string(),), "_devices_matched", False, "ts")
+SITES = JoinSpec("sites", (("site_id", "id"),), (pa.int64(),), (("name", "site_name"),),
+                 (pa.string(),), "_sites_matched", False, "ts")
+
+
+def events(devices: list[str], minutes: list[int], offsets: list[int], sites: list[int] | None = None) -> pa.Table:
+    cols = {"device_id": devices, "_partition": pa.array([0] * len(devices), pa.int32()),
+            "_offset": pa.array(offsets, pa.int64())}
+    if sites is not None:
+        cols["site_id"] = pa.array([str(s) for s in sites])  # a string column joined on an int64 key
+    return pa.table(cols)
+
+
+def times(minutes: list[int]) -> list[int]:
+    return [us(T0 + m * MIN) for m in minutes]
+
+
+def change_table(key: str, rows: list[tuple[object, int, int, int, str]]) -> pa.Table:
+    """(key value, valid_from, start, end, result) rows as the driver's changes."""
+    return pa.table({key: [r[0] for r in rows], "__key": pa.array([f'{{"{key}":"{r[0]}"}}'.encode() for r in rows]),
+                     "valid_from": pa.array([r[1] for r in rows], pa.int64()),
+                     "start": pa.array([r[2] for r in rows], pa.int64()), "end": pa.array([r[3] for r in rows], pa.int64()),
+                     "partition": pa.array([0] * len(rows), pa.int32()),
+                     "offset": pa.array(range(7, 7 + len(rows)), pa.int64()),
+                     "result": [r[4] for r in rows]})
+
+
+def test_kept_events_are_those_within_the_horizon() -> None:
+    log = keep(None, events(["d1", "d2"], [0, 10], [0, 1]), times([0, 10]), us(T0))
+    log = keep(log, events(["d1"], [20], [2]), times([20]), us(T0 + 5 * MIN))
+    assert log is not None and log.column("_offset").to_pylist() == [1, 2]
+    assert log.column(REVISION).to_pylist() == [0, 0] and log.column(TS).to_pylist() == times([10, 20])
+    assert keep(log, None, None, us(T0 + 21 * MIN)) is None
+
+
+def test_a_change_corrects_its_keys_events_in_its_span_and_counts_revisions() -> None:
+    log = keep(None, events(["d1", "d2", "d1", "d1"], [0, 15, 15, 30], [0, 1, 2, 3]), times([0, 15, 15, 30]),
+               us(T0 - 60 * MIN))
+    at, until = us(T0 + 10 * MIN), us(T0 + 20 * MIN)
+    got = match(log, [(DEVICES, ("device_id",), change_table("device_id", [("d1", at, at, until, "corrected")]))])
+    assert got is not None
+    assert got.rows.column("_offset").to_pylist() == [2] and got.rows.column(REVISION).to_pylist() == [1]
+    cause = got.rows.column(CAUSE).to_pylist()[0]
+    assert (cause["dataset"], cause["key"], cause["partition"], cause["offset"]) == (
+        "devices", '{"device_id":"d1"}', 0, 7)
+    assert cause["valid_from"] == T0 + 10 * MIN
+    assert got.log.column(REVISION).to_pylist() == [0, 0, 1, 0]
+    # A second change of the same event: revision 2.
+    again = match(got.log, [(DEVICES, ("device_id",),
+                             change_table("device_id", [("d1", at, NO_BOUND_START, NO_BOUND_END, "beyond_horizon")]))])
+    assert again is not None and again.rows.column("_offset").to_pylist() == [0, 2, 3]
+    assert again.rows.column(REVISION).to_pylist() == [1, 2, 1]
+
+
+def test_unchanged_versions_and_other_keys_correct_nothing() -> None:
+    log = keep(None, events(["d1", None], [5, 5], [0, 1]), times([5, 5]), us(T0))  # type: ignore[list-item]
+    assert match(log, [(DEVICES, ("device_id",), change_table("device_id", [
+        ("d1", 0, NO_BOUND_START, NO_BOUND_END, "unchanged"),
+        ("d9", 0, NO_BOUND_START, NO_BOUND_END, "corrected")]))]) is None
+    assert match(None, []) is None
+
+
+def test_two_joins_changing_one_event_give_two_revisions_in_join_order() -> None:
+    log = keep(None, events(["d1", "d2"], [5, 6], [0, 1], sites=[3, 4]), times([5, 6]), us(T0))
+    got = match(log, [
+        (DEVICES, ("device_id",), change_table("device_id", [("d1", 0, NO_BOUND_START, NO_BOUND_END, "corrected")])),
+        (SITES, ("id",), pa.table({"id": pa.array([3], pa.int64()), "__key": [b'{"id":3}'],
+                                   "valid_from": pa.array([0], pa.int64()),
+                                   "start": pa.array([NO_BOUND_START], pa.int64()),
+                                   "end": pa.array([NO_BOUND_END], pa.int64()),
+                                   "partition": pa.array([1], pa.int32()), "offset": pa.array([4], pa.int64()),
+                                   "result": ["corrected"]}))])
+    assert got is not None
+    assert got.rows.column("_offset").to_pylist() == [0, 0]
+    assert got.rows.column(REVISION).to_pylist() == [1, 2]
+    assert [c["dataset"] for c in got.rows.column(CAUSE).to_pylist()] == ["devices", "sites"]
+
+
+def test_the_drivers_changes_correct_what_a_fresh_join_would_give_otherwise() -> None:
+    # d1 at s-2 from 9:00; its events at 9:05..9:55. The move to s-6 as of 9:30 arrives late.
+    state = Log()
+    state.put(T0, [{"device_id": "d1", "site_id": "s-2"}, {"device_id": "d2", "site_id": "s-2"}])
+    minutes = list(range(5, 60, 10))
+    log = keep(None, events(["d1"] * len(minutes) + ["d2"], [*minutes, 40], list(range(len(minutes) + 1))),
+               times([*minutes, 40]), us(T0 - timedelta(hours=1)))
+    ch = state.batch(T0 - timedelta(hours=1), (T0 + 30 * MIN, [{"device_id": "d1", "site_id": "s-6"}]))
+    got = match(log, [(DEVICES, ("device_id",), ch)])
+    assert got is not None
+    assert got.rows.column("_offset").to_pylist() == [3, 4, 5]  # 9:35, 9:45, 9:55
