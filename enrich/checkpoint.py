@@ -26,6 +26,8 @@ names a path under it. Every module that reads or writes the checkpoint takes it
                                 idle_finalize (enrich.state.rollups.idle_facts)
         gaps.json               the time each source partition reached before and after the last
                                 batch, and its quiet partitions, for the gaps (enrich.sinks.gaps)
+        corrections/<n>.<dataset>.arrow   batch n's late versions of a corrected dataset, written
+                                before the batch runs (enrich.dimension.corrections)
 
 Spark's part belongs to Spark; the job writes the rest, each file atomically
 (:mod:`refstream.atomic`), and never a file of Spark's. Spark's offset and commit logs are read
@@ -124,6 +126,10 @@ class CheckpointLayout:
     @property
     def calls(self) -> Path:
         return self.own / "calls"
+
+    @property
+    def corrections(self) -> Path:
+        return self.own / "corrections"
 
     @property
     def idle(self) -> Path:

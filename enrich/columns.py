@@ -10,7 +10,7 @@ event the fast parser left to ``from_json``). The state step (:mod:`enrich.state
 
 from __future__ import annotations
 
-__all__ = ["BATCH_TIME", "BUCKET", "CORRUPT", "DELETED", "ERROR", "FLAT", "IDENTITY", "INTERNAL", "KIND", "KIND_EVENT", "KEY_BYTES", "LATE", "LATE_AT_READ", "MAX_TS", "PACK_KIND", "PROVISIONAL", "RBUCKET", "ROLLUP_TIME",
+__all__ = ["BATCH_TIME", "BUCKET", "CORRUPT", "DELETED", "ERROR", "FLAT", "CAUSE", "CORRECTION", "IDENTITY", "INTERNAL", "KIND", "KIND_CORRECTION", "KIND_EVENT", "REVISION", "TAIL", "KEY_BYTES", "LATE", "LATE_AT_READ", "MAX_TS", "PACK_KIND", "PROVISIONAL", "RBUCKET", "ROLLUP_TIME",
            "ROWS", "SLOW", "SOURCE", "STATE", "TS_US", "UNMATCHED",
            "VALID_FROM"]
 
@@ -26,9 +26,14 @@ SOURCE = {"_key": "key", "_value": "value", "_topic": "topic", "_partition": "pa
 IDENTITY = ("_topic", "_partition", "_offset")
 #: What an output record is (``event``; a correction of one is ``correction``): the last field of
 #: every enriched event the job writes, after its identity.
-KIND, KIND_EVENT = "_kind", "event"
-#: The columns the output leaves out (the identity and the kind are added again at its end).
-INTERNAL = (ERROR, *SOURCE, SLOW, KIND)
+KIND, KIND_EVENT, KIND_CORRECTION = "_kind", "event", "correction"
+#: With corrections (enrich.state.corrections), after ``_kind``: the record's revision of its event
+#: (0: as first written) and a correction's cause.
+REVISION, CAUSE = "_revision", "_cause"
+#: What ends every enriched event after its identity (the columns present of these).
+TAIL = (KIND, REVISION, CAUSE)
+#: The columns the output leaves out (the identity and the tail are added again at its end).
+INTERNAL = (ERROR, *SOURCE, SLOW, *TAIL)
 
 #: The columns the state step adds to every event: the device's state struct and the late flag.
 STATE, LATE = "state", "_late"
@@ -60,3 +65,5 @@ LATE_AT_READ = "_late_at_read"
 
 #: The Kafka sink's flag of an event some join found no row for.
 UNMATCHED = "_unmatched"
+#: The Kafka sink's flag of a correction (counted apart from the events; never unmatched or late).
+CORRECTION = "_correction"

@@ -115,6 +115,9 @@ class JoinConfig:
     #: ``complete_as_of``) reaches its time, or ``max_wait`` expires (enrich.state.wait).
     wait: JoinWait = "none"
     max_wait: timedelta = DEFAULT_MAX_WAIT
+    #: ``corrections.horizon``: a version that arrives late corrects the events the job wrote with the
+    #: version before it, as far back as this behind the watermark (enrich.state.corrections); None: off.
+    corrections: timedelta | None = None
 
     @property
     def matched_column(self) -> str:
@@ -309,6 +312,13 @@ def parse(data: Mapping[str, Any], source: str = "config") -> EnrichConfig:
     _check_as_of(top, joins, state)
     calls = parse_calls(top, state is not None)
     rollups = parse_rollups(top, state is not None, functools.partial(_database, write="state"))
+    corrected = [i for i, j in enumerate(joins) if j.corrections is not None]
+    if corrected and rollups:
+        raise top.error("corrections do not move events between rollup rows yet; remove rollups or the join's "
+                        "corrections", f"joins[{corrected[0]}].corrections")
+    if corrected and output.database is not None:
+        raise top.error("corrections are written to Kafka, Parquet or the console; output.database does not "
+                        "update an event's row with its corrections yet", f"joins[{corrected[0]}].corrections")
     gaps = parse_gaps(top, state is not None, functools.partial(_database, write="events"))
     taken = {events.topic: "events.topic", output.topic: "output.kafka.topic",
              top.get("dead_letter_topic", str): "dead_letter_topic", **{j.topic: "a join's topic" for j in joins}}
@@ -393,6 +403,7 @@ def _join(sec: Section) -> JoinConfig:
         history=sec.duration("history", DEFAULT_HISTORY),
         wait=sec.choice("wait", JoinWait, "none"),
         max_wait=sec.duration("max_wait", DEFAULT_MAX_WAIT),
+        corrections=_corrections(sec),
     )
     if cfg.history <= timedelta(0):
         raise sec.error("must be positive", "history")
@@ -408,8 +419,32 @@ def _join(sec: Section) -> JoinConfig:
         raise sec.error("must be positive", "max_wait")
     if sec.has("max_wait") and cfg.wait != "complete":
         raise sec.error("applies to joins with wait: complete only; set it or remove max_wait", "max_wait")
+    if cfg.corrections is not None:
+        if not cfg.as_of:
+            raise sec.error("corrections need as_of: true (a late version is one valid from before the events "
+                            "it corrects)", "corrections")
+        if cfg.strategy != "broadcast":
+            raise sec.error("corrections apply to broadcast joins (the driver finds the late versions); use "
+                            "strategy: broadcast or remove corrections", "corrections")
+        if cfg.how != "left":
+            raise sec.error("corrections apply to how: left joins (an inner join's events that lose their match "
+                            "would need retracting, which the job does not do yet)", "corrections")
+        if cfg.corrections > cfg.history:
+            raise sec.error(f"horizon {cfg.corrections} is longer than the join's history {cfg.history}: the "
+                            "versions an event within the horizon was joined with would be gone", "corrections")
     sec.done()
     return cfg
+
+
+def _corrections(sec: Section) -> timedelta | None:
+    if sec.raw("corrections", None) is None:
+        return None
+    sub = sec.section("corrections")
+    horizon = sub.duration("horizon")
+    if horizon <= timedelta(0):
+        raise sub.error("must be positive", "horizon")
+    sub.done()
+    return horizon
 
 
 def _check_partitioned(top: Section, joins: tuple[JoinConfig, ...], state: StateConfig | None) -> None:
@@ -436,14 +471,14 @@ def _check_as_of(top: Section, joins: tuple[JoinConfig, ...], state: StateConfig
     """An as-of join looks rows up at the event's time, ``state.timestamp``: it needs the section.
     A dataset's driver or bucket copy is either a history or the latest rows, so every join of one
     dataset agrees on ``as_of`` and ``history``."""
-    seen: dict[str, tuple[bool, timedelta, str, timedelta]] = {}
+    seen: dict[str, tuple[bool, timedelta, str, timedelta, timedelta | None]] = {}
     for i, j in enumerate(joins):
         if j.as_of and state is None:
             raise top.error("as_of needs a state: section (an event's time is its state.timestamp)",
                             f"joins[{i}].as_of")
-        first = seen.setdefault(j.dataset, (j.as_of, j.history, j.wait, j.max_wait))
-        if first != (j.as_of, j.history, j.wait, j.max_wait):
-            raise top.error(f"dataset {j.dataset!r} is joined with different as_of/history/wait/max_wait "
+        first = seen.setdefault(j.dataset, (j.as_of, j.history, j.wait, j.max_wait, j.corrections))
+        if first != (j.as_of, j.history, j.wait, j.max_wait, j.corrections):
+            raise top.error(f"dataset {j.dataset!r} is joined with different as_of/history/wait/max_wait/corrections "
                             "settings; give every join of it the same", f"joins[{i}].as_of")
 
 

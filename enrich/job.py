@@ -20,6 +20,7 @@ import logging
 import shutil
 import threading
 import time
+from collections.abc import Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,9 +37,11 @@ from enrich import events, joins
 from enrich.accumulators import KeyedCounts, KeyedTallies
 from enrich.calls.step import STARTED_PROPERTY, read_tallies
 from enrich.checkpoint import CheckpointLayout
-from enrich.columns import ERROR, LATE
+from enrich.columns import ERROR, KIND, KIND_CORRECTION, LATE
 from enrich.config import EnrichConfig
 from enrich.dimension.changelog import ChangelogFollower
+from enrich.dimension.corrections import BatchChanges, Corrected
+from enrich.dimension.history import Journal
 from enrich.dimension.manager import Dimensions
 from enrich.dimension.ship import Shipper
 from enrich.dimension.versions import FileVersionLog
@@ -103,6 +106,7 @@ class Started:
     rollups: RollupWriter | None = None  # the rollups' outputs (the batches are the rollup step's output)
     gaps: GapWriter | None = None        # the gaps' records (enrich.sinks.gaps)
     ranges: RangeReader | None = None    # the batches hold offset ranges: this reads their records
+    changes: BatchChanges | None = None  # with corrections: each batch's late versions (enrich.dimension.corrections)
 
 
 class EnrichJob:
@@ -188,7 +192,7 @@ class EnrichJob:
         stream, devices = self._stream(spark, pipeline, dims, sink, metrics)
         self._started = Started(spark, pipeline, dims, sink, dead, metrics, stream.fast, stream.state, devices,
                                 rollups, self._gaps(pipeline, saved.gaps_driver if saved is not None else None),
-                                stream.ranges)
+                                stream.ranges, self._changes(pipeline))
         self._pass = pipeline.join_pass
         self.query = self._start_query(stream.frame)
         log.info("enrichment query started: %s -> %s (checkpoint %s)", self.cfg.events.topic,
@@ -246,6 +250,13 @@ class EnrichJob:
             call_with_retry(functools.partial(rkafka.ensure_topic, cfg.kafka, topic),
                             what=f"creating topic {topic}", policy=self.retry)
 
+    def _changes(self, pipeline: Pipeline) -> BatchChanges | None:
+        """With corrections: where each batch's late versions are written for the state step."""
+        if not pipeline.corrected:
+            return None
+        return BatchChanges([Corrected(c.dataset, c.key, c.columns, c.horizon_us) for c in pipeline.corrected],
+                            self.layout.corrections)
+
     def _dimensions(self, spark: SparkSession) -> Dimensions:
         """The broadcast dimensions, bootstrapped: each ships only the columns some join uses."""
         cfg = self.cfg
@@ -258,7 +269,8 @@ class EnrichJob:
         dims = Dimensions(cfg.broadcast_datasets, columns, lambda topic: ChangelogFollower(cfg.kafka, topic),
                           FileVersionLog(self.layout.dimensions), Shipper(spark.sparkContext),
                           timeout=cfg.bootstrap_timeout.total_seconds(),
-                          history={j.dataset: j.history for j in cfg.broadcast_joins if j.as_of})
+                          history={j.dataset: j.history for j in cfg.broadcast_joins if j.as_of},
+                          journal={j.dataset for j in cfg.broadcast_joins if j.corrections is not None})
         self._stack.callback(dims.close)
         call_with_retry(dims.bootstrap, what="bootstrapping dimensions", policy=self.retry, stop=self._stop)
         return dims
@@ -451,7 +463,11 @@ class EnrichJob:
             batch_df.persist()
             try:
                 dead, counted = self._process_batch(batch_df, batch_id)
-                late = st.state.frame(batch_df).filter(F.col(LATE)).count()
+                frame = st.state.frame(batch_df)
+                late_events = F.col(LATE)
+                if KIND in frame.columns:  # a correction repeats its event's flag: not counted again
+                    late_events = late_events & (F.col(KIND) != F.lit(KIND_CORRECTION))
+                late = frame.filter(late_events).count()
             finally:
                 batch_df.unpersist()
         devices = st.devices.after_batch(batch_id)
@@ -508,16 +524,24 @@ class EnrichJob:
         the sink counted (summed over both writes when slots are written again from from_json)."""
         t0 = time.monotonic()
         st = self.started
-        shipped = call_with_retry(lambda: st.dims.pin(batch_id), what=f"batch {batch_id}: pinning dimensions",
+        changes = st.changes
+        journaled = None
+        if changes is not None:  # the batch's late versions, written before it runs (a replay finds them)
+            def journaled(journals: Mapping[str, Journal], replay: bool) -> None:
+                changes.record(batch_id, journals, replay, self.layout.batch_watermark_ms(batch_id))
+        shipped = call_with_retry(lambda: st.dims.pin(batch_id, journaled), what=f"batch {batch_id}: pinning dimensions",
                                   policy=self.retry, stop=self._stop)
+        if changes is not None and st.metrics is not None:
+            st.metrics.corrections(changes.counts)
         files = st.dims.shipper.files
         facts = None
         if self.cfg.waits:  # the state step decides what it holds against the batch's recorded facts
             at, complete = st.dims.batch_facts(batch_id, list(self.cfg.waits))
             facts = BatchFacts.of(at, complete).to_json()
-        if files is not None or facts is not None:  # joins in the plan, or waiting: the tasks learn it here
+        corrections = {"dir": str(changes.dir.resolve()), "batch": batch_id} if changes is not None else None
+        if files is not None or facts is not None or corrections is not None:  # the tasks learn it here
             st.spark.sparkContext.setLocalProperty(joins.PINNED_PROPERTY, joins.pinned_property(
-                shipped, str(files.resolve()) if files is not None else None, facts))
+                shipped, str(files.resolve()) if files is not None else None, facts, corrections))
         if any(r.idle_finalize for r in self.cfg.rollups):  # the rollup step's idleness, from the offset log
             st.spark.sparkContext.setLocalProperty(IDLE_PROPERTY, json.dumps(
                 idle_facts(self.layout, batch_id, self.cfg.events.topic)))

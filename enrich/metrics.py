@@ -45,6 +45,7 @@ class EnrichMetrics:
         self.devices: Gauge | None = None  # with state: only, once the count is known
         self.watermark: Gauge | None = None  # with state: only, once Spark has one
         self.calls: Counter | None = None  # with calls: only
+        self.corrected: Counter | None = None  # with corrections: only, from the first batch
         self.gaps: Counter | None = None  # with gaps: only, from the first batch
         self._changed_ms: dict[str, int | None] = {}
         for result in results:
@@ -108,6 +109,17 @@ class EnrichMetrics:
             return
         for (rollup, result), n in counts.items():
             self.rollups.labels(rollup, result).inc(n)
+
+    def corrections(self, counts: Mapping[tuple[str, str], int]) -> None:
+        """Add a batch's late versions, by ``(dataset, result)``, to ``refstream_enrich_corrections_total``."""
+        if self.corrected is None:
+            self.corrected = Counter("refstream_enrich_corrections", "Versions of a corrected dataset that reached "
+                                     "the job after events they apply to were written, by dataset and result: "
+                                     "corrected (those events were written again as corrections), beyond_horizon "
+                                     "(some were older than the horizon and were not), unchanged (the joined "
+                                     "columns were as written)", ["dataset", "result"], registry=self.registry)
+        for (dataset, result), n in counts.items():
+            self.corrected.labels(dataset, result).inc(n)
 
     def calls_made(self, counts: Mapping[tuple[str, str], int]) -> None:
         """Add a batch's call counts, by ``(call, result)``, to ``refstream_enrich_calls_total``."""

@@ -32,26 +32,38 @@ from typing import Literal
 
 import pyarrow as pa
 from pyspark.sql.pandas.types import from_arrow_type, to_arrow_type
-from pyspark.sql.types import BooleanType, StructField, StructType
+from pyspark.sql.types import BooleanType, IntegerType, StringType, StructField, StructType
 
 from enrich import events, joins
 from enrich.calls.fields import columns as call_columns
 from enrich.calls.step import CallStep
 from enrich.calls.template import STATE as STATE_SCOPE
 from enrich.checkpoint import CheckpointLayout
-from enrich.columns import BATCH_TIME, BUCKET, FLAT, INTERNAL, MAX_TS, PROVISIONAL, TS_US
+from enrich.columns import (
+    BATCH_TIME,
+    BUCKET,
+    CAUSE,
+    FLAT,
+    INTERNAL,
+    KIND,
+    MAX_TS,
+    PROVISIONAL,
+    REVISION,
+    TS_US,
+)
 from enrich.config import EnrichConfig, JoinConfig
 from enrich.gaps.engine import RESERVED, GapSpec
 from enrich.joins import JoinSpec
 from enrich.joins.asof import CLIPPED
 from enrich.joins.partitioned import PartitionedDim, partitioned_dim
 from enrich.rollups.spec import RollupSpec
+from enrich.state.corrections import CAUSE_TYPE
 from enrich.state.engine import StateSpec
 from enrich.state.spec import output_fields, resolve
 from refstream.contract import DatasetSchema
 from refstream.errors import ConfigError
 
-__all__ = ["JoinPass", "Pipeline", "Stage", "StatePlan"]
+__all__ = ["Corrected", "JoinPass", "Pipeline", "Stage", "StatePlan"]
 
 #: The columns the state step adds to the events on their way through it (an event field of that
 #: name would be overwritten).
@@ -104,6 +116,21 @@ class StatePlan:
 
 
 @dataclass(frozen=True)
+class Corrected:
+    """A join whose late versions correct the events written before them (``joins[].corrections``):
+    its spec in the join pass, the dataset's key columns, the joined ones and the horizon."""
+
+    spec: JoinSpec
+    key: tuple[str, ...]
+    columns: tuple[str, ...]
+    horizon_us: int
+
+    @property
+    def dataset(self) -> str:
+        return self.spec.dataset
+
+
+@dataclass(frozen=True)
 class Pipeline:
     """The job's plan (see the module doc). Build it with :meth:`build`."""
 
@@ -115,6 +142,7 @@ class Pipeline:
     after: tuple[JoinConfig, ...]       # the broadcast joins of the join pass
     join_pass: JoinPass                 # as planned against the schemas the plan was built with
     checkpoint: CheckpointLayout
+    corrected: tuple[Corrected, ...] = ()  # the joins with corrections, in join order
 
     @classmethod
     def build(cls, cfg: EnrichConfig, schemas: Mapping[str, DatasetSchema], *, timezone: str = "UTC") -> Pipeline:
@@ -128,8 +156,9 @@ class Pipeline:
         state = _state_plan(cfg, parsed, schemas, timezone) if cfg.state is not None else None
         after = tuple(j for j in cfg.broadcast_joins if state is None or j not in state.before)
         first = _join_pass(cfg, after, schemas, state.schema if state is not None else parsed, timezone)
+        corrected = _corrected(cfg, state, after, first, schemas)
         return cls(cfg=cfg, timezone=timezone, events=event_schema, parsed=parsed, state=state, after=after,
-                   join_pass=first, checkpoint=CheckpointLayout(cfg.checkpoint))
+                   join_pass=first, checkpoint=CheckpointLayout(cfg.checkpoint), corrected=corrected)
 
     @property
     def broadcast_datasets(self) -> dict[str, str]:
@@ -204,6 +233,8 @@ def _join_stage(j: JoinConfig, spec: JoinSpec, where: str) -> Stage:
     if spec.time is not None:  # every as-of join sets the flag; the first one adds it
         where = f"as of {spec.time} (history {_seconds(j.history)}), {where}"
         adds = (*adds, CLIPPED)
+    if j.corrections is not None:
+        where = f"{where}, late versions corrected for {_seconds(j.corrections)}"
     return Stage("join", j.dataset, f"{j.how}, on {on}, {where}", adds)
 
 
@@ -223,6 +254,29 @@ def _join_pass(cfg: EnrichConfig, passed: Sequence[JoinConfig], schemas: Mapping
     columns = tuple(f.name for f in out_schema.fields if f.name not in INTERNAL)
     return JoinPass({ds: schemas[ds] for ds in cfg.broadcast_datasets}, tuple(specs), columns, out_schema,
                     fast_schema)
+
+
+def _corrected(cfg: EnrichConfig, state: StatePlan | None, after: Sequence[JoinConfig], first: JoinPass,
+               schemas: Mapping[str, DatasetSchema]) -> tuple[Corrected, ...]:
+    """The joins with corrections: each in the join pass, on columns the state step writes (its
+    buckets keep what they wrote and find the events a late version corrects)."""
+    out = []
+    for i, j in enumerate(cfg.joins):
+        if j.corrections is None:
+            continue
+        where = f"{cfg.source}: joins[{i}].corrections"
+        if state is None or j not in after:
+            raise ConfigError(f"{where}: not possible for a join whose columns the state: section, a call or a "
+                              "gap uses (it runs before the state step); corrections apply to joins of the join "
+                              "pass (docs/state.md)")
+        spec = first.specs[list(after).index(j)]
+        outside = [e for e, _ in spec.pairs if e not in state.schema.fieldNames()]
+        if outside:
+            raise ConfigError(f"{where}: its on: column(s) {outside} come from another join of the join pass; "
+                              "corrections need the join's key among the columns the state step writes")
+        joined = tuple(c for c, _ in spec.columns)
+        out.append(Corrected(spec, tuple(schemas[j.dataset].key), joined, j.corrections // timedelta(microseconds=1)))
+    return tuple(out)
 
 
 def _state_plan(cfg: EnrichConfig, parsed: StructType, schemas: Mapping[str, DatasetSchema],
@@ -274,6 +328,10 @@ def _state_plan(cfg: EnrichConfig, parsed: StructType, schemas: Mapping[str, Dat
         passed.append(StructField(PROVISIONAL, BooleanType(), True))
     calls = _check_calls(cfg, spec, [f.name for f in passed]) if cfg.calls else None
     schema = StructType(passed + output_fields(spec, calls.result_columns() if calls is not None else ()))
+    if any(j.corrections is not None for j in cfg.joins):  # every row says what it is (enrich.state.corrections)
+        schema = StructType([*schema.fields, StructField(KIND, StringType(), True),
+                             StructField(REVISION, IntegerType(), True),
+                             StructField(CAUSE, from_arrow_type(CAUSE_TYPE), True)])
     rollups = _rollups(cfg, passed, enriched, specs, timezone)
     gaps = _gaps(cfg, passed, enriched, specs, dims, spec, timezone) if cfg.gaps is not None else None
     return StatePlan(spec=spec, before=tuple(before), before_specs=tuple(specs), inner=inner, joined=joined,

@@ -62,6 +62,7 @@ from enrich.columns import (
     ROLLUP_TIME,
     ROWS,
     SOURCE,
+    TAIL,
 )
 from enrich.dimension.ship import Shipped
 from enrich.events import FastEvents
@@ -77,6 +78,7 @@ from enrich.source import range_reader, stream_format, tick
 from enrich.source.fetch import SCHEMA_DDL, RangeReader
 from enrich.state import engine, ingest, rollups
 from enrich.state.cache import TableCache
+from enrich.state.corrections import Corrects
 from enrich.state.ingest import EventPacker
 from enrich.state.layout import BucketLayout
 from enrich.state.processor import DeviceStateProcessor
@@ -268,9 +270,10 @@ def state_step(spark: SparkSession, pipeline: Pipeline, raw: DataFrame,
 
 
 def needs_ticks(pipeline: Pipeline) -> bool:
-    """Whether the state step has the tick source: a join waits, a rollup needs it, or gaps."""
+    """Whether the state step has the tick source: a join waits, a rollup needs it, gaps, or
+    corrections (a late version corrects events of buckets that got none in its batch)."""
     st = pipeline.state
-    return st is not None and bool(pipeline.cfg.waits or any(r.needs_ticks for r in st.rollups)
+    return st is not None and bool(pipeline.cfg.waits or pipeline.corrected or any(r.needs_ticks for r in st.rollups)
                                    or st.gaps is not None)
 
 
@@ -346,12 +349,14 @@ def attach(raw: DataFrame, pipeline: Pipeline, layout: BucketLayout, changelogs:
     processor = DeviceStateProcessor(inner, columns, devices, st.dims, cache, waits, floor_us, st.calls, call_counts,
                                      server_timeout_s=cfg.state.server_timeout.total_seconds(),
                                      rollups=st.rollups, rollup_ids=layout.ids, inner=st.inner, gaps=st.gaps,
-                                     gap_records=gap_records)
+                                     gap_records=gap_records, corrected=tuple(
+                                         Corrects(c.spec, c.key, c.horizon_us) for c in pipeline.corrected))
     flat_type = [*inner.output_type(), *[pa.field(n, t) for n, t in (st.calls.result_columns() if st.calls else ())]]
     # What the processor's packed tables hold: the passed columns, the flat state fields (the calls'
     # results last), the late flag.
+    tail = [f for f in st.schema.fields if f.name in TAIL]  # with corrections: what each row is
     flat_schema = StructType([*st.passed, *[StructField(FLAT + f.name, from_arrow_type(f.type), True)
-                                            for f in flat_type], StructField(LATE, BooleanType(), True)])
+                                            for f in flat_type], StructField(LATE, BooleanType(), True), *tail])
     init = initial.groupBy(BUCKET) if initial is not None else None
     if not st.rollups:
         stepped = rows.groupBy(BUCKET).transformWithStateInPandas(
@@ -365,7 +370,7 @@ def attach(raw: DataFrame, pipeline: Pipeline, layout: BucketLayout, changelogs:
             {s.dataset: s for s in st.before_specs if any(r.fill_keys == s.dataset for r in st.rollups)}, layout.ids)
     unpack = Unpack(to_arrow_schema(flat_schema, timezone=timezone), to_arrow_schema(st.schema, timezone=timezone),
                     tuple(f.name for f in st.passed), st.inner,
-                    tuple(n for n, _ in st.calls.result_columns()) if st.calls else ())
+                    tuple(n for n, _ in st.calls.result_columns()) if st.calls else (), tuple(f.name for f in tail))
     return StateStream(stepped, unpack, st.schema, cache, rollups=bool(st.rollups))
 
 

@@ -21,16 +21,26 @@ Of a key's records with one ``valid_from`` in a batch, the last in the changelog
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import logging
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
 from typing import Any, Literal
 
 import numpy as np
 import pyarrow as pa
 
 from enrich.columns import DELETED, KEY_BYTES, VALID_FROM
+from enrich.ipc import from_ipc, to_ipc
+from refstream import contract
+from refstream.atomic import write_bytes_atomic
 
-__all__ = ["CHANGE_COLUMNS", "NO_BOUND_END", "NO_BOUND_START", "Entry", "Result", "changes"]
+log = logging.getLogger(__name__)
+
+__all__ = ["CHANGE_COLUMNS", "NO_BOUND_END", "NO_BOUND_START", "BatchChanges", "Entry", "Result", "changes",
+           "changes_file"]
 
 #: ``start`` of a change with no lower bound, ``end`` of one with no upper bound (microseconds).
 NO_BOUND_START, NO_BOUND_END = int(np.iinfo(np.int64).min), int(np.iinfo(np.int64).max)
@@ -122,8 +132,76 @@ def changes(entries: Sequence[Entry], new: pa.Table, old: pa.Table | None, key: 
     data["partition"] = [e.partition for e, _, _, _, _ in picked]
     data["offset"] = [e.offset for e, _, _, _, _ in picked]
     data["result"] = [r for _, _, _, _, r in picked]
-    fields = [new.schema.field(k) for k in key] + [
-        pa.field(KEY_BYTES, pa.binary()), pa.field("valid_from", pa.int64()), pa.field("start", pa.int64()),
-        pa.field("end", pa.int64()), pa.field("partition", pa.int32()), pa.field("offset", pa.int64()),
-        pa.field("result", pa.string())]
+    fields = [new.schema.field(k) for k in key] + _FIELDS
     return pa.Table.from_pydict(data, schema=pa.schema(fields))
+
+
+def changes_file(directory: str | Path, batch_id: int, dataset: str) -> Path:
+    """Where batch ``batch_id``'s changes of ``dataset`` are kept (written before the batch runs)."""
+    return Path(directory) / f"{batch_id}.{dataset}.arrow"
+
+
+@dataclass(frozen=True)
+class Corrected:
+    """A dataset whose late versions correct written events: its key columns, the joined columns
+    and the horizon (microseconds behind the watermark)."""
+
+    dataset: str
+    key: tuple[str, ...]
+    columns: tuple[str, ...]
+    horizon_us: int
+
+
+class BatchChanges:
+    """The driver's part: each batch's changes of every corrected dataset written to ``directory``
+    before the batch runs (a replay finds them there and runs with the same), counted per result,
+    and a change reaching before the horizon logged once per dataset and run. The last ``keep``
+    batches' files are kept."""
+
+    def __init__(self, corrected: Sequence[Corrected], directory: Path, keep: int = 100) -> None:
+        self.corrected, self.dir, self.keep = tuple(corrected), directory, keep
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._warned: set[str] = set()
+        #: (dataset, result) -> versions counted by the last :meth:`record` (none for a batch found written).
+        self.counts: Counter[tuple[str, str]] = Counter()
+
+    def record(self, batch_id: int, journals: Mapping[str, Any], replay: bool, watermark_ms: int | None) -> None:
+        """Write batch ``batch_id``'s changes from the pin's ``journals`` (``HistoryState.end_journal``
+        per dataset), unless the batch is a replay whose changes are written already."""
+        self.counts = Counter()
+        for c in self.corrected:
+            path = changes_file(self.dir, batch_id, c.dataset)
+            if replay and path.exists():
+                continue
+            entries, new, old = journals.get(c.dataset, ([], None, None))
+            start = NO_BOUND_START if watermark_ms is None else watermark_ms * 1000 - c.horizon_us
+            if new is None:
+                table = pa.schema([pa.field(k, pa.null()) for k in c.key] + _FIELDS).empty_table()
+            else:
+                table = changes(entries, new, old, c.key, c.columns, start)
+            write_bytes_atomic(path, to_ipc(table))
+            results = table.column("result").to_pylist()
+            self.counts.update((c.dataset, r) for r in results)
+            if "beyond_horizon" in results and c.dataset not in self._warned:
+                self._warned.add(c.dataset)
+                at = results.index("beyond_horizon")
+                vf = table.column("valid_from")[at].as_py()
+                log.warning("dataset %s: key %s changed as of %s, before the corrections' horizon (from %s): the "
+                            "events older than the horizon keep what they were written with (logged once per "
+                            "dataset and run)", c.dataset, table.column(KEY_BYTES)[at].as_py().decode("utf-8", "replace"),
+                            contract.format_time(_time(vf)), contract.format_time(_time(start)))
+        for f in self.dir.glob("*.arrow"):
+            if int(f.name.split(".", 1)[0]) <= batch_id - self.keep:
+                f.unlink(missing_ok=True)
+
+    def read(self, batch_id: int, dataset: str) -> pa.Table:
+        return from_ipc(changes_file(self.dir, batch_id, dataset).read_bytes())
+
+
+_FIELDS = [pa.field(KEY_BYTES, pa.binary()), pa.field("valid_from", pa.int64()), pa.field("start", pa.int64()),
+           pa.field("end", pa.int64()), pa.field("partition", pa.int32()), pa.field("offset", pa.int64()),
+           pa.field("result", pa.string())]
+
+
+def _time(us: int) -> datetime:
+    return datetime(1970, 1, 1, tzinfo=UTC) + timedelta(microseconds=us)

@@ -30,9 +30,13 @@ from refstream import contract
 
 log = logging.getLogger(__name__)
 
-__all__ = ["HistoryState", "micros_of", "prune", "version_table"]
+__all__ = ["HistoryState", "Journal", "micros_of", "prune", "version_table"]
 
 _MAX = np.iinfo(np.int64).max
+
+#: What :meth:`HistoryState.end_journal` gives: the versions applied, and the versions of their keys
+#: after and before them.
+Journal = tuple[list[Entry], pa.Table | None, pa.Table | None]
 
 
 def micros_of(t: datetime) -> int:
@@ -109,7 +113,7 @@ class HistoryState(DimensionState):
         """Record the versions applied from now on (:meth:`end_journal`)."""
         self._journal, self._mark = [], (self.base_gen, len(self.pending))
 
-    def end_journal(self) -> tuple[list[Entry], pa.Table | None, pa.Table | None]:
+    def end_journal(self) -> Journal:
         """The versions applied since :meth:`begin_journal` (in changelog order), and the versions of
         their keys after them and before them (None when a compaction since hides what was before;
         both None when there are none), as :func:`version_table` gives them."""

@@ -16,7 +16,7 @@ from datetime import datetime, timedelta
 from typing import TypeVar
 
 from enrich.dimension.abc import ChangeFeed, Positions, VersionLog
-from enrich.dimension.history import HistoryState
+from enrich.dimension.history import HistoryState, Journal
 from enrich.dimension.ship import Shipped, Shipper
 from enrich.dimension.store import DimensionState
 from refstream import contract
@@ -48,9 +48,15 @@ class Dimensions:
 
     def __init__(self, datasets: Mapping[str, str], columns: Mapping[str, Sequence[str] | None],
                  feed_factory: Callable[[str], ChangeFeed], versions: VersionLog, shipper: Shipper,
-                 *, timeout: float = 60.0, history: Mapping[str, timedelta] | None = None) -> None:
+                 *, timeout: float = 60.0, history: Mapping[str, timedelta] | None = None,
+                 journal: Iterable[str] = ()) -> None:
         self._factory = feed_factory
         self._history = dict(history or {})  # the as-of datasets: how far back they keep versions
+        # The as-of datasets whose versions each pin reports (corrections: enrich.dimension.corrections).
+        self._journal = frozenset(journal)
+        unknown = self._journal - set(self._history)
+        if unknown:
+            raise ValueError(f"journaled dataset(s) {sorted(unknown)} keep no history")
         self._topics = dict(datasets)
         self._columns = {ds: (list(c) if c is not None else None) for ds, c in columns.items()}
         self._versions = versions
@@ -145,7 +151,11 @@ class Dimensions:
         """The driver-side state of ``dataset`` as of the last pin (for checks and tools)."""
         return self._dims[dataset].state
 
-    def pin(self, batch_id: int) -> dict[str, Shipped]:
+    def pin(self, batch_id: int, journaled: Callable[[Mapping[str, Journal], bool], None] | None = None
+            ) -> dict[str, Shipped]:
+        """Bring every dimension to batch ``batch_id``'s positions and ship it. ``journaled`` gets,
+        for the journaled datasets, the versions this pin applied (:meth:`HistoryState.end_journal`)
+        and whether the batch is a replay, before the batch's positions are recorded."""
         t0 = time.monotonic()
         self.bootstrap()
         recorded = self._versions.get(batch_id)
@@ -155,6 +165,9 @@ class Dimensions:
             self.bootstrap_to(recorded)
         def read(ds: str) -> Positions:
             dim = self._dims[ds]
+            if ds in self._journal:
+                assert isinstance(dim.state, HistoryState)
+                dim.state.begin_journal()
             if recorded is not None and ds in recorded:
                 self._read_recorded(dim, recorded[ds])
             else:
@@ -162,6 +175,13 @@ class Dimensions:
             return dim.feed.positions()
 
         positions = dict(zip(self._dims, self._each(read, self._dims), strict=True))
+        journals = {}
+        for ds in self._journal:
+            state = self._dims[ds].state
+            assert isinstance(state, HistoryState)
+            journals[ds] = state.end_journal()
+        if journaled is not None:
+            journaled(journals, recorded is not None)
         if recorded is None:
             now_ms = int(time.time() * 1000)  # the batch's time (enrich.state.wait): kept for its replays
             info = {ds: {"rows": dim.state.live_rows(), "version": dim.state.version,

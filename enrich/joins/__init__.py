@@ -389,14 +389,17 @@ PINNED_PROPERTY = "refstream.pinned"
 
 
 def pinned_property(shipped: Mapping[str, Shipped], files: str | None,
-                    wait: Mapping[str, object] | None = None) -> str:
+                    wait: Mapping[str, object] | None = None, corrections: Mapping[str, object] | None = None) -> str:
     """The value of :data:`PINNED_PROPERTY` for one batch: every version's ids and key, the
-    directory the shipper wrote them to (None: not written, no join in the plan reads them) and,
-    when a join waits for completeness, the batch's facts (``enrich.state.wait.BatchFacts``)."""
+    directory the shipper wrote them to (None: not written, no join in the plan reads them),
+    when a join waits for completeness, the batch's facts (``enrich.state.wait.BatchFacts``), and
+    with corrections where the batch's late versions are (``enrich.dimension.corrections``)."""
     value: dict[str, object] = {"files": files, "dims": {ds: [list(s.key), s.base_id, s.overlay_id]
                                                          for ds, s in shipped.items()}}
     if wait is not None:
         value["wait"] = dict(wait)
+    if corrections is not None:
+        value["corrections"] = dict(corrections)
     return json.dumps(value)
 
 

@@ -16,7 +16,7 @@ from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql.types import StructType
 
-from enrich.columns import ERROR, IDENTITY, KIND, KIND_EVENT
+from enrich.columns import ERROR, IDENTITY, KIND, KIND_EVENT, TAIL
 from enrich.sinks.deadletter import COLUMNS as DEAD_COLUMNS
 
 #: How enriched events are written as JSON: nulls kept (an unmatched join shows as nulls), microseconds kept.
@@ -47,9 +47,11 @@ class EnrichedBatch:
 
     def tail(self) -> list[Column]:
         """What ends every enriched event: where it was read (``_topic``, ``_partition``, ``_offset``)
-        and what it is (``_kind``: ``event``)."""
+        and what it is (``_kind``: ``event``; with corrections, the column, then ``_revision`` and
+        ``_cause``: enrich.state.corrections)."""
         ident = [F.col(c) for c in IDENTITY if c in self.df.columns and c not in self.columns]
-        return [*ident, F.lit(KIND_EVENT).alias(KIND)]
+        tail = [F.col(c) for c in TAIL if c in self.df.columns]
+        return [*ident, *(tail or [F.lit(KIND_EVENT).alias(KIND)])]
 
     def dead_letters(self) -> pa.Table:
         return self.df.filter(F.col(ERROR).isNotNull()).select(*DEAD_COLUMNS).toArrow()
@@ -71,6 +73,7 @@ class Counted:
     unmatched: int | None = None
     late: int | None = None
     dead_letters: int | None = None
+    corrections: int | None = None
 
 
 class Sink(Protocol):

@@ -14,22 +14,72 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
+from pyspark.sql.types import BinaryType, LongType, StructField, StructType
 
-from enrich.columns import KEY_BYTES
+from enrich.columns import CAUSE, KEY_BYTES, KIND, KIND_CORRECTION, KIND_EVENT, REVISION
+from enrich.dimension.corrections import NO_BOUND_END, NO_BOUND_START, changes_file
+from enrich.ipc import from_ipc
 from enrich.joins import JoinSpec, event_keys, row_keys
 
-__all__ = ["CAUSE", "CAUSE_TYPE", "REVISION", "TS", "Matched", "keep", "match"]
+__all__ = ["CAUSE_TYPE", "CHUNK_SCHEMA", "MERGE_AT", "NO_BOUND_END", "NO_BOUND_START", "TS", "Corrects", "Matched",
+           "as_events", "emitted", "horizon_start", "keep", "match", "read_changes"]
 
-#: A kept event's time (UTC microseconds) and its last revision.
-TS, REVISION = "__c_ts", "_revision"
-#: A correction's cause: the dataset, the changelog key (its JSON text), the version's valid_from,
-#: and where the changelog record is.
-CAUSE = "_cause"
+#: A bucket's kept events: a list of chunks, one per batch that wrote some (Arrow IPC, and the
+#: chunk's greatest event time); merged into one when this many have piled up.
+CHUNK_SCHEMA = StructType([StructField("rows", BinaryType(), False), StructField("max_ts", LongType(), False)])
+MERGE_AT = 16
+
+
+@dataclass(frozen=True)
+class Corrects:
+    """A corrected join as the state step sees it: its spec, the dataset's key columns and the
+    horizon (microseconds behind the watermark). Picklable."""
+
+    spec: JoinSpec
+    key: tuple[str, ...]
+    horizon_us: int
+
+
+def horizon_start(corrected: Sequence[Corrects], watermark: int | None) -> int:
+    """The earliest event time any of ``corrected`` still corrects at ``watermark`` (microseconds;
+    none yet: no bound)."""
+    if watermark is None or not corrected:
+        return NO_BOUND_START
+    return watermark - max(c.horizon_us for c in corrected)
+
+
+def read_changes(directory: str | Path, batch_id: int, dataset: str) -> pa.Table:
+    """The changes the driver wrote for the batch (``enrich.dimension.corrections.changes``), the
+    ones that correct something (``unchanged`` left out)."""
+    t = from_ipc(changes_file(directory, batch_id, dataset).read_bytes())
+    return t.filter(pc.not_equal(t.column("result"), "unchanged"))
+
+
+def as_events(out: pa.Table) -> pa.Table:
+    """The step's output rows ``out`` as first written: ``_kind`` event, ``_revision`` 0, no cause."""
+    n = out.num_rows
+    return (out.append_column(KIND, pa.array([KIND_EVENT] * n, pa.string()))
+            .append_column(REVISION, pa.array(np.zeros(n, np.int32), pa.int32()))
+            .append_column(CAUSE, pa.nulls(n, CAUSE_TYPE)))
+
+
+def emitted(rows: pa.Table) -> pa.Table:
+    """:class:`Matched` rows as the step's output rows: ``_kind`` correction, then their revision and cause."""
+    tail = [rows.column(REVISION), rows.column(CAUSE)]
+    body = rows.drop_columns([TS, REVISION, CAUSE])
+    return (body.append_column(KIND, pa.array([KIND_CORRECTION] * rows.num_rows, pa.string()))
+            .append_column(REVISION, tail[0]).append_column(CAUSE, tail[1]))
+
+#: A kept event's time (UTC microseconds); it keeps its last revision in :data:`REVISION`.
+TS = "__c_ts"
+#: A correction's cause (:data:`CAUSE`): the dataset, the changelog key (its JSON text), the
+#: version's valid_from, and where the changelog record is.
 CAUSE_TYPE = pa.struct([("dataset", pa.string()), ("key", pa.string()),
                         ("valid_from", pa.timestamp("us", tz="UTC")), ("partition", pa.int32()),
                         ("offset", pa.int64())])
@@ -88,21 +138,26 @@ def _hits(log_keys: np.ndarray, log_nulls: np.ndarray, ts: np.ndarray, ch_keys: 
     return np.concatenate(rows), np.concatenate(found)
 
 
-def match(log: pa.Table | None, changes: Sequence[tuple[JoinSpec, Sequence[str], pa.Table]]) -> Matched | None:
+def match(log: pa.Table | None, changes: Sequence[tuple[Corrects, pa.Table]],
+          watermark: int | None = None) -> Matched | None:
     """The kept events ``changes`` correct (see the module doc); None when none. ``changes``: per
-    corrected join, in join order, its spec, the dataset's key columns and the batch's changes
-    (:func:`enrich.dimension.corrections.changes`; ``unchanged`` ones are left out here)."""
+    corrected join, in join order, the join and the batch's changes of its dataset
+    (:func:`enrich.dimension.corrections.changes`; ``unchanged`` ones are left out here); each
+    corrects the kept events within its horizon of ``watermark`` (None: all)."""
     if log is None or log.num_rows == 0:
         return None
     ts = log.column(TS).to_numpy(zero_copy_only=False)
     revision = log.column(REVISION).to_numpy(zero_copy_only=False).astype(np.int32).copy()
     picked: list[pa.Table] = []
-    for spec, key, ch in changes:
+    for c, ch in changes:
+        spec = c.spec
         ch = ch.filter(pc.not_equal(ch.column("result"), "unchanged"))
         if ch.num_rows == 0:
             continue
         log_keys, log_nulls = event_keys(log, spec)
-        ch_keys, ch_nulls = row_keys(ch, key)
+        ch_keys, ch_nulls = row_keys(ch, c.key)
+        if watermark is not None:  # older than this join's horizon: not corrected
+            log_nulls = log_nulls | (ts < watermark - c.horizon_us)
         rows, found = _hits(log_keys, log_nulls, ts, ch_keys, ch_nulls,
                             ch.column("start").to_numpy(zero_copy_only=False),
                             ch.column("end").to_numpy(zero_copy_only=False))

@@ -69,8 +69,9 @@ from enrich.joins.partitioned import (
 )
 from enrich.rollups import packs
 from enrich.rollups.spec import RollupSpec
-from enrich.state import engine, rollups, wait
+from enrich.state import corrections, engine, rollups, wait
 from enrich.state.cache import TableCache
+from enrich.state.corrections import CHUNK_SCHEMA, NO_BOUND_END, NO_BOUND_START
 from enrich.state.engine import StateSpec
 from enrich.state.stored import (
     CALLS_NAME,
@@ -84,6 +85,8 @@ from enrich.state.stored import (
     STATE_NAME,
     TOKEN_SCHEMA,
     VALUE_SCHEMA,
+    WRITTEN,
+    WRITTEN_META_SCHEMA,
     bucket_table,
 )
 from enrich.state.timers import keep_one_timer, watermark_us
@@ -119,8 +122,10 @@ class DeviceStateProcessor(StatefulProcessor):
                  *, server_timeout_s: float = 120.0, rollups: tuple[RollupSpec, ...] = (),
                  rollup_ids: tuple[int, ...] = (), inner: tuple[str, ...] = (),
                  gaps: gap_engine.GapSpec | None = None,
-                 gap_records: Accumulator[dict[int, dict[str, Any]]] | None = None) -> None:
+                 gap_records: Accumulator[dict[int, dict[str, Any]]] | None = None,
+                 corrected: tuple[corrections.Corrects, ...] = ()) -> None:
         self.spec, self.columns, self.devices, self.dims, self.cache = spec, columns, devices, dims, cache
+        self.corrected = corrected
         self.waits, self.floor_us = waits, floor_us
         self.calls, self.call_counts = calls, call_counts
         self.server_timeout_s = server_timeout_s
@@ -150,6 +155,9 @@ class DeviceStateProcessor(StatefulProcessor):
         if self.gaps is not None:
             self.gap_table = handle.getValueState(GAPS, VALUE_SCHEMA)
             self.gap_closed = handle.getValueState(GAPS_CLOSED, VALUE_SCHEMA)
+        if self.corrected:  # what the bucket wrote within the horizon (enrich.state.corrections)
+            self.written = handle.getListState(WRITTEN, CHUNK_SCHEMA)
+            self.written_meta = handle.getValueState(WRITTEN + "n", WRITTEN_META_SCHEMA)
 
     def handleInputRows(self, key: Any, rows: Iterator[pd.DataFrame],  # type: ignore[override]
                         timerValues: TimerValues) -> Iterator[pd.DataFrame]:
@@ -159,6 +167,8 @@ class DeviceStateProcessor(StatefulProcessor):
         # A batch's changelog records come first: its events see the dimension as of their end.
         versions = [self._dimension(i, kinds.get(d.kind)) for i, d in enumerate(self.dims)]
         table = kinds.get(packed.EVENTS)
+        # Before this batch's events are kept: they were joined with the versions that correct the others.
+        fixed = self._correct(self._watermark(timerValues)) if self.corrected else None
         if self.waits is not None:  # a tick row (enrich.source.tick) calls every bucket each trigger
             table = self._wait(table, self._watermark(timerValues))
         if table is None:
@@ -166,6 +176,8 @@ class DeviceStateProcessor(StatefulProcessor):
                 self._gaps(int(key[0]), None, self._watermark(timerValues))
             if any(r.needs_ticks for r in self.rollups):  # a tick: the rollup step decides idleness, fills
                 yield self._rollup_frame([(int(key[0]), packs.TICK, b"")], timerValues)
+            if fixed is not None:
+                yield packed.pack_output(fixed)
             return
         # Shuffle order is not stable: rows leave in source order, so a replay gives the same output.
         table = table.take(pc.sort_indices(table, [("_partition", "ascending"), ("_offset", "ascending")]))
@@ -216,10 +228,56 @@ class DeviceStateProcessor(StatefulProcessor):
             out = out.append_column(TS_US, table.column(TS_US))
         if keep is not None:
             out = out.filter(pc.or_(keep, pa.array(~ok)))
+        if self.corrected:
+            out = self._keep_written(out, table if keep is None else table.filter(pc.or_(keep, pa.array(~ok))), fixed)
         if not self.rollups:
             yield packed.pack_output(out)
             return
         yield self._with_rollups(int(key[0]), out, timerValues)
+
+    def _correct(self, watermark: int | None) -> pa.Table | None:
+        """The corrections this batch's late versions make of the events the bucket kept (as the
+        step's output rows: ``_kind`` correction, their revision and cause), the kept events pruned
+        to the horizon; None when there are none. The kept events are read only when there is
+        something to do: changes, events past the horizon, or chunks to merge."""
+        changes = _batch_changes(self.corrected)
+        meta = self.written_meta.get()
+        chunks, oldest = (int(meta[0]), int(meta[1])) if meta is not None else (0, NO_BOUND_END)
+        start = corrections.horizon_start(self.corrected, watermark)
+        todo = any(t.num_rows for _, t in changes)
+        if chunks == 0 or not (todo or oldest < start or chunks >= corrections.MERGE_AT):
+            return None
+        log = pa.concat_tables([from_ipc(bytes(c[0])) for c in self.written.get()], promote_options="permissive")
+        log = corrections.keep(log, None, None, start)
+        found = corrections.match(log, changes, watermark) if todo and log is not None else None
+        if found is not None:
+            log = found.log
+        if log is None:
+            self.written.clear()
+            self.written_meta.clear()
+        else:
+            max_ts = int(pc.max(log.column(corrections.TS)).as_py())
+            self.written.put([(to_ipc(log), max_ts)])
+            self.written_meta.update((1, max_ts))
+        return corrections.emitted(found.rows) if found is not None else None
+
+    def _keep_written(self, out: pa.Table, table: pa.Table, fixed: pa.Table | None) -> pa.Table:
+        """``out`` (this batch's output rows; ``table`` their input rows) kept for corrections (the
+        good ones, with their times), then with ``_kind``, ``_revision`` and ``_cause``, and the
+        corrections ``fixed`` after them."""
+        good = pc.is_null(out.column(ERROR))
+        ts = table.filter(good).column(TS_US).to_numpy(zero_copy_only=False)
+        kept = corrections.keep(None, out.filter(good), ts, NO_BOUND_START)
+        if kept is not None:
+            max_ts = int(ts.max())
+            self.written.appendValue((to_ipc(kept), max_ts))
+            meta = self.written_meta.get()
+            chunks, oldest = (int(meta[0]), int(meta[1])) if meta is not None else (0, NO_BOUND_END)
+            self.written_meta.update((chunks + 1, min(oldest, max_ts)))
+        out = corrections.as_events(out)
+        if fixed is not None:
+            out = pa.concat_tables([out, fixed.select(out.column_names).cast(out.schema)])
+        return out
 
     def _with_rollups(self, bucket: int, out: pa.Table, timer_values: TimerValues) -> pd.DataFrame:
         """The step's output for the rollup step (:mod:`enrich.state.rollups`): the events packed as
@@ -517,6 +575,24 @@ def _gap_times() -> tuple[dict[int, int], int | None]:
     got = _pinned(gap_engine.TIMES_PROPERTY, "partition times", None)
     now = got.get("now_us")
     return {int(p): int(t) for p, t in got["times"].items()}, int(now) if now is not None else None
+
+
+# The batch's changes, read once per Python worker and batch (every bucket of the batch asks).
+_CHANGES: dict[str, list[tuple[corrections.Corrects, pa.Table]]] = {}
+
+
+def _batch_changes(corrected: tuple[corrections.Corrects, ...]) -> list[tuple[corrections.Corrects, pa.Table]]:
+    """This batch's changes of each corrected join (the ones that correct: unchanged left out),
+    from the files the driver wrote before the batch (:data:`enrich.joins.PINNED_PROPERTY`'s
+    ``corrections``: their directory and the batch)."""
+    got = _pinned(PINNED_PROPERTY, "corrections", "corrections")
+    ident = f"{got['dir']}/{got['batch']}"
+    hit = _CHANGES.get(ident)
+    if hit is None:
+        hit = [(c, corrections.read_changes(got["dir"], int(got["batch"]), c.spec.dataset)) for c in corrected]
+        _CHANGES.clear()
+        _CHANGES[ident] = hit
+    return hit
 
 
 def _batch_facts() -> wait.BatchFacts:

@@ -38,6 +38,8 @@ BUCKET_IDS = "bucket_ids"
 WAITS = "waits"
 #: Whether the checkpoint's query keeps gaps (``gaps:``).
 GAPS = "gaps"
+#: Whether the checkpoint's query corrects events (``joins[].corrections``).
+CORRECTIONS = "corrections"
 #: The checkpoint's rollups: what their stored windows' layout depends on.
 ROLLUPS = "rollups"
 #: The rollups removed from the checkpoint: the rollup step deletes their windows; their names are not reused.
@@ -59,7 +61,8 @@ def record(cfg: StateConfig, spec: StateSpec, dims: Sequence[PartitionedDim] = (
 def check_checkpoint(layout: CheckpointLayout, cfg: StateConfig | None, spec: StateSpec | None,
                      source: str = "config", dims: Sequence[PartitionedDim] = (), *,
                      partitions: int | None = None, waits: bool | None = None,
-                     rollups: Sequence[RollupSpec] | None = None, gaps: bool | None = None) -> BucketLayout | None:
+                     rollups: Sequence[RollupSpec] | None = None, gaps: bool | None = None,
+                     corrections: bool | None = None) -> BucketLayout | None:
     """Record the state settings in a new checkpoint; refuse a start whose settings differ from the
     recorded ones (or that adds or removes ``state:`` against a checkpoint that has run). Returns the
     checkpoint's bucket layout (None without ``state:``): a new checkpoint's is even over
@@ -70,7 +73,8 @@ def check_checkpoint(layout: CheckpointLayout, cfg: StateConfig | None, spec: St
     run is refused (None: not checked). ``rollups``: the rollups (:mod:`enrich.state.rollups`): what a
     start may add, remove or not change against a checkpoint that has run is :func:`_check_rollups`'s
     (None: not checked). ``gaps``: whether the job has ``gaps:``, which needs the tick source: turned
-    on or off against a checkpoint that has run, refused (None: not checked)."""
+    on or off against a checkpoint that has run, refused (None: not checked); ``corrections`` the same
+    for ``joins[].corrections``."""
     checkpoint, path = layout.root, layout.state_record
     if not path.exists():
         if cfg is None:
@@ -85,7 +89,8 @@ def check_checkpoint(layout: CheckpointLayout, cfg: StateConfig | None, spec: St
         assert spec is not None
         even = BucketLayout.even(cfg.buckets, partitions)
         write_json_atomic(path, {**record(cfg, spec, dims), BUCKET_IDS: list(even.ids), PARTITIONS: partitions,
-                                 WAITS: bool(waits), ROLLUPS: rollup_record(rollups or ()), GAPS: bool(gaps)})
+                                 WAITS: bool(waits), ROLLUPS: rollup_record(rollups or ()), GAPS: bool(gaps),
+                                 CORRECTIONS: bool(corrections)})
         return even
     kept = read_record(path)
     new = "point checkpoint: at a new directory to start over (device state starts empty)"
@@ -121,6 +126,15 @@ def check_checkpoint(layout: CheckpointLayout, cfg: StateConfig | None, spec: St
                               f"tick source), which Spark cannot add to or drop from a checkpoint; put it "
                               f"{'away' if gaps else 'back'}, or {new}")
         kept = {**kept, GAPS: gaps}
+        write_json_atomic(path, kept)
+    fixed = bool(kept.get(CORRECTIONS, False))
+    if corrections is not None and fixed != corrections:
+        if layout.planned_any():
+            raise ConfigError(f"{source}: joins[].corrections are {'new' if corrections else 'gone'} against the "
+                              f"checkpoint {checkpoint}, whose query ran {'without' if corrections else 'with'} them: "
+                              "corrections add an input to the query (the tick source), which Spark cannot add to or "
+                              f"drop from a checkpoint; put them {'away' if corrections else 'back'}, or {new}")
+        kept = {**kept, CORRECTIONS: corrections}
         write_json_atomic(path, kept)
     if rollups is not None:
         kept = _check_rollups(kept, rollup_record(rollups), layout, path, source, new)
@@ -160,7 +174,8 @@ def _check_rollups(kept: dict[str, Any], now: list[dict[str, Any]], layout: Chec
         raise ConfigError(f"{source}: rollups: {what}: the rollup step is a keyed step of the query, which Spark "
                           f"cannot add to or drop from a checkpoint; keep at least one rollup, or {new}")
     ticked, ticks = any(r.get("ticks") for r in old.values()), any(r["ticks"] for r in cur.values())
-    if ticked != ticks and not kept.get(WAITS) and not kept.get(GAPS):  # waiting and gaps have the tick source either way
+    if ticked != ticks and not kept.get(WAITS) and not kept.get(GAPS) and not kept.get(CORRECTIONS):
+        # waiting, gaps and corrections have the tick source either way
         raise ConfigError(f"{source}: rollups[].idle_finalize or a fill by a join's keys is "
                           f"{'new' if ticks else 'gone'} against the checkpoint {root}: it adds an input to the "
                           f"query (the tick source), which Spark cannot add to or drop from a checkpoint; put it "

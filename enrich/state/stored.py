@@ -18,7 +18,7 @@ from enrich.state import engine
 from enrich.state.engine import StateSpec
 
 __all__ = ["CALLS_NAME", "DELTAS", "GAPS", "GAPS_CLOSED", "DELTA_SCHEMA", "DIM_SCHEMA", "HELD", "SIZES_SCHEMA", "STATE_NAME",
-           "TOKEN_SCHEMA", "VALUE_SCHEMA", "bucket_table", "stored_spec"]
+           "TOKEN_SCHEMA", "VALUE_SCHEMA", "WRITTEN", "WRITTEN_META_SCHEMA", "bucket_table", "stored_spec"]
 
 #: The state variable holding a bucket's device table (its base: see :class:`DeviceStateProcessor`),
 #: and its schema; ``devicesv`` holds the token naming the table's version in the executors' local
@@ -40,6 +40,11 @@ TOKEN_SCHEMA = StructType([StructField("token", StringType(), False)])
 #: With ``joins[].wait``: a bucket's events held for completeness (``enrich.state.wait``), as one
 #: Arrow IPC value of :data:`VALUE_SCHEMA`; absent when none are held.
 HELD = "held"
+#: With ``joins[].corrections``: a bucket's events written within the horizon (``enrich.state.corrections``),
+#: a list of chunks (``enrich.state.corrections.CHUNK_SCHEMA``), and how many chunks there are and the
+#: smallest of their greatest event times (:data:`WRITTEN_META_SCHEMA`).
+WRITTEN = "written"
+WRITTEN_META_SCHEMA = StructType([StructField("chunks", LongType(), False), StructField("oldest", LongType(), False)])
 #: The state variables of a bucket's gaps (``enrich.gaps.engine``: its devices, its closed gaps;
 #: VALUE_SCHEMA tables), when the job has ``gaps:``.
 GAPS, GAPS_CLOSED = "gaps", "gaps_closed"

@@ -93,7 +93,8 @@ def prepare(spark: SparkSession, cfg: EnrichConfig, ck: CheckpointLayout, spec: 
     # A new checkpoint's state partitions: Spark keeps this number in the offset log at its first batch.
     session = int(spark.conf.get(SHUFFLE_PARTITIONS) or "200")
     layout = check_checkpoint(ck, cfg.state, spec, cfg.source, dims, partitions=session, waits=bool(cfg.waits),
-                              rollups=rollups, gaps=cfg.gaps is not None)
+                              rollups=rollups, gaps=cfg.gaps is not None,
+                              corrections=any(j.corrections is not None for j in cfg.joins))
     assert layout is not None
     planned = ck.planned()
     recorded = ck.recorded_partitions(planned[-1]) if planned else None
@@ -145,6 +146,7 @@ class Unpack:
     passed: tuple[str, ...]
     inner: tuple[str, ...] = ()
     calls: tuple[str, ...] = ()     # the calls' result columns: flat in the state and top-level
+    tail: tuple[str, ...] = ()      # with corrections: _kind, _revision, _cause (enrich.state.corrections)
 
     def __call__(self, batch: pa.RecordBatch) -> pa.Table:
         rows = list(packed.unpack([batch], self.flat))
@@ -160,7 +162,8 @@ class Unpack:
                                            mask=pc.is_null(t.column(FLAT + "events")).combine_chunks())
         late = pc.fill_null(t.column(LATE), False)
         results = [t.column(FLAT + c) for c in self.calls]
-        out = pa.Table.from_arrays([*(t.column(c) for c in self.passed), *results, state, late], schema=self.out)
+        tail = [t.column(c) for c in self.tail]
+        out = pa.Table.from_arrays([*(t.column(c) for c in self.passed), *results, state, late, *tail], schema=self.out)
         if self.inner:
             keep = pc.is_valid(out.column(ERROR))
             matched = [pc.fill_null(out.column(m), False) for m in self.inner]

@@ -96,6 +96,27 @@ def test_parse_full_shape() -> None:
       "state": {"key": "d", "timestamp": "ts"}}, "joins[0].max_wait: must be positive"),
     ({"joins": [{"dataset": "d", "on": "x", "as_of": True, "wait": "complete", "max_wait": "soon"}],
       "state": {"key": "d", "timestamp": "ts"}}, "joins[0].max_wait: 'soon' is not a duration"),
+    ({"joins": [{"dataset": "d", "on": "x", "corrections": {"horizon": "1h"}}], "state": {"key": "d", "timestamp": "ts"}},
+     "joins[0].corrections: corrections need as_of: true"),
+    ({"joins": [{"dataset": "d", "on": "x", "as_of": True, "corrections": {"horizon": "0s"}}],
+      "state": {"key": "d", "timestamp": "ts"}}, "joins[0].corrections.horizon: must be positive"),
+    ({"joins": [{"dataset": "d", "on": "x", "as_of": True, "corrections": {}}],
+      "state": {"key": "d", "timestamp": "ts"}}, "joins[0].corrections.horizon: is required"),
+    ({"joins": [{"dataset": "d", "on": "x", "as_of": True, "corrections": {"horizon": "1h", "max": 3}}],
+      "state": {"key": "d", "timestamp": "ts"}}, "joins[0].corrections: unknown key(s): max"),
+    ({"joins": [{"dataset": "d", "on": "x", "as_of": True, "history": "1h", "corrections": {"horizon": "2h"}}],
+      "state": {"key": "d", "timestamp": "ts"}}, "joins[0].corrections: horizon 2:00:00 is longer than the join's history"),
+    ({"joins": [{"dataset": "d", "on": "d", "as_of": True, "strategy": "partitioned", "corrections": {"horizon": "1h"}}],
+      "state": {"key": "d", "timestamp": "ts"}}, "joins[0].corrections: corrections apply to broadcast joins"),
+    ({"joins": [{"dataset": "d", "on": "x", "as_of": True, "how": "inner", "corrections": {"horizon": "1h"}}],
+      "state": {"key": "d", "timestamp": "ts"}}, "joins[0].corrections: corrections apply to how: left joins"),
+    ({"joins": [{"dataset": "d", "on": "x", "as_of": True, "corrections": {"horizon": "1h"}},
+                {"dataset": "d", "on": "e", "prefix": "p", "as_of": True}],
+      "state": {"key": "d", "timestamp": "ts"}}, "joins[1].as_of: dataset 'd' is joined with different"),
+    ({"joins": [{"dataset": "d", "on": "x", "as_of": True, "corrections": {"horizon": "1h"}}],
+      "state": {"key": "d", "timestamp": "ts"},
+      "output": {"database": {"url": "postgresql://u@h/db", "table": "t", "write": "events"}}},
+     "joins[0].corrections: corrections are written to Kafka, Parquet or the console"),
     ({"state": {"timestamp": "ts"}}, "state.key: is required"),
     ({"state": {"key": "device_id"}}, "state.timestamp: is required"),
     ({"state": {"key": "ts", "timestamp": "ts"}}, "state.timestamp: 'ts' is also the key"),
@@ -129,6 +150,13 @@ def test_as_of_join() -> None:
                                   {"dataset": "e", "on": "x", "as_of": True}, {"dataset": "f", "on": "x"}]})
     assert [(j.as_of, j.history) for j in cfg.joins] == [(True, timedelta(days=2)), (True, timedelta(days=7)),
                                                          (False, timedelta(days=7))]
+
+
+def test_corrections_horizon() -> None:
+    cfg = config.parse({**BASE, "state": {"key": "d", "timestamp": "ts"},
+                        "joins": [{"dataset": "d", "on": "x", "as_of": True, "corrections": {"horizon": "24h"}},
+                                  {"dataset": "e", "on": "x", "as_of": True}]})
+    assert [j.corrections for j in cfg.joins] == [timedelta(hours=24), None]
 
 
 def test_wait_for_completeness() -> None:

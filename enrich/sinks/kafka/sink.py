@@ -25,7 +25,7 @@ from pyspark.sql import Column, DataFrame
 from pyspark.sql import functions as F
 from pyspark.sql.types import StructType
 
-from enrich.columns import ERROR, IDENTITY, LATE, SLOW, UNMATCHED
+from enrich.columns import CORRECTION, ERROR, IDENTITY, KIND, KIND_CORRECTION, LATE, SLOW, TAIL, UNMATCHED
 from enrich.failures import transient_cause
 from enrich.sinks.abc import Counted, EnrichedBatch
 from enrich.sinks.deadletter import COLUMNS as DEAD_COLUMNS
@@ -80,8 +80,9 @@ class KafkaSink:
                 raise transient from exc
             raise
         self.last_results = rows
-        self.counted = Counted(*(sum(int(str(r[c])) for r in rows) for c in ("records", "unmatched", "late",
-                                                                            "dead_letters")))
+        records, unmatched, late, dead, fixed = (sum(int(str(r[c])) for r in rows) for c in (
+            "records", "unmatched", "late", "dead_letters", "corrections"))
+        self.counted = Counted(records - fixed, unmatched, late, dead, fixed)
         self.pending = tuple(sorted(int(str(r["slot"])) for r in rows if r["redo"]))
         records, dead, skipped = summary(rows)
         log.info("batch %d: %d records and %d dead letters written by %d task(s) (%d skipped as committed, "
@@ -114,11 +115,13 @@ class KafkaSink:
             return None
         fields = {f.name: f for f in batch.schema.fields}
         ident = [c for c in IDENTITY if c in fields and c not in batch.columns]
-        values = StructType([fields[c] for c in (*batch.columns, *ident)])
+        tail = [c for c in TAIL if c in fields]  # with corrections: columns; else _kind, the same in every row
+        values = StructType([fields[c] for c in (*batch.columns, *ident, *tail)])
         if not supported(values):
             return None
         tz = batch.before.sparkSession.conf.get("spark.sql.session.timeZone") or "UTC"
-        return batch.before, Fused(batch.step, RecordMaker(values, batch.matched, tz))
+        maker = RecordMaker(values, batch.matched, tz) if not tail else RecordMaker(values, batch.matched, tz, ())
+        return batch.before, Fused(batch.step, maker)
 
     def close(self) -> None:
         pass
@@ -139,14 +142,18 @@ def records_frame(batch: EnrichedBatch, extra: Sequence[Column] = ()) -> DataFra
     slow = SLOW in batch.df.columns
     good = F.col(ERROR).isNull() & ~F.col(SLOW) if slow else F.col(ERROR).isNull()
     position = ("_topic", "_partition", "_offset")
-    flags = []
+    flags: dict[str, Column] = {}
     if batch.matched:
         matched = [F.coalesce(F.col(f"`{m}`"), F.lit(False)) for m in batch.matched]
-        flags.append((~functools.reduce(lambda a, b: a & b, matched)).alias(UNMATCHED))
+        flags[UNMATCHED] = ~functools.reduce(lambda a, b: a & b, matched)
     if LATE in batch.df.columns:
-        flags.append(F.coalesce(F.col(LATE), F.lit(False)).alias(LATE))
+        flags[LATE] = F.coalesce(F.col(LATE), F.lit(False))
+    if KIND in batch.df.columns:  # with corrections: counted apart, never as unmatched or late
+        fixed = F.col(KIND) == F.lit(KIND_CORRECTION)
+        flags = {n: F.when(fixed, F.lit(False)).otherwise(f) for n, f in flags.items()}
+        flags[CORRECTION] = fixed
     return batch.df.select(
         F.col("_key").alias("key"),
         F.when(good, batch.json_value()).cast("binary").alias("value"),
         *[F.col(c) if c in position else F.when(F.col(ERROR).isNotNull(), F.col(c)).alias(c) for c in DEAD_COLUMNS],
-        *([F.col(SLOW)] if slow else []), *flags, *extra)
+        *([F.col(SLOW)] if slow else []), *(f.alias(n) for n, f in flags.items()), *extra)

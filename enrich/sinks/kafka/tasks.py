@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from confluent_kafka import KafkaException, Producer
 
-from enrich.columns import ERROR, LATE, SLOW, UNMATCHED
+from enrich.columns import CORRECTION, ERROR, LATE, SLOW, UNMATCHED
 from enrich.sinks.deadletter import COLUMNS as DEAD_COLUMNS
 from enrich.sinks.deadletter import to_records, too_large_error
 from enrich.sinks.kafka.ledger import Ledger
@@ -42,10 +42,10 @@ log = logging.getLogger(__name__)
 
 # A row's optional flags (enrich.sinks.kafka.sink.records_frame), UNMATCHED and LATE: an event some join
 # found no row for, and an event later than the watermark; a task counts those of the events it writes.
-#: What a task returns to the driver: one row of counts, never an event. ``unmatched`` and ``late``
-#: count among ``records`` (the enriched events written).
+#: What a task returns to the driver: one row of counts, never an event. ``unmatched``, ``late`` and
+#: ``corrections`` count among ``records`` (the enriched events written, and corrections of them).
 RESULT_DDL = ("slot INT, transactional_id STRING, records BIGINT, dead_letters BIGINT, unmatched BIGINT, "
-              "late BIGINT, skipped BOOLEAN, redo BOOLEAN, leaked BIGINT, worker STRING, seconds DOUBLE, "
+              "late BIGINT, corrections BIGINT, skipped BOOLEAN, redo BOOLEAN, leaked BIGINT, worker STRING, seconds DOUBLE, "
               "setup DOUBLE, first_rows DOUBLE, commit DOUBLE")
 #: ``seconds``: the task's whole time in the writer; ``setup``: its slot's setup (ends probed, producer
 #: fenced in, ledger read), ``first_rows``: when its first rows came from upstream, ``commit``: the
@@ -141,7 +141,7 @@ class TaskWriter:
         log.info("batch %d slot %d (%s): %d records, %d dead letters in %.2fs", self.batch_id, slot, tx.tid,
                  tx.records, tx.dead, time.monotonic() - started)
         yield self._result(slot, started, times, records=tx.records, dead=tx.dead, leaked=tx.leaked_total,
-                           unmatched=tx.flagged[UNMATCHED], late=tx.flagged[LATE])
+                           unmatched=tx.flagged[UNMATCHED], late=tx.flagged[LATE], corrections=tx.flagged[CORRECTION])
 
     def companion(self, slot: int) -> Companion | None:
         """Another output written with the slot's transaction (None here: the database output's
@@ -154,10 +154,11 @@ class TaskWriter:
 
     def _result(self, slot: int, started: float, times: Mapping[str, float], *, records: int = 0, dead: int = 0,
                 skipped: bool = False, redo: bool = False, leaked: int = 0, unmatched: int = 0,
-                late: int = 0) -> pa.RecordBatch:
+                late: int = 0, corrections: int = 0) -> pa.RecordBatch:
         return pa.RecordBatch.from_pylist([{
             "slot": slot, "transactional_id": slot_id(self.base_id, slot), "records": records,
-            "dead_letters": dead, "unmatched": unmatched, "late": late, "skipped": skipped, "redo": redo,
+            "dead_letters": dead, "unmatched": unmatched, "late": late, "corrections": corrections,
+            "skipped": skipped, "redo": redo,
             "leaked": leaked, "worker": worker_name(), "seconds": time.monotonic() - started,
             "setup": times.get("setup", 0.0), "first_rows": times.get("first_rows", 0.0),
             "commit": times.get("commit", 0.0)}], schema=RESULT_SCHEMA)
@@ -165,7 +166,7 @@ class TaskWriter:
 
 RESULT_SCHEMA = pa.schema([("slot", pa.int32()), ("transactional_id", pa.string()), ("records", pa.int64()),
                           ("dead_letters", pa.int64()), ("unmatched", pa.int64()), ("late", pa.int64()),
-                          ("skipped", pa.bool_()), ("redo", pa.bool_()), ("leaked", pa.int64()),
+                          ("corrections", pa.int64()), ("skipped", pa.bool_()), ("redo", pa.bool_()), ("leaked", pa.int64()),
                           ("worker", pa.string()), ("seconds", pa.float64()), ("setup", pa.float64()),
                           ("first_rows", pa.float64()), ("commit", pa.float64())])
 
@@ -184,7 +185,7 @@ class _SlotTransaction:
         self.tid = slot_id(w.base_id, slot)
         self.limit = record_limit(w.settings)
         self.records = self.dead = self.leaked_total = 0
-        self.flagged = {UNMATCHED: 0, LATE: 0}  # of the records written
+        self.flagged = {UNMATCHED: 0, LATE: 0, CORRECTION: 0}  # of the records written
         topics = list(dict.fromkeys([w.topic, w.dead_letter_topic]))  # one topic: the database output's dead letters
         # Nothing this attempt writes lies before these ends. The written ends, not the read_committed
         # ones: their probe can wait while another task's transaction is open on the same partitions

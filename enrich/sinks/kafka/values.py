@@ -46,7 +46,17 @@ from pyspark.sql.types import (
     TimestampType,
 )
 
-from enrich.columns import ERROR, IDENTITY, KIND, KIND_EVENT, LATE, SLOW, UNMATCHED
+from enrich.columns import (
+    CORRECTION,
+    ERROR,
+    IDENTITY,
+    KIND,
+    KIND_CORRECTION,
+    KIND_EVENT,
+    LATE,
+    SLOW,
+    UNMATCHED,
+)
 from enrich.sinks.deadletter import COLUMNS as DEAD_COLUMNS
 from refstream import encode
 
@@ -197,11 +207,19 @@ class RecordMaker:
                 cols[c] = pc.if_else(failed, col, pa.scalar(None, col.type)) if any_failed else pa.nulls(len(col), col.type)
         if SLOW in names:
             cols[SLOW] = t.column(SLOW)
+        flags = []
         if self.matched:
             every = functools.reduce(pc.and_, [pc.fill_null(t.column(m), False) for m in self.matched])
             cols[UNMATCHED] = pc.invert(every)
+            flags.append(UNMATCHED)
         if LATE in names:
             cols[LATE] = pc.fill_null(t.column(LATE), False)
+            flags.append(LATE)
+        if KIND in names:  # with corrections: counted apart, never as unmatched or late
+            fixed = pc.fill_null(pc.equal(t.column(KIND), KIND_CORRECTION), False)
+            for f in flags:
+                cols[f] = pc.and_(cols[f], pc.invert(fixed))
+            cols[CORRECTION] = fixed
         return pa.RecordBatch.from_pydict({k: _array(v) for k, v in cols.items()})
 
 

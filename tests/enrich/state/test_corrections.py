@@ -7,15 +7,18 @@ from datetime import timedelta
 
 import pyarrow as pa
 
+from enrich.columns import CAUSE, REVISION
 from enrich.dimension.corrections import NO_BOUND_END, NO_BOUND_START
 from enrich.joins import JoinSpec
-from enrich.state.corrections import CAUSE, REVISION, TS, keep, match
+from enrich.state.corrections import TS, Corrects, keep, match
 from tests.enrich.dimension.test_corrections import MIN, T0, Log, us
 
 DEVICES = JoinSpec("devices", (("device_id", "device_id"),), (pa.string(),), (("site_id", "site_id"),),
                    (pa.string(),), "_devices_matched", False, "ts")
 SITES = JoinSpec("sites", (("site_id", "id"),), (pa.int64(),), (("name", "site_name"),),
                  (pa.string(),), "_sites_matched", False, "ts")
+BY_DEVICE = Corrects(DEVICES, ("device_id",), 3_600_000_000)
+BY_SITE = Corrects(SITES, ("id",), 3_600_000_000)
 
 
 def events(devices: list[str], minutes: list[int], offsets: list[int], sites: list[int] | None = None) -> pa.Table:
@@ -52,7 +55,7 @@ def test_a_change_corrects_its_keys_events_in_its_span_and_counts_revisions() ->
     log = keep(None, events(["d1", "d2", "d1", "d1"], [0, 15, 15, 30], [0, 1, 2, 3]), times([0, 15, 15, 30]),
                us(T0 - 60 * MIN))
     at, until = us(T0 + 10 * MIN), us(T0 + 20 * MIN)
-    got = match(log, [(DEVICES, ("device_id",), change_table("device_id", [("d1", at, at, until, "corrected")]))])
+    got = match(log, [(BY_DEVICE, change_table("device_id", [("d1", at, at, until, "corrected")]))])
     assert got is not None
     assert got.rows.column("_offset").to_pylist() == [2] and got.rows.column(REVISION).to_pylist() == [1]
     cause = got.rows.column(CAUSE).to_pylist()[0]
@@ -61,7 +64,7 @@ def test_a_change_corrects_its_keys_events_in_its_span_and_counts_revisions() ->
     assert cause["valid_from"] == T0 + 10 * MIN
     assert got.log.column(REVISION).to_pylist() == [0, 0, 1, 0]
     # A second change of the same event: revision 2.
-    again = match(got.log, [(DEVICES, ("device_id",),
+    again = match(got.log, [(BY_DEVICE,
                              change_table("device_id", [("d1", at, NO_BOUND_START, NO_BOUND_END, "beyond_horizon")]))])
     assert again is not None and again.rows.column("_offset").to_pylist() == [0, 2, 3]
     assert again.rows.column(REVISION).to_pylist() == [1, 2, 1]
@@ -69,7 +72,7 @@ def test_a_change_corrects_its_keys_events_in_its_span_and_counts_revisions() ->
 
 def test_unchanged_versions_and_other_keys_correct_nothing() -> None:
     log = keep(None, events(["d1", None], [5, 5], [0, 1]), times([5, 5]), us(T0))  # type: ignore[list-item]
-    assert match(log, [(DEVICES, ("device_id",), change_table("device_id", [
+    assert match(log, [(BY_DEVICE, change_table("device_id", [
         ("d1", 0, NO_BOUND_START, NO_BOUND_END, "unchanged"),
         ("d9", 0, NO_BOUND_START, NO_BOUND_END, "corrected")]))]) is None
     assert match(None, []) is None
@@ -78,8 +81,8 @@ def test_unchanged_versions_and_other_keys_correct_nothing() -> None:
 def test_two_joins_changing_one_event_give_two_revisions_in_join_order() -> None:
     log = keep(None, events(["d1", "d2"], [5, 6], [0, 1], sites=[3, 4]), times([5, 6]), us(T0))
     got = match(log, [
-        (DEVICES, ("device_id",), change_table("device_id", [("d1", 0, NO_BOUND_START, NO_BOUND_END, "corrected")])),
-        (SITES, ("id",), pa.table({"id": pa.array([3], pa.int64()), "__key": [b'{"id":3}'],
+        (BY_DEVICE, change_table("device_id", [("d1", 0, NO_BOUND_START, NO_BOUND_END, "corrected")])),
+        (BY_SITE, pa.table({"id": pa.array([3], pa.int64()), "__key": [b'{"id":3}'],
                                    "valid_from": pa.array([0], pa.int64()),
                                    "start": pa.array([NO_BOUND_START], pa.int64()),
                                    "end": pa.array([NO_BOUND_END], pa.int64()),
@@ -99,6 +102,6 @@ def test_the_drivers_changes_correct_what_a_fresh_join_would_give_otherwise() ->
     log = keep(None, events(["d1"] * len(minutes) + ["d2"], [*minutes, 40], list(range(len(minutes) + 1))),
                times([*minutes, 40]), us(T0 - timedelta(hours=1)))
     ch = state.batch(T0 - timedelta(hours=1), (T0 + 30 * MIN, [{"device_id": "d1", "site_id": "s-6"}]))
-    got = match(log, [(DEVICES, ("device_id",), ch)])
+    got = match(log, [(BY_DEVICE, ch)])
     assert got is not None
     assert got.rows.column("_offset").to_pylist() == [3, 4, 5]  # 9:35, 9:45, 9:55

@@ -1,0 +1,187 @@
+"""Corrections end to end: the real refresher publishes a dataset from MariaDB, the job (real Spark,
+the real broker, the state step) writes events with it, then a change backdated by its
+``last_update`` reaches the changelog; the job's next batch writes a correction of every event the
+change concerns, and the output with its corrections applied equals what a fresh job (a new
+checkpoint) writes over the same events."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from datetime import UTC, timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from pyspark.sql import SparkSession
+
+from enrich import config
+from enrich.job import EnrichJob
+from refresh.config import load_config
+from refresh.runner import Refresher
+from tests.enrich.helpers import produce_events, read_all
+from tests.enrich.joins.test_asof_job import db_clock, execute, iso
+
+pytestmark = pytest.mark.integration
+
+REFERENCE = ("site", "_devices_matched")
+
+
+def job_config(kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path, topics: dict[str, str],
+               name: str, output: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "kafka": {"bootstrap_servers": kafka["bootstrap.servers"]},
+        "events": {"topic": topics["events"], "schema": "device_id BIGINT, ts TIMESTAMP, n INT",
+                   "starting_offsets": "earliest"},
+        "joins": [{"dataset": "devices", "topic": topics["devices"], "on": "device_id", "columns": ["site"],
+                   "as_of": True, "corrections": {"horizon": "24h"}}],
+        "output": output,
+        "dead_letter_topic": unique("dlq"),
+        "checkpoint": str(tmp_path / name),
+        "state": {"key": "device_id", "timestamp": "ts", "watermark": "1d", "buckets": 4},
+    }
+
+
+def outputs(kafka: dict[str, str], topic: str) -> list[dict[str, Any]]:
+    return [json.loads(m.value()) for m in read_all(kafka, topic)]
+
+
+def latest(records: list[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """Every event's latest record (an upsert by its identity, the greatest revision winning)."""
+    out: dict[tuple[str, int, int], dict[str, Any]] = {}
+    for r in records:
+        ident = (r["_topic"], r["_partition"], r["_offset"])
+        if ident not in out or r["_revision"] > out[ident]["_revision"]:
+            out[ident] = r
+    return {r["n"]: r for r in out.values()}
+
+
+def parquet_records(path: Path) -> list[dict[str, Any]]:
+    import pyarrow.parquet as pq
+
+    rows = [r for f in sorted(path.glob("batch_id=*/*.parquet")) for r in pq.read_table(f).to_pylist()]
+    for r in rows:  # as the JSON has them (Spark's Parquet timestamps are UTC, read back without a zone)
+        if r["_cause"] is not None:
+            vf = r["_cause"]["valid_from"]
+            r["_cause"]["valid_from"] = iso(vf if vf.tzinfo is not None else vf.replace(tzinfo=UTC))
+    return rows
+
+
+def forget_last_batch(checkpoint: Path) -> int:
+    """Make Spark run the last committed batch again, as after a crash before its commit was recorded
+    (a batch planned after it goes too: Spark would run that one instead)."""
+    commits, offsets = checkpoint / "spark" / "commits", checkpoint / "spark" / "offsets"
+    last = max(int(p.name) for p in commits.iterdir() if p.name.isdigit())
+    gone = [commits / str(last)] + [p for p in offsets.iterdir() if p.name.isdigit() and int(p.name) > last]
+    for f in gone:
+        f.unlink()
+        (f.parent / f".{f.name}.crc").unlink(missing_ok=True)
+    return last
+
+
+@pytest.mark.parametrize("sink", ["kafka", "parquet"])
+def test_a_backdated_change_corrects_the_events_written_before_it_and_equals_a_fresh_job(
+        spark: SparkSession, kafka: dict[str, str], mysql_url: str, unique: Callable[[str], str],
+        tmp_path: Path, sink: str) -> None:
+    table = unique("corr_devices")
+    topics = {"events": unique("events"), "devices": unique("ref.devices")}
+    t0 = db_clock(mysql_url) - timedelta(minutes=30)
+    execute(mysql_url, f"CREATE TABLE {table} (id INT PRIMARY KEY, site VARCHAR(10), last_update DATETIME(6))",
+            f"INSERT INTO {table} VALUES (1, 's-2', :t), (2, 's-2', :t)", params={"t": t0.replace(tzinfo=None)})
+    path = tmp_path / "refresh.yaml"
+    path.write_text(yaml.safe_dump({
+        "kafka": {"bootstrap_servers": kafka["bootstrap.servers"]}, "state_dir": str(tmp_path / "state"),
+        "datasets": {"devices": {"source": {"url": mysql_url, "table": table}, "key": "id",
+                                 "topic": topics["devices"], "mode": "incremental",
+                                 "incremental": {"column": "last_update", "lag": "1h"}}}}))
+    refresher = Refresher(load_config(path), progress=False)
+    refresher.run("devices")
+
+    minute = timedelta(minutes=1)
+    produce_events(kafka, topics["events"], [
+        {"device_id": 1, "ts": iso(t0 + 5 * minute), "n": 1},    # before the move: stays s-2
+        {"device_id": 1, "ts": iso(t0 + 10 * minute), "n": 2},   # after it: corrected to s-6
+        {"device_id": 1, "ts": iso(t0 + 20 * minute), "n": 3},   # after it: corrected to s-6
+        {"device_id": 2, "ts": iso(t0 + 10 * minute), "n": 4},   # another device: not corrected
+        {"device_id": 3, "ts": iso(t0 + 10 * minute), "n": 5},   # no row at all
+    ])
+    out_topic, out_dir = unique("enriched"), tmp_path / "out"
+    output = {"kafka": {"topic": out_topic}} if sink == "kafka" else {"parquet": {"path": str(out_dir)}}
+    live = job_config(kafka, unique, tmp_path, topics, "live", output)
+
+    def records() -> list[dict[str, Any]]:
+        return outputs(kafka, out_topic) if sink == "kafka" else parquet_records(out_dir)
+
+    EnrichJob(config.parse(live, "test.yaml"), available_now=True).run(spark)
+    first = records()
+    assert sorted(r["n"] for r in first) == [1, 2, 3, 4, 5]
+    assert {r["_kind"] for r in first} == {"event"} and {r["_revision"] for r in first} == {0}
+    assert {r["n"]: r["site"] for r in first} == {1: "s-2", 2: "s-2", 3: "s-2", 4: "s-2", 5: None}
+
+    # Device 1 moved to s-6 eight minutes after t0; the database learns it only now.
+    moved = t0 + 8 * minute
+    execute(mysql_url, f"UPDATE {table} SET site = 's-6', last_update = :t WHERE id = 1",
+            params={"t": moved.replace(tzinfo=None)})
+    time.sleep(1.2)
+    assert refresher.run("devices").updates == 1
+    produce_events(kafka, topics["events"], [{"device_id": 2, "ts": iso(t0 + 25 * minute), "n": 6}])
+    EnrichJob(config.parse(live, "test.yaml"), available_now=True).run(spark)
+    got = records()
+    corrections = [r for r in got if r["_kind"] == "correction"]
+    assert sorted(r["n"] for r in corrections) == [2, 3]
+    for r in corrections:
+        assert (r["site"], r["_devices_matched"], r["_revision"]) == ("s-6", True, 1)
+        cause = r["_cause"]
+        assert (cause["dataset"], json.loads(cause["key"])) == ("devices", {"id": 1})
+        assert cause["valid_from"] == iso(moved)
+        assert cause["partition"] == 0 and isinstance(cause["offset"], int)
+        # The event's shape as written, its identity and state included.
+        event = next(e for e in first if e["n"] == r["n"])
+        assert {k: v for k, v in r.items() if k not in ("site", "_kind", "_revision", "_cause")} == \
+            {k: v for k, v in event.items() if k not in ("site", "_kind", "_revision", "_cause")}
+    if sink == "kafka":  # keyed like the event it corrects: the same partition
+        placed = {}
+        for m in read_all(kafka, out_topic):
+            assert placed.setdefault(m.key(), m.partition()) == m.partition()
+
+    # The oracle: a fresh job over the same events, after the change, writes what the corrected output says.
+    fresh_topic = unique("fresh")
+    fresh = job_config(kafka, unique, tmp_path, topics, "fresh", {"kafka": {"topic": fresh_topic}})
+    EnrichJob(config.parse(fresh, "test.yaml"), available_now=True).run(spark)
+    want = {r["n"]: tuple(r[c] for c in REFERENCE) for r in outputs(kafka, fresh_topic)}
+    assert {n: tuple(r[c] for c in REFERENCE) for n, r in latest(got).items()} == want
+    assert want[2] == ("s-6", True) and want[1] == ("s-2", True)
+    if sink == "parquet":
+        return
+
+    # The last batch again (its commit lost): the same corrections, written once.
+    forget_last_batch(tmp_path / "live")
+    EnrichJob(config.parse(live, "test.yaml"), available_now=True).run(spark)
+    again = records()
+    assert sorted((r["n"], r["_revision"]) for r in again) == sorted((r["n"], r["_revision"]) for r in got)
+    # A second late move, to s-7 from fifteen minutes after t0: event 3 again (revision 2), event 2 not.
+    execute(mysql_url, f"UPDATE {table} SET site = 's-7', last_update = :t WHERE id = 1",
+            params={"t": (t0 + 15 * minute).replace(tzinfo=None)})
+    time.sleep(1.2)
+    assert refresher.run("devices").updates == 1
+    produce_events(kafka, topics["events"], [{"device_id": 2, "ts": iso(t0 + 26 * minute), "n": 7}])
+    EnrichJob(config.parse(live, "test.yaml"), available_now=True).run(spark)
+    second = [r for r in records() if r["_kind"] == "correction" and r["_revision"] == 2]
+    assert [(r["n"], r["site"], r["_cause"]["valid_from"]) for r in second] == [(3, "s-7", iso(t0 + 15 * minute))]
+    assert latest(records())[2]["site"] == "s-6"
+
+
+def test_corrections_on_a_join_the_state_needs_are_refused_naming_it(
+        kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path, spark: SparkSession) -> None:
+    from enrich.pipeline import Pipeline
+    from refstream.contract import Column, DatasetSchema
+    from refstream.errors import ConfigError
+
+    topics = {"events": unique("events"), "devices": unique("ref.devices")}
+    data = job_config(kafka, unique, tmp_path, topics, "x", {"kafka": {"topic": unique("out")}})
+    data["state"]["aggregates"] = {"site": ["last"]}
+    schema = DatasetSchema("devices", ("id",), (Column("id", "int64"), Column("site", "string")))
+    with pytest.raises(ConfigError, match=r"joins\[0\].corrections: not possible for a join whose columns the state"):
+        Pipeline.build(config.parse(data, "test.yaml"), {"devices": schema})
