@@ -316,9 +316,10 @@ def parse(data: Mapping[str, Any], source: str = "config") -> EnrichConfig:
     if corrected and rollups:
         raise top.error("corrections do not move events between rollup rows yet; remove rollups or the join's "
                         "corrections", f"joins[{corrected[0]}].corrections")
-    if corrected and output.database is not None:
-        raise top.error("corrections are written to Kafka, Parquet or the console; output.database does not "
-                        "update an event's row with its corrections yet", f"joins[{corrected[0]}].corrections")
+    if corrected and output.database is not None and output.database.write == "state":
+        raise top.error("corrections are written to Kafka, Parquet, the console or output.database with write: "
+                        "events (a correction replaces its event's row); write: state does not take them yet",
+                        f"joins[{corrected[0]}].corrections")
     gaps = parse_gaps(top, state is not None, functools.partial(_database, write="events"))
     taken = {events.topic: "events.topic", output.topic: "output.kafka.topic",
              top.get("dead_letter_topic", str): "dead_letter_topic", **{j.topic: "a join's topic" for j in joins}}

@@ -31,7 +31,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.types import StringType, StructField, StructType
 
 from enrich.checkpoint import CheckpointLayout
-from enrich.columns import ERROR, KIND, KIND_EVENT, LATE, STATE
+from enrich.columns import ERROR, KIND, KIND_CORRECTION, KIND_EVENT, LATE, REVISION, STATE, TAIL
 from enrich.config import DatabaseOutput, EnrichConfig
 from enrich.events import SOURCE_TYPES
 from enrich.failures import transient_cause
@@ -120,8 +120,13 @@ def row_plan(cfg: EnrichConfig, schema: StructType, columns: Sequence[str], even
                 continue
             exprs.append((c, c))
             fields.append(StructField(c, schema[c].dataType if c in schema.fieldNames() else SOURCE_TYPES[c]))
-        exprs.append((KIND, f"'{KIND_EVENT}'"))
-        fields.append(StructField(KIND, StringType(), False))
+        tail = [c for c in TAIL if c in schema.fieldNames()]  # with corrections: a correction replaces its event's row
+        if tail:
+            exprs += [(c, c) for c in tail]
+            fields += [schema[c] for c in tail]
+        else:
+            exprs.append((KIND, f"'{KIND_EVENT}'"))
+            fields.append(StructField(KIND, StringType(), False))
         return RowPlan(db, tuple(fields), POSITION, tuple(exprs))
     assert cfg.state is not None
     key = cfg.state.key
@@ -147,6 +152,22 @@ def latest_per_key(table: pa.Table, key: str, order: str) -> pa.Table:
     keys = table.column(key).combine_chunks()
     first = pc.not_equal(keys.slice(1), keys.slice(0, len(keys) - 1))
     return table.filter(pa.concat_arrays([pa.array([True]), first.fill_null(True)]))
+
+
+def latest_revision(table: pa.Table, key: Sequence[str]) -> pa.Table:
+    """One row per ``key`` (several columns): the one with the greatest ``_revision``."""
+    if table.num_rows <= 1:
+        return table
+    table = table.take(pc.sort_indices(table, [*((k, "ascending") for k in key), (REVISION, "descending")]))
+    same = None
+    for k in key:
+        col = table.column(k).combine_chunks()
+        eq = pc.fill_null(pc.equal(col.slice(1), col.slice(0, len(col) - 1)), False)
+        both_null = pc.and_(col.slice(1).is_null(), col.slice(0, len(col) - 1).is_null())
+        eq = pc.or_(eq, both_null)
+        same = eq if same is None else pc.and_(same, eq)
+    assert same is not None
+    return table.filter(pa.concat_arrays([pa.array([True]), pc.invert(same)]))
 
 
 # One connection per Python worker and database: a worker runs many tasks (PySpark reuses it).
@@ -198,13 +219,17 @@ class SlotRows:
         if not tables:
             return pa.table({}), 0, 0
         t = pa.concat_tables(tables)
-        events, late = t.num_rows, 0
+        event = (pc.not_equal(t.column(KIND), KIND_CORRECTION) if REVISION in t.column_names
+                 else pa.array([True] * t.num_rows))  # corrections are counted apart (enrich.state.corrections)
+        events, late = int(pc.sum(pc.cast(event, pa.int64())).as_py() or 0), 0
         if self.late:
-            flag = pc.fill_null(t.column(LATE), False)
+            flag = pc.and_(pc.fill_null(t.column(LATE), False), event)
             late = int(pc.sum(pc.cast(flag, pa.int64())).as_py() or 0)
         if self.state_key is not None:
             t = t.filter(pc.is_valid(t.column(COUNT)))  # late events have no state
             t = latest_per_key(t, self.state_key, COUNT)
+        elif REVISION in t.column_names:  # two corrections of one event in a batch: the later one
+            t = latest_revision(t, self.spec.key)
         return t.select(names), events, late
 
 

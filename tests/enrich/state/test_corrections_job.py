@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
-from datetime import UTC, timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -69,6 +69,20 @@ def parquet_records(path: Path) -> list[dict[str, Any]]:
     return rows
 
 
+def table_records(url: str, table: str) -> list[dict[str, Any]]:
+    """The write: events table's rows as records (a correction replaced its event's row)."""
+    import psycopg
+    from psycopg.rows import dict_row
+
+    with psycopg.connect(url, row_factory=dict_row) as conn:
+        rows = conn.execute(f'SELECT * FROM "{table}"').fetchall()
+    for r in rows:  # as the JSON has them: the cause's time in ISO form, UTC
+        r["ts"] = iso(r["ts"])
+        if r["_cause"] is not None:
+            r["_cause"]["valid_from"] = iso(datetime.fromisoformat(r["_cause"]["valid_from"]))
+    return rows
+
+
 def forget_last_batch(checkpoint: Path) -> int:
     """Make Spark run the last committed batch again, as after a crash before its commit was recorded
     (a batch planned after it goes too: Spark would run that one instead)."""
@@ -81,9 +95,9 @@ def forget_last_batch(checkpoint: Path) -> int:
     return last
 
 
-@pytest.mark.parametrize("sink", ["kafka", "parquet"])
+@pytest.mark.parametrize("sink", ["kafka", "parquet", "postgresql"])
 def test_a_backdated_change_corrects_the_events_written_before_it_and_equals_a_fresh_job(
-        spark: SparkSession, kafka: dict[str, str], mysql_url: str, unique: Callable[[str], str],
+        spark: SparkSession, kafka: dict[str, str], mysql_url: str, pg_url: str, unique: Callable[[str], str],
         tmp_path: Path, sink: str) -> None:
     table = unique("corr_devices")
     topics = {"events": unique("events"), "devices": unique("ref.devices")}
@@ -107,12 +121,15 @@ def test_a_backdated_change_corrects_the_events_written_before_it_and_equals_a_f
         {"device_id": 2, "ts": iso(t0 + 10 * minute), "n": 4},   # another device: not corrected
         {"device_id": 3, "ts": iso(t0 + 10 * minute), "n": 5},   # no row at all
     ])
-    out_topic, out_dir = unique("enriched"), tmp_path / "out"
-    output = {"kafka": {"topic": out_topic}} if sink == "kafka" else {"parquet": {"path": str(out_dir)}}
+    out_topic, out_dir, out_table = unique("enriched"), tmp_path / "out", unique("events")
+    output = {"kafka": {"topic": out_topic}, "parquet": {"parquet": {"path": str(out_dir)}},
+              "postgresql": {"database": {"url": pg_url, "table": out_table, "write": "events"}}}[sink]
     live = job_config(kafka, unique, tmp_path, topics, "live", output)
 
     def records() -> list[dict[str, Any]]:
-        return outputs(kafka, out_topic) if sink == "kafka" else parquet_records(out_dir)
+        if sink == "kafka":
+            return outputs(kafka, out_topic)
+        return parquet_records(out_dir) if sink == "parquet" else table_records(pg_url, out_table)
 
     EnrichJob(config.parse(live, "test.yaml"), available_now=True).run(spark)
     first = records()
@@ -131,6 +148,8 @@ def test_a_backdated_change_corrects_the_events_written_before_it_and_equals_a_f
     got = records()
     corrections = [r for r in got if r["_kind"] == "correction"]
     assert sorted(r["n"] for r in corrections) == [2, 3]
+    if sink == "postgresql":  # updated in place: one row per event
+        assert sorted(r["n"] for r in got) == [1, 2, 3, 4, 5, 6]
     for r in corrections:
         assert (r["site"], r["_devices_matched"], r["_revision"]) == ("s-6", True, 1)
         cause = r["_cause"]
@@ -153,7 +172,7 @@ def test_a_backdated_change_corrects_the_events_written_before_it_and_equals_a_f
     want = {r["n"]: tuple(r[c] for c in REFERENCE) for r in outputs(kafka, fresh_topic)}
     assert {n: tuple(r[c] for c in REFERENCE) for n, r in latest(got).items()} == want
     assert want[2] == ("s-6", True) and want[1] == ("s-2", True)
-    if sink == "parquet":
+    if sink != "kafka":
         return
 
     # The last batch again (its commit lost): the same corrections, written once.

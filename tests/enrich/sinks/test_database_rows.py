@@ -1,0 +1,39 @@
+"""A task's rows for write: events with corrections (enrich.sinks.database.sink.SlotRows): a correction
+replaces its event's row, two of one event in a batch leave the later one, and corrections are not
+counted as events. Pure logic."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+from enrich.sinks.database.sink import TOPIC_ID, SlotRows, latest_revision
+from enrich.sinks.database.tables import TableSpec
+
+NAMES = ("n", "_topic", TOPIC_ID, "_partition", "_offset", "_kind", "_revision", "_late")
+SPEC = TableSpec("postgresql://u@h/d", "postgresql", "t", "t_commits", tuple((n, "TEXT") for n in NAMES),
+                 ("_topic", TOPIC_ID, "_partition", "_offset"), 5.0)
+
+
+def rows(items: list[tuple[int, int, str, int, bool]]) -> pa.Table:
+    """(n, offset, kind, revision, late)."""
+    return pa.table({"n": [i[0] for i in items], "_topic": ["e"] * len(items), TOPIC_ID: ["id"] * len(items),
+                     "_partition": pa.array([0] * len(items), pa.int32()),
+                     "_offset": pa.array([i[1] for i in items], pa.int64()), "_kind": [i[2] for i in items],
+                     "_revision": pa.array([i[3] for i in items], pa.int32()), "_late": [i[4] for i in items]})
+
+
+def test_two_corrections_of_one_event_leave_the_later_and_count_no_event() -> None:
+    t = rows([(1, 0, "event", 0, True), (2, 1, "correction", 1, True), (2, 1, "correction", 2, False),
+              (3, 2, "correction", 1, False)])
+    out, events, late = SlotRows(SPEC, None, True).table([t])
+    assert (events, late) == (1, 1)
+    assert sorted(zip(out.column("n").to_pylist(), out.column("_revision").to_pylist(), strict=True)) == [
+        (1, 0), (2, 2), (3, 1)]
+
+
+def test_the_latest_revision_per_key_of_several_columns() -> None:
+    t = rows([(1, 5, "correction", 1, False), (1, 5, "correction", 3, False), (1, 5, "correction", 2, False),
+              (2, 6, "event", 0, False)])
+    got = latest_revision(t, ("_topic", TOPIC_ID, "_partition", "_offset"))
+    assert sorted(zip(got.column("_offset").to_pylist(), got.column("_revision").to_pylist(), strict=True)) == [
+        (5, 3), (6, 0)]
