@@ -10,7 +10,7 @@ event the fast parser left to ``from_json``). The state step (:mod:`enrich.state
 
 from __future__ import annotations
 
-__all__ = ["BATCH_TIME", "BUCKET", "CORRUPT", "DELETED", "ERROR", "FLAT", "CAUSE", "CORRECTION", "IDENTITY", "INTERNAL", "KIND", "KIND_CORRECTION", "KIND_EVENT", "REVISION", "TAIL", "KEY_BYTES", "LATE", "LATE_AT_READ", "MAX_TS", "PACK_KIND", "PROVISIONAL", "RBUCKET", "ROLLUP_TIME",
+__all__ = ["BATCH_TIME", "BUCKET", "CORRUPT", "DELETED", "ERROR", "FLAT", "CAUSE", "CORRECTION", "IDENTITY", "INTERNAL", "KIND", "KIND_CORRECTION", "KIND_EVENT", "RETRACTED", "REVISION", "TAIL", "KEY_BYTES", "LATE", "LATE_AT_READ", "MAX_TS", "PACK_KIND", "PROVISIONAL", "RBUCKET", "ROLLUP_TIME",
            "ROWS", "SLOW", "SOURCE", "STATE", "TS_US", "UNMATCHED",
            "VALID_FROM"]
 
@@ -28,10 +28,11 @@ IDENTITY = ("_topic", "_partition", "_offset")
 #: every enriched event the job writes, after its identity.
 KIND, KIND_EVENT, KIND_CORRECTION = "_kind", "event", "correction"
 #: With corrections (enrich.state.corrections), after ``_kind``: the record's revision of its event
-#: (0: as first written) and a correction's cause.
-REVISION, CAUSE = "_revision", "_cause"
+#: (0: as first written), a correction's cause, and whether it retracts its event (an inner join
+#: lost its match: a fresh job would not write the event).
+REVISION, CAUSE, RETRACTED = "_revision", "_cause", "_retracted"
 #: What ends every enriched event after its identity (the columns present of these).
-TAIL = (KIND, REVISION, CAUSE)
+TAIL = (KIND, REVISION, CAUSE, RETRACTED)
 #: The columns the output leaves out (the identity and the tail are added again at its end).
 INTERNAL = (ERROR, *SOURCE, SLOW, *TAIL)
 

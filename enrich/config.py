@@ -427,9 +427,6 @@ def _join(sec: Section) -> JoinConfig:
         if cfg.strategy != "broadcast":
             raise sec.error("corrections apply to broadcast joins (the driver finds the late versions); use "
                             "strategy: broadcast or remove corrections", "corrections")
-        if cfg.how != "left":
-            raise sec.error("corrections apply to how: left joins (an inner join's events that lose their match "
-                            "would need retracting, which the job does not do yet)", "corrections")
         if cfg.corrections > cfg.history:
             raise sec.error(f"horizon {cfg.corrections} is longer than the join's history {cfg.history}: the "
                             "versions an event within the horizon was joined with would be gone", "corrections")

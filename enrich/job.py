@@ -23,6 +23,7 @@ import time
 from collections.abc import Mapping
 from contextlib import ExitStack
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -254,8 +255,14 @@ class EnrichJob:
         """With corrections: where each batch's late versions are written for the state step."""
         if not pipeline.corrected:
             return None
-        return BatchChanges([Corrected(c.dataset, c.key, c.columns, c.horizon_us) for c in pipeline.corrected],
-                            self.layout.corrections)
+        assert self.cfg.state is not None
+        by_dataset: dict[str, Corrected] = {}
+        for c in pipeline.corrected:  # a dataset joined twice: one file, the columns of both joins compared
+            was = by_dataset.get(c.dataset)
+            columns = tuple(dict.fromkeys((*(was.columns if was is not None else ()), *c.columns)))
+            by_dataset[c.dataset] = Corrected(c.dataset, c.key, columns, c.horizon_us)
+        return BatchChanges(list(by_dataset.values()), self.layout.corrections,
+                            self.cfg.state.watermark // timedelta(microseconds=1))
 
     def _dimensions(self, spark: SparkSession) -> Dimensions:
         """The broadcast dimensions, bootstrapped: each ships only the columns some join uses."""
@@ -574,6 +581,8 @@ class EnrichJob:
         dead = call_with_retry(lambda: st.sink.write(batch_id, batch), what=f"batch {batch_id}: writing output",
                                policy=self.retry, stop=self._stop)
         counted = st.sink.counted
+        if counted.corrections:
+            log.info("batch %d: %d corrections written", batch_id, counted.corrections)
         if st.rollups is not None:
             dead = self._rollups(batch_id, batch_df, dead)
         if st.gaps is not None and self._gap_records is not None:

@@ -48,6 +48,7 @@ from enrich.columns import (
     KIND,
     MAX_TS,
     PROVISIONAL,
+    RETRACTED,
     REVISION,
     TS_US,
 )
@@ -331,7 +332,8 @@ def _state_plan(cfg: EnrichConfig, parsed: StructType, schemas: Mapping[str, Dat
     if any(j.corrections is not None for j in cfg.joins):  # every row says what it is (enrich.state.corrections)
         schema = StructType([*schema.fields, StructField(KIND, StringType(), True),
                              StructField(REVISION, IntegerType(), True),
-                             StructField(CAUSE, from_arrow_type(CAUSE_TYPE), True)])
+                             StructField(CAUSE, from_arrow_type(CAUSE_TYPE), True),
+                             StructField(RETRACTED, BooleanType(), True)])
     rollups = _rollups(cfg, passed, enriched, specs, timezone)
     gaps = _gaps(cfg, passed, enriched, specs, dims, spec, timezone) if cfg.gaps is not None else None
     return StatePlan(spec=spec, before=tuple(before), before_specs=tuple(specs), inner=inner, joined=joined,

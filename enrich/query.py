@@ -346,17 +346,18 @@ def attach(raw: DataFrame, pipeline: Pipeline, layout: BucketLayout, changelogs:
         rows = rows.union(ticks.select(F.col(BUCKET), F.col(ROWS)))
     inner = stored_spec(st.spec)
     waits = WaitSpec.of(cfg.waits) if cfg.waits else None
-    processor = DeviceStateProcessor(inner, columns, devices, st.dims, cache, waits, floor_us, st.calls, call_counts,
-                                     server_timeout_s=cfg.state.server_timeout.total_seconds(),
-                                     rollups=st.rollups, rollup_ids=layout.ids, inner=st.inner, gaps=st.gaps,
-                                     gap_records=gap_records, corrected=tuple(
-                                         Corrects(c.spec, c.key, c.horizon_us) for c in pipeline.corrected))
     flat_type = [*inner.output_type(), *[pa.field(n, t) for n, t in (st.calls.result_columns() if st.calls else ())]]
     # What the processor's packed tables hold: the passed columns, the flat state fields (the calls'
     # results last), the late flag.
     tail = [f for f in st.schema.fields if f.name in TAIL]  # with corrections: what each row is
     flat_schema = StructType([*st.passed, *[StructField(FLAT + f.name, from_arrow_type(f.type), True)
                                             for f in flat_type], StructField(LATE, BooleanType(), True), *tail])
+    processor = DeviceStateProcessor(inner, columns, devices, st.dims, cache, waits, floor_us, st.calls, call_counts,
+                                     server_timeout_s=cfg.state.server_timeout.total_seconds(),
+                                     rollups=st.rollups, rollup_ids=layout.ids, inner=st.inner, gaps=st.gaps,
+                                     gap_records=gap_records, corrected=tuple(
+                                         Corrects(c.spec, c.key, c.horizon_us) for c in pipeline.corrected),
+                                     out_schema=to_arrow_schema(flat_schema, timezone=timezone) if tail else None)
     init = initial.groupBy(BUCKET) if initial is not None else None
     if not st.rollups:
         stepped = rows.groupBy(BUCKET).transformWithStateInPandas(

@@ -8,10 +8,12 @@ the version before it - makes those events wrong. Per changelog record the batch
 no bound when it is the key's oldest version: older events are clipped to it), and whether it
 changes them at all:
 
+- ``timely``: no event written before it can be in its span (its start is later than every event
+  time the job has seen: the watermark plus its delay): the common, on-time change; nothing to do;
 - ``unchanged``: the version those events were joined with (the one valid at ``valid_from`` before
   the batch) has the same joined columns and is as absent or present: nothing to correct;
-- ``beyond_horizon``: it reaches back before the horizon's start: the events from that start on
-  are corrected, the older ones cannot be (the job keeps nothing of them) and are counted;
+- ``beyond_horizon``: its ``valid_from`` is before the horizon's start: the events from that start
+  on are corrected, the older ones cannot be (the job keeps nothing of them) and are counted;
 - ``corrected``: every affected event within the horizon is corrected.
 
 When the state before the batch is not known (a job restarted after the records were read at its
@@ -39,13 +41,15 @@ from refstream.atomic import write_bytes_atomic
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CHANGE_COLUMNS", "NO_BOUND_END", "NO_BOUND_START", "BatchChanges", "Entry", "Result", "changes",
+__all__ = ["CHANGE_COLUMNS", "NO_BOUND_END", "NO_BOUND_START", "QUIET", "BatchChanges", "Entry", "Result", "changes",
            "changes_file"]
 
 #: ``start`` of a change with no lower bound, ``end`` of one with no upper bound (microseconds).
 NO_BOUND_START, NO_BOUND_END = int(np.iinfo(np.int64).min), int(np.iinfo(np.int64).max)
 
-Result = Literal["corrected", "beyond_horizon", "unchanged"]
+Result = Literal["corrected", "beyond_horizon", "unchanged", "timely"]
+#: The results that correct nothing (left out by the state step, and ``timely`` not counted).
+QUIET = ("unchanged", "timely")
 
 #: The columns of :func:`changes`' table besides the dataset's key columns.
 CHANGE_COLUMNS = (KEY_BYTES, "valid_from", "start", "end", "partition", "offset", "result")
@@ -85,20 +89,25 @@ def _valid_at(versions: list[tuple[int, int]], at: int) -> int | None:
     return versions[max(i, 0)][1]
 
 
+def _equal(a: Any, b: Any) -> bool:
+    return bool(a == b) or (isinstance(a, float) and isinstance(b, float) and a != a and b != b)  # NaN: NaN
+
+
 def _same(old: dict[str, Any], new: dict[str, Any], columns: Sequence[str]) -> bool:
     if bool(old[DELETED]) != bool(new[DELETED]):
         return False
-    return bool(new[DELETED]) or all(old.get(c) == new.get(c) for c in columns)
+    return bool(new[DELETED]) or all(_equal(old.get(c), new.get(c)) for c in columns)
 
 
 def changes(entries: Sequence[Entry], new: pa.Table, old: pa.Table | None, key: Sequence[str],
-            columns: Sequence[str], horizon_start: int) -> pa.Table:
+            columns: Sequence[str], horizon_start: int, seen_until: int | None = None) -> pa.Table:
     """The corrections ``entries`` (one batch's records of one dataset, in changelog order) call for.
 
     ``new``: the versions of their keys after the batch, ``old``: before it (None: not known), both
     as :func:`enrich.dimension.history.version_table` gives them (in changelog order); ``key`` the
     dataset's key columns, ``columns`` the joined ones; ``horizon_start``: the earliest event time
-    (UTC microseconds) still corrected. One row per version (see the module doc): the key columns,
+    (UTC microseconds) still corrected; ``seen_until``: no event written so far is later than this
+    (None: not known). One row per version (see the module doc): the key columns,
     :data:`CHANGE_COLUMNS`."""
     new_by, old_by = _by_key(new), _by_key(old)
     new_rows = new.to_pylist()
@@ -117,11 +126,13 @@ def changes(entries: Sequence[Entry], new: pa.Table, old: pa.Table | None, key: 
         start = e.valid_from if pos > 0 else NO_BOUND_START
         end = times[pos + 1] if pos + 1 < len(times) else NO_BOUND_END
         result: Result = "corrected"
-        if old is not None:
+        if seen_until is not None and start != NO_BOUND_START and start > seen_until:
+            result = "timely"
+        elif old is not None:
             was = _valid_at(old_by.get(e.key, []), e.valid_from)
             if was is not None and _same(old_rows[was], new_rows[at], columns):
                 result = "unchanged"
-        if result == "corrected" and start < horizon_start:
+        if result == "corrected" and e.valid_from < horizon_start:
             result = "beyond_horizon"
         picked.append((e, new_rows[at], start, end, result))
     data: dict[str, list[Any]] = {k: [row[k] for _, row, _, _, _ in picked] for k in key}
@@ -158,8 +169,8 @@ class BatchChanges:
     and a change reaching before the horizon logged once per dataset and run. The last ``keep``
     batches' files are kept."""
 
-    def __init__(self, corrected: Sequence[Corrected], directory: Path, keep: int = 100) -> None:
-        self.corrected, self.dir, self.keep = tuple(corrected), directory, keep
+    def __init__(self, corrected: Sequence[Corrected], directory: Path, delay_us: int, keep: int = 100) -> None:
+        self.corrected, self.dir, self.delay_us, self.keep = tuple(corrected), directory, delay_us, keep
         self.dir.mkdir(parents=True, exist_ok=True)
         self._warned: set[str] = set()
         #: (dataset, result) -> versions counted by the last :meth:`record` (none for a batch found written).
@@ -167,21 +178,27 @@ class BatchChanges:
 
     def record(self, batch_id: int, journals: Mapping[str, Any], replay: bool, watermark_ms: int | None) -> None:
         """Write batch ``batch_id``'s changes from the pin's ``journals`` (``HistoryState.end_journal``
-        per dataset), unless the batch is a replay whose changes are written already."""
+        per dataset), unless the batch is a replay whose changes are written already. ``watermark_ms``:
+        the batch's (Spark's offset log; 0 or None: none yet)."""
         self.counts = Counter()
         for c in self.corrected:
             path = changes_file(self.dir, batch_id, c.dataset)
             if replay and path.exists():
                 continue
+            if replay:
+                log.warning("batch %d: the changes of dataset %s recorded for it are missing (%s); the batch runs with "
+                            "those of its pin now", batch_id, c.dataset, path)
             entries, new, old = journals.get(c.dataset, ([], None, None))
-            start = NO_BOUND_START if watermark_ms is None else watermark_ms * 1000 - c.horizon_us
+            wm = watermark_ms * 1000 if watermark_ms else None
+            start = NO_BOUND_START if wm is None else wm - c.horizon_us
             if new is None:
                 table = pa.schema([pa.field(k, pa.null()) for k in c.key] + _FIELDS).empty_table()
             else:
-                table = changes(entries, new, old, c.key, c.columns, start)
+                table = changes(entries, new, old, c.key, c.columns, start,
+                                wm + self.delay_us if wm is not None else None)
             write_bytes_atomic(path, to_ipc(table))
             results = table.column("result").to_pylist()
-            self.counts.update((c.dataset, r) for r in results)
+            self.counts.update((c.dataset, r) for r in results if r != "timely")
             if "beyond_horizon" in results and c.dataset not in self._warned:
                 self._warned.add(c.dataset)
                 at = results.index("beyond_horizon")

@@ -110,14 +110,19 @@ class HistoryState(DimensionState):
             self._journal.append(Entry(ch.key, at, ch.value is None, rec.partition, rec.offset))
 
     def begin_journal(self) -> None:
-        """Record the versions applied from now on (:meth:`end_journal`)."""
-        self._journal, self._mark = [], (self.base_gen, len(self.pending))
+        """Record the versions applied from now on (:meth:`end_journal`); a journal still open (an
+        attempt that failed before it was ended) goes on."""
+        if self._journal is None:
+            self._journal, self._mark = [], (self.base_gen, len(self.pending))
 
-    def end_journal(self) -> Journal:
+    def end_journal(self, *, close: bool = True) -> Journal:
         """The versions applied since :meth:`begin_journal` (in changelog order), and the versions of
         their keys after them and before them (None when a compaction since hides what was before;
-        both None when there are none), as :func:`version_table` gives them."""
-        entries, self._journal = self._journal or [], None
+        both None when there are none), as :func:`version_table` gives them; the journal stays open
+        unless ``close``."""
+        entries = self._journal or []
+        if close:
+            self._journal = None
         if not entries or self.schema is None:
             return entries, None, None
         keys = {e.key for e in entries}

@@ -175,11 +175,13 @@ class Dimensions:
             return dim.feed.positions()
 
         positions = dict(zip(self._dims, self._each(read, self._dims), strict=True))
+        # The journals stay open until the batch is recorded: a retried pin (a changelog that failed
+        # to read, the callback) goes on with the versions an earlier attempt applied already.
         journals = {}
         for ds in self._journal:
             state = self._dims[ds].state
             assert isinstance(state, HistoryState)
-            journals[ds] = state.end_journal()
+            journals[ds] = state.end_journal(close=False)
         if journaled is not None:
             journaled(journals, recorded is not None)
         if recorded is None:
@@ -189,6 +191,10 @@ class Dimensions:
                          "pinned_ms": now_ms}
                     for ds, dim in self._dims.items()}
             self._versions.put(batch_id, positions, info)
+        for ds in self._journal:  # recorded: the next pin journals afresh
+            state = self._dims[ds].state
+            assert isinstance(state, HistoryState)
+            state.end_journal()
         out = {ds: self._ship(dim) for ds, dim in self._dims.items()}
         self.last_pin_seconds = time.monotonic() - t0
         return out

@@ -29,7 +29,7 @@ from pyspark.accumulators import Accumulator
 from pyspark.sql.pandas.types import to_arrow_schema
 from pyspark.sql.types import BooleanType, StructField, StructType
 
-from enrich.columns import DELETED, SLOW, VALID_FROM
+from enrich.columns import DELETED, KIND, KIND_CORRECTION, RETRACTED, SLOW, VALID_FROM
 from enrich.config import JoinConfig
 from enrich.dimension.ship import Shipped
 from enrich.events import FastEvents
@@ -275,6 +275,14 @@ def join_table(t: pa.Table, spec: JoinSpec, base: Lookup, overlay: Lookup | None
             keep = keep | t.column(error_column).is_valid().to_numpy(zero_copy_only=False)
         if SLOW in t.column_names:  # not parsed: the task leaves its rows to the from_json pass
             keep = keep | t.column(SLOW).to_numpy(zero_copy_only=False)
+        if RETRACTED in t.column_names:  # a correction without a match retracts its event: it goes on, saying so
+            fixed = pc.fill_null(pc.equal(t.column(KIND), KIND_CORRECTION), False).to_numpy(zero_copy_only=False)
+            lost = fixed & ~matched
+            if lost.any():
+                i = t.schema.get_field_index(RETRACTED)
+                before = pc.fill_null(t.column(i), False).to_numpy(zero_copy_only=False)
+                t = t.set_column(i, RETRACTED, pa.array(before | lost, pa.bool_()))
+            keep = keep | fixed
         t = t.filter(pa.array(keep))
     return t
 
@@ -371,6 +379,8 @@ class Enricher:
         missed = functools.reduce(pc.or_, [pc.invert(pc.fill_null(t.column(s.matched), True)) for s in self.specs])
         if self.error_column is not None:
             missed = pc.and_(missed, pc.is_null(t.column(self.error_column)))
+        if KIND in t.column_names:  # a correction is not an event written
+            missed = pc.and_(missed, pc.not_equal(t.column(KIND), KIND_CORRECTION))
         return int(pc.sum(pc.cast(missed, pa.int64())).as_py() or 0)
 
     def join(self, t: pa.Table, lookups: Mapping[str, tuple[Lookup, Lookup | None]]) -> pa.Table:

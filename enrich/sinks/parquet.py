@@ -16,8 +16,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from enrich.columns import KIND, KIND_CORRECTION
 from enrich.sinks.abc import Counted, EnrichedBatch
 from refstream.atomic import fsync_dir
 
@@ -68,7 +70,11 @@ class ParquetSink:
             dead = batch.dead_letters()
         finally:
             df.unpersist()
-        self.counted = Counted(enriched=written)
+        fixed = 0
+        if KIND in batch.df.columns:  # with corrections: counted apart from the events
+            kinds = pq.read_table(self.final_dir(batch_id), columns=[KIND]).column(KIND)
+            fixed = int(pc.sum(pc.cast(pc.equal(kinds, KIND_CORRECTION), pa.int64())).as_py() or 0)
+        self.counted = Counted(enriched=written - fixed, corrections=fixed)
         return dead
 
     def close(self) -> None:

@@ -22,8 +22,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 from pyspark.sql.types import BinaryType, LongType, StructField, StructType
 
-from enrich.columns import CAUSE, KEY_BYTES, KIND, KIND_CORRECTION, KIND_EVENT, REVISION
-from enrich.dimension.corrections import NO_BOUND_END, NO_BOUND_START, changes_file
+from enrich.columns import CAUSE, KEY_BYTES, KIND, KIND_CORRECTION, KIND_EVENT, RETRACTED, REVISION
+from enrich.dimension.corrections import NO_BOUND_END, NO_BOUND_START, QUIET, changes_file
 from enrich.ipc import from_ipc
 from enrich.joins import JoinSpec, event_keys, row_keys
 
@@ -56,25 +56,30 @@ def horizon_start(corrected: Sequence[Corrects], watermark: int | None) -> int:
 
 def read_changes(directory: str | Path, batch_id: int, dataset: str) -> pa.Table:
     """The changes the driver wrote for the batch (``enrich.dimension.corrections.changes``), the
-    ones that correct something (``unchanged`` left out)."""
+    ones that correct something (``unchanged`` and ``timely`` left out)."""
     t = from_ipc(changes_file(directory, batch_id, dataset).read_bytes())
-    return t.filter(pc.not_equal(t.column("result"), "unchanged"))
+    return t.filter(pc.invert(pc.is_in(t.column("result"), value_set=pa.array(QUIET))))
 
 
 def as_events(out: pa.Table) -> pa.Table:
-    """The step's output rows ``out`` as first written: ``_kind`` event, ``_revision`` 0, no cause."""
+    """The step's output rows ``out`` as first written: ``_kind`` event, ``_revision`` 0, no cause,
+    not retracted."""
     n = out.num_rows
     return (out.append_column(KIND, pa.array([KIND_EVENT] * n, pa.string()))
             .append_column(REVISION, pa.array(np.zeros(n, np.int32), pa.int32()))
-            .append_column(CAUSE, pa.nulls(n, CAUSE_TYPE)))
+            .append_column(CAUSE, pa.nulls(n, CAUSE_TYPE))
+            .append_column(RETRACTED, pa.array(np.zeros(n, bool), pa.bool_())))
 
 
 def emitted(rows: pa.Table) -> pa.Table:
-    """:class:`Matched` rows as the step's output rows: ``_kind`` correction, then their revision and cause."""
+    """:class:`Matched` rows as the step's output rows: ``_kind`` correction, then their revision and
+    cause, not retracted (an inner join of the join pass that finds no row retracts it:
+    :func:`enrich.joins.join_table`)."""
     tail = [rows.column(REVISION), rows.column(CAUSE)]
     body = rows.drop_columns([TS, REVISION, CAUSE])
     return (body.append_column(KIND, pa.array([KIND_CORRECTION] * rows.num_rows, pa.string()))
-            .append_column(REVISION, tail[0]).append_column(CAUSE, tail[1]))
+            .append_column(REVISION, tail[0]).append_column(CAUSE, tail[1])
+            .append_column(RETRACTED, pa.array(np.zeros(rows.num_rows, bool), pa.bool_())))
 
 #: A kept event's time (UTC microseconds); it keeps its last revision in :data:`REVISION`.
 TS = "__c_ts"
@@ -151,7 +156,7 @@ def match(log: pa.Table | None, changes: Sequence[tuple[Corrects, pa.Table]],
     picked: list[pa.Table] = []
     for c, ch in changes:
         spec = c.spec
-        ch = ch.filter(pc.not_equal(ch.column("result"), "unchanged"))
+        ch = ch.filter(pc.invert(pc.is_in(ch.column("result"), value_set=pa.array(QUIET))))
         if ch.num_rows == 0:
             continue
         log_keys, log_nulls = event_keys(log, spec)

@@ -110,7 +110,9 @@ class DeviceStateProcessor(StatefulProcessor):
     ``rollups``: the rollups the step feeds (:mod:`enrich.state.rollups`), over the rollup step's
     buckets ``rollup_ids`` (grouping keys); with them the step's rows are the rollup step's input,
     and the events the in-plan inner joins did not match (their ``matched`` columns: ``inner``)
-    count in no rollup. ``server_timeout_s``: how long a request to the task's state server may go unanswered before it
+    count in no rollup. ``corrected``: the corrected joins (:mod:`enrich.state.corrections`): the
+    bucket keeps what it writes within their horizon and writes corrections of it, as rows of
+    ``out_schema`` (the step's output rows). ``server_timeout_s``: how long a request to the task's state server may go unanswered before it
     fails the task (``state.server_timeout``; a state server thread that died would otherwise leave
     the task, its batch and the query waiting for good)."""
 
@@ -123,9 +125,9 @@ class DeviceStateProcessor(StatefulProcessor):
                  rollup_ids: tuple[int, ...] = (), inner: tuple[str, ...] = (),
                  gaps: gap_engine.GapSpec | None = None,
                  gap_records: Accumulator[dict[int, dict[str, Any]]] | None = None,
-                 corrected: tuple[corrections.Corrects, ...] = ()) -> None:
+                 corrected: tuple[corrections.Corrects, ...] = (), out_schema: pa.Schema | None = None) -> None:
         self.spec, self.columns, self.devices, self.dims, self.cache = spec, columns, devices, dims, cache
-        self.corrected = corrected
+        self.corrected, self.out_schema = corrected, out_schema
         self.waits, self.floor_us = waits, floor_us
         self.calls, self.call_counts = calls, call_counts
         self.server_timeout_s = server_timeout_s
@@ -242,9 +244,11 @@ class DeviceStateProcessor(StatefulProcessor):
         something to do: changes, events past the horizon, or chunks to merge."""
         changes = _batch_changes(self.corrected)
         meta = self.written_meta.get()
-        chunks, oldest = (int(meta[0]), int(meta[1])) if meta is not None else (0, NO_BOUND_END)
+        chunks, oldest, newest = ((int(meta[0]), int(meta[1]), int(meta[2])) if meta is not None
+                                  else (0, NO_BOUND_END, NO_BOUND_START))
         start = corrections.horizon_start(self.corrected, watermark)
-        todo = any(t.num_rows for _, t in changes)
+        # A change whose span starts after every kept event corrects none of them.
+        todo = any(t.num_rows and int(pc.min(t.column("start")).as_py()) <= newest for _, t in changes)
         if chunks == 0 or not (todo or oldest < start or chunks >= corrections.MERGE_AT):
             return None
         log = pa.concat_tables([from_ipc(bytes(c[0])) for c in self.written.get()], promote_options="permissive")
@@ -256,10 +260,20 @@ class DeviceStateProcessor(StatefulProcessor):
             self.written.clear()
             self.written_meta.clear()
         else:
-            max_ts = int(pc.max(log.column(corrections.TS)).as_py())
-            self.written.put([(to_ipc(log), max_ts)])
-            self.written_meta.update((1, max_ts))
-        return corrections.emitted(found.rows) if found is not None else None
+            ts = log.column(corrections.TS)
+            self.written.put([(to_ipc(log), int(pc.max(ts).as_py()))])
+            self.written_meta.update((1, int(pc.max(ts).as_py()), int(pc.max(ts).as_py())))
+        return self._conformed(corrections.emitted(found.rows)) if found is not None else None
+
+    def _conformed(self, rows: pa.Table) -> pa.Table:
+        """Corrections of rows kept under an earlier plan (the job restarted with other columns, or a
+        dataset's types changed) as this plan's output rows: a column they lack is null, a type cast,
+        one the plan dropped left out."""
+        schema = self.out_schema
+        if schema is None or rows.schema == schema:
+            return rows
+        return pa.Table.from_arrays([rows.column(f.name).cast(f.type) if f.name in rows.column_names
+                                     else pa.nulls(rows.num_rows, f.type) for f in schema], schema=schema)
 
     def _keep_written(self, out: pa.Table, table: pa.Table, fixed: pa.Table | None) -> pa.Table:
         """``out`` (this batch's output rows; ``table`` their input rows) kept for corrections (the
@@ -272,11 +286,13 @@ class DeviceStateProcessor(StatefulProcessor):
             max_ts = int(ts.max())
             self.written.appendValue((to_ipc(kept), max_ts))
             meta = self.written_meta.get()
-            chunks, oldest = (int(meta[0]), int(meta[1])) if meta is not None else (0, NO_BOUND_END)
-            self.written_meta.update((chunks + 1, min(oldest, max_ts)))
+            chunks, oldest, newest = ((int(meta[0]), int(meta[1]), int(meta[2])) if meta is not None
+                                      else (0, NO_BOUND_END, NO_BOUND_START))
+            self.written_meta.update((chunks + 1, min(oldest, max_ts), max(newest, max_ts)))
         out = corrections.as_events(out)
         if fixed is not None:
-            out = pa.concat_tables([out, fixed.select(out.column_names).cast(out.schema)])
+            out = pa.concat_tables([out, fixed.cast(out.schema) if fixed.schema != out.schema
+                                    else fixed])
         return out
 
     def _with_rollups(self, bucket: int, out: pa.Table, timer_values: TimerValues) -> pd.DataFrame:

@@ -41,10 +41,11 @@ TOKEN_SCHEMA = StructType([StructField("token", StringType(), False)])
 #: Arrow IPC value of :data:`VALUE_SCHEMA`; absent when none are held.
 HELD = "held"
 #: With ``joins[].corrections``: a bucket's events written within the horizon (``enrich.state.corrections``),
-#: a list of chunks (``enrich.state.corrections.CHUNK_SCHEMA``), and how many chunks there are and the
-#: smallest of their greatest event times (:data:`WRITTEN_META_SCHEMA`).
+#: a list of chunks (``enrich.state.corrections.CHUNK_SCHEMA``), and how many chunks there are, the
+#: smallest of their greatest event times and the greatest (:data:`WRITTEN_META_SCHEMA`).
 WRITTEN = "written"
-WRITTEN_META_SCHEMA = StructType([StructField("chunks", LongType(), False), StructField("oldest", LongType(), False)])
+WRITTEN_META_SCHEMA = StructType([StructField("chunks", LongType(), False), StructField("oldest", LongType(), False),
+                                  StructField("newest", LongType(), False)])
 #: The state variables of a bucket's gaps (``enrich.gaps.engine``: its devices, its closed gaps;
 #: VALUE_SCHEMA tables), when the job has ``gaps:``.
 GAPS, GAPS_CLOSED = "gaps", "gaps_closed"

@@ -108,8 +108,6 @@ def test_parse_full_shape() -> None:
       "state": {"key": "d", "timestamp": "ts"}}, "joins[0].corrections: horizon 2:00:00 is longer than the join's history"),
     ({"joins": [{"dataset": "d", "on": "d", "as_of": True, "strategy": "partitioned", "corrections": {"horizon": "1h"}}],
       "state": {"key": "d", "timestamp": "ts"}}, "joins[0].corrections: corrections apply to broadcast joins"),
-    ({"joins": [{"dataset": "d", "on": "x", "as_of": True, "how": "inner", "corrections": {"horizon": "1h"}}],
-      "state": {"key": "d", "timestamp": "ts"}}, "joins[0].corrections: corrections apply to how: left joins"),
     ({"joins": [{"dataset": "d", "on": "x", "as_of": True, "corrections": {"horizon": "1h"}},
                 {"dataset": "d", "on": "e", "prefix": "p", "as_of": True}],
       "state": {"key": "d", "timestamp": "ts"}}, "joins[1].as_of: dataset 'd' is joined with different"),

@@ -145,3 +145,19 @@ def test_lookup_finds_int_and_string_keys_and_misses() -> None:
     found = strs.find(values)
     found[nulls] = -1
     assert found.tolist() == [1, -1, -1, 0]
+
+
+def test_an_inner_join_retracts_a_correction_it_finds_no_row_for(spark: SparkSession,
+                                                                  dims: dict[str, DimensionState]) -> None:
+    """With corrections (the rows carry _kind and _retracted): an event without a match is dropped, a
+    correction without one goes on, retracted; a matched correction is not."""
+    shipper = Shipper(spark.sparkContext)
+    df = spark.createDataFrame([("d1", "eu", 1, "event", False), ("nope", "eu", 2, "event", False),
+                                ("nope", "eu", 3, "correction", False), ("d1", "eu", 4, "correction", False)],
+                               "device_id STRING, zone STRING, n INT, _kind STRING, _retracted BOOLEAN")
+    specs, out = resolve([join_cfg("devices", {"device_id": None}, ["owner"], how="inner")],
+                         {k: v.schema for k, v in dims.items()}, df.schema)
+    shipped = {k: shipper.ship(v.snapshot()) for k, v in dims.items()}
+    got = sorted((r.asDict() for r in apply_joins(df, specs, out, shipped).collect()), key=lambda r: r["n"])
+    assert [(r["n"], r["owner"], r["_devices_matched"], r["_retracted"]) for r in got] == [
+        (1, "ann", True, False), (3, None, False, True), (4, "ann", True, False)]

@@ -86,7 +86,8 @@ def test_a_version_older_than_every_other_covers_the_clipped_events_before_it() 
     log = Log()
     log.put(T0, [{"device_id": "d1", "site_id": "s-2"}])
     got = log.batch(T0 - timedelta(hours=5), (T0 - 60 * MIN, [{"device_id": "d1", "site_id": "s-1"}]))
-    assert rows(got) == [("d1", us(T0 - 60 * MIN), NO_BOUND_START, us(T0), "beyond_horizon")]
+    # Its time is within the horizon: what it covers before it is the clipped events, kept or not.
+    assert rows(got) == [("d1", us(T0 - 60 * MIN), NO_BOUND_START, us(T0), "corrected")]
 
 
 def test_a_change_reaching_before_the_horizon_is_counted_beyond_it() -> None:
@@ -130,3 +131,36 @@ def test_a_batch_without_versions_has_no_changes() -> None:
     log = Log()
     log.state.begin_journal()
     assert log.state.end_journal() == ([], None, None)
+
+
+def test_a_version_after_every_event_seen_is_timely_and_corrects_nothing() -> None:
+    log = Log()
+    log.put(T0, [{"device_id": "d1", "site_id": "s-2"}])
+    log.state.begin_journal()
+    log.put(T0 + 30 * MIN, [{"device_id": "d1", "site_id": "s-3"}])   # after every event seen: on time
+    log.put(T0 + 5 * MIN, [{"device_id": "d2", "site_id": "s-3"}])    # a new key: earlier events clip to it
+    entries, new, old = log.state.end_journal()
+    assert new is not None
+    got = changes(entries, new, old, ("device_id",), ("site_id",), us(T0 - timedelta(days=1)), us(T0 + 10 * MIN))
+    assert rows(got) == [("d1", us(T0 + 30 * MIN), us(T0 + 30 * MIN), NO_BOUND_END, "timely"),
+                         ("d2", us(T0 + 5 * MIN), NO_BOUND_START, NO_BOUND_END, "corrected")]
+
+
+def test_a_pin_tried_again_keeps_the_versions_its_first_attempt_applied() -> None:
+    log = Log()
+    log.put(T0, [{"device_id": "d1", "site_id": "s-2"}])
+    log.state.begin_journal()
+    log.put(T0 + MIN, [{"device_id": "d1", "site_id": "s-3"}])
+    log.state.end_journal(close=False)          # the attempt fails after this
+    log.state.begin_journal()                   # the retry: goes on
+    log.put(T0 + 2 * MIN, [{"device_id": "d2", "site_id": "s-3"}])
+    entries, _, old = log.state.end_journal()
+    assert [e.key for e in entries] == [b'{"device_id":"d1"}', b'{"device_id":"d2"}'] and old is not None
+    log.state.begin_journal()
+    assert log.state.end_journal()[0] == []
+
+
+def test_nan_in_a_joined_column_is_equal_to_nan() -> None:
+    from enrich.dimension.corrections import _equal
+
+    assert _equal(float("nan"), float("nan")) and _equal(1.0, 1.0) and not _equal(1.0, float("nan"))

@@ -151,7 +151,7 @@ def test_a_backdated_change_corrects_the_events_written_before_it_and_equals_a_f
     if sink == "postgresql":  # updated in place: one row per event
         assert sorted(r["n"] for r in got) == [1, 2, 3, 4, 5, 6]
     for r in corrections:
-        assert (r["site"], r["_devices_matched"], r["_revision"]) == ("s-6", True, 1)
+        assert (r["site"], r["_devices_matched"], r["_revision"], r["_retracted"]) == ("s-6", True, 1, False)
         cause = r["_cause"]
         assert (cause["dataset"], json.loads(cause["key"])) == ("devices", {"id": 1})
         assert cause["valid_from"] == iso(moved)
