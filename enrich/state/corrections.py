@@ -20,20 +20,19 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
-from pyspark.sql.types import BinaryType, LongType, StructField, StructType
 
 from enrich.columns import CAUSE, KEY_BYTES, KIND, KIND_CORRECTION, KIND_EVENT, RETRACTED, REVISION
 from enrich.dimension.corrections import NO_BOUND_END, NO_BOUND_START, QUIET, changes_file
 from enrich.ipc import from_ipc
 from enrich.joins import JoinSpec, event_keys, row_keys
 
-__all__ = ["CAUSE_TYPE", "CHUNK_SCHEMA", "MERGE_AT", "NO_BOUND_END", "NO_BOUND_START", "TS", "Corrects", "Matched",
+__all__ = ["CAUSE_TYPE", "MERGE_AT", "SMALL_ROWS", "NO_BOUND_END", "NO_BOUND_START", "TS", "Corrects", "Matched",
            "as_events", "emitted", "horizon_start", "keep", "match", "read_changes"]
 
-#: A bucket's kept events: a list of chunks, one per batch that wrote some (Arrow IPC, and the
-#: chunk's greatest event time); merged into one when this many have piled up.
-CHUNK_SCHEMA = StructType([StructField("rows", BinaryType(), False), StructField("max_ts", LongType(), False)])
-MERGE_AT = 16
+#: A bucket's kept events are chunks, one per batch that wrote some; this many small ones (fewer
+#: rows than :data:`SMALL_ROWS`) are merged into one, so that a bucket holds few chunks whatever
+#: its horizon, and a chunk goes whole once its newest event is behind the horizon.
+MERGE_AT, SMALL_ROWS = 16, 50_000
 
 
 @dataclass(frozen=True)

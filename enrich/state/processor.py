@@ -71,10 +71,12 @@ from enrich.rollups import packs
 from enrich.rollups.spec import RollupSpec
 from enrich.state import corrections, engine, rollups, wait
 from enrich.state.cache import TableCache
-from enrich.state.corrections import CHUNK_SCHEMA, NO_BOUND_END, NO_BOUND_START
+from enrich.state.corrections import NO_BOUND_START
 from enrich.state.engine import StateSpec
 from enrich.state.stored import (
     CALLS_NAME,
+    CHUNK_KEY_SCHEMA,
+    CHUNK_SCHEMA,
     DELTA_SCHEMA,
     DELTAS,
     DIM_SCHEMA,
@@ -86,7 +88,7 @@ from enrich.state.stored import (
     TOKEN_SCHEMA,
     VALUE_SCHEMA,
     WRITTEN,
-    WRITTEN_META_SCHEMA,
+    WRITTEN_INDEX_SCHEMA,
     bucket_table,
 )
 from enrich.state.timers import keep_one_timer, watermark_us
@@ -158,13 +160,14 @@ class DeviceStateProcessor(StatefulProcessor):
             self.gap_table = handle.getValueState(GAPS, VALUE_SCHEMA)
             self.gap_closed = handle.getValueState(GAPS_CLOSED, VALUE_SCHEMA)
         if self.corrected:  # what the bucket wrote within the horizon (enrich.state.corrections)
-            self.written = handle.getListState(WRITTEN, CHUNK_SCHEMA)
-            self.written_meta = handle.getValueState(WRITTEN + "n", WRITTEN_META_SCHEMA)
+            self.written = handle.getMapState(WRITTEN, CHUNK_KEY_SCHEMA, CHUNK_SCHEMA)
+            self.written_index = handle.getValueState(WRITTEN + "n", WRITTEN_INDEX_SCHEMA)
 
     def handleInputRows(self, key: Any, rows: Iterator[pd.DataFrame],  # type: ignore[override]
                         timerValues: TimerValues) -> Iterator[pd.DataFrame]:
         settle()
         self._gap_done = None
+        self._written_index: dict[str, Any] | None = None
         kinds = packed.unpack_kinds(rows)
         # A batch's changelog records come first: its events see the dimension as of their end.
         versions = [self._dimension(i, kinds.get(d.kind)) for i, d in enumerate(self.dims)]
@@ -239,31 +242,46 @@ class DeviceStateProcessor(StatefulProcessor):
 
     def _correct(self, watermark: int | None) -> pa.Table | None:
         """The corrections this batch's late versions make of the events the bucket kept (as the
-        step's output rows: ``_kind`` correction, their revision and cause), the kept events pruned
-        to the horizon; None when there are none. The kept events are read only when there is
-        something to do: changes, events past the horizon, or chunks to merge."""
+        step's output rows: ``_kind`` correction, their revision and cause), or None; the chunks
+        behind the horizon dropped. Only the chunks a change can concern are read (by the index's
+        times), and only those it corrected are written back."""
         changes = _batch_changes(self.corrected)
-        meta = self.written_meta.get()
-        chunks, oldest, newest = ((int(meta[0]), int(meta[1]), int(meta[2])) if meta is not None
-                                  else (0, NO_BOUND_END, NO_BOUND_START))
+        index = self._index()
         start = corrections.horizon_start(self.corrected, watermark)
-        # A change whose span starts after every kept event corrects none of them.
-        todo = any(t.num_rows and int(pc.min(t.column("start")).as_py()) <= newest for _, t in changes)
-        if chunks == 0 or not (todo or oldest < start or chunks >= corrections.MERGE_AT):
+        gone = [c for c in index["chunks"] if c[3] < start]
+        for c in gone:
+            self.written.removeKey((c[0],))
+        chunks = [c for c in index["chunks"] if c[3] >= start]
+        starts = [int(pc.min(t.column("start")).as_py()) for _, t in changes if t.num_rows]
+        fixed: list[pa.Table] = []
+        if starts:
+            first = min(starts)
+            for c in chunks:
+                if c[3] < first:  # every event of it is older than every change's span
+                    continue
+                got = self.written.getValue((c[0],))
+                if got is None:
+                    continue
+                found = corrections.match(from_ipc(bytes(got[0])), changes, watermark)
+                if found is not None:
+                    self.written.updateValue((c[0],), (to_ipc(found.log),))
+                    fixed.append(found.rows)
+        if gone:
+            self._store_index(index["next"], chunks)
+        self._written_index = {"next": index["next"], "chunks": chunks}  # this call's: no second read
+        if not fixed:
             return None
-        log = pa.concat_tables([from_ipc(bytes(c[0])) for c in self.written.get()], promote_options="permissive")
-        log = corrections.keep(log, None, None, start)
-        found = corrections.match(log, changes, watermark) if todo and log is not None else None
-        if found is not None:
-            log = found.log
-        if log is None:
-            self.written.clear()
-            self.written_meta.clear()
+        return self._conformed(corrections.emitted(pa.concat_tables(fixed, promote_options="permissive")))
+
+    def _index(self) -> dict[str, Any]:
+        got = self.written_index.get()
+        return json.loads(got[0]) if got is not None else {"next": 0, "chunks": []}
+
+    def _store_index(self, next_id: int, chunks: list[list[int]]) -> None:
+        if chunks:
+            self.written_index.update((json.dumps({"next": next_id, "chunks": chunks}),))
         else:
-            ts = log.column(corrections.TS)
-            self.written.put([(to_ipc(log), int(pc.max(ts).as_py()))])
-            self.written_meta.update((1, int(pc.max(ts).as_py()), int(pc.max(ts).as_py())))
-        return self._conformed(corrections.emitted(found.rows)) if found is not None else None
+            self.written_index.clear()
 
     def _conformed(self, rows: pa.Table) -> pa.Table:
         """Corrections of rows kept under an earlier plan (the job restarted with other columns, or a
@@ -277,22 +295,32 @@ class DeviceStateProcessor(StatefulProcessor):
 
     def _keep_written(self, out: pa.Table, table: pa.Table, fixed: pa.Table | None) -> pa.Table:
         """``out`` (this batch's output rows; ``table`` their input rows) kept for corrections (the
-        good ones, with their times), then with ``_kind``, ``_revision`` and ``_cause``, and the
-        corrections ``fixed`` after them."""
+        good ones, with their times, a chunk of their own; the small chunks merged once there are
+        :data:`~enrich.state.corrections.MERGE_AT` of them), then with ``_kind``, ``_revision``,
+        ``_cause`` and ``_retracted``, and the corrections ``fixed`` after them."""
         good = pc.is_null(out.column(ERROR))
         ts = table.filter(good).column(TS_US).to_numpy(zero_copy_only=False)
         kept = corrections.keep(None, out.filter(good), ts, NO_BOUND_START)
         if kept is not None:
-            max_ts = int(ts.max())
-            self.written.appendValue((to_ipc(kept), max_ts))
-            meta = self.written_meta.get()
-            chunks, oldest, newest = ((int(meta[0]), int(meta[1]), int(meta[2])) if meta is not None
-                                      else (0, NO_BOUND_END, NO_BOUND_START))
-            self.written_meta.update((chunks + 1, min(oldest, max_ts), max(newest, max_ts)))
+            index = self._written_index if self._written_index is not None else self._index()
+            chunks, next_id = list(index["chunks"]), index["next"]
+            small = [c for c in chunks if c[1] < corrections.SMALL_ROWS]
+            if len(small) + 1 >= corrections.MERGE_AT:
+                parts = []
+                for c in small:
+                    got = self.written.getValue((c[0],))
+                    if got is not None:
+                        parts.append(from_ipc(bytes(got[0])))
+                    self.written.removeKey((c[0],))
+                kept = pa.concat_tables([*parts, kept], promote_options="permissive")
+                chunks = [c for c in chunks if c[1] >= corrections.SMALL_ROWS]
+            times = kept.column(corrections.TS)
+            self.written.updateValue((next_id,), (to_ipc(kept),))
+            chunks.append([next_id, kept.num_rows, int(pc.min(times).as_py()), int(pc.max(times).as_py())])
+            self._store_index(next_id + 1, chunks)
         out = corrections.as_events(out)
         if fixed is not None:
-            out = pa.concat_tables([out, fixed.cast(out.schema) if fixed.schema != out.schema
-                                    else fixed])
+            out = pa.concat_tables([out, fixed.cast(out.schema) if fixed.schema != out.schema else fixed])
         return out
 
     def _with_rollups(self, bucket: int, out: pa.Table, timer_values: TimerValues) -> pd.DataFrame:

@@ -18,7 +18,7 @@ from enrich.state import engine
 from enrich.state.engine import StateSpec
 
 __all__ = ["CALLS_NAME", "DELTAS", "GAPS", "GAPS_CLOSED", "DELTA_SCHEMA", "DIM_SCHEMA", "HELD", "SIZES_SCHEMA", "STATE_NAME",
-           "TOKEN_SCHEMA", "VALUE_SCHEMA", "WRITTEN", "WRITTEN_META_SCHEMA", "bucket_table", "stored_spec"]
+           "TOKEN_SCHEMA", "VALUE_SCHEMA", "CHUNK_KEY_SCHEMA", "CHUNK_SCHEMA", "WRITTEN", "WRITTEN_INDEX_SCHEMA", "bucket_table", "stored_spec"]
 
 #: The state variable holding a bucket's device table (its base: see :class:`DeviceStateProcessor`),
 #: and its schema; ``devicesv`` holds the token naming the table's version in the executors' local
@@ -41,11 +41,13 @@ TOKEN_SCHEMA = StructType([StructField("token", StringType(), False)])
 #: Arrow IPC value of :data:`VALUE_SCHEMA`; absent when none are held.
 HELD = "held"
 #: With ``joins[].corrections``: a bucket's events written within the horizon (``enrich.state.corrections``),
-#: a list of chunks (``enrich.state.corrections.CHUNK_SCHEMA``), and how many chunks there are, the
-#: smallest of their greatest event times and the greatest (:data:`WRITTEN_META_SCHEMA`).
+#: a map of chunks (chunk id -> Arrow IPC rows: :data:`CHUNK_KEY_SCHEMA`, :data:`CHUNK_SCHEMA`), and
+#: their index (``writtenn``: JSON ``{"next": id, "chunks": [[id, rows, min_ts, max_ts], ...]}``), read
+#: on every call instead of the chunks.
 WRITTEN = "written"
-WRITTEN_META_SCHEMA = StructType([StructField("chunks", LongType(), False), StructField("oldest", LongType(), False),
-                                  StructField("newest", LongType(), False)])
+CHUNK_KEY_SCHEMA = StructType([StructField("chunk", LongType(), False)])
+CHUNK_SCHEMA = StructType([StructField("rows", BinaryType(), False)])
+WRITTEN_INDEX_SCHEMA = StructType([StructField("index", StringType(), False)])
 #: The state variables of a bucket's gaps (``enrich.gaps.engine``: its devices, its closed gaps;
 #: VALUE_SCHEMA tables), when the job has ``gaps:``.
 GAPS, GAPS_CLOSED = "gaps", "gaps_closed"
