@@ -47,6 +47,8 @@ BENCHMARKS = {
                  "on one versioned changelog"),
     "state_savepoint": ("bench.state_savepoint", "state of N devices: enrich savepoint, a fork's first run vs a "
                         "restart"),
+    "corrections": ("bench.corrections_job", "corrections: the job with corrections on an as-of join vs without "
+                    "(throughput, state kept), and a late version of 10k devices corrected"),
     "gaps": ("bench.gaps_bench", "gaps: judging a bucket's devices' silences per batch and tick (no Spark)"),
     "wait": ("bench.wait_bench", "waiting for completeness: deciding and storing a bucket's held events (no Spark)"),
     "calls": ("bench.calls", "calls: in the state step: calls/s per task vs concurrency / latency, the job with "

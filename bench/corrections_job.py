@@ -1,0 +1,217 @@
+"""The job with corrections on an as-of join against the same job without them (issue 42).
+
+    python -m bench.run corrections --events 1000000 --devices 100000 --late 10000 --repeat 3
+
+Against an embedded broker (or ``--bootstrap``), with ``enrich_bench``'s events and ``state:`` section:
+a ``devices`` changelog of ``--devices`` keys, each valid from a day before the events. Each round
+runs, on the same backlog, ``python -m enrich run --available-now`` (``local[2]``, ``--batch``
+events per micro-batch, its own checkpoint) with the as-of ``devices`` join as it is (``as_of``),
+then with ``corrections: {horizon: 24h}`` (``corrections``), and reports each one's throughput (the
+full batches after the first two) and the size of its state store on disk (the checkpoint's
+``spark/state``): the difference is what the corrections keep, per device and per event.
+
+Then, on the last round's ``corrections`` checkpoint, the job runs (trigger 1s) and, once it has
+run a few batches, a late version of ``--late`` devices (another owner, valid from an hour before
+the events: every event of theirs is affected) is published: the time from the publish's start
+until every correction is committed and read (``read_committed``) is reported, and the corrections
+are checked (every event of those devices once, with the new owner). Medians over the rounds; ``--keep DIR`` keeps the
+configs and the jobs' logs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import time
+import uuid
+from contextlib import ExitStack
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from bench import enrich_data as data
+from bench.common import BATCH_DONE, ROOT, broker_settings, input_topics, run_available_now, workdir
+from bench.enrich_bench import STATE_SECTION, _machine
+from refstream import contract
+from refstream import kafka as rkafka
+
+log = logging.getLogger(__name__)
+
+TARGET_RATE = 0.8    # issue 42: with corrections on and no late change, at least 0.8 of the throughput without
+TARGET_LATENCY = 10  # issue 42: 100k corrections committed within 10 s of the change reaching Kafka
+VARIANTS = ("as_of", "corrections")
+
+
+def publish(settings: dict[str, str], topic: str, ns: range, owner: str, at: datetime) -> None:
+    """Versions of devices ``ns`` with ``owner``, valid from ``at`` (a schema record first if new)."""
+    rkafka.ensure_topic(settings, topic, config=contract.TOPIC_CONFIG)
+    p = rkafka.producer(settings, role="bulk", **{"enable.idempotence": True})
+    m = contract.schema_message(data.DEVICES)
+    p.produce(topic, m.value, m.key, headers=m.headers)
+    for lo in range(ns.start, ns.stop, 50_000):
+        rows = [data.device_row(n, owner) for n in range(lo, min(lo + 50_000, ns.stop))]
+        for m in contract.upsert_messages(data.DEVICES, rows, 1, valid_from=at):
+            while True:
+                try:
+                    p.produce(topic, m.value, m.key, headers=m.headers)
+                    break
+                except BufferError:
+                    p.poll(0.1)
+        p.poll(0)
+    p.flush(120)
+
+
+def config(path: Path, settings: dict[str, str], events: str, devices: str, work: Path, batch: int,
+           corrections: bool, out: str | None = None) -> tuple[str, Path]:
+    """Write the job's config to ``path``; returns its output topic and checkpoint."""
+    name = uuid.uuid4().hex[:8]
+    out = out or f"bench-out-{name}"
+    checkpoint = work / f"checkpoint-{name}"
+    join: dict[str, Any] = {"dataset": "devices", "topic": devices, "on": "device_id",
+                            "columns": list(data.JOIN_COLUMNS), "as_of": True}
+    if corrections:
+        join["corrections"] = {"horizon": "24h"}
+    path.write_text(yaml.safe_dump({
+        "kafka": {"bootstrap_servers": settings["bootstrap.servers"]},
+        "events": {"topic": events, "schema": data.EVENT_DDL, "starting_offsets": "earliest"},
+        "joins": [join],
+        "output": {"kafka": {"topic": out}},
+        "dead_letter_topic": f"bench-dlq-{name}",
+        "checkpoint": str(checkpoint),
+        "trigger": "1s",
+        "max_events_per_batch": batch,
+        "state": STATE_SECTION,
+        "spark": {"spark.ui.enabled": "false", "spark.driver.memory": "2g"},
+    }), encoding="utf-8")
+    return out, checkpoint
+
+
+def state_bytes(checkpoint: Path) -> int:
+    """The state store's files on disk."""
+    return sum(f.stat().st_size for f in (checkpoint / "spark" / "state").rglob("*") if f.is_file())
+
+
+def read_output(settings: dict[str, str], topic: str, start: dict[int, int] | None = None,
+                ends: dict[int, int] | None = None) -> list[dict[str, Any]]:
+    """Every committed record of ``topic`` from ``start`` (partition -> offset; default: the beginning)
+    to its end, decoded; ``ends`` gets each partition's next offset."""
+    out = []
+    for m in rkafka.read_to_end(settings, topic, start, batch=10_000, timeout=120):
+        if ends is not None:
+            ends[m.partition()] = max(ends.get(m.partition(), 0), m.offset() + 1)
+        if m.value() is not None:
+            out.append(json.loads(m.value()))
+    return out
+
+
+def wait_batches(log_path: Path, n: int, proc: subprocess.Popen[bytes], timeout: float = 300) -> None:
+    """Until the running job has logged ``n`` batches done."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the job exited {proc.returncode}: {log_path.read_text()[-2000:]}")
+        if len(BATCH_DONE.findall(log_path.read_text())) >= n:
+            return
+        time.sleep(0.5)
+    raise RuntimeError(f"the job did not run {n} batches in {timeout:.0f}s")
+
+
+def _stop(proc: subprocess.Popen[bytes]) -> None:
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="bench.run corrections", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--events", type=int, default=1_000_000)
+    ap.add_argument("--devices", type=int, default=100_000)
+    ap.add_argument("--late", type=int, default=10_000, help="devices the late version moves")
+    ap.add_argument("--batch", type=int, default=100_000, help="max_events_per_batch")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--bootstrap", help="a broker to use instead of an embedded one")
+    ap.add_argument("--keep", type=Path, help="keep the jobs' configs and logs in this directory")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    print(f"machine: {_machine()}; {args.events:,} events over {args.devices:,} devices, batches of "
+          f"{args.batch:,}; a late version of {args.late:,} devices", flush=True)
+    results: dict[str, list[dict[str, float]]] = {v: [] for v in VARIANTS}
+    with ExitStack() as stack:
+        settings = broker_settings(stack, args.bootstrap)
+        work = workdir(stack, args.keep, "bench-corrections-")
+        devices, events = input_topics()
+        t0 = datetime.now(UTC)
+        publish(settings, devices, range(1, args.devices + 1), "team-a", t0 - timedelta(days=1))
+        data.fill_events(settings, events, args.events, 2, args.devices)
+        last: tuple[Path, str, Path] | None = None
+        for r in range(args.repeat):
+            for name in VARIANTS:
+                cfg, job_log = work / f"{name}-{r}.yaml", work / f"{name}-{r}.log"
+                out, checkpoint = config(cfg, settings, events, devices, work, args.batch, name == "corrections")
+                job = run_available_now(cfg, job_log)
+                res = {"rate": job.steady_rate(args.events, args.batch), "state": float(state_bytes(checkpoint))}
+                results[name].append(res)
+                if name == "corrections":
+                    last = (cfg, out, checkpoint)
+                print(f"[{r + 1}/{args.repeat}] {name}: {res['rate']:,.0f} events/s, state store "
+                      f"{res['state'] / 1e6:,.1f} MB (run {job.wall_s:.0f}s)", flush=True)
+        med = {name: {k: statistics.median(x[k] for x in results[name]) for k in ("rate", "state")}
+               for name in VARIANTS}
+        ratio = med["corrections"]["rate"] / med["as_of"]["rate"]
+        kept = med["corrections"]["state"] - med["as_of"]["state"]
+        for name in VARIANTS:
+            print(f"median: {name} {med[name]['rate']:,.0f} events/s, state store {med[name]['state'] / 1e6:,.1f} MB")
+        print(f"corrections on / off, throughput: {ratio:.2f} (target >= {TARGET_RATE}: "
+              f"{'met' if ratio >= TARGET_RATE else 'NOT met'})")
+        print(f"kept for corrections (state store with - without): {kept / 1e6:,.1f} MB, "
+              f"{kept / args.devices:,.0f} bytes per device, {kept / args.events:,.1f} bytes per event")
+
+        assert last is not None
+        cfg, out, checkpoint = last
+        ends: dict[int, int] = {}
+        before = [e for e in read_output(settings, out, ends=ends) if e["_kind"] == "event"]
+        late = {data.device_id(n) for n in range(1, args.late + 1)}
+        want = sorted((e["_partition"], e["_offset"]) for e in before if e["device_id"] in late)
+        # The job running (trigger 1s, ticks every trigger), caught up: then the late versions.
+        job_log = work / "late.log"
+        env = {**os.environ, "PYSPARK_PYTHON": sys.executable,
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        with open(job_log, "ab") as sink:
+            proc = subprocess.Popen([sys.executable, "-m", "enrich", "run", "--config", str(cfg), "--master",
+                                     "local[2]"], cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT)
+        stack.callback(_stop, proc)
+        wait_batches(job_log, 5, proc)
+        read_output(settings, out, dict(ends), ends)  # whatever the restart wrote (nothing: it is caught up)
+        sent = time.monotonic()
+        publish(settings, devices, range(1, args.late + 1), "team-late", t0 - timedelta(hours=1))
+        published = time.monotonic() - sent
+        fixed: list[dict[str, Any]] = []
+        while time.monotonic() - sent < 300:  # only what came since: each read is short
+            fixed += [e for e in read_output(settings, out, dict(ends), ends) if e["_kind"] == "correction"]
+            if len(fixed) >= len(want):
+                break
+            time.sleep(0.1)
+        seen = time.monotonic() - sent
+        got = sorted((e["_partition"], e["_offset"]) for e in fixed)
+        if got != want or any(e["owner"] != "team-late" for e in fixed):
+            raise RuntimeError(f"{len(got):,} corrections written, {len(want):,} expected (every event of the "
+                               f"{args.late:,} devices once, owner team-late)")
+        print(f"late version of {args.late:,} devices (published in {published:.1f}s): {len(fixed):,} corrections "
+              f"committed {seen:.1f}s after the publish began (target <= {TARGET_LATENCY}s: "
+              f"{'met' if seen <= TARGET_LATENCY else 'NOT met'})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
