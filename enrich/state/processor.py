@@ -271,7 +271,8 @@ class DeviceStateProcessor(StatefulProcessor):
         self._written_index = {"next": index["next"], "chunks": chunks}  # this call's: no second read
         if not fixed:
             return None
-        return self._conformed(corrections.emitted(pa.concat_tables(fixed, promote_options="permissive")))
+        # Rows kept under an earlier plan (other columns, a dataset's types changed) as this plan's rows.
+        return _conform(corrections.emitted(pa.concat_tables(fixed, promote_options="permissive")), self.out_schema, ())
 
     def _index(self) -> dict[str, Any]:
         got = self.written_index.get()
@@ -282,16 +283,6 @@ class DeviceStateProcessor(StatefulProcessor):
             self.written_index.update((json.dumps({"next": next_id, "chunks": chunks}),))
         else:
             self.written_index.clear()
-
-    def _conformed(self, rows: pa.Table) -> pa.Table:
-        """Corrections of rows kept under an earlier plan (the job restarted with other columns, or a
-        dataset's types changed) as this plan's output rows: a column they lack is null, a type cast,
-        one the plan dropped left out."""
-        schema = self.out_schema
-        if schema is None or rows.schema == schema:
-            return rows
-        return pa.Table.from_arrays([rows.column(f.name).cast(f.type) if f.name in rows.column_names
-                                     else pa.nulls(rows.num_rows, f.type) for f in schema], schema=schema)
 
     def _keep_written(self, out: pa.Table, table: pa.Table, fixed: pa.Table | None) -> pa.Table:
         """``out`` (this batch's output rows; ``table`` their input rows) kept for corrections (the
@@ -588,9 +579,9 @@ class DeviceStateProcessor(StatefulProcessor):
 
 
 def _conform(held: pa.Table, schema: pa.Schema | None, columns: tuple[str, ...]) -> pa.Table:
-    """Rows held under an earlier plan (the job restarted with other event fields, or a dataset's
-    types changed) as ``schema``, this batch's events' (None: a tick alone, then the event
-    ``columns`` are made sure of): a column they lack is null, a type cast."""
+    """Rows held or kept under an earlier plan (the job restarted with other event fields, or a
+    dataset's types changed) as ``schema`` (None: a tick alone, then the event ``columns`` are made
+    sure of): a column they lack is null, a type cast, one ``schema`` lacks left out."""
     if schema is None:
         missing = [c for c in columns if c not in held.column_names]
         for c in missing:
