@@ -144,30 +144,19 @@ def row_plan(cfg: EnrichConfig, schema: StructType, columns: Sequence[str], even
     return RowPlan(db, tuple(fields), (key,), tuple(exprs))
 
 
-def latest_per_key(table: pa.Table, key: str, order: str) -> pa.Table:
-    """One row per ``key``: the one with the greatest ``order``."""
+def latest_per_key(table: pa.Table, key: Sequence[str], order: str) -> pa.Table:
+    """One row per ``key`` (its columns' values; a null never equals another): the one with the
+    greatest ``order``."""
     if table.num_rows <= 1:
         return table
-    table = table.take(pc.sort_indices(table, [(key, "ascending"), (order, "descending")]))
-    keys = table.column(key).combine_chunks()
-    first = pc.not_equal(keys.slice(1), keys.slice(0, len(keys) - 1))
-    return table.filter(pa.concat_arrays([pa.array([True]), first.fill_null(True)]))
-
-
-def latest_revision(table: pa.Table, key: Sequence[str]) -> pa.Table:
-    """One row per ``key`` (several columns): the one with the greatest ``_revision``."""
-    if table.num_rows <= 1:
-        return table
-    table = table.take(pc.sort_indices(table, [*((k, "ascending") for k in key), (REVISION, "descending")]))
-    same = None
+    table = table.take(pc.sort_indices(table, [*((k, "ascending") for k in key), (order, "descending")]))
+    new = None
     for k in key:
         col = table.column(k).combine_chunks()
-        eq = pc.fill_null(pc.equal(col.slice(1), col.slice(0, len(col) - 1)), False)
-        both_null = pc.and_(col.slice(1).is_null(), col.slice(0, len(col) - 1).is_null())
-        eq = pc.or_(eq, both_null)
-        same = eq if same is None else pc.and_(same, eq)
-    assert same is not None
-    return table.filter(pa.concat_arrays([pa.array([True]), pc.invert(same)]))
+        differs = pc.not_equal(col.slice(1), col.slice(0, len(col) - 1)).fill_null(True)
+        new = differs if new is None else pc.or_(new, differs)
+    assert new is not None
+    return table.filter(pa.concat_arrays([pa.array([True]), new]))
 
 
 # One connection per Python worker and database: a worker runs many tasks (PySpark reuses it).
@@ -227,9 +216,9 @@ class SlotRows:
             late = int(pc.sum(pc.cast(flag, pa.int64())).as_py() or 0)
         if self.state_key is not None:
             t = t.filter(pc.is_valid(t.column(COUNT)))  # late events have no state
-            t = latest_per_key(t, self.state_key, COUNT)
+            t = latest_per_key(t, (self.state_key,), COUNT)
         elif REVISION in t.column_names:  # two corrections of one event in a batch: the later one
-            t = latest_revision(t, self.spec.key)
+            t = latest_per_key(t, self.spec.key, REVISION)
         return t.select(names), events, late
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from enrich.sinks.database.sink import TOPIC_ID, SlotRows, latest_revision
+from enrich.sinks.database.sink import TOPIC_ID, SlotRows, latest_per_key
 from enrich.sinks.database.tables import TableSpec
 
 NAMES = ("n", "_topic", TOPIC_ID, "_partition", "_offset", "_kind", "_revision", "_late")
@@ -34,6 +34,6 @@ def test_two_corrections_of_one_event_leave_the_later_and_count_no_event() -> No
 def test_the_latest_revision_per_key_of_several_columns() -> None:
     t = rows([(1, 5, "correction", 1, False), (1, 5, "correction", 3, False), (1, 5, "correction", 2, False),
               (2, 6, "event", 0, False)])
-    got = latest_revision(t, ("_topic", TOPIC_ID, "_partition", "_offset"))
+    got = latest_per_key(t, ("_topic", TOPIC_ID, "_partition", "_offset"), "_revision")
     assert sorted(zip(got.column("_offset").to_pylist(), got.column("_revision").to_pylist(), strict=True)) == [
         (5, 3), (6, 0)]
