@@ -58,13 +58,13 @@ from enrich.joins import JoinSpec
 from enrich.joins.asof import CLIPPED
 from enrich.joins.partitioned import PartitionedDim, partitioned_dim
 from enrich.rollups.spec import RollupSpec
-from enrich.state.corrections import CAUSE_TYPE
+from enrich.state.corrections import CAUSE_TYPE, Corrects
 from enrich.state.engine import StateSpec
 from enrich.state.spec import output_fields, resolve
 from refstream.contract import DatasetSchema
 from refstream.errors import ConfigError
 
-__all__ = ["Corrected", "JoinPass", "Pipeline", "Stage", "StatePlan"]
+__all__ = ["JoinPass", "Pipeline", "Stage", "StatePlan"]
 
 #: The columns the state step adds to the events on their way through it (an event field of that
 #: name would be overwritten).
@@ -117,21 +117,6 @@ class StatePlan:
 
 
 @dataclass(frozen=True)
-class Corrected:
-    """A join whose late versions correct the events written before them (``joins[].corrections``):
-    its spec in the join pass, the dataset's key columns, the joined ones and the horizon."""
-
-    spec: JoinSpec
-    key: tuple[str, ...]
-    columns: tuple[str, ...]
-    horizon_us: int
-
-    @property
-    def dataset(self) -> str:
-        return self.spec.dataset
-
-
-@dataclass(frozen=True)
 class Pipeline:
     """The job's plan (see the module doc). Build it with :meth:`build`."""
 
@@ -143,7 +128,7 @@ class Pipeline:
     after: tuple[JoinConfig, ...]       # the broadcast joins of the join pass
     join_pass: JoinPass                 # as planned against the schemas the plan was built with
     checkpoint: CheckpointLayout
-    corrected: tuple[Corrected, ...] = ()  # the joins with corrections, in join order
+    corrected: tuple[Corrects, ...] = ()  # the joins with corrections, in join order
 
     @classmethod
     def build(cls, cfg: EnrichConfig, schemas: Mapping[str, DatasetSchema], *, timezone: str = "UTC") -> Pipeline:
@@ -258,7 +243,7 @@ def _join_pass(cfg: EnrichConfig, passed: Sequence[JoinConfig], schemas: Mapping
 
 
 def _corrected(cfg: EnrichConfig, state: StatePlan | None, after: Sequence[JoinConfig], first: JoinPass,
-               schemas: Mapping[str, DatasetSchema]) -> tuple[Corrected, ...]:
+               schemas: Mapping[str, DatasetSchema]) -> tuple[Corrects, ...]:
     """The joins with corrections: each in the join pass, on columns the state step writes (its
     buckets keep what they wrote and find the events a late version corrects)."""
     out = []
@@ -276,7 +261,7 @@ def _corrected(cfg: EnrichConfig, state: StatePlan | None, after: Sequence[JoinC
             raise ConfigError(f"{where}: its on: column(s) {outside} come from another join of the join pass; "
                               "corrections need the join's key among the columns the state step writes")
         joined = tuple(c for c, _ in spec.columns)
-        out.append(Corrected(spec, tuple(schemas[j.dataset].key), joined, j.corrections // timedelta(microseconds=1)))
+        out.append(Corrects(spec, tuple(schemas[j.dataset].key), j.corrections // timedelta(microseconds=1), joined))
     return tuple(out)
 
 

@@ -78,7 +78,6 @@ from enrich.source import range_reader, stream_format, tick
 from enrich.source.fetch import SCHEMA_DDL, RangeReader
 from enrich.state import engine, ingest, rollups
 from enrich.state.cache import TableCache
-from enrich.state.corrections import Corrects
 from enrich.state.ingest import EventPacker
 from enrich.state.layout import BucketLayout
 from enrich.state.processor import DeviceStateProcessor
@@ -355,8 +354,7 @@ def attach(raw: DataFrame, pipeline: Pipeline, layout: BucketLayout, changelogs:
     processor = DeviceStateProcessor(inner, columns, devices, st.dims, cache, waits, floor_us, st.calls, call_counts,
                                      server_timeout_s=cfg.state.server_timeout.total_seconds(),
                                      rollups=st.rollups, rollup_ids=layout.ids, inner=st.inner, gaps=st.gaps,
-                                     gap_records=gap_records, corrected=tuple(
-                                         Corrects(c.spec, c.key, c.horizon_us) for c in pipeline.corrected),
+                                     gap_records=gap_records, corrected=pipeline.corrected,
                                      out_schema=to_arrow_schema(flat_schema, timezone=timezone) if tail else None)
     init = initial.groupBy(BUCKET) if initial is not None else None
     if not st.rollups:

@@ -37,12 +37,18 @@ MERGE_AT, SMALL_ROWS = 16, 50_000
 
 @dataclass(frozen=True)
 class Corrects:
-    """A corrected join as the state step sees it: its spec, the dataset's key columns and the
-    horizon (microseconds behind the watermark). Picklable."""
+    """A join whose late versions correct the events written before them (``joins[].corrections``),
+    as the plan resolves it: its spec in the join pass, the dataset's key columns, the horizon
+    (microseconds behind the watermark) and the joined columns. Picklable."""
 
     spec: JoinSpec
     key: tuple[str, ...]
     horizon_us: int
+    columns: tuple[str, ...] = ()
+
+    @property
+    def dataset(self) -> str:
+        return self.spec.dataset
 
 
 def horizon_start(corrected: Sequence[Corrects], watermark: int | None) -> int:
