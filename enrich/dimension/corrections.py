@@ -35,7 +35,7 @@ import numpy as np
 import pyarrow as pa
 
 from enrich.columns import DELETED, KEY_BYTES, VALID_FROM
-from enrich.ipc import from_ipc, to_ipc
+from enrich.ipc import to_ipc
 from refstream import contract
 from refstream.atomic import write_bytes_atomic
 
@@ -210,9 +210,6 @@ class BatchChanges:
         for f in self.dir.glob("*.arrow"):
             if int(f.name.split(".", 1)[0]) <= batch_id - self.keep:
                 f.unlink(missing_ok=True)
-
-    def read(self, batch_id: int, dataset: str) -> pa.Table:
-        return from_ipc(changes_file(self.dir, batch_id, dataset).read_bytes())
 
 
 _FIELDS = [pa.field(KEY_BYTES, pa.binary()), pa.field("valid_from", pa.int64()), pa.field("start", pa.int64()),
