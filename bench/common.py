@@ -83,11 +83,16 @@ class JobRun:
         return len(steady) * batch / sum(steady)
 
 
+def job_env() -> dict[str, str]:
+    """The environment of a job run as a process: this Python for the workers, this tree first on the path."""
+    return {**os.environ, "PYSPARK_PYTHON": sys.executable,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+
+
 def run_available_now(cfg: Path, log: Path) -> JobRun:
     """``python -m enrich run --config cfg --master local[2] --available-now`` as a process, its
     output appended to ``log``; raises with the log's tail if the job fails."""
-    env = {**os.environ, "PYSPARK_PYTHON": sys.executable,
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    env = job_env()
     started = time.monotonic()
     with open(log, "ab") as out:
         rc = subprocess.run([sys.executable, "-m", "enrich", "run", "--config", str(cfg), "--master", "local[2]",

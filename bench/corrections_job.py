@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import signal
 import statistics
 import subprocess
@@ -38,7 +37,7 @@ from typing import Any
 import yaml
 
 from bench import enrich_data as data
-from bench.common import BATCH_DONE, ROOT, broker_settings, input_topics, run_available_now, workdir
+from bench.common import BATCH_DONE, ROOT, broker_settings, input_topics, job_env, run_available_now, workdir
 from bench.enrich_bench import STATE_SECTION, _machine
 from refstream import contract
 from refstream import kafka as rkafka
@@ -185,11 +184,9 @@ def main(argv: list[str] | None = None) -> int:
         want = sorted((e["_partition"], e["_offset"]) for e in before if e["device_id"] in late)
         # The job running (trigger 1s, ticks every trigger), caught up: then the late versions.
         job_log = work / "late.log"
-        env = {**os.environ, "PYSPARK_PYTHON": sys.executable,
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
         with open(job_log, "ab") as sink:
             proc = subprocess.Popen([sys.executable, "-m", "enrich", "run", "--config", str(cfg), "--master",
-                                     "local[2]"], cwd=ROOT, env=env, stdout=sink, stderr=subprocess.STDOUT)
+                                     "local[2]"], cwd=ROOT, env=job_env(), stdout=sink, stderr=subprocess.STDOUT)
         stack.callback(_stop, proc)
         wait_batches(job_log, 5, proc)
         read_output(settings, out, dict(ends), ends)  # whatever the restart wrote (nothing: it is caught up)
