@@ -5,7 +5,8 @@ sink task (``output.database`` alone) does the same after writing its rows, befo
 Run the job through it: ``python -m tests.enrich.kill [job:]BATCH[+]:SLOT|*:FLAG run --config F ...``
 (or ``rollup:BATCH:FLAG``: the driver kills the job once the first rollup's rows of the batch are
 written, :func:`kill_after_rollup_rows`; ``gaps:KIND:FLAG``: once a batch's gap records with one of
-``KIND`` are written, :func:`kill_after_gaps`).
+``KIND`` are written, :func:`kill_after_gaps`; ``corrections:FLAG``: once a batch's changes with a
+corrected version are recorded, before its tasks run, :func:`kill_after_corrections`).
 It replaces the sink's task writer with :class:`KillingTaskWriter` and runs ``enrich``'s CLI; the
 writer travels to the workers pickled (its class by reference: the workers import this module, so
 ``tests`` must be on their ``PYTHONPATH``). The first task of ``SLOT`` (``*``: any) writing records in
@@ -343,6 +344,27 @@ def kill_after_gaps(kind: str, flag: str) -> None:
     gaps.GapWriter.write = killing  # type: ignore[method-assign]
 
 
+def kill_after_corrections(flag: str) -> None:
+    """The ``corrections:FLAG`` kill point: once the driver has recorded a batch's changes with a
+    corrected version (``<checkpoint>/refstream/corrections``), before the batch's tasks run, SIGKILL
+    the job (``FLAG`` created first, holding the batch id, so it fires once)."""
+    from enrich.dimension import corrections
+
+    record = corrections.BatchChanges.record
+
+    def killing(self: Any, batch_id: int, *args: Any) -> None:
+        record(self, batch_id, *args)
+        if any(result == "corrected" for _, result in self.counts):
+            try:
+                os.close(os.open(flag, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                return
+            Path(flag).write_text(str(batch_id))
+            kill_session()
+
+    corrections.BatchChanges.record = killing  # type: ignore[method-assign]
+
+
 def main(argv: list[str]) -> int:
     import functools
 
@@ -354,6 +376,9 @@ def main(argv: list[str]) -> int:
     if argv[0].startswith("gaps:"):  # gaps:KIND:FLAG
         _, kind, flag = argv[0].split(":", 2)
         kill.kill_after_gaps(kind, flag)
+        return cli.main(argv[1:])
+    if argv[0].startswith("corrections:"):  # corrections:FLAG
+        kill.kill_after_corrections(argv[0].split(":", 1)[1])
         return cli.main(argv[1:])
     if argv[0].startswith(("rollup:", "rollups:")):  # rollup[s]:BATCH:FLAG
         which, batch, flag = argv[0].split(":", 2)

@@ -23,6 +23,7 @@ from refresh.config import load_config
 from refresh.runner import Refresher
 from tests.enrich.helpers import produce_events, read_all
 from tests.enrich.joins.test_asof_job import db_clock, execute, iso
+from tests.timing import bound
 
 pytestmark = pytest.mark.integration
 
@@ -193,6 +194,62 @@ def test_a_backdated_change_corrects_the_events_written_before_it_and_equals_a_f
     second = [r for r in records() if r["_kind"] == "correction" and r["_revision"] == 2]
     assert [(r["n"], r["site"], r["_cause"]["valid_from"]) for r in second] == [(3, "s-7", iso(t0 + 15 * minute))]
     assert latest(records())[2]["site"] == "s-6"
+
+
+def test_a_sigkill_after_the_changes_are_recorded_and_a_task_killed_in_the_replay_write_each_correction_once(
+        spark: SparkSession, kafka: dict[str, str], mysql_url: str, unique: Callable[[str], str],
+        tmp_path: Path) -> None:
+    """The job is killed once the driver has recorded the correcting batch's changes, before its
+    tasks run; the restart replays the batch with the same changes, and a task of the replay is
+    killed inside its transaction (Spark runs it again): each correction is written once, with
+    revision 1, and the output corrected as a fresh job writes it."""
+    from tests.enrich.process import start_job
+
+    table = unique("corr_devices")
+    topics = {"events": unique("events"), "devices": unique("ref.devices")}
+    t0 = db_clock(mysql_url) - timedelta(minutes=30)
+    execute(mysql_url, f"CREATE TABLE {table} (id INT PRIMARY KEY, site VARCHAR(10), last_update DATETIME(6))",
+            f"INSERT INTO {table} VALUES (1, 's-2', :t), (2, 's-2', :t)", params={"t": t0.replace(tzinfo=None)})
+    path = tmp_path / "refresh.yaml"
+    path.write_text(yaml.safe_dump({
+        "kafka": {"bootstrap_servers": kafka["bootstrap.servers"]}, "state_dir": str(tmp_path / "state"),
+        "datasets": {"devices": {"source": {"url": mysql_url, "table": table}, "key": "id",
+                                 "topic": topics["devices"], "mode": "incremental",
+                                 "incremental": {"column": "last_update", "lag": "1h"}}}}))
+    refresher = Refresher(load_config(path), progress=False)
+    refresher.run("devices")
+    minute = timedelta(minutes=1)
+    produce_events(kafka, topics["events"], [{"device_id": 1, "ts": iso(t0 + m * minute), "n": n}
+                                             for n, m in ((1, 5), (2, 10), (3, 20))])
+    out_topic = unique("enriched")
+    data = job_config(kafka, unique, tmp_path, topics, "live", {"kafka": {"topic": out_topic}})
+    EnrichJob(config.parse(data, "test.yaml"), available_now=True).run(spark)
+    assert sorted(r["n"] for r in outputs(kafka, out_topic)) == [1, 2, 3]
+
+    execute(mysql_url, f"UPDATE {table} SET site = 's-6', last_update = :t WHERE id = 1",
+            params={"t": (t0 + 8 * minute).replace(tzinfo=None)})
+    time.sleep(1.2)
+    assert refresher.run("devices").updates == 1
+    produce_events(kafka, topics["events"], [{"device_id": 2, "ts": iso(t0 + 25 * minute), "n": 4}])
+    config_path, log = tmp_path / "enrich.yaml", tmp_path / "job.log"
+    config_path.write_text(yaml.safe_dump({**data, "spark": {"spark.sql.shuffle.partitions": "2"}}))
+    recorded, task = tmp_path / "killed-after-record", tmp_path / "killed-task"
+    proc = start_job(config_path, log, "--available-now", kill=f"corrections:{recorded}")
+    assert proc.wait(bound(300)) != 0, log.read_text()[-3000:]
+    assert recorded.exists(), log.read_text()[-3000:]
+    batch = int(recorded.read_text())
+    assert (tmp_path / "live" / "refstream" / "corrections" / f"{batch}.devices.arrow").exists()
+    assert sorted(r["n"] for r in outputs(kafka, out_topic)) == [1, 2, 3]  # nothing of the batch written
+
+    proc = start_job(config_path, log, "--available-now", master="local[2,4]", kill=f"{batch}:*:{task}")
+    assert proc.wait(bound(300)) == 0, log.read_text()[-3000:]
+    assert task.exists(), "the hook did not fire"
+    assert "recorded for it are missing" not in log.read_text()
+    got = outputs(kafka, out_topic)
+    written = sorted((r["n"], r["_kind"], r["_revision"]) for r in got)
+    assert written == [(1, "event", 0), (2, "correction", 1), (2, "event", 0), (3, "correction", 1),
+                       (3, "event", 0), (4, "event", 0)], written
+    assert {n: r["site"] for n, r in latest(got).items()} == {1: "s-2", 2: "s-6", 3: "s-6", 4: "s-2"}
 
 
 def test_corrections_on_a_join_the_state_needs_are_refused_naming_it(
