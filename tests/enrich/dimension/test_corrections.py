@@ -7,6 +7,7 @@ from datetime import UTC, datetime, timedelta
 
 import pyarrow as pa
 
+from enrich.columns import KEY_BYTES
 from enrich.dimension.abc import Record
 from enrich.dimension.corrections import NO_BOUND_END, NO_BOUND_START, changes
 from enrich.dimension.history import HistoryState, micros_of
@@ -164,3 +165,19 @@ def test_nan_in_a_joined_column_is_equal_to_nan() -> None:
     from enrich.dimension.corrections import _equal
 
     assert _equal(float("nan"), float("nan")) and _equal(1.0, 1.0) and not _equal(1.0, float("nan"))
+
+
+def test_hostile_keys_each_get_their_own_change_named_by_their_exact_key() -> None:
+    """Keys with quotes, a backslash, a newline, a NUL, non-ASCII, JSON of their own, 10,000
+    characters, and two that differ only in case: each late version is its own change, its key
+    bytes the changelog's, which give the exact key back."""
+    import json
+
+    hostile = ['a"b', "c\\d", "e\nf", "g\0h", "ünï €", '{"device_id": "x"}', "k" * 10_000, "Case", "case"]
+    log = Log()
+    log.put(T0, [{"device_id": d, "site_id": "s-2"} for d in hostile])
+    at = T0 + 30 * MIN
+    got = log.batch(T0 - timedelta(days=1), (at, [{"device_id": d, "site_id": "s-6"} for d in hostile]))
+    assert got.column("device_id").to_pylist() == hostile
+    assert set(got.column("result").to_pylist()) == {"corrected"}
+    assert [json.loads(k)["device_id"] for k in got.column(KEY_BYTES).to_pylist()] == hostile

@@ -105,3 +105,24 @@ def test_the_drivers_changes_correct_what_a_fresh_join_would_give_otherwise() ->
     got = match(log, [(BY_DEVICE, ch)])
     assert got is not None
     assert got.rows.column("_offset").to_pylist() == [3, 4, 5]  # 9:35, 9:45, 9:55
+
+
+def test_hostile_keys_correct_exactly_their_own_events_and_are_named_in_the_cause() -> None:
+    """Join keys with quotes, a backslash, a newline, a NUL, non-ASCII, JSON of their own, 10,000
+    characters and case differences, beside near misses: a late change corrects the events of its
+    exact key only, and ``_cause.key`` gives that key back."""
+    import json
+
+    changed = ['a"b', "c\\d", "e\nf", "g\0h", "ünï €", '{"device_id": "x"}', "k" * 10_000, "case"]
+    near = ['a"b ', "c\\\\d", "e\rf", "g", "uni €", "x", "k" * 9_999, "Case"]
+    log = Log()
+    log.put(T0, [{"device_id": d, "site_id": "s-2"} for d in changed + near])
+    at = T0 + 10 * MIN
+    ch = log.batch(T0 - timedelta(days=1), (at, [{"device_id": d, "site_id": "s-6"} for d in changed]))
+    devices = changed + near
+    kept = keep(None, events(devices, [20] * len(devices), list(range(len(devices)))), times([20] * len(devices)),
+                us(T0))
+    got = match(kept, [(BY_DEVICE, ch)])
+    assert got is not None
+    assert got.rows.column("_offset").to_pylist() == list(range(len(changed)))
+    assert [json.loads(c["key"])["device_id"] for c in got.rows.column(CAUSE).to_pylist()] == changed
