@@ -286,6 +286,18 @@ def read_note(flag: str | Path) -> dict[str, Any] | None:
     return json.loads(lines[-1]) if len(lines) > 1 else None
 
 
+def kill_session_once(flag: str, note: str = "") -> None:
+    """The driver's kill points: create ``flag`` (with ``note``), then SIGKILL the job's session;
+    nothing when ``flag`` exists already, so each fires once."""
+    try:
+        os.close(os.open(flag, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return
+    if note:
+        Path(flag).write_text(note)
+    kill_session()
+
+
 def kill_after_rollup_rows(batch: int, flag: str, every: bool = False) -> None:
     """The ``rollup:BATCH:FLAG`` kill point: once the first rollup's Parquet rows of batch ``BATCH``
     are in place (its directory renamed), before the other outputs' and before Spark commits the
@@ -293,20 +305,13 @@ def kill_after_rollup_rows(batch: int, flag: str, every: bool = False) -> None:
     once every rollup output of the batch is written (Parquet, tables, topics), before the commit."""
     from enrich.sinks import rollups
 
-    def fire() -> None:
-        try:
-            os.close(os.open(flag, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-        except FileExistsError:
-            return
-        kill_session()
-
     if every:
         write = rollups.RollupWriter.write
 
         def killing_all(self: Any, batch_id: int, *args: Any) -> Any:
             done = write(self, batch_id, *args)
             if batch_id == batch:
-                fire()
+                kill_session_once(flag)
             return done
 
         rollups.RollupWriter.write = killing_all  # type: ignore[method-assign]
@@ -316,7 +321,7 @@ def kill_after_rollup_rows(batch: int, flag: str, every: bool = False) -> None:
     def killing(self: Any, batch_id: int, *args: Any) -> int | None:
         written = parquet(self, batch_id, *args)
         if batch_id == batch:
-            fire()
+            kill_session_once(flag)
         return written
 
     rollups.RollupWriter._parquet = killing  # type: ignore[method-assign]
@@ -333,12 +338,7 @@ def kill_after_gaps(kind: str, flag: str) -> None:
     def killing(self: Any, batch_id: int, *args: Any) -> Any:
         done = write(self, batch_id, *args)
         if done.kinds.get(kind):
-            try:
-                os.close(os.open(flag, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-            except FileExistsError:
-                return done
-            Path(flag).write_text(str(batch_id))
-            kill_session()
+            kill_session_once(flag, str(batch_id))
         return done
 
     gaps.GapWriter.write = killing  # type: ignore[method-assign]
@@ -355,12 +355,7 @@ def kill_after_corrections(flag: str) -> None:
     def killing(self: Any, batch_id: int, *args: Any) -> None:
         record(self, batch_id, *args)
         if any(result == "corrected" for _, result in self.counts):
-            try:
-                os.close(os.open(flag, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-            except FileExistsError:
-                return
-            Path(flag).write_text(str(batch_id))
-            kill_session()
+            kill_session_once(flag, str(batch_id))
 
     corrections.BatchChanges.record = killing  # type: ignore[method-assign]
 
