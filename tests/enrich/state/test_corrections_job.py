@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -96,23 +97,49 @@ def forget_last_batch(checkpoint: Path) -> int:
     return last
 
 
+@dataclass
+class Devices:
+    """The devices table in MariaDB (devices 1 and 2 at s-2 since ``t0``, half an hour ago by the
+    database's clock), published by the real refresher (``incremental`` on ``last_update``)."""
+
+    mysql_url: str
+    table: str
+    topics: dict[str, str]
+    t0: datetime
+    refresher: Refresher
+
+    @classmethod
+    def published(cls, kafka: dict[str, str], mysql_url: str, unique: Callable[[str], str],
+                  tmp_path: Path) -> Devices:
+        table = unique("corr_devices")
+        topics = {"events": unique("events"), "devices": unique("ref.devices")}
+        t0 = db_clock(mysql_url) - timedelta(minutes=30)
+        execute(mysql_url, f"CREATE TABLE {table} (id INT PRIMARY KEY, site VARCHAR(10), last_update DATETIME(6))",
+                f"INSERT INTO {table} VALUES (1, 's-2', :t), (2, 's-2', :t)", params={"t": t0.replace(tzinfo=None)})
+        path = tmp_path / "refresh.yaml"
+        path.write_text(yaml.safe_dump({
+            "kafka": {"bootstrap_servers": kafka["bootstrap.servers"]}, "state_dir": str(tmp_path / "state"),
+            "datasets": {"devices": {"source": {"url": mysql_url, "table": table}, "key": "id",
+                                     "topic": topics["devices"], "mode": "incremental",
+                                     "incremental": {"column": "last_update", "lag": "1h"}}}}))
+        refresher = Refresher(load_config(path), progress=False)
+        refresher.run("devices")
+        return cls(mysql_url, table, topics, t0, refresher)
+
+    def move(self, site: str, at: datetime) -> None:
+        """Device 1 moved to ``site`` as of ``at``, learnt only now: backdated, then published."""
+        execute(self.mysql_url, f"UPDATE {self.table} SET site = :site, last_update = :t WHERE id = 1",
+                params={"site": site, "t": at.replace(tzinfo=None)})
+        time.sleep(1.2)  # the refresher's next run reads past its last one
+        assert self.refresher.run("devices").updates == 1
+
+
 @pytest.mark.parametrize("sink", ["kafka", "parquet", "postgresql"])
 def test_a_backdated_change_corrects_the_events_written_before_it_and_equals_a_fresh_job(
         spark: SparkSession, kafka: dict[str, str], mysql_url: str, pg_url: str, unique: Callable[[str], str],
         tmp_path: Path, sink: str) -> None:
-    table = unique("corr_devices")
-    topics = {"events": unique("events"), "devices": unique("ref.devices")}
-    t0 = db_clock(mysql_url) - timedelta(minutes=30)
-    execute(mysql_url, f"CREATE TABLE {table} (id INT PRIMARY KEY, site VARCHAR(10), last_update DATETIME(6))",
-            f"INSERT INTO {table} VALUES (1, 's-2', :t), (2, 's-2', :t)", params={"t": t0.replace(tzinfo=None)})
-    path = tmp_path / "refresh.yaml"
-    path.write_text(yaml.safe_dump({
-        "kafka": {"bootstrap_servers": kafka["bootstrap.servers"]}, "state_dir": str(tmp_path / "state"),
-        "datasets": {"devices": {"source": {"url": mysql_url, "table": table}, "key": "id",
-                                 "topic": topics["devices"], "mode": "incremental",
-                                 "incremental": {"column": "last_update", "lag": "1h"}}}}))
-    refresher = Refresher(load_config(path), progress=False)
-    refresher.run("devices")
+    devices = Devices.published(kafka, mysql_url, unique, tmp_path)
+    topics, t0 = devices.topics, devices.t0
 
     minute = timedelta(minutes=1)
     produce_events(kafka, topics["events"], [
@@ -140,10 +167,7 @@ def test_a_backdated_change_corrects_the_events_written_before_it_and_equals_a_f
 
     # Device 1 moved to s-6 eight minutes after t0; the database learns it only now.
     moved = t0 + 8 * minute
-    execute(mysql_url, f"UPDATE {table} SET site = 's-6', last_update = :t WHERE id = 1",
-            params={"t": moved.replace(tzinfo=None)})
-    time.sleep(1.2)
-    assert refresher.run("devices").updates == 1
+    devices.move("s-6", moved)
     produce_events(kafka, topics["events"], [{"device_id": 2, "ts": iso(t0 + 25 * minute), "n": 6}])
     EnrichJob(config.parse(live, "test.yaml"), available_now=True).run(spark)
     got = records()
@@ -185,10 +209,7 @@ def test_a_backdated_change_corrects_the_events_written_before_it_and_equals_a_f
     again = records()
     assert sorted((r["n"], r["_revision"]) for r in again) == sorted((r["n"], r["_revision"]) for r in got)
     # A second late move, to s-7 from fifteen minutes after t0: event 3 again (revision 2), event 2 not.
-    execute(mysql_url, f"UPDATE {table} SET site = 's-7', last_update = :t WHERE id = 1",
-            params={"t": (t0 + 15 * minute).replace(tzinfo=None)})
-    time.sleep(1.2)
-    assert refresher.run("devices").updates == 1
+    devices.move("s-7", t0 + 15 * minute)
     produce_events(kafka, topics["events"], [{"device_id": 2, "ts": iso(t0 + 26 * minute), "n": 7}])
     EnrichJob(config.parse(live, "test.yaml"), available_now=True).run(spark)
     second = [r for r in records() if r["_kind"] == "correction" and r["_revision"] == 2]
@@ -205,19 +226,8 @@ def test_a_sigkill_after_the_changes_are_recorded_and_a_task_killed_in_the_repla
     revision 1, and the output corrected as a fresh job writes it."""
     from tests.enrich.process import start_job
 
-    table = unique("corr_devices")
-    topics = {"events": unique("events"), "devices": unique("ref.devices")}
-    t0 = db_clock(mysql_url) - timedelta(minutes=30)
-    execute(mysql_url, f"CREATE TABLE {table} (id INT PRIMARY KEY, site VARCHAR(10), last_update DATETIME(6))",
-            f"INSERT INTO {table} VALUES (1, 's-2', :t), (2, 's-2', :t)", params={"t": t0.replace(tzinfo=None)})
-    path = tmp_path / "refresh.yaml"
-    path.write_text(yaml.safe_dump({
-        "kafka": {"bootstrap_servers": kafka["bootstrap.servers"]}, "state_dir": str(tmp_path / "state"),
-        "datasets": {"devices": {"source": {"url": mysql_url, "table": table}, "key": "id",
-                                 "topic": topics["devices"], "mode": "incremental",
-                                 "incremental": {"column": "last_update", "lag": "1h"}}}}))
-    refresher = Refresher(load_config(path), progress=False)
-    refresher.run("devices")
+    devices = Devices.published(kafka, mysql_url, unique, tmp_path)
+    topics, t0 = devices.topics, devices.t0
     minute = timedelta(minutes=1)
     produce_events(kafka, topics["events"], [{"device_id": 1, "ts": iso(t0 + m * minute), "n": n}
                                              for n, m in ((1, 5), (2, 10), (3, 20))])
@@ -226,10 +236,7 @@ def test_a_sigkill_after_the_changes_are_recorded_and_a_task_killed_in_the_repla
     EnrichJob(config.parse(data, "test.yaml"), available_now=True).run(spark)
     assert sorted(r["n"] for r in outputs(kafka, out_topic)) == [1, 2, 3]
 
-    execute(mysql_url, f"UPDATE {table} SET site = 's-6', last_update = :t WHERE id = 1",
-            params={"t": (t0 + 8 * minute).replace(tzinfo=None)})
-    time.sleep(1.2)
-    assert refresher.run("devices").updates == 1
+    devices.move("s-6", t0 + 8 * minute)
     produce_events(kafka, topics["events"], [{"device_id": 2, "ts": iso(t0 + 25 * minute), "n": 4}])
     config_path, log = tmp_path / "enrich.yaml", tmp_path / "job.log"
     config_path.write_text(yaml.safe_dump({**data, "spark": {"spark.sql.shuffle.partitions": "2"}}))
