@@ -22,6 +22,11 @@ DRIVER_JIT = "-XX:TieredStopAtLevel=1"
 SHUFFLE_PARTITIONS = "spark.sql.shuffle.partitions"
 CLUSTER_PARTITIONS = 4
 
+#: Spark's setting for Unix sockets between the JVM and its Python processes. Their files go to the
+#: JVM's temporary directory (``spark.python.unix.domain.socket.dir`` to move them), made with the
+#: process's umask: with the usual 022, no other user can connect.
+UNIX_SOCKETS = "spark.python.unix.domain.socket.enabled"
+
 #: What anyone who reaches the driver's UI could do to the job, off unless a setting turns it on:
 #: kill a job or stage (the micro-batch, and so the query), take executors' thread dumps, and take
 #: heap histograms (``jcmd GC.class_histogram``: a full GC of the executor).
@@ -83,11 +88,13 @@ def session_conf(conf: Mapping[str, str] | None = None, *, ui: bool = False,
         "spark.executorEnv.PYSPARK_PYTHON": os.environ.get("PYSPARK_PYTHON", sys.executable),
         # Workers forked with the job's modules already imported (enrich.daemon).
         "spark.python.daemon.module": "enrich.daemon",
-        # How long the JVM waits for this Python process to connect to a socket it opened for it
-        # (a collect()'s results, a broadcast): Spark's 15 s was missed by a driver starved of CPU,
-        # and the write then failed with a masked error (UnboundLocalError: 'sockfile') that failed
-        # the batch. Waiting costs nothing when the driver is prompt.
-        "spark.python.authenticate.socketTimeout": "120s",
+        # The sockets between the JVM and its Python processes (a collect()'s results, a worker's
+        # connection, a state step's state server) as Unix sockets, not TCP ports of 127.0.0.1. Each
+        # such server accepts one connection: any other local client that connects to its port first
+        # (a Kafka client redialling a stopped broker whose port was reused) takes it, and the
+        # Python side is refused - a failed batch, masked by PySpark as UnboundLocalError: 'sockfile'.
+        # A Unix socket has no port to collide with.
+        UNIX_SOCKETS: "true",
         **UI_DEFAULTS,
     }
     if not ui:

@@ -239,3 +239,18 @@ def test_the_session_starts_no_python_process_to_look_for_data_source_packages(s
         except (psutil.ZombieProcess, psutil.NoSuchProcess):  # another test's worker, exited since
             continue
     assert not [c for c in children if "lookup_data_sources" in c], children
+
+
+def test_a_collects_results_come_through_a_unix_socket_no_local_client_can_take(spark: SparkSession) -> None:
+    """The JVM serves a collect()'s rows on a socket that accepts one connection. On a TCP port of
+    127.0.0.1, any local client that connects first (a Kafka client redialling a stopped broker whose
+    port the JVM was given) takes it, and the driver is refused: PySpark's UnboundLocalError 'sockfile'.
+    The job's sessions use Unix sockets, which have no port to collide with."""
+    from pyspark.serializers import BatchedSerializer, CPickleSerializer
+    from pyspark.util import _load_from_socket
+
+    frame = spark.range(3)
+    served = frame._jdf.collectToPython()  # what DataFrame.collect() reads from
+    assert isinstance(served[0], str) and Path(served[0]).exists(), served[0]   # a socket file, not a port
+    with _load_from_socket(served, BatchedSerializer(CPickleSerializer())) as stream:
+        assert [r.id for r in stream] == [0, 1, 2]

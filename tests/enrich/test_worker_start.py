@@ -92,24 +92,26 @@ def test_the_query_starts_again_when_a_python_worker_does_not_start(
 
 
 # Imported by the job's Python worker daemon only (the test's wrapper puts it on that process's path):
-# the first state step's worker of an executor task connects to a port nothing listens on, for real,
-# through PySpark's own connect line, as a worker does whose task's state server has gone.
+# the first state step's worker of an executor task connects to a socket nothing listens on, for
+# real, through PySpark's own connect line, as a worker does whose task's state server has gone.
 REFUSE_ONCE = """
-import os, socket
+import os, socket, tempfile
 from pyspark.sql.streaming import stateful_processor_api_client as api
 
 _init = api.StatefulProcessorApiClient.__init__
 
 def _refuse_once(self, state_server_port, key_schema, is_driver=False):
-    if not is_driver and isinstance(state_server_port, int):
+    if not is_driver:
         try:
             os.close(os.open({flag!r}, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except FileExistsError:
             pass
         else:
-            with socket.socket() as s:  # a port of this machine that nothing listens on
-                s.bind(("127.0.0.1", 0))
-                state_server_port = s.getsockname()[1]
+            # the job's state servers are Unix sockets (enrich.session): a socket file that nothing
+            # listens on refuses the connection
+            state_server_port = os.path.join(tempfile.mkdtemp(), "refused.sock")
+            with socket.socket(socket.AF_UNIX) as s:
+                s.bind(state_server_port)
     _init(self, state_server_port, key_schema, is_driver)
 
 api.StatefulProcessorApiClient.__init__ = _refuse_once
@@ -153,7 +155,7 @@ def test_the_query_starts_again_when_a_state_worker_cannot_reach_its_state_serve
 # sends its requests to a listening socket that never answers (it accepts nothing, so the connection
 # waits in its backlog), as a worker's do whose task's state server thread has died.
 SILENT_ONCE = """
-import os, socket
+import os, socket, tempfile
 from pyspark.sql.streaming import stateful_processor_api_client as api
 
 _init = api.StatefulProcessorApiClient.__init__
@@ -167,10 +169,11 @@ def _silent_once(self, state_server_port, key_schema, is_driver=False):
         os.close(os.open({flag!r}, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
     except FileExistsError:
         return
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(os.path.join(tempfile.mkdtemp(), "silent.sock"))
     listener.listen(1)
-    silent = socket.create_connection(listener.getsockname())
+    silent = socket.socket(socket.AF_UNIX)
+    silent.connect(listener.getsockname())
     _kept.extend([listener, self._client_socket, self.sockfile])  # the real ones stay open, unused
     self._client_socket, self.sockfile = silent, silent.makefile("rwb", 65536)
 
