@@ -6,7 +6,8 @@ reported. That covers:
 
 - bursts of writes (one callback, not one per write);
 - editors that write a temp file and rename it over the target (the rename's destination matches);
-- a file still being written (every write pushes the deadline);
+- a file still being written (every write pushes the deadline; and at the deadline, a file modified
+  less than ``debounce`` ago - its event not handled yet, on a loaded machine - pushes it again);
 - reads of the file by the refresher itself (open/close-without-write events are ignored, and files
   identical to the last reported ones are not reported again).
 
@@ -44,7 +45,7 @@ from watchdog.observers import Observer
 
 from refresh.sources.files import FileStats, stat_files
 
-__all__ = ["FileWatcher", "split_pattern"]
+__all__ = ["FileWatcher", "quiet_for", "split_pattern"]
 
 log = logging.getLogger(__name__)
 
@@ -187,6 +188,15 @@ class FileWatcher:
         if current == w.last_reported:
             log.debug("dataset %s: files unchanged after events; not refreshing", w.name)
             return
+        quiet = quiet_for(current, time.time_ns())
+        if quiet < self.debounce:
+            # Written since the last event arrived: its event is late (the observer's thread waits for
+            # the CPU on a loaded machine), and the write still goes on. Wait a debounce from the write.
+            with self._cond:
+                if w.deadline is None:
+                    w.deadline = time.monotonic() + self.debounce - quiet
+                    self._cond.notify_all()
+            return
         w.last_reported = current
         log.info("dataset %s: %s changed (%d file(s), no event for %.1fs)", w.name, w.pattern,
                  len(current), self.debounce)
@@ -194,6 +204,14 @@ class FileWatcher:
             self._on_change(w.name)
         except Exception:
             log.exception("dataset %s: change callback failed", w.name)
+
+
+def quiet_for(files: FileStats, now_ns: int) -> float:
+    """Seconds since the newest modification time of ``files`` at the wall clock ``now_ns``; a time in
+    the future (another machine's clock, a ``touch -d``) counts as long ago, so it cannot hold a
+    change back."""
+    ages = [now_ns - mtime for *_, mtime in files if mtime <= now_ns]
+    return min(ages) / 1e9 if ages else float("inf")
 
 
 class _Handler(FileSystemEventHandler):

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from refresh.watch import FileWatcher, split_pattern
+from refresh.watch import FileWatcher, quiet_for, split_pattern
 from tests.timing import bound
 
 DEBOUNCE = 0.4
@@ -122,6 +122,42 @@ def test_slowly_written_file_fires_after_the_writer_stops(tmp_path: Path, watche
         assert when - last_at >= DEBOUNCE * 0.9 and got == last_size, (rec.calls, writes)
     long_pauses = sum(b[0] - a[0] >= DEBOUNCE for a, b in zip(writes, writes[1:], strict=False))
     assert len(early) <= long_pauses, (rec.calls, writes)
+
+
+def test_a_write_whose_event_is_handled_late_still_holds_the_call_back(tmp_path: Path, watched,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """The observer's thread stalls for longer than the debounce (a loaded machine) while the writer
+    goes on: at the deadline, the file's modification time shows a write the watcher has no event of
+    yet, and the call waits for a debounce after it. One call, with the whole file."""
+    handle, seen = FileWatcher._event, []
+
+    def stalled(self: FileWatcher, event: object) -> None:
+        seen.append(event)
+        if len(seen) == 4:
+            time.sleep(DEBOUNCE * 2.5)
+        handle(self, event)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(FileWatcher, "_event", stalled)
+    f = tmp_path / "big.csv"
+    rec = watched(f, target=f)
+    with f.open("w") as fh:
+        for i in range(8):
+            fh.write(f"{i},{'x' * 100}\n")
+            fh.flush()
+            time.sleep(DEBOUNCE * 0.5)
+        final = fh.tell()
+    rec.wait(1)
+    settle()
+    assert len(seen) > 4, seen
+    assert [size for _, _, size in rec.calls] == [final], rec.calls
+
+
+def test_quiet_for_is_the_time_since_the_newest_write_and_ignores_future_times() -> None:
+    second = 1_000_000_000
+    files = (("a", 1, 10, 5 * second), ("b", 2, 10, 8 * second))
+    assert quiet_for(files, 10 * second) == 2.0
+    assert quiet_for(files + (("c", 3, 1, 60 * second),), 10 * second) == 2.0   # a clock ahead: not recent
+    assert quiet_for((), 10 * second) == float("inf")
 
 
 def test_reading_or_touching_nothing_does_not_trigger(tmp_path: Path, watched) -> None:
