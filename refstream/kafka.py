@@ -21,6 +21,7 @@ import atexit
 import fcntl
 import logging
 import os
+import sys
 import threading
 import time
 import uuid
@@ -318,7 +319,7 @@ class _OpenTransactions:
         path = os.environ.get(SERIAL_TXNS_ENV)
         with self._mutex:
             if path and self._count == 0:
-                f = open(path, "ab")  # noqa: SIM115 - held until the last release
+                f = open(path, "a+b")  # noqa: SIM115 - held until the last release
                 deadline = time.monotonic() + SERIAL_TXNS_WAIT
                 while True:
                     try:
@@ -329,8 +330,12 @@ class _OpenTransactions:
                             f.close()
                             raise TimeoutError(
                                 f"another process kept a Kafka transaction open for {SERIAL_TXNS_WAIT:.0f}s "
-                                f"(lock {path}, ${SERIAL_TXNS_ENV})") from None
+                                f"(lock {path}, ${SERIAL_TXNS_ENV}; held by {_holder(path)})") from None
                         time.sleep(0.005)
+                # Who holds it, for the error of a process that waits too long.
+                f.truncate(0)
+                f.write(f"pid {os.getpid()} since {time.strftime('%H:%M:%S')}: {' '.join(sys.argv)[:300]}".encode())
+                f.flush()
                 self._file = f
             self._count += 1
 
@@ -349,6 +354,15 @@ class _OpenTransactions:
             yield
         finally:
             self.release()
+
+
+def _holder(path: str) -> str:
+    """What the process holding the lock at ``path`` wrote of itself when it took it."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(400).decode("utf-8", "replace").strip() or "a process that did not say"
+    except OSError as exc:
+        return f"unknown ({exc})"
 
 
 _OPEN = _OpenTransactions()

@@ -35,11 +35,12 @@ from tests import timing
 # Before any Spark session or child process starts (they inherit it): the embedded broker's workarounds
 # (demo.broker.serialise_transaction_ends and serialise_transactions), harmless against another broker.
 # Their locks guard one broker's transactions: under pytest-xdist each worker starts brokers of its own,
-# so each worker gets locks of its own (one broker shared by every worker keeps one pair).
+# so each worker gets locks of its own (one broker shared by every worker keeps one pair). Set, not
+# defaulted: the workers inherit the controller's environment, where this module set the shared pair.
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER")
 if _WORKER and not os.environ.get("REFSTREAM_TEST_BOOTSTRAP"):
     for _env in (SERIAL_TXN_ENDS_ENV, SERIAL_TXNS_ENV):
-        os.environ.setdefault(_env, str(Path(tempfile.gettempdir()) / f"refstream-{_env.lower()}-{_WORKER}.lock"))
+        os.environ[_env] = str(Path(tempfile.gettempdir()) / f"refstream-{_env.lower()}-{_WORKER}.lock")
 serialise_transaction_ends()
 serialise_transactions()
 # Spark's Python workers must run this interpreter (the venv), not the first python3 on PATH.

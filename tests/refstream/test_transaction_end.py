@@ -109,3 +109,24 @@ def test_transactions_of_processes_that_would_end_beside_open_ones_all_become_vi
     assert [p.exitcode for p in procs] == [0, 0, 0]
     got = [m.value() for m in rkafka.read_to_end(kafka, topic, timeout=bound(20))]
     assert len(got) == 4 * RECORDS, f"{len(got)} of {4 * RECORDS} visible to read_committed"
+
+
+def test_a_process_that_waits_too_long_for_the_open_transaction_lock_names_its_holder(
+        tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each taker writes who it is into the lock; the error of a waiter past ``SERIAL_TXNS_WAIT`` says it."""
+    import fcntl
+
+    path = tmp_path / "open-txn.lock"
+    monkeypatch.setenv(SERIAL_TXNS_ENV, str(path))
+    monkeypatch.setattr(rkafka, "SERIAL_TXNS_WAIT", 0.2)
+    first = rkafka._OpenTransactions()
+    first.acquire()
+    assert path.read_text().startswith(f"pid {os.getpid()} since ")
+    first.release()
+    with open(path, "a+b") as other:  # another open file: its lock conflicts, as another process's does
+        fcntl.flock(other, fcntl.LOCK_EX)
+        other.truncate(0)
+        other.write(b"pid 4242 since 12:00:00: python -m enrich run")
+        other.flush()
+        with pytest.raises(TimeoutError, match=r"held by pid 4242 since 12:00:00: python -m enrich run"):
+            rkafka._OpenTransactions().acquire()
