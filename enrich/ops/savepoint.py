@@ -263,11 +263,18 @@ class Savepoint:
         rows would not fit the step's state), a rollup (``rollup_specs``) the savepoint holds under its
         name with other keys, window, horizon or metrics. Added aggregates, another TTL, watermark,
         bucket count or number of state partitions, a partitioned join or a rollup added or removed are
-        fine (an added rollup starts empty)."""
+        fine (an added rollup starts empty). A join with ``corrections`` is refused: a savepoint does
+        not hold the events the job wrote within the horizon, so the fork could not correct them."""
         if cfg.state is None:
             raise SavepointRefused(f"{cfg.source}: no state: section; a savepoint starts a job's device state")
         assert spec is not None
         saved, where = self.meta["state"], f"the savepoint {self.directory}"
+        corrected = [i for i, j in enumerate(cfg.joins) if j.corrections is not None]
+        if corrected:
+            raise SavepointRefused(
+                f"{cfg.source}: joins[{corrected[0]}].corrections: {where} does not hold the events the job wrote "
+                "within the horizon, and a fork would leave them uncorrected; fork without corrections, or move "
+                "the state to other state partitions in place with enrich rescale, which keeps them")
         if saved["key"] != cfg.state.key:
             raise SavepointRefused(f"{cfg.source}: state.key is {cfg.state.key!r}; {where} keeps device state by "
                                    f"{saved['key']!r}")

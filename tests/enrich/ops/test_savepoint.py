@@ -120,6 +120,19 @@ def test_refused_for_a_job_whose_joins_wait(tmp_path: Path, capsys: pytest.Captu
     assert not (tmp_path / "new").exists()
 
 
+def test_a_fork_with_corrections_is_refused_naming_the_join(tmp_path: Path) -> None:
+    """A savepoint holds no written events: a fork that corrects would leave those before it uncorrected."""
+    point = saved(tmp_path)
+    joins = [{"dataset": "owners", "on": "device_id"},
+             {"dataset": "devices", "on": "device_id", "as_of": True, "corrections": {"horizon": "1h"}}]
+    state = {"key": "device_id", "timestamp": "ts", "aggregates": {"temp": ["last", "mean"]}}
+    with pytest.raises(SavepointRefused, match=r"joins\[1\]\.corrections: the savepoint .* does not hold the events "
+                                               r"the job wrote within the horizon.*fork without corrections"):
+        point.check(config.load(write_config(tmp_path, joins=joins, state=state)), SPEC)
+    off = [joins[0], {**joins[1], "corrections": None}]
+    point.check(config.load(write_config(tmp_path / "off", joins=off, state=state)), SPEC)
+
+
 def test_a_rollup_the_savepoint_holds_must_keep_its_layout(tmp_path: Path) -> None:
     """A rollup held under its name with another window is refused; one added or removed is fine."""
     from enrich.rollups.spec import RollupSpec
