@@ -33,7 +33,9 @@ pytestmark = pytest.mark.integration  # starts `python -m enrich run` (Spark) it
 def test_sigkill_then_restart_gives_each_event_once(kafka: dict[str, str], unique: Callable[[str], str],
                                                      tmp_path: Path) -> None:
     config = tmp_path / "enrich.yaml"
-    cfg = write_config(config, kafka, unique)
+    # Batches of 1,000 every 2 s: the kill at 1,000 written lands with most of the 4,000 still to
+    # come, however fast the machine (every 300 ms, a quick run had written all before it landed).
+    cfg = write_config(config, kafka, unique, trigger="2s")
     total = 4000
     seed(kafka, cfg, total)
     out_topic = cfg["output"]["kafka"]["topic"]
@@ -58,7 +60,7 @@ def test_sigkill_then_restart_parquet_output_has_each_event_once(kafka: dict[str
 
     out = tmp_path / "out"
     config = tmp_path / "enrich.yaml"
-    cfg = write_config(config, kafka, unique, output={"parquet": {"path": str(out)}})
+    cfg = write_config(config, kafka, unique, output={"parquet": {"path": str(out)}}, trigger="2s")  # as above
     total = 4000
     seed(kafka, cfg, total)
     log = tmp_path / "job.log"
