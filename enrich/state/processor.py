@@ -271,8 +271,15 @@ class DeviceStateProcessor(StatefulProcessor):
         self._written_index = {"next": index["next"], "chunks": chunks}  # this call's: no second read
         if not fixed:
             return None
+        rows = pa.concat_tables(fixed, promote_options="permissive")
+        if self.waits is not None and PROVISIONAL in rows.column_names:
+            # As a fresh job would write the event now: provisional while a dataset it waits for is
+            # not complete past it, final once it is (a late version usually comes with completeness).
+            ts = rows.column(corrections.TS).to_numpy(zero_copy_only=False)
+            rows = rows.set_column(rows.schema.get_field_index(PROVISIONAL), PROVISIONAL,
+                                   pa.array(wait.incomplete(self.waits, _batch_facts(), ts), pa.bool_()))
         # Rows kept under an earlier plan (other columns, a dataset's types changed) as this plan's rows.
-        return _conform(corrections.emitted(pa.concat_tables(fixed, promote_options="permissive")), self.out_schema, ())
+        return _conform(corrections.emitted(rows), self.out_schema, ())
 
     def _index(self) -> dict[str, Any]:
         got = self.written_index.get()

@@ -29,7 +29,7 @@ import pyarrow.compute as pc
 
 from refstream import contract
 
-__all__ = ["READ_MS", "BatchFacts", "Split", "WaitSpec", "admit", "split"]
+__all__ = ["READ_MS", "BatchFacts", "Split", "WaitSpec", "admit", "incomplete", "split"]
 
 #: A held event's extra column: the time (epoch ms) of the batch that first read it.
 READ_MS = "_read_ms"
@@ -96,6 +96,16 @@ class Split:
 def admit(events: pa.Table, facts: BatchFacts) -> pa.Table:
     """``events`` first read in the batch of ``facts``: with :data:`READ_MS` set to its time."""
     return events.append_column(READ_MS, pa.array(np.full(events.num_rows, facts.time_ms, dtype=np.int64)))
+
+
+def incomplete(spec: WaitSpec, facts: BatchFacts, ts: np.ndarray) -> np.ndarray:
+    """Which of the event times ``ts`` (int64 microseconds) some waited-for dataset is not complete
+    past at ``facts``: the events a fresh job would hold now, and release provisional at ``max_wait``."""
+    out = np.zeros(len(ts), dtype=bool)
+    for ds, _ in spec.max_wait_ms:
+        at = facts.complete_us.get(ds)
+        out |= np.ones(len(ts), dtype=bool) if at is None else np.asarray(ts, dtype=np.int64) > at
+    return out
 
 
 def split(spec: WaitSpec, facts: BatchFacts, pool: pa.Table, ts_us: str) -> Split:

@@ -80,3 +80,12 @@ def test_batch_facts_from_the_recorded_texts() -> None:
     f = BatchFacts.of(123, {"a": "2026-01-01T00:05:00.000001Z", "b": None})
     assert f.complete_us == {"a": us(5) + 1, "b": None}
     assert BatchFacts.from_json(f.to_json()) == f
+
+
+def test_incomplete_is_past_some_datasets_completeness_or_before_any_is_known() -> None:
+    """What a correction of a released event says of ``_provisional``: as the batch decides it now."""
+    spec = WaitSpec.of({"a": timedelta(minutes=15), "b": timedelta(minutes=5)})
+    ts = np.array([10, 20, 30], dtype=np.int64)
+    assert wait.incomplete(spec, BatchFacts(0, {"a": 25, "b": 15}), ts).tolist() == [False, True, True]
+    assert wait.incomplete(spec, BatchFacts(0, {"a": 30, "b": 30}), ts).tolist() == [False, False, False]
+    assert wait.incomplete(spec, BatchFacts(0, {"a": 30, "b": None}), ts).tolist() == [True, True, True]

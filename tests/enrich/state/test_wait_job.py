@@ -47,13 +47,13 @@ def changes(owner: str, valid_from: datetime, complete: datetime, *, first: bool
 
 
 def job_config(kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path, topics: dict[str, str],
-               name: str, max_wait: str) -> dict[str, Any]:
+               name: str, max_wait: str, **join: Any) -> dict[str, Any]:
     return {
         "kafka": {"bootstrap_servers": kafka["bootstrap.servers"]},
         "events": {"topic": topics["events"], "schema": "device_id BIGINT, ts TIMESTAMP, n INT",
                    "starting_offsets": "earliest"},
         "joins": [{"dataset": "owners", "topic": topics["owners"], "on": "device_id", "columns": ["owner"],
-                   "as_of": True, "wait": "complete", "max_wait": max_wait}],
+                   "as_of": True, "wait": "complete", "max_wait": max_wait, **join}],
         "output": {"kafka": {"topic": unique("enriched")}},
         "dead_letter_topic": unique("dlq"),
         "checkpoint": str(tmp_path / name),
@@ -71,8 +71,10 @@ def output(kafka: dict[str, str], data: dict[str, Any]) -> dict[int, list[dict[s
     return by_n
 
 
-def test_held_until_complete_or_max_wait_and_a_backfill_writes_the_same(
+def test_held_until_complete_or_max_wait_corrected_if_provisional_and_a_backfill_writes_the_same(
         spark: SparkSession, kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path) -> None:
+    """With corrections on the join: a held event is written once, with the version valid at its
+    time; one released provisional by max_wait is corrected when a version valid before it arrives."""
     topics = {"events": unique("events"), "owners": unique("ref.owners")}
     now = datetime.now(UTC)
     publish(kafka, topics["owners"], changes("a", now - timedelta(hours=1), now - timedelta(minutes=10), first=True))
@@ -80,7 +82,7 @@ def test_held_until_complete_or_max_wait_and_a_backfill_writes_the_same(
         {"device_id": 1, "ts": iso(now - timedelta(minutes=11)), "n": 1},  # before the completeness: at once
         {"device_id": 1, "ts": iso(now - timedelta(minutes=5)), "n": 2},   # after it: held
     ])
-    live = job_config(kafka, unique, tmp_path, topics, "live", "60s")
+    live = job_config(kafka, unique, tmp_path, topics, "live", "60s", corrections={"horizon": "24h"})
     job = EnrichJob(config.parse(live, "test.yaml"))
     runner = threading.Thread(target=job.run, args=(spark,), daemon=True)
     runner.start()
@@ -100,25 +102,36 @@ def test_held_until_complete_or_max_wait_and_a_backfill_writes_the_same(
         produce_events(kafka, topics["events"], [{"device_id": 1, "ts": iso(after_complete), "n": 3}])
         wait_for(lambda: 3 in output(kafka, live), "the event released by max_wait", runner, timeout=150)
         waited = time.time() - produced
+        # Then a version valid from before event 3, and the dataset complete past it: the provisional
+        # event is corrected (event 2, held until its version came, is not).
+        publish(kafka, topics["owners"], changes("c", after_complete - timedelta(seconds=1), datetime.now(UTC)))
+        wait_for(lambda: len(output(kafka, live).get(3, [])) == 2, "the provisional event's correction", runner,
+                 timeout=60)
     finally:
         job.stop()
         runner.join(60)
     got = output(kafka, live)
-    assert {n: len(rows) for n, rows in got.items()} == {1: 1, 2: 1, 3: 1}
+    assert {n: len(rows) for n, rows in got.items()} == {1: 1, 2: 1, 3: 2}
     rows = {n: r[0] for n, r in got.items()}
-    assert {n: (r["owner"], r["_provisional"]) for n, r in rows.items()} == {
-        1: ("a", False), 2: ("b", False), 3: ("b", True)}
+    assert {n: (r["owner"], r["_provisional"], r["_kind"]) for n, r in rows.items()} == {
+        1: ("a", False, "event"), 2: ("b", False, "event"), 3: ("b", True, "event")}
     assert waited >= 60, f"released after {waited:.1f}s, before max_wait"
+    fixed = got[3][1]
+    assert (fixed["_kind"], fixed["_revision"], fixed["owner"]) == ("correction", 1, "c")
+    assert fixed["_cause"]["dataset"] == "owners" and fixed["_cause"]["valid_from"] == iso(
+        after_complete - timedelta(seconds=1))
+    latest = {n: r[-1] for n, r in got.items()}
 
-    # The dataset is complete past every event now; a new version since: a backfill over the same
-    # events with a new checkpoint writes the same reference columns, every event final.
-    publish(kafka, topics["owners"], changes("c", datetime.now(UTC), datetime.now(UTC)))
+    # The dataset is complete past every event now: a backfill over the same events with a new
+    # checkpoint writes the reference columns the corrected output holds, every event final, and
+    # so does the correction.
     backfill = job_config(kafka, unique, tmp_path, topics, "backfill", "25s")
     EnrichJob(config.parse(backfill, "test.yaml"), available_now=True).run(spark)
     again = {n: r[0] for n, r in output(kafka, backfill).items()}
     assert {n: tuple(r[c] for c in REFERENCE) for n, r in again.items()} == {
-        n: tuple(r[c] for c in REFERENCE) for n, r in rows.items()}
+        n: tuple(r[c] for c in REFERENCE) for n, r in latest.items()}
     assert {n: r["_provisional"] for n, r in again.items()} == {1: False, 2: False, 3: False}
+    assert fixed["_provisional"] is False
 
     # Waiting adds an input to the query: turning it off against the checkpoint is refused.
     off = {**live, "joins": [{k: v for k, v in j.items() if k not in ("wait", "max_wait")} for j in live["joins"]]}
