@@ -64,6 +64,7 @@ from enrich.state.rollups import idle_facts
 from enrich.state.stream import Fork
 from enrich.state.wait import BatchFacts
 from refstream import kafka as rkafka
+from refstream.compat import spark_local_checkpoint_files
 from refstream.errors import TerminalError
 from refstream.retry import RetryPolicy, call_with_retry
 
@@ -375,6 +376,8 @@ class EnrichJob:
 
     def _start_query(self, stream: DataFrame) -> StreamingQuery:
         cfg = self.cfg
+        # The checkpoint is a local path (enrich.checkpoint): its files need no FileContext.
+        spark_local_checkpoint_files(stream.sparkSession)
         self._writer = writer(stream, self._process, checkpoint=self.layout.spark.resolve(),
                               name=f"enrich-{cfg.events.topic}", available_now=self.available_now, trigger=cfg.trigger)
         query = self._writer.start()

@@ -379,6 +379,36 @@ def spark_logger_level(spark: Any, logger: str, level: str) -> bool:
         return False
 
 
+#: Spark's setting naming how a query writes its checkpoint files, and its file-system based manager
+#: (the package it moved to first).
+SPARK_CHECKPOINT_FILES = "spark.sql.streaming.checkpointFileManagerClass"
+_FS_CHECKPOINT_FILES = ("org.apache.spark.sql.execution.streaming.checkpointing.FileSystemBasedCheckpointFileManager",
+                        "org.apache.spark.sql.execution.streaming.FileSystemBasedCheckpointFileManager")
+
+
+def spark_local_checkpoint_files(spark: Any) -> str | None:
+    """Have the queries of ``spark`` write their checkpoint files through Hadoop's ``FileSystem`` API
+    instead of its ``FileContext`` API (Spark's default), unless the session names a manager of its
+    own: the class set, or None. On a local file system both write a temporary file and rename it
+    into place, but ``FileContext``'s rename first asks for both files' link status, which Hadoop's
+    local file system (without its native library) answers by running ``readlink`` in a new process:
+    dozens a micro-batch. Only for checkpoints on a local (or mounted) file system, where a rename is
+    atomic either way. Returns None, with one warning, when neither class is there."""
+    if spark.conf.get(SPARK_CHECKPOINT_FILES, None):
+        return None
+    jvm = spark.sparkContext._jvm
+    for name in _FS_CHECKPOINT_FILES:
+        try:
+            jvm.java.lang.Class.forName(name)
+        except Exception:  # noqa: BLE001 - py4j's error for a class that is not there
+            continue
+        spark.conf.set(SPARK_CHECKPOINT_FILES, name)
+        return name
+    _warn_once("spark:checkpoint-files", "Spark has no FileSystemBasedCheckpointFileManager (%s); the checkpoint "
+               "files are written through FileContext", ", ".join(_FS_CHECKPOINT_FILES))
+    return None
+
+
 def spark_skip_python_data_source_lookup(spark: Any) -> bool:
     """Tell the driver JVM that no installed package provides a Python data source, so that it does
     not start a Python process to look for them (``DataSourceManager.dataSourceBuilders``, a private

@@ -254,3 +254,26 @@ def test_a_collects_results_come_through_a_unix_socket_no_local_client_can_take(
     assert isinstance(served[0], str) and Path(served[0]).exists(), served[0]   # a socket file, not a port
     with _load_from_socket(served, BatchedSerializer(CPickleSerializer())) as stream:
         assert [r.id for r in stream] == [0, 1, 2]
+
+
+def test_a_job_writes_its_checkpoint_files_through_the_file_system_api(spark: SparkSession) -> None:
+    """Hadoop's FileContext asks a local file's link status by running ``readlink`` (dozens of
+    processes a micro-batch): the job's queries use Spark's FileSystem-based checkpoint manager,
+    unless the session names one of its own."""
+    from refstream import compat
+
+    key = compat.SPARK_CHECKPOINT_FILES
+    before = spark.conf.get(key, None)
+    try:
+        spark.conf.unset(key)
+        name = compat.spark_local_checkpoint_files(spark)
+        assert name is not None and name.endswith(".FileSystemBasedCheckpointFileManager")
+        assert spark.conf.get(key) == name
+        spark.conf.set(key, "org.example.Mine")
+        assert compat.spark_local_checkpoint_files(spark) is None
+        assert spark.conf.get(key) == "org.example.Mine"
+    finally:
+        if before is None:
+            spark.conf.unset(key)
+        else:
+            spark.conf.set(key, before)
