@@ -95,6 +95,9 @@ def session_conf(conf: Mapping[str, str] | None = None, *, ui: bool = False,
         # Python side is refused - a failed batch, masked by PySpark as UnboundLocalError: 'sockfile'.
         # A Unix socket has no port to collide with.
         UNIX_SOCKETS: "true",
+        # What the Python processes wait for those sockets (SPARK_AUTH_SOCKET_TIMEOUT: a connect, and
+        # a state step's driver-side worker's reads): Spark's 15 s is short for a driver starved of CPU.
+        "spark.python.authenticate.socketTimeout": "120s",
         **UI_DEFAULTS,
     }
     if not ui:

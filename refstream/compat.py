@@ -393,19 +393,26 @@ def spark_local_checkpoint_files(spark: Any) -> str | None:
     into place, but ``FileContext``'s rename first asks for both files' link status, which Hadoop's
     local file system (without its native library) answers by running ``readlink`` in a new process:
     dozens a micro-batch. Only for checkpoints on a local (or mounted) file system, where a rename is
-    atomic either way. Returns None, with one warning, when neither class is there."""
-    if spark.conf.get(SPARK_CHECKPOINT_FILES, None):
-        return None
-    jvm = spark.sparkContext._jvm
-    for name in _FS_CHECKPOINT_FILES:
-        try:
-            jvm.java.lang.Class.forName(name)
-        except Exception:  # noqa: BLE001 - py4j's error for a class that is not there
-            continue
-        spark.conf.set(SPARK_CHECKPOINT_FILES, name)
-        return name
-    _warn_once("spark:checkpoint-files", "Spark has no FileSystemBasedCheckpointFileManager (%s); the checkpoint "
-               "files are written through FileContext", ", ".join(_FS_CHECKPOINT_FILES))
+    atomic either way. The setting stays on the session after the query stops. Returns None, with
+    one warning, when neither class is there or the session cannot be asked."""
+    try:
+        if spark.conf.get(SPARK_CHECKPOINT_FILES, None):
+            return None
+        jvm = spark.sparkContext._jvm
+        for name in _FS_CHECKPOINT_FILES:
+            try:
+                jvm.java.lang.Class.forName(name)
+            except Exception as exc:  # noqa: BLE001 - py4j's error for a class that is not there
+                if "ClassNotFoundException" not in str(exc):
+                    raise
+                continue
+            spark.conf.set(SPARK_CHECKPOINT_FILES, name)
+            return name
+        _warn_once("spark:checkpoint-files", "Spark has no FileSystemBasedCheckpointFileManager (%s); the "
+                   "checkpoint files are written through FileContext", ", ".join(_FS_CHECKPOINT_FILES))
+    except Exception as exc:  # noqa: BLE001 - the files are written either way, only slower
+        _warn_once("spark:checkpoint-files", "cannot choose Spark's checkpoint file manager (%s); the checkpoint "
+                   "files are written through FileContext", exc)
     return None
 
 

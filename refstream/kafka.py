@@ -18,6 +18,7 @@ the EOF event, which comes from the high watermark in Fetch responses (right on 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import fcntl
 import logging
 import os
@@ -332,17 +333,23 @@ class _OpenTransactions:
                                 f"another process kept a Kafka transaction open for {SERIAL_TXNS_WAIT:.0f}s "
                                 f"(lock {path}, ${SERIAL_TXNS_ENV}; held by {_holder(path)})") from None
                         time.sleep(0.005)
-                # Who holds it, for the error of a process that waits too long.
-                f.truncate(0)
-                f.write(f"pid {os.getpid()} since {time.strftime('%H:%M:%S')}: {' '.join(sys.argv)[:300]}".encode())
-                f.flush()
                 self._file = f
+                # Who holds it, for the error of a process that waits too long; never worth failing for.
+                try:
+                    f.truncate(0)
+                    f.write(f"pid {os.getpid()} since {time.strftime('%H:%M:%S')}: "
+                            f"{' '.join(sys.argv)[:300]}".encode("utf-8", "replace"))
+                    f.flush()
+                except OSError:
+                    pass
             self._count += 1
 
     def release(self) -> None:
         with self._mutex:
             self._count -= 1
             if self._count == 0 and self._file is not None:
+                with contextlib.suppress(OSError):
+                    self._file.truncate(0)  # no holder now: not the last one's name
                 fcntl.flock(self._file, fcntl.LOCK_UN)
                 self._file.close()
                 self._file = None

@@ -166,7 +166,8 @@ def test_a_backdated_change_corrects_the_events_written_before_it_and_equals_a_f
     assert {r["_kind"] for r in first} == {"event"} and {r["_revision"] for r in first} == {0}
     assert {r["n"]: r["site"] for r in first} == {1: "s-2", 2: "s-2", 3: "s-2", 4: "s-2", 5: None}
     if sink == "parquet":  # the buckets' written events move with them to other state partitions
-        assert rescale(config.parse(live, "test.yaml"), 3, spark=spark).after == 3
+        moved = rescale(config.parse(live, "test.yaml"), 3, spark=spark)
+        assert (moved.before, moved.after) == (2, 3) and moved.batch_id is not None
 
     # Device 1 moved to s-6 eight minutes after t0; the database learns it only now.
     moved = t0 + 8 * minute
