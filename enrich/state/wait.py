@@ -115,12 +115,11 @@ def split(spec: WaitSpec, facts: BatchFacts, pool: pa.Table, ts_us: str) -> Spli
     ts = np.asarray(pool.column(ts_us).to_numpy(), dtype=np.int64) if n else np.zeros(0, np.int64)
     read = np.asarray(pool.column(READ_MS).to_numpy(), dtype=np.int64) if n else np.zeros(0, np.int64)
     release = np.ones(n, dtype=bool)
-    incomplete = np.zeros(n, dtype=bool)
     for ds, max_wait in spec.max_wait_ms:
         at = facts.complete_us.get(ds)
         complete = np.zeros(n, dtype=bool) if at is None else ts <= at
         expired = facts.time_ms - read >= max_wait
         release &= complete | expired
-        incomplete |= ~complete
+    provisional = incomplete(spec, facts, ts) & release
     mask = pa.array(release)
-    return Split(pool.filter(mask), (incomplete & release)[release], pool.filter(pc.invert(mask)), release)
+    return Split(pool.filter(mask), provisional[release], pool.filter(pc.invert(mask)), release)
