@@ -219,13 +219,15 @@ def spark_defaults() -> Path:
     tests/spark-conf/spark-defaults.conf, which names the run's class-data-sharing (AppCDS) archive
     once it exists, so that the drivers read their classes from it.
 
-    The first test that may start Spark starts a small Spark session in the background whose JVM
-    writes the archive at its exit (about 20 s, 100 s under the suite's load), once per run:
-    pytest-xdist's workers go on meanwhile. The session then replaces the run's copy in one rename,
-    and every driver started after that reads the new line, whenever its environment was made. A
-    driver then starts on about 5 s less CPU (a job's JVM: 8 s instead of 13 s, measured here): most
-    of that was looking classes up in Spark's 279 jars. If the session fails, the drivers run as
-    before and its log (``archive.log`` in the run's directory) says why."""
+    The first test that may start Spark starts tests/spark_archive.py in the background, once per
+    run: two Spark sessions in turn whose JVMs write an archive at their exit (a quick one, about
+    20 s, 100 s under the suite's load; then one running a job of the tests' kind). pytest-xdist's
+    workers go on meanwhile. Each replaces the run's copy in one rename, and every driver started
+    after that reads the new line, whenever its environment was made. A driver then starts on about
+    5 s less CPU with the first archive (a job's JVM: 8 s instead of 13 s, measured here), and less
+    again with the second: most of that was looking classes up in Spark's 279 jars. If a
+    session fails, the drivers run as before and its log (``archive.log`` in the run's directory)
+    says why."""
     run = Path(os.environ["REFSTREAM_TEST_RUN_DIR"])
     out = _run_defaults()
     try:
@@ -234,11 +236,10 @@ def spark_defaults() -> Path:
         return out
     import subprocess
 
-    env = {**os.environ, "PYSPARK_SUBMIT_ARGS": submit_args(
-        SPARK_DEFAULTS, "--driver-java-options", f"-XX:ArchiveClassesAtExit={run / 'spark.jsa.tmp'}")}
     with open(run / "archive.log", "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-c", _ARCHIVE_SESSION, str(run), str(SPARK_DEFAULTS), str(out)],
-                                env=env, cwd=run, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen([sys.executable, "-m", "tests.spark_archive", str(run), str(SPARK_DEFAULTS), str(out)],
+                                env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+                                cwd=run, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     os.write(fd, str(proc.pid).encode())
     os.close(fd)
     return out
@@ -253,41 +254,6 @@ def _stop_archive_session(run: Path) -> None:
     except (OSError, ValueError):
         pass
 
-
-# A session doing what the tests' jobs do at their start (a streaming query, Arrow to Python and back,
-# a shuffle), so their classes are in the archive. Once its JVM has exited, which writes the archive,
-# it writes the defaults file that names it, in one rename (argv: the run's directory, the tests'
-# defaults file, the run's copy to replace).
-_ARCHIVE_SESSION = """
-import sys, time
-from pathlib import Path
-from enrich.session import build_session
-run, defaults, out = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3])
-spark = build_session("local[2]", "refstream-tests-cds", {"spark.ui.enabled": "false"})
-def same(batches):
-    yield from batches
-spark.range(1000).repartition(2).mapInArrow(same, "id long").selectExpr("id % 7 as k").groupBy("k").count().collect()
-q = (spark.readStream.format("rate").option("rowsPerSecond", 100).load().mapInArrow(same, "timestamp timestamp, value long")
-     .writeStream.format("noop").trigger(processingTime="200 milliseconds").option("checkpointLocation", "cds").start())
-deadline = time.monotonic() + 120
-while len(q.recentProgress) < 3 and time.monotonic() < deadline:
-    time.sleep(0.2)
-q.stop()
-gateway = spark.sparkContext._gateway
-spark.stop()
-proc = gateway.proc
-proc.stdin.close()  # the JVM exits when its stdin closes, and writes the archive as it does
-proc.wait(120)
-tmp = run / "spark.jsa.tmp"
-if not tmp.exists():
-    sys.exit("the JVM wrote no archive")
-jsa = tmp.rename(run / "spark.jsa")
-lines = [line + f" -XX:SharedArchiveFile={jsa}" if line.startswith("spark.driver.defaultJavaOptions") else line
-         for line in defaults.read_text().splitlines()]
-staged = out.with_suffix(".tmp")
-staged.write_text("\\n".join(lines) + "\\n")
-staged.rename(out)
-"""
 
 
 @pytest.fixture(scope="module")
