@@ -82,7 +82,8 @@ DEVICES, SITES = 150, 8
 PROBE_BASE = 10**12  # probe events' seq numbers start here
 CLI_TIMEOUT_S = 300  # a `refresh` command's
 PROBE_WAIT_S = 300   # for the probes in the output
-MISSING_KILLS_SPAN = 4  # kills still missing after the churn: keep going for up to this many durations
+MISSING_KILLS_SPAN = 4  # kills still missing after the churn: keep going for up to this many durations,
+MISSING_KILLS_MIN_S = 480.0  # and at least this long (a job's restart under load: 80 s or more)
 PG_BIN = Path(os.environ.get("REFSTREAM_PG_BIN", "/usr/lib/postgresql/15/bin"))
 TABLE = "soak_events"
 
@@ -370,7 +371,7 @@ class Soak:
         rng_db, rng_svc = random.Random(self.seed + 3), random.Random(self.seed + 4)
         next_db = refresher_started + rng_db.uniform(10, 30)
         next_svc = refresher_started + rng_svc.uniform(5, 20)
-        limit = deadline + MISSING_KILLS_SPAN * self.duration
+        limit = deadline + missing_kills_span(self.duration)
         while not self._stop.is_set():
             now = time.monotonic()
             f = self.fig
@@ -628,7 +629,12 @@ def time_limit(duration: float) -> float:
     """A bound on a soak of ``duration`` seconds: the churn and the span for missing kills (each job
     kill waits for a batch after a restart, a minute or more on a slow or loaded machine), three
     ``refresh`` commands (setup, the forced run, ``status --check``) and the probes' wait."""
-    return (1 + MISSING_KILLS_SPAN) * duration + 3 * CLI_TIMEOUT_S + PROBE_WAIT_S
+    return duration + missing_kills_span(duration) + 3 * CLI_TIMEOUT_S + PROBE_WAIT_S
+
+
+def missing_kills_span(duration: float) -> float:
+    """How long a soak of ``duration`` seconds goes on for the kills and restarts it still misses."""
+    return max(MISSING_KILLS_SPAN * duration, MISSING_KILLS_MIN_S)
 
 
 def run(work: Path, *, duration: float, seed: int, bootstrap: str | None = None,

@@ -1,4 +1,4 @@
-"""The kill-everything soak (bench/soak.py) for two minutes (``REFSTREAM_SOAK_SECONDS``): MariaDB,
+"""The kill-everything soak (bench/soak.py) for a minute (``REFSTREAM_SOAK_SECONDS``): MariaDB,
 the broker, a private PostgreSQL, a call service, the refresher daemon and the job (per-device
 state, a partitioned join, 4 state partitions on 2 cores, a call per event, Kafka output with
 PostgreSQL beside it) as processes, reference churn, at least three SIGKILLs of the refresher and of
@@ -19,7 +19,7 @@ import pytest
 
 from bench import soak
 
-DURATION = float(os.environ.get("REFSTREAM_SOAK_SECONDS", "120"))
+DURATION = float(os.environ.get("REFSTREAM_SOAK_SECONDS", "60"))
 KILLS = int(os.environ.get("REFSTREAM_SOAK_KILLS", "3"))  # each job restart costs 20-80 s of the suite's CPU
 
 # Its own bound, not the suite's 900 s: the kills wait for the job's restarts, which on a slower
