@@ -226,8 +226,8 @@ def spark_defaults() -> Path:
     after that reads the new line, whenever its environment was made. A driver then starts on about
     5 s less CPU with the first archive (a job's JVM: 8 s instead of 13 s, measured here), and less
     again with the second: most of that was looking classes up in Spark's 279 jars. If a
-    session fails, the drivers run as before and its log (``archive.log`` in the run's directory)
-    says why."""
+    session fails, the drivers go on with the archive before it, or none, and the log
+    (``archive.log`` in the run's directory) says why."""
     run = Path(os.environ["REFSTREAM_TEST_RUN_DIR"])
     out = _run_defaults()
     try:
@@ -238,7 +238,8 @@ def spark_defaults() -> Path:
 
     with open(run / "archive.log", "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "tests.spark_archive", str(run), str(SPARK_DEFAULTS), str(out)],
-                                env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+                                env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
+                                    str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")]))},
                                 cwd=run, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     os.write(fd, str(proc.pid).encode())
     os.close(fd)
@@ -246,13 +247,15 @@ def spark_defaults() -> Path:
 
 
 def _stop_archive_session(run: Path) -> None:
-    """Stop the archive's session if it still runs (a short run of the suite ends before it)."""
+    """Stop the archive's sessions if they still run (a short run of the suite ends before them),
+    and the broker of its job stage, a process group of its own."""
     import signal
 
-    try:
-        os.killpg(int((run / "archive.pid").read_text()), signal.SIGKILL)
-    except (OSError, ValueError):
-        pass
+    for pid in ("archive.pid", "archive-broker.pid"):
+        try:
+            os.killpg(int((run / pid).read_text()), signal.SIGKILL)
+        except (OSError, ValueError):
+            pass
 
 
 

@@ -9,8 +9,9 @@ archive, in one rename, so that every driver started after that reads it:
 - ``quick``: a session doing what every test's Spark does at its start (a streaming query, Arrow to
   Python and back, a shuffle): ready soon, while the run's first tests start their drivers;
 - ``job``: a job of the tests' kind on an embedded broker (a join, per-device state, a rollup, gaps,
-  a dead letter, Parquet written and read), whose archive holds the classes a test's job loads
-  beyond those (Parquet's, the state store's, the code generator's: about 3,400 classes). A test
+  a dead letter, Parquet written and read), whose archive replaces the first: it holds the classes
+  a test's job loads, about 3,400 more than the first (Parquet's, the state store's, the code
+  generator's). A test
   with two job starts (the gaps' SIGKILL test) took 50 CPU seconds with it, 61 with the quick one
   (two rounds each).
 
@@ -28,6 +29,7 @@ from pathlib import Path
 from refstream.kafka import SERIAL_TXN_ENDS_ENV, SERIAL_TXNS_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
+STAGE_TIMEOUT_S = 900
 
 
 def main(run: Path, defaults: Path, out: Path) -> int:
@@ -36,11 +38,16 @@ def main(run: Path, defaults: Path, out: Path) -> int:
         tmp = jsa.with_suffix(".tmp")
         # Its broker's transaction locks (demo.broker) of its own, not the pytest-xdist worker's.
         env = {**os.environ, SERIAL_TXN_ENDS_ENV: str(run / "archive-txn-ends.lock"),
-               SERIAL_TXNS_ENV: str(run / "archive-txns.lock"), "PYTHONPATH": str(ROOT), "PYSPARK_SUBMIT_ARGS": " ".join([
+               SERIAL_TXNS_ENV: str(run / "archive-txns.lock"),
+               "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+               "PYSPARK_SUBMIT_ARGS": " ".join([
             "--properties-file", str(defaults), "--driver-java-options", f"-XX:ArchiveClassesAtExit={tmp}",
             "pyspark-shell"])}
-        code = subprocess.call([sys.executable, "-m", "tests.spark_archive", "--stage", stage, str(run)],
-                               env=env, cwd=run)
+        try:  # a stage stuck on a starved machine would only take CPU from the tests
+            code = subprocess.call([sys.executable, "-m", "tests.spark_archive", "--stage", stage, str(run)],
+                                   env=env, cwd=run, timeout=STAGE_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            code = -1
         if code != 0 or not tmp.exists():
             print(f"stage {stage}: exit code {code}, {'an' if tmp.exists() else 'no'} archive", flush=True)
             return 1
@@ -79,7 +86,7 @@ def stage(name: str, run: Path) -> None:
     spark.stop()
     proc = gateway.proc
     proc.stdin.close()  # the JVM exits when its stdin closes, and writes the archive as it does
-    proc.wait(120)
+    proc.wait(600)  # a larger archive written on a loaded machine
 
 
 def _job(spark: object, work: Path) -> None:
@@ -96,6 +103,8 @@ def _job(spark: object, work: Path) -> None:
     t0 = datetime(2026, 1, 1, tzinfo=UTC)
     work.mkdir(parents=True, exist_ok=True)
     with EmbeddedBroker(log_path=work / "broker.log") as broker:
+        assert broker.proc is not None  # a process group of its own: the run's end kills it by this
+        (work.parent / "archive-broker.pid").write_text(str(broker.proc.pid))
         kafka = {"bootstrap.servers": broker.bootstrap}
         data = {
             "kafka": {"bootstrap_servers": broker.bootstrap},
