@@ -43,8 +43,8 @@ def root_cause(exc: BaseException) -> str:
 #: 'sockfile'; these servers accept one connection, and on a TCP port another local client could
 #: take it: the job's sessions use Unix sockets since, enrich.session), and a state step's worker
 #: whose state server stopped answering (seen once: the state server thread died on an internal
-#: assertion; the worker's wait is bounded by state.server_timeout). The second and last are the traceback's frames: whatever the error, it
-#: was raised there.
+#: assertion; the worker's wait is bounded by state.server_timeout). The second and last are the
+#: traceback's frames: whatever the error, it was raised there.
 _TRANSIENT_WORKER = (
     ("a Python worker did not start", ("Python worker failed to connect back",)),
     ("a Python worker did not start", ("StatefulProcessorApiClient(", "self._client_socket.connect(")),

@@ -31,6 +31,7 @@ import pytest
 from demo.broker import EmbeddedBroker, serialise_transaction_ends, serialise_transactions
 from refstream.kafka import SERIAL_TXN_ENDS_ENV, SERIAL_TXNS_ENV
 from tests import timing
+from tests.spark_archive import submit_args, with_tests_importable
 
 # Before any Spark session or child process starts (they inherit it): the embedded broker's workarounds
 # (demo.broker.serialise_transaction_ends and serialise_transactions), harmless against another broker.
@@ -54,11 +55,6 @@ os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
 # sharing off.
 SPARK_DEFAULTS = Path(__file__).parent / "spark-conf" / "spark-defaults.conf"
 os.environ.pop("SPARK_CONF_DIR", None)
-
-
-def submit_args(defaults: Path, *more: str) -> str:
-    """``PYSPARK_SUBMIT_ARGS`` giving a driver ``defaults`` as its Spark defaults (``more``: other options)."""
-    return " ".join(["--properties-file", str(defaults), *more, "pyspark-shell"])
 
 
 def spark_defaults_less(prefix: str, to: Path) -> dict[str, str]:
@@ -238,8 +234,7 @@ def spark_defaults() -> Path:
 
     with open(run / "archive.log", "wb") as log:
         proc = subprocess.Popen([sys.executable, "-m", "tests.spark_archive", str(run), str(SPARK_DEFAULTS), str(out)],
-                                env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
-                                    str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH")]))},
+                                env=with_tests_importable(os.environ),
                                 cwd=run, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     os.write(fd, str(proc.pid).encode())
     os.close(fd)
@@ -251,9 +246,9 @@ def _stop_archive_session(run: Path) -> None:
     and the broker of its job stage, a process group of its own."""
     import signal
 
-    for pid in ("archive.pid", "archive-broker.pid"):
+    for name in ("archive.pid", "archive-broker.pid"):
         try:
-            os.killpg(int((run / pid).read_text()), signal.SIGKILL)
+            os.killpg(int((run / name).read_text()), signal.SIGKILL)
         except (OSError, ValueError):
             pass
 

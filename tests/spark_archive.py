@@ -11,9 +11,8 @@ archive, in one rename, so that every driver started after that reads it:
 - ``job``: a job of the tests' kind on an embedded broker (a join, per-device state, a rollup, gaps,
   a dead letter, Parquet written and read), whose archive replaces the first: it holds the classes
   a test's job loads, about 3,400 more than the first (Parquet's, the state store's, the code
-  generator's). A test
-  with two job starts (the gaps' SIGKILL test) took 50 CPU seconds with it, 61 with the quick one
-  (two rounds each).
+  generator's). A test with two job starts (the gaps' SIGKILL test) took 50 CPU seconds with it,
+  61 with the quick one (two rounds each).
 
 A stage that fails leaves the earlier archive in place; ``archive.log`` in the run's directory says why.
 """
@@ -24,12 +23,27 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from refstream.kafka import SERIAL_TXN_ENDS_ENV, SERIAL_TXNS_ENV
 
 ROOT = Path(__file__).resolve().parents[1]
 STAGE_TIMEOUT_S = 900
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+
+
+def submit_args(defaults: Path, *more: str) -> str:
+    """``PYSPARK_SUBMIT_ARGS`` giving a driver ``defaults`` as its Spark defaults (``more``: other options)."""
+    return " ".join(["--properties-file", str(defaults), *more, "pyspark-shell"])
+
+
+def with_tests_importable(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` with the repository first on ``PYTHONPATH``, for a process running ``tests.*`` modules."""
+    return {**env, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))}
 
 
 def main(run: Path, defaults: Path, out: Path) -> int:
@@ -37,12 +51,10 @@ def main(run: Path, defaults: Path, out: Path) -> int:
         jsa = run / f"spark-{stage}.jsa"
         tmp = jsa.with_suffix(".tmp")
         # Its broker's transaction locks (demo.broker) of its own, not the pytest-xdist worker's.
-        env = {**os.environ, SERIAL_TXN_ENDS_ENV: str(run / "archive-txn-ends.lock"),
-               SERIAL_TXNS_ENV: str(run / "archive-txns.lock"),
-               "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-               "PYSPARK_SUBMIT_ARGS": " ".join([
-            "--properties-file", str(defaults), "--driver-java-options", f"-XX:ArchiveClassesAtExit={tmp}",
-            "pyspark-shell"])}
+        env = with_tests_importable({
+            **os.environ, SERIAL_TXN_ENDS_ENV: str(run / "archive-txn-ends.lock"),
+            SERIAL_TXNS_ENV: str(run / "archive-txns.lock"),
+            "PYSPARK_SUBMIT_ARGS": submit_args(defaults, "--driver-java-options", f"-XX:ArchiveClassesAtExit={tmp}")})
         try:  # a stage stuck on a starved machine would only take CPU from the tests
             code = subprocess.call([sys.executable, "-m", "tests.spark_archive", "--stage", stage, str(run)],
                                    env=env, cwd=run, timeout=STAGE_TIMEOUT_S)
@@ -81,7 +93,7 @@ def stage(name: str, run: Path) -> None:
             time.sleep(0.2)
         q.stop()
     else:
-        _job(spark, run / "cds-job")
+        _job(spark, run)
     gateway = spark.sparkContext._gateway
     spark.stop()
     proc = gateway.proc
@@ -89,7 +101,7 @@ def stage(name: str, run: Path) -> None:
     proc.wait(600)  # a larger archive written on a loaded machine
 
 
-def _job(spark: object, work: Path) -> None:
+def _job(spark: SparkSession, run: Path) -> None:
     from datetime import UTC, datetime, timedelta
 
     from demo.broker import EmbeddedBroker
@@ -101,10 +113,11 @@ def _job(spark: object, work: Path) -> None:
     devices = DatasetSchema("devices", ("device_id",), (Column("device_id", "string"), Column("site", "string"),
                                                         Column("report_s", "int64")))
     t0 = datetime(2026, 1, 1, tzinfo=UTC)
+    work = run / "cds-job"
     work.mkdir(parents=True, exist_ok=True)
     with EmbeddedBroker(log_path=work / "broker.log") as broker:
         assert broker.proc is not None  # a process group of its own: the run's end kills it by this
-        (work.parent / "archive-broker.pid").write_text(str(broker.proc.pid))
+        (run / "archive-broker.pid").write_text(str(broker.proc.pid))
         kafka = {"bootstrap.servers": broker.bootstrap}
         data = {
             "kafka": {"bootstrap_servers": broker.bootstrap},
@@ -128,8 +141,8 @@ def _job(spark: object, work: Path) -> None:
             {"device_id": d, "ts": (t0 + timedelta(seconds=s)).isoformat(), "temp": float(s)}
             for s in range(0, 120, 5) for d in ("ab" if s < 30 or s > 90 else "a")]
         produce_events(kafka, "events", [*events[:5], b"not json", *events[5:]])
-        EnrichJob(config.parse(data, "archive.yaml"), available_now=True).run(spark)  # type: ignore[arg-type]
-    spark.read.parquet(str(work / "events")).count()  # type: ignore[attr-defined]
+        EnrichJob(config.parse(data, "archive.yaml"), available_now=True).run(spark)
+    spark.read.parquet(str(work / "events")).count()
 
 
 if __name__ == "__main__":
