@@ -183,10 +183,16 @@ def take(cfg: EnrichConfig, to: str | Path, *, spark: SparkSession | None = None
             # what the gaps' driver had after the batch: what the next one starts from
             meta["gaps"] = {"rows": GAPS_FILE, "driver": recorded_start(ck, batch_id + 1)}
             _write_parquet(spark, tables, directory / GAPS_FILE)
-        if st.rollups:
-            windows = functools.reduce(DataFrame.unionByName, [
-                stateread.scan(spark, ck, batch_id, rollups.state_name(r)).select(
-                    F.lit(r.name).alias("rollup"), F.col("value.table").alias("windows")) for r in st.rollups])
+        if st.rollups:  # each rollup's open windows and its final ones (enrich.state.rollups)
+            parts = []
+            for r in st.rollups:
+                name = rollups.state_name(r)
+                finals = stateread.scan(spark, ck, batch_id, name + rollups.FINALS)
+                element = "list_element" if "list_element" in finals.columns else "value"
+                parts += [stateread.scan(spark, ck, batch_id, name).select(
+                              F.lit(r.name).alias("rollup"), F.col("value.table").alias("windows")),
+                          finals.select(F.lit(r.name).alias("rollup"), F.col(f"{element}.table").alias("windows"))]
+            windows = functools.reduce(DataFrame.unionByName, parts).where(F.length("windows") > 0)
             _write_parquet(spark, windows, directory / ROLLUPS_FILE)
         write_json_atomic(directory / META, meta)
     except BaseException:

@@ -12,8 +12,12 @@ from typing import Any, cast
 from enrich.rollups.spec import METRICS, Metric
 from refstream.config import Section
 
-__all__ = ["RollupConfig", "RollupOutput", "overlap", "parse_rollups"]
+__all__ = ["FILLED", "FINALS", "STATE_ENDINGS", "RollupConfig", "RollupOutput", "overlap", "parse_rollups"]
 
+#: The endings of the state variables a rollup keeps beside its own (:mod:`enrich.state.rollups`):
+#: the last window end a bucket filled by keys to, and its final windows.
+FILLED, FINALS = "_filled", "_finals"
+STATE_ENDINGS = (FILLED, FINALS)
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 
@@ -72,6 +76,11 @@ def parse_rollups(top: Section, has_state: bool,
     for i, r in enumerate(rollups):
         if any(o.name == r.name for o in rollups[:i]):
             raise top.error(f"rollup name {r.name!r} is used twice", f"rollups[{i}].name")
+        # A rollup keeps state variables named after it with these endings (enrich.state.rollups).
+        clash = next((o.name for o in rollups if any(r.name == o.name + e for e in STATE_ENDINGS)), None)
+        if clash is not None:
+            raise top.error(f"rollup name {r.name!r} is taken by rollup {clash!r}'s state; give it another",
+                            f"rollups[{i}].name")
         for o in rollups[:i]:
             if r.output.parquet is not None and o.output.parquet is not None \
                     and overlap(o.output.parquet, r.output.parquet):

@@ -46,7 +46,7 @@ from enrich.columns import ERROR, PACK_KIND, RBUCKET, ROWS, TS_US
 from enrich.ipc import from_ipc, to_ipc
 from enrich.joins import JoinSpec, Lookup, PlanEnricher, join_table
 from enrich.joins.asof import CLIPPED
-from enrich.rollups import engine, partial
+from enrich.rollups import config, engine, partial
 from enrich.rollups.packs import BEYOND, COUNTS, COUNTS_SCHEMA, IDLE_PROPERTY, TICK, partial_kind, rows_kind
 from enrich.rollups.spec import EVENTS as EVENT_COUNT
 from enrich.rollups.spec import FINAL, WINDOW_START, RollupSpec
@@ -57,7 +57,7 @@ from enrich.worker import settle
 from refstream.atomic import write_json_atomic
 from refstream.compat import spark_state_server_timeout
 
-__all__ = ["INITIAL", "OUTPUT", "ROLLUP_PREFIX", "SAVED", "Fed", "RollupProcessor", "feed", "idle_facts",
+__all__ = ["FINALS", "INITIAL", "OUTPUT", "ROLLUP_PREFIX", "SAVED", "Fed", "RollupProcessor", "feed", "idle_facts",
            "initial_windows", "state_name", "state_name_of"]
 
 #: The rollup step's output: what each packed value holds, and the value.
@@ -177,7 +177,13 @@ class RollupProcessor(StatefulProcessor):
     (:func:`enrich.rollups.engine.advance`) and emits the rows written (``rollup:<i>``) and the
     batch's counts (``counted``: events into windows not yet final; ``corrected``: into final ones).
     One event-time timer per bucket, at the next window end (or horizon) the watermark must reach,
-    makes windows final (and drops them) in batches that bring the bucket nothing."""
+    makes windows final (and drops them) in batches that bring the bucket nothing.
+
+    A rollup's windows of the bucket are kept in two parts (:class:`_Held`): the open ones (not
+    final) in a value read and written on every call, beside the first and last window start of the
+    final ones, which are kept apart, appended as they become final and read only when a call needs
+    them: a batch that reaches a final window (a late event), a window leaving the horizon, a fill,
+    gap marks. A batch of events on time so costs its open windows, not the horizon's."""
 
     def __init__(self, specs: tuple[RollupSpec, ...], *, server_timeout_s: float = 120.0,
                  dropped: tuple[str, ...] = (), joins: Mapping[str, JoinSpec] | None = None,
@@ -194,7 +200,9 @@ class RollupProcessor(StatefulProcessor):
         for name in self.dropped:  # Spark keeps a state variable no processor names until it is deleted
             handle.deleteIfExists(state_name_of(name))
             handle.deleteIfExists(state_name_of(name) + FILLED)
-        self.values = [handle.getValueState(state_name(s), VALUE_SCHEMA) for s in self.specs]
+            handle.deleteIfExists(state_name_of(name) + FINALS)
+        self.values = [handle.getValueState(state_name(s), OPEN_SCHEMA) for s in self.specs]
+        self.finals = [handle.getListState(state_name(s) + FINALS, VALUE_SCHEMA) for s in self.specs]
         # Per rollup filled by a dimension's keys: the last window end the bucket filled to.
         self.filled = {i: handle.getValueState(state_name(s) + FILLED, FILLED_SCHEMA)
                        for i, s in enumerate(self.specs) if s.fill_keys is not None}
@@ -202,7 +210,7 @@ class RollupProcessor(StatefulProcessor):
         self._bucket = -1  # the call's rollup bucket (its grouping key)
         # The states this call read or wrote (a call is one bucket): the steps after advance, the
         # idle finalization and the timer read them again.
-        self._held: dict[int, pa.Table | None] = {}
+        self._held: dict[int, _Held] = {}
 
     def handleInputRows(self, key: Any, rows: Iterator[pd.DataFrame],  # type: ignore[override]
                         timerValues: TimerValues) -> Iterator[pd.DataFrame]:
@@ -237,10 +245,9 @@ class RollupProcessor(StatefulProcessor):
         for i in sorted(partials):
             spec, parts = self.specs[i], partials[i]
             batch = pa.concat_tables([p.cast(spec.window_schema()) for p in parts]) if len(parts) > 1 else parts[0]
-            state = self._load(i)
-            if spec.fill:
+            if spec.fill:  # between each key's first and last window, the final ones too
                 batch = pa.concat_tables([batch.cast(spec.window_schema()),
-                                          engine.fill(spec, state, batch, watermark)])
+                                          engine.fill(spec, self._load(i, full=True), batch, watermark)])
             adv = self._advance(i, batch, watermark, kinds, values, marks.get(i))
             events = int(pc.sum(batch.column(EVENT_COUNT)).as_py() or 0)
             counts += [(spec.name, "counted", events - adv.corrected), (spec.name, "corrected", adv.corrected)]
@@ -264,6 +271,7 @@ class RollupProcessor(StatefulProcessor):
             got.setdefault(name, []).append(from_ipc(value))
         for i, spec in enumerate(self.specs):
             if spec.name in got:
+                self._held[i] = _Held(None, True, None)  # the savepoint's windows are all of them
                 self._store(i, pa.concat_tables(got[spec.name]).cast(engine.state_schema(spec)))
         self._timer()
 
@@ -287,11 +295,10 @@ class RollupProcessor(StatefulProcessor):
         reached written final, those past the horizon dropped."""
         if watermark is None:
             return
-        for i, spec in enumerate(self.specs):
+        for i in range(len(self.specs)):
             if i in done:
                 continue
-            state = self._load(i)
-            due = _next_due(spec, state) if state is not None else None
+            due = self._due(i)
             if due is None or due > watermark:
                 continue
             self._advance(i, None, watermark, kinds, values)
@@ -300,7 +307,8 @@ class RollupProcessor(StatefulProcessor):
                  values: list[bytes], marks: engine.Marks | None = None) -> engine.Advanced:
         """Rollup ``i``'s windows of the bucket folded with ``batch`` (:func:`enrich.rollups.engine.advance`,
         with the batch's gap ``marks``), stored, and the rows written appended to ``kinds``/``values``."""
-        adv = engine.advance(self.specs[i], self._load(i), batch, watermark, marks)
+        adv = engine.advance(self.specs[i], self._load(i, full=self._needs_finals(i, batch, watermark, marks)),
+                             batch, watermark, marks)
         self._store(i, adv.state)
         if adv.rows.num_rows:
             kinds.append(rows_kind(i))
@@ -340,7 +348,7 @@ class RollupProcessor(StatefulProcessor):
                 mine = keys.filter(pa.array(_route(keys, spec.by, self.ids) == self._bucket))
                 tables.append(mine.append_column(WINDOW_START, pa.array(np.full(mine.num_rows, s), pa.int64())))
             wanted = pa.concat_tables(tables)
-            state = self._load(i)
+            state = self._load(i, full=True)
             if state is not None and state.num_rows and wanted.num_rows:
                 wanted = wanted.join(state.select([*spec.by, WINDOW_START]), [*spec.by, WINDOW_START],
                                      join_type="left anti", use_threads=False)
@@ -364,26 +372,80 @@ class RollupProcessor(StatefulProcessor):
             kinds.append(rows_kind(i))
             values.append(to_ipc(adv.rows))
 
-    def _load(self, i: int) -> pa.Table | None:
-        """Rollup ``i``'s windows of the bucket: read once per call (``_held``), then as stored."""
-        if i not in self._held:
+    def _load(self, i: int, full: bool = False) -> pa.Table | None:
+        """Rollup ``i``'s open windows of the bucket (``full``: every window, the final ones too),
+        None for none: read once per call (``_held``), then as stored."""
+        held = self._held.get(i)
+        if held is None:
             got = self.values[i].get()
-            self._held[i] = engine.state_from_ipc(got[0], self.specs[i]) if got is not None else None
-        return self._held[i]
+            table = engine.state_from_ipc(got[0], self.specs[i]) if got is not None and got[0] else None
+            span = (int(got[1]), int(got[2])) if got is not None and got[1] is not None else None
+            held = self._held[i] = _Held(table, span is None, span)
+        if full and not held.full:
+            parts = [engine.state_from_ipc(bytes(v[0]), self.specs[i]) for v in self.finals[i].get()]
+            if held.table is not None:
+                parts.insert(0, held.table)
+            held.table, held.full = (pa.concat_tables(parts) if parts else None), True
+        return held.table
+
+    def _needs_finals(self, i: int, batch: pa.Table | None, watermark: int | None,
+                      marks: engine.Marks | None) -> bool:
+        """Whether folding ``batch`` into rollup ``i``'s windows needs its final ones: the batch
+        reaches back to them (a window at or before the last final one), one leaves the horizon, or
+        gap marks may rewrite them."""
+        self._load(i)
+        span = self._held[i].span
+        if span is None or self._held[i].full:
+            return False
+        if marks is not None and (marks.closed or marks.withdrawn):
+            return True
+        spec = self.specs[i]
+        if watermark is not None and span[0] + spec.window_us + spec.correct_for_us <= watermark:
+            return True
+        return batch is not None and batch.num_rows > 0 and \
+            int(pc.min(batch.column(WINDOW_START)).as_py()) <= span[1]
 
     def _store(self, i: int, state: pa.Table) -> None:
-        if state.num_rows:
-            self.values[i].update((engine.state_to_ipc(state),))
+        """Store rollup ``i``'s windows after a call (every window the call loaded, changed): the
+        open ones as the bucket's value; the final ones in place of those stored when the call had
+        loaded them, else appended (the windows that became final in this call)."""
+        held = self._held.get(i) or _Held(None, True, None)
+        final = partial.as_numpy(state.column(FINAL)).astype(bool)
+        finals, open_ = state.filter(pa.array(final)), state.filter(pa.array(~final))
+        span = held.span if not held.full else None
+        if held.full:
+            if finals.num_rows:
+                self.finals[i].put([(engine.state_to_ipc(finals),)])
+            elif held.span is not None:
+                self.finals[i].clear()
+        elif finals.num_rows:
+            self.finals[i].appendValue((engine.state_to_ipc(finals),))
+        if finals.num_rows:
+            starts = finals.column(WINDOW_START)
+            first, last = int(pc.min(starts).as_py()), int(pc.max(starts).as_py())
+            span = (min(first, span[0]), max(last, span[1])) if span is not None else (first, last)
+        if open_.num_rows or span is not None:
+            self.values[i].update((engine.state_to_ipc(open_) if open_.num_rows else b"",
+                                   *(span if span is not None else (None, None))))
         else:
             self.values[i].clear()
-        self._held[i] = state if state.num_rows else None
+        self._held[i] = _Held(open_ if open_.num_rows else None, span is None, span)
+
+    def _due(self, i: int) -> int | None:
+        """The earliest watermark (µs) at which a window of rollup ``i`` in the bucket becomes final
+        or leaves the state."""
+        spec, table = self.specs[i], self._load(i)
+        held = self._held[i]
+        due = [d] if table is not None and (d := _next_due(spec, table)) is not None else []
+        if not held.full and held.span is not None:
+            due.append(held.span[0] + spec.window_us + spec.correct_for_us)
+        return min(due) if due else None
 
     def _timer(self) -> None:
         """One timer at the earliest time any rollup of the bucket needs the watermark to reach: a
         window of it final or out of the horizon, the next window end of a rollup filled by a
         dimension's keys (which keeps every bucket called as the watermark moves)."""
-        due = [d for i, s in enumerate(self.specs) if (st := self._load(i)) is not None
-               and (d := _next_due(s, st)) is not None]
+        due = [d for i in range(len(self.specs)) if (d := self._due(i)) is not None]
         wm = self._watermark
         # Before the first watermark: a timer at its first moment, so every bucket has it alike.
         due += [(wm // s.window_us + 1) * s.window_us if wm is not None else 1
@@ -478,8 +540,26 @@ def state_name_of(name: str) -> str:
 
 
 #: The state variable (after the rollup's own name) of the last window end a bucket filled by keys to.
-FILLED = "_filled"
+FILLED = config.FILLED
 FILLED_SCHEMA = StructType([StructField("end_us", LongType(), False)])
+#: The state variable (a list, after the rollup's own name) of the bucket's final windows: chunks of
+#: state tables, in the order they became final (or one, rewritten by a call that read them).
+FINALS = config.FINALS
+#: The rollup's own state variable: its open windows of the bucket (a state table as Arrow IPC; empty
+#: bytes for none) and the first and last window start of its final ones (null: none).
+OPEN_SCHEMA = StructType([StructField("table", BinaryType(), False), StructField("final_first", LongType(), True),
+                          StructField("final_last", LongType(), True)])
+
+
+@dataclass
+class _Held:
+    """What a call of the rollup step holds of one rollup's windows: ``table`` the open ones, or
+    every one when ``full`` (the final ones read, or none kept apart); ``span`` the first and last
+    window start of the final ones kept apart (None: none)."""
+
+    table: pa.Table | None
+    full: bool
+    span: tuple[int, int] | None
 
 #: A savepoint's rollup windows (:mod:`enrich.ops.savepoint`): the rollup's name, and one bucket's
 #: state table of it (Arrow IPC).

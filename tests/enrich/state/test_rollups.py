@@ -4,13 +4,19 @@ keys, events beyond a horizon left out of that rollup and dead-lettered once, wi
 from __future__ import annotations
 
 import json
+import random
+from typing import Any
 
+import pandas as pd
 import pyarrow as pa
+import pytest
 
+from enrich.columns import PACK_KIND, ROWS
 from enrich.ipc import from_ipc
 from enrich.rollups.packs import COUNTS, partial_kind
 from enrich.rollups.spec import RollupSpec
-from enrich.state.rollups import feed
+from enrich.state.rollups import feed, state_name_of
+from enrich.state.stored import VALUE_SCHEMA
 
 MIN = 60_000_000
 DEVICE = RollupSpec(name="device_1m", by=("device_id",), by_types=(pa.string(),), window_us=MIN,
@@ -112,3 +118,82 @@ def test_a_savepoints_windows_go_to_the_rollup_bucket_of_their_keys_in_the_new_l
         assert set(_route(table, DEVICE.by, ids).tolist()) == {bucket}
         got.update(dict.fromkeys(table.column("device_id").to_pylist(), bucket))
     assert sorted(got) == list("abcdefgh") and len(set(got.values())) > 1
+
+
+def _processor_calls() -> tuple[Any, ...]:
+    from pyspark.sql.streaming.tws_tester import TwsTester
+
+    from enrich.state.rollups import FINALS, RollupProcessor, state_name
+
+    return TwsTester, RollupProcessor, state_name(DEVICE) + FINALS
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_rollup_step_keeps_final_windows_apart_and_writes_what_one_whole_table_would(seed: int) -> None:
+    """RollupProcessor (through PySpark's TwsTester) against the engine folding one table of every
+    window: random events in random batches, late ones within and beyond the horizon, timers firing
+    as the watermark moves. The rows written and the timer are the same; the final windows are kept
+    apart and most calls never read them."""
+    from enrich.rollups import engine
+    from enrich.rollups.packs import rows_kind
+    from enrich.state.rollups import _next_due
+
+    tester_cls, processor_cls, finals = _processor_calls()
+    r = random.Random(seed)
+    spec = DEVICE
+    t = tester_cls(processor_cls((spec,)), timeMode="EventTime", eventTimeExtractor=lambda _: 2**62)
+    reads = 0
+    store = t.handle.getListState(finals, VALUE_SCHEMA)
+    get = store.get
+
+    def counted_get() -> Any:
+        nonlocal reads
+        reads += 1
+        return get()
+
+    store.get = counted_get  # type: ignore[method-assign]
+    whole: pa.Table | None = None
+    wrote: list[dict[str, Any]] = []
+    want: list[dict[str, Any]] = []
+
+    def rows_of(out: Any) -> list[dict[str, Any]]:
+        if out is None or not len(out):
+            return []
+        return [row for kind, value in zip(out[PACK_KIND], out[ROWS], strict=True) if kind == rows_kind(0)
+                for row in from_ipc(value).to_pylist()]
+
+    now, calls = 100 * 60, 0  # seconds
+    for _ in range(120):
+        now += r.choice([1, 2, 5, 10, 20])
+        watermark = (now - 30) * 10**6
+        # Timers first, as the new watermark fires them; the engine alike where the whole table is due.
+        wrote += rows_of(t.setWatermark(watermark // 1000))
+        if whole is not None and (due := _next_due(spec, whole)) is not None and due <= watermark:
+            adv = engine.advance(spec, whole, None, watermark)
+            whole, want = adv.state, want + adv.rows.to_pylist()
+        # Seconds behind: most on time, some late within the 2m horizon, some beyond it.
+        lates = [r.choice([0] * 40 + [20, 45, 100, 200, 400]) for _ in range(r.randint(1, 12))]
+        events = good_events([(r.choice("abcdefgh"), "s1", 0, float(r.randint(0, 40))) for _ in lates])
+        events = events.set_column(events.schema.get_field_index("_ts_us"), "_ts_us",
+                                   pa.array([(now - late) * 10**6 for late in lates], pa.int64()))
+        fed = feed((spec,), events, watermark, ids=(5,), source=0)
+        parts = [(k, v) for _, k, v in fed.parts if k.startswith("partial:")]
+        if not parts:
+            continue
+        calls += 1
+        frame = pd.DataFrame({"_0": [5] * len(parts), "_1": [pd.Timestamp(0, tz="UTC")] * len(parts),
+                              PACK_KIND: [k for k, _ in parts], ROWS: [v for _, v in parts]})
+        wrote += rows_of(t.testInPandas(5, frame))
+        adv = engine.advance(spec, whole, pa.concat_tables([from_ipc(v) for _, v in parts]), watermark)
+        whole, want = adv.state, want + adv.rows.to_pylist()
+        due = _next_due(spec, whole) if whole.num_rows else None
+        assert list(t.handle.listTimers()) == ([-(-due // 1000)] if due is not None else [])
+    assert wrote == want and any(row["_kind"] == "correction" for row in want)
+    kept = [engine.state_from_ipc(bytes(v[0]), spec) for v in t.peekListState(finals, 5)]
+    assert kept and reads < calls / 2, (reads, calls)
+    held = t.peekValueState(state_name_of(spec.name), 5)
+    if held is not None and held[0]:
+        kept.append(engine.state_from_ipc(held[0], spec))
+    assert whole is not None
+    order = [(b, "ascending") for b in (*spec.by, "window_start")]
+    assert pa.concat_tables(kept).sort_by(order).equals(whole.sort_by(order))
