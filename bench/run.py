@@ -50,6 +50,8 @@ BENCHMARKS = {
     "corrections": ("bench.corrections_job", "corrections: the job with corrections on an as-of join vs without "
                     "(throughput, state kept), and a late version of 10k devices corrected"),
     "gaps": ("bench.gaps_bench", "gaps: judging a bucket's devices' silences per batch and tick (no Spark)"),
+    "rollup_step": ("bench.rollup_step", "rollups: the rollup step's call per bucket with a full horizon held, "
+                    "final windows kept apart vs one whole table (no Spark)"),
     "wait": ("bench.wait_bench", "waiting for completeness: deciding and storing a bucket's held events (no Spark)"),
     "calls": ("bench.calls", "calls: in the state step: calls/s per task vs concurrency / latency, the job with "
               "and without a call"),
