@@ -258,8 +258,7 @@ def _merge_sketches(sketches: pa.Array, starts: np.ndarray, n: int) -> pa.Array:
     if not len(several):
         return merged
     ends = np.append(starts[1:], n)
-    data = merged.to_pylist()
-    for g in several:
-        run = sketches.slice(starts[g], ends[g] - starts[g]).drop_null().to_pylist()
-        data[g] = sketch.merge(run)
+    data, every = merged.to_pylist(), sketches.to_pylist()  # two conversions, not one per group
+    for g in several.tolist():
+        data[g] = sketch.merge([v for v in every[starts[g]:ends[g]] if v is not None])
     return pa.array(data, pa.binary())

@@ -17,6 +17,7 @@ below ``KLL_K`` values in a window, within ``KLL_RANK_ERROR`` of the true rank b
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal, get_args
 
@@ -148,6 +149,25 @@ class RollupSpec:
         """The rows the rollup writes: the ``by`` columns, the window, ``<column>_<metric>`` per metric
         in configured order, and the row's kind, revision, event count, and why it is final or a
         correction."""
+        return self._made("_output_schema", self._output_schema)
+
+    def window_schema(self) -> pa.Schema:
+        """A window table (:mod:`enrich.rollups.partial`): one row per (``by`` values, window) with
+        the window's start (µs), its event count and, per metric column ``c``, the accumulators its
+        metrics need: ``c.n`` (non-null count), ``c.sum``, ``c.min``, ``c.max``, ``c.last`` with the
+        time, partition and offset of its event (``c.last_ts``/``c.last_p``/``c.last_o``), ``c.kll``
+        (a serialized KLL sketch, null for no values) and ``c.set`` (the distinct values, sorted)."""
+        return self._made("_window_schema", self._window_schema)
+
+    def _made(self, name: str, make: Callable[[], pa.Schema]) -> pa.Schema:
+        """A schema made once per spec: the steps ask for them on every call of every bucket."""
+        got = self.__dict__.get(name)
+        if got is None:
+            got = make()
+            object.__setattr__(self, name, got)  # a cache beside the fields, not one of them
+        return got
+
+    def _output_schema(self) -> pa.Schema:
         fields = [pa.field(b, t) for b, t in zip(self.by, self.by_types, strict=True)]
         fields += [pa.field(WINDOW_START, TIMESTAMP, False), pa.field(WINDOW_END, TIMESTAMP, False)]
         fields += [pa.field(f"{column}_{m}", metric_type(m, typ)) for column, metrics, typ in self.metrics
@@ -159,12 +179,7 @@ class RollupSpec:
             fields.append(pa.field(GAP, pa.bool_(), False))
         return pa.schema(fields)
 
-    def window_schema(self) -> pa.Schema:
-        """A window table (:mod:`enrich.rollups.partial`): one row per (``by`` values, window) with
-        the window's start (µs), its event count and, per metric column ``c``, the accumulators its
-        metrics need: ``c.n`` (non-null count), ``c.sum``, ``c.min``, ``c.max``, ``c.last`` with the
-        time, partition and offset of its event (``c.last_ts``/``c.last_p``/``c.last_o``), ``c.kll``
-        (a serialized KLL sketch, null for no values) and ``c.set`` (the distinct values, sorted)."""
+    def _window_schema(self) -> pa.Schema:
         fields = [pa.field(b, t) for b, t in zip(self.by, self.by_types, strict=True)]
         fields += [pa.field(WINDOW_START, pa.int64(), False), pa.field(EVENTS, pa.int64(), False)]
         for column, metrics, typ in self.metrics:

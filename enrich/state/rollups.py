@@ -244,7 +244,9 @@ class RollupProcessor(StatefulProcessor):
         counts = []
         for i in sorted(partials):
             spec, parts = self.specs[i], partials[i]
-            batch = pa.concat_tables([p.cast(spec.window_schema()) for p in parts]) if len(parts) > 1 else parts[0]
+            schema = spec.window_schema()  # a cast per part only where its schema differs: a bucket gets one per source
+            batch = pa.concat_tables([p if p.schema == schema else p.cast(schema) for p in parts]) \
+                if len(parts) > 1 else parts[0]
             if spec.fill:  # between each key's first and last window, the final ones too
                 batch = pa.concat_tables([batch.cast(spec.window_schema()),
                                           engine.fill(spec, self._load(i, full=True), batch, watermark)])

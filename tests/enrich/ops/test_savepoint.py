@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import json
 import threading
 from collections import Counter
@@ -145,9 +146,9 @@ def test_a_rollup_the_savepoint_holds_must_keep_its_layout(tmp_path: Path) -> No
     cfg = cfg_with(tmp_path, aggregates={"temp": ["last", "mean"]})
     point.check(cfg, SPEC, (), [r])
     point.check(cfg, SPEC, (), [])                                            # removed
-    point.check(cfg, SPEC, (), [r, RollupSpec(**{**r.__dict__, "name": "d_2m"})])   # added
+    point.check(cfg, SPEC, (), [r, dataclasses.replace(r, name="d_2m")])   # added
     with pytest.raises(SavepointRefused, match=r"rollup d_1m: window changed; the savepoint .* new name"):
-        point.check(cfg, SPEC, (), [RollupSpec(**{**r.__dict__, "window_us": 120_000_000})])
+        point.check(cfg, SPEC, (), [dataclasses.replace(r, window_us=120_000_000)])
 
 
 def test_a_fork_is_refused_on_a_checkpoint_with_batches(tmp_path: Path) -> None:

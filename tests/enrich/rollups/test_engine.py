@@ -3,6 +3,7 @@ recompute of random events split into random micro-batches."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from typing import Any
@@ -275,7 +276,7 @@ def test_the_events_folded_into_final_windows_are_counted_as_corrected() -> None
 
 
 def test_fill_writes_the_empty_windows_between_a_keys_first_and_last_with_count_zero() -> None:
-    spec = RollupSpec(**{**SPEC.__dict__, "fill": True})
+    spec = dataclasses.replace(SPEC, fill=True)
     rows = [("a", 10, 1.0, "x"), ("a", 3 * W + 1, 2.0, "y"), ("b", 2 * W, 3.0, "z")]
     parts = partial.partials(spec, events(rows, spec))
     empty = engine.fill(spec, None, parts)
@@ -293,7 +294,7 @@ def test_fill_writes_the_empty_windows_between_a_keys_first_and_last_with_count_
 
 
 def test_fill_stays_within_the_correction_horizon_whatever_a_keys_first_window() -> None:
-    spec = RollupSpec(**{**SPEC.__dict__, "fill": True})   # correct_for 3 windows
+    spec = dataclasses.replace(SPEC, fill=True)   # correct_for 3 windows
     # One event with a time far behind the key's others: only the correctable windows are filled.
     parts = partial.partials(spec, events([("a", 10, 1.0), ("a", 100 * W + 1, 2.0)], spec))
     assert [r["window_start"] for r in engine.fill(spec, None, parts).to_pylist()] == [97 * W, 98 * W, 99 * W]
@@ -306,7 +307,7 @@ def test_a_per_device_rollup_marks_the_empty_windows_inside_its_devices_gaps() -
     """With gaps: the filled windows wholly inside a closed gap say _gap true; a withdrawn gap's say
     false again (written again), unless a closed part of it still holds them; a window with events
     is never in a gap."""
-    spec = RollupSpec(**{**SPEC.__dict__, "fill": True, "gaps": True, "correct_for_us": 10 * W})
+    spec = dataclasses.replace(SPEC, fill=True, gaps=True, correct_for_us=10 * W)
     assert spec.output_schema().field("_gap").type == pa.bool_()
     parts = partial.partials(spec, events([("a", 10, 1.0), ("a", 5 * W + 1, 2.0), ("b", 10, 3.0)], spec))
     filled = pa.concat_tables([parts, engine.fill(spec, None, parts)])
