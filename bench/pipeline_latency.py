@@ -22,10 +22,15 @@ a process with the demo's three joins and state aggregates (its ``calls:`` secti
   the events topic (their Kafka timestamps) and the table is polled every 0.2 s. An event's
   provisional latency runs from its Kafka timestamp to the first poll that shows its window's row
   with at least as many events as the window had with it; a window's final latency from the time
-  its end plus the watermark delay (30 s) passed to the first poll that shows it ``final``.
+  its end plus the watermark delay (30 s) passed to the first poll that shows it ``final``;
+- **CPU per batch**: the job process's CPU with every process under it (the JVM, its Python
+  workers and runners, those that ended included) from ``--warmup`` on, over the triggers in that
+  span, and per second; ``--hold N`` stays N seconds more. At ``--rates 1`` the batches are all but
+  empty: the figure is a batch's fixed cost.
 
     python -m bench.run pipeline --rates 1000,20000 --changes 25
     python -m bench.run pipeline --rates 1000 --changes 0 --rollup-seconds 120
+    python -m bench.run pipeline --rates 1 --changes 0 --hold 60
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+import psutil
 import sqlalchemy as sa
 import yaml
 from confluent_kafka import OFFSET_END, Producer, TopicPartition
@@ -183,12 +189,18 @@ class Round:
                 raise RuntimeError(f"no enriched event within {a.startup_timeout:.0f} s (see {self.logs / 'job.log'})")
             time.sleep(a.warmup)
             wall1 = time.time()
+            cpu0 = tree_cpu(job.pid)
             producer = kafka.producer(settings, **{"linger.ms": "5"})
             stack.callback(producer.flush, 5)
             latencies = self._changes(db_url, tail, producer, job)
             rollups = RollupWatch(settings, table).run(a.rollup_seconds, job) if table is not None else None
+            time.sleep(a.hold)
+            job.check()
+            cpu, wall2 = tree_cpu(job.pid) - cpu0, time.time()
             records = json_log(self.logs / "job.log")
         report = self._report(records, wall0, wall1, startup, latencies)
+        report["cpu_s_per_second"] = round(cpu / (wall2 - wall1), 3)
+        report["cpu_s_per_trigger"] = round(cpu / report["triggers"], 3) if report["triggers"] else None
         if rollups is not None:
             report["rollup_rows"] = rollups
         return report
@@ -247,6 +259,22 @@ class Round:
                                    "p99": round(percentile(latencies, 99), 2),
                                    "max": round(max(latencies), 2) if latencies else float("nan")},
         }
+
+
+def tree_cpu(pid: int | None) -> float:
+    """CPU seconds so far of process ``pid`` and every process under it, the ended ones included
+    (a parent that waited for a child holds its CPU as ``children_*``)."""
+    if pid is None:
+        return 0.0
+    root = psutil.Process(pid)
+    total = 0.0
+    for p in [root, *root.children(recursive=True)]:
+        try:
+            t = p.cpu_times()
+            total += t.user + t.system + t.children_user + t.children_system
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return total
 
 
 class RollupWatch:
@@ -362,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rollup-db-url", default="postgresql://postgres@127.0.0.1:5432/test",
                    help="the database of the rollup's table")
     p.add_argument("--rollup-correct-for", default=None, help="the rollups' correct_for (default: state.ttl)")
+    p.add_argument("--hold", type=float, default=0.0,
+                   help="seconds to go on measuring the batches and their CPU after the changes and rollup rows")
     p.add_argument("--keep", type=Path, default=None, help="keep configs and logs here")
     p.add_argument("--json", action="store_true", help="one JSON line per round")
     args = p.parse_args(argv)
@@ -386,7 +416,8 @@ def _text(r: dict[str, Any]) -> str:
             f"{r['triggers']} triggers, triggerExecution median {m.get('triggerExecution', float('nan')):.3f} s, "
             f"p95 {r['trigger_p95_s']} s ({parts}); the job's batch median {r['job_batch_median_s']} s; "
             f"change to output over {r['changes']}: p50 {c['p50']} s, p95 {c['p95']} s, p99 {c['p99']} s, "
-            f"max {c['max']} s" + (_rollup_text(r["rollup_rows"]) if "rollup_rows" in r else ""))
+            f"max {c['max']} s; the job's CPU {r['cpu_s_per_trigger']} s per trigger, {r['cpu_s_per_second']} s per "
+            "second" + (_rollup_text(r["rollup_rows"]) if "rollup_rows" in r else ""))
 
 
 def _rollup_text(r: dict[str, Any]) -> str:
