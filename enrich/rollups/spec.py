@@ -149,7 +149,7 @@ class RollupSpec:
         """The rows the rollup writes: the ``by`` columns, the window, ``<column>_<metric>`` per metric
         in configured order, and the row's kind, revision, event count, and why it is final or a
         correction."""
-        return self._made("_output_schema", self._output_schema)
+        return self._made("_made_output_schema", self._output_schema)
 
     def window_schema(self) -> pa.Schema:
         """A window table (:mod:`enrich.rollups.partial`): one row per (``by`` values, window) with
@@ -157,7 +157,7 @@ class RollupSpec:
         metrics need: ``c.n`` (non-null count), ``c.sum``, ``c.min``, ``c.max``, ``c.last`` with the
         time, partition and offset of its event (``c.last_ts``/``c.last_p``/``c.last_o``), ``c.kll``
         (a serialized KLL sketch, null for no values) and ``c.set`` (the distinct values, sorted)."""
-        return self._made("_window_schema", self._window_schema)
+        return self._made("_made_window_schema", self._window_schema)
 
     def _made(self, name: str, make: Callable[[], pa.Schema]) -> pa.Schema:
         """A schema made once per spec: the steps ask for them on every call of every bucket."""

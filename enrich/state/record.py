@@ -21,6 +21,7 @@ from typing import Any
 from enrich.checkpoint import CheckpointLayout
 from enrich.config import StateConfig
 from enrich.joins.partitioned import PartitionedDim
+from enrich.rollups.config import STATE_ENDINGS
 from enrich.rollups.engine import state_schema
 from enrich.rollups.spec import RollupSpec
 from enrich.state.engine import StateSpec
@@ -193,6 +194,11 @@ def _check_rollups(kept: dict[str, Any], now: list[dict[str, Any]], layout: Chec
         raise ConfigError(f"{source}: rollup {back[0]} was removed from the checkpoint {root}: added back under its "
                           "name it would write its windows again from revision 1, under the revisions its outputs "
                           "hold; give it a new name")
+    # The step deletes a dropped rollup's state variables at every start: a new name must not be one of them.
+    taken = sorted(n for n in set(cur) - set(old) if any(n == d + e for d in dropped for e in STATE_ENDINGS))
+    if taken:
+        raise ConfigError(f"{source}: rollup {taken[0]} is named like the state of a rollup removed from the "
+                          f"checkpoint {root}, which the job deletes at every start; give it another name")
     for name in sorted(set(cur) - set(old)):
         log.info("%s: rollup %s is new against the checkpoint %s: it counts events from the next batch on "
                  "(no backfill)", source, name, root)

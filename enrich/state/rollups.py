@@ -273,8 +273,10 @@ class RollupProcessor(StatefulProcessor):
             got.setdefault(name, []).append(from_ipc(value))
         for i, spec in enumerate(self.specs):
             if spec.name in got:
-                self._held[i] = _Held(None, True, None)  # the savepoint's windows are all of them
-                self._store(i, pa.concat_tables(got[spec.name]).cast(engine.state_schema(spec)))
+                # PySpark hands a bucket's rows over in chunks, a call each: added to what earlier calls stored.
+                held = self._load(i, full=True)
+                saved = pa.concat_tables(got[spec.name]).cast(engine.state_schema(spec))
+                self._store(i, pa.concat_tables([held, saved]) if held is not None else saved)
         self._timer()
 
     def handleExpiredTimer(self, key: Any, timerValues: TimerValues,

@@ -196,6 +196,10 @@ def test_rollup_changes_that_the_state_cannot_follow_are_refused(tmp_path: Path)
     check_checkpoint(ck, CFG, SPEC, rollups=(_rollup("other"),))   # d_1m removed
     with pytest.raises(ConfigError, match=r"rollup d_1m was removed from the checkpoint .* revision 1"):
         check_checkpoint(ck, CFG, SPEC, rollups=(_rollup("other"), _rollup()))
+    # The rollup step deletes d_1m's state variables (rollup_d_1m, ..._filled, ..._finals) at every start.
+    for name in ("d_1m_finals", "d_1m_filled"):
+        with pytest.raises(ConfigError, match=rf"rollup {name} is named like the state of a rollup removed"):
+            check_checkpoint(ck, CFG, SPEC, rollups=(_rollup("other"), _rollup(name)))
     bare = CheckpointLayout(tmp_path / "bare")
     _ran(bare, ())
     with pytest.raises(ConfigError, match=r'the first rollups \["d_1m"\] cannot be added .* ran without rollups'):

@@ -197,3 +197,26 @@ def test_the_rollup_step_keeps_final_windows_apart_and_writes_what_one_whole_tab
     assert whole is not None
     order = [(b, "ascending") for b in (*spec.by, "window_start")]
     assert pa.concat_tables(kept).sort_by(order).equals(whole.sort_by(order))
+
+
+def test_a_forks_windows_handed_over_in_several_calls_are_all_kept() -> None:
+    """PySpark hands a bucket's initial state over in chunks (a call each): the step keeps the windows
+    of every call, final and open, not only the last call's."""
+    from enrich.rollups import engine
+
+    tester_cls, processor_cls, finals = _processor_calls()
+    events = good_events([(d, "s1", m, float(m)) for d in "abcd" for m in (100, 101, 102)])
+    parts = from_ipc(next(v for _, k, v in feed((DEVICE,), events, None, ids=(5,), source=0).parts
+                          if k.startswith("partial:")))
+    windows = engine.advance(DEVICE, None, parts, 102 * MIN).state   # minutes 100 and 101 final, 102 open
+    assert 0 < sum(windows.column("_final").to_pylist()) < windows.num_rows
+    chunks = [windows.slice(0, 5), windows.slice(5)]
+    t = tester_cls(processor_cls((DEVICE,)), timeMode="EventTime", eventTimeExtractor=lambda _: 2**62,
+                   initialStatePandas=[(5, pd.DataFrame({"_0": [5], "_1": ["device_1m"], "_2": [engine.state_to_ipc(c)]}))
+                                       for c in chunks])
+    kept = [engine.state_from_ipc(bytes(v[0]), DEVICE) for v in t.peekListState(finals, 5)]
+    held = t.peekValueState(state_name_of(DEVICE.name), 5)
+    assert held is not None and held[0]
+    kept.append(engine.state_from_ipc(held[0], DEVICE))
+    order = [(b, "ascending") for b in (*DEVICE.by, "window_start")]
+    assert pa.concat_tables(kept).sort_by(order).equals(windows.sort_by(order))
