@@ -188,7 +188,7 @@ def take(cfg: EnrichConfig, to: str | Path, *, spark: SparkSession | None = None
             for r in st.rollups:
                 name = rollups.state_name(r)
                 finals = stateread.scan(spark, ck, batch_id, name + rollups.FINALS)
-                element = "list_element" if "list_element" in finals.columns else "value"
+                element = stateread.list_column(finals)
                 parts += [stateread.scan(spark, ck, batch_id, name).select(
                               F.lit(r.name).alias("rollup"), F.col("value.table").alias("windows")),
                           finals.select(F.lit(r.name).alias("rollup"), F.col(f"{element}.table").alias("windows"))]

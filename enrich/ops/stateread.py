@@ -37,7 +37,7 @@ from enrich.state.stored import CALLS_NAME, DELTAS, STATE_NAME, bucket_table
 from enrich.state.stream import CHANGELOG_CONF, CHANGELOG_DEFAULT, PROVIDER_CONF, ROCKSDB
 from refstream.contract import DatasetSchema
 
-__all__ = ["call_table", "device_frame", "device_tables", "dimension_frame", "operator_id", "scan", "session",
+__all__ = ["call_table", "device_frame", "device_tables", "dimension_frame", "list_column", "operator_id", "scan", "session",
            "spark_schema"]
 
 #: The state data source's error for a state variable the operator did not define as of the batch.
@@ -64,6 +64,12 @@ def scan(spark: SparkSession, ck: CheckpointLayout, batch_id: int, name: str, bu
     return df if bucket is None else df.filter(F.col(f"key.{BUCKET}") == bucket)
 
 
+def list_column(df: DataFrame) -> str:
+    """The column of a list state variable's scan (:func:`scan`) that holds its elements: one row
+    each (Spark's ``flattenCollectionTypes``, on by default) or the whole list."""
+    return "list_element" if "list_element" in df.columns else "value"
+
+
 def operator_id(ck: CheckpointLayout, name: str) -> int:
     """Spark's id of the stateful step that keeps the state variable ``name``: Spark numbers a query's
     stateful steps from its last, so with rollups the rollup step is 0 and the state step 1."""
@@ -82,7 +88,7 @@ def device_tables(spark: SparkSession, ck: CheckpointLayout, batch_id: int, stor
     if not values:
         return stored.empty()
     deltas = scan(spark, ck, batch_id, DELTAS, bucket)
-    element = "list_element" if "list_element" in deltas.columns else "value"
+    element = list_column(deltas)
     changes: dict[int, list[tuple[int, bytes, bytes]]] = {}
     for r in deltas.select(F.col(f"key.{BUCKET}").alias("b"),
                            *(F.col(f"{element}.{c}") for c in ("seq", "rows", "removed"))).collect():
@@ -116,7 +122,7 @@ def device_frame(spark: SparkSession, ck: CheckpointLayout, batch_id: int, store
     are brought together by a join, and its table rebuilt in a ``mapInArrow``: on the executors, a
     bucket at a time; nothing per device reaches the driver."""
     deltas = scan(spark, ck, batch_id, DELTAS)
-    element = "list_element" if "list_element" in deltas.columns else "value"
+    element = list_column(deltas)
     changes = (deltas.groupBy(F.col(f"key.{BUCKET}").alias("b"))
                .agg(F.collect_list(F.struct(*(F.col(f"{element}.{c}").alias(c) for c in ("seq", "rows", "removed"))))
                     .alias("deltas")))

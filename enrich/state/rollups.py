@@ -248,7 +248,7 @@ class RollupProcessor(StatefulProcessor):
             batch = pa.concat_tables([p if p.schema == schema else p.cast(schema) for p in parts]) \
                 if len(parts) > 1 else parts[0]
             if spec.fill:  # between each key's first and last window, the final ones too
-                batch = pa.concat_tables([batch.cast(spec.window_schema()),
+                batch = pa.concat_tables([batch.cast(schema),
                                           engine.fill(spec, self._load(i, full=True), batch, watermark)])
             adv = self._advance(i, batch, watermark, kinds, values, marks.get(i))
             events = int(pc.sum(batch.column(EVENT_COUNT)).as_py() or 0)
@@ -564,6 +564,7 @@ class _Held:
     table: pa.Table | None
     full: bool
     span: tuple[int, int] | None
+
 
 #: A savepoint's rollup windows (:mod:`enrich.ops.savepoint`): the rollup's name, and one bucket's
 #: state table of it (Arrow IPC).
