@@ -30,7 +30,7 @@ import pytest
 
 from demo.broker import EmbeddedBroker, serialise_transaction_ends, serialise_transactions
 from refstream.kafka import SERIAL_TXN_ENDS_ENV, SERIAL_TXNS_ENV
-from tests import timing
+from tests import cputime, timing
 from tests.spark_archive import submit_args, with_tests_importable
 
 # Before any Spark session or child process starts (they inherit it): the embedded broker's workarounds
@@ -185,10 +185,42 @@ def _cpu_seconds() -> float | None:
         return None
 
 
+# Each test's CPU (tests/cputime.py): measured in the process that runs it, carried to the
+# controller in its teardown report, listed in the summary beside pytest's slowest wall times.
+_CPU_AT_START = pytest.StashKey[float]()
+_CPU_SHOWN = 25
+_cpu_by_test: dict[str, float] = {}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
+    start = cputime.tree_cpu_seconds()
+    if start is not None:
+        item.stash[_CPU_AT_START] = start
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    start = item.stash.get(_CPU_AT_START, None)
+    if call.when == "teardown" and start is not None:
+        end = cputime.tree_cpu_seconds()
+        if end is not None:
+            outcome.get_result().user_properties.append(("cpu_seconds", end - start))
+
+
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     end = _cpu_seconds()
     if os.environ.get("PYTEST_XDIST_WORKER") or _run_start is None or end is None:
         return
+    if _cpu_by_test:
+        top = sorted(_cpu_by_test.items(), key=lambda kv: -kv[1])[:_CPU_SHOWN]
+        terminalreporter.write_sep("=", f"most CPU {len(top)} (each test's process tree, setup to teardown)")
+        for nodeid, seconds in top:
+            terminalreporter.write_line(f"{seconds:8.1f}s cpu  {nodeid}")
+        terminalreporter.write_line(f"the tests' CPU in all: {sum(_cpu_by_test.values()):,.0f} s over "
+                                    f"{len(_cpu_by_test)} tests; the top {len(top)}: {sum(v for _, v in top):,.0f} s")
     used, wall, cores = end - _run_start[0], time.monotonic() - _run_start[1], os.cpu_count() or 1
     terminalreporter.write_line(
         f"machine: {cores} cores, a reference Python loop at {timing.reference_loop_rate():.1f}M iterations/s, "
@@ -355,7 +387,12 @@ def chromium() -> Callable[[str], str]:
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """Name a failure the moment it happens: a CI run stopped at its time limit never reaches
-    pytest's final summary, and its log's tail would then say only that something failed."""
+    pytest's final summary, and its log's tail would then say only that something failed. Keeps
+    each test's CPU for the summary."""
+    if report.when == "teardown":
+        for name, value in report.user_properties:
+            if name == "cpu_seconds":
+                _cpu_by_test[report.nodeid] = float(value)
     reporter = _config[0].pluginmanager.get_plugin("terminalreporter") if _config else None
     if not report.failed or reporter is None:
         return
