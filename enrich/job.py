@@ -459,26 +459,30 @@ class EnrichJob:
             dead, counted = self._process_batch(batch_df, batch_id)
             return self._observe(t0, dead, counted, progress, late=0)
         # With the state step the batch is parsed already. A sink that counts the late events it
-        # writes (Kafka, in its tasks) reads the batch once; with the others the job counts the
-        # batch's late events, so the batch is cached (they read it twice, too).
+        # writes (Kafka, the database, in their tasks) gives the count; with the others the job
+        # counts them in a job of its own. The batch is cached when it is read twice: by that
+        # count, or by the rollups' writer after the sink.
         st.devices.before_batch()
         if self._call_counts is not None:
             self._call_counts.value = {}
         if self._gap_records is not None:
             self._gap_records.value = {}
-        if "late" in st.sink.counts and st.rollups is None:
-            dead, counted = self._process_batch(batch_df, batch_id)
-            late = counted.late
-        else:
+        counts_late = "late" in st.sink.counts
+        cached = st.rollups is not None or not counts_late
+        if cached:
             batch_df.persist()
-            try:
-                dead, counted = self._process_batch(batch_df, batch_id)
+        try:
+            dead, counted = self._process_batch(batch_df, batch_id)
+            if counts_late:
+                late = counted.late
+            else:
                 frame = st.state.frame(batch_df)
                 late_events = F.col(LATE)
                 if KIND in frame.columns:  # a correction repeats its event's flag: not counted again
                     late_events = late_events & (F.col(KIND) != F.lit(KIND_CORRECTION))
                 late = frame.filter(late_events).count()
-            finally:
+        finally:
+            if cached:
                 batch_df.unpersist()
         devices = st.devices.after_batch(batch_id)
         if self._call_counts is not None:

@@ -123,8 +123,16 @@ def test_rollups_are_provisional_then_final_then_corrected_and_equal_a_recompute
     assert counts == {("device_1m", "counted"): 12, ("device_1m", "corrected"): 3,   # n=13, 14 and 15
                       ("device_1m", "beyond_horizon"): 1,                            # n=9
                       ("site_5m", "counted"): 13, ("site_5m", "corrected"): 3}, counts  # n=13, 14, 15
+    # Late for the device state (behind its 1m watermark), counted by the job (Parquet counts none).
+    assert late_per_batch("\n".join(r.getMessage() for r in caplog.records)) == {2: 2, 3: 3}  # n=9, 10; n=13-15
 
     check_outputs(kafka, data, tmp_path)
+
+
+def late_per_batch(log: str) -> dict[int, int]:
+    """The late events the job's log counts per batch (a replayed batch's last line), batches with none left out."""
+    got = {int(b): int(n) for b, n in re.findall(r"batch (\d+): (\d+) late event\(s\) written with a null state", log)}
+    return {b: n for b, n in got.items() if n}
 
 
 def check_outputs(kafka: dict[str, str], data: dict[str, Any], tmp_path: Path) -> None:
@@ -241,6 +249,9 @@ def test_a_sigkill_while_a_batchs_rollups_are_written_writes_each_revision_once(
         assert re.search(r"batch 2 slot 0: committed to site_5m_\w+ before; skipped", text), text[-3000:]
         errors = [dict(m.headers() or [])["error"].decode() for m in read_all(kafka, data["dead_letter_topic"])]
         assert len(errors) == 2 and sum(e.startswith("beyond the rollup horizon") for e in errors) == 1, errors
+        # Counted by the Kafka output's tasks as they write, with no job of the driver's own: the
+        # replay of batch 2 wrote none (its slots had committed it before the kill).
+        assert late_per_batch(text) == {3: 3}, text[-3000:]
     check_outputs(kafka, data, tmp_path)
 
 
