@@ -190,13 +190,15 @@ def _cpu_seconds() -> float | None:
 _CPU_AT_START = pytest.StashKey[float]()
 _CPU_SHOWN = 25
 _cpu_by_test: dict[str, float] = {}
+_meter: list[cputime.Meter] = []  # this process's, started by its first test
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
-    start = cputime.tree_cpu_seconds()
-    if start is not None:
-        item.stash[_CPU_AT_START] = start
+    if not _meter and sys.platform.startswith("linux"):
+        _meter.append(cputime.Meter().start())
+    if _meter:
+        item.stash[_CPU_AT_START] = _meter[0].total()
     yield
 
 
@@ -204,10 +206,8 @@ def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
     outcome = yield
     start = item.stash.get(_CPU_AT_START, None)
-    if call.when == "teardown" and start is not None:
-        end = cputime.tree_cpu_seconds()
-        if end is not None:
-            outcome.get_result().user_properties.append(("cpu_seconds", end - start))
+    if call.when == "teardown" and start is not None and _meter:
+        outcome.get_result().user_properties.append(("cpu_seconds", _meter[0].total() - start))
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
