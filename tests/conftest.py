@@ -195,10 +195,9 @@ _meter: list[cputime.Meter] = []  # this process's, started by its first test
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
-    if not _meter and sys.platform.startswith("linux"):
+    if not _meter:
         _meter.append(cputime.Meter().start())
-    if _meter:
-        item.stash[_CPU_AT_START] = _meter[0].total()
+    item.stash[_CPU_AT_START] = _meter[0].total()
     yield
 
 
