@@ -37,7 +37,7 @@ readme-demo: venv
 # (its non-librdkafka lines are shown), and the summary's FAILED/ERROR lines are printed last.
 test: lint
 	@mkdir -p var
-	@set -o pipefail; $(VPY) -u -m pytest -q -rfE --durations=25 $(XDIST) 2>var/test-stderr.log | tee var/test.log; rc=$$?; \
+	@set -o pipefail; REFSTREAM_TEST_CPU_LISTING=var/test-cpu.tsv $(VPY) -u -m pytest -q -rfE --durations=25 $(XDIST) 2>var/test-stderr.log | tee var/test.log; rc=$$?; \
 	  grep -v -E '^%[0-9]\||\[rdkafka#' var/test-stderr.log | tail -n 40; \
 	  grep -E '^(FAILED|ERROR) ' var/test.log; tail -n 1 var/test.log; exit $$rc
 

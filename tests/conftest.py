@@ -189,6 +189,10 @@ def _cpu_seconds() -> float | None:
 # controller in its teardown report, listed in the summary beside pytest's slowest wall times.
 _CPU_AT_START = pytest.StashKey[float]()
 _CPU_SHOWN = 25
+#: A file to write every test's CPU seconds to, as ``seconds<TAB>node id`` lines, heaviest first.
+CPU_LISTING_ENV = "REFSTREAM_TEST_CPU_LISTING"
+#: The seconds between the meter's looks (a process living less than that between two looks is missed).
+CPU_EVERY_ENV = "REFSTREAM_TEST_CPU_EVERY"
 _cpu_by_test: dict[str, float] = {}
 _meter: list[cputime.Meter] = []  # this process's, started by its first test
 
@@ -196,7 +200,7 @@ _meter: list[cputime.Meter] = []  # this process's, started by its first test
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
     if not _meter:
-        _meter.append(cputime.Meter().start())
+        _meter.append(cputime.Meter(every=float(os.environ.get(CPU_EVERY_ENV, "1"))).start())
     item.stash[_CPU_AT_START] = _meter[0].total()
     yield
 
@@ -220,6 +224,17 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
             terminalreporter.write_line(f"{seconds:8.1f}s cpu  {nodeid}")
         terminalreporter.write_line(f"the tests' CPU in all: {sum(_cpu_by_test.values()):,.0f} s over "
                                     f"{len(_cpu_by_test)} tests; the top {len(top)}: {sum(v for _, v in top):,.0f} s")
+        by_file: dict[str, list[float]] = {}
+        for nodeid, seconds in _cpu_by_test.items():
+            by_file.setdefault(nodeid.split("::")[0], []).append(seconds)
+        files = sorted(by_file.items(), key=lambda kv: -sum(kv[1]))[:15]
+        terminalreporter.write_sep("=", f"most CPU by file {len(files)}")
+        for path, each in files:
+            terminalreporter.write_line(f"{sum(each):8.1f}s cpu  {len(each):4d} tests  {path}")
+        listing = os.environ.get(CPU_LISTING_ENV)
+        if listing:  # every test's figure, for a look beyond the summary
+            Path(listing).write_text("".join(f"{v:.1f}\t{k}\n" for k, v in sorted(_cpu_by_test.items(),
+                                                                                   key=lambda kv: -kv[1])))
     used, wall, cores = end - _run_start[0], time.monotonic() - _run_start[1], os.cpu_count() or 1
     terminalreporter.write_line(
         f"machine: {cores} cores, a reference Python loop at {timing.reference_loop_rate():.1f}M iterations/s, "

@@ -7,6 +7,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import psutil
 
@@ -62,3 +63,21 @@ def test_the_meter_follows_a_process_after_its_parent_died() -> None:
             os.kill(orphan, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+
+def test_the_summary_lists_each_files_cpu_and_writes_every_tests_figure(tmp_path: Path) -> None:
+    """A pytest run of this file's first test through the suite's conftest, its meter looking every
+    50 ms: the child's 0.5 s, in the listing file and in the summary's list of files."""
+    listing = tmp_path / "cpu.tsv"
+    here = "tests/test_cputime.py"
+    name = f"{here}::test_a_child_still_running_counts_and_the_tree_now_leaves_out_the_ended"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}  # not a pytest-xdist worker
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", name],
+                          cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=bound(120),
+                          env={**env, "REFSTREAM_TEST_CPU_LISTING": str(listing), "REFSTREAM_TEST_CPU_EVERY": "0.05"})
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    ((seconds, listed),) = [line.split("\t") for line in listing.read_text().splitlines()]
+    assert listed == name and 0.4 <= float(seconds) < 5, (seconds, listed)
+    (line,) = [x for x in done.stdout.splitlines() if x.endswith(f"tests  {here}")]
+    assert line.split()[:3] == [f"{seconds}s", "cpu", "1"], line
