@@ -1,5 +1,5 @@
 """The job SIGKILLed while one slot of a micro-batch has committed its Kafka transaction and another
-has not, then restarted, five times over (``REFSTREAM_KILLS``, default 5): every event once in the
+has not, then restarted, three times over (``REFSTREAM_KILLS``, default 3): every event once in the
 read_committed output.
 
 Each start runs through the kill hook (tests/enrich/kill.py, ``job:``): the first slot with records
@@ -36,13 +36,14 @@ from tests.enrich.process import start_job, write_config
 from tests.timing import bound
 
 # Each start of the job takes 20-25 s on a quiet machine (Spark, then the replayed batch's first tasks),
-# 40-60 s under the suite's load: six starts. REFSTREAM_KILLS=20 for a longer look while changing the
-# sink's protocol.
+# 40-60 s under the suite's load: four starts, 11 CPU seconds each. REFSTREAM_KILLS=20 for a longer
+# look while changing the sink's protocol.
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900)]
 
 DEVICES = DatasetSchema("devices", ("device_id",), (Column("device_id", "string"), Column("owner", "string")))
-KILLS = int(os.environ.get("REFSTREAM_KILLS", "5"))
-TOTAL, PER_BATCH = 4000, 100   # 40 batches: the kills and their replays use about 20
+KILLS = int(os.environ.get("REFSTREAM_KILLS", "3"))
+PER_BATCH = 100
+TOTAL = PER_BATCH * 8 * max(KILLS, 3)  # 8 batches a kill: the kills and their replays use about 4 each
 
 
 def slot_entry(kafka: dict[str, str], note: dict[str, Any], slot: int) -> Entry:
