@@ -189,6 +189,7 @@ def _cpu_seconds() -> float | None:
 # controller in its teardown report, listed in the summary beside pytest's slowest wall times.
 _CPU_AT_START = pytest.StashKey[float]()
 _CPU_SHOWN = 25
+_CPU_FILES_SHOWN = 15
 #: A file to write every test's CPU seconds to, as ``seconds<TAB>node id`` lines, heaviest first.
 CPU_LISTING_ENV = "REFSTREAM_TEST_CPU_LISTING"
 #: The seconds between the meter's looks (a process living less than that between two looks is missed).
@@ -218,7 +219,8 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if os.environ.get("PYTEST_XDIST_WORKER") or _run_start is None or end is None:
         return
     if _cpu_by_test:
-        top = sorted(_cpu_by_test.items(), key=lambda kv: -kv[1])[:_CPU_SHOWN]
+        ranked = sorted(_cpu_by_test.items(), key=lambda kv: -kv[1])
+        top = ranked[:_CPU_SHOWN]
         terminalreporter.write_sep("=", f"most CPU {len(top)} (each test's process tree, setup to teardown)")
         for nodeid, seconds in top:
             terminalreporter.write_line(f"{seconds:8.1f}s cpu  {nodeid}")
@@ -227,14 +229,13 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         by_file: dict[str, list[float]] = {}
         for nodeid, seconds in _cpu_by_test.items():
             by_file.setdefault(nodeid.split("::")[0], []).append(seconds)
-        files = sorted(by_file.items(), key=lambda kv: -sum(kv[1]))[:15]
+        files = sorted(by_file.items(), key=lambda kv: -sum(kv[1]))[:_CPU_FILES_SHOWN]
         terminalreporter.write_sep("=", f"most CPU by file {len(files)}")
         for path, each in files:
             terminalreporter.write_line(f"{sum(each):8.1f}s cpu  {len(each):4d} tests  {path}")
         listing = os.environ.get(CPU_LISTING_ENV)
         if listing:  # every test's figure, for a look beyond the summary
-            Path(listing).write_text("".join(f"{v:.1f}\t{k}\n" for k, v in sorted(_cpu_by_test.items(),
-                                                                                   key=lambda kv: -kv[1])))
+            Path(listing).write_text("".join(f"{v:.1f}\t{k}\n" for k, v in ranked))
     used, wall, cores = end - _run_start[0], time.monotonic() - _run_start[1], os.cpu_count() or 1
     terminalreporter.write_line(
         f"machine: {cores} cores, a reference Python loop at {timing.reference_loop_rate():.1f}M iterations/s, "

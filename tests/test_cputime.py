@@ -12,6 +12,7 @@ from pathlib import Path
 import psutil
 
 from tests import cputime
+from tests.conftest import CPU_EVERY_ENV, CPU_LISTING_ENV
 from tests.timing import bound
 
 BURN = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.5: pass\n"
@@ -65,7 +66,6 @@ def test_the_meter_follows_a_process_after_its_parent_died() -> None:
             pass
 
 
-
 def test_the_summary_lists_each_files_cpu_and_writes_every_tests_figure(tmp_path: Path) -> None:
     """A pytest run of this file's first test through the suite's conftest, its meter looking every
     50 ms: the child's 0.5 s, in the listing file and in the summary's list of files."""
@@ -75,7 +75,7 @@ def test_the_summary_lists_each_files_cpu_and_writes_every_tests_figure(tmp_path
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}  # not a pytest-xdist worker
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:xdist", name],
                           cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=bound(120),
-                          env={**env, "REFSTREAM_TEST_CPU_LISTING": str(listing), "REFSTREAM_TEST_CPU_EVERY": "0.05"})
+                          env={**env, CPU_LISTING_ENV: str(listing), CPU_EVERY_ENV: "0.05"})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     ((seconds, listed),) = [line.split("\t") for line in listing.read_text().splitlines()]
     assert listed == name and 0.4 <= float(seconds) < 5, (seconds, listed)

@@ -43,7 +43,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(900
 DEVICES = DatasetSchema("devices", ("device_id",), (Column("device_id", "string"), Column("owner", "string")))
 KILLS = int(os.environ.get("REFSTREAM_KILLS", "3"))
 PER_BATCH = 100
-TOTAL = PER_BATCH * 8 * max(KILLS, 3)  # 8 batches a kill: the kills and their replays use about 4 each
+TOTAL = PER_BATCH * 8 * KILLS  # 8 batches a kill: the kills and their replays use about 4 each
 
 
 def slot_entry(kafka: dict[str, str], note: dict[str, Any], slot: int) -> Entry:
