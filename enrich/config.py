@@ -313,9 +313,6 @@ def parse(data: Mapping[str, Any], source: str = "config") -> EnrichConfig:
     calls = parse_calls(top, state is not None)
     rollups = parse_rollups(top, state is not None, functools.partial(_database, write="state"))
     corrected = [i for i, j in enumerate(joins) if j.corrections is not None]
-    if corrected and rollups:
-        raise top.error("corrections do not move events between rollup rows yet; remove rollups or the join's "
-                        "corrections", f"joins[{corrected[0]}].corrections")
     if corrected and output.database is not None and output.database.write == "state":
         raise top.error("corrections are written to Kafka, Parquet, the console or output.database with write: "
                         "events (a correction replaces its event's row); write: state does not take them yet",

@@ -252,9 +252,9 @@ def _corrected(cfg: EnrichConfig, state: StatePlan | None, after: Sequence[JoinC
             continue
         where = f"{cfg.source}: joins[{i}].corrections"
         if state is None or j not in after:
-            raise ConfigError(f"{where}: not possible for a join whose columns the state: section, a call or a "
-                              "gap uses (it runs before the state step); corrections apply to joins of the join "
-                              "pass (docs/state.md)")
+            raise ConfigError(f"{where}: not possible for a join whose columns the state: section, a rollup, a "
+                              "call or a gap uses (it runs before the state step); corrections apply to joins of "
+                              "the join pass (docs/state.md)")
         spec = first.specs[list(after).index(j)]
         outside = [e for e, _ in spec.pairs if e not in state.schema.fieldNames()]
         if outside:

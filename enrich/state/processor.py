@@ -182,7 +182,7 @@ class DeviceStateProcessor(StatefulProcessor):
             if any(r.needs_ticks for r in self.rollups):  # a tick: the rollup step decides idleness, fills
                 yield self._rollup_frame([(int(key[0]), packs.TICK, b"")], timerValues)
             if fixed is not None:
-                yield packed.pack_output(fixed)
+                yield self._corrections_out(int(key[0]), fixed, timerValues)
             return
         # Shuffle order is not stable: rows leave in source order, so a replay gives the same output.
         table = table.take(pc.sort_indices(table, [("_partition", "ascending"), ("_offset", "ascending")]))
@@ -229,16 +229,25 @@ class DeviceStateProcessor(StatefulProcessor):
             if dim.inner:
                 matched = pc.fill_null(out.column(dim.join.matched), False)
                 keep = matched if keep is None else pc.and_(keep, matched)
-        if self.rollups:
-            out = out.append_column(TS_US, table.column(TS_US))
         if keep is not None:
             out = out.filter(pc.or_(keep, pa.array(~ok)))
+            table = table.filter(pc.or_(keep, pa.array(~ok)))
         if self.corrected:
-            out = self._keep_written(out, table if keep is None else table.filter(pc.or_(keep, pa.array(~ok))), fixed)
+            out = self._keep_written(out, table)
         if not self.rollups:
             yield packed.pack_output(out)
-            return
-        yield self._with_rollups(int(key[0]), out, timerValues)
+        else:
+            yield self._with_rollups(int(key[0]), out.append_column(TS_US, table.column(TS_US)), timerValues)
+        if fixed is not None:  # after the events: the rollups count none of them (see _corrections_out)
+            yield self._corrections_out(int(key[0]), fixed, timerValues)
+
+    def _corrections_out(self, bucket: int, fixed: pa.Table, timer_values: TimerValues) -> pd.DataFrame:
+        """The corrections ``fixed`` as the step's output. With rollups they pass the rollup step as
+        events do, but feed none: a corrected join runs in the join pass, after the rollup step, so
+        no rollup holds a column it corrects."""
+        if not self.rollups:
+            return packed.pack_output(fixed)
+        return self._rollup_frame([(bucket, packs.EVENTS, v) for v in packed.pack_output(fixed)[ROWS]], timer_values)
 
     def _correct(self, watermark: int | None) -> pa.Table | None:
         """The corrections this batch's late versions make of the events the bucket kept (as the
@@ -291,11 +300,11 @@ class DeviceStateProcessor(StatefulProcessor):
         else:
             self.written_index.clear()
 
-    def _keep_written(self, out: pa.Table, table: pa.Table, fixed: pa.Table | None) -> pa.Table:
+    def _keep_written(self, out: pa.Table, table: pa.Table) -> pa.Table:
         """``out`` (this batch's output rows; ``table`` their input rows) kept for corrections (the
         good ones, with their times, a chunk of their own; the small chunks merged once there are
         :data:`~enrich.state.corrections.MERGE_AT` of them), then with ``_kind``, ``_revision``,
-        ``_cause`` and ``_retracted``, and the corrections ``fixed`` after them."""
+        ``_cause`` and ``_retracted``."""
         good = pc.is_null(out.column(ERROR))
         ts = table.filter(good).column(TS_US).to_numpy(zero_copy_only=False)
         kept = corrections.keep(None, out.filter(good), ts, NO_BOUND_START)
@@ -316,10 +325,7 @@ class DeviceStateProcessor(StatefulProcessor):
             self.written.updateValue((next_id,), (to_ipc(kept),))
             chunks.append([next_id, kept.num_rows, int(pc.min(times).as_py()), int(pc.max(times).as_py())])
             self._store_index(next_id + 1, chunks)
-        out = corrections.as_events(out)
-        if fixed is not None:
-            out = pa.concat_tables([out, fixed.cast(out.schema) if fixed.schema != out.schema else fixed])
-        return out
+        return corrections.as_events(out)
 
     def _with_rollups(self, bucket: int, out: pa.Table, timer_values: TimerValues) -> pd.DataFrame:
         """The step's output for the rollup step (:mod:`enrich.state.rollups`): the events packed as
