@@ -312,11 +312,6 @@ def parse(data: Mapping[str, Any], source: str = "config") -> EnrichConfig:
     _check_as_of(top, joins, state)
     calls = parse_calls(top, state is not None)
     rollups = parse_rollups(top, state is not None, functools.partial(_database, write="state"))
-    corrected = [i for i, j in enumerate(joins) if j.corrections is not None]
-    if corrected and output.database is not None and output.database.write == "state":
-        raise top.error("corrections are written to Kafka, Parquet, the console or output.database with write: "
-                        "events (a correction replaces its event's row); write: state does not take them yet",
-                        f"joins[{corrected[0]}].corrections")
     gaps = parse_gaps(top, state is not None, functools.partial(_database, write="events"))
     taken = {events.topic: "events.topic", output.topic: "output.kafka.topic",
              top.get("dead_letter_topic", str): "dead_letter_topic", **{j.topic: "a join's topic" for j in joins}}

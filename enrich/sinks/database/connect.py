@@ -241,3 +241,31 @@ def upsert(cur: Any, dialect: DatabaseDialect, name: str, table: pa.Table, key: 
     cur.executemany(percent(f"INSERT INTO {q(name)} ({names}) VALUES ") + f"({', '.join(['%s'] * len(cols))})"
                     + percent(f" ON DUPLICATE KEY UPDATE {update}"), _py_rows(table))
 
+
+def replace_held(cur: Any, dialect: DatabaseDialect, name: str, table: pa.Table, key: Sequence[str],
+                 identity: Sequence[str]) -> None:
+    """Replace with each row of ``table`` the row of table ``name`` with its ``key`` that holds the
+    same event (``identity`` equal); a key whose row holds another event, or none, is left as it is
+    (nothing inserted). ``key`` must be unique within ``table``."""
+    if not table.num_rows:
+        return
+    def q(n: str) -> str:
+        return quote(dialect, n)
+
+    cols = table.column_names
+    rest = [c for c in cols if c not in key]
+    match = [*key, *identity]
+    if dialect == "postgresql":
+        tmp = q(f"_load_{name}")
+        cur.execute(f"CREATE TEMPORARY TABLE IF NOT EXISTS {tmp} (LIKE {q(name)}) ON COMMIT DELETE ROWS")
+        cur.execute(f"DELETE FROM {tmp}")  # the rows an upsert of this transaction left there
+        with cur.copy(f"COPY {tmp} ({', '.join(q(c) for c in cols)}) FROM STDIN") as cp:
+            for row in _py_rows(table):
+                cp.write_row(row)
+        cur.execute(f"UPDATE {q(name)} AS t SET {', '.join(f'{q(c)} = s.{q(c)}' for c in rest)} FROM {tmp} AS s "
+                    f"WHERE {' AND '.join(f't.{q(c)} = s.{q(c)}' for c in match)}")
+        return
+    sets = ", ".join(f"{percent(q(c))} = %s" for c in rest)
+    where = " AND ".join(f"{percent(q(c))} = %s" for c in match)
+    cur.executemany(f"UPDATE {percent(q(name))} SET {sets} WHERE {where}", _py_rows(table.select([*rest, *match])))
+

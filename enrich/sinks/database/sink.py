@@ -31,7 +31,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.types import StringType, StructField, StructType
 
 from enrich.checkpoint import CheckpointLayout
-from enrich.columns import ERROR, KIND, KIND_CORRECTION, KIND_EVENT, LATE, REVISION, STATE, TAIL
+from enrich.columns import ERROR, IDENTITY, KIND, KIND_CORRECTION, KIND_EVENT, LATE, REVISION, STATE, TAIL
 from enrich.config import DatabaseOutput, EnrichConfig
 from enrich.events import SOURCE_TYPES
 from enrich.failures import transient_cause
@@ -77,12 +77,14 @@ class RowPlan:
     fields: tuple[StructField, ...]
     key: tuple[str, ...]
     exprs: tuple[tuple[str, str], ...]   # column -> the batch column it comes from (``a.b``: a struct field; ``'x'``: the string x)
+    #: write: state with corrections: the columns naming the event a row holds (TableSpec.identity).
+    identity: tuple[str, ...] = ()
 
     def select(self, prefix: str = "") -> list[Column]:
         return [_col(src).alias(prefix + name) for name, src in self.exprs]
 
     def spec(self) -> TableSpec:
-        return table_spec(self.db, self.fields, self.key)
+        return table_spec(self.db, self.fields, self.key, self.identity)
 
 
 def _col(src: str) -> Column:
@@ -141,7 +143,14 @@ def row_plan(cfg: EnrichConfig, schema: StructType, columns: Sequence[str], even
         if c not in skip:
             exprs.append((c, c))
             fields.append(schema[c])
-    return RowPlan(db, tuple(fields), (key,), tuple(exprs))
+    tail = [c for c in TAIL if c in schema.fieldNames()]
+    if not tail:
+        return RowPlan(db, tuple(fields), (key,), tuple(exprs))
+    # With corrections: the event the row holds (a correction of it replaces the row, one of an
+    # earlier event leaves it), then what the row is.
+    exprs += [(c, c) for c in (*IDENTITY, *tail)]
+    fields += [schema[c] for c in (*IDENTITY, *tail)]
+    return RowPlan(db, tuple(fields), (key,), tuple(exprs), IDENTITY)
 
 
 def latest_per_key(table: pa.Table, key: Sequence[str], order: str) -> pa.Table:
@@ -216,7 +225,15 @@ class SlotRows:
             late = int(pc.sum(pc.cast(flag, pa.int64())).as_py() or 0)
         if self.state_key is not None:
             t = t.filter(pc.is_valid(t.column(COUNT)))  # late events have no state
-            t = latest_per_key(t, (self.state_key,), COUNT)
+            if REVISION in t.column_names:
+                # A device's row holds its latest event: of the corrections only the one of its
+                # latest corrected event can be of that event (TableSpec.identity; the later revision).
+                fix = pc.equal(t.column(KIND), KIND_CORRECTION)
+                fixes = latest_per_key(latest_per_key(t.filter(fix), (self.state_key, *IDENTITY), REVISION),
+                                       (self.state_key,), COUNT)
+                t = pa.concat_tables([latest_per_key(t.filter(pc.invert(fix)), (self.state_key,), COUNT), fixes])
+            else:
+                t = latest_per_key(t, (self.state_key,), COUNT)
         elif REVISION in t.column_names:  # two corrections of one event in a batch: the later one
             t = latest_per_key(t, self.spec.key, REVISION)
         return t.select(names), events, late

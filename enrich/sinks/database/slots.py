@@ -14,7 +14,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from enrich.sinks.database.connect import connect, fence_insert, transient, upsert
+from enrich.columns import KIND, KIND_CORRECTION
+from enrich.sinks.database.connect import connect, fence_insert, replace_held, transient, upsert
 from enrich.sinks.database.refuse import refused
 from enrich.sinks.database.tables import TableSpec
 from refstream.errors import RefstreamError
@@ -50,8 +51,14 @@ def write_slot(conn: Any, spec: TableSpec, query_id: str, slot: int, batch_id: i
     """Write ``rows`` (the table's columns, unique by its key) and the slot's fence row in one
     transaction on ``conn``; the number of rows written, or None when the fence row was there (a
     replay: nothing written). ``written`` is called after the rows went in, before the commit
-    (the tests' kill hook). Database errors are raised as the job's transient or terminal errors."""
+    (the tests' kill hook). Database errors are raised as the job's transient or terminal errors.
+    With ``spec.identity``, the corrections among ``rows`` replace, after the others went in, only
+    the rows that hold their events."""
     what = f"batch {batch_id} slot {slot}: writing {spec.table}"
+    fixes = None
+    if spec.identity and rows.num_rows:
+        fix = pc.fill_null(pc.equal(rows.column(KIND), KIND_CORRECTION), False)
+        fixes, rows = rows.filter(fix), rows.filter(pc.invert(fix))
     try:
         with conn.cursor() as cur:
             if not fence_insert(cur, spec.dialect, spec.fence, query_id, slot, batch_id):
@@ -59,6 +66,8 @@ def write_slot(conn: Any, spec: TableSpec, query_id: str, slot: int, batch_id: i
                 log.info("batch %d slot %d: committed to %s before; skipped", batch_id, slot, spec.table)
                 return None
             upsert(cur, spec.dialect, spec.table, rows, spec.key)
+            if fixes is not None and fixes.num_rows:
+                replace_held(cur, spec.dialect, spec.table, fixes, spec.key, spec.identity)
         if written is not None:
             written()
         conn.commit()
@@ -68,7 +77,7 @@ def write_slot(conn: Any, spec: TableSpec, query_id: str, slot: int, batch_id: i
     except Exception as exc:  # noqa: BLE001 - the drivers' errors, classified by transient()
         _rollback(conn)
         raise transient(exc, what) from exc
-    return rows.num_rows
+    return rows.num_rows + (fixes.num_rows if fixes is not None else 0)
 
 
 def _rollback(conn: Any) -> None:

@@ -47,6 +47,9 @@ class TableSpec:
     columns: tuple[tuple[str, str], ...]
     key: tuple[str, ...]
     timeout: float = 30.0          # output.database.statement_timeout, in seconds
+    #: write: state with corrections: the columns naming the event a row holds. A row with ``_kind``
+    #: correction then replaces only the row of its key that holds its event (slots.write_slot).
+    identity: tuple[str, ...] = ()
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -98,9 +101,10 @@ def sql_type(dt: DataType, dialect: DatabaseDialect, key: bool = False) -> str:
     return "JSONB" if pg else "LONGTEXT"
 
 
-def table_spec(db: DatabaseOutput, fields: Sequence[StructField], key: Sequence[str]) -> TableSpec:
-    """The table of rows with ``fields`` (in order), keyed by ``key``; a :class:`ConfigError` when
-    two fields share a name."""
+def table_spec(db: DatabaseOutput, fields: Sequence[StructField], key: Sequence[str],
+               identity: Sequence[str] = ()) -> TableSpec:
+    """The table of rows with ``fields`` (in order), keyed by ``key`` (``identity``: see
+    :attr:`TableSpec.identity`); a :class:`ConfigError` when two fields share a name."""
     names = [f.name for f in fields]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
@@ -111,7 +115,8 @@ def table_spec(db: DatabaseOutput, fields: Sequence[StructField], key: Sequence[
         raise ConfigError(f"output.database: PostgreSQL names are at most {PG_NAME_BYTES} bytes; the job would "
                           f"create {', '.join(repr(n) for n in long)}: shorten them (a join's prefix:, the table)")
     cols = tuple((f.name, sql_type(f.dataType, db.dialect, f.name in key)) for f in fields)
-    return TableSpec(db.url, db.dialect, db.table, db.fence, cols, tuple(key), db.statement_timeout.total_seconds())
+    return TableSpec(db.url, db.dialect, db.table, db.fence, cols, tuple(key), db.statement_timeout.total_seconds(),
+                     tuple(identity))
 
 
 def exact_collation(cur: Any) -> str:

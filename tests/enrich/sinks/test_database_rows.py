@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
+from enrich.columns import IDENTITY
 from enrich.sinks.database.sink import TOPIC_ID, SlotRows, latest_per_key
 from enrich.sinks.database.tables import TableSpec
 
@@ -37,3 +38,23 @@ def test_the_latest_revision_per_key_of_several_columns() -> None:
     got = latest_per_key(t, ("_topic", TOPIC_ID, "_partition", "_offset"), "_revision")
     assert sorted(zip(got.column("_offset").to_pylist(), got.column("_revision").to_pylist(), strict=True)) == [
         (5, 3), (6, 0)]
+
+
+def test_write_state_keeps_a_devices_latest_event_and_the_correction_of_its_latest_corrected_event() -> None:
+    """write: state with corrections: per device the event with the greatest count, and of its
+    corrections only the latest revision of the event with the greatest count (an older event's
+    cannot be the one the row holds); corrections count as no event."""
+    spec = TableSpec("postgresql://u@h/d", "postgresql", "t", "t_commits",
+                     tuple((n, "TEXT") for n in ("device_id", "events", "_topic", "_partition", "_offset", "_kind",
+                                                 "_revision")), ("device_id",), 5.0, IDENTITY)
+    items = [("a", 7, 30, "event", 0), ("a", 5, 20, "correction", 1), ("a", 6, 25, "correction", 1),
+             ("a", 6, 25, "correction", 2), ("b", 3, 12, "correction", 1), ("c", None, 40, "event", 0)]
+    t = pa.table({"device_id": [i[0] for i in items], "events": pa.array([i[1] for i in items], pa.int64()),
+                  "_topic": ["e"] * len(items), "_partition": pa.array([0] * len(items), pa.int32()),
+                  "_offset": pa.array([i[2] for i in items], pa.int64()), "_kind": [i[3] for i in items],
+                  "_revision": pa.array([i[4] for i in items], pa.int32())})
+    out, events, _ = SlotRows(spec, "device_id", False).table([t])
+    assert events == 2  # a's event, and c's (late: no state, no row)
+    assert sorted(zip(out.column("device_id").to_pylist(), out.column("_offset").to_pylist(),
+                      out.column("_kind").to_pylist(), out.column("_revision").to_pylist(), strict=True)) == [
+        ("a", 25, "correction", 2), ("a", 30, "event", 0), ("b", 12, "correction", 1)]

@@ -137,3 +137,46 @@ def test_a_postgresql_column_name_over_63_bytes_is_refused_before_the_table_is_c
         table_spec(out, [*FIELDS, StructField(long, StringType())], ("device_id",))
     mysql = DatabaseOutput(url="mysql+pymysql://h/d", table="t", write="state", dialect="mysql")
     assert table_spec(mysql, [*FIELDS, StructField(long, StringType())], ("device_id",)).names[-1] == long
+
+
+@pytest.mark.parametrize("dialect", ["postgresql", "mysql"])
+def test_a_correction_replaces_only_the_row_that_holds_its_event(
+        request: pytest.FixtureRequest, unique: Callable[[str], str], dialect: str) -> None:
+    """write: state with corrections: a correction of the event a device's row holds replaces the
+    row; one of an earlier event (the row moved on), or of a device without a row, writes nothing;
+    the batch's events go in first, so a correction of an event the same batch replaced leaves it."""
+    url = request.getfixturevalue("pg_url" if dialect == "postgresql" else "mysql_url")
+    out = DatabaseOutput(url=url, table=unique("state"), write="state", dialect=dialect)  # type: ignore[arg-type]
+    fields = [*FIELDS, StructField("site", StringType()), StructField("_topic", StringType()),
+              StructField("_partition", LongType()), StructField("_offset", LongType()),
+              StructField("_kind", StringType()), StructField("_revision", LongType())]
+    spec = table_spec(out, fields, ("device_id",), ("_topic", "_partition", "_offset"))
+    conn = connect(url, out.dialect)
+    request.addfinalizer(conn.close)
+    ensure_tables(conn, spec)
+
+    def batch(*values: tuple[str, int, str, int, str, int]) -> pa.Table:
+        """(device, events, site, offset, kind, revision)."""
+        base = rows(*((d, n, 1.0) for d, n, *_ in values))
+        return (base.append_column("site", pa.array([v[2] for v in values]))
+                .append_column("_topic", pa.array(["ev"] * len(values)))
+                .append_column("_partition", pa.array([0] * len(values), pa.int64()))
+                .append_column("_offset", pa.array([v[3] for v in values], pa.int64()))
+                .append_column("_kind", pa.array([v[4] for v in values]))
+                .append_column("_revision", pa.array([v[5] for v in values], pa.int64())))
+
+    assert write_slot(conn, spec, "q", 0, 1, batch(("a", 2, "s-2", 11, "event", 0), ("b", 5, "s-2", 12, "event", 0),
+                                                  ("c", 1, "s-2", 13, "event", 0))) == 3
+    assert write_slot(conn, spec, "q", 0, 2, batch(
+        ("a", 2, "s-6", 11, "correction", 1),   # a's row holds offset 11: replaced
+        ("b", 4, "s-6", 10, "correction", 1),   # b's row holds offset 12, not 10: left
+        ("z", 1, "s-6", 9, "correction", 1),    # no row for z: none made
+        ("c", 2, "s-2", 14, "event", 0),        # c's row moves on to offset 14 in this batch...
+        ("c", 1, "s-6", 13, "correction", 1),   # ...so the correction of offset 13 leaves it
+    )) == 5
+    with conn.cursor() as cur:
+        cur.execute(f"SELECT device_id, events, site, _offset, _kind, _revision FROM {spec.table} ORDER BY device_id")
+        got = [tuple(r) for r in cur.fetchall()]
+    conn.commit()
+    assert got == [("a", 2, "s-6", 11, "correction", 1), ("b", 5, "s-2", 12, "event", 0),
+                   ("c", 2, "s-2", 14, "event", 0)]

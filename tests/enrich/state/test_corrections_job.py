@@ -246,6 +246,53 @@ def test_a_backdated_change_corrects_the_events_written_before_it_and_equals_a_f
     assert sum(n for n, _ in rolled.values()) == 7, rolled
 
 
+def test_write_state_rows_take_the_correction_of_the_event_each_device_row_holds(
+        spark: SparkSession, kafka: dict[str, str], mysql_url: str, unique: Callable[[str], str],
+        tmp_path: Path) -> None:
+    """output.database with write: state (MariaDB): a late version corrects the event device 1's row
+    holds, and the row takes the correction; device 2's row moved on to a later event in the same
+    batch and stays; the rows equal a fresh job's."""
+    import sqlalchemy as sa
+
+    devices = Devices.published(kafka, mysql_url, unique, tmp_path)
+    topics, t0 = devices.topics, devices.t0
+    minute = timedelta(minutes=1)
+    produce_events(kafka, topics["events"], [
+        {"device_id": 1, "ts": iso(t0 + 5 * minute), "n": 1}, {"device_id": 1, "ts": iso(t0 + 10 * minute), "n": 2},
+        {"device_id": 2, "ts": iso(t0 + 10 * minute), "n": 3}, {"device_id": 3, "ts": iso(t0 + 10 * minute), "n": 4}])
+
+    def rows(table: str) -> dict[int, tuple]:
+        engine = sa.create_engine(mysql_url)
+        with engine.connect() as conn:
+            got = conn.execute(sa.text(f"SELECT device_id, events, site, _offset, _kind, _revision, _cause "
+                                       f"FROM {table}")).all()
+        engine.dispose()
+        return {r[0]: (r[1], r[2], r[3], r[4], r[5], None if r[6] is None else iso(datetime.fromisoformat(json.loads(r[6])["valid_from"])))
+                for r in got}
+
+    table = unique("state")
+    live = job_config(kafka, unique, tmp_path, topics, "live",
+                      {"database": {"url": mysql_url, "table": table, "write": "state"}})
+    EnrichJob(config.parse(live, "test.yaml"), available_now=True).run(spark)
+    first = rows(table)
+    assert {d: (n, site, kind) for d, (n, site, _, kind, _, _) in first.items()} == {
+        1: (2, "s-2", "event"), 2: (1, "s-2", "event"), 3: (1, None, "event")}
+
+    moved = t0 + 8 * minute  # device 1 moved to s-6 then, learnt only now: its event n=2 is corrected
+    devices.move("s-6", moved)
+    produce_events(kafka, topics["events"], [{"device_id": 2, "ts": iso(t0 + 25 * minute), "n": 5}])
+    EnrichJob(config.parse(live, "test.yaml"), available_now=True).run(spark)
+    got = rows(table)
+    assert got[1] == (2, "s-6", first[1][2], "correction", 1, iso(moved))
+    assert got[2][:2] == (2, "s-2") and got[2][3:5] == ("event", 0) and got[3] == first[3]
+
+    fresh_table = unique("fresh")
+    fresh = job_config(kafka, unique, tmp_path, topics, "fresh",
+                       {"database": {"url": mysql_url, "table": fresh_table, "write": "state"}})
+    EnrichJob(config.parse(fresh, "test.yaml"), available_now=True).run(spark)
+    assert {d: r[:3] for d, r in rows(fresh_table).items()} == {d: r[:3] for d, r in got.items()}
+
+
 def test_a_sigkill_after_the_changes_are_recorded_and_a_task_killed_in_the_replay_write_each_correction_once(
         spark: SparkSession, kafka: dict[str, str], mysql_url: str, unique: Callable[[str], str],
         tmp_path: Path) -> None:
@@ -300,3 +347,20 @@ def test_corrections_on_a_join_the_state_needs_are_refused_naming_it(
     schema = DatasetSchema("devices", ("id",), (Column("id", "int64"), Column("site", "string")))
     with pytest.raises(ConfigError, match=r"joins\[0\].corrections: not possible for a join whose columns the state"):
         Pipeline.build(config.parse(data, "test.yaml"), {"devices": schema})
+
+
+def test_an_inner_join_of_the_pass_with_write_state_and_corrections_is_refused_naming_it(
+        kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path, spark: SparkSession) -> None:
+    from enrich.pipeline import Pipeline
+    from refstream.contract import Column, DatasetSchema
+    from refstream.errors import ConfigError
+
+    topics = {"events": unique("events"), "devices": unique("ref.devices")}
+    data = job_config(kafka, unique, tmp_path, topics, "x",
+                      {"database": {"url": "postgresql://u@h/db", "table": "t", "write": "state"}})
+    schema = DatasetSchema("devices", ("id",), (Column("id", "int64"), Column("site", "string")))
+    Pipeline.build(config.parse(data, "test.yaml"), {"devices": schema})  # left: taken
+    data["joins"][0]["how"] = "inner"
+    with pytest.raises(ConfigError, match=r"joins\[0\]\.how: inner with corrections and output.database write: state"):
+        Pipeline.build(config.parse(data, "test.yaml"), {"devices": schema})
+
