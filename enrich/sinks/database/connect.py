@@ -246,7 +246,7 @@ def replace_held(cur: Any, dialect: DatabaseDialect, name: str, table: pa.Table,
                  identity: Sequence[str]) -> None:
     """Replace with each row of ``table`` the row of table ``name`` with its ``key`` that holds the
     same event (``identity`` equal); a key whose row holds another event, or none, is left as it is
-    (nothing inserted). ``key`` must be unique within ``table``."""
+    (nothing inserted). (``key``, ``identity``) must be unique within ``table``."""
     if not table.num_rows:
         return
     def q(n: str) -> str:

@@ -31,7 +31,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.types import StringType, StructField, StructType
 
 from enrich.checkpoint import CheckpointLayout
-from enrich.columns import ERROR, IDENTITY, KIND, KIND_CORRECTION, KIND_EVENT, LATE, REVISION, STATE, TAIL
+from enrich.columns import ERROR, KIND, KIND_CORRECTION, KIND_EVENT, LATE, REVISION, STATE, TAIL
 from enrich.config import DatabaseOutput, EnrichConfig
 from enrich.events import SOURCE_TYPES
 from enrich.failures import transient_cause
@@ -146,11 +146,18 @@ def row_plan(cfg: EnrichConfig, schema: StructType, columns: Sequence[str], even
     tail = [c for c in TAIL if c in schema.fieldNames()]
     if not tail:
         return RowPlan(db, tuple(fields), (key,), tuple(exprs))
-    # With corrections: the event the row holds (a correction of it replaces the row, one of an
-    # earlier event leaves it), then what the row is.
-    exprs += [(c, c) for c in (*IDENTITY, *tail)]
-    fields += [schema[c] for c in (*IDENTITY, *tail)]
-    return RowPlan(db, tuple(fields), (key,), tuple(exprs), IDENTITY)
+    # With corrections: the event the row holds (its position, the topic's id as write: events
+    # keeps it: a recreated topic's offsets start again), then what the row is. A correction of
+    # that event replaces the row; one of another event leaves it.
+    for c in POSITION:
+        if c == TOPIC_ID:  # the tasks add it (SlotRows.complete)
+            fields.append(StructField(c, StringType()))
+            continue
+        exprs.append((c, c))
+        fields.append(schema[c])
+    exprs += [(c, c) for c in tail]
+    fields += [schema[c] for c in tail]
+    return RowPlan(db, tuple(fields), (key,), tuple(exprs), POSITION)
 
 
 def latest_per_key(table: pa.Table, key: Sequence[str], order: str) -> pa.Table:
@@ -226,11 +233,11 @@ class SlotRows:
         if self.state_key is not None:
             t = t.filter(pc.is_valid(t.column(COUNT)))  # late events have no state
             if REVISION in t.column_names:
-                # A device's row holds its latest event: of the corrections only the one of its
-                # latest corrected event can be of that event (TableSpec.identity; the later revision).
+                # Each correction's latest revision: the one of the event a device's row holds
+                # replaces it (TableSpec.identity). Not only the device's highest count: a device
+                # that expired and came back counts from 1 again.
                 fix = pc.equal(t.column(KIND), KIND_CORRECTION)
-                fixes = latest_per_key(latest_per_key(t.filter(fix), (self.state_key, *IDENTITY), REVISION),
-                                       (self.state_key,), COUNT)
+                fixes = latest_per_key(t.filter(fix), (self.state_key, *self.spec.identity), REVISION)
                 t = pa.concat_tables([latest_per_key(t.filter(pc.invert(fix)), (self.state_key,), COUNT), fixes])
             else:
                 t = latest_per_key(t, (self.state_key,), COUNT)
@@ -390,7 +397,7 @@ class DatabaseSink:
         return got
 
     def slot_rows(self, plan: RowPlan, batch: EnrichedBatch, batch_id: int) -> SlotRows:
-        ids = tuple(sorted(batch_topic_ids(self.layout, batch_id).items())) if self.db.write == "events" else ()
+        ids = tuple(sorted(batch_topic_ids(self.layout, batch_id).items())) if TOPIC_ID in plan.spec().names else ()
         return SlotRows(plan.spec(), plan.key[0] if self.db.write == "state" else None,
                         LATE in batch.df.columns, ids)
 

@@ -40,10 +40,10 @@ def test_the_latest_revision_per_key_of_several_columns() -> None:
         (5, 3), (6, 0)]
 
 
-def test_write_state_keeps_a_devices_latest_event_and_the_correction_of_its_latest_corrected_event() -> None:
-    """write: state with corrections: per device the event with the greatest count, and of its
-    corrections only the latest revision of the event with the greatest count (an older event's
-    cannot be the one the row holds); corrections count as no event."""
+def test_write_state_keeps_a_devices_latest_event_and_each_corrected_events_latest_revision() -> None:
+    """write: state with corrections: per device the event with the greatest count, and every
+    corrected event's latest revision (which of them the row holds is the database's to say: a
+    device that expired and came back counts from 1 again); corrections count as no event."""
     spec = TableSpec("postgresql://u@h/d", "postgresql", "t", "t_commits",
                      tuple((n, "TEXT") for n in ("device_id", "events", "_topic", "_partition", "_offset", "_kind",
                                                  "_revision")), ("device_id",), 5.0, IDENTITY)
@@ -57,4 +57,4 @@ def test_write_state_keeps_a_devices_latest_event_and_the_correction_of_its_late
     assert events == 2  # a's event, and c's (late: no state, no row)
     assert sorted(zip(out.column("device_id").to_pylist(), out.column("_offset").to_pylist(),
                       out.column("_kind").to_pylist(), out.column("_revision").to_pylist(), strict=True)) == [
-        ("a", 25, "correction", 2), ("a", 30, "event", 0), ("b", 12, "correction", 1)]
+        ("a", 20, "correction", 1), ("a", 25, "correction", 2), ("a", 30, "event", 0), ("b", 12, "correction", 1)]

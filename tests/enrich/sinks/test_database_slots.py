@@ -169,11 +169,12 @@ def test_a_correction_replaces_only_the_row_that_holds_its_event(
                                                   ("c", 1, "s-2", 13, "event", 0))) == 3
     assert write_slot(conn, spec, "q", 0, 2, batch(
         ("a", 2, "s-6", 11, "correction", 1),   # a's row holds offset 11: replaced
+        ("a", 9, "s-9", 5, "correction", 1),    # an event of a's earlier life (it expired, counts again): left
         ("b", 4, "s-6", 10, "correction", 1),   # b's row holds offset 12, not 10: left
         ("z", 1, "s-6", 9, "correction", 1),    # no row for z: none made
         ("c", 2, "s-2", 14, "event", 0),        # c's row moves on to offset 14 in this batch...
         ("c", 1, "s-6", 13, "correction", 1),   # ...so the correction of offset 13 leaves it
-    )) == 5
+    )) == 6
     with conn.cursor() as cur:
         cur.execute(f"SELECT device_id, events, site, _offset, _kind, _revision FROM {spec.table} ORDER BY device_id")
         got = [tuple(r) for r in cur.fetchall()]
