@@ -190,7 +190,7 @@ class _SlotTransaction:
         # Nothing this attempt writes lies before these ends. The written ends, not the read_committed
         # ones: their probe can wait while another task's transaction is open on the same partitions
         # (seconds per task when the state step's tasks outnumber the cores, docs/benchmarks.md).
-        self.before = written_ends(w.settings, topics)
+        self.before = written_ends(w.settings, topics, kept=True)
         self.open, self.began = False, time.monotonic()
         self.producer = producer(w.settings, role="transactional",
                                  **{"transactional.id": self.tid, "client.id": f"{self.tid}@{worker_name()}"})

@@ -184,3 +184,30 @@ def test_a_slot_finds_its_commit_while_other_transactions_are_open(spark: SparkS
     # fenced attempt's aborted records shows them once: the later attempt did not write them again).
     got = Counter(json.loads(m.value())["n"] for m in read_settled(kafka, out, 240))
     assert set(got.values()) == {2} and len(got) == 120, "each event once per batch"
+
+
+def test_the_slot_setups_kept_probe_gives_what_a_new_probe_gives_and_follows_the_settings(
+        kafka: dict[str, str], topics) -> None:
+    """A Python worker keeps one end-offset probe between its tasks' slot setups: its ends are a new
+    probe's, records written since included; a call with other settings closes it and keeps a new one."""
+    from enrich.sinks.kafka import writer
+    from refstream.kafka import producer
+
+    out, dlq, _ = topics
+    p = producer(kafka)
+
+    def produce(n: int) -> None:
+        for i in range(n):
+            p.produce(out, b"v%d" % i, partition=i % 3)
+        p.flush(30)
+
+    produce(30)
+    assert written_ends(kafka, [out, dlq], kept=True) == written_ends(kafka, [out, dlq])
+    kept = writer._KEPT["probe"][1]
+    produce(7)
+    got = written_ends(kafka, [out, dlq], kept=True)
+    assert got == written_ends(kafka, [out, dlq]) and sum(got.values()) == 37
+    assert writer._KEPT["probe"][1] is kept  # the same consumer, not a new one per call
+    other = {**kafka, "client.id": "another"}
+    assert written_ends(other, [out, dlq], kept=True) == got
+    assert writer._KEPT["probe"][1] is not kept and kept._consumer is None  # closed
