@@ -261,13 +261,13 @@ def _corrected(cfg: EnrichConfig, state: StatePlan | None, after: Sequence[JoinC
             raise ConfigError(f"{where}: its on: column(s) {outside} come from another join of the join pass; "
                               "corrections need the join's key among the columns the state step writes")
         joined = tuple(c for c, _ in spec.columns)
-        db = cfg.output.database
-        inner = [k for k, a in enumerate(cfg.joins) if a in after and a.how == "inner"]
-        if db is not None and db.write == "state" and inner:
-            raise ConfigError(f"{cfg.source}: joins[{inner[0]}].how: inner with corrections and output.database "
-                              "write: state: a correction that retracts the event a device's row holds would leave "
-                              "no row a fresh job writes; use how: left, or write: events")
         out.append(Corrects(spec, tuple(schemas[j.dataset].key), j.corrections // timedelta(microseconds=1), joined))
+    db = cfg.output.database
+    inner = [k for k, a in enumerate(cfg.joins) if a in after and a.how == "inner"]
+    if out and db is not None and db.write == "state" and inner:
+        raise ConfigError(f"{cfg.source}: joins[{inner[0]}].how: inner with corrections and output.database "
+                          "write: state: a correction that retracts the event a device's row holds would leave "
+                          "no row a fresh job writes; use how: left, or write: events")
     return tuple(out)
 
 

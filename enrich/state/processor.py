@@ -230,8 +230,8 @@ class DeviceStateProcessor(StatefulProcessor):
                 matched = pc.fill_null(out.column(dim.join.matched), False)
                 keep = matched if keep is None else pc.and_(keep, matched)
         if keep is not None:
-            out = out.filter(pc.or_(keep, pa.array(~ok)))
-            table = table.filter(pc.or_(keep, pa.array(~ok)))
+            kept = pc.or_(keep, pa.array(~ok))
+            out, table = out.filter(kept), table.filter(kept)
         if self.corrected:
             out = self._keep_written(out, table)
         if not self.rollups:

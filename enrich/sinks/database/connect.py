@@ -216,22 +216,7 @@ def upsert(cur: Any, dialect: DatabaseDialect, name: str, table: pa.Table, key: 
     names = ", ".join(q(c) for c in cols)
     rest = [c for c in cols if c not in key]
     if dialect == "postgresql":
-        tmp = q(f"_load_{name}")
-        cur.execute(f"CREATE TEMPORARY TABLE IF NOT EXISTS {tmp} (LIKE {q(name)}) ON COMMIT DELETE ROWS")
-        if _csv_ok(table):
-            # The session's time zone is UTC: times as UTC wall clock, which pyarrow writes about five
-            # times faster than with a zone.
-            for i, t in enumerate(table.schema.types):
-                if pa.types.is_timestamp(t) and t.tz is not None:
-                    table = table.set_column(i, table.column_names[i], table.column(i).cast(pa.timestamp(t.unit)))
-            buf = io.BytesIO()
-            pacsv.write_csv(table, buf, pacsv.WriteOptions(include_header=False, quoting_style="needed"))
-            with cur.copy(f"COPY {tmp} ({names}) FROM STDIN (FORMAT csv)") as cp:
-                cp.write(buf.getbuffer())
-        else:
-            with cur.copy(f"COPY {tmp} ({names}) FROM STDIN") as cp:
-                for row in _py_rows(table):
-                    cp.write_row(row)
+        tmp = _pg_load(cur, name, table)
         update = (f"DO UPDATE SET {', '.join(f'{q(c)} = EXCLUDED.{q(c)}' for c in rest)}" if rest
                   else "DO NOTHING")
         cur.execute(f"INSERT INTO {q(name)} ({names}) SELECT {names} FROM {tmp} "
@@ -256,16 +241,36 @@ def replace_held(cur: Any, dialect: DatabaseDialect, name: str, table: pa.Table,
     rest = [c for c in cols if c not in key]
     match = [*key, *identity]
     if dialect == "postgresql":
-        tmp = q(f"_load_{name}")
-        cur.execute(f"CREATE TEMPORARY TABLE IF NOT EXISTS {tmp} (LIKE {q(name)}) ON COMMIT DELETE ROWS")
-        cur.execute(f"DELETE FROM {tmp}")  # the rows an upsert of this transaction left there
-        with cur.copy(f"COPY {tmp} ({', '.join(q(c) for c in cols)}) FROM STDIN") as cp:
-            for row in _py_rows(table):
-                cp.write_row(row)
+        tmp = _pg_load(cur, name, table, clear=True)  # an upsert of this transaction left its rows there
         cur.execute(f"UPDATE {q(name)} AS t SET {', '.join(f'{q(c)} = s.{q(c)}' for c in rest)} FROM {tmp} AS s "
                     f"WHERE {' AND '.join(f't.{q(c)} = s.{q(c)}' for c in match)}")
         return
     sets = ", ".join(f"{percent(q(c))} = %s" for c in rest)
     where = " AND ".join(f"{percent(q(c))} = %s" for c in match)
     cur.executemany(f"UPDATE {percent(q(name))} SET {sets} WHERE {where}", _py_rows(table.select([*rest, *match])))
+
+
+def _pg_load(cur: Any, name: str, table: pa.Table, *, clear: bool = False) -> str:
+    """PostgreSQL: ``table``'s rows COPYed into the session's load table for table ``name`` (made
+    like it, emptied at each commit; ``clear``: emptied first); its quoted name."""
+    tmp = quote("postgresql", f"_load_{name}")
+    names = ", ".join(quote("postgresql", c) for c in table.column_names)
+    cur.execute(f"CREATE TEMPORARY TABLE IF NOT EXISTS {tmp} (LIKE {quote('postgresql', name)}) ON COMMIT DELETE ROWS")
+    if clear:
+        cur.execute(f"DELETE FROM {tmp}")
+    if _csv_ok(table):
+        # The session's time zone is UTC: times as UTC wall clock, which pyarrow writes about five
+        # times faster than with a zone.
+        for i, t in enumerate(table.schema.types):
+            if pa.types.is_timestamp(t) and t.tz is not None:
+                table = table.set_column(i, table.column_names[i], table.column(i).cast(pa.timestamp(t.unit)))
+        buf = io.BytesIO()
+        pacsv.write_csv(table, buf, pacsv.WriteOptions(include_header=False, quoting_style="needed"))
+        with cur.copy(f"COPY {tmp} ({names}) FROM STDIN (FORMAT csv)") as cp:
+            cp.write(buf.getbuffer())
+    else:
+        with cur.copy(f"COPY {tmp} ({names}) FROM STDIN") as cp:
+            for row in _py_rows(table):
+                cp.write_row(row)
+    return tmp
 

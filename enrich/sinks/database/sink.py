@@ -116,17 +116,8 @@ def row_plan(cfg: EnrichConfig, schema: StructType, columns: Sequence[str], even
             else:
                 exprs.append((c, c))
                 fields.append(schema[c])
-        for c in POSITION:
-            if c == TOPIC_ID:  # not a column of the batch: the tasks add it (SlotRows.complete)
-                fields.append(StructField(c, StringType()))
-                continue
-            exprs.append((c, c))
-            fields.append(StructField(c, schema[c].dataType if c in schema.fieldNames() else SOURCE_TYPES[c]))
-        tail = [c for c in TAIL if c in schema.fieldNames()]  # with corrections: a correction replaces its event's row
-        if tail:
-            exprs += [(c, c) for c in tail]
-            fields += [schema[c] for c in tail]
-        else:
+        tail = _position_and_tail(schema, exprs, fields)  # with corrections: a correction replaces its event's row
+        if not tail:
             exprs.append((KIND, f"'{KIND_EVENT}'"))
             fields.append(StructField(KIND, StringType(), False))
         return RowPlan(db, tuple(fields), POSITION, tuple(exprs))
@@ -143,21 +134,28 @@ def row_plan(cfg: EnrichConfig, schema: StructType, columns: Sequence[str], even
         if c not in skip:
             exprs.append((c, c))
             fields.append(schema[c])
-    tail = [c for c in TAIL if c in schema.fieldNames()]
-    if not tail:
+    if not any(c in schema.fieldNames() for c in TAIL):
         return RowPlan(db, tuple(fields), (key,), tuple(exprs))
-    # With corrections: the event the row holds (its position, the topic's id as write: events
-    # keeps it: a recreated topic's offsets start again), then what the row is. A correction of
-    # that event replaces the row; one of another event leaves it.
+    # With corrections: the event the row holds, as write: events keys its rows (the topic's id:
+    # a recreated topic's offsets start again), then what the row is. A correction of that event
+    # replaces the row; one of another event leaves it.
+    _position_and_tail(schema, exprs, fields)
+    return RowPlan(db, tuple(fields), (key,), tuple(exprs), POSITION)
+
+
+def _position_and_tail(schema: StructType, exprs: list[tuple[str, str]], fields: list[StructField]) -> list[str]:
+    """Append the event's position (:data:`POSITION`) and the tail columns ``schema`` has (with
+    corrections) to ``exprs`` and ``fields``; the tail's names."""
     for c in POSITION:
-        if c == TOPIC_ID:  # the tasks add it (SlotRows.complete)
+        if c == TOPIC_ID:  # not a column of the batch: the tasks add it (SlotRows.complete)
             fields.append(StructField(c, StringType()))
             continue
         exprs.append((c, c))
-        fields.append(schema[c])
+        fields.append(StructField(c, schema[c].dataType if c in schema.fieldNames() else SOURCE_TYPES[c]))
+    tail = [c for c in TAIL if c in schema.fieldNames()]
     exprs += [(c, c) for c in tail]
     fields += [schema[c] for c in tail]
-    return RowPlan(db, tuple(fields), (key,), tuple(exprs), POSITION)
+    return tail
 
 
 def latest_per_key(table: pa.Table, key: Sequence[str], order: str) -> pa.Table:
@@ -397,9 +395,9 @@ class DatabaseSink:
         return got
 
     def slot_rows(self, plan: RowPlan, batch: EnrichedBatch, batch_id: int) -> SlotRows:
-        ids = tuple(sorted(batch_topic_ids(self.layout, batch_id).items())) if TOPIC_ID in plan.spec().names else ()
-        return SlotRows(plan.spec(), plan.key[0] if self.db.write == "state" else None,
-                        LATE in batch.df.columns, ids)
+        spec = plan.spec()
+        ids = tuple(sorted(batch_topic_ids(self.layout, batch_id).items())) if TOPIC_ID in spec.names else ()
+        return SlotRows(spec, plan.key[0] if self.db.write == "state" else None, LATE in batch.df.columns, ids)
 
     def good_rows(self, plan: RowPlan, batch: EnrichedBatch, prefix: str = "") -> list[Column]:
         """The columns the tasks get for the table (``prefix``\\ed), with ``_late`` when the batch has it."""
