@@ -36,7 +36,16 @@ from refresh.config import SqlSourceConfig
 from refresh.sources import mysql_cx
 from refresh.sources.abc import IncrementalSource
 from refresh.sources.mysql_fast import ColumnReader, Columns
-from refresh.sources.sqltypes import TextConverter, fits, mysql_type, pg_type, unify, value_fixer
+from refresh.sources.sqltypes import (
+    SqliteTimeConverter,
+    TextConverter,
+    fits,
+    mysql_type,
+    pg_type,
+    sqlite_type,
+    unify,
+    value_fixer,
+)
 from refstream import compat
 from refstream.errors import DataError, TerminalError, TransientError
 
@@ -152,6 +161,8 @@ class SqlSource(IncrementalSource):
     def _driver_stream(self, column: str, low: Any) -> Iterator[pa.RecordBatch]:
         if low is None:
             return self._stream(self._base(), {})
+        if self.dialect == "sqlite" and isinstance(low, dt.date):
+            low = low.isoformat(" ") if isinstance(low, dt.datetime) else low.isoformat()  # as stored: text
         return self._stream(self._since_sql(column), {"low": low})
 
     def now(self) -> Any:
@@ -485,14 +496,25 @@ class SqlSource(IncrementalSource):
             return [mysql_type(f) for f in compat.pymysql_fields(cur)]
         if self.dialect == "postgresql":
             return [pg_type(d) for d in cur.description]
+        if self.dialect == "sqlite" and self.cfg.table:
+            declared = self._sqlite_declared(cur.connection)
+            return [sqlite_type(declared.get(d[0])) for d in cur.description]
         return [None] * len(cur.description)
+
+    def _sqlite_declared(self, conn: Any) -> dict[str, str]:
+        """The declared type of each column of the source's SQLite table (its result metadata has none)."""
+        schema, _, table = self.cfg.table.rpartition(".") if self.cfg.table else ("", "", "")
+        prep = self.engine.dialect.identifier_preparer
+        pragma = f"PRAGMA {prep.quote(schema) + '.' if schema else ''}table_info({prep.quote(table)})"
+        return {row[1]: row[2] for row in conn.execute(pragma).fetchall()}
 
     def _convert(self, fetch: Callable[[int], Any], first: Sequence[Sequence[Any]] | Columns,
                  columns: list[str], types: list[pa.DataType | None], chunk: int,
                  text: bool) -> Iterator[pa.RecordBatch]:
         inferred = any(t is None for t in types)
-        fixers = [TextConverter(self.dataset, columns[i], t) if text else value_fixer(t, self.dialect)
-                  for i, t in enumerate(types)]
+        fixers = [TextConverter(self.dataset, columns[i], t) if text
+                  else SqliteTimeConverter(self.dataset, columns[i], t) if t is not None and self.dialect == "sqlite"
+                  else value_fixer(t, self.dialect) for i, t in enumerate(types)]
         pending: list[list[pa.Array]] = []
         rows = first
         while True:

@@ -10,7 +10,10 @@ decimal_type`, the one rule for decimal widths):
                    text/ENUM/SET/JSON -> string
     PostgreSQL     numeric(p,s), integers, floats, bool, text, bytea, date, timestamp, timestamptz
                    (UTC), time, json/jsonb (as JSON text), uuid
-    others         (SQLite...) typed from the values read (:func:`unify`).
+    SQLite         a table's columns declared DATETIME or TIMESTAMP -> timestamp[us], DATE -> date32,
+                   from ISO-8601 text (as CURRENT_TIMESTAMP writes it; no zone offset) (:func:`sqlite_type`)
+    others         (and the rest of SQLite's columns, every column of a SQLite query) typed from the
+                   values read (:func:`unify`).
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ import pyarrow.compute as pc
 from refstream.contract import decimal_type
 from refstream.errors import DataError
 
-__all__ = ["TextConverter", "fits", "mysql_type", "parse_time", "pg_type", "unify", "value_fixer"]
+__all__ = ["SqliteTimeConverter", "TextConverter", "fits", "mysql_type", "parse_time", "pg_type", "sqlite_type",
+           "unify", "value_fixer"]
 
 log = logging.getLogger(__name__)
 
@@ -92,6 +96,19 @@ def pg_type(d: Any) -> pa.DataType | None:
     return _PG.get(oid)
 
 
+def sqlite_type(declared: str | None) -> pa.DataType | None:
+    """Arrow type of a SQLite column declared ``declared`` (``PRAGMA table_info``): times for the
+    declarations SQLite's own date functions and applications use, None (from the values) otherwise.
+    SQLite stores such values as text; reading them as times makes a cursor on them a time cursor, so
+    a row is valid from its own ``last_update`` rather than from the clock when it was read."""
+    word = (declared or "").strip().split("(")[0].split(" ")[0].upper()
+    if word in ("DATETIME", "TIMESTAMP"):
+        return pa.timestamp("us")
+    if word == "DATE":
+        return pa.date32()
+    return None
+
+
 class TextConverter:
     """MySQL text values of one column -> an Arrow array of its type, cast vectorised."""
 
@@ -148,6 +165,18 @@ class TextConverter:
             bad = next((v for v in text.to_pylist() if v is not None and not _fits_text(v, t)), None)
             raise DataError(f"dataset {self.dataset}: column {self.column}: value {bad!r} does not fit "
                             f"{t}: {reason}") from None
+
+
+class SqliteTimeConverter(TextConverter):
+    """SQLite values of a column declared a time (:func:`sqlite_type`): ISO-8601 text, or an error
+    naming the value (a number there, an epoch count, is not read as a time by guesswork)."""
+
+    def __call__(self, values: Sequence[Any] | pa.Array) -> pa.Array:
+        bad = next((v for v in values if v is not None and not isinstance(v, str)), None)
+        if bad is not None:
+            raise DataError(f"dataset {self.dataset}: column {self.column}: value {bad!r} is not ISO-8601 "
+                            f"text (the column is declared a time, read as {self.type})")
+        return super().__call__(values)
 
 
 def _fits_text(v: str, t: pa.DataType) -> bool:

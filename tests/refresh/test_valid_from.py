@@ -189,6 +189,33 @@ def test_incremental_rows_are_valid_from_their_cursor_and_the_run_complete_as_of
     each_run_ends_with_its_heartbeat(records)
 
 
+def test_a_sqlite_rows_backdated_timestamp_cursor_is_the_time_it_is_valid_from(make_config, tmp_path: Path, unique,
+                                                                             kafka):
+    """SQLite keeps times as text; a column declared TIMESTAMP is read as a time, so an UPDATE that
+    sets ``last_update`` to an hour ago publishes a change valid from then (a backdated change), not
+    from the read."""
+    url, topic = f"sqlite:///{tmp_path / 'ref.db'}", unique("ref.vf_lite")
+    engine = sa.create_engine(url)
+    execute(engine, "CREATE TABLE m (id INTEGER PRIMARY KEY, v TEXT, "
+                    "last_update TIMESTAMP NOT NULL DEFAULT CURRENT_TIMESTAMP)",
+            "INSERT INTO m (id, v) VALUES (1, 'a'), (2, 'b')")
+    cfg = make_config({"m": {"source": {"url": url, "table": "m"}, "key": ["id"], "topic": topic,
+                             "mode": "incremental", "incremental": {"column": "last_update", "lag": "5s"}}})
+    run = Refresher(cfg).run
+    run("m")
+    execute(engine, "UPDATE m SET v = 'B', last_update = datetime('now', '-1 hour') WHERE id = 2",
+            "UPDATE m SET v = 'A', last_update = CURRENT_TIMESTAMP WHERE id = 1")
+    second, before, after = timed(lambda: run("m"))
+    assert (second.kind, second.updates) == ("incremental", 1)  # id 2 is behind the window: a reconcile's
+    records = read_topic(kafka, topic, heartbeats=True)
+    got = times(records, "upsert", 2)
+    assert list(got) == ['{"id":1}'] and before - timedelta(seconds=2) <= got['{"id":1}'] <= after
+    third = run("m", reconcile=True)
+    assert (third.kind, third.updates) == ("reconcile", 1)
+    back = times(read_topic(kafka, topic, heartbeats=True), "upsert", 3)['{"id":2}']
+    assert before - timedelta(hours=1, seconds=5) <= back <= after - timedelta(minutes=59)
+
+
 def test_a_file_is_valid_from_the_read_of_the_settled_file_and_a_failed_run_claims_nothing(
         make_config, tmp_path: Path, unique, kafka, capsys):
     topic = unique("ref.vf_file")

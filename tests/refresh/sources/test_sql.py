@@ -18,7 +18,7 @@ import sqlalchemy as sa
 from refresh.config import SqlSourceConfig
 from refresh.diff import normalize
 from refresh.sources.sql import SqlSource
-from refstream.errors import TerminalError, TransientError
+from refstream.errors import DataError, TerminalError, TransientError
 from tests.refresh.conftest import execute
 from tests.timing import bound
 
@@ -127,6 +127,39 @@ def test_sqlite_source(tmp_path: Path) -> None:
     with pytest.raises(TerminalError, match="no such table") as info:
         SqlSource("ds", SqlSourceConfig(url=url, table="nope")).read()
     assert not isinstance(info.value, TransientError)
+
+
+def test_a_sqlite_tables_columns_declared_times_are_read_as_times_and_a_cursor_on_them_compares_as_stored(
+        tmp_path: Path) -> None:
+    url = f"sqlite:///{tmp_path / 'ref.db'}"
+    engine = sa.create_engine(url)
+    execute(engine, "CREATE TABLE m (id INTEGER PRIMARY KEY, at TIMESTAMP, d DATETIME(6), day DATE, "
+                    "note TEXT)",
+            "INSERT INTO m VALUES (1, '2024-05-01 12:00:00', '2024-05-01 12:00:00.250000', '2024-05-01', 'x'), "
+            "(2, CURRENT_TIMESTAMP, '2024-05-02T08:00:00', NULL, NULL), (3, NULL, NULL, '2024-05-03', NULL)")
+    src = SqlSource("ds", SqlSourceConfig(url=url, table="m", chunk_rows=2))
+    table = normalize(src.read())
+    assert [table.schema.field(c).type for c in ("at", "d", "day", "note")] == [
+        pa.timestamp("us"), pa.timestamp("us"), pa.date32(), pa.string()]
+    rows = {r["id"]: r for r in table.to_pylist()}
+    assert rows[1]["at"] == dt.datetime(2024, 5, 1, 12) and rows[1]["d"] == dt.datetime(2024, 5, 1, 12, 0, 0, 250000)
+    assert rows[2]["d"] == dt.datetime(2024, 5, 2, 8) and abs(rows[2]["at"] - src.now()) < dt.timedelta(minutes=1)
+    assert rows[3]["day"] == dt.date(2024, 5, 3) and rows[3]["at"] is None
+    # A window's low bound is compared as SQLite stores the values: text.
+    since = pa.Table.from_batches(list(src.batches_since("at", dt.datetime(2024, 5, 1, 12))))
+    assert sorted(since.column("id").to_pylist()) == [1, 2]
+    since = pa.Table.from_batches(list(src.batches_since("at", dt.datetime(2024, 5, 1, 12, 0, 0, 1))))
+    assert since.column("id").to_pylist() == [2]
+    # A query's columns have no declared types: typed from the values, as before.
+    query = SqlSource("ds", SqlSourceConfig(url=url, query="SELECT id, at FROM m"))
+    assert normalize(query.read()).schema.field("at").type == pa.string()
+    # A number or text that is no time, in a column declared one: an error naming both.
+    execute(engine, "INSERT INTO m VALUES (4, 1714564800, NULL, NULL, NULL)")
+    with pytest.raises(DataError, match=r"dataset ds: column at: value 1714564800 is not ISO-8601 text"):
+        src.read()
+    execute(engine, "UPDATE m SET at = 'soon' WHERE id = 4")
+    with pytest.raises(DataError, match=r"dataset ds: column at: value 'soon' does not fit timestamp\[us\]"):
+        src.read()
 
 
 @pytest.mark.integration  # reaches the PostgreSQL at PG_URL without a fixture
