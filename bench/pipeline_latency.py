@@ -72,9 +72,10 @@ _RNG = random.Random(7)
 
 def job_config(path: Path, *, trigger: str, calls: bool, checkpoint: Path, spark: dict[str, str],
                buckets: int | None = None, rollup_table: dict[str, str] | None = None,
-               correct_for: str | None = None) -> None:
+               correct_for: str | None = None, corrections: bool = False) -> None:
     """The demo's enrich.yaml, with this run's trigger, checkpoint and Spark settings, and without
-    ``calls:`` unless asked (its ``${DEMO_...}`` variables stay for the job to substitute);
+    ``calls:`` unless asked (its ``${DEMO_...}`` variables stay for the job to substitute), its
+    joins plain (no ``as_of``, no ``corrections``) unless ``corrections``;
     ``rollup_table``: ``device_1m``'s output (``{url, table}``) instead of its Parquet directory;
     ``correct_for``: the rollups' correction horizon (default: the demo's, ``state.ttl``)."""
     data = yaml.safe_load((ROOT / "demo" / "conf" / "enrich.yaml").read_text())
@@ -90,6 +91,10 @@ def job_config(path: Path, *, trigger: str, calls: bool, checkpoint: Path, spark
     data["spark"] = {**(data.get("spark") or {}), **spark}
     if not calls:
         data.pop("calls", None)
+    if not corrections:
+        for j in data["joins"]:
+            j.pop("as_of", None)
+            j.pop("corrections", None)
     if buckets is not None:
         data["state"]["buckets"] = buckets
     path.write_text(yaml.safe_dump(data, sort_keys=False))
@@ -159,7 +164,8 @@ class Round:
             refresh_config(refresh_yaml, poll=a.poll)
             table = {"url": a.rollup_db_url, "table": f"bench_{ROLLUP}_{uuid.uuid4().hex[:8]}"} \
                 if a.rollup_seconds else None
-            job_config(enrich_yaml, trigger=a.trigger, calls=a.calls, checkpoint=self.work / "checkpoint",
+            job_config(enrich_yaml, trigger=a.trigger, calls=a.calls, corrections=a.corrections,
+                       checkpoint=self.work / "checkpoint",
                        spark=dict(kv.split("=", 1) for kv in a.spark), buckets=a.buckets, rollup_table=table,
                        correct_for=a.rollup_correct_for)
 
@@ -382,6 +388,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--startup-timeout", type=float, default=300.0)
     p.add_argument("--buckets", type=int, default=None, help="state.buckets (default: the demo's)")
     p.add_argument("--calls", action="store_true", help="keep the demo's calls: section (the risk service)")
+    p.add_argument("--corrections", action="store_true",
+                   help="keep the demo's models join as_of with corrections (plain joins otherwise)")
     p.add_argument("--spark", action="append", default=[], metavar="KEY=VALUE",
                    help="a Spark setting for the job (e.g. spark.eventLog.enabled=true; bench.tools.eventlog reads it)")
     p.add_argument("--db-url", default=None, help="reference database (default: a SQLite file per round)")

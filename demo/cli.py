@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from demo.broker import EmbeddedBroker, free_port
-from demo.graphs import GraphsServer, demo_graphs
+from demo.graphs import CorrectionsGraph, GraphsServer, demo_graphs
 from demo.processes import Child, ChildExited
 from demo.scenario import SUBJECT, ChangeNotSeen, Operator, Stopped, device_state, matched, say, stamp
 from demo.seed import MODELS, SITES, device, seed_database, write_sites
@@ -159,14 +159,16 @@ class Demo:
             say(f"           metrics http://127.0.0.1:{os.environ['DEMO_ENRICH_METRICS_PORT']}/metrics, Spark UI "
                 f"http://127.0.0.1:{os.environ['DEMO_SPARK_UI_PORT']}/")
             # The rollups' graphs, served from this process: it reads the job's Parquet directories.
-            graphs = GraphsServer(demo_graphs(enrich_conf.rollups, device(SUBJECT).device_id)).start()
+            corrections = CorrectionsGraph()  # fed by the tail below
+            graphs = GraphsServer(demo_graphs(enrich_conf.rollups, device(SUBJECT).device_id),
+                                  more=[corrections]).start()
             stack.callback(graphs.stop)
             say(f"           graphs: {graphs.url}")
             self._start(stack, "simulator", [sys.executable, "-m", "demo.simulate", "--bootstrap",
                                              broker.bootstrap, "--topic", EVENTS_TOPIC, "--rate",
                                              f"{self.args.rate:g}", "--devices", str(self.args.devices),
                                              "--malformed", "0.01"])
-            tail = EnrichedTail(settings, ENRICHED_TOPIC).start()
+            tail = EnrichedTail(settings, ENRICHED_TOPIC, on_correction=corrections.add).start()
             stack.callback(tail.stop)
             overrides: dict[str, Any] = {"linger.ms": "5", "logger": log}
             producer = kafka.producer(settings, **overrides)
@@ -183,7 +185,7 @@ class Demo:
             say(f"[{stamp()}] all {len(lat)} changes reached the enriched output "
                 f"(median {statistics.median(lat):.1f} s, max {max(lat):.1f} s)")
             self._steady(tail)
-            say(f"[{stamp()}] stopping: {tail.count:,} enriched events read")
+            say(f"[{stamp()}] stopping: {tail.count:,} enriched events read, {tail.corrections:,} corrections")
         return 0
 
     def _prepare_workdir(self) -> None:

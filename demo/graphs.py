@@ -1,12 +1,13 @@
 """The demo's graphs page: its rollups (``rollups:`` in ``conf/enrich.yaml``, docs/rollups.md) drawn
-while the demo runs, one device's temperature mean per minute and each site's.
+while the demo runs, one device's temperature mean per minute and each site's, and the events the
+job corrected per minute (:class:`CorrectionsGraph`, fed from the enriched topic).
 
 A small HTTP server in the demo's process (:class:`GraphsServer`, loopback only) serves:
 
 - ``/``: the page; it draws with Chart.js (``demo/static/chart.umd.min.js``, MIT, shipped in the
   package so the page works offline) and polls ``/data.json`` every few seconds;
 - ``/data.json``: each graph's series, the latest revision of each window (greatest ``_revision`` per
-  keys and ``window_start``) read from the rollup's Parquet directory;
+  keys and ``window_start``) read from the rollup's Parquet directory, and the corrections' counts;
 - ``/chart.umd.min.js``: the library.
 
 A provisional point is drawn hollow, a final one filled, a correction as a filled triangle. The
@@ -22,10 +23,11 @@ import threading
 import time
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -56,6 +58,27 @@ class Graph:
     only: Mapping[str, Any] = field(default_factory=dict)
 
 
+class Drawn(Protocol):
+    """What the page draws a chart from: its ``id``, ``title``, the y axis' ``value`` and the series."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def title(self) -> str: ...
+
+    @property
+    def value(self) -> str: ...
+
+    def refresh(self) -> None:
+        """Take in what arrived since the last call."""
+
+    def series(self) -> list[dict[str, Any]]:
+        """A series per line: ``label`` and ``points`` (``x`` ms since the epoch, ``y``, ``kind``,
+        ``revision``)."""
+        ...
+
+
 class RollupReader:
     """The latest revision of each window of one graph, read incrementally: a ``batch_id=<N>``
     directory is renamed into place complete and never written again (enrich/sinks/rollups.py), so
@@ -67,6 +90,18 @@ class RollupReader:
         # (by values, window_start µs) -> the row's latest revision
         self._latest: dict[tuple[Any, ...], dict[str, Any]] = {}
         self._lock = threading.Lock()
+
+    @property
+    def id(self) -> str:
+        return self.graph.id
+
+    @property
+    def title(self) -> str:
+        return self.graph.title
+
+    @property
+    def value(self) -> str:
+        return self.graph.value
 
     def refresh(self) -> None:
         """Read the batch directories that appeared since the last call."""
@@ -126,6 +161,77 @@ class RollupReader:
         return rows
 
 
+class CorrectionsGraph:
+    """The corrections the demo read from the enriched topic (:meth:`add`, from the tail's thread):
+    how many events were corrected, per minute of their event time, a line per cause (the late
+    version: dataset, key and ``valid_from``). An event corrected twice counts once, under the cause
+    of its latest revision. Thread-safe."""
+
+    id = "corrections"
+    title = "Corrections: events written again when reference truth came late, per minute of their time"
+    value = "events corrected"
+
+    def __init__(self) -> None:
+        # event identity (topic, partition, offset) -> (its minute, ms; cause label; revision)
+        self._latest: dict[tuple[Any, ...], tuple[int, str, int]] = {}
+        self._lock = threading.Lock()
+
+    def add(self, correction: Mapping[str, Any]) -> None:
+        ident = (correction.get("_topic"), correction.get("_partition"), correction.get("_offset"))
+        try:
+            t = datetime.fromisoformat(str(correction.get("ts")))
+        except ValueError:
+            log.warning("graphs: a correction without an event time: %s", ident)
+            return
+        minute = int((t if t.tzinfo else t.replace(tzinfo=UTC)).timestamp()) // 60 * 60_000
+        revision = int(correction.get("_revision") or 0)
+        with self._lock:
+            old = self._latest.get(ident)
+            if old is None or revision > old[2]:
+                self._latest[ident] = (minute, cause_label(correction.get("_cause")), revision)
+
+    def refresh(self) -> None:
+        """Nothing to read: :meth:`add` is called as corrections arrive."""
+
+    def series(self) -> list[dict[str, Any]]:
+        with self._lock:
+            latest = list(self._latest.values())
+        per: dict[str, dict[int, list[int]]] = {}
+        for minute, cause, revision in latest:
+            slot = per.setdefault(cause, {}).setdefault(minute, [0, 0])
+            slot[0] += 1
+            slot[1] = max(slot[1], revision)
+        return [{"label": cause, "points": [{"x": m, "y": n, "kind": "correction", "revision": r}
+                                            for m, (n, r) in sorted(minutes.items())]}
+                for cause, minutes in sorted(per.items())]
+
+
+def cause_label(cause: Any) -> str:
+    """A correction's ``_cause`` (``{dataset, key, valid_from, ...}``, or its JSON text) in a few words:
+    ``models m-2 valid from 12:00:00 UTC``."""
+    if isinstance(cause, str):
+        try:
+            cause = json.loads(cause)
+        except ValueError:
+            return cause
+    if not isinstance(cause, Mapping):
+        return str(cause)
+    try:
+        key = " ".join(str(v) for v in json.loads(cause.get("key") or "{}").values())
+    except (ValueError, AttributeError):
+        key = str(cause.get("key"))
+    return f"{cause.get('dataset')} {key} valid from {utc_hms(cause.get('valid_from'))}"
+
+
+def utc_hms(ts: Any) -> str:
+    """``HH:MM:SS UTC`` of an ISO time (naive: UTC), or the value as it came when it is not one."""
+    try:
+        t = datetime.fromisoformat(str(ts))
+    except ValueError:
+        return str(ts)
+    return (t if t.tzinfo else t.replace(tzinfo=UTC)).astimezone(UTC).strftime("%H:%M:%S UTC")
+
+
 def demo_graphs(rollups: Iterable[RollupConfig], device_id: str) -> list[Graph]:
     """The demo's graphs over its rollups' Parquet directories: ``device_id``'s temperature mean per
     minute (``device_1m``) and every site's (``site_1m``); a rollup missing from ``rollups`` or
@@ -145,8 +251,9 @@ def demo_graphs(rollups: Iterable[RollupConfig], device_id: str) -> list[Graph]:
 class GraphsServer:
     """Serves the graphs page of ``graphs`` on ``host``:``port`` (0: a free port) from a daemon thread."""
 
-    def __init__(self, graphs: Sequence[Graph], host: str = "127.0.0.1", port: int = 0) -> None:
-        self.readers = [RollupReader(g) for g in graphs]
+    def __init__(self, graphs: Sequence[Graph], host: str = "127.0.0.1", port: int = 0,
+                 more: Sequence[Drawn] = ()) -> None:
+        self.readers: list[Drawn] = [*(RollupReader(g) for g in graphs), *more]
         self.httpd = ThreadingHTTPServer((host, port), _handler(self))
         self.httpd.daemon_threads = True
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="demo-graphs", daemon=True)
@@ -171,7 +278,7 @@ class GraphsServer:
         out = []
         for r in self.readers:
             r.refresh()
-            out.append({"id": r.graph.id, "title": r.graph.title, "value": r.graph.value, "series": r.series()})
+            out.append({"id": r.id, "title": r.title, "value": r.value, "series": r.series()})
         return {"graphs": out, "read_at": int(time.time() * 1000)}
 
 
@@ -213,10 +320,10 @@ def library() -> bytes:
     return (resources.files("demo") / "static" / LIBRARY).read_bytes()
 
 
-def page(readers: Sequence[RollupReader]) -> str:
+def page(readers: Sequence[Drawn]) -> str:
     """The graphs page: a canvas per graph, drawn and updated by the script from ``/data.json``."""
     canvases = "\n".join(
-        f'<section><h2>{_esc(r.graph.title)}</h2><div class="box"><canvas id="chart-{_esc(r.graph.id)}">'
+        f'<section><h2>{_esc(r.title)}</h2><div class="box"><canvas id="chart-{_esc(r.id)}">'
         f"</canvas></div></section>" for r in readers)
     return _PAGE.replace("@CANVASES@", canvases).replace("@POLL_MS@", str(POLL_MS))
 
@@ -238,7 +345,8 @@ _PAGE = """<!doctype html>
 <h1>refstream demo: rollups</h1>
 <p>Latest revision of each one-minute window. <b>&#9675;</b> provisional (the window may still change),
 <b>&#9679;</b> final (the watermark passed its end), <b>&#9650;</b> correction (a late event changed a final
-window). <span id="status">loading&hellip;</span></p>
+window; on the corrections graph, events a late reference version changed).
+<span id="status">loading&hellip;</span></p>
 @CANVASES@
 <pre id="drawn"></pre>
 <script>

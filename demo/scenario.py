@@ -14,14 +14,15 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
 import sqlalchemy as sa
 from confluent_kafka import Producer
 
-from demo.seed import DEVICES_TABLE, MODELS_TABLE, SITES, device, read_csv, write_sites
+from demo.graphs import cause_label, utc_hms
+from demo.seed import DEVICES_TABLE, MODELS, MODELS_TABLE, SITES, device, engine, read_csv, write_sites
 from demo.simulate import make_event, now_iso
 from demo.tail import EnrichedTail, Event, Expectation
 
@@ -61,6 +62,11 @@ class Results:
 
 #: The device the operator's changes are about (``device(SUBJECT)``); the demo follows its state.
 SUBJECT = 17
+#: The device the operator deletes.
+GONE = 42
+#: How far back the backdated change of a model's name goes at most (not before the model's version
+#: it replaces): within the models join's correction horizon (``corrections:`` in the demo's enrich.yaml).
+BACKDATE = timedelta(minutes=2)
 
 
 def device_state(event: Event) -> str:
@@ -89,7 +95,7 @@ class Operator:
     def __init__(self, *, db_url: str, sites_csv: Path, tail: EnrichedTail, producer: Producer,
                  events_topic: str, refresh_cmd: Sequence[str], timeout: float,
                  stop: threading.Event, check: Callable[[], None], devices: int) -> None:
-        self.engine = sa.create_engine(db_url)
+        self.engine = engine(db_url)
         self.sites_csv = sites_csv
         self.tail, self.producer, self.events_topic = tail, producer, events_topic
         self.refresh_cmd = list(refresh_cmd)
@@ -108,8 +114,9 @@ class Operator:
         self.update_device_site(d.device_id)
         self.update_model_and_force_run(d.device_id)
         self.edit_site_name(d.device_id)
-        self.delete_device(device(42).device_id)
+        self.delete_device(device(GONE).device_id)
         self.insert_device(self.devices + 1)
+        self.backdate_model_and_reconcile()
         return self.results
 
     def update_device_site(self, dev: str) -> None:
@@ -136,19 +143,50 @@ class Operator:
         exp = self.tail.expect(f"{dev} with model {new}",
                                lambda e: e.get("device_id") == dev and e.get("model_name") == new)
 
-        def force() -> None:
-            t0 = time.monotonic()
-            res = subprocess.run([*self.refresh_cmd, "run", MODELS_TABLE], capture_output=True, text=True,
-                                 timeout=self.timeout)
-            if res.returncode != 0:
-                if self.stop.is_set():
-                    raise Stopped  # Ctrl-C in the terminal reached `refresh run` too: not a failure
-                lines = (res.stderr or res.stdout).strip().splitlines()
-                raise ChangeNotSeen(f"`refresh run {MODELS_TABLE}` exited with code {res.returncode}: "
-                                    f"{lines[-1] if lines else ''}")
-            say(f"exit 0 after {time.monotonic() - t0:.1f} s ...", end=" ")
+        self._change(f"refresh run {MODELS_TABLE}", exp, [dev], self._force_run)
 
-        self._change(f"refresh run {MODELS_TABLE}", exp, [dev], force)
+    def _force_run(self, *flags: str) -> None:
+        """``refresh run models`` (with ``flags``), as the operator types it."""
+        t0 = time.monotonic()
+        res = subprocess.run([*self.refresh_cmd, "run", MODELS_TABLE, *flags], capture_output=True, text=True,
+                             timeout=self.timeout)
+        if res.returncode != 0:
+            if self.stop.is_set():
+                raise Stopped  # Ctrl-C in the terminal reached `refresh run` too: not a failure
+            lines = (res.stderr or res.stdout).strip().splitlines()
+            raise ChangeNotSeen(f"`refresh run {' '.join([MODELS_TABLE, *flags])}` exited with code "
+                                f"{res.returncode}: {lines[-1] if lines else ''}")
+        say(f"exit 0 after {time.monotonic() - t0:.1f} s ...", end=" ")
+
+    def backdate_model_and_reconcile(self) -> None:
+        """A model renamed as of :data:`BACKDATE` ago (its ``last_update`` set back, as when a data-entry
+        error is fixed): the events of its devices written since then carry the old name. The
+        incremental run's window starts after that time, so the operator forces a reconcile; the
+        job's models join (``as_of`` with ``corrections``) writes those events again, as corrections.
+        Another model than the subject device's, whose own rename (the second step) would otherwise
+        take over from its later ``valid_from``."""
+        subject = device(SUBJECT).model_id
+        model = next(m for m, *_ in MODELS if m != subject)
+        dev = next(d.device_id for d in map(device, range(1, self.devices + 1)) if d.model_id == model and d.device_id
+                   != device(GONE).device_id)
+        old = self._scalar(f"SELECT model_name FROM {MODELS_TABLE} WHERE model_id = :m", m=model)
+        new = f"{old.split(' rev ')[0]} rev {chr(ord('B') + int(time.time()) % 20)}"
+        # Back by BACKDATE, but after the version it replaces: a version valid before that one would
+        # only hold until it (the history goes by valid_from), correcting nothing after it.
+        was = datetime.fromisoformat(str(self._scalar(f"SELECT last_update FROM {MODELS_TABLE} WHERE model_id = :m",
+                                                      m=model))).replace(tzinfo=UTC)
+        since = max(datetime.now(UTC).replace(microsecond=0) - BACKDATE, was.replace(microsecond=0) + timedelta(seconds=1))
+        self._exec(f"UPDATE {MODELS_TABLE} SET model_name = :n, last_update = :t WHERE model_id = :m",
+                   n=new, t=since.strftime("%Y-%m-%d %H:%M:%S"), m=model)  # UTC, as the sessions are
+        say(f"[{stamp()}] UPDATE {MODELS_TABLE} {model} model_name {old!r} -> {new!r} as of "
+            f"{utc_hms(since.isoformat())} (a backdated last_update: the events since then were written "
+            f"with {old!r})")
+        exp = self.tail.expect(f"a correction of an event of {model}",
+                               lambda e: e.get("_kind") == "correction" and e.get("model_id") == model
+                               and e.get("model_name") == new)
+        self._change(f"refresh run {MODELS_TABLE} --reconcile", exp, [dev], lambda: self._force_run("--reconcile"),
+                     note=lambda e: f"a correction of {e.get('device_id')}'s event of {utc_hms(e.get('ts'))}, "
+                                    f"revision {e.get('_revision')}, cause {cause_label(e.get('_cause'))}")
 
     def edit_site_name(self, dev: str) -> None:
         site = self._scalar(f"SELECT site_id FROM {DEVICES_TABLE} WHERE device_id = :d", d=dev)
@@ -180,7 +218,7 @@ class Operator:
     # ------------------------------------------------------------------------------------ helpers
 
     def _change(self, what: str, exp: Expectation, probe: Sequence[str], action: Callable[[], None],
-                note: str = "") -> None:
+                note: str | Callable[[Event], str] = "") -> None:
         say(f"[{stamp()}] {what} ...", end=" ")
         exp.mark_started()
         action()
@@ -190,7 +228,8 @@ class Operator:
                 raise Stopped
             raise ChangeNotSeen(f"{what} did not show up in the enriched output within {self.timeout:.0f} s")
         # The device's running state as the event that showed the change carries it.
-        extra = f" ({'; '.join(x for x in (note, device_state(exp.event or {})) if x)})"
+        shown = note(exp.event or {}) if callable(note) else note
+        extra = f" ({'; '.join(x for x in (shown, device_state(exp.event or {})) if x)})"
         say(f"seen in enriched output at {stamp(exp.seen_at)}, after {latency:.1f} s{extra}")
         self.results.latencies.append((what, latency))
 

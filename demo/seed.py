@@ -76,17 +76,30 @@ def _ddl(dialect: str) -> list[str]:
     ]
 
 
+def engine(url: str) -> sa.Engine:
+    """An engine on the demo's database whose sessions run in UTC, as the refresher's do: the
+    ``last_update`` values they write (``CURRENT_TIMESTAMP``, a backdated time) are the times the
+    rows are valid from, whatever the server's zone (SQLite's clock is UTC already)."""
+    u = sa.engine.make_url(url)
+    args: dict[str, str] = {}
+    if u.get_dialect().name in ("mysql", "mariadb"):
+        args["init_command"] = "SET time_zone = '+00:00'"
+    elif u.get_dialect().name == "postgresql":
+        args["options"] = "-c TimeZone=UTC"
+    return sa.create_engine(u, connect_args=args)
+
+
 def seed_database(url: str, devices: int = 5000) -> None:
     """(Re)create the ``devices`` and ``models`` tables at ``url`` and fill them.
 
     Drops existing tables of those names: point it at a scratch database.
     """
-    engine = sa.create_engine(url)
+    db = engine(url)
     try:
-        with engine.begin() as conn:
+        with db.begin() as conn:
             for t in (DEVICES_TABLE, MODELS_TABLE):
                 conn.execute(sa.text(f"DROP TABLE IF EXISTS {t}"))
-            for stmt in _ddl(engine.dialect.name):
+            for stmt in _ddl(db.dialect.name):
                 conn.execute(sa.text(stmt))
             conn.execute(sa.text(f"INSERT INTO {MODELS_TABLE} (model_id, model_name, vendor, max_temp) "
                                  "VALUES (:m, :n, :v, :t)"),
@@ -96,7 +109,7 @@ def seed_database(url: str, devices: int = 5000) -> None:
                                  "installed_on) VALUES (:device_id, :model_id, :site_id, :owner, "
                                  ":installed_on)"), rows)
     finally:
-        engine.dispose()
+        db.dispose()
 
 
 def write_csv_atomic(path: str | os.PathLike[str], header: Sequence[str],

@@ -57,9 +57,13 @@ class Expectation:
 class EnrichedTail:
     """A background consumer of the enriched topic (every partition, from the beginning)."""
 
-    def __init__(self, settings: Mapping[str, str], topic: str) -> None:
+    def __init__(self, settings: Mapping[str, str], topic: str,
+                 on_correction: Callable[[Event], None] | None = None) -> None:
         self.settings, self.topic = dict(settings), topic
+        #: Enriched events read (corrections of events written earlier are counted apart).
         self.count = 0
+        self.corrections = 0
+        self.on_correction = on_correction
         self.last: Event | None = None
         #: The latest enriched event read of each device.
         self.latest: dict[str, Event] = {}
@@ -125,11 +129,16 @@ class EnrichedTail:
             return
         if not isinstance(event, dict):
             return
-        self.count += 1
-        self.last = event
-        device = event.get("device_id")
-        if isinstance(device, str):
-            self.latest[device] = event
+        if event.get("_kind") == "correction":  # an event written earlier, again: not the device's latest
+            self.corrections += 1
+            if self.on_correction is not None:
+                self.on_correction(event)
+        else:
+            self.count += 1
+            self.last = event
+            device = event.get("device_id")
+            if isinstance(device, str):
+                self.latest[device] = event
         with self._lock:
             pending = [e for e in self._expect if e.seen_at is None]
             self._expect = pending

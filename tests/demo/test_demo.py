@@ -118,7 +118,8 @@ def test_demo_shows_every_change_in_the_enriched_output_and_stops_cleanly(tmp_pa
     assert len(html) == 2 and all("<html" in t.lower() for t in html), pages   # the status page, the Spark UI
     assert any("devices" in t for t in html), pages
     assert proc.returncode == 0, f"exit {proc.returncode}\n{out}\n{err}"
-    assert isinstance(graph_points, dict) and set(graph_points) == {"device", "sites"} \
+    # The corrections graph has the backdated change's corrections (the last step, done by now).
+    assert isinstance(graph_points, dict) and set(graph_points) == {"device", "sites", "corrections"} \
         and all(graph_points.values()), graph_points
 
     # The README's transcript (make readme-demo) is what this code prints: each of its lines has the
@@ -130,21 +131,33 @@ def test_demo_shows_every_change_in_the_enriched_output_and_stops_cleanly(tmp_pa
     assert not stale, "README's demo transcript has lines this demo does not print (make readme-demo):\n" + \
         "\n".join(stale)
 
-    seen = {m.group("what").split()[0]: float(m.group("s")) for m in SEEN.finditer(out)}
+    seen = {" ".join(m.group("what").split()[:1 if m.group("what").startswith(("UPDATE", "EDIT", "DELETE", "INSERT"))
+                                            else 4]): float(m.group("s")) for m in SEEN.finditer(out)}
     for m in SEEN.finditer(out):
         # The arrival time printed is the change's time plus its latency (whole seconds, midnight wraps).
         t0, t1 = (sum(int(x) * f for x, f in zip(m.group(g).split(":"), (3600, 60, 1), strict=True))
                   for g in ("t0", "t1"))
         assert abs((t1 - t0) % 86400 - float(m.group("s"))) <= 1.5, m.group(0)
     # The operator's changes: an UPDATE of the devices table (daemon schedule), an UPDATE of the
-    # models table followed by a forced `refresh run`, an edit of the watched CSV file, a DELETE and
-    # an INSERT; each reached the enriched output in well under the timeout.
-    assert set(seen) == {"UPDATE", "refresh", "EDIT", "DELETE", "INSERT"}, out
-    assert len(SEEN.findall(out)) == 5, out
+    # models table followed by a forced `refresh run`, an edit of the watched CSV file, a DELETE, an
+    # INSERT, and a backdated UPDATE of the models table followed by `refresh run --reconcile`, which
+    # the job corrects; each reached the enriched output in well under the timeout.
+    assert set(seen) == {"UPDATE", "refresh run models", "EDIT", "DELETE", "INSERT",
+                         "refresh run models --reconcile"}, out
+    assert len(SEEN.findall(out)) == 6, out
     assert re.search(r"^\[.{8}\] UPDATE models m-\d+ model_name .*\n\[.{8}\] refresh run models \.\.\. exit 0 after",
                      out, re.M), out
+    backdated = re.search(r"^\[.{8}\] UPDATE models (m-\d+) model_name '(.+)' -> '(.+)' as of (\d\d:\d\d:\d\d) UTC "
+                          r"\(a backdated last_update: .*\)\n\[.{8}\] refresh run models --reconcile \.\.\. exit 0 after "
+                          r".* \(a correction of d-\d+'s event of (\d\d:\d\d:\d\d) UTC, revision 1, cause models "
+                          r"(m-\d+) valid from (\d\d:\d\d:\d\d) UTC; events \d+", out, re.M)
+    assert backdated, out
+    model, _, _, since, event_at, cause, valid_from = backdated.groups()
+    # The correction is of an event after the backdated time, caused by that model's late version.
+    secs = [sum(int(x) * f for x, f in zip(t.split(":"), (3600, 60, 1), strict=True)) for t in (since, event_at)]
+    assert cause == model and valid_from == since and (secs[1] - secs[0]) % 86400 < 600, backdated.group(0)
     assert all(s < 60 for s in seen.values()), seen
-    assert "all 5 changes reached the enriched output" in out
+    assert "all 6 changes reached the enriched output" in out
     # Device state (the state: section of demo/conf/enrich.yaml): the first event's line and every
     # change's line give the device's event count and running temperature mean. The first three
     # changes are shown by later and later events of d-17: its count grows.
@@ -152,9 +165,9 @@ def test_demo_shows_every_change_in_the_enriched_output_and_stops_cleanly(tmp_pa
     assert re.search(r"^ +d-\d+ -> model .+, owner '.+', events \d+, temperature mean -?\d+\.\d, "
                      r"risk \d+\.\d \((?:low|high)\)$", out, re.M), out
     states = re.findall(r"^\[.{8}\] (\w+) .* seen in enriched output at .*, after \d+\.\d s "
-                        r"\((?:now unmatched; )?events (\d+), temperature mean -?\d+\.\d, "
+                        r"\((?:now unmatched; |a correction of [^;]+; )?events (\d+), temperature mean -?\d+\.\d, "
                         r"risk (?:-|\d+\.\d \((?:low|high)\))\)$", out, re.M)
-    assert [w for w, _ in states] == ["UPDATE", "refresh", "EDIT", "DELETE", "INSERT"], out
+    assert [w for w, _ in states] == ["UPDATE", "refresh", "EDIT", "DELETE", "INSERT", "refresh"], out
     subject = [int(n) for _, n in states[:3]]
     assert subject == sorted(set(subject)), subject
     for name in ("refresher", "risk service", "enrichment job", "simulator", "broker"):

@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from demo.graphs import GraphsServer, demo_graphs
+from demo.graphs import CorrectionsGraph, GraphsServer, demo_graphs
 from enrich.rollups.config import RollupConfig, RollupOutput
 from enrich.rollups.spec import RollupSpec
 
@@ -90,10 +90,41 @@ def _configs(dev: Path, site: Path) -> list[RollupConfig]:
                          metrics=(("temperature", ("mean",)),), output=RollupOutput(kafka="t"))]
 
 
+def _correction(offset: int, minute: int, second: int, key: str, revision: int = 1, *, text: bool = False) -> dict[str, Any]:
+    """A correction as the demo's tail reads it from the enriched topic (``_cause`` an object, or its
+    JSON text as a database row has it)."""
+    cause = {"dataset": "models", "key": json.dumps({"model_id": key}), "valid_from": "2026-11-23T11:58:00.000Z",
+             "partition": 0, "offset": 7}
+    ts = (T0 + timedelta(minutes=minute, seconds=second)).isoformat().replace("+00:00", "Z")
+    return {"device_id": "d-3", "ts": ts, "_topic": "device-events", "_partition": 1, "_offset": offset,
+            "_kind": "correction", "_revision": revision, "_cause": json.dumps(cause) if text else cause}
+
+
+def _corrections() -> CorrectionsGraph:
+    """Four events of minute 0 and one of minute 1 corrected by m-2's late version; one of them
+    corrected again by m-5's (its latest revision counts, under m-5)."""
+    g = CorrectionsGraph()
+    for i, (minute, second) in enumerate([(0, 5), (0, 10), (0, 20), (0, 40), (1, 0)]):
+        g.add(_correction(100 + i, minute, second, "m-2"))
+    g.add(_correction(100, 0, 5, "m-5", revision=2, text=True))
+    g.add(_correction(101, 0, 10, "m-9", revision=1))  # a lower revision than the one held: ignored
+    return g
+
+
+def test_the_corrections_graph_counts_each_event_once_per_minute_under_its_latest_cause() -> None:
+    ms = [int((T0 + timedelta(minutes=m)).timestamp() * 1000) for m in range(2)]
+    assert _corrections().series() == [
+        {"label": "models m-2 valid from 11:58:00 UTC",
+         "points": [{"x": ms[0], "y": 3, "kind": "correction", "revision": 1},
+                    {"x": ms[1], "y": 1, "kind": "correction", "revision": 1}]},
+        {"label": "models m-5 valid from 11:58:00 UTC",
+         "points": [{"x": ms[0], "y": 1, "kind": "correction", "revision": 2}]}]
+
+
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[GraphsServer]:
     dev, site = _rollups(tmp_path)
-    srv = GraphsServer(demo_graphs(_configs(dev, site), "d-17")).start()
+    srv = GraphsServer(demo_graphs(_configs(dev, site), "d-17"), more=[_corrections()]).start()
     try:
         yield srv
     finally:
@@ -116,7 +147,8 @@ def test_the_json_holds_the_latest_revision_of_each_window_and_picks_up_new_batc
     status, ctype, body = _get(server.url + "data.json")
     assert status == 200 and ctype == "application/json"
     data = json.loads(body)
-    assert [g["id"] for g in data["graphs"]] == ["device", "sites"]  # the Kafka-only rollup has no graph
+    # The Kafka-only rollup has no graph; the corrections' comes after the rollups'.
+    assert [g["id"] for g in data["graphs"]] == ["device", "sites", "corrections"]
     assert _points(data, "device") == {"d-17": [(ms[0], 21.5, "correction", 3), (ms[1], 23.0, "provisional", 2),
                                                 (ms[2], 24.0, "provisional", 1)]}
     # Beta's minute 1 has no mean (no values): left out, not drawn at zero.
@@ -145,7 +177,7 @@ def test_the_page_and_its_library_are_served_from_the_package(server: GraphsServ
     page = html.decode()
     # Every script the page loads is the server's own: it works offline.
     assert re.findall(r'<script src="([^"]+)"', page) == ["/chart.umd.min.js"]
-    assert 'id="chart-device"' in page and 'id="chart-sites"' in page
+    assert 'id="chart-device"' in page and 'id="chart-sites"' in page and 'id="chart-corrections"' in page
     status, ctype, lib = _get(server.url + "chart.umd.min.js")
     assert status == 200 and "javascript" in ctype
     assert lib.startswith(b"/*!\n * Chart.js v4.") and b"Released under the MIT License" in lib[:300]
@@ -164,4 +196,6 @@ def test_chromium_draws_the_series_with_provisional_points_hollow_and_final_poin
                                 "fills": {"correction": "filled", "provisional": "hollow"}}
     assert charts["sites"] == {"datasets": 2, "points": 3, "kinds": {"final": 2, "provisional": 1},
                                "fills": {"final": "filled", "provisional": "hollow"}}
-    assert "3 windows" not in dom and re.search(r"6 windows, read \d\d:\d\d:\d\d UTC", dom), dom[-2000:]
+    assert charts["corrections"] == {"datasets": 2, "points": 3, "kinds": {"correction": 3},
+                                     "fills": {"correction": "filled"}}
+    assert "3 windows" not in dom and re.search(r"9 windows, read \d\d:\d\d:\d\d UTC", dom), dom[-2000:]
