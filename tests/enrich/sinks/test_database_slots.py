@@ -181,3 +181,48 @@ def test_a_correction_replaces_only_the_row_that_holds_its_event(
     conn.commit()
     assert got == [("a", 2, "s-6", 11, "correction", 1), ("b", 5, "s-2", 12, "event", 0),
                    ("c", 2, "s-2", 14, "event", 0)]
+
+
+#: Device ids a CSV load table, an UPDATE's parameters or a collation could get wrong.
+HOSTILE = ['a"b', "c'd", "e\\f", "g\nh", "i,j", "k\tl", "\u00e9", "e", "E", "e ", '{"k": 1}', "\\N", "x" * 255]
+
+
+@pytest.mark.parametrize("dialect", ["postgresql", "mysql"])
+def test_a_correction_replaces_the_row_of_exactly_its_device_whatever_the_key_holds(
+        request: pytest.FixtureRequest, unique: Callable[[str], str], dialect: str) -> None:
+    """write: state with corrections, devices whose ids hold quotes, a backslash, a newline, a comma,
+    a tab, PostgreSQL's NULL marker, JSON, 255 characters (the key column's limit), or differ only
+    in case, accent or a trailing space: each correction replaces its own device's row and none of
+    the others'."""
+    url = request.getfixturevalue("pg_url" if dialect == "postgresql" else "mysql_url")
+    out = DatabaseOutput(url=url, table=unique("state"), write="state", dialect=dialect)  # type: ignore[arg-type]
+    fields = [*FIELDS, StructField("site", StringType()), StructField("_topic", StringType()),
+              StructField("_partition", LongType()), StructField("_offset", LongType()),
+              StructField("_kind", StringType()), StructField("_revision", LongType())]
+    spec = table_spec(out, fields, ("device_id",), ("_topic", "_partition", "_offset"))
+    conn = connect(url, out.dialect)
+    request.addfinalizer(conn.close)
+    ensure_tables(conn, spec)
+
+    def batch(values: list[tuple[str, str, int, str, int]]) -> pa.Table:
+        """(device, site, offset, kind, revision)."""
+        base = rows(*((d, 1, 1.0) for d, *_ in values))
+        return (base.append_column("site", pa.array([v[1] for v in values]))
+                .append_column("_topic", pa.array(["ev"] * len(values)))
+                .append_column("_partition", pa.array([0] * len(values), pa.int64()))
+                .append_column("_offset", pa.array([v[2] for v in values], pa.int64()))
+                .append_column("_kind", pa.array([v[3] for v in values]))
+                .append_column("_revision", pa.array([v[4] for v in values], pa.int64())))
+
+    assert write_slot(conn, spec, "q", 0, 1, batch([(d, "old", i, "event", 0) for i, d in enumerate(HOSTILE)])) \
+        == len(HOSTILE)
+    # Every even device's own event corrected; every odd device named with its neighbour's offset
+    # (a correction of an event its row does not hold): left.
+    fixes = [(d, "new", i if i % 2 == 0 else (i + 1) % len(HOSTILE), "correction", 1) for i, d in enumerate(HOSTILE)]
+    assert write_slot(conn, spec, "q", 0, 2, batch(fixes)) == len(HOSTILE)
+    with conn.cursor() as cur:
+        cur.execute(f"SELECT device_id, site, _offset, _kind, _revision FROM {spec.table}")
+        got = {r[0]: tuple(r[1:]) for r in cur.fetchall()}
+    conn.commit()
+    assert got == {d: ("new", i, "correction", 1) if i % 2 == 0 else ("old", i, "event", 0)
+                   for i, d in enumerate(HOSTILE)}
