@@ -383,7 +383,10 @@ class DatabaseSink:
         self.counted = Counted()
         self._plans: dict[tuple[str, ...], RowPlan] = {}
         self.last_results: list[dict[str, Any]] = []
-        check_existing(self.db, (cfg.state.key,) if cfg.state is not None and self.db.write == "state" else POSITION)
+        state = cfg.state is not None and self.db.write == "state"
+        corrected = state and any(j.corrections is not None for j in cfg.joins)
+        check_existing(self.db, (cfg.state.key,) if cfg.state is not None and state else POSITION,
+                       POSITION if corrected else ())
 
     def plan(self, batch: EnrichedBatch) -> RowPlan:
         """The rows of ``batch``'s columns; the table created (or completed) the first time they are seen."""
@@ -518,11 +521,12 @@ def prune_fence(db: DatabaseOutput, query_id: str, batch_id: int) -> int:
                    (query_id, batch_id), f"pruning {db.fence}")
 
 
-def check_existing(db: DatabaseOutput, key: Sequence[str]) -> None:
-    """At the job's start: refuse tables that exist with a key column that merges keys
-    (:func:`enrich.sinks.database.tables.check_keys`), before any batch runs."""
+def check_existing(db: DatabaseOutput, key: Sequence[str], identity: Sequence[str] = ()) -> None:
+    """At the job's start: refuse tables that exist with a key column that merges keys, or an
+    ``identity`` column that merges events (:func:`enrich.sinks.database.tables.check_keys`), before
+    any batch runs."""
     with _cursor(db, f"checking the tables of {db.table}") as cur:
-        check_keys(cur, db.dialect, db.table, db.fence, key)
+        check_keys(cur, db.dialect, db.table, db.fence, key, identity)
 
 
 def delete_expired(db: DatabaseOutput, cutoff: datetime) -> int:

@@ -114,7 +114,9 @@ def table_spec(db: DatabaseOutput, fields: Sequence[StructField], key: Sequence[
     if long:
         raise ConfigError(f"output.database: PostgreSQL names are at most {PG_NAME_BYTES} bytes; the job would "
                           f"create {', '.join(repr(n) for n in long)}: shorten them (a join's prefix:, the table)")
-    cols = tuple((f.name, sql_type(f.dataType, db.dialect, f.name in key)) for f in fields)
+    # The identity's text (a topic's name or id) is matched by the corrections' UPDATE: it compares
+    # byte for byte as a key does (``Events`` and ``events`` are two topics).
+    cols = tuple((f.name, sql_type(f.dataType, db.dialect, f.name in key or f.name in identity)) for f in fields)
     return TableSpec(db.url, db.dialect, db.table, db.fence, cols, tuple(key), db.statement_timeout.total_seconds(),
                      tuple(identity))
 
@@ -166,17 +168,19 @@ def merging_keys(cur: Any, dialect: DatabaseDialect, table: str, key: Sequence[s
     return bad
 
 
-def check_keys(cur: Any, dialect: DatabaseDialect, table: str, fence: str, key: Sequence[str]) -> None:
+def check_keys(cur: Any, dialect: DatabaseDialect, table: str, fence: str, key: Sequence[str],
+               identity: Sequence[str] = ()) -> None:
     """A :class:`ConfigError` naming the table and column when an existing table's key column would
-    make two keys one row (:func:`merging_keys`)."""
-    for name, cols in ((table, key), (fence, ("query_id",))):
+    make two keys one row (:func:`merging_keys`), or an ``identity`` column two events one."""
+    for name, cols in ((table, (*key, *identity)), (fence, ("query_id",))):
         bad = merging_keys(cur, dialect, name, cols)
         if bad:
+            what = "key column(s)" if set(bad) <= {*key, "query_id"} else "key or event identity column(s)"
             fix = ('give it a deterministic collation such as "C" (ALTER TABLE ... ALTER COLUMN ... TYPE text '
                    'COLLATE "C")' if dialect == "postgresql" else
                    "give it a NO PAD binary collation (ALTER TABLE ... MODIFY ... CHARACTER SET utf8mb4 COLLATE "
                    "utf8mb4_nopad_bin on MariaDB, utf8mb4_0900_bin on MySQL) or make it VARBINARY")
-            raise ConfigError(f"output.database.table: table {name} has the key column(s) {bad} whose values "
+            raise ConfigError(f"output.database.table: table {name} has the {what} {bad} whose values "
                               f"compare equal when they differ (case, accents or trailing spaces): two keys would "
                               f"share one row; {fix}, or point table: at a new table")
 
@@ -194,7 +198,7 @@ def ensure_tables(conn: Any, spec: TableSpec) -> None:
         cur.execute(f"CREATE TABLE IF NOT EXISTS {q(spec.table)} ({cols}, "
                     f"PRIMARY KEY ({', '.join(q(k) for k in spec.key)}))")
         cur.execute(fence_ddl(spec.dialect, spec.fence, collation))
-        check_keys(cur, spec.dialect, spec.table, spec.fence, spec.key)
+        check_keys(cur, spec.dialect, spec.table, spec.fence, spec.key, spec.identity)
         schema = "current_schema()" if spec.dialect == "postgresql" else "DATABASE()"
         cur.execute("SELECT column_name FROM information_schema.columns WHERE table_schema = "
                     f"{schema} AND table_name = %s", (spec.table,))

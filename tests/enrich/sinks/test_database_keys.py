@@ -6,7 +6,7 @@ them is refused at the start, naming the table and the column."""
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -17,7 +17,6 @@ from enrich import cli, config
 from enrich.job import EnrichJob
 from enrich.sinks.database.connect import connect
 from refstream.errors import ConfigError
-from tests.conftest import mysql_database
 from tests.enrich.helpers import produce_events
 from tests.enrich.sinks.test_database_state import db_config, iso, run, table
 
@@ -25,14 +24,6 @@ pytestmark = pytest.mark.integration
 
 #: Six devices that a case-, accent- and trailing-space-insensitive key makes three.
 DEVICES = ["Dev-1", "dev-1", "d2", "d2 ", "\u00e9", "e"]
-
-
-@pytest.fixture(scope="module")
-def mysql_default_url(mysql_server_url: str) -> Iterator[str]:
-    """A MariaDB database with the server's default collation (``utf8mb4_general_ci`` here), unlike
-    ``mysql_url``'s ``utf8mb4_bin``: what a table created without a collation gets."""
-    with mysql_database(mysql_server_url, "CHARACTER SET utf8mb4") as url:
-        yield url
 
 
 @pytest.mark.parametrize("db", ["mysql_default_url", "pg_url"])

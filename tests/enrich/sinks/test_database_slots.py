@@ -187,14 +187,16 @@ def test_a_correction_replaces_only_the_row_that_holds_its_event(
 HOSTILE = ['a"b', "c'd", "e\\f", "g\nh", "i,j", "k\tl", "\u00e9", "e", "E", "e ", '{"k": 1}', "\\N", "x" * 255]
 
 
-@pytest.mark.parametrize("dialect", ["postgresql", "mysql"])
+@pytest.mark.parametrize("db_url", ["pg_url", "mysql_url", "mysql_default_url"])
 def test_a_correction_replaces_the_row_of_exactly_its_device_whatever_the_key_holds(
-        request: pytest.FixtureRequest, unique: Callable[[str], str], dialect: str) -> None:
+        request: pytest.FixtureRequest, unique: Callable[[str], str], db_url: str) -> None:
     """write: state with corrections, devices whose ids hold quotes, a backslash, a newline, a comma,
     a tab, PostgreSQL's NULL marker, JSON, 255 characters (the key column's limit), or differ only
     in case, accent or a trailing space: each correction replaces its own device's row and none of
-    the others'."""
-    url = request.getfixturevalue("pg_url" if dialect == "postgresql" else "mysql_url")
+    the others', and an event of a topic whose name differs only in case is another event. On
+    MariaDB also in a database whose default collation ignores case (``mysql_default_url``)."""
+    url = request.getfixturevalue(db_url)
+    dialect = "postgresql" if db_url == "pg_url" else "mysql"
     out = DatabaseOutput(url=url, table=unique("state"), write="state", dialect=dialect)  # type: ignore[arg-type]
     fields = [*FIELDS, StructField("site", StringType()), StructField("_topic", StringType()),
               StructField("_partition", LongType()), StructField("_offset", LongType()),
@@ -204,21 +206,24 @@ def test_a_correction_replaces_the_row_of_exactly_its_device_whatever_the_key_ho
     request.addfinalizer(conn.close)
     ensure_tables(conn, spec)
 
-    def batch(values: list[tuple[str, str, int, str, int]]) -> pa.Table:
-        """(device, site, offset, kind, revision)."""
+    def batch(values: list[tuple[str, str, int, str, int, str]]) -> pa.Table:
+        """(device, site, offset, kind, revision, topic)."""
         base = rows(*((d, 1, 1.0) for d, *_ in values))
         return (base.append_column("site", pa.array([v[1] for v in values]))
-                .append_column("_topic", pa.array(["ev"] * len(values)))
+                .append_column("_topic", pa.array([v[5] for v in values]))
                 .append_column("_partition", pa.array([0] * len(values), pa.int64()))
                 .append_column("_offset", pa.array([v[2] for v in values], pa.int64()))
                 .append_column("_kind", pa.array([v[3] for v in values]))
                 .append_column("_revision", pa.array([v[4] for v in values], pa.int64())))
 
-    assert write_slot(conn, spec, "q", 0, 1, batch([(d, "old", i, "event", 0) for i, d in enumerate(HOSTILE)])) \
+    assert write_slot(conn, spec, "q", 0, 1, batch([(d, "old", i, "event", 0, "ev") for i, d in enumerate(HOSTILE)])) \
         == len(HOSTILE)
-    # Every even device's own event corrected; every odd device named with its neighbour's offset
-    # (a correction of an event its row does not hold): left.
-    fixes = [(d, "new", i if i % 2 == 0 else (i + 1) % len(HOSTILE), "correction", 1) for i, d in enumerate(HOSTILE)]
+    # Every even device's own event corrected; every odd device named with its neighbour's offset,
+    # or its own offset of a topic whose name differs only in case (a correction of an event its row
+    # does not hold): left.
+    fixes = [(d, "new", i, "correction", 1, "ev") if i % 2 == 0 else
+             (d, "new", (i + 1) % len(HOSTILE), "correction", 1, "ev") if i % 4 == 1 else
+             (d, "new", i, "correction", 1, "EV") for i, d in enumerate(HOSTILE)]
     assert write_slot(conn, spec, "q", 0, 2, batch(fixes)) == len(HOSTILE)
     with conn.cursor() as cur:
         cur.execute(f"SELECT device_id, site, _offset, _kind, _revision FROM {spec.table}")
@@ -226,3 +231,26 @@ def test_a_correction_replaces_the_row_of_exactly_its_device_whatever_the_key_ho
     conn.commit()
     assert got == {d: ("new", i, "correction", 1) if i % 2 == 0 else ("old", i, "event", 0)
                    for i, d in enumerate(HOSTILE)}
+
+
+def test_an_existing_table_whose_event_identity_ignores_case_is_refused(
+        mysql_default_url: str, unique: Callable[[str], str]) -> None:
+    """write: state with corrections matches a correction to the row by the event's topic: an
+    existing table whose ``_topic`` compares ``Events`` and ``events`` as equal is refused at the
+    job's start (:func:`check_existing`), naming the table and the column; without corrections the
+    same table is not refused."""
+    from enrich.sinks.database.sink import POSITION, check_existing
+
+    out = DatabaseOutput(url=mysql_default_url, table=unique("state"), write="state", dialect="mysql")
+    conn = connect(mysql_default_url, "mysql")
+    try:
+        with conn.cursor() as cur:
+            cur.execute(f"CREATE TABLE {out.table} (device_id VARBINARY(255) NOT NULL PRIMARY KEY, _topic LONGTEXT, "
+                        "_topic_id LONGTEXT, _partition BIGINT, _offset BIGINT)")
+        conn.commit()
+    finally:
+        conn.close()
+    with pytest.raises(ConfigError, match=rf"table {out.table} has the key or event identity column\(s\) "
+                                          r"\['_topic', '_topic_id'\] whose values compare equal"):
+        check_existing(out, ("device_id",), POSITION)
+    check_existing(out, ("device_id",))
