@@ -228,12 +228,14 @@ def upsert(cur: Any, dialect: DatabaseDialect, name: str, table: pa.Table, key: 
 
 
 def replace_held(cur: Any, dialect: DatabaseDialect, name: str, table: pa.Table, key: Sequence[str],
-                 identity: Sequence[str]) -> None:
+                 identity: Sequence[str]) -> int:
     """Replace with each row of ``table`` the row of table ``name`` with its ``key`` that holds the
     same event (``identity`` equal); a key whose row holds another event, or none, is left as it is
-    (nothing inserted). (``key``, ``identity``) must be unique within ``table``."""
+    (nothing inserted). (``key``, ``identity``) must be unique within ``table``. The number of rows
+    replaced (a replacement changes the row's ``_revision`` at least, so MySQL's count of changed
+    rows is that of matched ones)."""
     if not table.num_rows:
-        return
+        return 0
     def q(n: str) -> str:
         return quote(dialect, n)
 
@@ -244,10 +246,11 @@ def replace_held(cur: Any, dialect: DatabaseDialect, name: str, table: pa.Table,
         tmp = _pg_load(cur, name, table, clear=True)  # an upsert of this transaction left its rows there
         cur.execute(f"UPDATE {q(name)} AS t SET {', '.join(f'{q(c)} = s.{q(c)}' for c in rest)} FROM {tmp} AS s "
                     f"WHERE {' AND '.join(f't.{q(c)} = s.{q(c)}' for c in match)}")
-        return
+        return max(int(cur.rowcount), 0)
     sets = ", ".join(f"{percent(q(c))} = %s" for c in rest)
     where = " AND ".join(f"{percent(q(c))} = %s" for c in match)
     cur.executemany(f"UPDATE {percent(q(name))} SET {sets} WHERE {where}", _py_rows(table.select([*rest, *match])))
+    return max(int(cur.rowcount), 0)
 
 
 def _pg_load(cur: Any, name: str, table: pa.Table, *, clear: bool = False) -> str:

@@ -53,9 +53,9 @@ def write_slot(conn: Any, spec: TableSpec, query_id: str, slot: int, batch_id: i
     replay: nothing written). ``written`` is called after the rows went in, before the commit
     (the tests' kill hook). Database errors are raised as the job's transient or terminal errors.
     With ``spec.identity``, the corrections among ``rows`` replace, after the others went in, only
-    the rows that hold their events."""
+    the rows that hold their events (and count only those)."""
     what = f"batch {batch_id} slot {slot}: writing {spec.table}"
-    fixes = None
+    fixes, replaced = None, 0
     if spec.identity and rows.num_rows:
         fix = pc.fill_null(pc.equal(rows.column(KIND), KIND_CORRECTION), False)
         fixes, rows = rows.filter(fix), rows.filter(pc.invert(fix))
@@ -67,7 +67,7 @@ def write_slot(conn: Any, spec: TableSpec, query_id: str, slot: int, batch_id: i
                 return None
             upsert(cur, spec.dialect, spec.table, rows, spec.key)
             if fixes is not None and fixes.num_rows:
-                replace_held(cur, spec.dialect, spec.table, fixes, spec.key, spec.identity)
+                replaced = replace_held(cur, spec.dialect, spec.table, fixes, spec.key, spec.identity)
         if written is not None:
             written()
         conn.commit()
@@ -77,7 +77,7 @@ def write_slot(conn: Any, spec: TableSpec, query_id: str, slot: int, batch_id: i
     except Exception as exc:  # noqa: BLE001 - the drivers' errors, classified by transient()
         _rollback(conn)
         raise transient(exc, what) from exc
-    return rows.num_rows + (fixes.num_rows if fixes is not None else 0)
+    return rows.num_rows + replaced
 
 
 def _rollback(conn: Any) -> None:
