@@ -191,15 +191,23 @@ def main(argv: list[str] | None = None) -> int:
         wait_batches(job_log, 5, proc)
         read_output(settings, out, dict(ends), ends)  # whatever the restart wrote (nothing: it is caught up)
         sent = time.monotonic()
+        log.info("publishing the late version of %d devices", args.late)  # the job's log has the same clock
         publish(settings, devices, range(1, args.late + 1), "team-late", t0 - timedelta(hours=1))
         published = time.monotonic() - sent
+        log.info("published in %.2fs", published)
         fixed: list[dict[str, Any]] = []
+        first: float | None = None
         while time.monotonic() - sent < 300:  # only what came since: each read is short
             fixed += [e for e in read_output(settings, out, dict(ends), ends) if e["_kind"] == "correction"]
+            if fixed and first is None:
+                first = time.monotonic() - sent
+                log.info("%d corrections read", len(fixed))
             if len(fixed) >= len(want):
                 break
             time.sleep(0.1)
         seen = time.monotonic() - sent
+        log.info("every correction read: the first at %.1fs, the last at %.1fs after the publish began", first or 0,
+                 seen)
         got = sorted((e["_partition"], e["_offset"]) for e in fixed)
         if got != want or any(e["owner"] != "team-late" for e in fixed):
             raise RuntimeError(f"{len(got):,} corrections written, {len(want):,} expected (every event of the "
