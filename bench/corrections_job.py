@@ -15,7 +15,8 @@ run a few batches, a late version of ``--late`` devices (another owner, valid fr
 the events: every event of theirs is affected) is published: the time from the publish's start
 until the output's committed end (its last stable offset) has moved by every correction is
 reported, and the corrections, read back (``read_committed``), are checked (every event of those
-devices once, with the new owner). Medians over the rounds; ``--keep DIR`` keeps the configs and
+devices once, with the new owner and the next revision); ``--late-rounds`` such versions one after
+another, each with another owner, the worst of them against the target. Medians over the rounds; ``--keep DIR`` keeps the configs and
 the jobs' logs.
 """
 
@@ -154,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--bootstrap", help="a broker to use instead of an embedded one")
     ap.add_argument("--keep", type=Path, help="keep the jobs' configs and logs in this directory")
+    ap.add_argument("--late-rounds", type=int, default=3,
+                    help="late versions published one after another, each correcting the same events again")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     print(f"machine: {_machine()}; {args.events:,} events over {args.devices:,} devices, batches of "
@@ -203,27 +206,36 @@ def main(argv: list[str] | None = None) -> int:
         stack.callback(_stop, proc)
         wait_batches(job_log, 5, proc)
         read_output(settings, out, dict(ends), ends)  # whatever the restart wrote (nothing: it is caught up)
-        base = committed_total(settings, out)
-        sent = time.monotonic()
-        log.info("publishing the late version of %d devices", args.late)  # the job's log has the same clock
-        publish(settings, devices, range(1, args.late + 1), "team-late", t0 - timedelta(hours=1))
-        published = time.monotonic() - sent
-        log.info("published in %.2fs", published)
-        # The clock stops when the output's committed end (read_committed) has moved by the corrections:
-        # reading and decoding 100k records back takes seconds of its own, after the job's part.
-        while committed_total(settings, out) - base < len(want) and time.monotonic() - sent < 300:
-            time.sleep(0.05)
-        seen = time.monotonic() - sent
-        log.info("the output's committed end moved by %d records %.1fs after the publish began", len(want), seen)
-        fixed = [e for e in read_output(settings, out, dict(ends), ends) if e["_kind"] == "correction"]
-        log.info("%d corrections read back %.1fs after the publish began", len(fixed), time.monotonic() - sent)
-        got = sorted((e["_partition"], e["_offset"]) for e in fixed)
-        if got != want or any(e["owner"] != "team-late" for e in fixed):
-            raise RuntimeError(f"{len(got):,} corrections written, {len(want):,} expected (every event of the "
-                               f"{args.late:,} devices once, owner team-late)")
-        print(f"late version of {args.late:,} devices (published in {published:.1f}s): {len(fixed):,} corrections "
-              f"committed {seen:.1f}s after the publish began (target <= {TARGET_LATENCY}s: "
-              f"{'met' if seen <= TARGET_LATENCY else 'NOT met'})")
+        took = []
+        for k in range(1, args.late_rounds + 1):
+            # Each round a new owner, valid from the same time: the last record of a key with one
+            # valid_from is the version, so every event of those devices is corrected again.
+            owner = f"team-late-{k}"
+            base = committed_total(settings, out)
+            sent = time.monotonic()
+            log.info("round %d: publishing the late version of %d devices", k, args.late)  # the job log's clock
+            publish(settings, devices, range(1, args.late + 1), owner, t0 - timedelta(hours=1))
+            published = time.monotonic() - sent
+            log.info("published in %.2fs", published)
+            # The clock stops when the output's committed end (read_committed) has moved by the
+            # corrections: reading and decoding 100k records back takes seconds of its own.
+            while committed_total(settings, out) - base < len(want) and time.monotonic() - sent < 300:
+                time.sleep(0.05)
+            seen = time.monotonic() - sent
+            log.info("the output's committed end moved by %d records %.1fs after the publish began", len(want), seen)
+            fixed = [e for e in read_output(settings, out, dict(ends), ends) if e["_kind"] == "correction"]
+            log.info("%d corrections read back %.1fs after the publish began", len(fixed), time.monotonic() - sent)
+            got = sorted((e["_partition"], e["_offset"]) for e in fixed)
+            if got != want or any(e["owner"] != owner or e["_revision"] != k for e in fixed):
+                raise RuntimeError(f"{len(got):,} corrections written, {len(want):,} expected (every event of the "
+                                   f"{args.late:,} devices once, owner {owner}, revision {k})")
+            print(f"late version {k} of {args.late:,} devices (published in {published:.1f}s): {len(fixed):,} "
+                  f"corrections committed {seen:.1f}s after the publish began", flush=True)
+            took.append(seen)
+        worst = max(took)
+        print(f"corrections committed after the publish began, {len(took)} late versions: median "
+              f"{statistics.median(took):.1f}s, max {worst:.1f}s (target <= {TARGET_LATENCY}s: "
+              f"{'met' if worst <= TARGET_LATENCY else 'NOT met'})")
     return 0
 
 

@@ -26,8 +26,9 @@ from enrich.dimension.corrections import NO_BOUND_END, NO_BOUND_START, QUIET, ch
 from enrich.ipc import from_ipc
 from enrich.joins import JoinSpec, event_keys, row_keys
 
-__all__ = ["CAUSE_TYPE", "MERGE_AT", "SMALL_ROWS", "NO_BOUND_END", "NO_BOUND_START", "TS", "Corrects", "Matched",
-           "as_events", "emitted", "horizon_start", "keep", "match", "read_changes"]
+__all__ = ["CAUSE_TYPE", "MERGE_AT", "NO_BOUND_END", "NO_BOUND_START", "REVISIONS_SCHEMA", "SMALL_ROWS", "TS",
+           "Corrects", "Matched", "as_events", "emitted", "horizon_start", "keep", "match", "read_changes", "revisions",
+           "with_revisions"]
 
 #: A bucket's kept events are chunks, one per batch that wrote some; this many small ones (fewer
 #: rows than :data:`SMALL_ROWS`) are merged into one, so that a bucket holds few chunks whatever
@@ -110,6 +111,29 @@ def keep(log: pa.Table | None, written: pa.Table | None, ts: pa.Array | np.ndarr
     both = pa.concat_tables(parts, promote_options="permissive") if len(parts) > 1 else parts[0]
     both = both.filter(pc.greater_equal(both.column(TS), pa.scalar(horizon_start, pa.int64())))
     return both if both.num_rows else None
+
+
+#: A chunk's revisions (:func:`revisions`): kept apart from its rows, so that correcting some of
+#: its events rewrites a few bytes, not the chunk.
+REVISIONS_SCHEMA = pa.schema([("row", pa.int32()), ("revision", pa.int32())])
+
+
+def revisions(log: pa.Table) -> pa.Table:
+    """The rows of a chunk ``log`` corrected at least once, with their revision."""
+    rev = log.column(REVISION).to_numpy(zero_copy_only=False)
+    rows = np.flatnonzero(rev > 0)
+    return pa.table([pa.array(rows.astype(np.int32), pa.int32()), pa.array(rev[rows].astype(np.int32), pa.int32())],
+                    schema=REVISIONS_SCHEMA)
+
+
+def with_revisions(chunk: pa.Table, revised: pa.Table | None) -> pa.Table:
+    """``chunk`` (a chunk's rows as kept) with the revisions of :func:`revisions` ``revised`` (None: none)."""
+    if revised is None or revised.num_rows == 0:
+        return chunk
+    rev = chunk.column(REVISION).to_numpy(zero_copy_only=False).astype(np.int32).copy()
+    rows = revised.column("row").to_numpy(zero_copy_only=False)
+    rev[rows] = np.maximum(rev[rows], revised.column("revision").to_numpy(zero_copy_only=False))
+    return chunk.set_column(chunk.schema.get_field_index(REVISION), REVISION, pa.array(rev, pa.int32()))
 
 
 @dataclass(frozen=True)

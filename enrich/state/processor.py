@@ -259,7 +259,7 @@ class DeviceStateProcessor(StatefulProcessor):
         start = corrections.horizon_start(self.corrected, watermark)
         gone = [c for c in index["chunks"] if c[3] < start]
         for c in gone:
-            self.written.removeKey((c[0],))
+            self._drop_chunk(c[0])
         chunks = [c for c in index["chunks"] if c[3] >= start]
         starts = [int(pc.min(t.column("start")).as_py()) for _, t in changes if t.num_rows]
         fixed: list[pa.Table] = []
@@ -268,12 +268,12 @@ class DeviceStateProcessor(StatefulProcessor):
             for c in chunks:
                 if c[3] < first:  # every event of it is older than every change's span
                     continue
-                got = self.written.getValue((c[0],))
+                got = self._read_chunk(c[0])
                 if got is None:
                     continue
-                found = corrections.match(from_ipc(bytes(got[0])), changes, watermark)
-                if found is not None:
-                    self.written.updateValue((c[0],), (to_ipc(found.log),))
+                found = corrections.match(got, changes, watermark)
+                if found is not None:  # the chunk's revisions written back, not its rows
+                    self.written.updateValue((_revisions_key(c[0]),), (to_ipc(corrections.revisions(found.log)),))
                     fixed.append(found.rows)
         if gone:
             self._store_index(index["next"], chunks)
@@ -289,6 +289,18 @@ class DeviceStateProcessor(StatefulProcessor):
                                    pa.array(wait.incomplete(self.waits, _batch_facts(), ts), pa.bool_()))
         # Rows kept under an earlier plan (other columns, a dataset's types changed) as this plan's rows.
         return _conform(corrections.emitted(rows), self.out_schema, ())
+
+    def _read_chunk(self, chunk: int) -> pa.Table | None:
+        """A kept chunk's rows with their revisions (:func:`enrich.state.corrections.revisions`)."""
+        got = self.written.getValue((chunk,))
+        if got is None:
+            return None
+        revised = self.written.getValue((_revisions_key(chunk),))
+        return corrections.with_revisions(from_ipc(bytes(got[0])), from_ipc(bytes(revised[0])) if revised else None)
+
+    def _drop_chunk(self, chunk: int) -> None:
+        self.written.removeKey((chunk,))
+        self.written.removeKey((_revisions_key(chunk),))
 
     def _index(self) -> dict[str, Any]:
         got = self.written_index.get()
@@ -315,10 +327,10 @@ class DeviceStateProcessor(StatefulProcessor):
             if len(small) + 1 >= corrections.MERGE_AT:
                 parts = []
                 for c in small:
-                    got = self.written.getValue((c[0],))
+                    got = self._read_chunk(c[0])
                     if got is not None:
-                        parts.append(from_ipc(bytes(got[0])))
-                    self.written.removeKey((c[0],))
+                        parts.append(got)
+                    self._drop_chunk(c[0])
                 kept = pa.concat_tables([*parts, kept], promote_options="permissive")
                 chunks = [c for c in chunks if c[1] >= corrections.SMALL_ROWS]
             times = kept.column(corrections.TS)
@@ -626,6 +638,11 @@ def _gap_times() -> tuple[dict[int, int], int | None]:
 
 
 # The batch's changes, read once per Python worker and batch (every bucket of the batch asks).
+def _revisions_key(chunk: int) -> int:
+    """The key of chunk ``chunk``'s revisions in the ``written`` map (chunks' keys count up from 0)."""
+    return -chunk - 1
+
+
 _CHANGES: dict[str, list[tuple[corrections.Corrects, pa.Table]]] = {}
 
 

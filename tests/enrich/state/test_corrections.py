@@ -10,7 +10,7 @@ import pyarrow as pa
 from enrich.columns import CAUSE, REVISION
 from enrich.dimension.corrections import NO_BOUND_END, NO_BOUND_START
 from enrich.joins import JoinSpec
-from enrich.state.corrections import TS, Corrects, keep, match
+from enrich.state.corrections import REVISIONS_SCHEMA, TS, Corrects, keep, match, revisions, with_revisions
 from tests.enrich.dimension.test_corrections import MIN, T0, Log, us
 
 DEVICES = JoinSpec("devices", (("device_id", "device_id"),), (pa.string(),), (("site_id", "site_id"),),
@@ -68,6 +68,27 @@ def test_a_change_corrects_its_keys_events_in_its_span_and_counts_revisions() ->
                              change_table("device_id", [("d1", at, NO_BOUND_START, NO_BOUND_END, "beyond_horizon")]))])
     assert again is not None and again.rows.column("_offset").to_pylist() == [0, 2, 3]
     assert again.rows.column(REVISION).to_pylist() == [1, 2, 1]
+
+
+def test_a_chunks_revisions_kept_apart_give_back_what_match_left() -> None:
+    """The processor writes back a corrected chunk's revisions, not its rows: reading them onto the
+    rows as kept gives the chunk :func:`match` left, and a second change goes on from there."""
+    log = keep(None, events(["d1", "d2", "d1", "d1"], [0, 15, 15, 30], [0, 1, 2, 3]), times([0, 15, 15, 30]),
+               us(T0 - 60 * MIN))
+    assert log is not None and revisions(log).num_rows == 0 and with_revisions(log, None) is log
+    at, until = us(T0 + 10 * MIN), us(T0 + 20 * MIN)
+    got = match(log, [(BY_DEVICE, change_table("device_id", [("d1", at, at, until, "corrected")]))])
+    assert got is not None
+    revised = revisions(got.log)
+    assert revised.schema == REVISIONS_SCHEMA and revised.to_pylist() == [{"row": 2, "revision": 1}]
+    read = with_revisions(log, revised)
+    assert read.equals(got.log)
+    again = match(read, [(BY_DEVICE, change_table("device_id", [("d1", at, NO_BOUND_START, NO_BOUND_END,
+                                                                  "beyond_horizon")]))])
+    assert again is not None and again.rows.column(REVISION).to_pylist() == [1, 2, 1]
+    assert with_revisions(log, revisions(again.log)).column(REVISION).to_pylist() == [1, 0, 2, 1]
+    # A merged chunk holds revisions in its rows: the kept ones never go back.
+    assert with_revisions(again.log, revised).column(REVISION).to_pylist() == [1, 0, 2, 1]
 
 
 def test_unchanged_versions_and_other_keys_correct_nothing() -> None:
