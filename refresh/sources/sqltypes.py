@@ -11,7 +11,8 @@ decimal_type`, the one rule for decimal widths):
     PostgreSQL     numeric(p,s), integers, floats, bool, text, bytea, date, timestamp, timestamptz
                    (UTC), time, json/jsonb (as JSON text), uuid
     SQLite         a table's columns declared DATETIME or TIMESTAMP -> timestamp[us], DATE -> date32,
-                   from ISO-8601 text (as CURRENT_TIMESTAMP writes it; no zone offset) (:func:`sqlite_type`)
+                   from ISO-8601 text (as CURRENT_TIMESTAMP writes it; a zone offset read as its UTC
+                   time) (:func:`sqlite_type`)
     others         (and the rest of SQLite's columns, every column of a SQLite query) typed from the
                    values read (:func:`unify`).
 """
@@ -169,14 +170,30 @@ class TextConverter:
 
 class SqliteTimeConverter(TextConverter):
     """SQLite values of a column declared a time (:func:`sqlite_type`): ISO-8601 text, or an error
-    naming the value (a number there, an epoch count, is not read as a time by guesswork)."""
+    naming the value (a number there, an epoch count, is not read as a time by guesswork). A time
+    with a zone offset (``Z``, ``+02:00``, as Python's sqlite3 writes an aware datetime) is read as
+    its UTC time; one without is UTC already."""
 
     def __call__(self, values: Sequence[Any] | pa.Array) -> pa.Array:
         bad = next((v for v in values if v is not None and not isinstance(v, str)), None)
         if bad is not None:
             raise DataError(f"dataset {self.dataset}: column {self.column}: value {bad!r} is not ISO-8601 "
                             f"text (the column is declared a time, read as {self.type})")
+        if pa.types.is_timestamp(self.type):
+            text = pa.array(values, pa.string())
+            zoned = pc.fill_null(pc.match_substring_regex(text, _ZONE_SUFFIX), False)
+            if pc.any(zoned).as_py():
+                none = pa.scalar(None, pa.string())
+                try:
+                    naive = pc.cast(pc.if_else(zoned, none, text), self.type)
+                    utc = pc.cast(pc.cast(pc.if_else(zoned, text, none), pa.timestamp("us", tz="UTC")), self.type)
+                    return pc.if_else(zoned, utc, naive)
+                except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
+                    pass  # the text path names the value at fault
         return super().__call__(values)
+
+
+_ZONE_SUFFIX = r"(?:Z|[+-]\d\d:?\d\d)$"
 
 
 def _fits_text(v: str, t: pa.DataType) -> bool:

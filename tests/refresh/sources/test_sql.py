@@ -145,6 +145,11 @@ def test_a_sqlite_tables_columns_declared_times_are_read_as_times_and_a_cursor_o
     assert rows[1]["at"] == dt.datetime(2024, 5, 1, 12) and rows[1]["d"] == dt.datetime(2024, 5, 1, 12, 0, 0, 250000)
     assert rows[2]["d"] == dt.datetime(2024, 5, 2, 8) and abs(rows[2]["at"] - src.now()) < dt.timedelta(minutes=1)
     assert rows[3]["day"] == dt.date(2024, 5, 3) and rows[3]["at"] is None
+    # A zone offset (as Python's sqlite3 writes an aware datetime) is read as its UTC time.
+    execute(engine, "INSERT INTO m VALUES (5, '2024-05-01 14:00:00+02:00', '2024-05-01T12:00:00Z', NULL, NULL)")
+    five = next(r for r in normalize(src.read()).to_pylist() if r["id"] == 5)
+    assert five["at"] == five["d"] == dt.datetime(2024, 5, 1, 12)
+    execute(engine, "DELETE FROM m WHERE id = 5")
     # A window's low bound is compared as SQLite stores the values: text.
     since = pa.Table.from_batches(list(src.batches_since("at", dt.datetime(2024, 5, 1, 12))))
     assert sorted(since.column("id").to_pylist()) == [1, 2]
