@@ -145,10 +145,11 @@ class SqlSource(IncrementalSource):
             return f"SELECT * FROM {self._q(self.cfg.table)}"
         return (self.cfg.query or "").strip().rstrip(";")
 
-    def _since_sql(self, column: str) -> str:
+    def _since_sql(self, column: str, condition: str = "{col} >= :low") -> str:
+        where = condition.format(col=self._q(column))
         if self.cfg.table:
-            return f"{self._base()} WHERE {self._q(column)} >= :low"
-        return f"SELECT * FROM ({self._base()}) AS refresh_src WHERE {self._q(column)} >= :low"
+            return f"{self._base()} WHERE {where}"
+        return f"SELECT * FROM ({self._base()}) AS refresh_src WHERE {where}"
 
     def batches(self) -> Iterator[pa.RecordBatch]:
         return self.batches_since("", None)
@@ -162,7 +163,10 @@ class SqlSource(IncrementalSource):
         if low is None:
             return self._stream(self._base(), {})
         if self.dialect == "sqlite" and isinstance(low, dt.date):
-            low = low.isoformat(" ") if isinstance(low, dt.datetime) else low.isoformat()  # as stored: text
+            # SQLite stores times as text, and text compares as text: through julianday() a stored
+            # offset (-05:00), a 'T' or fewer fraction digits compare as the times they are.
+            low = low.isoformat(" ") if isinstance(low, dt.datetime) else low.isoformat()
+            return self._stream(self._since_sql(column, "julianday({col}) >= julianday(:low)"), {"low": low})
         return self._stream(self._since_sql(column), {"low": low})
 
     def now(self) -> Any:

@@ -178,7 +178,7 @@ class SqliteTimeConverter(TextConverter):
         bad = next((v for v in values if v is not None and not isinstance(v, str)), None)
         if bad is not None:
             raise DataError(f"dataset {self.dataset}: column {self.column}: value {bad!r} is not ISO-8601 "
-                            f"text (the column is declared a time, read as {self.type})")
+                            f"text (the column is declared a time, read as {self.type}){_SQLITE_REMEDY}")
         if pa.types.is_timestamp(self.type):
             text = pa.array(values, pa.string())
             zoned = pc.fill_null(pc.match_substring_regex(text, _ZONE_SUFFIX), False)
@@ -190,10 +190,15 @@ class SqliteTimeConverter(TextConverter):
                     return pc.if_else(zoned, utc, naive)
                 except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
                     pass  # the text path names the value at fault
-        return super().__call__(values)
+        try:
+            return super().__call__(values)
+        except DataError as exc:
+            raise DataError(f"{exc}{_SQLITE_REMEDY}") from None
 
 
 _ZONE_SUFFIX = r"(?:Z|[+-]\d\d:?\d\d)$"
+_SQLITE_REMEDY = ("; a column that holds other values than its declared time (epoch numbers, datetimes in a "
+                  "DATE) is read typed from its values through query: (SELECT ... FROM the table) instead of table:")
 
 
 def _fits_text(v: str, t: pa.DataType) -> bool:

@@ -149,21 +149,28 @@ def test_a_sqlite_tables_columns_declared_times_are_read_as_times_and_a_cursor_o
     execute(engine, "INSERT INTO m VALUES (5, '2024-05-01 14:00:00+02:00', '2024-05-01T12:00:00Z', NULL, NULL)")
     five = next(r for r in normalize(src.read()).to_pylist() if r["id"] == 5)
     assert five["at"] == five["d"] == dt.datetime(2024, 5, 1, 12)
-    execute(engine, "DELETE FROM m WHERE id = 5")
-    # A window's low bound is compared as SQLite stores the values: text.
+    # A window's low bound compares times, whatever their text: an offset, a 'T', fewer fraction digits.
     since = pa.Table.from_batches(list(src.batches_since("at", dt.datetime(2024, 5, 1, 12))))
-    assert sorted(since.column("id").to_pylist()) == [1, 2]
-    since = pa.Table.from_batches(list(src.batches_since("at", dt.datetime(2024, 5, 1, 12, 0, 0, 1))))
+    assert sorted(since.column("id").to_pylist()) == [1, 2, 5]
+    since = pa.Table.from_batches(list(src.batches_since("at", dt.datetime(2024, 5, 1, 12, 0, 0, 1000))))
     assert since.column("id").to_pylist() == [2]
+    execute(engine, "UPDATE m SET at = '2024-05-01 07:30:00-05:00' WHERE id = 5")  # 12:30 UTC
+    since = pa.Table.from_batches(list(src.batches_since("at", dt.datetime(2024, 5, 1, 12, 15))))
+    assert sorted(since.column("id").to_pylist()) == [2, 5]
+    since = pa.Table.from_batches(list(src.batches_since("d", dt.datetime(2024, 5, 1, 12, 0, 0, 200000))))
+    assert sorted(since.column("id").to_pylist()) == [1, 2]  # 1's '.250000' after .2, 5's 'T...Z' before
+    execute(engine, "DELETE FROM m WHERE id = 5")
     # A query's columns have no declared types: typed from the values, as before.
     query = SqlSource("ds", SqlSourceConfig(url=url, query="SELECT id, at FROM m"))
     assert normalize(query.read()).schema.field("at").type == pa.string()
     # A number or text that is no time, in a column declared one: an error naming both.
     execute(engine, "INSERT INTO m VALUES (4, 1714564800, NULL, NULL, NULL)")
-    with pytest.raises(DataError, match=r"dataset ds: column at: value 1714564800 is not ISO-8601 text"):
+    with pytest.raises(DataError, match=r"dataset ds: column at: value 1714564800 is not ISO-8601 text.*through "
+                                        r"query:"):
         src.read()
     execute(engine, "UPDATE m SET at = 'soon' WHERE id = 4")
-    with pytest.raises(DataError, match=r"dataset ds: column at: value 'soon' does not fit timestamp\[us\]"):
+    with pytest.raises(DataError, match=r"dataset ds: column at: value 'soon' does not fit timestamp\[us\].*"
+                                        r"through query:"):
         src.read()
 
 
