@@ -139,14 +139,13 @@ def test_a_postgresql_column_name_over_63_bytes_is_refused_before_the_table_is_c
     assert table_spec(mysql, [*FIELDS, StructField(long, StringType())], ("device_id",)).names[-1] == long
 
 
-@pytest.mark.parametrize("dialect", ["postgresql", "mysql"])
-def test_a_correction_replaces_only_the_row_that_holds_its_event(
-        request: pytest.FixtureRequest, unique: Callable[[str], str], dialect: str) -> None:
-    """write: state with corrections: a correction of the event a device's row holds replaces the
-    row; one of an earlier event (the row moved on), or of a device without a row, writes nothing;
-    the batch's events go in first, so a correction of an event the same batch replaced leaves it."""
-    url = request.getfixturevalue("pg_url" if dialect == "postgresql" else "mysql_url")
-    out = DatabaseOutput(url=url, table=unique("state"), write="state", dialect=dialect)  # type: ignore[arg-type]
+def corrected_state_table(request: pytest.FixtureRequest, unique: Callable[[str], str],
+                          db_url: str) -> tuple[TableSpec, Any]:
+    """A write: state table with corrections (the event's position and tail) at the database of
+    fixture ``db_url``, created, and a connection to it."""
+    url = request.getfixturevalue(db_url)
+    out = DatabaseOutput(url=url, table=unique("state"), write="state",
+                         dialect="postgresql" if db_url == "pg_url" else "mysql")
     fields = [*FIELDS, StructField("site", StringType()), StructField("_topic", StringType()),
               StructField("_partition", LongType()), StructField("_offset", LongType()),
               StructField("_kind", StringType()), StructField("_revision", LongType())]
@@ -154,16 +153,31 @@ def test_a_correction_replaces_only_the_row_that_holds_its_event(
     conn = connect(url, out.dialect)
     request.addfinalizer(conn.close)
     ensure_tables(conn, spec)
+    return spec, conn
+
+
+def corrected_rows(*values: tuple[str, int, str, str, int, str, int]) -> pa.Table:
+    """Rows of :func:`corrected_state_table`: (device, events, site, topic, offset, kind, revision)."""
+    base = rows(*((d, n, 1.0) for d, n, *_ in values))
+    return (base.append_column("site", pa.array([v[2] for v in values]))
+            .append_column("_topic", pa.array([v[3] for v in values]))
+            .append_column("_partition", pa.array([0] * len(values), pa.int64()))
+            .append_column("_offset", pa.array([v[4] for v in values], pa.int64()))
+            .append_column("_kind", pa.array([v[5] for v in values]))
+            .append_column("_revision", pa.array([v[6] for v in values], pa.int64())))
+
+
+@pytest.mark.parametrize("dialect", ["postgresql", "mysql"])
+def test_a_correction_replaces_only_the_row_that_holds_its_event(
+        request: pytest.FixtureRequest, unique: Callable[[str], str], dialect: str) -> None:
+    """write: state with corrections: a correction of the event a device's row holds replaces the
+    row; one of an earlier event (the row moved on), or of a device without a row, writes nothing;
+    the batch's events go in first, so a correction of an event the same batch replaced leaves it."""
+    spec, conn = corrected_state_table(request, unique, "pg_url" if dialect == "postgresql" else "mysql_url")
 
     def batch(*values: tuple[str, int, str, int, str, int]) -> pa.Table:
-        """(device, events, site, offset, kind, revision)."""
-        base = rows(*((d, n, 1.0) for d, n, *_ in values))
-        return (base.append_column("site", pa.array([v[2] for v in values]))
-                .append_column("_topic", pa.array(["ev"] * len(values)))
-                .append_column("_partition", pa.array([0] * len(values), pa.int64()))
-                .append_column("_offset", pa.array([v[3] for v in values], pa.int64()))
-                .append_column("_kind", pa.array([v[4] for v in values]))
-                .append_column("_revision", pa.array([v[5] for v in values], pa.int64())))
+        """(device, events, site, offset, kind, revision), of topic ev."""
+        return corrected_rows(*((d, n, site, "ev", off, kind, rev) for d, n, site, off, kind, rev in values))
 
     assert write_slot(conn, spec, "q", 0, 1, batch(("a", 2, "s-2", 11, "event", 0), ("b", 5, "s-2", 12, "event", 0),
                                                   ("c", 1, "s-2", 13, "event", 0))) == 3
@@ -195,26 +209,11 @@ def test_a_correction_replaces_the_row_of_exactly_its_device_whatever_the_key_ho
     in case, accent or a trailing space: each correction replaces its own device's row and none of
     the others', and an event of a topic whose name differs only in case is another event. On
     MariaDB also in a database whose default collation ignores case (``mysql_default_url``)."""
-    url = request.getfixturevalue(db_url)
-    dialect = "postgresql" if db_url == "pg_url" else "mysql"
-    out = DatabaseOutput(url=url, table=unique("state"), write="state", dialect=dialect)  # type: ignore[arg-type]
-    fields = [*FIELDS, StructField("site", StringType()), StructField("_topic", StringType()),
-              StructField("_partition", LongType()), StructField("_offset", LongType()),
-              StructField("_kind", StringType()), StructField("_revision", LongType())]
-    spec = table_spec(out, fields, ("device_id",), ("_topic", "_partition", "_offset"))
-    conn = connect(url, out.dialect)
-    request.addfinalizer(conn.close)
-    ensure_tables(conn, spec)
+    spec, conn = corrected_state_table(request, unique, db_url)
 
     def batch(values: list[tuple[str, str, int, str, int, str]]) -> pa.Table:
-        """(device, site, offset, kind, revision, topic)."""
-        base = rows(*((d, 1, 1.0) for d, *_ in values))
-        return (base.append_column("site", pa.array([v[1] for v in values]))
-                .append_column("_topic", pa.array([v[5] for v in values]))
-                .append_column("_partition", pa.array([0] * len(values), pa.int64()))
-                .append_column("_offset", pa.array([v[2] for v in values], pa.int64()))
-                .append_column("_kind", pa.array([v[3] for v in values]))
-                .append_column("_revision", pa.array([v[4] for v in values], pa.int64())))
+        """(device, site, offset, kind, revision, topic), each device's first event."""
+        return corrected_rows(*((d, 1, site, topic, off, kind, rev) for d, site, off, kind, rev, topic in values))
 
     assert write_slot(conn, spec, "q", 0, 1, batch([(d, "old", i, "event", 0, "ev") for i, d in enumerate(HOSTILE)])) \
         == len(HOSTILE)
