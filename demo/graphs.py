@@ -178,12 +178,11 @@ class CorrectionsGraph:
 
     def add(self, correction: Mapping[str, Any]) -> None:
         ident = (correction.get("_topic"), correction.get("_partition"), correction.get("_offset"))
-        try:
-            t = datetime.fromisoformat(str(correction.get("ts")))
-        except ValueError:
+        t = _utc(correction.get("ts"))
+        if t is None:
             log.warning("graphs: a correction without an event time: %s", ident)
             return
-        minute = int((t if t.tzinfo else t.replace(tzinfo=UTC)).timestamp()) // 60 * 60_000
+        minute = int(t.timestamp()) // 60 * 60_000
         revision = int(correction.get("_revision") or 0)
         with self._lock:
             old = self._latest.get(ident)
@@ -225,11 +224,17 @@ def cause_label(cause: Any) -> str:
 
 def utc_hms(ts: Any) -> str:
     """``HH:MM:SS UTC`` of an ISO time (naive: UTC), or the value as it came when it is not one."""
+    t = _utc(ts)
+    return str(ts) if t is None else t.strftime("%H:%M:%S UTC")
+
+
+def _utc(ts: Any) -> datetime | None:
+    """An ISO time (text or a datetime; naive: UTC) in UTC; None when it is not one."""
     try:
         t = datetime.fromisoformat(str(ts))
     except ValueError:
-        return str(ts)
-    return (t if t.tzinfo else t.replace(tzinfo=UTC)).astimezone(UTC).strftime("%H:%M:%S UTC")
+        return None
+    return t.replace(tzinfo=UTC) if t.tzinfo is None else t.astimezone(UTC)
 
 
 def demo_graphs(rollups: Iterable[RollupConfig], device_id: str) -> list[Graph]:

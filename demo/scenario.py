@@ -179,7 +179,7 @@ class Operator:
         self._exec(f"UPDATE {MODELS_TABLE} SET model_name = :n, last_update = :t WHERE model_id = :m",
                    n=new, t=since.strftime("%Y-%m-%d %H:%M:%S"), m=model)  # UTC, as the sessions are
         say(f"[{stamp()}] UPDATE {MODELS_TABLE} {model} model_name {old!r} -> {new!r} as of "
-            f"{utc_hms(since.isoformat())} (a backdated last_update: the events since then were written "
+            f"{since:%H:%M:%S} UTC (a backdated last_update: the events since then were written "
             f"with {old!r})")
         exp = self.tail.expect(f"a correction of an event of {model}",
                                lambda e: e.get("_kind") == "correction" and e.get("model_id") == model
