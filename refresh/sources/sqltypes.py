@@ -179,8 +179,8 @@ class SqliteTimeConverter(TextConverter):
         if bad is not None:
             raise DataError(f"dataset {self.dataset}: column {self.column}: value {bad!r} is not ISO-8601 "
                             f"text (the column is declared a time, read as {self.type}){_SQLITE_REMEDY}")
+        text = pa.array(values, pa.string())  # SQLite hands out Python values, checked above to be text
         if pa.types.is_timestamp(self.type):
-            text = pa.array(values, pa.string())
             zoned = pc.fill_null(pc.match_substring_regex(text, _ZONE_SUFFIX), False)
             if pc.any(zoned).as_py():
                 none = pa.scalar(None, pa.string())
@@ -191,7 +191,7 @@ class SqliteTimeConverter(TextConverter):
                 except (pa.ArrowInvalid, pa.ArrowNotImplementedError):
                     pass  # the text path names the value at fault
         try:
-            return super().__call__(values)
+            return super().__call__(text)  # the text array, built once
         except DataError as exc:
             raise DataError(f"{exc}{_SQLITE_REMEDY}") from None
 
