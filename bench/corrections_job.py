@@ -116,13 +116,7 @@ def read_output(settings: dict[str, str], topic: str, start: dict[int, int] | No
 def committed_total(settings: dict[str, str], topic: str) -> int:
     """The sum over ``topic``'s partitions of the last stable offset: what ``read_committed`` readers
     can read (committed records and the transactions' markers)."""
-    from confluent_kafka import IsolationLevel, TopicPartition
-    from confluent_kafka.admin import OffsetSpec
-
-    parts = rkafka.partitions_of(settings, topic)
-    futures = rkafka.admin(settings).list_offsets({TopicPartition(topic, p): OffsetSpec.latest() for p in parts},
-                                                 isolation_level=IsolationLevel.READ_COMMITTED, request_timeout=10)
-    return sum(f.result().offset for f in futures.values())
+    return sum((rkafka.end_offsets(settings, topic, committed=True) or {}).values())
 
 
 def wait_batches(log_path: Path, n: int, proc: subprocess.Popen[bytes], timeout: float = 300) -> None:

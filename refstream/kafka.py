@@ -37,6 +37,7 @@ from confluent_kafka import (
     OFFSET_BEGINNING,
     TIMESTAMP_NOT_AVAILABLE,
     Consumer,
+    IsolationLevel,
     KafkaError,
     KafkaException,
     Message,
@@ -613,18 +614,22 @@ def topic_of(m: Message) -> str:
     return t
 
 
-def end_offsets(settings: Mapping[str, str], topic: str, *, timeout: float = 10.0) -> dict[int, int] | None:
+def end_offsets(settings: Mapping[str, str], topic: str, *, timeout: float = 10.0,
+                committed: bool = False) -> dict[int, int] | None:
     """The end offset of each partition of ``topic`` as the broker's ListOffsets reports it, None when
     the topic does not exist: one metadata and one ListOffsets request. Some brokers report the base
     offset of the last record batch + 1 rather than the true end (see the module docstring), so compare
-    the result only with what this same call returned earlier, never with produced offsets."""
+    the result only with what this same call returned earlier, never with produced offsets.
+    ``committed``: the last stable offset instead, what ``read_committed`` readers can read up to
+    (committed records and transaction markers), which moves only when a transaction ends."""
     parts = partitions_of(settings, topic, timeout=timeout)
     if not parts:
         return None
     client = admin(settings)
+    level = IsolationLevel.READ_COMMITTED if committed else IsolationLevel.READ_UNCOMMITTED
     try:
         futures = client.list_offsets({TopicPartition(topic, p): OffsetSpec.latest() for p in parts},
-                                      request_timeout=timeout)
+                                      isolation_level=level, request_timeout=timeout)
         return {tp.partition: f.result().offset for tp, f in futures.items()}
     except KafkaException as exc:
         raise TransientError(f"cannot read the end offsets of {topic}: {exc}") from None
