@@ -12,6 +12,7 @@
     python -m bench.run state_rescale [options of bench.state_rescale]
     python -m bench.run state_savepoint [options of bench.state_savepoint]
     python -m bench.run pipeline [options of bench.pipeline_latency]
+    python -m bench.run demo_start [options of bench.demo_start]
     python -m bench.run soak    [options of bench.soak]
     python -m bench.run asof    [options of bench.asof_bench]
     python -m bench.run asof_job [options of bench.asof_job]
@@ -57,6 +58,7 @@ BENCHMARKS = {
               "and without a call"),
     "database_sink": ("bench.database_sink", "enrichment job with output.database (write: state) vs Kafka "
                       "output only"),
+    "demo_start": ("bench.demo_start", "the demo: from its start to the first enriched event it prints"),
     "pipeline": ("bench.pipeline_latency", "the demo's pipeline: the job's start-up, its batch time (Spark's "
                  "triggerExecution) and a database change's time to the enriched output"),
     "soak": ("bench.soak", "reliability: the topology under reference churn, SIGKILLs and PostgreSQL and call "
