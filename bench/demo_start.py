@@ -11,6 +11,7 @@ the first enriched event within 30 s.
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import statistics
 import subprocess
@@ -26,8 +27,9 @@ FIRST = " -> model "  # the first enriched event's line (demo/cli.py)
 
 def one_round(workdir: Path, timeout: float) -> float:
     """Seconds from the demo's process start to its first enriched event's line."""
+    env = {k: v for k, v in os.environ.items() if k != "REF_DB_URL"}  # the demo's SQLite default
     t0 = time.monotonic()
-    proc = subprocess.Popen([sys.executable, "-m", "demo", "--workdir", str(workdir)], cwd=ROOT,
+    proc = subprocess.Popen([sys.executable, "-m", "demo", "--workdir", str(workdir)], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     seen = threading.Event()
     took: list[float] = []
@@ -44,12 +46,15 @@ def one_round(workdir: Path, timeout: float) -> float:
     reader = threading.Thread(target=read, daemon=True)
     reader.start()
     try:
-        if not seen.wait(timeout):
-            raise SystemExit(f"no enriched event within {timeout:.0f} s:\n{''.join(lines[-20:])}")
+        deadline = t0 + timeout
+        while not seen.wait(0.5):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit(f"no enriched event ({'the demo exited' if proc.poll() is not None else 'timed out'})"
+                                 f":\n{''.join(lines[-20:])}")
     finally:
         proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(120)
+        try:  # the demo stops its processes one by one, each given up to 40 s
+            proc.wait(300)
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait()
