@@ -21,7 +21,8 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from bench.common import ROOT
+
 FIRST = " -> model "  # the first enriched event's line (demo/cli.py)
 
 

@@ -3,7 +3,6 @@ transaction ends; the plain end offset counts what an open transaction wrote."""
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Callable
 
 import pytest
@@ -18,7 +17,7 @@ def test_the_committed_end_waits_for_the_transaction_and_a_missing_topic_has_non
     topic = unique("ends")
     assert rkafka.end_offsets(kafka, topic, committed=True) is None
     rkafka.ensure_topic(kafka, topic)
-    p = rkafka.producer(kafka, **{"transactional.id": f"ends-{uuid.uuid4().hex}"})
+    p = rkafka.producer(kafka, **{"transactional.id": unique("ends-txn")})
     p.init_transactions()
     p.begin_transaction()
     for i in range(5):
