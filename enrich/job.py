@@ -40,6 +40,7 @@ from enrich.calls.step import STARTED_PROPERTY, read_tallies
 from enrich.checkpoint import CheckpointLayout
 from enrich.columns import ERROR, KIND, KIND_CORRECTION, LATE
 from enrich.config import EnrichConfig
+from enrich.dimension.abc import Positions
 from enrich.dimension.changelog import ChangelogFollower
 from enrich.dimension.corrections import BatchChanges, Corrected
 from enrich.dimension.history import Journal
@@ -180,7 +181,7 @@ class EnrichJob:
             self._origin = Origin(self._resolve_start())
             self._origin.write(self.layout)
         self._ensure_topics()
-        dims = self._dimensions(spark)
+        dims = self._dimensions(spark, saved.broadcast_start(self.cfg) if saved is not None else None)
         pipeline = self._plan(spark, dims)
         if saved is not None:
             st = pipeline.state
@@ -265,8 +266,9 @@ class EnrichJob:
         return BatchChanges(list(by_dataset.values()), self.layout.corrections,
                             self.cfg.state.watermark // timedelta(microseconds=1))
 
-    def _dimensions(self, spark: SparkSession) -> Dimensions:
-        """The broadcast dimensions, bootstrapped: each ships only the columns some join uses."""
+    def _dimensions(self, spark: SparkSession, start: Mapping[str, Positions] | None = None) -> Dimensions:
+        """The broadcast dimensions, bootstrapped: each ships only the columns some join uses;
+        ``start``: a fork's savepoint's changelog positions, where a new checkpoint's bootstrap stops."""
         cfg = self.cfg
         columns: dict[str, list[str] | None] = {}
         for j in cfg.broadcast_joins:
@@ -278,7 +280,8 @@ class EnrichJob:
                           FileVersionLog(self.layout.dimensions), Shipper(spark.sparkContext),
                           timeout=cfg.bootstrap_timeout.total_seconds(),
                           history={j.dataset: j.history for j in cfg.broadcast_joins if j.as_of},
-                          journal={j.dataset for j in cfg.broadcast_joins if j.corrections is not None})
+                          journal={j.dataset for j in cfg.broadcast_joins if j.corrections is not None},
+                          start=start)
         self._stack.callback(dims.close)
         call_with_retry(dims.bootstrap, what="bootstrapping dimensions", policy=self.retry, stop=self._stop)
         return dims
@@ -533,6 +536,15 @@ class EnrichJob:
             log.info("output columns: %s", ", ".join(self._pass.columns))
         return self._pass
 
+    def _watermark_ms(self, batch_id: int) -> int | None:
+        """The watermark batch ``batch_id`` runs with, as the state step sees it: never below a
+        fork's floor (Spark's own starts from nothing in a fork)."""
+        wm = self.layout.batch_watermark_ms(batch_id)
+        floor = self._origin.floor_us if self._origin is not None else None
+        if floor is None:
+            return wm
+        return floor // 1000 if wm is None else max(wm, floor // 1000)
+
     def _process_batch(self, batch_df: DataFrame, batch_id: int) -> tuple[int, Counted]:
         """Pin, enrich, write one batch; returns the dead letters collected on the driver and what
         the sink counted (summed over both writes when slots are written again from from_json)."""
@@ -542,7 +554,7 @@ class EnrichJob:
         journaled = None
         if changes is not None:  # the batch's late versions, written before it runs (a replay finds them)
             def journaled(journals: Mapping[str, Journal], replay: bool) -> None:
-                changes.record(batch_id, journals, replay, self.layout.batch_watermark_ms(batch_id))
+                changes.record(batch_id, journals, replay, self._watermark_ms(batch_id))
         shipped = call_with_retry(lambda: st.dims.pin(batch_id, journaled), what=f"batch {batch_id}: pinning dimensions",
                                   policy=self.retry, stop=self._stop)
         if changes is not None and st.metrics is not None:

@@ -76,7 +76,7 @@ from enrich.sinks.abc import EnrichedBatch
 from enrich.sinks.rollups import rows_of
 from enrich.source import range_reader, stream_format, tick
 from enrich.source.fetch import SCHEMA_DDL, RangeReader
-from enrich.state import engine, ingest, rollups
+from enrich.state import corrections, engine, ingest, rollups
 from enrich.state.cache import TableCache
 from enrich.state.ingest import EventPacker
 from enrich.state.layout import BucketLayout
@@ -292,6 +292,9 @@ def initial_state(spark: SparkSession, pipeline: Pipeline, layout: BucketLayout,
                                           dim.state_name, schema))
     for name, rows in fork.gaps.items():  # the gap tables' rows, by device
         out = out.unionByName(_packed(rows, gap_engine.KEY, key_type, layout, name, None))
+    if fork.written is not None and pipeline.corrected:  # the kept chunks, split by the device's bucket
+        out = out.unionByName(fork.written.mapInArrow(
+            functools.partial(corrections.initial_written, ids=layout.ids, key=pipeline.cfg.state.key), INITIAL))
     return out
 
 

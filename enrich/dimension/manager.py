@@ -44,13 +44,17 @@ class _Dim:
 
 class Dimensions:
     """Driver-side owner of every dimension: bootstrap, follow, pin, ship. The datasets in ``history``
-    keep their versions that long (as-of joins: :class:`~enrich.dimension.history.HistoryState`)."""
+    keep their versions that long (as-of joins: :class:`~enrich.dimension.history.HistoryState`).
+    ``start``: where a checkpoint with no recorded batch bootstraps each dataset to (a fork: the
+    positions its savepoint's batch read to, so that its first batch applies what came after, as the
+    original job's next batch would); a dataset missing from it, to the end of its changelog."""
 
     def __init__(self, datasets: Mapping[str, str], columns: Mapping[str, Sequence[str] | None],
                  feed_factory: Callable[[str], ChangeFeed], versions: VersionLog, shipper: Shipper,
                  *, timeout: float = 60.0, history: Mapping[str, timedelta] | None = None,
-                 journal: Iterable[str] = ()) -> None:
+                 journal: Iterable[str] = (), start: Mapping[str, Positions] | None = None) -> None:
         self._factory = feed_factory
+        self._start = dict(start or {})
         self._history = dict(history or {})  # the as-of datasets: how far back they keep versions
         # The as-of datasets whose versions each pin reports (corrections: enrich.dimension.corrections).
         self._journal = frozenset(journal)
@@ -99,7 +103,8 @@ class Dimensions:
 
     def bootstrap(self) -> None:
         """Build every dimension before the first batch: to the positions of the last recorded batch
-        (a restart: that batch or the next one is what runs first), else to the end of each changelog."""
+        (a restart: that batch or the next one is what runs first), else to the ``start`` positions
+        given, else to the end of each changelog."""
         latest = self._versions.latest()
 
         def one(ds: str) -> _Dim:
@@ -108,6 +113,8 @@ class Dimensions:
             try:
                 if latest is not None and ds in latest[1]:
                     self._read_recorded(dim, latest[1][ds])
+                elif latest is None and ds in self._start:
+                    self._read_recorded(dim, self._start[ds])
                 else:
                     self._read_until_schema(dim)
             except BaseException:

@@ -15,8 +15,11 @@ job runs or not: never from a batch that has not committed. It is a directory of
 * ``gaps.parquet`` (with ``gaps:``): each state bucket's gap tables as the state step held them
   (``kind``: ``gaps`` or ``gaps_closed``, ``table``: Arrow IPC), re-routed to the fork's buckets
   when it starts; ``savepoint.json`` holds the partitions' times and silences the driver had;
+* ``written.parquet`` (with ``joins[].corrections``): the events each state bucket wrote within the
+  horizon, with their times and revisions (``table``: one chunk as Arrow IPC), re-routed to the
+  fork's buckets by device when it starts (:func:`enrich.state.corrections.initial_written`);
 * ``savepoint.json``: the batch id, the source offsets the batch read to (events and changelogs),
-  the broadcast dimensions' changelog positions, the watermark for the next batch, and the
+  the broadcast dimensions' changelog topics and positions, the watermark for the next batch, and the
   settings the checkpoint fixes (``state.key`` and its type, aggregates and their types, TTL,
   watermark, buckets, state partitions). Written last: a directory without it is no savepoint.
 
@@ -24,11 +27,12 @@ Nothing per device passes through the driver, either way: the buckets are read, 
 (:func:`enrich.ops.stateread.device_frame`) and written as Parquet by Spark's tasks, and
 ``savepoint.json`` is then written atomically by the driver (:mod:`refstream.atomic`). A fork
 (:meth:`Savepoint.fork`) starts a new checkpoint: the devices and dimension rows, read by Spark and
-packed per bucket on the executors, are the state step's initial state, the events
-and changelogs are read from the recorded offsets, and the step's watermark starts at the recorded
-one (:class:`enrich.state.stream.Fork`). A config that cannot continue the state is refused in one
-line naming the setting (:meth:`Savepoint.check`); an aggregate the savepoint does not hold starts
-empty (null until the device's next event).
+packed per bucket on the executors, are the state step's initial state, the events and changelogs
+are read from the recorded offsets (a corrected broadcast dataset bootstrapped to its recorded
+positions: :meth:`Savepoint.broadcast_start`), and the step's watermark starts at the recorded one
+(:class:`enrich.state.stream.Fork`). A config that cannot continue the state is refused in one line
+naming the setting (:meth:`Savepoint.check`); an aggregate the savepoint does not hold starts empty
+(null until the device's next event).
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ from pyspark.sql import functions as F
 from pyspark.sql.pandas.types import from_arrow_schema, to_arrow_schema
 
 from enrich.checkpoint import CheckpointLayout
+from enrich.columns import BUCKET
 from enrich.config import EnrichConfig
 from enrich.dimension.versions import FileVersionLog
 from enrich.ipc import from_ipc
@@ -60,7 +65,7 @@ from enrich.pipeline import Pipeline
 from enrich.rollups.spec import RollupSpec
 from enrich.sinks.gaps import recorded_start
 from enrich.source.offsets import from_json_offsets, to_json_offsets
-from enrich.state import engine, rollups
+from enrich.state import corrections, engine, rollups
 from enrich.state.engine import StateSpec
 from enrich.state.record import (
     PARTITIONS,
@@ -72,7 +77,7 @@ from enrich.state.record import (
     rollup_changes,
     rollup_record,
 )
-from enrich.state.stored import GAPS, GAPS_CLOSED, stored_spec
+from enrich.state.stored import GAPS, GAPS_CLOSED, WRITTEN, stored_spec
 from enrich.state.stream import Fork
 from refstream.atomic import write_json_atomic
 from refstream.errors import ConfigError, DataError
@@ -83,6 +88,7 @@ log = logging.getLogger(__name__)
 
 FORMAT = 1
 META, STATE, ROLLUPS_FILE, GAPS_FILE = "savepoint.json", "state.parquet", "rollups.parquet", "gaps.parquet"
+WRITTEN_FILE = "written.parquet"
 _DIMS = "dimensions"
 _TS = pa.timestamp("us", tz="UTC")
 _TS_TYPE_CONF = "spark.sql.parquet.outputTimestampType"
@@ -154,7 +160,8 @@ def take(cfg: EnrichConfig, to: str | Path, *, spark: SparkSession | None = None
         "taken_at": datetime.now(UTC).isoformat(timespec="seconds"),
         "watermark_ms": _next_watermark(ck, batch_id),
         "events": {"topic": cfg.events.topic, "offsets": _offsets(sources, cfg.events.topic)},
-        "broadcast": {ds: {str(p): o for p, o in pos.items()}
+        "broadcast": {ds: {"topic": pipeline.broadcast_datasets[ds],
+                           "positions": {str(p): o for p, o in pos.items()}}
                       for ds, pos in (FileVersionLog(ck.dimensions, create=False).get(batch_id) or {}).items()
                       if ds in pipeline.broadcast_datasets},
         "partitioned": [],
@@ -194,6 +201,10 @@ def take(cfg: EnrichConfig, to: str | Path, *, spark: SparkSession | None = None
                           finals.select(F.lit(r.name).alias("rollup"), F.col(f"{element}.table").alias("windows"))]
             windows = functools.reduce(DataFrame.unionByName, parts).where(F.length("windows") > 0)
             _write_parquet(spark, windows, directory / ROLLUPS_FILE)
+        if pipeline.corrected:  # the events written within the horizon, which the fork goes on correcting
+            meta["written"] = {"rows": WRITTEN_FILE,
+                               "chunks": _write_parquet(spark, _written_chunks(spark, ck, batch_id),
+                                                        directory / WRITTEN_FILE)}
         write_json_atomic(directory / META, meta)
     except BaseException:
         # Leave the directory as it was (empty, or absent), so that the command can simply run again.
@@ -269,18 +280,18 @@ class Savepoint:
         rows would not fit the step's state), a rollup (``rollup_specs``) the savepoint holds under its
         name with other keys, window, horizon or metrics. Added aggregates, another TTL, watermark,
         bucket count or number of state partitions, a partitioned join or a rollup added or removed are
-        fine (an added rollup starts empty). A join with ``corrections`` is refused: a savepoint does
-        not hold the events the job wrote within the horizon, so the fork could not correct them."""
+        fine (an added rollup starts empty). A fork with ``corrections`` goes on correcting the events
+        the savepoint holds (:data:`WRITTEN_FILE`); from a savepoint of a job without them, it corrects
+        only what it writes itself, and says so in a warning."""
         if cfg.state is None:
             raise SavepointRefused(f"{cfg.source}: no state: section; a savepoint starts a job's device state")
         assert spec is not None
         saved, where = self.meta["state"], f"the savepoint {self.directory}"
         corrected = [i for i, j in enumerate(cfg.joins) if j.corrections is not None]
-        if corrected:
-            raise SavepointRefused(
-                f"{cfg.source}: joins[{corrected[0]}].corrections: {where} does not hold the events the job wrote "
-                "within the horizon, and a fork would leave them uncorrected; fork without corrections, or move "
-                "the state to other state partitions in place with enrich rescale, which keeps them")
+        if corrected and "written" not in self.meta:
+            log.warning("%s: joins[%d].corrections: %s was taken of a job without corrections and holds no events "
+                        "it wrote; the fork corrects only the events it writes itself", cfg.source, corrected[0],
+                        where)
         if saved["key"] != cfg.state.key:
             raise SavepointRefused(f"{cfg.source}: state.key is {cfg.state.key!r}; {where} keeps device state by "
                                    f"{saved['key']!r}")
@@ -347,6 +358,10 @@ class Savepoint:
         rows = self.directory / str(self.meta.get("rollups", {}).get("rows", ROLLUPS_FILE))
         if st.rollups and _has_rows(rows):
             windows = spark.read.schema(rollups.SAVED).parquet(str(rows))
+        written = None
+        rows = self.directory / str(self.meta.get("written", {}).get("rows", WRITTEN_FILE))
+        if pipeline.corrected and _has_rows(rows):
+            written = spark.read.parquet(str(rows))
         gaps: dict[str, DataFrame] = {}
         rows = self.directory / str(self.meta.get("gaps", {}).get("rows", GAPS_FILE))
         if st.gaps is not None and _has_rows(rows):
@@ -355,13 +370,22 @@ class Savepoint:
                 gaps[name] = saved_gaps.where(F.col("kind") == F.lit(name)).select("table").mapInArrow(
                     functools.partial(_gap_rows, schema=schema), from_arrow_schema(schema))
         return self.events_start, Fork(devices=devices, dims=dims, changelogs=changelogs, floor_us=self.floor_us,
-                                       rollups=windows, gaps=gaps)
+                                       rollups=windows, gaps=gaps, written=written)
 
     @property
     def gaps_driver(self) -> dict[str, Any] | None:
         """The partitions' times and silences the savepoint's job had (None: it had no gaps)."""
         got = self.meta.get("gaps", {}).get("driver")
         return dict(got) if isinstance(got, dict) else None
+
+    def broadcast_start(self, cfg: EnrichConfig) -> dict[str, dict[int, int]]:
+        """Where a fork of ``cfg`` bootstraps each broadcast dataset it corrects: the changelog
+        positions the savepoint's batch read to (the same topic only), so that its first batch
+        applies what came after as changes, which correct the events the savepoint holds. The
+        other datasets bootstrap to their changelogs' ends: their first batch reads to there anyway."""
+        corrected = {j.dataset: j.topic for j in cfg.broadcast_joins if j.corrections is not None}
+        return {ds: {int(p): int(o) for p, o in got["positions"].items()}
+                for ds, got in self.meta.get("broadcast", {}).items() if corrected.get(ds) == got["topic"]}
 
     @property
     def events_start(self) -> str:
@@ -380,6 +404,19 @@ def _has_rows(path: Path) -> bool:
     """Whether the Parquet file or dataset directory ``path`` has a data file (Spark writes none
     for a DataFrame of no partitions)."""
     return path.is_file() or any(path.glob("*.parquet"))
+
+
+def _written_chunks(spark: SparkSession, ck: CheckpointLayout, batch_id: int) -> DataFrame:
+    """Every bucket's kept chunks of written events (the state step's ``written`` map) after
+    ``batch_id``, each with its revisions applied: one row per chunk, ``table`` its Arrow IPC."""
+    kept = stateread.scan(spark, ck, batch_id, WRITTEN)
+    bucket, chunk = F.col(f"key.{BUCKET}"), F.col("user_map_key.chunk")
+    rows = kept.where(chunk >= 0).select(bucket.alias("b"), chunk.alias("chunk"), F.col("user_map_value.rows"))
+    # the chunk of a revisions key, as enrich.state.stored.revisions_key maps it (its own inverse)
+    revised = kept.where(chunk < 0).select(bucket.alias("b"), (-chunk - 1).alias("chunk"),
+                                           F.col("user_map_value.rows").alias("revisions"))
+    return rows.join(revised, ["b", "chunk"], "left").select("rows", "revisions").mapInArrow(
+        corrections.saved_chunks, "table binary")
 
 
 def _stored_rows(batches: Iterator[pa.RecordBatch], *, spec: StateSpec, key: str,

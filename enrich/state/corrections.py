@@ -12,7 +12,7 @@ give two revisions, in join order). Pure: Arrow and numpy, no Spark.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,14 +21,16 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from enrich.columns import CAUSE, KEY_BYTES, KIND, KIND_CORRECTION, KIND_EVENT, RETRACTED, REVISION
+from enrich.columns import BUCKET, CAUSE, KEY_BYTES, KIND, KIND_CORRECTION, KIND_EVENT, RETRACTED, REVISION
 from enrich.dimension.corrections import NO_BOUND_END, NO_BOUND_START, QUIET, changes_file
-from enrich.ipc import from_ipc
+from enrich.ipc import from_ipc, to_ipc
 from enrich.joins import JoinSpec, event_keys, row_keys
+from enrich.state.hashing import buckets_of
+from enrich.state.stored import WRITTEN
 
 __all__ = ["CAUSE_TYPE", "MERGE_AT", "NO_BOUND_END", "NO_BOUND_START", "REVISIONS_SCHEMA", "SMALL_ROWS", "TS",
-           "Corrects", "Matched", "as_events", "emitted", "horizon_start", "keep", "match", "read_changes", "revisions",
-           "with_revisions"]
+           "Corrects", "Matched", "as_events", "emitted", "horizon_start", "initial_written", "keep", "match",
+           "read_changes", "revisions", "saved_chunks", "with_revisions"]
 
 #: A bucket's kept events are chunks, one per batch that wrote some; this many small ones (fewer
 #: rows than :data:`SMALL_ROWS`) are merged into one, so that a bucket holds few chunks whatever
@@ -134,6 +136,36 @@ def with_revisions(chunk: pa.Table, revised: pa.Table | None) -> pa.Table:
     rows = revised.column("row").to_numpy(zero_copy_only=False)
     rev[rows] = np.maximum(rev[rows], revised.column("revision").to_numpy(zero_copy_only=False))
     return chunk.set_column(chunk.schema.get_field_index(REVISION), REVISION, pa.array(rev, pa.int32()))
+
+
+def saved_chunks(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
+    """``mapInArrow`` for a savepoint: kept chunks (``rows``, their Arrow IPC) and their revisions
+    (``revisions``, null: none) as one ``table`` each, the revisions applied; a row per output
+    batch, whatever the chunks' sizes."""
+    for batch in batches:
+        for rows, revs in zip(batch.column("rows").to_pylist(), batch.column("revisions").to_pylist(), strict=True):
+            table = with_revisions(from_ipc(rows), from_ipc(revs) if revs is not None else None)
+            yield pa.RecordBatch.from_arrays([pa.array([to_ipc(table)], pa.binary())], names=["table"])
+
+
+def initial_written(batches: Iterator[pa.RecordBatch], *, ids: tuple[int, ...], key: str) -> Iterator[pa.RecordBatch]:
+    """``mapInArrow`` for a fork: a savepoint's kept chunks (``table``, see :func:`saved_chunks`) as
+    the state step's initial state (:data:`enrich.state.stream.INITIAL` rows of kind
+    :data:`enrich.state.stored.WRITTEN`): each event in the bucket its device (the ``key`` column)
+    routes to under the new checkpoint's grouping keys ``ids``, as events are hashed
+    (:meth:`enrich.state.layout.BucketLayout.of`); a row per piece."""
+    grouping = np.asarray(ids, dtype=np.int32)
+    for batch in batches:
+        for value in batch.column("table").to_pylist():
+            chunk = from_ipc(value)
+            if key not in chunk.column_names:
+                raise ValueError(f"a savepoint's written events have no column {key!r} (state.key) to route them by")
+            routed = grouping[buckets_of(chunk.column(key), len(ids))]
+            for b in np.unique(routed).tolist():
+                yield pa.RecordBatch.from_arrays(
+                    [pa.array([b], pa.int32()), pa.array([WRITTEN], pa.string()),
+                     pa.array([to_ipc(chunk.filter(pa.array(routed == b)))], pa.binary()), pa.nulls(1, pa.binary())],
+                    names=[BUCKET, "kind", "table", "schema"])
 
 
 @dataclass(frozen=True)

@@ -90,6 +90,7 @@ from enrich.state.stored import (
     WRITTEN,
     WRITTEN_INDEX_SCHEMA,
     bucket_table,
+    revisions_key,
 )
 from enrich.state.timers import keep_one_timer, watermark_us
 from enrich.worker import settle
@@ -273,7 +274,7 @@ class DeviceStateProcessor(StatefulProcessor):
                     continue
                 found = corrections.match(got, changes, watermark)
                 if found is not None:  # the chunk's revisions written back, not its rows
-                    self.written.updateValue((_revisions_key(c[0]),), (to_ipc(corrections.revisions(found.log)),))
+                    self.written.updateValue((revisions_key(c[0]),), (to_ipc(corrections.revisions(found.log)),))
                     fixed.append(found.rows)
         if gone:
             self._store_index(index["next"], chunks)
@@ -295,12 +296,12 @@ class DeviceStateProcessor(StatefulProcessor):
         got = self.written.getValue((chunk,))
         if got is None:
             return None
-        revised = self.written.getValue((_revisions_key(chunk),))
+        revised = self.written.getValue((revisions_key(chunk),))
         return corrections.with_revisions(from_ipc(bytes(got[0])), from_ipc(bytes(revised[0])) if revised else None)
 
     def _drop_chunk(self, chunk: int) -> None:
         self.written.removeKey((chunk,))
-        self.written.removeKey((_revisions_key(chunk),))
+        self.written.removeKey((revisions_key(chunk),))
 
     def _index(self) -> dict[str, Any]:
         got = self.written_index.get()
@@ -311,6 +312,14 @@ class DeviceStateProcessor(StatefulProcessor):
             self.written_index.update((json.dumps({"next": next_id, "chunks": chunks}),))
         else:
             self.written_index.clear()
+
+    def _add_chunk(self, kept: pa.Table, chunks: list[list[int]], next_id: int) -> None:
+        """``kept`` (written events with their times and revisions) stored as chunk ``next_id``, after
+        the index's ``chunks``."""
+        times = kept.column(corrections.TS)
+        self.written.updateValue((next_id,), (to_ipc(kept),))
+        chunks = [*chunks, [next_id, kept.num_rows, int(pc.min(times).as_py()), int(pc.max(times).as_py())]]
+        self._store_index(next_id + 1, chunks)
 
     def _keep_written(self, out: pa.Table, table: pa.Table) -> pa.Table:
         """``out`` (this batch's output rows; ``table`` their input rows) kept for corrections (the
@@ -333,10 +342,7 @@ class DeviceStateProcessor(StatefulProcessor):
                     self._drop_chunk(c[0])
                 kept = pa.concat_tables([*parts, kept], promote_options="permissive")
                 chunks = [c for c in chunks if c[1] >= corrections.SMALL_ROWS]
-            times = kept.column(corrections.TS)
-            self.written.updateValue((next_id,), (to_ipc(kept),))
-            chunks.append([next_id, kept.num_rows, int(pc.min(times).as_py()), int(pc.max(times).as_py())])
-            self._store_index(next_id + 1, chunks)
+            self._add_chunk(kept, chunks, next_id)
         return corrections.as_events(out)
 
     def _with_rollups(self, bucket: int, out: pa.Table, timer_values: TimerValues) -> pd.DataFrame:
@@ -466,9 +472,10 @@ class DeviceStateProcessor(StatefulProcessor):
                            timerValues: TimerValues) -> None:
         """A forked job's first batch (:func:`enrich.query.initial_state`): the bucket's rows
         of the savepoint, ``kind`` :data:`STATE_NAME` (devices, in the stored layout), a partitioned
-        dimension's state name (its rows and published schema) or a gap table's (:data:`GAPS`,
-        :data:`GAPS_CLOSED`), each as Arrow IPC bytes; merged into
-        what the bucket holds (PySpark may hand a bucket's rows over in several calls)."""
+        dimension's state name (its rows and published schema), a gap table's (:data:`GAPS`,
+        :data:`GAPS_CLOSED`) or written events kept for corrections (:data:`WRITTEN`: a chunk of
+        its own), each as Arrow IPC bytes; merged into what the bucket holds (PySpark may hand a
+        bucket's rows over in several calls)."""
         settle()
         for kind, data, schema in zip(initialState["kind"], initialState["table"], initialState["schema"],
                                       strict=True):
@@ -484,6 +491,11 @@ class DeviceStateProcessor(StatefulProcessor):
                 if got is not None:
                     rows = pa.concat_tables([from_ipc(got[0]), rows.cast(from_ipc(got[0]).schema)])
                 var.update((to_ipc(rows),))
+                continue
+            if kind == WRITTEN:
+                if self.corrected and rows.num_rows:
+                    index = self._index()
+                    self._add_chunk(rows, index["chunks"], index["next"])
                 continue
             i = next(n for n, d in enumerate(self.dims) if d.state_name == kind)
             version = self._dimension(i, None)
@@ -638,11 +650,6 @@ def _gap_times() -> tuple[dict[int, int], int | None]:
 
 
 # The batch's changes, read once per Python worker and batch (every bucket of the batch asks).
-def _revisions_key(chunk: int) -> int:
-    """The key of chunk ``chunk``'s revisions in the ``written`` map (chunks' keys count up from 0)."""
-    return -chunk - 1
-
-
 _CHANGES: dict[str, list[tuple[corrections.Corrects, pa.Table]]] = {}
 
 

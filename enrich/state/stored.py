@@ -48,6 +48,12 @@ WRITTEN = "written"
 CHUNK_KEY_SCHEMA = StructType([StructField("chunk", LongType(), False)])
 CHUNK_SCHEMA = StructType([StructField("rows", BinaryType(), False)])
 WRITTEN_INDEX_SCHEMA = StructType([StructField("index", StringType(), False)])
+
+
+def revisions_key(chunk: int) -> int:
+    """The key of chunk ``chunk``'s revisions in the :data:`WRITTEN` map (chunks' keys count up from
+    0); its own inverse: the chunk of a revisions key."""
+    return -chunk - 1
 #: The state variables of a bucket's gaps (``enrich.gaps.engine``: its devices, its closed gaps;
 #: VALUE_SCHEMA tables), when the job has ``gaps:``.
 GAPS, GAPS_CLOSED = "gaps", "gaps_closed"

@@ -67,8 +67,10 @@ class Fork:
     partitioned dimension's rows and published schema (JSON) by state name, all read by Spark;
     ``changelogs`` the Spark starting offsets of their changelog topics (a topic missing: from the
     earliest), ``floor_us`` the savepoint job's watermark (event time, microseconds; None: it had
-    none), ``rollups`` the rollups' windows (:data:`enrich.state.rollups.SAVED`; None: none), and
-    ``gaps`` the gap tables' rows by state variable (``gaps``, ``gaps_closed``; empty: none)."""
+    none), ``rollups`` the rollups' windows (:data:`enrich.state.rollups.SAVED`; None: none),
+    ``gaps`` the gap tables' rows by state variable (``gaps``, ``gaps_closed``; empty: none), and
+    ``written`` the events written within the corrections' horizon, one kept chunk per row
+    (:func:`enrich.state.corrections.saved_chunks`; None: none)."""
 
     devices: DataFrame
     dims: Mapping[str, tuple[DataFrame, bytes]]
@@ -76,6 +78,7 @@ class Fork:
     floor_us: int | None
     rollups: DataFrame | None = None
     gaps: Mapping[str, DataFrame] = dataclasses.field(default_factory=dict)
+    written: DataFrame | None = None
 
 
 def prepare(spark: SparkSession, cfg: EnrichConfig, ck: CheckpointLayout, spec: StateSpec,

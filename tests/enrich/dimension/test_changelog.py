@@ -134,6 +134,40 @@ def test_pinned_versions_replay_exactly(spark: SparkSession, kafka: dict[str, st
     again.close()
 
 
+def test_a_new_checkpoints_bootstrap_stops_at_the_start_positions_given(
+        spark: SparkSession, kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path) -> None:
+    """A fork bootstraps a dataset to its savepoint's positions (``start``) and its first pin reads
+    on from there; a checkpoint with a recorded batch ignores ``start``, as does a dataset not in it."""
+    topic, other = unique("ref.devices"), unique("ref.others")
+    publish(kafka, topic, changelog(SCHEMA, [{"device_id": "d1", "owner": "v1"}]))
+    publish(kafka, other, changelog(SCHEMA, [{"device_id": "d1", "owner": "o1"}]))
+
+    def dims(name: str, start: dict[str, dict[int, int]] | None = None) -> Dimensions:
+        return Dimensions({"devices": topic, "others": other}, {"devices": None, "others": None},
+                          lambda t: ChangelogFollower(kafka, t), FileVersionLog(tmp_path / name),
+                          Shipper(spark.sparkContext), timeout=bound(10), start=start)
+
+    saved = dims("original")
+    saved.pin(0)
+    saved.close()
+    at = FileVersionLog(tmp_path / "original").get(0)
+    assert at is not None
+    publish(kafka, topic, changelog(SCHEMA, [{"device_id": "d1", "owner": "v2"}], version=2, with_schema=False))
+    publish(kafka, other, changelog(SCHEMA, [{"device_id": "d1", "owner": "o2"}], version=2, with_schema=False))
+
+    fork = dims("fork", {"devices": at["devices"]})
+    fork.bootstrap()
+    assert owners(fork.state("devices")) == {"d1": "v1"}    # to the start positions
+    assert owners(fork.state("others")) == {"d1": "o2"}     # not in start: to the end
+    fork.pin(0)
+    assert owners(fork.state("devices")) == {"d1": "v2"}    # the first pin reads on
+    fork.close()
+    again = dims("fork", {"devices": at["devices"]})        # batch 0 recorded: its positions win
+    again.bootstrap()
+    assert owners(again.state("devices")) == {"d1": "v2"}
+    again.close()
+
+
 def test_a_read_cut_short_never_pins_a_position_inside_a_transaction(kafka: dict[str, str],
                                                                      unique: Callable[[str], str]) -> None:
     """A committed refresh larger than one fetch, then one still open. The embedded broker lists the

@@ -121,17 +121,26 @@ def test_refused_for_a_job_whose_joins_wait(tmp_path: Path, capsys: pytest.Captu
     assert not (tmp_path / "new").exists()
 
 
-def test_a_fork_with_corrections_is_refused_naming_the_join(tmp_path: Path) -> None:
-    """A savepoint holds no written events: a fork that corrects would leave those before it uncorrected."""
-    point = saved(tmp_path)
+def test_a_fork_with_corrections_of_a_savepoint_without_written_events_is_warned_of(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A savepoint of a job with corrections holds its written events and a fork goes on correcting
+    them (tests/enrich/state/test_corrections_job.py); one of a job without them holds none: the fork
+    starts, and a warning says that it corrects only what it writes itself."""
     joins = [{"dataset": "owners", "on": "device_id"},
              {"dataset": "devices", "on": "device_id", "as_of": True, "corrections": {"horizon": "1h"}}]
     state = {"key": "device_id", "timestamp": "ts", "aggregates": {"temp": ["last", "mean"]}}
-    with pytest.raises(SavepointRefused, match=r"joins\[1\]\.corrections: the savepoint .* does not hold the events "
-                                               r"the job wrote within the horizon.*fork without corrections"):
-        point.check(config.load(write_config(tmp_path, joins=joins, state=state)), SPEC)
-    off = [joins[0], {**joins[1], "corrections": None}]
-    point.check(config.load(write_config(tmp_path / "off", joins=off, state=state)), SPEC)
+    cfg = config.load(write_config(tmp_path, joins=joins, state=state))
+    with caplog.at_level("WARNING", logger="enrich.ops.savepoint"):
+        saved(tmp_path).check(cfg, SPEC)
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{cfg.source}: joins[1].corrections: the savepoint {tmp_path} was taken of a job without corrections and "
+        "holds no events it wrote; the fork corrects only the events it writes itself"]
+    caplog.clear()
+    holding = saved(tmp_path)
+    holding.meta["written"] = {"rows": sp.WRITTEN_FILE, "chunks": 0}
+    with caplog.at_level("WARNING", logger="enrich.ops.savepoint"):
+        holding.check(cfg, SPEC)
+    assert not caplog.records
 
 
 def test_a_rollup_the_savepoint_holds_must_keep_its_layout(tmp_path: Path) -> None:

@@ -9,8 +9,21 @@ import pyarrow as pa
 
 from enrich.columns import CAUSE, REVISION
 from enrich.dimension.corrections import NO_BOUND_END, NO_BOUND_START
+from enrich.ipc import from_ipc, to_ipc
 from enrich.joins import JoinSpec
-from enrich.state.corrections import REVISIONS_SCHEMA, TS, Corrects, keep, match, revisions, with_revisions
+from enrich.state.corrections import (
+    REVISIONS_SCHEMA,
+    TS,
+    Corrects,
+    initial_written,
+    keep,
+    match,
+    revisions,
+    saved_chunks,
+    with_revisions,
+)
+from enrich.state.layout import BucketLayout
+from enrich.state.stored import WRITTEN
 from tests.enrich.dimension.test_corrections import MIN, T0, Log, us
 
 DEVICES = JoinSpec("devices", (("device_id", "device_id"),), (pa.string(),), (("site_id", "site_id"),),
@@ -89,6 +102,35 @@ def test_a_chunks_revisions_kept_apart_give_back_what_match_left() -> None:
     assert with_revisions(log, revisions(again.log)).column(REVISION).to_pylist() == [1, 0, 2, 1]
     # A merged chunk holds revisions in its rows: the kept ones never go back.
     assert with_revisions(again.log, revised).column(REVISION).to_pylist() == [1, 0, 2, 1]
+
+
+def test_a_savepoints_chunks_carry_their_revisions_and_a_fork_routes_each_event_to_its_devices_bucket() -> None:
+    """A savepoint writes each kept chunk with its revisions applied (:func:`saved_chunks`); a fork
+    splits each chunk by the bucket its events' devices fall in under its own layout
+    (:func:`initial_written`), the one their events are hashed to: every event once, in its bucket."""
+    devices = [f"d{i}" for i in range(40)]
+    log = keep(None, events(devices, list(range(40)), list(range(40))), times(list(range(40))), us(T0 - 60 * MIN))
+    assert log is not None
+    at = us(T0 + 10 * MIN)
+    got = match(log, [(BY_DEVICE, change_table("device_id", [("d12", at, at, NO_BOUND_END, "corrected")]))])
+    assert got is not None
+    saved = list(saved_chunks(iter([pa.RecordBatch.from_pydict(
+        {"rows": pa.array([to_ipc(log), to_ipc(log.slice(0, 3))], pa.binary()),
+         "revisions": pa.array([to_ipc(revisions(got.log)), None], pa.binary())})])))
+    tables = [from_ipc(v) for b in saved for v in b.column("table").to_pylist()]
+    assert len(tables) == 2 and tables[0].equals(got.log) and tables[1].equals(log.slice(0, 3))
+
+    layout = BucketLayout.even(8)
+    want = dict(zip(devices, layout.of(pa.array(devices)).tolist(), strict=True))
+    assert len(set(want.values())) > 1   # the devices are spread: the test routes, not copies
+    out = pa.Table.from_batches(list(initial_written(iter(saved[:1]), ids=layout.ids, key="device_id")))
+    assert set(out.column("kind").to_pylist()) == {WRITTEN} and out.column("schema").null_count == out.num_rows
+    seen = []
+    for bucket, value in zip(out.column("_bucket").to_pylist(), out.column("table").to_pylist(), strict=True):
+        piece = from_ipc(value)
+        assert {want[d] for d in piece.column("device_id").to_pylist()} == {bucket}
+        seen += [(r["device_id"], r[REVISION]) for r in piece.to_pylist()]
+    assert sorted(seen) == sorted((d, 1 if d == "d12" else 0) for d in devices)
 
 
 def test_unchanged_versions_and_other_keys_correct_nothing() -> None:

@@ -21,6 +21,7 @@ from pyspark.sql import SparkSession
 from enrich import config
 from enrich.job import EnrichJob
 from enrich.ops.rescale import rescale
+from enrich.ops.savepoint import take
 from refresh.config import load_config
 from refresh.runner import Refresher
 from tests.enrich.helpers import produce_events, read_all
@@ -112,6 +113,35 @@ def forget_last_batch(checkpoint: Path) -> int:
         f.unlink()
         (f.parent / f".{f.name}.crc").unlink(missing_ok=True)
     return last
+
+
+def fork_goes_on_correcting(spark: SparkSession, kafka: dict[str, str], unique: Callable[[str], str],
+                            tmp_path: Path, devices: Devices, live: dict[str, Any],
+                            records: Callable[[], list[dict[str, Any]]]) -> None:
+    """A savepoint of ``live`` (its events 2 and 3 corrected once, in buckets it rescaled), a second
+    backdated move and a later event, then a job forked from the savepoint onto 8 buckets where
+    the original had 4: it writes what the original wrote after the savepoint, the second
+    correction of event 3 (revision 2: the savepoint held its revision) and event 7. Its dimension
+    starts at the savepoint's positions; the move reaches its first batch as a change."""
+    point = tmp_path / "savepoint"
+    take(config.parse(live, "test.yaml"), point, spark=spark)
+    before = records()
+    devices.move("s-7", devices.t0 + timedelta(minutes=15))
+    produce_events(kafka, devices.topics["events"], [{"device_id": 2, "ts": iso(devices.t0 + timedelta(minutes=26)),
+                                                      "n": 7}])
+    EnrichJob(config.parse(live, "test.yaml"), available_now=True).run(spark)
+
+    def order(r: dict[str, Any]) -> tuple[int, int]:
+        return r["n"], r["_revision"]
+
+    after = sorted((r for r in records() if r not in before), key=order)
+    assert [(r["n"], r["_kind"], r["_revision"], r["site"]) for r in after] == [
+        (3, "correction", 2, "s-7"), (7, "event", 0, "s-2")]
+    fork = job_config(kafka, unique, tmp_path, devices.topics, "fork",
+                      {"parquet": {"path": str(tmp_path / "fork_out")}})
+    fork["state"]["buckets"] = 8
+    EnrichJob(config.parse(fork, "test.yaml"), available_now=True, from_savepoint=point).run(spark)
+    assert sorted(parquet_records(tmp_path / "fork_out"), key=order) == after
 
 
 @dataclass
@@ -216,6 +246,8 @@ def test_a_backdated_change_corrects_the_events_written_before_it_and_equals_a_f
     if sink != "kafka":  # the oracle's answer (below, with Kafka), which every output must give
         assert corrected == {1: ("s-2", True), 2: ("s-6", True), 3: ("s-6", True), 4: ("s-2", True),
                              5: (None, False), 6: ("s-2", True)}
+        if sink == "parquet":
+            fork_goes_on_correcting(spark, kafka, unique, tmp_path, devices, live, records)
         return
     # The oracle: a fresh job over the same events, after the change, writes what the corrected output says.
     fresh_topic = unique("fresh")
