@@ -54,7 +54,7 @@ def produce(settings: dict[str, str], topic: str, rows: list[tuple[bytes | None,
 def run_available_now(spark: SparkSession, df, name: str, checkpoint: str) -> list:  # noqa: ANN001
     q = (df.writeStream.format("memory").queryName(name).option("checkpointLocation", checkpoint)
          .trigger(availableNow=True).start())
-    assert q.awaitTermination(180), "query did not finish"
+    assert q.awaitTermination(bound(180)), "query did not finish"
     assert q.exception() is None
     return q.recentProgress
 
@@ -113,7 +113,7 @@ def test_restart_from_checkpoint_continues_without_loss_or_duplicates(spark, kaf
         df = read_stream(spark, kafka, [topic], starting_offsets="latest", max_offsets_per_trigger=300)
         q = (df.select("value", "partition", "offset").writeStream.format("parquet")
              .option("path", out).option("checkpointLocation", cp).trigger(availableNow=True).start())
-        assert q.awaitTermination(180) and q.exception() is None
+        assert q.awaitTermination(bound(180)) and q.exception() is None
 
     run()  # starts at "latest": nothing produced before the first start is read
     first = produce(kafka, topic, [(None, b"a%d" % i, i % 2) for i in range(1000)])
@@ -137,7 +137,7 @@ def test_topics_and_partitions_that_appear_later_are_read_from_their_beginning(s
         df = read_stream(spark, kafka, [first, later], starting_offsets="latest")
         q = (df.select("topic", "value").writeStream.format("parquet").option("path", out)
              .option("checkpointLocation", cp).trigger(availableNow=True).start())
-        assert q.awaitTermination(180) and q.exception() is None
+        assert q.awaitTermination(bound(180)) and q.exception() is None
 
     run()  # `later` does not exist yet; `first` starts at its end
     ensure_topic(kafka, later, partitions=2)
@@ -233,7 +233,7 @@ def test_missing_options_are_named(spark):
     for make, needle in zip(bad, ["kafka.bootstrap.servers", "subscribe"], strict=True):
         with pytest.raises(Exception, match=needle):
             df = make()
-            df.writeStream.format("memory").queryName("never").start().awaitTermination(30)
+            df.writeStream.format("memory").queryName("never").start().awaitTermination(bound(30))
 
 
 def test_builtin_switch_uses_sparks_kafka_format_with_the_same_options(spark, kafka):

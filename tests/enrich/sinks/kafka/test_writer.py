@@ -9,6 +9,7 @@ from confluent_kafka import KafkaException, Producer
 from enrich.query import read_stream
 from enrich.sinks.kafka.writer import TransactionalBatchWriter, transactional_id_for
 from refstream.kafka import ensure_topic, read_to_end
+from tests.timing import bound
 
 HEADERS = pa.list_(pa.struct([("key", pa.string()), ("value", pa.binary())]))
 
@@ -133,14 +134,16 @@ def test_foreach_batch_failure_after_commit_and_restart_writes_each_event_once(s
         q = (df.writeStream.foreachBatch(sink).option("checkpointLocation", cp)
              .trigger(availableNow=True).start())
         try:
-            q.awaitTermination(180)
+            q.awaitTermination(bound(180))
         except Exception as exc:  # noqa: BLE001 - the planned crash surfaces here
             return exc
         finally:
             w.close()
         return q.exception()
 
-    assert run() is not None  # batch 1 reached Kafka, Spark never recorded it
-    assert run() is None  # replays batch 1 (skipped), then batch 2
+    first = run()  # batch 1 reached Kafka, Spark never recorded it
+    assert first is not None and "crash after the Kafka commit" in str(first), first
+    again = run()  # replays batch 1 (skipped), then batch 2
+    assert again is None, again
     got = values(kafka, out)
     assert len(got) == 600 and sorted(got) == sorted(b"e%d" % i for i in range(600))
