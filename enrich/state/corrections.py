@@ -25,7 +25,7 @@ from enrich.columns import BUCKET, CAUSE, KEY_BYTES, KIND, KIND_CORRECTION, KIND
 from enrich.dimension.corrections import NO_BOUND_END, NO_BOUND_START, QUIET, changes_file
 from enrich.ipc import from_ipc, to_ipc
 from enrich.joins import JoinSpec, event_keys, row_keys
-from enrich.state.hashing import buckets_of
+from enrich.state.layout import BucketLayout
 from enrich.state.stored import WRITTEN
 
 __all__ = ["CAUSE_TYPE", "MERGE_AT", "NO_BOUND_END", "NO_BOUND_START", "REVISIONS_SCHEMA", "SMALL_ROWS", "TS",
@@ -154,13 +154,13 @@ def initial_written(batches: Iterator[pa.RecordBatch], *, ids: tuple[int, ...], 
     :data:`enrich.state.stored.WRITTEN`): each event in the bucket its device (the ``key`` column)
     routes to under the new checkpoint's grouping keys ``ids``, as events are hashed
     (:meth:`enrich.state.layout.BucketLayout.of`); a row per piece."""
-    grouping = np.asarray(ids, dtype=np.int32)
+    layout = BucketLayout(ids)
     for batch in batches:
         for value in batch.column("table").to_pylist():
             chunk = from_ipc(value)
             if key not in chunk.column_names:
                 raise ValueError(f"a savepoint's written events have no column {key!r} (state.key) to route them by")
-            routed = grouping[buckets_of(chunk.column(key), len(ids))]
+            routed = layout.of(chunk.column(key))
             for b in np.unique(routed).tolist():
                 yield pa.RecordBatch.from_arrays(
                     [pa.array([b], pa.int32()), pa.array([WRITTEN], pa.string()),
