@@ -21,7 +21,8 @@ COPY enrich ./enrich
 COPY demo ./demo
 # The refresher and the job (the `enrich` extra: PySpark, pandas), at the versions CI tests
 # (constraints.txt). The simulator needs nothing more; the embedded broker (`demo` extra) is not needed.
-RUN pip install -c constraints.txt '.[enrich]'
+RUN pip install -c constraints.txt '.[enrich]' \
+ && python -m enrich compile-pyspark
 COPY conf ./conf
 
 # Spark writes scratch files under its working directory and home: both must be writable.

@@ -29,8 +29,11 @@ venv: $(VENV)/.installed
 # leaves it to each interpreter, and where PYTHONDONTWRITEBYTECODE is set (CI images often set it)
 # every process of every job - the driver, the Python daemons, PySpark's runners - compiles them
 # again, about a tenth of a CPU second each. compileall writes only what changed.
+# PySpark's own modules too: Spark starts its Python processes with its pyspark.zip first on their
+# path, and that zip holds sources only (enrich/ops/pyspark_zip.py).
 bytecode: venv
 	$(VPY) -m compileall -q -j 0 refstream refresh enrich demo bench tests
+	$(VPY) -m enrich compile-pyspark
 
 demo: bytecode
 	$(VPY) -m demo $(ARGS)

@@ -2,7 +2,8 @@
 ``enrich validate --config conf/enrich.yaml [--connect]``, ``enrich status --config F [--json] [--check
 --max-age 10m]``, ``enrich lookup --config F DATASET KEY [--batch N]``, ``enrich lookup --config F --state
 DEVICE [--batch N]``, ``enrich lookup --config F --rollup NAME --key V [--limit N]``, ``enrich rescale --config F --partitions N [--master M]``, ``enrich savepoint --config F
---to DIR [--master M]``, ``enrich run --config F --from-savepoint DIR``; ``--version``,
+--to DIR [--master M]``, ``enrich run --config F --from-savepoint DIR``, ``enrich compile-pyspark
+[--spark-home DIR]``; ``--version``,
 ``--log-format text|json``.
 
 Also runs under ``spark-submit`` (``spark-submit -m enrich`` is not a thing; submit ``enrich/__main__.py``
@@ -24,7 +25,7 @@ from refstream.config import duration_arg
 from refstream.errors import ConfigError, RefstreamError, one_line
 from refstream.logs import LOG_FORMATS, setup_logging
 
-__all__ = ["lookup", "main", "parser", "rescale", "run", "savepoint", "status", "validate"]
+__all__ = ["compile_pyspark", "lookup", "main", "parser", "rescale", "run", "savepoint", "status", "validate"]
 
 log = logging.getLogger("enrich")
 
@@ -32,11 +33,12 @@ log = logging.getLogger("enrich")
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="enrich", description="Enrich device events with reference dimensions.")
     p.add_argument("--version", action="version", version=f"%(prog)s {version()}")
-    common = argparse.ArgumentParser(add_help=False)
+    flags = argparse.ArgumentParser(add_help=False)
+    flags.add_argument("--debug", action="store_true", help="debug logging and tracebacks")
+    flags.add_argument("--log-format", choices=LOG_FORMATS, default="text",
+                       help="text lines (default) or one JSON object per line (time, level, logger, message)")
+    common = argparse.ArgumentParser(add_help=False, parents=[flags])
     common.add_argument("--config", default="conf/enrich.yaml", help="YAML configuration (default: %(default)s)")
-    common.add_argument("--debug", action="store_true", help="debug logging and tracebacks")
-    common.add_argument("--log-format", choices=LOG_FORMATS, default="text",
-                        help="text lines (default) or one JSON object per line (time, level, logger, message)")
     sub = p.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", parents=[common], help="run the streaming enrichment job")
     run.add_argument("--master", default=None,
@@ -94,6 +96,11 @@ def parser() -> argparse.ArgumentParser:
     sp.add_argument("--to", required=True, metavar="DIR", help="a new or empty directory")
     sp.add_argument("--master", default=None,
                     help="Spark master to read the state with (default: the one spark-submit set, else local[*])")
+    cz = sub.add_parser("compile-pyspark", parents=[flags],
+                        help="write PySpark's bytecode into the pyspark.zip Spark starts its Python processes "
+                             "with (once per install, while no job runs; docs/deployment.md)")
+    cz.add_argument("--spark-home", default=None, metavar="DIR",
+                    help="the Spark installation (default: $SPARK_HOME, else the installed PySpark's)")
     return p
 
 
@@ -130,6 +137,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return rescale(args)
         if args.command == "savepoint":
             return savepoint(args)
+        if args.command == "compile-pyspark":
+            return compile_pyspark(args)
         return run(args)
     except ModuleNotFoundError as exc:
         if exc.name not in ("pyspark", "pandas", "py4j"):
@@ -290,4 +299,12 @@ def savepoint(args: argparse.Namespace) -> int:
     master = args.master or (None if os.environ.get("PYSPARK_GATEWAY_PORT") else "local[*]")
     for line in take(config.load(args.config), args.to, master=master).lines():
         print(line)
+    return 0
+
+
+def compile_pyspark(args: argparse.Namespace) -> int:
+    """Prints what it wrote (or that the zip already had this Python's bytecode)."""
+    from enrich.ops.pyspark_zip import compile_zip, spark_zip
+
+    print(compile_zip(spark_zip(args.spark_home)).line())
     return 0

@@ -144,6 +144,6 @@ def test_foreach_batch_failure_after_commit_and_restart_writes_each_event_once(s
     first = run()  # batch 1 reached Kafka, Spark never recorded it
     assert first is not None and "crash after the Kafka commit" in str(first), first
     again = run()  # replays batch 1 (skipped), then batch 2
-    assert again is None, again
+    assert again is None, str(again)  # the exception's repr leaves its message out
     got = values(kafka, out)
     assert len(got) == 600 and sorted(got) == sorted(b"e%d" % i for i in range(600))
