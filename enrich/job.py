@@ -67,7 +67,7 @@ from enrich.state.wait import BatchFacts
 from refstream import kafka as rkafka
 from refstream.compat import spark_local_checkpoint_files
 from refstream.errors import TerminalError
-from refstream.retry import RetryPolicy, call_with_retry
+from refstream.retry import FailureStreak, RetryPolicy, call_with_retry
 
 if TYPE_CHECKING:
     from enrich.ops.savepoint import Savepoint
@@ -391,7 +391,8 @@ class EnrichJob:
         """Start on ``spark``, then wait until the query ends (available-now) or :meth:`stop` is
         called, and release what the job opened. A query that fails because a Python worker did not
         start or lost its state server (:func:`enrich.failures.transient_worker_failure`) is started
-        again from its checkpoint, with backoff, up to the retry policy's attempts.
+        again from its checkpoint, with backoff, up to the retry policy's attempts in a row: a
+        failure after a batch was written since the previous one counts as the first again.
 
         Without ``spark`` the job builds its session as ``enrich run`` does
         (:func:`enrich.session.build_session`: the session defaults, then the config's ``spark:``
@@ -408,7 +409,7 @@ class EnrichJob:
             self._stack.callback(spark.stop)  # last: after the query has stopped
         with self._stack:
             query = self.start(spark)
-            failures = 0
+            streak = FailureStreak(self.retry)  # in a row: a batch written between two failures ends a streak
             while True:
                 try:
                     while not self._stop.is_set() and query.isActive:
@@ -418,9 +419,9 @@ class EnrichJob:
                     exc = failed
                 if exc is None or self._stop.is_set():
                     break
-                failures += 1
+                failures = streak.failed(self.batches)
                 why = transient_worker_failure(exc)
-                if why is None or failures >= self.retry.attempts:
+                if why is None or streak.exhausted:
                     raise TerminalError(f"enrichment query failed: {root_cause(exc)}") from exc
                 wait = self.retry.backoff(failures)
                 log.warning("enrichment query failed: %s; %s, which is transient: "

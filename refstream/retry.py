@@ -5,6 +5,8 @@
   retry themselves, e.g. the refresher daemon).
 - :meth:`RetryPolicy.until`: the attempts of a loop bounded by a deadline instead of a count
   (waiting for a topic, a schema record, a broker that is starting).
+- :class:`FailureStreak`: the failures in a row of something that runs for good (a streaming
+  query), counted again from one once it made progress.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import TypeVar
 
 from refstream.errors import TransientError
 
-__all__ = ["RetryPolicy", "call_with_retry"]
+__all__ = ["FailureStreak", "RetryPolicy", "call_with_retry"]
 
 log = logging.getLogger(__name__)
 
@@ -85,6 +87,30 @@ class RetryPolicy:
             else:
                 time.sleep(wait)
             attempt += 1
+
+
+@dataclass
+class FailureStreak:
+    """Failures in a row of a long-running thing restarted after each, by a progress count.
+
+    A failure after the progress count moved since the previous failure (or the start) begins a new
+    streak: failures spread over weeks of work each count as the first, and only ``attempts`` in a
+    row without progress between them exhaust the policy."""
+
+    policy: RetryPolicy
+    failures: int = 0
+    _progress: int = 0
+
+    def failed(self, progress: int) -> int:
+        """Count a failure seen with the progress count at ``progress``; its number in the streak."""
+        if progress != self._progress:
+            self.failures, self._progress = 0, progress
+        self.failures += 1
+        return self.failures
+
+    @property
+    def exhausted(self) -> bool:
+        return self.failures >= self.policy.attempts
 
 
 def call_with_retry(

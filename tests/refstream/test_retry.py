@@ -8,7 +8,7 @@ import time
 import pytest
 
 from refstream.errors import ConfigError, TransientError
-from refstream.retry import RetryPolicy, call_with_retry
+from refstream.retry import FailureStreak, RetryPolicy, call_with_retry
 from tests.timing import bound
 
 
@@ -83,3 +83,14 @@ def test_call_with_retry_retries_transient_errors_only():
     with pytest.raises(ConfigError):
         call_with_retry(bad, what="bad", policy=fast)
     assert len(calls) == 1
+
+
+def test_a_failure_streak_ends_when_progress_was_made_between_two_failures():
+    streak = FailureStreak(RetryPolicy(attempts=3))
+    assert [streak.failed(0), streak.failed(0)] == [1, 2] and not streak.exhausted
+    # progress (batches written) since the last failure: this one is the first of a new streak
+    assert streak.failed(5) == 1
+    assert [streak.failed(5), streak.failed(5)] == [2, 3] and streak.exhausted
+    # many failures, each after some progress, never exhaust the policy
+    weeks = FailureStreak(RetryPolicy(attempts=2))
+    assert [weeks.failed(n) for n in range(1, 50)] == [1] * 49 and not weeks.exhausted
