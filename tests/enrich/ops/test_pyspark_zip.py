@@ -14,6 +14,7 @@ import pytest
 
 from enrich import cli
 from enrich.ops.pyspark_zip import compile_zip, spark_zip
+from tests.timing import bound
 
 SOURCES = {
     "pyspark/__init__.py": "NAME = 'pyspark'\n",
@@ -38,7 +39,7 @@ def imported_from(zip_path: Path, *modules: str) -> dict[str, str]:
     code = ("import importlib, json, sys; "
             "print(json.dumps({m: importlib.import_module(m).__file__ for m in sys.argv[1:]}))")
     out = subprocess.run([sys.executable, "-c", code, *modules], check=True, capture_output=True, text=True,
-                         env={"PYTHONPATH": str(zip_path), "PYTHONDONTWRITEBYTECODE": "1"}, timeout=60)
+                         env={"PYTHONPATH": str(zip_path), "PYTHONDONTWRITEBYTECODE": "1"}, timeout=bound(60))
     return json.loads(out.stdout)
 
 
