@@ -16,7 +16,7 @@ import random
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeVar
 
 from refstream.errors import TransientError
@@ -99,7 +99,7 @@ class FailureStreak:
 
     policy: RetryPolicy
     failures: int = 0
-    _progress: int = 0
+    _progress: int = field(default=0, init=False)
 
     def failed(self, progress: int) -> int:
         """Count a failure seen with the progress count at ``progress``; its number in the streak."""

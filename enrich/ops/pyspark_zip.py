@@ -11,7 +11,9 @@ and on a loaded machine the compile alone has taken longer, failing the query.
 
 The zip is rewritten with a ``.pyc`` beside each ``.py`` (hash-based and unchecked: the zip is
 replaced as a whole, never edited), for the interpreter running this; zipimport prefers them and falls
-back to the source for another interpreter's. PySpark's own tests are left out. Run it once per
+back to the source for another interpreter's. Unchecked: a zip edited in place (``zip -u``) would keep
+the old bytecode; one replaced whole (a reinstall) has none until this runs again. PySpark's own tests
+are left out. Run it once per
 install, on every machine whose Spark starts Python, while no job runs there: a process that already
 read the zip's directory would read the new file at the old offsets.
 """
@@ -81,29 +83,41 @@ def _pyc(name: str, source: bytes) -> bytes:
     # hash, the marshalled code.
     with warnings.catch_warnings():  # a module's SyntaxWarnings are PySpark's to fix, not the operator's
         warnings.simplefilter("ignore")
-        code = compile(source, name, "exec", dont_inherit=True)
+        # optimize=0: asserts and docstrings kept whatever -O this runs with; every interpreter reads these.
+        code = compile(source, name, "exec", dont_inherit=True, optimize=0)
     return (importlib.util.MAGIC_NUMBER + (0b01).to_bytes(4, "little") + importlib.util.source_hash(source)
             + marshal.dumps(code))
 
 
 def compile_zip(path: Path) -> Compiled:
     """Rewrite ``path`` with bytecode beside its sources; nothing when it has this interpreter's."""
-    before = path.stat().st_size
+    stat = path.stat()
+    before = stat.st_size
     with zipfile.ZipFile(path) as zin:
         if _has_bytecode(zin):
             return Compiled(path, 0, before, before)
         entries = [(info, zin.read(info)) for info in zin.infolist() if not info.filename.endswith(".pyc")]
     modules = 0
+    # The name the code objects carry, as zipimport gives a module it compiles from the zip itself:
+    # tracebacks show it, and PySpark tells its own frames from the user's by it.
+    origin = path.resolve()
 
     def write(f: BinaryIO) -> None:
         nonlocal modules
+        # The replacement keeps the zip's mode: a temporary file is 0600, and a Spark worker running
+        # as another user (an image's) must still read it.
+        os.fchmod(f.fileno(), stat.st_mode & 0o7777)
+        if os.geteuid() == 0:  # and, run by root (an image's build), its owner
+            os.fchown(f.fileno(), stat.st_uid, stat.st_gid)
         # Stored, not deflated: zipimport then reads each module without decompressing it.
         with zipfile.ZipFile(f, "w", zipfile.ZIP_STORED) as zout:
             for info, data in entries:
                 zout.writestr(info, data)
                 if not _compiles(info.filename):
                     continue
-                zout.writestr(zipfile.ZipInfo(info.filename + "c", info.date_time), _pyc(info.filename, data))
+                pyc = zipfile.ZipInfo(info.filename + "c", info.date_time)
+                pyc.external_attr = info.external_attr  # its source's permissions, for whoever unzips it
+                zout.writestr(pyc, _pyc(f"{origin}/{info.filename}", data))
                 modules += 1
 
     write_atomic(path, write)

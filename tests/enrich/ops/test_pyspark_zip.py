@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import marshal
 import subprocess
 import sys
 import zipfile
@@ -54,6 +55,13 @@ def test_each_module_gets_its_bytecode_and_the_rest_is_kept(tmp_path):
         assert zf.read("pyspark/sql/mod.pyc")[:4] == importlib.util.MAGIC_NUMBER
 
 
+def test_the_rewritten_zip_keeps_its_mode(tmp_path):
+    z = make_zip(tmp_path / "pyspark.zip")
+    z.chmod(0o644)
+    compile_zip(z)
+    assert z.stat().st_mode & 0o777 == 0o644
+
+
 def test_a_zip_with_this_pythons_bytecode_is_left_alone(tmp_path):
     z = make_zip(tmp_path / "pyspark.zip")
     compile_zip(z)
@@ -82,6 +90,21 @@ def test_an_interpreter_importing_from_the_zip_loads_the_bytecode(tmp_path):
     assert after["pyspark"].endswith("pyspark.zip/pyspark/__init__.pyc")
     assert after["pyspark.sql.mod"].endswith("pyspark.zip/pyspark/sql/mod.pyc")
     assert after["pyspark.sql.tests.test_mod"].endswith("test_mod.py")
+
+
+def test_the_bytecode_keeps_asserts_and_names_its_file_in_the_zip(tmp_path):
+    z = make_zip(tmp_path / "pyspark.zip", {"pyspark/checks.py": b"assert False, 'kept'\n"})
+    # compiled with -O: the asserts are kept all the same, since every interpreter reads the bytecode
+    subprocess.run([sys.executable, "-O", "-c", "import sys; from pathlib import Path; "
+                    "from enrich.ops.pyspark_zip import compile_zip; compile_zip(Path(sys.argv[1]))", str(z)],
+                   check=True, timeout=bound(60))
+    with zipfile.ZipFile(z) as zf:
+        code = marshal.loads(zf.read("pyspark/checks.pyc")[16:])
+        assert zf.getinfo("pyspark/checks.pyc").external_attr == zf.getinfo("pyspark/checks.py").external_attr
+    # named as zipimport names a module it compiles from the zip: tracebacks show where it is
+    assert code.co_filename == f"{z.resolve()}/pyspark/checks.py"
+    with pytest.raises(AssertionError, match="kept"):
+        exec(code, {})
 
 
 def test_the_zip_is_found_under_spark_home_and_a_missing_one_is_named(tmp_path, monkeypatch, capsys):
