@@ -9,13 +9,12 @@ PySpark modules it imports again: about 0.7 CPU seconds on a quiet core against 
 A driver-started process must connect back to the JVM within 10 seconds (a limit Spark hard-codes),
 and on a loaded machine the compile alone has taken longer, failing the query.
 
-The zip is rewritten with a ``.pyc`` beside each ``.py`` (hash-based and unchecked: the zip is
-replaced as a whole, never edited), for the interpreter running this; zipimport prefers them and falls
-back to the source for another interpreter's. Unchecked: a zip edited in place (``zip -u``) would keep
-the old bytecode; one replaced whole (a reinstall) has none until this runs again. PySpark's own tests
-are left out. Run it once per
-install, on every machine whose Spark starts Python, while no job runs there: a process that already
-read the zip's directory would read the new file at the old offsets.
+The zip is rewritten with a ``.pyc`` beside each ``.py``, for the interpreter running this; zipimport
+prefers them and falls back to the source for another interpreter's. They are hash-based and
+unchecked, as Spark's zip is replaced whole (a reinstall, which leaves none until this runs again),
+never edited in place (``zip -u`` would keep the old bytecode). PySpark's own tests are left out. Run
+it once per install, on every machine whose Spark starts Python, while no job runs there: a process
+that already read the zip's directory would read the new file at the old offsets.
 """
 
 from __future__ import annotations
@@ -56,10 +55,10 @@ def spark_zip(spark_home: str | None = None) -> Path:
     """The ``pyspark.zip`` of ``spark_home``, else of ``$SPARK_HOME``, else of the installed PySpark."""
     if spark_home is None:
         spark_home = os.environ.get("SPARK_HOME")
-    if spark_home is None:
-        from pyspark.find_spark_home import _find_spark_home
+    if spark_home is None:  # a pip-installed PySpark is its own Spark home
+        import pyspark
 
-        spark_home = _find_spark_home()
+        spark_home = str(Path(pyspark.__file__).parent)
     path = Path(spark_home) / "python" / "lib" / "pyspark.zip"
     if not path.is_file():
         raise ConfigError(f"{path} does not exist: --spark-home must name a Spark installation "

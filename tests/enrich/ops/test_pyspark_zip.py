@@ -118,3 +118,10 @@ def test_the_zip_is_found_under_spark_home_and_a_missing_one_is_named(tmp_path, 
     assert cli.main(["compile-pyspark", "--spark-home", str(tmp_path / "none")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and str(tmp_path / "none" / "python" / "lib" / "pyspark.zip") in err
+
+
+def test_without_a_spark_home_the_installed_pysparks_zip_is_taken(monkeypatch):
+    import pyspark
+
+    monkeypatch.delenv("SPARK_HOME", raising=False)
+    assert spark_zip() == Path(pyspark.__file__).parent / "python" / "lib" / "pyspark.zip"
