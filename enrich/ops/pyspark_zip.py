@@ -92,10 +92,13 @@ def compile_zip(path: Path) -> Compiled:
     """Rewrite ``path`` with bytecode beside its sources; nothing when it has this interpreter's."""
     stat = path.stat()
     before = stat.st_size
-    with zipfile.ZipFile(path) as zin:
-        if _has_bytecode(zin):
-            return Compiled(path, 0, before, before)
-        entries = [(info, zin.read(info)) for info in zin.infolist() if not info.filename.endswith(".pyc")]
+    try:
+        with zipfile.ZipFile(path) as zin:
+            if _has_bytecode(zin):
+                return Compiled(path, 0, before, before)
+            entries = [(info, zin.read(info)) for info in zin.infolist() if not info.filename.endswith(".pyc")]
+    except zipfile.BadZipFile as exc:  # left as it is: reinstall PySpark
+        raise ConfigError(f"{path}: not a readable zip ({exc}); reinstall PySpark, then run this again") from exc
     modules = 0
     # The name the code objects carry, as zipimport gives a module it compiles from the zip itself:
     # tracebacks show it, and PySpark tells its own frames from the user's by it.

@@ -125,3 +125,14 @@ def test_without_a_spark_home_the_installed_pysparks_zip_is_taken(monkeypatch):
 
     monkeypatch.delenv("SPARK_HOME", raising=False)
     assert spark_zip() == Path(pyspark.__file__).parent / "python" / "lib" / "pyspark.zip"
+
+
+def test_a_damaged_zip_is_named_and_left_as_it_is(tmp_path, capsys):
+    home = tmp_path / "spark"
+    (home / "python" / "lib").mkdir(parents=True)
+    z = home / "python" / "lib" / "pyspark.zip"
+    z.write_bytes(b"not a zip\x00")
+    assert cli.main(["compile-pyspark", "--spark-home", str(home)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"{z}: not a readable zip" in err
+    assert z.read_bytes() == b"not a zip\x00" and [p.name for p in z.parent.iterdir()] == ["pyspark.zip"]
