@@ -416,9 +416,6 @@ def _join(sec: Section) -> JoinConfig:
         if not cfg.as_of:
             raise sec.error("corrections need as_of: true (a late version is one valid from before the events "
                             "it corrects)", "corrections")
-        if cfg.strategy != "broadcast":
-            raise sec.error("corrections apply to broadcast joins (the driver finds the late versions); use "
-                            "strategy: broadcast or remove corrections", "corrections")
         if cfg.corrections > cfg.history:
             raise sec.error(f"horizon {cfg.corrections} is longer than the join's history {cfg.history}: the "
                             "versions an event within the horizon was joined with would be gone", "corrections")

@@ -42,7 +42,7 @@ from enrich.columns import ERROR, KIND, KIND_CORRECTION, LATE
 from enrich.config import EnrichConfig
 from enrich.dimension.abc import Positions
 from enrich.dimension.changelog import ChangelogFollower
-from enrich.dimension.corrections import BatchChanges, Corrected
+from enrich.dimension.corrections import BatchChanges, Corrected, warn_beyond
 from enrich.dimension.history import Journal
 from enrich.dimension.manager import Dimensions
 from enrich.dimension.ship import Shipper
@@ -60,6 +60,7 @@ from enrich.sinks.deadletter import DeadLetters
 from enrich.sinks.gaps import GapWriter
 from enrich.sinks.identity import SinkIdentity
 from enrich.sinks.rollups import RollupWriter
+from enrich.state.corrections import read_tallies as correction_tallies
 from enrich.state.devices import DeviceCount
 from enrich.state.rollups import idle_facts
 from enrich.state.stream import Fork
@@ -135,6 +136,9 @@ class EnrichJob:
         self._started: Started | None = None
         self._pass: JoinPass | None = None
         self._call_counts: Accumulator[dict[int, dict[str, Any]]] | None = None  # with calls: only
+        # With corrections on a partitioned join: its buckets' counts (enrich.state.corrections.tally).
+        self._correction_counts: Accumulator[dict[int, dict[str, Any]]] | None = None
+        self._beyond_warned: set[str] = set()
         self._gap_records: Accumulator[dict[int, dict[str, Any]]] | None = None  # with gaps: only
         self._ident: SinkIdentity | None = None
         self.batches = 0
@@ -255,11 +259,12 @@ class EnrichJob:
 
     def _changes(self, pipeline: Pipeline) -> BatchChanges | None:
         """With corrections: where each batch's late versions are written for the state step."""
-        if not pipeline.corrected:
+        shipped = [c for c in pipeline.corrected if c.dim is None]  # a partitioned join's: its buckets find them
+        if not shipped:
             return None
         assert self.cfg.state is not None
         by_dataset: dict[str, Corrected] = {}
-        for c in pipeline.corrected:  # a dataset joined twice: one file, the columns of both joins compared
+        for c in shipped:  # a dataset joined twice: one file, the columns of both joins compared
             was = by_dataset.get(c.dataset)
             columns = tuple(dict.fromkeys((*(was.columns if was is not None else ()), *c.columns)))
             by_dataset[c.dataset] = Corrected(c.dataset, c.key, columns, c.horizon_us)
@@ -369,10 +374,13 @@ class EnrichJob:
                 self._call_counts = spark.sparkContext.accumulator({}, KeyedTallies())
             if pipeline.state.gaps is not None:
                 self._gap_records = spark.sparkContext.accumulator({}, KeyedTallies())
+            if any(c.dim is not None for c in pipeline.corrected):  # the buckets count their own late versions
+                self._correction_counts = spark.sparkContext.accumulator({}, KeyedTallies())
         stream = build(spark, pipeline, starting=self.origin.events, reparses=sink.reparses,
                        devices=devices.accumulator if devices is not None else None,
                        fork=self._fork[1] if self._fork is not None else None, call_counts=self._call_counts,
-                       floor_us=self.origin.floor_us, gap_records=self._gap_records)
+                       floor_us=self.origin.floor_us, gap_records=self._gap_records,
+                       correction_counts=self._correction_counts)
         if stream.state is not None and stream.state.cache is not None:
             self._stack.callback(stream.state.cache.remove)  # after the query has stopped (the stack unwinds in reverse)
         return stream, devices
@@ -471,6 +479,8 @@ class EnrichJob:
             self._call_counts.value = {}
         if self._gap_records is not None:
             self._gap_records.value = {}
+        if self._correction_counts is not None:
+            self._correction_counts.value = {}
         counts_late = "late" in st.sink.counts
         cached = st.rollups is not None or not counts_late
         if cached:
@@ -491,6 +501,12 @@ class EnrichJob:
         devices = st.devices.after_batch(batch_id)
         if self._call_counts is not None:
             self._after_calls(batch_id, st.metrics)
+        if self._correction_counts is not None:
+            counts, beyond = correction_tallies(self._correction_counts.value)
+            if st.metrics is not None:
+                st.metrics.corrections(counts)
+            for dataset, (key, valid_from, start) in sorted(beyond.items()):
+                warn_beyond(dataset, key, valid_from, start, self._beyond_warned)
         log.info("batch %d: %d late event(s) written with a null state; %s device(s) in state", batch_id, late,
                  "unknown" if devices is None else devices)
         if st.metrics is not None:

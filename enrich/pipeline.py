@@ -251,6 +251,9 @@ def _corrected(cfg: EnrichConfig, state: StatePlan | None, after: Sequence[JoinC
         if j.corrections is None:
             continue
         where = f"{cfg.source}: joins[{i}].corrections"
+        if state is not None and j.strategy == "partitioned":
+            out.append(_corrected_dim(cfg, state, j, where, schemas))
+            continue
         if state is None or j not in after:
             raise ConfigError(f"{where}: not possible for a join whose columns the state: section, a rollup, a "
                               "call or a gap uses (it runs before the state step); corrections apply to joins of "
@@ -263,12 +266,34 @@ def _corrected(cfg: EnrichConfig, state: StatePlan | None, after: Sequence[JoinC
         joined = tuple(c for c, _ in spec.columns)
         out.append(Corrects(spec, tuple(schemas[j.dataset].key), j.corrections // timedelta(microseconds=1), joined))
     db = cfg.output.database
-    inner = [k for k, a in enumerate(cfg.joins) if a in after and a.how == "inner"]
+    inner = [k for k, a in enumerate(cfg.joins) if a.how == "inner" and (a in after or a.corrections is not None)]
     if out and db is not None and db.write == "state" and inner:
         raise ConfigError(f"{cfg.source}: joins[{inner[0]}].how: inner with corrections and output.database "
                           "write: state: a correction that retracts the event a device's row holds would leave "
                           "no row a fresh job writes; use how: left, or write: events")
     return tuple(out)
+
+
+def _corrected_dim(cfg: EnrichConfig, state: StatePlan, j: JoinConfig, where: str,
+                   schemas: Mapping[str, DatasetSchema]) -> Corrects:
+    """A partitioned join with corrections: its buckets find their late versions themselves (they
+    hold the key's versions and its events). What the step computes from its columns (the state's
+    aggregates, a rollup, a call, a gap) would stay as first computed, so such uses are refused."""
+    assert cfg.state is not None
+    dim = state.dims[list(cfg.partitioned_joins).index(j)]
+    adds = {out for _, out in dim.join.columns} | {dim.join.matched}
+    users = [("state:", set(cfg.state.columns)),
+             ("a call", {r.name for c in cfg.calls for r in c.body.refs() if r.scope is None}),
+             ("a rollup", {c for r in cfg.rollups for c in r.columns}),
+             ("gaps:", set(cfg.gaps.columns) if cfg.gaps is not None else set())]
+    for who, names in users:
+        used = sorted(adds & names)
+        if used:
+            raise ConfigError(f"{where}: column(s) {used} of this partitioned join are used by {who}, which the "
+                              "corrections do not recompute yet; remove corrections or those uses (docs/state.md)")
+    joined = tuple(c for c, _ in dim.join.columns)
+    return Corrects(dim.join, tuple(schemas[j.dataset].key), j.corrections // timedelta(microseconds=1)
+                    if j.corrections is not None else 0, joined, dim=dim.index)
 
 
 def _state_plan(cfg: EnrichConfig, parsed: StructType, schemas: Mapping[str, DatasetSchema],

@@ -109,10 +109,12 @@ class Stream:
 def build(spark: SparkSession, pipeline: Pipeline, *, starting: str, reparses: bool,
           devices: Accumulator[dict[int, int]] | None = None, fork: Fork | None = None,
           call_counts: Accumulator[dict[int, dict[str, Any]]] | None = None,
-          floor_us: int | None = None, gap_records: Accumulator[dict[int, dict[str, Any]]] | None = None) -> Stream:
+          floor_us: int | None = None, gap_records: Accumulator[dict[int, dict[str, Any]]] | None = None,
+          correction_counts: Accumulator[dict[int, dict[str, Any]]] | None = None) -> Stream:
     """The query of ``pipeline`` from its source to what ``foreachBatch`` receives: the events topic
     read from ``starting`` (Spark's starting offsets), then parsed and through the state step when
-    the plan has one (:func:`state_step`: ``devices``, ``fork``, ``call_counts``, ``floor_us``).
+    the plan has one (:func:`state_step`: ``devices``, ``fork``, ``call_counts``, ``floor_us``,
+    ``gap_records``, ``correction_counts``).
     Without state, the fast parser's leftovers are parsed again by a sink that ``reparses`` (can
     write a task's slot twice); with state, by from_json in the plan before the step
     (enrich.state.ingest)."""
@@ -133,7 +135,7 @@ def build(spark: SparkSession, pipeline: Pipeline, *, starting: str, reparses: b
     reader = _events_reader(pipeline, parser)
     raw = read_events(spark, pipeline, starting, ranges=reader is not None)
     state = state_step(spark, pipeline, raw, devices, parser, fork, call_counts, floor_us=floor_us,
-                       gap_records=gap_records, ranges=reader)
+                       gap_records=gap_records, ranges=reader, correction_counts=correction_counts)
     return Stream(state.packed, None, state)
 
 
@@ -241,14 +243,17 @@ def state_step(spark: SparkSession, pipeline: Pipeline, raw: DataFrame,
                call_counts: Accumulator[dict[int, dict[str, Any]]] | None = None, *,
                floor_us: int | None = None,
                gap_records: Accumulator[dict[int, dict[str, Any]]] | None = None,
-               ranges: RangeReader | None = None) -> StateStream:
+               ranges: RangeReader | None = None,
+               correction_counts: Accumulator[dict[int, dict[str, Any]]] | None = None) -> StateStream:
     """The ``raw`` Kafka stream through the pipeline's state step, checked against the checkpoint
     first (:func:`enrich.state.stream.prepare`), through :func:`attach` (``devices``, ``parser``: see
     there), the partitioned dimensions' changelogs read as streams beside it; with a ``fork``, the
     step starts from its state, changelog offsets and watermark; ``floor_us``: the watermark floor
     of a checkpoint that began as a fork (:mod:`enrich.origin`), at every start; ``gap_records``:
     an accumulator of ``enrich.accumulators.KeyedTallies`` each bucket reports its gaps to;
-    ``ranges``: ``raw`` holds offset ranges, which this reads (with a ``parser`` only)."""
+    ``ranges``: ``raw`` holds offset ranges, which this reads (with a ``parser`` only);
+    ``correction_counts``: an accumulator of ``enrich.accumulators.KeyedTallies`` each bucket reports
+    its corrected partitioned joins' late versions to."""
     cfg, st = pipeline.cfg, pipeline.state
     assert cfg.state is not None and st is not None
     layout = prepare(spark, cfg, pipeline.checkpoint, st.spec, st.dims, st.rollups)
@@ -265,7 +270,8 @@ def state_step(spark: SparkSession, pipeline: Pipeline, raw: DataFrame,
                                                             ids=layout.ids), rollups.INITIAL)
     return attach(raw, pipeline, layout, changelogs, devices, parser=parser, cache=TableCache(uuid.uuid4().hex),
                   initial=initial, floor_us=fork.floor_us if fork is not None else floor_us, ticks=ticks,
-                  call_counts=call_counts, windows=windows, gap_records=gap_records, ranges=ranges)
+                  call_counts=call_counts, windows=windows, gap_records=gap_records, ranges=ranges,
+                  correction_counts=correction_counts)
 
 
 def needs_ticks(pipeline: Pipeline) -> bool:
@@ -313,7 +319,8 @@ def attach(raw: DataFrame, pipeline: Pipeline, layout: BucketLayout, changelogs:
            call_counts: Accumulator[dict[int, dict[str, Any]]] | None = None,
            windows: DataFrame | None = None,
            gap_records: Accumulator[dict[int, dict[str, Any]]] | None = None,
-           ranges: RangeReader | None = None) -> StateStream:
+           ranges: RangeReader | None = None,
+           correction_counts: Accumulator[dict[int, dict[str, Any]]] | None = None) -> StateStream:
     """The Kafka stream ``raw`` through the pipeline's state step (:class:`StateStream`): parsed,
     joined in the plan by the joins before the step, then keyed by bucket (``layout``) into the
     step with the partitioned dimensions' ``changelogs`` (one stream each, in the plan's order,
@@ -328,7 +335,8 @@ def attach(raw: DataFrame, pipeline: Pipeline, layout: BucketLayout, changelogs:
     ``call_counts``: an accumulator of ``enrich.accumulators.KeyedTallies`` the step reports each
     bucket's call counts to. ``windows``: the rollup step's initial state
     (:data:`enrich.state.rollups.INITIAL`), a fork's rollup windows. ``gap_records``: an accumulator
-    of ``enrich.accumulators.KeyedTallies`` the step reports each bucket's gaps to (:mod:`enrich.gaps`)."""
+    of ``enrich.accumulators.KeyedTallies`` the step reports each bucket's gaps to (:mod:`enrich.gaps`);
+    ``correction_counts``: one each bucket reports its corrected partitioned joins' late versions to."""
     cfg, st = pipeline.cfg, pipeline.state
     assert cfg.state is not None and st is not None
     timezone = pipeline.timezone
@@ -358,7 +366,9 @@ def attach(raw: DataFrame, pipeline: Pipeline, layout: BucketLayout, changelogs:
                                      server_timeout_s=cfg.state.server_timeout.total_seconds(),
                                      rollups=st.rollups, rollup_ids=layout.ids, inner=st.inner, gaps=st.gaps,
                                      gap_records=gap_records, corrected=pipeline.corrected,
-                                     out_schema=to_arrow_schema(flat_schema, timezone=timezone) if tail else None)
+                                     out_schema=to_arrow_schema(flat_schema, timezone=timezone) if tail else None,
+                                     correction_counts=correction_counts,
+                                     clips_in_step=not any(s.time is not None for s in st.before_specs))
     init = initial.groupBy(BUCKET) if initial is not None else None
     if not st.rollups:
         stepped = rows.groupBy(BUCKET).transformWithStateInPandas(

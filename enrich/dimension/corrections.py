@@ -42,7 +42,8 @@ from refstream.atomic import write_bytes_atomic
 log = logging.getLogger(__name__)
 
 __all__ = ["CHANGE_COLUMNS", "NO_BOUND_END", "NO_BOUND_START", "QUIET", "BatchChanges", "Entry", "Result", "changes",
-           "changes_file"]
+           "changes_file",
+           "warn_beyond"]
 
 #: ``start`` of a change with no lower bound, ``end`` of one with no upper bound (microseconds).
 NO_BOUND_START, NO_BOUND_END = int(np.iinfo(np.int64).min), int(np.iinfo(np.int64).max)
@@ -199,17 +200,24 @@ class BatchChanges:
             write_bytes_atomic(path, to_ipc(table))
             results = table.column("result").to_pylist()
             self.counts.update((c.dataset, r) for r in results if r != "timely")
-            if "beyond_horizon" in results and c.dataset not in self._warned:
-                self._warned.add(c.dataset)
+            if "beyond_horizon" in results:
                 at = results.index("beyond_horizon")
-                vf = table.column("valid_from")[at].as_py()
-                log.warning("dataset %s: key %s changed as of %s, before the corrections' horizon (from %s): the "
-                            "events older than the horizon keep what they were written with (logged once per "
-                            "dataset and run)", c.dataset, table.column(KEY_BYTES)[at].as_py().decode("utf-8", "replace"),
-                            contract.format_time(_time(vf)), contract.format_time(_time(start)))
+                warn_beyond(c.dataset, table.column(KEY_BYTES)[at].as_py().decode("utf-8", "replace"),
+                            table.column("valid_from")[at].as_py(), start, self._warned)
         for f in self.dir.glob("*.arrow"):
             if int(f.name.split(".", 1)[0]) <= batch_id - self.keep:
                 f.unlink(missing_ok=True)
+
+
+def warn_beyond(dataset: str, key: str, valid_from: int, start: int, warned: set[str]) -> None:
+    """Log, once per dataset (``warned``: the datasets logged so far this run), that ``key`` changed
+    as of ``valid_from``, before the horizon's ``start`` (both UTC microseconds)."""
+    if dataset in warned:
+        return
+    warned.add(dataset)
+    log.warning("dataset %s: key %s changed as of %s, before the corrections' horizon (from %s): the events older "
+                "than the horizon keep what they were written with (logged once per dataset and run)", dataset, key,
+                contract.format_time(_time(valid_from)), contract.format_time(_time(start)))
 
 
 _FIELDS = [pa.field(KEY_BYTES, pa.binary()), pa.field("valid_from", pa.int64()), pa.field("start", pa.int64()),

@@ -1,5 +1,6 @@
 """Corrections in the state step's buckets: what a bucket keeps of the events it wrote, and which of
-them a batch's late versions correct (the driver's side: :mod:`enrich.dimension.corrections`).
+them a batch's late versions correct (a broadcast join's versions found by the driver:
+:mod:`enrich.dimension.corrections`; a partitioned join's by its buckets: :func:`bucket_changes`).
 
 A bucket keeps its written events (the step's output rows, whatever the plan put in them) with
 their event time (:data:`TS`) and their last revision (:data:`REVISION`, 0: as first written) for
@@ -12,9 +13,10 @@ give two revisions, in join order). Pure: Arrow and numpy, no Spark.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -22,14 +24,17 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from enrich.columns import BUCKET, CAUSE, KEY_BYTES, KIND, KIND_CORRECTION, KIND_EVENT, RETRACTED, REVISION
-from enrich.dimension.corrections import NO_BOUND_END, NO_BOUND_START, QUIET, changes_file
+from enrich.dimension.corrections import NO_BOUND_END, NO_BOUND_START, QUIET, Entry, changes, changes_file
 from enrich.ipc import from_ipc, to_ipc
 from enrich.joins import JoinSpec, event_keys, row_keys
+from enrich.joins.partitioned import valid_from_micros
 from enrich.state.layout import BucketLayout
 from enrich.state.stored import WRITTEN
+from refstream import contract
 
 __all__ = ["CAUSE_TYPE", "MERGE_AT", "NO_BOUND_END", "NO_BOUND_START", "REVISIONS_SCHEMA", "SMALL_ROWS", "TS",
-           "Corrects", "Matched", "as_events", "emitted", "horizon_start", "initial_written", "keep", "match",
+           "Corrects", "Matched", "as_events", "bucket_changes",
+           "read_tallies", "tally", "emitted", "horizon_start", "initial_written", "keep", "match",
            "read_changes", "revisions", "saved_chunks", "with_revisions"]
 
 #: A bucket's kept events are chunks, one per batch that wrote some; this many small ones (fewer
@@ -41,13 +46,17 @@ MERGE_AT, SMALL_ROWS = 16, 50_000
 @dataclass(frozen=True)
 class Corrects:
     """A join whose late versions correct the events written before them (``joins[].corrections``),
-    as the plan resolves it: its spec in the join pass, the dataset's key columns, the horizon
-    (microseconds behind the watermark) and the joined columns. Picklable."""
+    as the plan resolves it: its spec (in the join pass, or the partitioned join's in the step), the
+    dataset's key columns, the horizon (microseconds behind the watermark) and the joined columns.
+    Picklable."""
 
     spec: JoinSpec
     key: tuple[str, ...]
     horizon_us: int
     columns: tuple[str, ...] = ()
+    #: A partitioned join's dimension (its ``PartitionedDim.index``): the buckets find its late
+    #: versions themselves (:func:`bucket_changes`); None: a broadcast join's, from the driver's files.
+    dim: int | None = None
 
     @property
     def dataset(self) -> str:
@@ -60,6 +69,75 @@ def horizon_start(corrected: Sequence[Corrects], watermark: int | None) -> int:
     if watermark is None or not corrected:
         return NO_BOUND_START
     return watermark - max(c.horizon_us for c in corrected)
+
+
+def bucket_changes(c: Corrects, old: pa.Table, new: pa.Table, records: pa.Table, horizon_start: int,
+                   kept_until: int | None) -> pa.Table:
+    """A partitioned join's changes (:func:`enrich.dimension.corrections.changes`) from its bucket's
+    own changelog ``records`` of a batch (``partition``, ``offset``, ``key``, ``value``, the
+    ``valid_from`` columns): the bucket's versions ``old`` before the batch and ``new`` after it
+    (the dimension's stored rows). A key's records, versions and events are all in its bucket (the
+    dimension is hashed by the state key, as the events are), so the bucket's newest kept event
+    time (``kept_until``; None: it keeps none) says which changes are ``timely``: a change is
+    judged against what this bucket wrote, not the whole job's watermark."""
+    # Nothing kept: no event to correct. A change before the horizon is still beyond it (events
+    # older than the horizon may have been written): counted as such.
+    seen = max(kept_until, horizon_start) if kept_until is not None else horizon_start
+    if records.num_rows == 0:
+        return changes([], new.slice(0, 0), old.slice(0, 0), c.key, c.columns, horizon_start, seen)
+    records = records.take(pc.sort_indices(records, [("partition", "ascending"), ("offset", "ascending")]))
+    keys = records.column("key").to_pylist()
+    gone = records.column("value").is_null().to_numpy(zero_copy_only=False)
+    times = valid_from_micros(records)
+    parts = records.column("partition").to_pylist()
+    offsets = records.column("offset").to_pylist()
+    entries = [Entry(k, int(times[i]), bool(gone[i]), int(parts[i]), int(offsets[i]))
+               for i, k in enumerate(keys) if k is not None and k not in (contract.SCHEMA_KEY, contract.HEARTBEAT_KEY)]
+    mine = pa.array(sorted({e.key for e in entries}), pa.binary())
+
+    def of(t: pa.Table) -> pa.Table:
+        return t.filter(pc.is_in(t.column(KEY_BYTES), value_set=mine))
+
+    table = changes(entries, of(new), of(old), c.key, c.columns, horizon_start, seen)
+    if kept_until is None:  # a key's first version (no lower bound) corrects nothing here either
+        result = table.column("result")
+        table = table.set_column(table.schema.get_field_index("result"), "result",
+                                 pc.if_else(pc.equal(result, "corrected"), "timely", result))
+    return table
+
+
+def tally(found: Sequence[tuple[Corrects, pa.Table, int]]) -> dict[str, Any]:
+    """A bucket's report of its partitioned joins' changes (:func:`bucket_changes`, each with its
+    horizon's start) for the driver: ``counts``, versions by ``"<dataset> <result>"`` (``timely``
+    left out), and ``beyond``, per dataset, the first version that reached before the horizon
+    (its key's text, ``valid_from`` and the horizon's start, microseconds)."""
+    counts: dict[str, int] = {}
+    beyond: dict[str, list[Any]] = {}
+    for c, table, start in found:
+        results = table.column("result").to_pylist()
+        for r in results:
+            if r != "timely":
+                counts[f"{c.dataset} {r}"] = counts.get(f"{c.dataset} {r}", 0) + 1
+        if "beyond_horizon" in results and c.dataset not in beyond:
+            at = results.index("beyond_horizon")
+            key = table.column(KEY_BYTES)[at].as_py().decode("utf-8", "replace")
+            beyond[c.dataset] = [key, int(table.column("valid_from")[at].as_py()), start]
+    return {"counts": counts, "beyond": beyond}
+
+
+def read_tallies(reported: Mapping[int, Mapping[str, Any]]) -> tuple[dict[tuple[str, str], int],
+                                                                       dict[str, tuple[str, int, int]]]:
+    """The buckets' :func:`tally` reports summed: versions by (dataset, result), and per dataset one
+    version before the horizon (key, valid_from, the horizon's start)."""
+    counts: dict[tuple[str, str], int] = {}
+    beyond: dict[str, tuple[str, int, int]] = {}
+    for _, report in sorted(reported.items()):
+        for label, n in report["counts"].items():
+            dataset, result = label.rsplit(" ", 1)
+            counts[(dataset, result)] = counts.get((dataset, result), 0) + int(n)
+        for dataset, (key, vf, start) in report["beyond"].items():
+            beyond.setdefault(dataset, (key, int(vf), int(start)))
+    return counts, beyond
 
 
 def read_changes(directory: str | Path, batch_id: int, dataset: str) -> pa.Table:

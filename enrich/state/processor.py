@@ -50,6 +50,7 @@ from enrich.columns import (
     PACK_KIND,
     PROVISIONAL,
     RBUCKET,
+    RETRACTED,
     ROLLUP_TIME,
     ROWS,
     TS_US,
@@ -115,7 +116,11 @@ class DeviceStateProcessor(StatefulProcessor):
     and the events the in-plan inner joins did not match (their ``matched`` columns: ``inner``)
     count in no rollup. ``corrected``: the corrected joins (:mod:`enrich.state.corrections`): the
     bucket keeps what it writes within their horizon and writes corrections of it, as rows of
-    ``out_schema`` (the step's output rows). ``server_timeout_s``: how long a request to the task's state server may go unanswered before it
+    ``out_schema`` (the step's output rows); a corrected partitioned join's late versions are found
+    in the bucket, which holds its versions and events, and counted in ``correction_counts`` (an
+    accumulator of ``enrich.accumulators.KeyedTallies``, :func:`enrich.state.corrections.tally`);
+    ``clips_in_step``: only the step's partitioned as-of joins set ``_clipped`` (no as-of join runs
+    before the step), so a correction's flag is found again from them alone. ``server_timeout_s``: how long a request to the task's state server may go unanswered before it
     fails the task (``state.server_timeout``; a state server thread that died would otherwise leave
     the task, its batch and the query waiting for good)."""
 
@@ -128,9 +133,14 @@ class DeviceStateProcessor(StatefulProcessor):
                  rollup_ids: tuple[int, ...] = (), inner: tuple[str, ...] = (),
                  gaps: gap_engine.GapSpec | None = None,
                  gap_records: Accumulator[dict[int, dict[str, Any]]] | None = None,
-                 corrected: tuple[corrections.Corrects, ...] = (), out_schema: pa.Schema | None = None) -> None:
+                 corrected: tuple[corrections.Corrects, ...] = (), out_schema: pa.Schema | None = None,
+                 correction_counts: Accumulator[dict[int, dict[str, Any]]] | None = None,
+                 clips_in_step: bool = False) -> None:
         self.spec, self.columns, self.devices, self.dims, self.cache = spec, columns, devices, dims, cache
         self.corrected, self.out_schema = corrected, out_schema
+        self.correction_counts, self.clips_in_step = correction_counts, clips_in_step
+        # A corrected partitioned join's dimension: the old and new versions and the records of the call's batch.
+        self._dim_changes: dict[int, tuple[pa.Table, pa.Table, pa.Table]] = {}
         self.waits, self.floor_us = waits, floor_us
         self.calls, self.call_counts = calls, call_counts
         self.server_timeout_s = server_timeout_s
@@ -169,12 +179,13 @@ class DeviceStateProcessor(StatefulProcessor):
         settle()
         self._gap_done = None
         self._written_index: dict[str, Any] | None = None
+        self._dim_changes = {}
         kinds = packed.unpack_kinds(rows)
         # A batch's changelog records come first: its events see the dimension as of their end.
         versions = [self._dimension(i, kinds.get(d.kind)) for i, d in enumerate(self.dims)]
         table = kinds.get(packed.EVENTS)
         # Before this batch's events are kept: they were joined with the versions that correct the others.
-        fixed = self._correct(self._watermark(timerValues)) if self.corrected else None
+        fixed = self._correct(int(key[0]), self._watermark(timerValues), versions) if self.corrected else None
         if self.waits is not None:  # a tick row (enrich.source.tick) calls every bucket each trigger
             table = self._wait(table, self._watermark(timerValues))
         if table is None:
@@ -250,18 +261,19 @@ class DeviceStateProcessor(StatefulProcessor):
             return packed.pack_output(fixed)
         return self._rollup_frame([(bucket, packs.EVENTS, v) for v in packed.pack_output(fixed)[ROWS]], timer_values)
 
-    def _correct(self, watermark: int | None) -> pa.Table | None:
+    def _correct(self, bucket: int, watermark: int | None, versions: list[Version]) -> pa.Table | None:
         """The corrections this batch's late versions make of the events the bucket kept (as the
         step's output rows: ``_kind`` correction, their revision and cause), or None; the chunks
         behind the horizon dropped. Only the chunks a change can concern are read (by the index's
-        times), and only those it corrected are written back."""
-        changes = _batch_changes(self.corrected)
+        times), and only those it corrected are written back. ``versions``: the partitioned
+        dimensions' after the batch's records, which a corrected one's columns are looked up in again."""
         index = self._index()
         start = corrections.horizon_start(self.corrected, watermark)
         gone = [c for c in index["chunks"] if c[3] < start]
         for c in gone:
             self._drop_chunk(c[0])
         chunks = [c for c in index["chunks"] if c[3] >= start]
+        changes = self._changes(bucket, watermark, chunks)
         starts = [int(pc.min(t.column("start")).as_py()) for _, t in changes if t.num_rows]
         fixed: list[pa.Table] = []
         if starts:
@@ -282,14 +294,67 @@ class DeviceStateProcessor(StatefulProcessor):
         if not fixed:
             return None
         rows = pa.concat_tables(fixed, promote_options="permissive")
+        rows, lost = self._look_again(rows, versions)
         if self.waits is not None and PROVISIONAL in rows.column_names:
             # As a fresh job would write the event now: provisional while a dataset it waits for is
             # not complete past it, final once it is (a late version usually comes with completeness).
             ts = rows.column(corrections.TS).to_numpy(zero_copy_only=False)
             rows = rows.set_column(rows.schema.get_field_index(PROVISIONAL), PROVISIONAL,
                                    pa.array(wait.incomplete(self.waits, _batch_facts(), ts), pa.bool_()))
+        out = corrections.emitted(rows)
+        if lost.any():  # a corrected inner partitioned join lost its match: a fresh job would not write it
+            out = out.set_column(out.schema.get_field_index(RETRACTED), RETRACTED, pa.array(lost, pa.bool_()))
         # Rows kept under an earlier plan (other columns, a dataset's types changed) as this plan's rows.
-        return _conform(corrections.emitted(rows), self.out_schema, ())
+        return _conform(out, self.out_schema, ())
+
+    def _changes(self, bucket: int, watermark: int | None,
+                 chunks: list[list[int]]) -> list[tuple[corrections.Corrects, pa.Table]]:
+        """Per corrected join, in join order, this batch's changes: a broadcast join's from the
+        driver's file, a partitioned join's from its records in this bucket (counted here)."""
+        shipped = iter(_batch_changes(tuple(c for c in self.corrected if c.dim is None))
+                       if any(c.dim is None for c in self.corrected) else ())
+        kept_until = max((c[3] for c in chunks), default=None)
+        out, found = [], []
+        for c in self.corrected:
+            if c.dim is None:
+                out.append(next(shipped))
+                continue
+            got = self._dim_changes.get(c.dim)
+            if got is None:
+                continue
+            start = watermark - c.horizon_us if watermark is not None else NO_BOUND_START
+            table = corrections.bucket_changes(c, *got, start, kept_until)
+            out.append((c, table))
+            found.append((c, table, start))
+        if self.correction_counts is not None and any(c.dim is not None for c in self.corrected):
+            self.correction_counts.add({bucket: corrections.tally(found)})
+        return out
+
+    def _look_again(self, rows: pa.Table, versions: list[Version]) -> tuple[pa.Table, np.ndarray]:
+        """Correction ``rows`` with each corrected partitioned join's columns looked up again in the
+        bucket's versions after the batch (as a fresh job would join them now), and the rows a
+        corrected inner one no longer matches."""
+        lost = np.zeros(rows.num_rows, bool)
+        again = [(i, d) for i, d in enumerate(self.dims) if any(c.dim == d.index for c in self.corrected)]
+        if not again:
+            return rows, lost
+        names = rows.column_names
+        fresh_clip = self.clips_in_step and CLIPPED in names
+        if fresh_clip:  # found again below from every as-of join that sets it
+            rows = rows.set_column(names.index(CLIPPED), CLIPPED, pa.array(np.zeros(rows.num_rows, bool)))
+        for i, dim in enumerate(self.dims):
+            corrected = any(i == j for j, _ in again)
+            if not corrected and not (fresh_clip and dim.join.time is not None):
+                continue
+            mine = [out for _, out in dim.join.columns] + [dim.join.matched]
+            looked = lookup(dim, rows.drop_columns(mine), versions[i], None)
+            if corrected:
+                rows = looked.select(names)
+                if dim.inner:
+                    lost |= ~pc.fill_null(rows.column(dim.join.matched), False).to_numpy(zero_copy_only=False)
+            else:  # its columns stay as written (not corrected): the flag only
+                rows = rows.set_column(names.index(CLIPPED), CLIPPED, looked.column(CLIPPED))
+        return rows, lost
 
     def _read_chunk(self, chunk: int) -> pa.Table | None:
         """A kept chunk's rows with their revisions (:func:`enrich.state.corrections.revisions`)."""
@@ -450,6 +515,8 @@ class DeviceStateProcessor(StatefulProcessor):
             version = Version(dim, stored, schema)
         if records is not None and records.num_rows:
             stored, schema = apply_changes(dim, version.rows, version.schema, records)
+            if any(c.dim == dim.index for c in self.corrected):  # its late versions: enrich.state.corrections
+                self._dim_changes[dim.index] = (version.rows, stored, records)
             value.update((to_ipc(stored), schema.to_json()))
             token = uuid.uuid4().hex  # a replay makes another: a cache miss, never a wrong hit
             tokens.update((token,))

@@ -189,3 +189,99 @@ def test_hostile_keys_correct_exactly_their_own_events_and_are_named_in_the_caus
     assert got is not None
     assert got.rows.column("_offset").to_pylist() == list(range(len(changed)))
     assert [json.loads(c["key"])["device_id"] for c in got.rows.column(CAUSE).to_pylist()] == changed
+
+
+def test_a_partitioned_bucket_finds_its_late_versions_and_deletes_from_its_own_records() -> None:
+    """bucket_changes: a bucket's changelog records of a batch against its versions before and after
+    (apply_changes, as the processor runs it): a backdated move and a delete are changes, a record
+    of a key the bucket kept nothing after is timely, a move before the horizon is counted beyond it;
+    tally/read_tallies sum the buckets' reports."""
+    import dataclasses
+
+    from enrich.joins.partitioned import apply_changes, partitioned_dim
+    from enrich.state.corrections import bucket_changes, read_tallies, tally
+    from refstream import contract
+    from tests.enrich.joins.test_partitioned import SCHEMA, make_dim, records, upserts
+
+    dim = partitioned_dim(0, "devices", "ref.devices", SCHEMA, dataclasses.replace(make_dim().join, time="ts"),
+                          inner=False, history=timedelta(days=2))
+    c = Corrects(dim.join, ("id",), 3_600_000_000, ("owner", "limit"), dim=0)
+
+    def at(when: object, *messages: contract.Message, first: int) -> pa.Table:
+        t = records(*messages, first=first)
+        return (t.append_column("valid_from", pa.array([contract.format_time(when)] * t.num_rows))  # type: ignore[arg-type]
+                .append_column("timestamp", pa.nulls(t.num_rows, pa.timestamp("us", tz="UTC"))))
+
+    first = at(T0, contract.schema_message(SCHEMA), *upserts({"id": 1, "owner": "a", "limit": 1.0},
+                                                             {"id": 2, "owner": "b", "limit": 2.0}), first=0)
+    old, schema = apply_changes(dim, dim.empty(), SCHEMA, first)
+    batch = pa.concat_tables([
+        at(T0 + 10 * MIN, *upserts({"id": 1, "owner": "a2", "limit": 1.0}), first=3),       # backdated move
+        at(T0 + 20 * MIN, *contract.delete_messages(SCHEMA, [{"id": 2}], 2, valid_from=T0 + 20 * MIN), first=4),
+        at(T0 + 90 * MIN, *upserts({"id": 3, "owner": "c", "limit": 3.0}), first=5)])      # a new key, later
+    new, _ = apply_changes(dim, old, schema, batch)
+    got = bucket_changes(c, old, new, batch, us(T0), us(T0 + 60 * MIN))
+    assert [(k, r) for k, r in zip(got.column("id").to_pylist(), got.column("result").to_pylist(), strict=True)] == [
+        (1, "corrected"), (2, "corrected"), (3, "corrected")]
+    assert got.column("start").to_pylist()[:2] == [us(T0 + 10 * MIN), us(T0 + 20 * MIN)]
+    assert got.column("offset").to_pylist() == [3, 4, 5]
+    # The same records in a bucket that kept nothing: nothing to correct, all timely.
+    assert set(bucket_changes(c, old, new, batch, us(T0), None).column("result").to_pylist()) == {"timely"}
+    # A horizon from T0 + 15m: the move at 10m reaches before it, the delete at 20m does not.
+    late = bucket_changes(c, old, new, batch, us(T0 + 15 * MIN), us(T0 + 60 * MIN))
+    assert late.column("result").to_pylist() == ["beyond_horizon", "corrected", "corrected"]
+    # Kept events up to T0 + 30m: a version from 90m (after each of them) is timely.
+    next_batch = at(T0 + 90 * MIN, *upserts({"id": 1, "owner": "a9", "limit": 1.0}), first=6)
+    newer, _ = apply_changes(dim, new, schema, next_batch)
+    later = bucket_changes(c, new, newer, next_batch, us(T0), us(T0 + 30 * MIN))
+    assert later.column("result").to_pylist() == ["timely"]
+
+    report = tally([(c, late, us(T0 + 15 * MIN))])
+    assert report["counts"] == {"devices beyond_horizon": 1, "devices corrected": 2}
+    assert report["beyond"]["devices"][1:] == [us(T0 + 10 * MIN), us(T0 + 15 * MIN)]
+    counts, beyond = read_tallies({0: report, 1: tally([(c, got, us(T0))])})
+    assert counts == {("devices", "beyond_horizon"): 1, ("devices", "corrected"): 5}
+    assert list(beyond) == ["devices"] and '"id":1' in beyond["devices"][0].replace(" ", "")
+
+
+def test_a_buckets_corrections_look_a_partitioned_join_up_again_retracting_and_clipping_as_a_fresh_join() -> None:
+    """The processor's corrections of a corrected partitioned join: its columns from the bucket's
+    versions after the batch; an inner one that lost its match (a delete as of before the event)
+    retracts the event; ``_clipped`` found again (the event now after the key's oldest version)."""
+    import dataclasses
+
+    from enrich.joins.asof import CLIPPED
+    from enrich.joins.partitioned import Version, apply_changes, partitioned_dim
+    from enrich.state.engine import StateSpec
+    from enrich.state.processor import DeviceStateProcessor
+    from refstream import contract
+    from tests.enrich.joins.test_partitioned import SCHEMA, make_dim, records, upserts
+
+    dim = dataclasses.replace(
+        partitioned_dim(0, "devices", "ref.devices", SCHEMA, dataclasses.replace(make_dim().join, time="ts"),
+                        inner=False, history=timedelta(days=2)), inner=True)
+    c = Corrects(dim.join, ("id",), 3_600_000_000, ("owner", "limit"), dim=0)
+    proc = DeviceStateProcessor(StateSpec("device_id", pa.int64(), "ts", 10**9), ("device_id", "ts"), dims=(dim,),
+                                corrected=(c,), clips_in_step=True)
+
+    def at(when: object, *messages: contract.Message, first: int) -> pa.Table:
+        t = records(*messages, first=first)
+        return (t.append_column("valid_from", pa.array([contract.format_time(when)] * t.num_rows))  # type: ignore[arg-type]
+                .append_column("timestamp", pa.nulls(t.num_rows, pa.timestamp("us", tz="UTC"))))
+
+    stored, schema = apply_changes(dim, dim.empty(), SCHEMA, at(T0 + 30 * MIN, contract.schema_message(SCHEMA), *upserts(
+        {"id": 1, "owner": "a", "limit": 1.0}, {"id": 2, "owner": "b", "limit": 2.0}), first=0))
+    # Late: device 1 existed from T0 (its events at 10m were clipped to the 30m version), device 2 deleted as of 5m.
+    stored, schema = apply_changes(dim, stored, schema, pa.concat_tables([
+        at(T0, *upserts({"id": 1, "owner": "a0", "limit": 1.0}), first=3),
+        at(T0 + 5 * MIN, *contract.delete_messages(SCHEMA, [{"id": 2}], 2, valid_from=T0 + 5 * MIN), first=4)]))
+    rows = pa.table({"device_id": pa.array([1, 2], pa.int64()),
+                     "ts": pa.array([T0 + 10 * MIN] * 2, pa.timestamp("us", tz="UTC")),
+                     "owner": ["a", "b"], "limit": [1.0, 2.0], "_devices_matched": [True, True], CLIPPED: [True, True],
+                     TS: pa.array(times([10, 10]), pa.int64()), REVISION: pa.array([1, 1], pa.int32())})
+    got, lost = proc._look_again(rows, [Version(dim, stored, schema)])
+    assert got.column_names == rows.column_names
+    assert got.column("owner").to_pylist() == ["a0", None]
+    assert got.column("_devices_matched").to_pylist() == [True, False]
+    assert got.column(CLIPPED).to_pylist() == [False, False]
+    assert lost.tolist() == [False, True]

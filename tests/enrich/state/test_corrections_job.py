@@ -379,6 +379,18 @@ def test_corrections_on_a_join_the_state_needs_are_refused_naming_it(
     schema = DatasetSchema("devices", ("id",), (Column("id", "int64"), Column("site", "string")))
     with pytest.raises(ConfigError, match=r"joins\[0\].corrections: not possible for a join whose columns the state"):
         Pipeline.build(config.parse(data, "test.yaml"), {"devices": schema})
+    # Partitioned: corrected in its buckets, but what the state computed from its columns is not recomputed.
+    data["joins"][0]["strategy"] = "partitioned"
+    with pytest.raises(ConfigError, match=r"joins\[0\].corrections: column\(s\) \['site'\] of this partitioned join "
+                                          r"are used by state:"):
+        Pipeline.build(config.parse(data, "test.yaml"), {"devices": schema})
+    del data["state"]["aggregates"]
+    data["rollups"] = [{"name": "by_site", "by": ["site"], "window": "1m", "metrics": {"n": ["count"]},
+                        "output": {"kafka": {"topic": unique("r")}}}]
+    with pytest.raises(ConfigError, match=r"column\(s\) \['site'\] of this partitioned join are used by a rollup"):
+        Pipeline.build(config.parse(data, "test.yaml"), {"devices": schema})
+    del data["rollups"]
+    assert [c.dim for c in Pipeline.build(config.parse(data, "test.yaml"), {"devices": schema}).corrected] == [0]
 
 
 def test_an_inner_join_of_the_pass_with_write_state_and_corrections_is_refused_naming_it(
@@ -396,3 +408,66 @@ def test_an_inner_join_of_the_pass_with_write_state_and_corrections_is_refused_n
     with pytest.raises(ConfigError, match=r"joins\[0\]\.how: inner with corrections and output.database write: state"):
         Pipeline.build(config.parse(data, "test.yaml"), {"devices": schema})
 
+
+
+def test_a_partitioned_join_corrects_within_its_horizon_in_its_buckets_and_counts_the_rest(
+        spark: SparkSession, kafka: dict[str, str], mysql_url: str, unique: Callable[[str], str],
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """``strategy: partitioned``: the buckets hold the key's versions and its events, and find the
+    late versions themselves. A move backdated before the horizon (5 minutes behind a watermark
+    1 minute behind the events) corrects the events within it, counts the version
+    ``beyond_horizon`` and logs it once naming the key; the corrected output equals a fresh job's
+    for the events within the horizon (revisions, retractions and the clipped flag of a bucket's
+    corrections: tests/enrich/state/test_corrections.py)."""
+    devices = Devices.published(kafka, mysql_url, unique, tmp_path)
+    topics, t0 = devices.topics, devices.t0
+    minute = timedelta(minutes=1)
+    produce_events(kafka, topics["events"], [
+        {"device_id": 1, "ts": iso(t0 + 5 * minute), "n": 1}, {"device_id": 1, "ts": iso(t0 + 10 * minute), "n": 2},
+        {"device_id": 1, "ts": iso(t0 + 20 * minute), "n": 3}, {"device_id": 2, "ts": iso(t0 + 10 * minute), "n": 4},
+        {"device_id": 3, "ts": iso(t0 + 10 * minute), "n": 5}])
+
+    def partitioned(name: str, topic: str) -> dict[str, Any]:
+        data = job_config(kafka, unique, tmp_path, topics, name, {"kafka": {"topic": topic}})
+        data["joins"][0].update({"strategy": "partitioned", "corrections": {"horizon": "5m"}})
+        data["state"]["watermark"] = "1m"
+        data["metrics"] = {"port": 0}
+        return data
+
+    out_topic = unique("enriched")
+    live = partitioned("live", out_topic)
+    EnrichJob(config.parse(live, "test.yaml"), available_now=True).run(spark)
+    first = outputs(kafka, out_topic)
+    assert {r["n"]: (r["site"], r["_kind"]) for r in first} == {
+        1: ("s-2", "event"), 2: ("s-2", "event"), 3: ("s-2", "event"), 4: ("s-2", "event"), 5: (None, "event")}
+
+    # Device 1 moved to s-6 as of t0 + 8m. The watermark is t0 + 19m: the horizon starts at t0 + 14m,
+    # so event 3 (t0 + 20m) is corrected and event 2 (t0 + 10m) is not.
+    devices.move("s-6", t0 + 8 * minute)
+    produce_events(kafka, topics["events"], [{"device_id": 2, "ts": iso(t0 + 25 * minute), "n": 6}])
+    job = EnrichJob(config.parse(live, "test.yaml"), available_now=True)
+    with caplog.at_level("WARNING", logger="enrich.dimension.corrections"):
+        job.run(spark)
+    got = outputs(kafka, out_topic)
+    fixed = [r for r in got if r["_kind"] == "correction"]
+    assert [(r["n"], r["site"], r["_devices_matched"], r["_revision"], r["_retracted"]) for r in fixed] == [
+        (3, "s-6", True, 1, False)]
+    cause = fixed[0]["_cause"]
+    assert (cause["dataset"], json.loads(cause["key"]), cause["valid_from"]) == (
+        "devices", {"id": 1}, iso(t0 + 8 * minute))
+    event = next(e for e in first if e["n"] == 3)
+    assert {k: v for k, v in fixed[0].items() if k not in ("site", "_kind", "_revision", "_cause")} == \
+        {k: v for k, v in event.items() if k not in ("site", "_kind", "_revision", "_cause")}
+    assert job.started.metrics is not None
+    value = job.started.metrics.registry.get_sample_value
+    assert value("refstream_enrich_corrections_total", {"dataset": "devices", "result": "beyond_horizon"}) == 1
+    warned = [r.getMessage() for r in caplog.records if "before the corrections' horizon" in r.getMessage()]
+    assert len(warned) == 1 and '{"id":1}' in warned[0].replace(" ", ""), warned
+
+    # The oracle: a fresh job over the same events now; within the horizon the corrected output says the same.
+    fresh_topic = unique("fresh")
+    EnrichJob(config.parse(partitioned("fresh", fresh_topic), "test.yaml"), available_now=True).run(spark)
+    want = {r["n"]: tuple(r[c] for c in REFERENCE) for r in outputs(kafka, fresh_topic)}
+    have = {n: tuple(r[c] for c in REFERENCE) for n, r in latest(got).items()}
+    assert have[3] == want[3] == ("s-6", True) and have[6] == want[6] == ("s-2", True)
+    assert have[2] == ("s-2", True) and want[2] == ("s-6", True)  # beyond the horizon: kept as written
