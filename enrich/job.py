@@ -506,7 +506,8 @@ class EnrichJob:
             if st.metrics is not None:
                 st.metrics.corrections(counts)
             for dataset, (key, valid_from, start) in sorted(beyond.items()):
-                warn_beyond(dataset, key, valid_from, start, self._beyond_warned)
+                warn_beyond(dataset, key, valid_from, start, st.changes.warned if st.changes is not None
+                            else self._beyond_warned)
         log.info("batch %d: %d late event(s) written with a null state; %s device(s) in state", batch_id, late,
                  "unknown" if devices is None else devices)
         if st.metrics is not None:

@@ -282,9 +282,9 @@ def _corrected_dim(cfg: EnrichConfig, state: StatePlan, j: JoinConfig, where: st
     assert cfg.state is not None
     dim = state.dims[list(cfg.partitioned_joins).index(j)]
     adds = {out for _, out in dim.join.columns} | {dim.join.matched}
+    # A rollup over its columns is kept right: the buckets move the events between its windows.
     users = [("state:", set(cfg.state.columns)),
              ("a call", {r.name for c in cfg.calls for r in c.body.refs() if r.scope is None}),
-             ("a rollup", {c for r in cfg.rollups for c in r.columns}),
              ("gaps:", set(cfg.gaps.columns) if cfg.gaps is not None else set())]
     for who, names in users:
         used = sorted(adds & names)
@@ -350,7 +350,7 @@ def _state_plan(cfg: EnrichConfig, parsed: StructType, schemas: Mapping[str, Dat
                              StructField(REVISION, IntegerType(), True),
                              StructField(CAUSE, from_arrow_type(CAUSE_TYPE), True),
                              StructField(RETRACTED, BooleanType(), True)])
-    rollups = _rollups(cfg, passed, enriched, specs, timezone)
+    rollups = _rollups(cfg, passed, enriched, specs, timezone, dims)
     gaps = _gaps(cfg, passed, enriched, specs, dims, spec, timezone) if cfg.gaps is not None else None
     return StatePlan(spec=spec, before=tuple(before), before_specs=tuple(specs), inner=inner, joined=joined,
                      dims=dims, passed=tuple(passed), schema=schema, calls=calls, rollups=rollups, gaps=gaps)
@@ -389,12 +389,17 @@ def _gaps(cfg: EnrichConfig, passed: list[StructField], enriched: StructType, be
 
 
 def _rollups(cfg: EnrichConfig, passed: list[StructField], enriched: StructType,
-             before: Sequence[JoinSpec], timezone: str) -> tuple[RollupSpec, ...]:
+             before: Sequence[JoinSpec], timezone: str, dims: Sequence[PartitionedDim] = ()) -> tuple[RollupSpec, ...]:
     """The rollups resolved against the columns the state step passes (the events' fields and the
     columns of the joins before and inside it): each is computed there. A ``fill`` whose ``by``
     columns all come from one broadcast join (``before``: its columns, at least one, and its key)
-    fills by that dimension's keys (``fill_keys``)."""
+    fills by that dimension's keys (``fill_keys``). A rollup over a column of a partitioned join
+    with corrections (``dims``), or every rollup when such a join is inner (a correction may
+    retract an event or bring one back), ``moves``."""
     assert cfg.state is not None
+    corrected = [d for d, j in zip(dims, cfg.partitioned_joins, strict=True) if j.corrections is not None]
+    moving = {out for d in corrected for _, out in d.join.columns} | {d.join.matched for d in corrected}
+    every = any(d.inner for d in corrected)
     types = {f.name: f.dataType for f in passed}
     out = []
     for i, r in enumerate(cfg.rollups):
@@ -416,7 +421,8 @@ def _rollups(cfg: EnrichConfig, passed: list[StructField], enriched: StructType,
                 correct_for_us=(r.correct_for or cfg.state.ttl) // timedelta(microseconds=1), fill=r.fill,
                 idle_finalize_us=r.idle_finalize // timedelta(microseconds=1) if r.idle_finalize else None,
                 fill_keys=_fill_keys(r.by, before) if r.fill else None,
-                gaps=r.fill and cfg.gaps is not None and r.by == (cfg.state.key,)))
+                gaps=r.fill and cfg.gaps is not None and r.by == (cfg.state.key,),
+                moves=every or bool(moving & set(r.columns))))
         except ValueError as exc:
             raise ConfigError(f"{where}: {exc}") from None
     return tuple(out)

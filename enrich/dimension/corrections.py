@@ -173,7 +173,8 @@ class BatchChanges:
     def __init__(self, corrected: Sequence[Corrected], directory: Path, delay_us: int, keep: int = 100) -> None:
         self.corrected, self.dir, self.delay_us, self.keep = tuple(corrected), directory, delay_us, keep
         self.dir.mkdir(parents=True, exist_ok=True)
-        self._warned: set[str] = set()
+        #: The datasets a change before the horizon was logged for this run (:func:`warn_beyond`).
+        self.warned: set[str] = set()
         #: (dataset, result) -> versions counted by the last :meth:`record` (none for a batch found written).
         self.counts: Counter[tuple[str, str]] = Counter()
 
@@ -203,7 +204,7 @@ class BatchChanges:
             if "beyond_horizon" in results:
                 at = results.index("beyond_horizon")
                 warn_beyond(c.dataset, table.column(KEY_BYTES)[at].as_py().decode("utf-8", "replace"),
-                            table.column("valid_from")[at].as_py(), start, self._warned)
+                            table.column("valid_from")[at].as_py(), start, self.warned)
         for f in self.dir.glob("*.arrow"):
             if int(f.name.split(".", 1)[0]) <= batch_id - self.keep:
                 f.unlink(missing_ok=True)

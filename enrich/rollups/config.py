@@ -12,12 +12,13 @@ from typing import Any, cast
 from enrich.rollups.spec import METRICS, Metric
 from refstream.config import Section
 
-__all__ = ["FILLED", "FINALS", "STATE_ENDINGS", "RollupConfig", "RollupOutput", "overlap", "parse_rollups"]
+__all__ = ["FILLED", "FINALS", "PARTS", "STATE_ENDINGS", "RollupConfig", "RollupOutput", "overlap", "parse_rollups"]
 
 #: The endings of the state variables a rollup keeps beside its own (:mod:`enrich.state.rollups`):
-#: the last window end a bucket filled by keys to, and its final windows.
-FILLED, FINALS = "_filled", "_finals"
-STATE_ENDINGS = (FILLED, FINALS)
+#: the last window end a bucket filled by keys to, its final windows, and (a rollup whose rows a
+#: late reference version moves) each window's part from each state bucket.
+FILLED, FINALS, PARTS = "_filled", "_finals", "_parts"
+STATE_ENDINGS = (FILLED, FINALS, PARTS)
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 

@@ -35,6 +35,7 @@ inputs give the same tables.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -341,3 +342,142 @@ def _percentiles(sketches: pa.Array, ranks: list[float]) -> list[pa.Array]:
             for j, q in enumerate(sketch.quantiles(data, ranks)):
                 values[j][i] = q
     return [pa.array(v, pa.float64()) for v in values]
+
+
+# ------------------------------------------------------------------------------------------ moves
+#
+# A rollup whose rows hold a column a late reference version corrects (``RollupSpec.moves``) keeps,
+# beside its windows, each window's *parts*: the partial of each state bucket (``SOURCE``) that fed
+# it. A correcting state bucket recomputes its part of every window its corrected events left or
+# joined from the events it kept, and :func:`move` replaces that part and combines the window
+# again from its parts: min, max, the sketches and the distinct sets do not subtract, so a window
+# is rebuilt rather than adjusted. A window restored by a fork has one part of source ``FORKED``
+# (its whole partial, whose sources are unknown): it is not moved.
+
+#: A part's state bucket (its grouping key); ``FORKED``: a window a fork restored whole.
+SOURCE, FORKED = "__source", -1
+#: A move's cause, beside its window table: the reference change as JSON text (the events' ``_cause``).
+MOVE_CAUSE = "__cause"
+
+
+def parts_schema(spec: RollupSpec) -> pa.Schema:
+    """The parts of a rollup's windows: a window table with each part's source."""
+    return pa.schema([*spec.window_schema(), pa.field(SOURCE, pa.int32(), False)])
+
+
+def idents(table: pa.Table, columns: Sequence[str]) -> np.ndarray:
+    """Each row's values of ``columns`` as one string, nulls apart and no two value lists alike."""
+    parts = []
+    for c in columns:
+        text = pc.cast(table.column(c), pa.string())
+        sized = pc.binary_join_element_wise(pc.cast(pc.utf8_length(text), pa.string()), text, ":")
+        parts.append(pc.fill_null(sized, "n"))
+    if not parts:
+        return np.zeros(table.num_rows, dtype=object)
+    joined = parts[0] if len(parts) == 1 else pc.binary_join_element_wise(*parts, "|")
+    return np.asarray(joined.to_numpy(zero_copy_only=False), dtype=object)
+
+
+def add_parts(spec: RollupSpec, parts: pa.Table | None, partials: Sequence[tuple[int, pa.Table]]) -> pa.Table:
+    """``parts`` with each source's window table of a batch (``(source, partials)``) folded into that
+    source's part of each window."""
+    pschema = parts_schema(spec)
+    tables = [parts.cast(pschema)] if parts is not None and parts.num_rows else []
+    for source, t in partials:
+        if t.num_rows:
+            src = pa.array(np.full(t.num_rows, source, np.int32), pa.int32())
+            tables.append(t.cast(spec.window_schema()).append_column(pschema.field(SOURCE), src))
+    if not tables:
+        return pschema.empty_table()
+    table = pa.concat_tables(tables)
+    order, starts = sort_groups(table, [*spec.by, WINDOW_START, SOURCE])
+    ordered = table.take(pa.array(order))
+    merged = combine_sorted(spec, ordered.drop_columns([SOURCE]), starts)
+    return merged.append_column(pschema.field(SOURCE), ordered.column(SOURCE).take(pa.array(starts)))
+
+
+def evict_parts(spec: RollupSpec, parts: pa.Table, watermark_us: int | None) -> pa.Table:
+    """``parts`` without those of windows the watermark has taken past the correction horizon (their
+    window left the state: :func:`advance`)."""
+    if watermark_us is None or not parts.num_rows:
+        return parts
+    end = as_numpy(parts.column(WINDOW_START)) + spec.window_us
+    return parts.filter(pa.array(end + spec.correct_for_us > watermark_us))
+
+
+@dataclass(frozen=True)
+class Moved:
+    """:func:`move`'s result: the state and the rows written (:class:`Advanced`), the new parts, and
+    how many windows were not moved (a fork restored them)."""
+
+    advanced: Advanced
+    parts: pa.Table
+    skipped: int
+
+
+def move(spec: RollupSpec, state: pa.Table | None, parts: pa.Table | None, moves: pa.Table,
+         watermark_us: int | None) -> Moved:
+    """Replace the parts ``moves`` bring (a window table with :data:`SOURCE` and :data:`MOVE_CAUSE`:
+    a source's new part of a window, ``_events`` 0 when none of its events is left there) and write
+    each window they touch again, combined from its parts, with the move's cause: a ``correction``
+    once the window is final, else ``final`` when the watermark has reached it, else
+    ``provisional``. A window the state no longer holds beyond the horizon is left alone."""
+    sschema, wschema, pschema = state_schema(spec), spec.window_schema(), parts_schema(spec)
+    state = sschema.empty_table() if state is None else state.cast(sschema)
+    parts = pschema.empty_table() if parts is None else parts.cast(pschema)
+    win = [*spec.by, WINDOW_START]
+    if watermark_us is not None and moves.num_rows:  # gone from the state: not started again
+        beyond = beyond_horizon(spec, as_numpy(moves.column(WINDOW_START)), watermark_us)
+        moves = moves.filter(pa.array(~beyond))
+    m_win, p_win = idents(moves, win), idents(parts, win)
+    forked = np.unique(p_win[as_numpy(parts.column(SOURCE)) == FORKED]) if parts.num_rows else np.zeros(0, object)
+    ok = ~np.isin(m_win, forked)
+    skipped = len(np.unique(m_win[~ok]))
+    moves, m_win = moves.filter(pa.array(ok)), m_win[ok]
+    if not moves.num_rows:
+        return Moved(Advanced(state, spec.output_schema().empty_table(), 0), parts, skipped)
+    moved = moves.select([*wschema.names, SOURCE]).cast(pschema)
+    replaced = np.isin(idents(parts, [*win, SOURCE]), idents(moved, [*win, SOURCE]))
+    fresh = as_numpy(moved.column(EVENTS)) > 0
+    parts = pa.concat_tables([parts.filter(pa.array(~replaced)), moved.filter(pa.array(fresh))])
+
+    affected, first = np.unique(m_win, return_index=True)
+    mine = parts.filter(pa.array(np.isin(idents(parts, win), affected)))
+    order, starts = sort_groups(mine, win, [SOURCE])  # each window's parts in source order: replays alike
+    merged = combine_sorted(spec, mine.take(pa.array(order)).drop_columns([SOURCE]), starts) if mine.num_rows \
+        else wschema.empty_table()
+    gone = ~np.isin(affected, idents(merged, win))
+    if gone.any():  # every part of it moved away: the window is empty now
+        at = pa.array(first[gone])
+        merged = pa.concat_tables([merged, empty_windows(spec, moves.select(list(spec.by)).take(at),
+                                                         moves.column(WINDOW_START).take(at))])
+    cause_of = dict(zip(m_win[first].tolist(), moves.column(MOVE_CAUSE).take(pa.array(first)).to_pylist(), strict=True))
+
+    s_win = idents(state, win)
+    hit = np.isin(s_win, affected)
+    before = {k: i for i, k in enumerate(s_win.tolist()) if hit[i]}
+    w_win = idents(merged, win).tolist()
+    rows_of = [before.get(k, -1) for k in w_win]
+    at = np.asarray(rows_of, np.int64)
+    known = at >= 0
+    revision = np.where(known, as_numpy(state.column(REVISION))[np.maximum(at, 0)], 0) if state.num_rows \
+        else np.zeros(len(at), np.int64)
+    was_final = (np.where(known, as_numpy(state.column(FINAL))[np.maximum(at, 0)], False) if state.num_rows
+                 else np.zeros(len(at), bool)).astype(bool)
+    gap = None
+    if spec.gaps:
+        gap = (np.where(known, as_numpy(state.column(GAP))[np.maximum(at, 0)], False) if state.num_rows
+               else np.zeros(len(at), bool)).astype(bool)
+    end = as_numpy(merged.column(WINDOW_START)) + spec.window_us
+    reached = end <= watermark_us if watermark_us is not None else np.zeros(len(end), bool)
+    kind = np.where(was_final, CORRECTION_KIND, np.where(reached, FINAL_KIND, PROVISIONAL_KIND))
+    revision = revision + 1
+    final = was_final | reached
+    updated = _state(merged, revision, final, gap)
+    table = pa.concat_tables([state.filter(pa.array(~hit)), updated])
+    order, _ = sort_groups(table, win)
+    rows = _rows(spec, merged, np.ones(merged.num_rows, bool), kind, revision, BY_WATERMARK, gap)
+    rows = rows.set_column(rows.schema.get_field_index(CAUSE), rows.schema.field(CAUSE),
+                           pa.array([cause_of[k] for k in w_win], pa.string()))
+    order_rows, _ = sort_groups(rows, win)
+    return Moved(Advanced(table.take(pa.array(order)), rows.take(pa.array(order_rows)), 0), parts, skipped)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-__all__ = ["BEYOND", "COUNTS", "COUNTS_SCHEMA", "DEAD", "EVENTS", "IDLE_PROPERTY", "RESULTS", "TICK", "partial_kind",
-           "rows_kind"]
+__all__ = ["BEYOND", "COUNTS", "COUNTS_SCHEMA", "DEAD", "EVENTS", "IDLE_PROPERTY", "RESULTS", "TICK", "move_kind",
+           "partial_kind", "rows_kind"]
 
 #: Events (as the state step emits them), dead letters (``enrich.sinks.deadletter.COLUMNS``) and
 #: counts (:data:`COUNTS_SCHEMA`).
@@ -29,6 +29,12 @@ def partial_kind(i: int, source: int) -> str:
     """Rollup ``i``'s partial aggregates (a window table) from state bucket ``source`` to the rollup
     step, which merges a batch's in the order of their source (the same on a replay)."""
     return f"partial:{i}:{source}"
+
+
+def move_kind(i: int, source: int) -> str:
+    """Rollup ``i``'s moves from state bucket ``source`` (a window table with the part's source and
+    the move's cause: :func:`enrich.rollups.engine.move`), which replace that bucket's parts."""
+    return f"move:{i}:{source}"
 
 
 def rows_kind(i: int) -> str:

@@ -101,6 +101,10 @@ class RollupSpec:
     #: With ``fill`` by the state key alone and ``gaps:``: each row says whether its window lies in a
     #: gap of its device (``_gap``), from the gaps the state step closes and withdraws.
     gaps: bool = False
+    #: Its ``by`` or metric columns hold a column a corrected join adds in the state step: a late
+    #: version moves events between its windows (:func:`enrich.rollups.engine.move`), so the rollup
+    #: step keeps each window's part from each state bucket.
+    moves: bool = False
 
     @property
     def needs_ticks(self) -> bool:

@@ -83,8 +83,6 @@ def bucket_changes(c: Corrects, old: pa.Table, new: pa.Table, records: pa.Table,
     # Nothing kept: no event to correct. A change before the horizon is still beyond it (events
     # older than the horizon may have been written): counted as such.
     seen = max(kept_until, horizon_start) if kept_until is not None else horizon_start
-    if records.num_rows == 0:
-        return changes([], new.slice(0, 0), old.slice(0, 0), c.key, c.columns, horizon_start, seen)
     records = records.take(pc.sort_indices(records, [("partition", "ascending"), ("offset", "ascending")]))
     keys = records.column("key").to_pylist()
     gone = records.column("value").is_null().to_numpy(zero_copy_only=False)

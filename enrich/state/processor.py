@@ -43,6 +43,7 @@ from pyspark.sql.streaming.stateful_processor import (
 from enrich import packed
 from enrich.calls.step import KEY, BucketCalls, CallStep
 from enrich.columns import (
+    CAUSE,
     ERROR,
     FLAT,
     LATE,
@@ -55,6 +56,7 @@ from enrich.columns import (
     ROWS,
     TS_US,
 )
+from enrich.dimension.corrections import QUIET
 from enrich.gaps import engine as gap_engine
 from enrich.ipc import from_ipc, to_ipc
 from enrich.joins import PINNED_PROPERTY
@@ -95,6 +97,7 @@ from enrich.state.stored import (
 )
 from enrich.state.timers import keep_one_timer, watermark_us
 from enrich.worker import settle
+from refstream import contract
 from refstream.compat import spark_state_server_timeout
 from refstream.contract import DatasetSchema
 
@@ -141,6 +144,9 @@ class DeviceStateProcessor(StatefulProcessor):
         self.correction_counts, self.clips_in_step = correction_counts, clips_in_step
         # A corrected partitioned join's dimension: the old and new versions and the records of the call's batch.
         self._dim_changes: dict[int, tuple[pa.Table, pa.Table, pa.Table]] = {}
+        # The rollups whose windows a correction moves events between, and this call's moves.
+        self._moving = tuple(i for i, r in enumerate(rollups) if r.moves)
+        self._moves_out: list[tuple[int, str, bytes]] = []
         self.waits, self.floor_us = waits, floor_us
         self.calls, self.call_counts = calls, call_counts
         self.server_timeout_s = server_timeout_s
@@ -179,7 +185,7 @@ class DeviceStateProcessor(StatefulProcessor):
         settle()
         self._gap_done = None
         self._written_index: dict[str, Any] | None = None
-        self._dim_changes = {}
+        self._dim_changes, self._moves_out = {}, []
         kinds = packed.unpack_kinds(rows)
         # A batch's changelog records come first: its events see the dimension as of their end.
         versions = [self._dimension(i, kinds.get(d.kind)) for i, d in enumerate(self.dims)]
@@ -241,11 +247,11 @@ class DeviceStateProcessor(StatefulProcessor):
             if dim.inner:
                 matched = pc.fill_null(out.column(dim.join.matched), False)
                 keep = matched if keep is None else pc.and_(keep, matched)
+        if self.corrected:  # before the inner filter: a late version may match what it drops
+            out = self._keep_written(out, table)
         if keep is not None:
             kept = pc.or_(keep, pa.array(~ok))
             out, table = out.filter(kept), table.filter(kept)
-        if self.corrected:
-            out = self._keep_written(out, table)
         if not self.rollups:
             yield packed.pack_output(out)
         else:
@@ -259,7 +265,8 @@ class DeviceStateProcessor(StatefulProcessor):
         no rollup holds a column it corrects."""
         if not self.rollups:
             return packed.pack_output(fixed)
-        return self._rollup_frame([(bucket, packs.EVENTS, v) for v in packed.pack_output(fixed)[ROWS]], timer_values)
+        return self._rollup_frame([(bucket, packs.EVENTS, v) for v in packed.pack_output(fixed)[ROWS]]
+                                  + self._moves_out, timer_values)
 
     def _correct(self, bucket: int, watermark: int | None, versions: list[Version]) -> pa.Table | None:
         """The corrections this batch's late versions make of the events the bucket kept (as the
@@ -294,7 +301,10 @@ class DeviceStateProcessor(StatefulProcessor):
         if not fixed:
             return None
         rows = pa.concat_tables(fixed, promote_options="permissive")
+        written = rows
         rows, lost = self._look_again(rows, versions)
+        if self._moving:  # the rollups' windows the corrected events left or joined
+            self._moves_out = self._moves(bucket, written, rows, watermark, chunks, start, versions)
         if self.waits is not None and PROVISIONAL in rows.column_names:
             # As a fresh job would write the event now: provisional while a dataset it waits for is
             # not complete past it, final once it is (a late version usually comes with completeness).
@@ -324,11 +334,43 @@ class DeviceStateProcessor(StatefulProcessor):
                 continue
             start = watermark - c.horizon_us if watermark is not None else NO_BOUND_START
             table = corrections.bucket_changes(c, *got, start, kept_until)
-            out.append((c, table))
             found.append((c, table, start))
+            out.append((c, table.filter(pc.invert(pc.is_in(table.column("result"), value_set=pa.array(QUIET))))))
         if self.correction_counts is not None and any(c.dim is not None for c in self.corrected):
             self.correction_counts.add({bucket: corrections.tally(found)})
         return out
+
+    def _moves(self, bucket: int, written: pa.Table, rows: pa.Table, watermark: int | None,
+               chunks: list[list[int]], complete_from: int, versions: list[Version]) -> list[tuple[int, str, bytes]]:
+        """The moves (:func:`enrich.state.rollups.moves`) of the corrected events ``written`` (as kept)
+        and ``rows`` (as corrected): the bucket's new parts of the rollup windows they left or
+        joined, from every event it kept in those windows, looked up again as they are now."""
+        ts = written.column(corrections.TS).to_numpy(zero_copy_only=False)
+        widest = max(self.rollups[i].window_us for i in self._moving)
+        lo = min(int(ts.min()) // self.rollups[i].window_us * self.rollups[i].window_us for i in self._moving)
+        hi = int(ts.max()) + widest
+        read = [t for c in chunks if c[3] >= lo and c[2] < hi and (t := self._read_chunk(c[0])) is not None]
+        kept = pa.concat_tables(read, promote_options="permissive") if read else written.slice(0, 0)
+        kts = kept.column(corrections.TS).to_numpy(zero_copy_only=False)
+        kept, _ = self._look_again(kept.filter(pa.array((kts >= lo) & (kts < hi))), versions)
+        kept = kept.filter(pa.array(self._counted(kept)))
+        causes = [_cause_text(c) for c in rows.column(CAUSE).to_pylist()]
+
+        def timed(t: pa.Table) -> pa.Table:
+            return t.rename_columns([TS_US if n == corrections.TS else n for n in t.column_names])
+
+        return rollups.moves(self.rollups, self._moving, timed(written), timed(rows),
+                             (self._counted(written), self._counted(rows)), causes, timed(kept), complete_from,
+                             watermark, self.rollup_ids, bucket)
+
+    def _counted(self, t: pa.Table) -> np.ndarray:
+        """Whether the rollups count each of the rows ``t`` (an inner join of the plan matched it)."""
+        ok = np.ones(t.num_rows, bool)
+        for matched in (*self.inner, *(d.join.matched for d in self.dims if d.inner)):
+            if matched not in t.column_names:  # kept under an earlier plan without the join
+                continue
+            ok &= pc.fill_null(t.column(matched), False).to_numpy(zero_copy_only=False).astype(bool)
+        return ok
 
     def _look_again(self, rows: pa.Table, versions: list[Version]) -> tuple[pa.Table, np.ndarray]:
         """Correction ``rows`` with each corrected partitioned join's columns looked up again in the
@@ -346,10 +388,11 @@ class DeviceStateProcessor(StatefulProcessor):
             corrected = any(i == j for j, _ in again)
             if not corrected and not (fresh_clip and dim.join.time is not None):
                 continue
-            mine = [out for _, out in dim.join.columns] + [dim.join.matched]
+            # Rows kept under an earlier plan may lack a column: looked up, and conformed later.
+            mine = [n for n in [out for _, out in dim.join.columns] + [dim.join.matched] if n in names]
             looked = lookup(dim, rows.drop_columns(mine), versions[i], None)
             if corrected:
-                rows = looked.select(names)
+                rows = looked.select([*names, *[n for n in looked.column_names if n not in names]])
                 if dim.inner:
                     lost |= ~pc.fill_null(rows.column(dim.join.matched), False).to_numpy(zero_copy_only=False)
             else:  # its columns stay as written (not corrected): the flag only
@@ -732,6 +775,13 @@ def _batch_changes(corrected: tuple[corrections.Corrects, ...]) -> list[tuple[co
         _CHANGES.clear()
         _CHANGES[ident] = hit
     return hit
+
+
+def _cause_text(cause: dict[str, Any]) -> str:
+    """A correction's ``_cause`` as the rollups' rows name it: its JSON, the time in ISO 8601."""
+    vf = cause.get("valid_from")
+    text = contract.format_time(vf) if vf is not None else None
+    return json.dumps({**cause, "valid_from": text}, separators=(",", ":"))
 
 
 def _batch_facts() -> wait.BatchFacts:

@@ -47,7 +47,16 @@ from enrich.ipc import from_ipc, to_ipc
 from enrich.joins import JoinSpec, Lookup, PlanEnricher, join_table
 from enrich.joins.asof import CLIPPED
 from enrich.rollups import config, engine, partial
-from enrich.rollups.packs import BEYOND, COUNTS, COUNTS_SCHEMA, IDLE_PROPERTY, TICK, partial_kind, rows_kind
+from enrich.rollups.packs import (
+    BEYOND,
+    COUNTS,
+    COUNTS_SCHEMA,
+    IDLE_PROPERTY,
+    TICK,
+    move_kind,
+    partial_kind,
+    rows_kind,
+)
 from enrich.rollups.spec import EVENTS as EVENT_COUNT
 from enrich.rollups.spec import FINAL, WINDOW_START, RollupSpec
 from enrich.state.hashing import buckets_of
@@ -144,6 +153,58 @@ def feed(specs: Sequence[RollupSpec], events: pa.Table, watermark_us: int | None
     return Fed(parts, dead)
 
 
+def moves(specs: Sequence[RollupSpec], moving: Sequence[int], before: pa.Table, after: pa.Table,
+          counted: tuple[np.ndarray, np.ndarray], causes: Sequence[str], kept: pa.Table, complete_from: int,
+          watermark_us: int | None, ids: Sequence[int], source: int) -> list[tuple[int, str, bytes]]:
+    """State bucket ``source``'s moves (:func:`enrich.rollups.engine.move`) of the ``moving`` rollups
+    after a batch's corrections: ``before`` and ``after``, the corrected events as written and as
+    corrected (``_ts_us`` and the rollups' columns; ``counted``: whether a rollup counts each, as
+    written and now; ``causes``: each one's cause, JSON); ``kept``, every event the bucket keeps
+    that a rollup counts, as corrected, with ``_ts_us``; from ``complete_from`` on it keeps them all.
+    Each window a corrected event left or joined gets the bucket's new part of it, whole (empty
+    when none of its events is left there); a window starting before ``complete_from``, or beyond
+    the rollup's horizon, is not moved."""
+    out: list[tuple[int, str, bytes]] = []
+    ts = partial.as_numpy(before.column(TS_US))
+    for i in moving:
+        spec = specs[i]
+        cols = [*spec.by, *(c for c, _, _ in spec.metrics)]
+        changed = (engine.idents(before, cols) != engine.idents(after, cols)) | (counted[0] != counted[1])
+        start = np.floor_divide(ts, spec.window_us) * spec.window_us
+        ok = changed & (start >= complete_from) & ~engine.beyond_horizon(spec, ts, watermark_us)
+        sides = [t.filter(pa.array(ok & c)) for t, c in zip((before, after), counted, strict=True)]
+        touched = pa.concat_tables([s.select(list(spec.by)).cast(pa.schema(
+            [pa.field(b, t) for b, t in zip(spec.by, spec.by_types, strict=True)])).append_column(
+            WINDOW_START, pa.array(np.floor_divide(partial.as_numpy(s.column(TS_US)), spec.window_us) * spec.window_us,
+                                   pa.int64())) for s in sides])
+        if not touched.num_rows:
+            continue
+        why = np.asarray(causes, dtype=object)
+        reasons = [*why[ok & counted[0]].tolist(), *why[ok & counted[1]].tolist()]  # as ``touched``'s rows
+        wanted = engine.idents(touched, [*spec.by, WINDOW_START])
+        keys, first = np.unique(wanted, return_index=True)
+        lo, hi = int(pc.min(touched.column(WINDOW_START)).as_py()), int(pc.max(touched.column(WINDOW_START)).as_py())
+        kts = partial.as_numpy(kept.column(TS_US)) if kept.num_rows else np.zeros(0, np.int64)
+        mine = kept.filter(pa.array((kts >= lo) & (kts < hi + spec.window_us)))
+        parts = partial.partials(spec, mine)
+        parts = parts.filter(pa.array(np.isin(engine.idents(parts, [*spec.by, WINDOW_START]), keys)))
+        gone = ~np.isin(keys, engine.idents(parts, [*spec.by, WINDOW_START]))
+        if gone.any():  # none of the bucket's events left there: an empty part
+            at = pa.array(first[gone])
+            parts = pa.concat_tables([parts, engine.empty_windows(spec, touched.select(list(spec.by)).take(at),
+                                                                  touched.column(WINDOW_START).take(at))])
+        cause_of: dict[str, str] = {}
+        for k, reason in zip(wanted.tolist(), reasons, strict=True):  # a window's first corrected event's
+            cause_of.setdefault(k, reason)
+        parts = (parts.append_column(engine.SOURCE, pa.array(np.full(parts.num_rows, source, np.int32), pa.int32()))
+                 .append_column(engine.MOVE_CAUSE, pa.array(
+                     [cause_of[k] for k in engine.idents(parts, [*spec.by, WINDOW_START]).tolist()], pa.string())))
+        rb = _route(parts, spec.by, ids)
+        for b in sorted(set(rb.tolist())):
+            out.append((int(b), move_kind(i, source), to_ipc(parts.filter(pa.array(rb == b)))))
+    return out
+
+
 def gap_marks(specs: Sequence[RollupSpec], records: pa.Table, key: str, ids: Sequence[int],
               source: int) -> list[tuple[int, str, bytes]]:
     """The gaps state bucket ``source`` closed and withdrew this batch (its gap ``records``,
@@ -201,11 +262,15 @@ class RollupProcessor(StatefulProcessor):
             handle.deleteIfExists(state_name_of(name))
             handle.deleteIfExists(state_name_of(name) + FILLED)
             handle.deleteIfExists(state_name_of(name) + FINALS)
+            handle.deleteIfExists(state_name_of(name) + PARTS)
         self.values = [handle.getValueState(state_name(s), OPEN_SCHEMA) for s in self.specs]
         self.finals = [handle.getListState(state_name(s) + FINALS, VALUE_SCHEMA) for s in self.specs]
         # Per rollup filled by a dimension's keys: the last window end the bucket filled to.
         self.filled = {i: handle.getValueState(state_name(s) + FILLED, FILLED_SCHEMA)
                        for i, s in enumerate(self.specs) if s.fill_keys is not None}
+        # Per rollup a late reference version moves events of: each window's part per state bucket.
+        self.parts = {i: handle.getValueState(state_name(s) + PARTS, VALUE_SCHEMA)
+                      for i, s in enumerate(self.specs) if s.moves}
         self._watermark: int | None = None
         self._bucket = -1  # the call's rollup bucket (its grouping key)
         # The states this call read or wrote (a call is one bucket): the steps after advance, the
@@ -221,11 +286,15 @@ class RollupProcessor(StatefulProcessor):
         values: list[bytes] = []
         got: dict[int, list[tuple[int, bytes]]] = {}
         marked: dict[int, list[tuple[int, bytes]]] = {}
+        moved: dict[int, list[tuple[int, bytes]]] = {}
         for pdf in rows:
             for kind, value in zip(pdf.iloc[:, -2], pdf.iloc[:, -1], strict=True):
                 if kind.startswith("partial:"):
                     _, i, source = kind.split(":")
                     got.setdefault(int(i), []).append((int(source), value))
+                elif kind.startswith("move:"):
+                    _, i, source = kind.split(":")
+                    moved.setdefault(int(i), []).append((int(source), value))
                 elif kind.startswith("gaps:"):
                     _, i, source = kind.split(":")
                     marked.setdefault(int(i), []).append((int(source), value))
@@ -237,6 +306,13 @@ class RollupProcessor(StatefulProcessor):
         marks = {i: engine.Marks.of(pa.concat_tables([from_ipc(v) for _, v in sorted(parts, key=lambda p: p[0])]))
                  for i, parts in marked.items()}
         watermark = self._watermark = watermark_us(timerValues)
+        # A late reference version's moves come before the batch's events: they replace what the
+        # state buckets sent before this batch, to which the batch's partials then add.
+        for i in sorted(moved):
+            self._move(i, [from_ipc(v) for _, v in sorted(moved[i], key=lambda p: p[0])], watermark, kinds, values)
+        for i, sent in got.items():
+            if self.specs[i].moves:
+                self._add_parts(i, [(s, from_ipc(v)) for s, v in sorted(sent, key=lambda p: p[0])])
         for i, empty in self._key_fill(watermark).items():
             partials.setdefault(i, []).append(empty)
         for i in marks:  # a withdrawn gap rewrites windows even in a batch with no partials for them
@@ -277,6 +353,9 @@ class RollupProcessor(StatefulProcessor):
                 held = self._load(i, full=True)
                 saved = pa.concat_tables(got[spec.name]).cast(engine.state_schema(spec))
                 self._store(i, pa.concat_tables([held, saved]) if held is not None else saved)
+                if spec.moves:  # a restored window's sources are not known: it is not moved
+                    whole = saved.select(spec.window_schema().names)
+                    self._add_parts(i, [(engine.FORKED, whole)])
         self._timer()
 
     def handleExpiredTimer(self, key: Any, timerValues: TimerValues,
@@ -317,7 +396,34 @@ class RollupProcessor(StatefulProcessor):
         if adv.rows.num_rows:
             kinds.append(rows_kind(i))
             values.append(to_ipc(adv.rows))
+        if adv.evicted and self.specs[i].moves:  # the parts of the windows that left go too
+            self._store_parts(i, engine.evict_parts(self.specs[i], self._load_parts(i), watermark))
         return adv
+
+    def _move(self, i: int, moves: list[pa.Table], watermark: int | None, kinds: list[str],
+              values: list[bytes]) -> None:
+        """Rollup ``i``'s windows the state buckets' ``moves`` (in source order) touch, rebuilt from
+        their parts (:func:`enrich.rollups.engine.move`) and written with the move's cause."""
+        spec = self.specs[i]
+        got = engine.move(spec, self._load(i, full=True), self._load_parts(i), pa.concat_tables(moves), watermark)
+        self._store(i, got.advanced.state)
+        self._store_parts(i, got.parts)
+        if got.advanced.rows.num_rows:
+            kinds.append(rows_kind(i))
+            values.append(to_ipc(got.advanced.rows))
+
+    def _add_parts(self, i: int, partials: list[tuple[int, pa.Table]]) -> None:
+        self._store_parts(i, engine.add_parts(self.specs[i], self._load_parts(i), partials))
+
+    def _load_parts(self, i: int) -> pa.Table | None:
+        got = self.parts[i].get()
+        return from_ipc(bytes(got[0])) if got is not None else None
+
+    def _store_parts(self, i: int, parts: pa.Table) -> None:
+        if parts.num_rows:
+            self.parts[i].update((to_ipc(parts),))
+        else:
+            self.parts[i].clear()
 
     def _key_fill(self, watermark: int | None) -> dict[int, pa.Table]:
         """Per rollup that fills by a dimension's keys (``fill_keys``): the empty windows of the
@@ -546,6 +652,9 @@ def state_name_of(name: str) -> str:
 #: The state variable (after the rollup's own name) of the last window end a bucket filled by keys to.
 FILLED = config.FILLED
 FILLED_SCHEMA = StructType([StructField("end_us", LongType(), False)])
+#: The state variable (after the rollup's own name) of a moving rollup's parts (Arrow IPC, the
+#: windows' parts by state bucket: :func:`enrich.rollups.engine.parts_schema`).
+PARTS = config.PARTS
 #: The state variable (a list, after the rollup's own name) of the bucket's final windows: chunks of
 #: state tables, in the order they became final (or one, rewritten by a call that read them).
 FINALS = config.FINALS

@@ -328,3 +328,105 @@ def test_a_per_device_rollup_marks_the_empty_windows_inside_its_devices_gaps() -
     idle = engine.finalize_idle(spec, again.state)
     assert {(r["dev"], r["window_start"]): r["_gap"] for r in as_dicts(idle.rows)}[("a", 3 * W)] is True
     assert not any(r["_gap"] for r in as_dicts(engine.advance(spec, None, filled, None).rows))
+
+
+def _sources(rows: list[tuple[Any, ...]]) -> dict[int, list[tuple[Any, ...]]]:
+    """Rows by the state bucket of their device (a: 1, b: 2, none: 3)."""
+    out: dict[int, list[tuple[Any, ...]]] = {}
+    for e in rows:
+        out.setdefault({"a": 1, "b": 2}.get(e[0], 3), []).append(e)
+    return out
+
+
+def _moves(spec: RollupSpec, rows: list[tuple[Any, ...]], windows: set[tuple[Any, ...]], source: int) -> pa.Table:
+    """A source's new parts of ``windows`` ((dev, site, start)) from its ``rows`` as corrected: each
+    window's partial, or an empty one where none of its rows is left."""
+    parts = partial.partials(spec, table(rows)) if rows else spec.window_schema().empty_table()
+    have = {(d, s, w): i for i, (d, s, w) in enumerate(zip(parts.column("dev").to_pylist(), parts.column("site").to_pylist(),
+                                                             parts.column("window_start").to_pylist(), strict=True))}
+    picked = parts.take(pa.array(sorted(have[k] for k in windows if k in have), pa.int64()))
+    missing = sorted((k for k in windows if k not in have), key=str)
+    empty = engine.empty_windows(spec, pa.table({"dev": pa.array([k[0] for k in missing], pa.string()),
+                                                 "site": pa.array([k[1] for k in missing], pa.int64())}),
+                                 pa.array([k[2] for k in missing], pa.int64()))
+    out = pa.concat_tables([picked, empty])
+    return (out.append_column(engine.SOURCE, pa.array([source] * out.num_rows, pa.int32()))
+            .append_column(engine.MOVE_CAUSE, pa.array(['{"dataset":"sites"}'] * out.num_rows, pa.string())))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_moves_between_windows_end_as_a_batch_recompute_of_the_corrected_events(seed: int) -> None:
+    """Events from three state buckets in micro-batches (each bucket's parts kept); now and then a
+    bucket moves some of its events to another site (a late reference version) and sends its new
+    parts of every window they left or joined: the latest row of every window equals a batch
+    recompute of the events as corrected, windows left with no event say 0, revisions rise, and a
+    final window moved is a correction naming the cause."""
+    r = random.Random(seed)
+    spec = dataclasses.replace(PSPEC, correct_for_us=10**9)
+    rows = sorted(random_events(r, r.randint(150, 300)), key=lambda e: e[2] + r.uniform(0, 200))
+    cuts = sorted(r.sample(range(1, len(rows)), r.randint(3, 10)))
+    batches = [rows[i:j] for i, j in zip([0, *cuts], [*cuts, len(rows)], strict=True)]
+    b = Bucket(spec)
+    parts: pa.Table | None = None
+    written: list[dict[str, Any]] = []
+    done: list[tuple[Any, ...]] = []
+    seen: int | None = None
+    moved_final = 0
+    for batch in batches:
+        watermark = None if seen is None else seen - 150
+        if done and r.random() < 0.7:  # a late version moves a bucket's events from a time on
+            source = r.choice(sorted(_sources(done)))
+            since, site = r.randrange(-300, 1200, 10), r.choice([1, 2, None])
+            windows: set[tuple[Any, ...]] = set()
+            for k, e in enumerate(done):
+                if _sources([e]).keys() == {source} and e[2] >= since and e[1] != site:
+                    windows |= {(e[0], e[1], e[2] // P * P), (e[0], site, e[2] // P * P)}
+                    done[k] = (e[0], site, *e[2:])
+            if windows:
+                got = engine.move(spec, b.state, parts, _moves(spec, _sources(done)[source], windows, source), watermark)
+                assert got.skipped == 0
+                rows_moved = b.took(got.advanced)
+                assert len(rows_moved) == len(windows)
+                for row in rows_moved:
+                    assert row["_cause"] == '{"dataset":"sites"}'
+                    moved_final += row["_kind"] == "correction"
+                written += rows_moved
+                parts = got.parts
+        fed = _sources(batch)
+        parts = engine.add_parts(spec, parts, [(s, partial.partials(spec, table(e))) for s, e in sorted(fed.items())])
+        written += b.took(engine.advance(spec, b.state, partial.partials(spec, table(batch)), watermark))
+        done += batch
+        ts = max(e[2] for e in batch)
+        seen = ts if seen is None else max(seen, ts)
+    assert seen is not None
+    written += b.took(engine.advance(spec, b.state, None, seen + 10**6))
+
+    expected = recompute(done)
+    latest: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for row in written:
+        key = (row["dev"], row["site"], row["window_start"])
+        assert key not in latest or row["_revision"] > latest[key]["_revision"], key
+        latest[key] = row
+    emptied = {k for k, row in latest.items() if row["_events"] == 0}
+    assert set(latest) - emptied == set(expected) and not emptied & set(expected)
+    for key, want in expected.items():
+        for name, value in want.items():
+            if name in ("v_mean", "v_sum") and value is not None:
+                assert latest[key][name] == pytest.approx(value, rel=1e-9), (key, name)
+            else:
+                assert latest[key][name] == value, (key, name, latest[key][name], value)
+    assert all(latest[k]["v_count"] == 0 and latest[k]["v_max"] is None for k in emptied)
+
+
+def test_a_window_a_fork_restored_is_not_moved_and_a_window_past_the_horizon_not_started_again() -> None:
+    spec = dataclasses.replace(PSPEC, correct_for_us=200)
+    first = partial.partials(spec, table([("a", 1, 10, 0, 1, 1.0, "x", 1)]))
+    state = engine.advance(spec, None, first, None).state
+    forked = first.append_column(engine.SOURCE, pa.array([engine.FORKED], pa.int32()))
+    moves = _moves(spec, [], {("a", 1, 0)}, 1)
+    got = engine.move(spec, state, forked, moves, None)
+    assert got.skipped == 1 and got.advanced.rows.num_rows == 0
+    assert got.parts.column(engine.SOURCE).to_pylist() == [engine.FORKED]
+    # The window ended at 100; with the watermark at 300 (100 + 200) it is gone: a move does not start it again.
+    got = engine.move(spec, None, None, moves, 300)
+    assert got.advanced.rows.num_rows == 0 and got.advanced.state.num_rows == 0

@@ -173,10 +173,10 @@ class Devices:
         refresher.run("devices")
         return cls(mysql_url, table, topics, t0, refresher)
 
-    def move(self, site: str, at: datetime) -> None:
-        """Device 1 moved to ``site`` as of ``at``, learnt only now: backdated, then published."""
-        execute(self.mysql_url, f"UPDATE {self.table} SET site = :site, last_update = :t WHERE id = 1",
-                params={"site": site, "t": at.replace(tzinfo=None)})
+    def move(self, site: str, at: datetime, device: int = 1) -> None:
+        """A device moved to ``site`` as of ``at``, learnt only now: backdated, then published."""
+        execute(self.mysql_url, f"UPDATE {self.table} SET site = :site, last_update = :t WHERE id = :id",
+                params={"site": site, "t": at.replace(tzinfo=None), "id": device})
         time.sleep(1.2)  # the refresher's next run reads past its last one
         assert self.refresher.run("devices").updates == 1
 
@@ -386,11 +386,15 @@ def test_corrections_on_a_join_the_state_needs_are_refused_naming_it(
         Pipeline.build(config.parse(data, "test.yaml"), {"devices": schema})
     del data["state"]["aggregates"]
     data["rollups"] = [{"name": "by_site", "by": ["site"], "window": "1m", "metrics": {"n": ["count"]},
+                        "output": {"kafka": {"topic": unique("r")}}},
+                       {"name": "by_device", "by": ["device_id"], "window": "1m", "metrics": {"n": ["count"]},
                         "output": {"kafka": {"topic": unique("r")}}}]
-    with pytest.raises(ConfigError, match=r"column\(s\) \['site'\] of this partitioned join are used by a rollup"):
-        Pipeline.build(config.parse(data, "test.yaml"), {"devices": schema})
-    del data["rollups"]
-    assert [c.dim for c in Pipeline.build(config.parse(data, "test.yaml"), {"devices": schema}).corrected] == [0]
+    built = Pipeline.build(config.parse(data, "test.yaml"), {"devices": schema})
+    assert [c.dim for c in built.corrected] == [0]
+    assert built.state is not None and [r.moves for r in built.state.rollups] == [True, False]
+    data["joins"][0]["how"] = "inner"  # a correction may retract an event: every rollup moves
+    built = Pipeline.build(config.parse(data, "test.yaml"), {"devices": schema})
+    assert built.state is not None and [r.moves for r in built.state.rollups] == [True, True]
 
 
 def test_an_inner_join_of_the_pass_with_write_state_and_corrections_is_refused_naming_it(
@@ -410,15 +414,16 @@ def test_an_inner_join_of_the_pass_with_write_state_and_corrections_is_refused_n
 
 
 
-def test_a_partitioned_join_corrects_within_its_horizon_in_its_buckets_and_counts_the_rest(
+def test_a_partitioned_join_corrects_within_its_horizon_moves_rollup_events_and_counts_the_rest(
         spark: SparkSession, kafka: dict[str, str], mysql_url: str, unique: Callable[[str], str],
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """``strategy: partitioned``: the buckets hold the key's versions and its events, and find the
-    late versions themselves. A move backdated before the horizon (5 minutes behind a watermark
-    1 minute behind the events) corrects the events within it, counts the version
-    ``beyond_horizon`` and logs it once naming the key; the corrected output equals a fresh job's
-    for the events within the horizon (revisions, retractions and the clipped flag of a bucket's
-    corrections: tests/enrich/state/test_corrections.py)."""
+    late versions themselves. With a 15-minute horizon (a watermark 1 minute behind the events),
+    device 1 moves to s-6 and device 2 to s-7, the latter as of before the horizon's start: the
+    events within the horizon are corrected, with their cause, the version reaching further back
+    counts as ``beyond_horizon`` and is logged once naming its key. A rollup by the site moves the
+    events between its windows, naming the change (a final window: a correction). The corrected output
+    and the rollup's latest rows equal a fresh job's (windows left empty say 0 events)."""
     devices = Devices.published(kafka, mysql_url, unique, tmp_path)
     topics, t0 = devices.topics, devices.t0
     minute = timedelta(minutes=1)
@@ -429,10 +434,20 @@ def test_a_partitioned_join_corrects_within_its_horizon_in_its_buckets_and_count
 
     def partitioned(name: str, topic: str) -> dict[str, Any]:
         data = job_config(kafka, unique, tmp_path, topics, name, {"kafka": {"topic": topic}})
-        data["joins"][0].update({"strategy": "partitioned", "corrections": {"horizon": "5m"}})
+        data["joins"][0].update({"strategy": "partitioned", "corrections": {"horizon": "15m"}})
         data["state"]["watermark"] = "1m"
         data["metrics"] = {"port": 0}
+        data["rollups"] = [{"name": "by_site", "by": ["site"], "window": "1m", "metrics": {"n": ["count", "sum", "max"]},
+                            "output": {"kafka": {"topic": unique("sites")}}}]
         return data
+
+    def windows(data: dict[str, Any]) -> dict[tuple[Any, str], dict[str, Any]]:
+        out: dict[tuple[Any, str], dict[str, Any]] = {}
+        for r in outputs(kafka, data["rollups"][0]["output"]["kafka"]["topic"]):
+            at = (r["site"], r["window_start"])
+            assert at not in out or r["_revision"] > out[at]["_revision"], r
+            out[at] = r
+        return out
 
     out_topic = unique("enriched")
     live = partitioned("live", out_topic)
@@ -441,33 +456,52 @@ def test_a_partitioned_join_corrects_within_its_horizon_in_its_buckets_and_count
     assert {r["n"]: (r["site"], r["_kind"]) for r in first} == {
         1: ("s-2", "event"), 2: ("s-2", "event"), 3: ("s-2", "event"), 4: ("s-2", "event"), 5: (None, "event")}
 
-    # Device 1 moved to s-6 as of t0 + 8m. The watermark is t0 + 19m: the horizon starts at t0 + 14m,
-    # so event 3 (t0 + 20m) is corrected and event 2 (t0 + 10m) is not.
+    # The watermark is t0 + 19m: the horizon starts at t0 + 4m. Device 1 moved as of t0 + 8m (events 2
+    # and 3 corrected), device 2 as of t0 + 2m, before it (event 4 corrected, the version counted beyond it).
     devices.move("s-6", t0 + 8 * minute)
+    devices.move("s-7", t0 + 2 * minute, device=2)
     produce_events(kafka, topics["events"], [{"device_id": 2, "ts": iso(t0 + 25 * minute), "n": 6}])
     job = EnrichJob(config.parse(live, "test.yaml"), available_now=True)
     with caplog.at_level("WARNING", logger="enrich.dimension.corrections"):
         job.run(spark)
     got = outputs(kafka, out_topic)
-    fixed = [r for r in got if r["_kind"] == "correction"]
+    fixed = sorted((r for r in got if r["_kind"] == "correction"), key=lambda r: r["n"])
     assert [(r["n"], r["site"], r["_devices_matched"], r["_revision"], r["_retracted"]) for r in fixed] == [
-        (3, "s-6", True, 1, False)]
-    cause = fixed[0]["_cause"]
-    assert (cause["dataset"], json.loads(cause["key"]), cause["valid_from"]) == (
-        "devices", {"id": 1}, iso(t0 + 8 * minute))
-    event = next(e for e in first if e["n"] == 3)
-    assert {k: v for k, v in fixed[0].items() if k not in ("site", "_kind", "_revision", "_cause")} == \
-        {k: v for k, v in event.items() if k not in ("site", "_kind", "_revision", "_cause")}
+        (2, "s-6", True, 1, False), (3, "s-6", True, 1, False), (4, "s-7", True, 1, False)]
+    assert [(json.loads(r["_cause"]["key"]), r["_cause"]["valid_from"]) for r in fixed] == [
+        ({"id": 1}, iso(t0 + 8 * minute)), ({"id": 1}, iso(t0 + 8 * minute)), ({"id": 2}, iso(t0 + 2 * minute))]
+    for r in fixed:  # the event as written, but for what the change corrects
+        event = next(e for e in first if e["n"] == r["n"])
+        assert {k: v for k, v in r.items() if k not in ("site", "_kind", "_revision", "_cause")} == \
+            {k: v for k, v in event.items() if k not in ("site", "_kind", "_revision", "_cause")}
     assert job.started.metrics is not None
     value = job.started.metrics.registry.get_sample_value
     assert value("refstream_enrich_corrections_total", {"dataset": "devices", "result": "beyond_horizon"}) == 1
+    assert value("refstream_enrich_corrections_total", {"dataset": "devices", "result": "corrected"}) == 1
     warned = [r.getMessage() for r in caplog.records if "before the corrections' horizon" in r.getMessage()]
-    assert len(warned) == 1 and '{"id":1}' in warned[0].replace(" ", ""), warned
+    assert len(warned) == 1 and '{"id":2}' in warned[0].replace(" ", ""), warned
 
-    # The oracle: a fresh job over the same events now; within the horizon the corrected output says the same.
+    # The rollup: the window of events 2 and 4 (final when the versions came) lost both at s-2 (a
+    # correction) and gained one each at s-6 and s-7 (new windows the watermark has passed: final at
+    # once), each naming the change.
+    rolled = windows(live)
+    moved = [r for r in rolled.values() if r["_cause"] is not None]
+    assert sorted((r["site"], r["_kind"], r["_events"], r["n_sum"]) for r in moved) == [
+        ("s-2", "correction", 0, None), ("s-6", "final", 1, 2), ("s-7", "final", 1, 4)]
+    assert sorted(r["_revision"] for r in moved) == [1, 1, 3]  # s-2's: provisional, final, then the move
+    causes = {r["site"]: json.loads(r["_cause"]) for r in moved}
+    assert (causes["s-6"]["dataset"], json.loads(causes["s-6"]["key"])) == ("devices", {"id": 1})
+    assert causes["s-6"]["valid_from"] == iso(t0 + 8 * minute)
+
+    # The oracle: a fresh job over the same events now.
     fresh_topic = unique("fresh")
-    EnrichJob(config.parse(partitioned("fresh", fresh_topic), "test.yaml"), available_now=True).run(spark)
+    fresh = partitioned("fresh", fresh_topic)
+    EnrichJob(config.parse(fresh, "test.yaml"), available_now=True).run(spark)
     want = {r["n"]: tuple(r[c] for c in REFERENCE) for r in outputs(kafka, fresh_topic)}
-    have = {n: tuple(r[c] for c in REFERENCE) for n, r in latest(got).items()}
-    assert have[3] == want[3] == ("s-6", True) and have[6] == want[6] == ("s-2", True)
-    assert have[2] == ("s-2", True) and want[2] == ("s-6", True)  # beyond the horizon: kept as written
+    assert {n: tuple(r[c] for c in REFERENCE) for n, r in latest(got).items()} == want
+    assert want[3] == ("s-6", True) and want[4] == ("s-7", True)
+
+    def metrics(rows: dict[tuple[Any, str], dict[str, Any]]) -> dict[tuple[Any, str], tuple[int, int, int]]:
+        return {k: (r["_events"], r["n_sum"], r["n_max"]) for k, r in rows.items() if r["_events"]}
+
+    assert metrics(rolled) == metrics(windows(fresh))
