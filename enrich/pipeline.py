@@ -58,7 +58,7 @@ from enrich.joins import JoinSpec
 from enrich.joins.asof import CLIPPED
 from enrich.joins.partitioned import PartitionedDim, partitioned_dim
 from enrich.rollups.spec import RollupSpec
-from enrich.state.corrections import CAUSE_TYPE, Corrects
+from enrich.state.corrections import CAUSE_TYPE, Corrects, join_again
 from enrich.state.engine import StateSpec
 from enrich.state.spec import output_fields, resolve
 from refstream.contract import DatasetSchema
@@ -254,10 +254,11 @@ def _corrected(cfg: EnrichConfig, state: StatePlan | None, after: Sequence[JoinC
         if state is not None and j.strategy == "partitioned":
             out.append(_corrected_dim(cfg, state, j, where, schemas))
             continue
-        if state is None or j not in after:
-            raise ConfigError(f"{where}: not possible for a join whose columns the state: section, a rollup, a "
-                              "call or a gap uses (it runs before the state step); corrections apply to joins of "
-                              "the join pass (docs/state.md)")
+        if state is not None and j in state.before:
+            out.append(_corrected_before(cfg, state, j, where, schemas))
+            continue
+        if state is None:
+            raise ConfigError(f"{where}: corrections need a state: section (the state step keeps what it wrote)")
         spec = first.specs[list(after).index(j)]
         outside = [e for e, _ in spec.pairs if e not in state.schema.fieldNames()]
         if outside:
@@ -266,12 +267,49 @@ def _corrected(cfg: EnrichConfig, state: StatePlan | None, after: Sequence[JoinC
         joined = tuple(c for c, _ in spec.columns)
         out.append(Corrects(spec, tuple(schemas[j.dataset].key), j.corrections // timedelta(microseconds=1), joined))
     db = cfg.output.database
-    inner = [k for k, a in enumerate(cfg.joins) if a.how == "inner" and (a in after or a.corrections is not None)]
+    rerun = _rerun(cfg, state) if state is not None else set()
+    inner = [k for k, a in enumerate(cfg.joins) if a.how == "inner" and (a in after or k in rerun
+                                                                          or a.corrections is not None)]
     if out and db is not None and db.write == "state" and inner:
         raise ConfigError(f"{cfg.source}: joins[{inner[0]}].how: inner with corrections and output.database "
                           "write: state: a correction that retracts the event a device's row holds would leave "
                           "no row a fresh job writes; use how: left, or write: events")
     return tuple(out)
+
+
+def _rerun(cfg: EnrichConfig, state: StatePlan) -> set[int]:
+    """The indexes (in ``cfg.joins``) of the joins before the state step a correction runs again."""
+    corrected = [j.dataset for j in state.before if j.corrections is not None]
+    return {cfg.joins.index(state.before[i]) for i in join_again(state.before_specs, corrected)}
+
+
+def _refuse_uses(cfg: EnrichConfig, adds: set[str], where: str, what: str) -> None:
+    """A corrected join's columns (``adds``) that the state's aggregates, a call or a gap uses, refused:
+    what the step computed from them would stay as first computed. A rollup over them is kept right:
+    the buckets move the events between its windows."""
+    assert cfg.state is not None
+    users = [("state:", set(cfg.state.columns)),
+             ("a call", {r.name for c in cfg.calls for r in c.body.refs() if r.scope is None}),
+             ("gaps:", set(cfg.gaps.columns) if cfg.gaps is not None else set())]
+    for who, names in users:
+        used = sorted(adds & names)
+        if used:
+            raise ConfigError(f"{where}: column(s) {used} of {what} are used by {who}, which the corrections do not "
+                              "recompute yet; remove corrections or those uses (docs/state.md)")
+
+
+def _corrected_before(cfg: EnrichConfig, state: StatePlan, j: JoinConfig, where: str,
+                      schemas: Mapping[str, DatasetSchema]) -> Corrects:
+    """A broadcast join before the state step with corrections: its buckets join the corrected events
+    again with the batch's pinned versions, and the joins before the step on its columns too."""
+    assert cfg.state is not None and j.corrections is not None
+    at = list(state.before).index(j)
+    chain = [state.before_specs[i] for i in join_again(state.before_specs, [j.dataset])]
+    adds = {o for s in chain for _, o in s.columns} | {s.matched for s in chain}
+    _refuse_uses(cfg, adds, where, "this join (or a join before the state step on them)")
+    spec = state.before_specs[at]
+    return Corrects(spec, tuple(schemas[j.dataset].key), j.corrections // timedelta(microseconds=1),
+                    tuple(c for c, _ in spec.columns), before=True)
 
 
 def _corrected_dim(cfg: EnrichConfig, state: StatePlan, j: JoinConfig, where: str,
@@ -281,16 +319,7 @@ def _corrected_dim(cfg: EnrichConfig, state: StatePlan, j: JoinConfig, where: st
     aggregates, a rollup, a call, a gap) would stay as first computed, so such uses are refused."""
     assert cfg.state is not None
     dim = state.dims[list(cfg.partitioned_joins).index(j)]
-    adds = {out for _, out in dim.join.columns} | {dim.join.matched}
-    # A rollup over its columns is kept right: the buckets move the events between its windows.
-    users = [("state:", set(cfg.state.columns)),
-             ("a call", {r.name for c in cfg.calls for r in c.body.refs() if r.scope is None}),
-             ("gaps:", set(cfg.gaps.columns) if cfg.gaps is not None else set())]
-    for who, names in users:
-        used = sorted(adds & names)
-        if used:
-            raise ConfigError(f"{where}: column(s) {used} of this partitioned join are used by {who}, which the "
-                              "corrections do not recompute yet; remove corrections or those uses (docs/state.md)")
+    _refuse_uses(cfg, {out for _, out in dim.join.columns} | {dim.join.matched}, where, "this partitioned join")
     joined = tuple(c for c, _ in dim.join.columns)
     return Corrects(dim.join, tuple(schemas[j.dataset].key), j.corrections // timedelta(microseconds=1)
                     if j.corrections is not None else 0, joined, dim=dim.index)
@@ -350,7 +379,7 @@ def _state_plan(cfg: EnrichConfig, parsed: StructType, schemas: Mapping[str, Dat
                              StructField(REVISION, IntegerType(), True),
                              StructField(CAUSE, from_arrow_type(CAUSE_TYPE), True),
                              StructField(RETRACTED, BooleanType(), True)])
-    rollups = _rollups(cfg, passed, enriched, specs, timezone, dims)
+    rollups = _rollups(cfg, passed, enriched, specs, timezone, dims, before)
     gaps = _gaps(cfg, passed, enriched, specs, dims, spec, timezone) if cfg.gaps is not None else None
     return StatePlan(spec=spec, before=tuple(before), before_specs=tuple(specs), inner=inner, joined=joined,
                      dims=dims, passed=tuple(passed), schema=schema, calls=calls, rollups=rollups, gaps=gaps)
@@ -389,17 +418,22 @@ def _gaps(cfg: EnrichConfig, passed: list[StructField], enriched: StructType, be
 
 
 def _rollups(cfg: EnrichConfig, passed: list[StructField], enriched: StructType,
-             before: Sequence[JoinSpec], timezone: str, dims: Sequence[PartitionedDim] = ()) -> tuple[RollupSpec, ...]:
+             before: Sequence[JoinSpec], timezone: str, dims: Sequence[PartitionedDim] = (),
+             joined_before: Sequence[JoinConfig] = ()) -> tuple[RollupSpec, ...]:
     """The rollups resolved against the columns the state step passes (the events' fields and the
     columns of the joins before and inside it): each is computed there. A ``fill`` whose ``by``
     columns all come from one broadcast join (``before``: its columns, at least one, and its key)
-    fills by that dimension's keys (``fill_keys``). A rollup over a column of a partitioned join
-    with corrections (``dims``), or every rollup when such a join is inner (a correction may
-    retract an event or bring one back), ``moves``."""
+    fills by that dimension's keys (``fill_keys``). A rollup over a column a correction changes (of
+    a partitioned join with corrections, ``dims``; of a join before the step with corrections,
+    ``joined_before`` with ``before``, or one on its columns), or every rollup when such a join is
+    inner (a correction may retract an event or bring one back), ``moves``."""
     assert cfg.state is not None
     corrected = [d for d, j in zip(dims, cfg.partitioned_joins, strict=True) if j.corrections is not None]
     moving = {out for d in corrected for _, out in d.join.columns} | {d.join.matched for d in corrected}
     every = any(d.inner for d in corrected)
+    chain = join_again(before, [j.dataset for j in joined_before if j.corrections is not None])
+    moving |= {o for i in chain for _, o in before[i].columns} | {before[i].matched for i in chain}
+    every = every or any(joined_before[i].how == "inner" for i in chain)
     types = {f.name: f.dataType for f in passed}
     out = []
     for i, r in enumerate(cfg.rollups):

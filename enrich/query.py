@@ -368,7 +368,7 @@ def attach(raw: DataFrame, pipeline: Pipeline, layout: BucketLayout, changelogs:
                                      gap_records=gap_records, corrected=pipeline.corrected,
                                      out_schema=to_arrow_schema(flat_schema, timezone=timezone) if tail else None,
                                      correction_counts=correction_counts,
-                                     clips_in_step=not any(s.time is not None for s in st.before_specs))
+                                     before=st.before_specs)
     init = initial.groupBy(BUCKET) if initial is not None else None
     if not st.rollups:
         stepped = rows.groupBy(BUCKET).transformWithStateInPandas(

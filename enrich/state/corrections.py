@@ -33,7 +33,7 @@ from enrich.state.stored import WRITTEN
 from refstream import contract
 
 __all__ = ["CAUSE_TYPE", "MERGE_AT", "NO_BOUND_END", "NO_BOUND_START", "REVISIONS_SCHEMA", "SMALL_ROWS", "TS",
-           "Corrects", "Matched", "as_events", "bucket_changes",
+           "Corrects", "Matched", "as_events", "bucket_changes", "join_again",
            "read_tallies", "tally", "emitted", "horizon_start", "initial_written", "keep", "match",
            "read_changes", "revisions", "saved_chunks", "with_revisions"]
 
@@ -57,10 +57,26 @@ class Corrects:
     #: A partitioned join's dimension (its ``PartitionedDim.index``): the buckets find its late
     #: versions themselves (:func:`bucket_changes`); None: a broadcast join's, from the driver's files.
     dim: int | None = None
+    #: A broadcast join before the state step (its columns are in what the step wrote): the buckets
+    #: join their corrections again (:func:`join_again`).
+    before: bool = False
 
     @property
     def dataset(self) -> str:
         return self.spec.dataset
+
+
+def join_again(before: Sequence[JoinSpec], corrected: Sequence[str]) -> list[int]:
+    """The joins before the state step (``before``, in order) a correction runs again: those of the
+    ``corrected`` datasets, and those whose ``on:`` columns come from one run again (a models join on
+    the devices join's ``model_id``)."""
+    out: list[int] = []
+    added: set[str] = set()
+    for i, s in enumerate(before):
+        if s.dataset in corrected or {e for e, _ in s.pairs} & added:
+            out.append(i)
+            added |= {o for _, o in s.columns} | {s.matched}
+    return out
 
 
 def horizon_start(corrected: Sequence[Corrects], watermark: int | None) -> int:

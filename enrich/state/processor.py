@@ -59,7 +59,7 @@ from enrich.columns import (
 from enrich.dimension.corrections import QUIET
 from enrich.gaps import engine as gap_engine
 from enrich.ipc import from_ipc, to_ipc
-from enrich.joins import PINNED_PROPERTY
+from enrich.joins import PINNED_PROPERTY, JoinSpec, PlanEnricher, join_table
 from enrich.joins.asof import CLIPPED
 from enrich.joins.partitioned import (
     CACHE,
@@ -122,8 +122,8 @@ class DeviceStateProcessor(StatefulProcessor):
     ``out_schema`` (the step's output rows); a corrected partitioned join's late versions are found
     in the bucket, which holds its versions and events, and counted in ``correction_counts`` (an
     accumulator of ``enrich.accumulators.KeyedTallies``, :func:`enrich.state.corrections.tally`);
-    ``clips_in_step``: only the step's partitioned as-of joins set ``_clipped`` (no as-of join runs
-    before the step), so a correction's flag is found again from them alone. ``server_timeout_s``: how long a request to the task's state server may go unanswered before it
+    ``before``: the joins before the step (their specs, inner off), which a correction of one of
+    them runs again with the batch's pinned versions. ``server_timeout_s``: how long a request to the task's state server may go unanswered before it
     fails the task (``state.server_timeout``; a state server thread that died would otherwise leave
     the task, its batch and the query waiting for good)."""
 
@@ -138,10 +138,12 @@ class DeviceStateProcessor(StatefulProcessor):
                  gap_records: Accumulator[dict[int, dict[str, Any]]] | None = None,
                  corrected: tuple[corrections.Corrects, ...] = (), out_schema: pa.Schema | None = None,
                  correction_counts: Accumulator[dict[int, dict[str, Any]]] | None = None,
-                 clips_in_step: bool = False) -> None:
+                 before: tuple[JoinSpec, ...] = ()) -> None:
         self.spec, self.columns, self.devices, self.dims, self.cache = spec, columns, devices, dims, cache
         self.corrected, self.out_schema = corrected, out_schema
-        self.correction_counts, self.clips_in_step = correction_counts, clips_in_step
+        self.correction_counts, self.before = correction_counts, before
+        # The joins before the step a correction runs again (enrich.state.corrections.join_again).
+        self._rerun = corrections.join_again(before, [c.dataset for c in corrected if c.before])
         # A corrected partitioned join's dimension: the old and new versions and the records of the call's batch.
         self._dim_changes: dict[int, tuple[pa.Table, pa.Table, pa.Table]] = {}
         # The rollups whose windows a correction moves events between, and this call's moves.
@@ -373,17 +375,36 @@ class DeviceStateProcessor(StatefulProcessor):
         return ok
 
     def _look_again(self, rows: pa.Table, versions: list[Version]) -> tuple[pa.Table, np.ndarray]:
-        """Correction ``rows`` with each corrected partitioned join's columns looked up again in the
-        bucket's versions after the batch (as a fresh job would join them now), and the rows a
-        corrected inner one no longer matches."""
+        """Correction ``rows`` with the columns of each corrected join before or in the step (and of
+        the joins before it on them) joined again: the joins before the step with the batch's pinned
+        versions, a partitioned one in the bucket's versions after the batch (as a fresh job would
+        join them now); and the rows an inner join before or in the step does not match (a
+        correction of them retracts the event)."""
         lost = np.zeros(rows.num_rows, bool)
         again = [(i, d) for i, d in enumerate(self.dims) if any(c.dim == d.index for c in self.corrected)]
-        if not again:
-            return rows, lost
         names = rows.column_names
-        fresh_clip = self.clips_in_step and CLIPPED in names
+        if again or self._rerun:
+            rows = self._join_again(rows, names, again, versions)
+        for matched in (*self.inner, *(d.join.matched for d in self.dims if d.inner)):
+            if matched in rows.column_names:
+                lost |= ~pc.fill_null(rows.column(matched), False).to_numpy(zero_copy_only=False).astype(bool)
+        return rows, lost
+
+    def _join_again(self, rows: pa.Table, names: list[str], again: list[tuple[int, PartitionedDim]],
+                    versions: list[Version]) -> pa.Table:
+        """:meth:`_look_again`'s joins; ``_clipped`` found again when every as-of join before the step
+        that sets it runs again (else the written flag stays, with the corrected joins' ORed in)."""
+        fresh_clip = CLIPPED in names and all(i in self._rerun for i, s in enumerate(self.before) if s.time is not None)
         if fresh_clip:  # found again below from every as-of join that sets it
             rows = rows.set_column(names.index(CLIPPED), CLIPPED, pa.array(np.zeros(rows.num_rows, bool)))
+        if self._rerun:
+            lookups = PlanEnricher(self.before, None).lookups()  # the batch's pinned versions
+            for k in self._rerun:
+                spec = self.before[k]
+                mine = [n for n in [o for _, o in spec.columns] + [spec.matched] if n in rows.column_names]
+                base, overlay = lookups[spec.dataset]
+                looked = join_table(rows.drop_columns(mine), spec, base, overlay)
+                rows = looked.select([*names, *[n for n in looked.column_names if n not in names]])
         for i, dim in enumerate(self.dims):
             corrected = any(i == j for j, _ in again)
             if not corrected and not (fresh_clip and dim.join.time is not None):
@@ -393,11 +414,9 @@ class DeviceStateProcessor(StatefulProcessor):
             looked = lookup(dim, rows.drop_columns(mine), versions[i], None)
             if corrected:
                 rows = looked.select([*names, *[n for n in looked.column_names if n not in names]])
-                if dim.inner:
-                    lost |= ~pc.fill_null(rows.column(dim.join.matched), False).to_numpy(zero_copy_only=False)
             else:  # its columns stay as written (not corrected): the flag only
                 rows = rows.set_column(names.index(CLIPPED), CLIPPED, looked.column(CLIPPED))
-        return rows, lost
+        return rows
 
     def _read_chunk(self, chunk: int) -> pa.Table | None:
         """A kept chunk's rows with their revisions (:func:`enrich.state.corrections.revisions`)."""

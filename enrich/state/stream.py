@@ -34,7 +34,7 @@ from pyspark.sql.types import (
 
 from enrich import packed
 from enrich.checkpoint import CheckpointLayout
-from enrich.columns import BUCKET, ERROR, FLAT, LATE, STATE
+from enrich.columns import BUCKET, ERROR, FLAT, KIND, KIND_CORRECTION, LATE, STATE
 from enrich.config import EnrichConfig
 from enrich.ipc import to_ipc
 from enrich.joins.partitioned import PartitionedDim
@@ -171,6 +171,8 @@ class Unpack:
             keep = pc.is_valid(out.column(ERROR))
             matched = [pc.fill_null(out.column(m), False) for m in self.inner]
             keep = pc.or_(keep, functools.reduce(pc.and_, matched))
+            if KIND in out.column_names:  # a correction goes on: one the join no longer matches retracts its event
+                keep = pc.or_(keep, pc.fill_null(pc.equal(out.column(KIND), KIND_CORRECTION), False))
             out = out.filter(keep)
         return out
 

@@ -262,7 +262,7 @@ def test_a_buckets_corrections_look_a_partitioned_join_up_again_retracting_and_c
                         inner=False, history=timedelta(days=2)), inner=True)
     c = Corrects(dim.join, ("id",), 3_600_000_000, ("owner", "limit"), dim=0)
     proc = DeviceStateProcessor(StateSpec("device_id", pa.int64(), "ts", 10**9), ("device_id", "ts"), dims=(dim,),
-                                corrected=(c,), clips_in_step=True)
+                                corrected=(c,))
 
     def at(when: object, *messages: contract.Message, first: int) -> pa.Table:
         t = records(*messages, first=first)

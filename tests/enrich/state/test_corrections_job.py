@@ -377,7 +377,8 @@ def test_corrections_on_a_join_the_state_needs_are_refused_naming_it(
     data = job_config(kafka, unique, tmp_path, topics, "x", {"kafka": {"topic": unique("out")}})
     data["state"]["aggregates"] = {"site": ["last"]}
     schema = DatasetSchema("devices", ("id",), (Column("id", "int64"), Column("site", "string")))
-    with pytest.raises(ConfigError, match=r"joins\[0\].corrections: not possible for a join whose columns the state"):
+    with pytest.raises(ConfigError, match=r"joins\[0\].corrections: column\(s\) \['site'\] of this join \(or a join "
+                                          r"before the state step on them\) are used by state:"):
         Pipeline.build(config.parse(data, "test.yaml"), {"devices": schema})
     # Partitioned: corrected in its buckets, but what the state computed from its columns is not recomputed.
     data["joins"][0]["strategy"] = "partitioned"
@@ -414,11 +415,14 @@ def test_an_inner_join_of_the_pass_with_write_state_and_corrections_is_refused_n
 
 
 
-def test_a_partitioned_join_corrects_within_its_horizon_moves_rollup_events_and_counts_the_rest(
+@pytest.mark.parametrize("strategy", ["partitioned", "broadcast"])
+def test_a_join_in_the_state_step_corrects_within_its_horizon_moves_rollup_events_and_counts_the_rest(
         spark: SparkSession, kafka: dict[str, str], mysql_url: str, unique: Callable[[str], str],
-        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    """``strategy: partitioned``: the buckets hold the key's versions and its events, and find the
-    late versions themselves. With a 15-minute horizon (a watermark 1 minute behind the events),
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, strategy: str) -> None:
+    """A join whose columns a rollup groups by: ``strategy: partitioned`` (the buckets hold the key's
+    versions and its events, and find the late versions themselves) or broadcast (it runs before the
+    state step; the driver finds the late versions, the buckets join the corrected events again with
+    the batch's pinned versions). With a 15-minute horizon (a watermark 1 minute behind the events),
     device 1 moves to s-6 and device 2 to s-7, the latter as of before the horizon's start: the
     events within the horizon are corrected, with their cause, the version reaching further back
     counts as ``beyond_horizon`` and is logged once naming its key. A rollup by the site moves the
@@ -434,7 +438,7 @@ def test_a_partitioned_join_corrects_within_its_horizon_moves_rollup_events_and_
 
     def partitioned(name: str, topic: str) -> dict[str, Any]:
         data = job_config(kafka, unique, tmp_path, topics, name, {"kafka": {"topic": topic}})
-        data["joins"][0].update({"strategy": "partitioned", "corrections": {"horizon": "15m"}})
+        data["joins"][0].update({"strategy": strategy, "corrections": {"horizon": "15m"}})
         data["state"]["watermark"] = "1m"
         data["metrics"] = {"port": 0}
         data["rollups"] = [{"name": "by_site", "by": ["site"], "window": "1m", "metrics": {"n": ["count", "sum", "max"]},
@@ -464,6 +468,7 @@ def test_a_partitioned_join_corrects_within_its_horizon_moves_rollup_events_and_
     job = EnrichJob(config.parse(live, "test.yaml"), available_now=True)
     with caplog.at_level("WARNING", logger="enrich.dimension.corrections"):
         job.run(spark)
+    assert job.started.pipeline.state is not None and job.started.pipeline.state.rollups[0].moves
     got = outputs(kafka, out_topic)
     fixed = sorted((r for r in got if r["_kind"] == "correction"), key=lambda r: r["n"])
     assert [(r["n"], r["site"], r["_devices_matched"], r["_revision"], r["_retracted"]) for r in fixed] == [
