@@ -68,6 +68,7 @@ from enrich.source.offsets import from_json_offsets, to_json_offsets
 from enrich.state import corrections, engine, rollups
 from enrich.state.engine import StateSpec
 from enrich.state.record import (
+    BUCKET_IDS,
     PARTITIONS,
     ROLLUPS,
     by_name,
@@ -199,6 +200,12 @@ def take(cfg: EnrichConfig, to: str | Path, *, spark: SparkSession | None = None
                 parts += [stateread.scan(spark, ck, batch_id, name).select(
                               F.lit(r.name).alias("rollup"), F.col("value.table").alias("windows")),
                           finals.select(F.lit(r.name).alias("rollup"), F.col(f"{element}.table").alias("windows"))]
+                if r.moves:  # each window's part per state bucket (enrich.rollups.engine.move)
+                    parts.append(stateread.scan(spark, ck, batch_id, name + rollups.PARTS).select(
+                        F.lit(r.name + rollups.PARTS).alias("rollup"), F.col("value.table").alias("windows")))
+            # The state buckets the parts name, for a fork to find them in its own layout.
+            meta["rollups"]["bucket_ids"] = kept.get(BUCKET_IDS)
+            meta["rollups"]["parts"] = [r.name for r in st.rollups if r.moves]
             windows = functools.reduce(DataFrame.unionByName, parts).where(F.length("windows") > 0)
             _write_parquet(spark, windows, directory / ROLLUPS_FILE)
         if pipeline.corrected:  # the events written within the horizon, which the fork goes on correcting
@@ -358,6 +365,7 @@ class Savepoint:
         rows = self.directory / str(self.meta.get("rollups", {}).get("rows", ROLLUPS_FILE))
         if st.rollups and _has_rows(rows):
             windows = spark.read.schema(rollups.SAVED).parquet(str(rows))
+        saved_ids = self.meta.get("rollups", {}).get("bucket_ids")
         written = None
         rows = self.directory / str(self.meta.get("written", {}).get("rows", WRITTEN_FILE))
         if pipeline.corrected and _has_rows(rows):
@@ -370,7 +378,9 @@ class Savepoint:
                 gaps[name] = saved_gaps.where(F.col("kind") == F.lit(name)).select("table").mapInArrow(
                     functools.partial(_gap_rows, schema=schema), from_arrow_schema(schema))
         return self.events_start, Fork(devices=devices, dims=dims, changelogs=changelogs, floor_us=self.floor_us,
-                                       rollups=windows, gaps=gaps, written=written)
+                                       rollups=windows, gaps=gaps, written=written,
+                                       rollup_ids=tuple(saved_ids) if isinstance(saved_ids, list) else None,
+                                       rollup_parts=tuple(self.meta.get("rollups", {}).get("parts", [])))
 
     @property
     def gaps_driver(self) -> dict[str, Any] | None:

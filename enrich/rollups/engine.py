@@ -348,16 +348,14 @@ def _percentiles(sketches: pa.Array, ranks: list[float]) -> list[pa.Array]:
 #
 # A rollup whose rows hold a column a late reference version corrects (``RollupSpec.moves``) keeps,
 # beside its windows, each window's *parts*: the partial of each state bucket (``SOURCE``) that fed
-# it. A correcting state bucket recomputes its part of every window its corrected events left or
-# joined from the events it kept, and :func:`move` replaces that part and combines the window
-# again from its parts: min, max, the sketches and the distinct sets do not subtract, so a window
-# is rebuilt rather than adjusted. A window restored by a fork has one part of source ``FORKED``
-# (its whole partial, whose sources are unknown): it is not moved.
+# it. A correcting state bucket recomputes its parts of every window in the span of its corrected
+# events from the events it kept (as they are now), and :func:`move` replaces its parts there and
+# combines each window whose part changed again from its parts: min, max, the sketches and the
+# distinct sets do not subtract, so a window is rebuilt rather than adjusted. A window restored by a
+# fork without its parts has one part of source ``FORKED`` (its whole partial): it is not moved.
 
 #: A part's state bucket (its grouping key); ``FORKED``: a window a fork restored whole.
 SOURCE, FORKED = "__source", -1
-#: A move's cause, beside its window table: the reference change as JSON text (the events' ``_cause``).
-MOVE_CAUSE = "__cause"
 
 
 def parts_schema(spec: RollupSpec) -> pa.Schema:
@@ -405,6 +403,19 @@ def evict_parts(spec: RollupSpec, parts: pa.Table, watermark_us: int | None) -> 
     return parts.filter(pa.array(end + spec.correct_for_us > watermark_us))
 
 
+#: A move's schema metadata: the window starts it covers (``lo`` to ``hi``, µs, end exclusive) and
+#: its cause (the late version, JSON text).
+MOVE_LO, MOVE_HI, MOVE_CAUSE_KEY = b"lo", b"hi", b"cause"
+
+
+def move_table(spec: RollupSpec, partials: pa.Table, lo: int, hi: int, cause: str) -> pa.Table:
+    """A state bucket's move: its new parts (``partials``, a window table) of every window starting
+    from ``lo`` to ``hi``, which replace all its parts there (:func:`move`)."""
+    table = partials.cast(spec.window_schema())
+    return table.replace_schema_metadata({MOVE_LO: str(lo).encode(), MOVE_HI: str(hi).encode(),
+                                          MOVE_CAUSE_KEY: cause.encode()})
+
+
 @dataclass(frozen=True)
 class Moved:
     """:func:`move`'s result: the state and the rows written (:class:`Advanced`), the new parts, and
@@ -415,69 +426,88 @@ class Moved:
     skipped: int
 
 
-def move(spec: RollupSpec, state: pa.Table | None, parts: pa.Table | None, moves: pa.Table,
+def move(spec: RollupSpec, state: pa.Table | None, parts: pa.Table | None, moves: Sequence[tuple[int, pa.Table]],
          watermark_us: int | None) -> Moved:
-    """Replace the parts ``moves`` bring (a window table with :data:`SOURCE` and :data:`MOVE_CAUSE`:
-    a source's new part of a window, ``_events`` 0 when none of its events is left there) and write
-    each window they touch again, combined from its parts, with the move's cause: a ``correction``
-    once the window is final, else ``final`` when the watermark has reached it, else
-    ``provisional``. A window the state no longer holds beyond the horizon is left alone."""
+    """Each move ``(source, table)`` (:func:`move_table`, in source order) replaces all the parts of
+    ``source`` in the windows starting within its range with its table's; every window whose part
+    changed is written again, combined from its parts: a ``correction`` with the move's cause once
+    the window is final, else ``final`` when the watermark has reached it, else ``provisional``. A
+    window the state no longer holds (beyond the horizon) or that a fork restored whole is left alone.
+    Replacing the range rather than the windows named keeps the parts right whatever the bucket sent
+    before (an event corrected twice leaves the window of its first correction too)."""
     sschema, wschema, pschema = state_schema(spec), spec.window_schema(), parts_schema(spec)
     state = sschema.empty_table() if state is None else state.cast(sschema)
     parts = pschema.empty_table() if parts is None else parts.cast(pschema)
     win = [*spec.by, WINDOW_START]
-    if watermark_us is not None and moves.num_rows:  # gone from the state: not started again
-        beyond = beyond_horizon(spec, as_numpy(moves.column(WINDOW_START)), watermark_us)
-        moves = moves.filter(pa.array(~beyond))
-    m_win, p_win = idents(moves, win), idents(parts, win)
-    forked = np.unique(p_win[as_numpy(parts.column(SOURCE)) == FORKED]) if parts.num_rows else np.zeros(0, object)
-    ok = ~np.isin(m_win, forked)
-    skipped = len(np.unique(m_win[~ok]))
-    moves, m_win = moves.filter(pa.array(ok)), m_win[ok]
-    if not moves.num_rows:
-        return Moved(Advanced(state, spec.output_schema().empty_table(), 0), parts, skipped)
-    moved = moves.select([*wschema.names, SOURCE]).cast(pschema)
-    replaced = np.isin(idents(parts, [*win, SOURCE]), idents(moved, [*win, SOURCE]))
-    fresh = as_numpy(moved.column(EVENTS)) > 0
-    parts = pa.concat_tables([parts.filter(pa.array(~replaced)), moved.filter(pa.array(fresh))])
+    p_src = as_numpy(parts.column(SOURCE)) if parts.num_rows else np.zeros(0, np.int32)
+    forked = np.unique(idents(parts, win)[p_src == FORKED]) if parts.num_rows else np.zeros(0, object)
+    changed: dict[str, tuple[pa.Table, str]] = {}  # window -> its keys and start (one row), the cause
+    skipped: set[str] = set()
+    for source, table in moves:
+        meta = table.schema.metadata or {}
+        lo, hi, cause = int(meta[MOVE_LO]), int(meta[MOVE_HI]), meta[MOVE_CAUSE_KEY].decode()
+        if watermark_us is not None:  # windows gone from the state: nothing to move
+            lo = max(lo, ((watermark_us - spec.correct_for_us) // spec.window_us) * spec.window_us)
+        new = table.cast(wschema)
+        new = new.filter(pa.array(as_numpy(new.column(EVENTS)) > 0))
+        n_start = as_numpy(new.column(WINDOW_START))
+        new = new.filter(pa.array((n_start >= lo) & (n_start < hi)))
+        p_start = as_numpy(parts.column(WINDOW_START)) if parts.num_rows else np.zeros(0, np.int64)
+        p_src = as_numpy(parts.column(SOURCE)) if parts.num_rows else np.zeros(0, np.int32)
+        p_win = idents(parts, win)
+        old_at = (p_src == source) & (p_start >= lo) & (p_start < hi) & ~np.isin(p_win, forked)
+        n_win = idents(new, win)
+        keep_new = ~np.isin(n_win, forked)
+        skipped |= set(n_win[~keep_new].tolist())
+        new, n_win = new.filter(pa.array(keep_new)), n_win[keep_new]
+        old = parts.filter(pa.array(old_at)).drop_columns([SOURCE])
+        o_win = idents(old, win)
+        before = dict(zip(o_win.tolist(), old.to_pylist(), strict=True))
+        after = dict(zip(n_win.tolist(), new.to_pylist(), strict=True))
+        for k in set(before) | set(after):
+            if before.get(k) != after.get(k):  # an unchanged part rewrites nothing
+                src, row = (new, n_win.tolist().index(k)) if k in after else (old, o_win.tolist().index(k))
+                changed.setdefault(k, (src.select(win).slice(row, 1), cause))
+        src_col = pa.array(np.full(new.num_rows, source, np.int32), pa.int32())
+        parts = pa.concat_tables([parts.filter(pa.array(~old_at)), new.append_column(pschema.field(SOURCE), src_col)])
+    if not changed:
+        return Moved(Advanced(state, spec.output_schema().empty_table(), 0), parts, len(skipped))
 
-    affected, first = np.unique(m_win, return_index=True)
+    affected = np.asarray(sorted(changed), dtype=object)
     mine = parts.filter(pa.array(np.isin(idents(parts, win), affected)))
     order, starts = sort_groups(mine, win, [SOURCE])  # each window's parts in source order: replays alike
     merged = combine_sorted(spec, mine.take(pa.array(order)).drop_columns([SOURCE]), starts) if mine.num_rows \
         else wschema.empty_table()
-    gone = ~np.isin(affected, idents(merged, win))
-    if gone.any():  # every part of it moved away: the window is empty now
-        at = pa.array(first[gone])
-        merged = pa.concat_tables([merged, empty_windows(spec, moves.select(list(spec.by)).take(at),
-                                                         moves.column(WINDOW_START).take(at))])
-    cause_of = dict(zip(m_win[first].tolist(), moves.column(MOVE_CAUSE).take(pa.array(first)).to_pylist(), strict=True))
+    gone = [k for k in affected.tolist() if k not in set(idents(merged, win).tolist())]
+    if gone:  # every part of it moved away: the window is empty now
+        keys = pa.concat_tables([changed[k][0] for k in gone]).cast(pa.schema([*[wschema.field(b) for b in spec.by],
+                                                                                wschema.field(WINDOW_START)]))
+        merged = pa.concat_tables([merged, empty_windows(spec, keys.select(list(spec.by)), keys.column(WINDOW_START))])
 
     s_win = idents(state, win)
     hit = np.isin(s_win, affected)
-    before = {k: i for i, k in enumerate(s_win.tolist()) if hit[i]}
+    at_state = {k: i for i, k in enumerate(s_win.tolist()) if hit[i]}
     w_win = idents(merged, win).tolist()
-    rows_of = [before.get(k, -1) for k in w_win]
-    at = np.asarray(rows_of, np.int64)
-    known = at >= 0
-    revision = np.where(known, as_numpy(state.column(REVISION))[np.maximum(at, 0)], 0) if state.num_rows \
-        else np.zeros(len(at), np.int64)
-    was_final = (np.where(known, as_numpy(state.column(FINAL))[np.maximum(at, 0)], False) if state.num_rows
-                 else np.zeros(len(at), bool)).astype(bool)
-    gap = None
-    if spec.gaps:
-        gap = (np.where(known, as_numpy(state.column(GAP))[np.maximum(at, 0)], False) if state.num_rows
-               else np.zeros(len(at), bool)).astype(bool)
+    at = np.asarray([at_state.get(k, -1) for k in w_win], np.int64)
+    known, pick = at >= 0, np.maximum(at, 0)
+
+    def stored(column: str, default: Any, typ: Any) -> np.ndarray:
+        if not state.num_rows:
+            return np.full(len(at), default, typ)
+        return np.where(known, as_numpy(state.column(column))[pick], default).astype(typ)
+
+    revision = stored(REVISION, 0, np.int64) + 1
+    was_final = stored(FINAL, False, bool)
+    gap = stored(GAP, False, bool) if spec.gaps else None
     end = as_numpy(merged.column(WINDOW_START)) + spec.window_us
     reached = end <= watermark_us if watermark_us is not None else np.zeros(len(end), bool)
     kind = np.where(was_final, CORRECTION_KIND, np.where(reached, FINAL_KIND, PROVISIONAL_KIND))
-    revision = revision + 1
-    final = was_final | reached
-    updated = _state(merged, revision, final, gap)
+    updated = _state(merged, revision, was_final | reached, gap)
     table = pa.concat_tables([state.filter(pa.array(~hit)), updated])
     order, _ = sort_groups(table, win)
     rows = _rows(spec, merged, np.ones(merged.num_rows, bool), kind, revision, BY_WATERMARK, gap)
+    # As on every row, only a correction says why (a window first written or not final yet does not).
     rows = rows.set_column(rows.schema.get_field_index(CAUSE), rows.schema.field(CAUSE),
-                           pa.array([cause_of[k] for k in w_win], pa.string()))
+                           pa.array([changed[k][1] for k in w_win], pa.string(), mask=kind != CORRECTION_KIND))
     order_rows, _ = sort_groups(rows, win)
-    return Moved(Advanced(table.take(pa.array(order)), rows.take(pa.array(order_rows)), 0), parts, skipped)
+    return Moved(Advanced(table.take(pa.array(order)), rows.take(pa.array(order_rows)), 0), parts, len(skipped))

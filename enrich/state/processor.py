@@ -303,10 +303,9 @@ class DeviceStateProcessor(StatefulProcessor):
         if not fixed:
             return None
         rows = pa.concat_tables(fixed, promote_options="permissive")
-        written = rows
         rows, lost = self._look_again(rows, versions)
-        if self._moving:  # the rollups' windows the corrected events left or joined
-            self._moves_out = self._moves(bucket, written, rows, watermark, chunks, start, versions)
+        if self._moving:  # the rollups' windows in the corrected events' span, rebuilt
+            self._moves_out = self._moves(bucket, rows, watermark, chunks, start, versions)
         if self.waits is not None and PROVISIONAL in rows.column_names:
             # As a fresh job would write the event now: provisional while a dataset it waits for is
             # not complete past it, final once it is (a late version usually comes with completeness).
@@ -342,28 +341,24 @@ class DeviceStateProcessor(StatefulProcessor):
             self.correction_counts.add({bucket: corrections.tally(found)})
         return out
 
-    def _moves(self, bucket: int, written: pa.Table, rows: pa.Table, watermark: int | None,
-               chunks: list[list[int]], complete_from: int, versions: list[Version]) -> list[tuple[int, str, bytes]]:
-        """The moves (:func:`enrich.state.rollups.moves`) of the corrected events ``written`` (as kept)
-        and ``rows`` (as corrected): the bucket's new parts of the rollup windows they left or
-        joined, from every event it kept in those windows, looked up again as they are now."""
-        ts = written.column(corrections.TS).to_numpy(zero_copy_only=False)
+    def _moves(self, bucket: int, rows: pa.Table, watermark: int | None, chunks: list[list[int]],
+               complete_from: int, versions: list[Version]) -> list[tuple[int, str, bytes]]:
+        """The moves (:func:`enrich.state.rollups.moves`) of the corrected events ``rows``: the
+        bucket's new parts of the rollup windows in their span, from every event it kept there,
+        joined again as they are now."""
+        ts = rows.column(corrections.TS).to_numpy(zero_copy_only=False).astype(np.int64)
         widest = max(self.rollups[i].window_us for i in self._moving)
         lo = min(int(ts.min()) // self.rollups[i].window_us * self.rollups[i].window_us for i in self._moving)
         hi = int(ts.max()) + widest
         read = [t for c in chunks if c[3] >= lo and c[2] < hi and (t := self._read_chunk(c[0])) is not None]
-        kept = pa.concat_tables(read, promote_options="permissive") if read else written.slice(0, 0)
+        kept = pa.concat_tables(read, promote_options="permissive") if read else rows.slice(0, 0)
         kts = kept.column(corrections.TS).to_numpy(zero_copy_only=False)
         kept, _ = self._look_again(kept.filter(pa.array((kts >= lo) & (kts < hi))), versions)
         kept = kept.filter(pa.array(self._counted(kept)))
-        causes = [_cause_text(c) for c in rows.column(CAUSE).to_pylist()]
-
-        def timed(t: pa.Table) -> pa.Table:
-            return t.rename_columns([TS_US if n == corrections.TS else n for n in t.column_names])
-
-        return rollups.moves(self.rollups, self._moving, timed(written), timed(rows),
-                             (self._counted(written), self._counted(rows)), causes, timed(kept), complete_from,
-                             watermark, self.rollup_ids, bucket)
+        kept = kept.rename_columns([TS_US if n == corrections.TS else n for n in kept.column_names])
+        cause = _cause_text(rows.column(CAUSE)[0].as_py())
+        return rollups.moves(self.rollups, self._moving, ts, cause, kept, complete_from, watermark,
+                             self.rollup_ids, bucket)
 
     def _counted(self, t: pa.Table) -> np.ndarray:
         """Whether the rollups count each of the rows ``t`` (an inner join of the plan matched it)."""

@@ -153,55 +153,33 @@ def feed(specs: Sequence[RollupSpec], events: pa.Table, watermark_us: int | None
     return Fed(parts, dead)
 
 
-def moves(specs: Sequence[RollupSpec], moving: Sequence[int], before: pa.Table, after: pa.Table,
-          counted: tuple[np.ndarray, np.ndarray], causes: Sequence[str], kept: pa.Table, complete_from: int,
-          watermark_us: int | None, ids: Sequence[int], source: int) -> list[tuple[int, str, bytes]]:
+def moves(specs: Sequence[RollupSpec], moving: Sequence[int], corrected_us: np.ndarray, cause: str,
+          kept: pa.Table, complete_from: int, watermark_us: int | None, ids: Sequence[int],
+          source: int) -> list[tuple[int, str, bytes]]:
     """State bucket ``source``'s moves (:func:`enrich.rollups.engine.move`) of the ``moving`` rollups
-    after a batch's corrections: ``before`` and ``after``, the corrected events as written and as
-    corrected (``_ts_us`` and the rollups' columns; ``counted``: whether a rollup counts each, as
-    written and now; ``causes``: each one's cause, JSON); ``kept``, every event the bucket keeps
-    that a rollup counts, as corrected, with ``_ts_us``; from ``complete_from`` on it keeps them all.
-    Each window a corrected event left or joined gets the bucket's new part of it, whole (empty
-    when none of its events is left there); a window starting before ``complete_from``, or beyond
-    the rollup's horizon, is not moved."""
+    after a batch corrected events at times ``corrected_us`` (``cause``: the first one's version,
+    JSON): per rollup, its new parts of every window from the first corrected event's to the last's,
+    from ``kept`` (every event the bucket keeps that a rollup counts, as corrected now, with
+    ``_ts_us``; it keeps them all from ``complete_from`` on, so no window starting before that is
+    moved), to every rollup bucket (one may hold a part the bucket no longer has events for)."""
     out: list[tuple[int, str, bytes]] = []
-    ts = partial.as_numpy(before.column(TS_US))
+    if not len(corrected_us):
+        return out
+    kts = partial.as_numpy(kept.column(TS_US)) if kept.num_rows else np.zeros(0, np.int64)
     for i in moving:
         spec = specs[i]
-        cols = [*spec.by, *(c for c, _, _ in spec.metrics)]
-        changed = (engine.idents(before, cols) != engine.idents(after, cols)) | (counted[0] != counted[1])
-        start = np.floor_divide(ts, spec.window_us) * spec.window_us
-        ok = changed & (start >= complete_from) & ~engine.beyond_horizon(spec, ts, watermark_us)
-        sides = [t.filter(pa.array(ok & c)) for t, c in zip((before, after), counted, strict=True)]
-        touched = pa.concat_tables([s.select(list(spec.by)).cast(pa.schema(
-            [pa.field(b, t) for b, t in zip(spec.by, spec.by_types, strict=True)])).append_column(
-            WINDOW_START, pa.array(np.floor_divide(partial.as_numpy(s.column(TS_US)), spec.window_us) * spec.window_us,
-                                   pa.int64())) for s in sides])
-        if not touched.num_rows:
+        w = spec.window_us
+        lo = max(int(corrected_us.min()) // w * w, -(-complete_from // w) * w)
+        hi = int(corrected_us.max()) // w * w + w
+        if watermark_us is not None:  # gone from the rollup step: windows beyond its horizon
+            lo = max(lo, ((watermark_us - spec.correct_for_us) // w) * w)
+        if lo >= hi:
             continue
-        why = np.asarray(causes, dtype=object)
-        reasons = [*why[ok & counted[0]].tolist(), *why[ok & counted[1]].tolist()]  # as ``touched``'s rows
-        wanted = engine.idents(touched, [*spec.by, WINDOW_START])
-        keys, first = np.unique(wanted, return_index=True)
-        lo, hi = int(pc.min(touched.column(WINDOW_START)).as_py()), int(pc.max(touched.column(WINDOW_START)).as_py())
-        kts = partial.as_numpy(kept.column(TS_US)) if kept.num_rows else np.zeros(0, np.int64)
-        mine = kept.filter(pa.array((kts >= lo) & (kts < hi + spec.window_us)))
-        parts = partial.partials(spec, mine)
-        parts = parts.filter(pa.array(np.isin(engine.idents(parts, [*spec.by, WINDOW_START]), keys)))
-        gone = ~np.isin(keys, engine.idents(parts, [*spec.by, WINDOW_START]))
-        if gone.any():  # none of the bucket's events left there: an empty part
-            at = pa.array(first[gone])
-            parts = pa.concat_tables([parts, engine.empty_windows(spec, touched.select(list(spec.by)).take(at),
-                                                                  touched.column(WINDOW_START).take(at))])
-        cause_of: dict[str, str] = {}
-        for k, reason in zip(wanted.tolist(), reasons, strict=True):  # a window's first corrected event's
-            cause_of.setdefault(k, reason)
-        parts = (parts.append_column(engine.SOURCE, pa.array(np.full(parts.num_rows, source, np.int32), pa.int32()))
-                 .append_column(engine.MOVE_CAUSE, pa.array(
-                     [cause_of[k] for k in engine.idents(parts, [*spec.by, WINDOW_START]).tolist()], pa.string())))
-        rb = _route(parts, spec.by, ids)
-        for b in sorted(set(rb.tolist())):
-            out.append((int(b), move_kind(i, source), to_ipc(parts.filter(pa.array(rb == b)))))
+        table = engine.move_table(spec, partial.partials(spec, kept.filter(pa.array((kts >= lo) & (kts < hi)))),
+                                  lo, hi, cause)
+        rb = _route(table, spec.by, ids)
+        for b in ids:
+            out.append((int(b), move_kind(i, source), to_ipc(table.filter(pa.array(rb == b)))))
     return out
 
 
@@ -248,12 +226,14 @@ class RollupProcessor(StatefulProcessor):
 
     def __init__(self, specs: tuple[RollupSpec, ...], *, server_timeout_s: float = 120.0,
                  dropped: tuple[str, ...] = (), joins: Mapping[str, JoinSpec] | None = None,
-                 ids: tuple[int, ...] = ()) -> None:
+                 ids: tuple[int, ...] = (), restored_parts: tuple[str, ...] = ()) -> None:
         """``dropped``: the names of rollups removed from the checkpoint, whose windows are deleted;
         ``joins``: the in-plan joins of the rollups that fill by a dimension's keys (``fill_keys``),
-        by dataset; ``ids``: the rollup buckets' grouping keys (the state layout's)."""
+        by dataset; ``ids``: the rollup buckets' grouping keys (the state layout's);
+        ``restored_parts``: the rollups whose windows' parts a fork's savepoint holds (the others'
+        restored windows get one part of source :data:`enrich.rollups.engine.FORKED`)."""
         self.specs, self.server_timeout_s, self.dropped = specs, server_timeout_s, dropped
-        self.joins, self.ids = dict(joins or {}), ids
+        self.joins, self.ids, self.restored_parts = dict(joins or {}), ids, restored_parts
 
     def init(self, handle: StatefulProcessorHandle) -> None:
         spark_state_server_timeout(handle, self.server_timeout_s)
@@ -309,7 +289,7 @@ class RollupProcessor(StatefulProcessor):
         # A late reference version's moves come before the batch's events: they replace what the
         # state buckets sent before this batch, to which the batch's partials then add.
         for i in sorted(moved):
-            self._move(i, [from_ipc(v) for _, v in sorted(moved[i], key=lambda p: p[0])], watermark, kinds, values)
+            self._move(i, [(s, from_ipc(v)) for s, v in sorted(moved[i], key=lambda p: p[0])], watermark, kinds, values)
         for i, sent in got.items():
             if self.specs[i].moves:
                 self._add_parts(i, [(s, from_ipc(v)) for s, v in sorted(sent, key=lambda p: p[0])])
@@ -353,9 +333,14 @@ class RollupProcessor(StatefulProcessor):
                 held = self._load(i, full=True)
                 saved = pa.concat_tables(got[spec.name]).cast(engine.state_schema(spec))
                 self._store(i, pa.concat_tables([held, saved]) if held is not None else saved)
-                if spec.moves:  # a restored window's sources are not known: it is not moved
+                if spec.moves and spec.name not in self.restored_parts:  # its windows' sources are not known
                     whole = saved.select(spec.window_schema().names)
                     self._add_parts(i, [(engine.FORKED, whole)])
+            if spec.moves and spec.name + PARTS in got:
+                held_parts = self._load_parts(i)
+                saved_parts = pa.concat_tables(got[spec.name + PARTS]).cast(engine.parts_schema(spec))
+                self._store_parts(i, pa.concat_tables([held_parts.cast(saved_parts.schema), saved_parts])
+                                  if held_parts is not None else saved_parts)
         self._timer()
 
     def handleExpiredTimer(self, key: Any, timerValues: TimerValues,
@@ -400,12 +385,12 @@ class RollupProcessor(StatefulProcessor):
             self._store_parts(i, engine.evict_parts(self.specs[i], self._load_parts(i), watermark))
         return adv
 
-    def _move(self, i: int, moves: list[pa.Table], watermark: int | None, kinds: list[str],
+    def _move(self, i: int, moves: list[tuple[int, pa.Table]], watermark: int | None, kinds: list[str],
               values: list[bytes]) -> None:
-        """Rollup ``i``'s windows the state buckets' ``moves`` (in source order) touch, rebuilt from
-        their parts (:func:`enrich.rollups.engine.move`) and written with the move's cause."""
+        """Rollup ``i``'s windows the state buckets' ``moves`` (``(source, table)``, in source order)
+        change, rebuilt from their parts (:func:`enrich.rollups.engine.move`) and written again."""
         spec = self.specs[i]
-        got = engine.move(spec, self._load(i, full=True), self._load_parts(i), pa.concat_tables(moves), watermark)
+        got = engine.move(spec, self._load(i, full=True), self._load_parts(i), moves, watermark)
         self._store(i, got.advanced.state)
         self._store_parts(i, got.parts)
         if got.advanced.rows.num_rows:
@@ -684,23 +669,34 @@ INITIAL = StructType([StructField(RBUCKET, IntegerType(), False), StructField(PA
 
 
 def initial_windows(batches: Iterator[pa.RecordBatch], *, specs: tuple[RollupSpec, ...],
-                    ids: tuple[int, ...]) -> Iterator[pa.RecordBatch]:
+                    ids: tuple[int, ...], sources: Mapping[int, int] | None = None) -> Iterator[pa.RecordBatch]:
     """``mapInArrow``: a savepoint's windows (:data:`SAVED`) as the rollup step's initial state
     (:data:`INITIAL`): each window in the rollup bucket its keys route to under the new checkpoint's
-    grouping keys ``ids``; a rollup the job no longer has is left out."""
+    grouping keys ``ids``; a rollup the job no longer has is left out. A moving rollup's parts (rows
+    named ``<rollup>_parts``) go with their windows, each part's state bucket as the new layout
+    names it (``sources``: the savepoint's grouping key to the fork's, None: another bucket count,
+    every part :data:`enrich.rollups.engine.FORKED`)."""
     by_name = {s.name: s for s in specs}
+    by_name.update({s.name + PARTS: s for s in specs if s.moves})
     for batch in batches:
         out: tuple[list[int], list[str], list[bytes]] = ([], [], [])
         for name, value in zip(batch.column("rollup").to_pylist(), batch.column("windows").to_pylist(), strict=True):
             spec = by_name.get(name)
             if spec is None:
                 continue
-            table = engine.state_from_ipc(value, spec)
+            if name != spec.name:
+                table = from_ipc(value).cast(engine.parts_schema(spec))
+                was = partial.as_numpy(table.column(engine.SOURCE)).tolist()
+                now = [(sources or {}).get(s, engine.FORKED) for s in was]
+                table = table.set_column(table.schema.get_field_index(engine.SOURCE), engine.parts_schema(spec).field(
+                    engine.SOURCE), pa.array(now, pa.int32()))
+            else:
+                table = engine.state_from_ipc(value, spec)
             rb = _route(table, spec.by, ids)
             for b in np.unique(rb).tolist():
                 out[0].append(int(b))
                 out[1].append(name)
-                out[2].append(engine.state_to_ipc(table.filter(pa.array(rb == b))))
+                out[2].append(to_ipc(table.filter(pa.array(rb == b))))
         if out[0]:
             yield pa.RecordBatch.from_arrays([pa.array(out[0], pa.int32()), pa.array(out[1], pa.string()),
                                               pa.array(out[2], pa.binary())], names=INITIAL.fieldNames())

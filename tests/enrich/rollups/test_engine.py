@@ -338,20 +338,11 @@ def _sources(rows: list[tuple[Any, ...]]) -> dict[int, list[tuple[Any, ...]]]:
     return out
 
 
-def _moves(spec: RollupSpec, rows: list[tuple[Any, ...]], windows: set[tuple[Any, ...]], source: int) -> pa.Table:
-    """A source's new parts of ``windows`` ((dev, site, start)) from its ``rows`` as corrected: each
-    window's partial, or an empty one where none of its rows is left."""
-    parts = partial.partials(spec, table(rows)) if rows else spec.window_schema().empty_table()
-    have = {(d, s, w): i for i, (d, s, w) in enumerate(zip(parts.column("dev").to_pylist(), parts.column("site").to_pylist(),
-                                                             parts.column("window_start").to_pylist(), strict=True))}
-    picked = parts.take(pa.array(sorted(have[k] for k in windows if k in have), pa.int64()))
-    missing = sorted((k for k in windows if k not in have), key=str)
-    empty = engine.empty_windows(spec, pa.table({"dev": pa.array([k[0] for k in missing], pa.string()),
-                                                 "site": pa.array([k[1] for k in missing], pa.int64())}),
-                                 pa.array([k[2] for k in missing], pa.int64()))
-    out = pa.concat_tables([picked, empty])
-    return (out.append_column(engine.SOURCE, pa.array([source] * out.num_rows, pa.int32()))
-            .append_column(engine.MOVE_CAUSE, pa.array(['{"dataset":"sites"}'] * out.num_rows, pa.string())))
+def _move(spec: RollupSpec, rows: list[tuple[Any, ...]], lo: int, hi: int) -> pa.Table:
+    """A source's move: its parts of the windows from ``lo`` to ``hi`` from its ``rows`` as corrected."""
+    within = [e for e in rows if lo <= e[2] // P * P < hi]
+    parts = partial.partials(spec, table(within)) if within else spec.window_schema().empty_table()
+    return engine.move_table(spec, parts, lo, hi, '{"dataset":"sites"}')
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -377,18 +368,18 @@ def test_moves_between_windows_end_as_a_batch_recompute_of_the_corrected_events(
         if done and r.random() < 0.7:  # a late version moves a bucket's events from a time on
             source = r.choice(sorted(_sources(done)))
             since, site = r.randrange(-300, 1200, 10), r.choice([1, 2, None])
-            windows: set[tuple[Any, ...]] = set()
-            for k, e in enumerate(done):
-                if _sources([e]).keys() == {source} and e[2] >= since and e[1] != site:
-                    windows |= {(e[0], e[1], e[2] // P * P), (e[0], site, e[2] // P * P)}
-                    done[k] = (e[0], site, *e[2:])
-            if windows:
-                got = engine.move(spec, b.state, parts, _moves(spec, _sources(done)[source], windows, source), watermark)
+            hit = [k for k, e in enumerate(done) if _sources([e]).keys() == {source} and e[2] >= since]
+            for k in hit:
+                done[k] = (done[k][0], site, *done[k][2:])
+            if hit:
+                lo, hi = since // P * P, max(done[k][2] for k in hit) // P * P + P
+                got = engine.move(spec, b.state, parts, [(source, _move(spec, _sources(done)[source], lo, hi))],
+                                  watermark)
                 assert got.skipped == 0
                 rows_moved = b.took(got.advanced)
-                assert len(rows_moved) == len(windows)
                 for row in rows_moved:
-                    assert row["_cause"] == '{"dataset":"sites"}'
+                    assert lo <= row["window_start"] < hi
+                    assert row["_cause"] == ('{"dataset":"sites"}' if row["_kind"] == "correction" else None)
                     moved_final += row["_kind"] == "correction"
                 written += rows_moved
                 parts = got.parts
@@ -423,10 +414,14 @@ def test_a_window_a_fork_restored_is_not_moved_and_a_window_past_the_horizon_not
     first = partial.partials(spec, table([("a", 1, 10, 0, 1, 1.0, "x", 1)]))
     state = engine.advance(spec, None, first, None).state
     forked = first.append_column(engine.SOURCE, pa.array([engine.FORKED], pa.int32()))
-    moves = _moves(spec, [], {("a", 1, 0)}, 1)
-    got = engine.move(spec, state, forked, moves, None)
+    moved = _move(spec, [("a", 1, 10, 1, 1, 2.0, "x", 1)], 0, 100)  # source 1's new part of the window
+    got = engine.move(spec, state, forked, [(1, moved)], None)
     assert got.skipped == 1 and got.advanced.rows.num_rows == 0
     assert got.parts.column(engine.SOURCE).to_pylist() == [engine.FORKED]
     # The window ended at 100; with the watermark at 300 (100 + 200) it is gone: a move does not start it again.
-    got = engine.move(spec, None, None, moves, 300)
+    got = engine.move(spec, None, None, [(1, moved)], 300)
     assert got.advanced.rows.num_rows == 0 and got.advanced.state.num_rows == 0
+    # A part the move's range covers but its table lacks goes: the window is written empty.
+    parts = engine.add_parts(spec, None, [(1, first)])
+    got = engine.move(spec, state, parts, [(1, _move(spec, [], 0, 100))], None)
+    assert [(r["_events"], r["_revision"]) for r in as_dicts(got.advanced.rows)] == [(0, 2)] and not got.parts.num_rows

@@ -426,7 +426,7 @@ def test_a_join_in_the_state_step_corrects_within_its_horizon_moves_rollup_event
     device 1 moves to s-6 and device 2 to s-7, the latter as of before the horizon's start: the
     events within the horizon are corrected, with their cause, the version reaching further back
     counts as ``beyond_horizon`` and is logged once naming its key. A rollup by the site moves the
-    events between its windows, naming the change (a final window: a correction). The corrected output
+    events between its windows (a final window: a correction naming the change). The corrected output
     and the rollup's latest rows equal a fresh job's (windows left empty say 0 events)."""
     devices = Devices.published(kafka, mysql_url, unique, tmp_path)
     topics, t0 = devices.topics, devices.t0
@@ -490,13 +490,13 @@ def test_a_join_in_the_state_step_corrects_within_its_horizon_moves_rollup_event
     # correction) and gained one each at s-6 and s-7 (new windows the watermark has passed: final at
     # once), each naming the change.
     rolled = windows(live)
-    moved = [r for r in rolled.values() if r["_cause"] is not None]
-    assert sorted((r["site"], r["_kind"], r["_events"], r["n_sum"]) for r in moved) == [
-        ("s-2", "correction", 0, None), ("s-6", "final", 1, 2), ("s-7", "final", 1, 4)]
-    assert sorted(r["_revision"] for r in moved) == [1, 1, 3]  # s-2's: provisional, final, then the move
-    causes = {r["site"]: json.loads(r["_cause"]) for r in moved}
-    assert (causes["s-6"]["dataset"], json.loads(causes["s-6"]["key"])) == ("devices", {"id": 1})
-    assert causes["s-6"]["valid_from"] == iso(t0 + 8 * minute)
+    at = next(r["window_start"] for r in rolled.values() if r["_kind"] == "correction")
+    moved = [rolled[(site, at)] for site in ("s-2", "s-6", "s-7")]
+    assert [(r["_kind"], r["_revision"], r["_events"], r["n_sum"]) for r in moved] == [
+        ("correction", 3, 0, None), ("final", 1, 1, 2), ("final", 1, 1, 4)]  # s-2: provisional, final, moved
+    cause = json.loads(moved[0]["_cause"])
+    assert (cause["dataset"], json.loads(cause["key"]), cause["valid_from"]) == ("devices", {"id": 1}, iso(t0 + 8 * minute))
+    assert [r["_cause"] for r in moved[1:]] == [None, None]
 
     # The oracle: a fresh job over the same events now.
     fresh_topic = unique("fresh")
@@ -510,3 +510,26 @@ def test_a_join_in_the_state_step_corrects_within_its_horizon_moves_rollup_event
         return {k: (r["_events"], r["n_sum"], r["n_max"]) for k, r in rows.items() if r["_events"]}
 
     assert metrics(rolled) == metrics(windows(fresh))
+    if strategy == "broadcast":
+        return
+    # A fork from a savepoint keeps each window's parts: device 1 moved again, to s-9 as of t0 + 15m,
+    # and the fork moves event 3 out of the window the savepoint held at s-6.
+    point = tmp_path / "savepoint"
+    take(config.parse(live, "test.yaml"), point, spark=spark)
+    devices.move("s-9", t0 + 15 * minute)
+    forked = partitioned("fork", unique("fork_out"))
+    EnrichJob(config.parse(forked, "test.yaml"), available_now=True, from_savepoint=point).run(spark)
+    event_3 = t0 + 20 * minute
+
+    def window_of(rows: dict[tuple[Any, str], dict[str, Any]], site: str) -> dict[str, Any]:
+        return next(r for (at_site, ws), r in rows.items() if at_site == site
+                    and datetime.fromisoformat(ws.replace("Z", "+00:00")) <= event_3 < datetime.fromisoformat(
+                        r["window_end"].replace("Z", "+00:00")))
+
+    got_fork = windows(forked)
+    left, joined = window_of(got_fork, "s-6"), window_of(got_fork, "s-9")
+    assert (left["_kind"], left["_events"], json.loads(left["_cause"])["valid_from"]) == (
+        "correction", 0, iso(t0 + 15 * minute))
+    assert left["_revision"] > window_of(rolled, "s-6")["_revision"]
+    # New at s-9 (provisional: a fork's rollup step has no watermark before its own first one).
+    assert (joined["_kind"], joined["_revision"], joined["_events"], joined["n_sum"]) == ("provisional", 1, 1, 3)

@@ -7,6 +7,7 @@ import json
 import random
 from typing import Any
 
+import numpy as np
 import pandas as pd
 import pyarrow as pa
 import pytest
@@ -220,3 +221,59 @@ def test_a_forks_windows_handed_over_in_several_calls_are_all_kept() -> None:
     kept.append(engine.state_from_ipc(held[0], DEVICE))
     order = [(b, "ascending") for b in (*DEVICE.by, "window_start")]
     assert pa.concat_tables(kept).sort_by(order).equals(windows.sort_by(order))
+
+
+def test_the_rollup_step_moves_a_buckets_part_of_its_windows_and_a_fork_keeps_the_parts() -> None:
+    """A rollup by site whose site a late version corrects (``moves``): the state step's ``moves``
+    (from what a bucket kept, as corrected) replace that bucket's part of each window, and the
+    rollup step (through PySpark's TwsTester) writes the windows rebuilt from their parts: the other
+    bucket's part stays; a final window moved is a correction naming the version. A savepoint's parts
+    go to a fork with their bucket's new grouping key (unknown with another bucket count: not moved)."""
+    import dataclasses
+
+    from enrich.columns import TS_US
+    from enrich.rollups import engine
+    from enrich.rollups.packs import rows_kind
+    from enrich.state.rollups import PARTS, initial_windows, moves
+
+    tester_cls, processor_cls, _ = _processor_calls()
+    spec = dataclasses.replace(SITE, moves=True)
+    t = tester_cls(processor_cls((spec,)), timeMode="EventTime", eventTimeExtractor=lambda _: 2**62)
+
+    def call(parts: list[tuple[str, bytes]]) -> list[dict[str, Any]]:
+        frame = pd.DataFrame({"_0": [5] * len(parts), "_1": [pd.Timestamp(0, tz="UTC")] * len(parts),
+                              PACK_KIND: [k for k, _ in parts], ROWS: [v for _, v in parts]})
+        out = t.testInPandas(5, frame)
+        return [row for kind, value in zip(out[PACK_KIND], out[ROWS], strict=True) if kind == rows_kind(0)
+                for row in from_ipc(value).to_pylist()] if out is not None and len(out) else []
+
+    bucket_1 = good_events([("a", "s1", 100, 9.0), ("b", "s1", 101, 2.0)])
+    bucket_2 = good_events([("c", "s1", 102, 5.0)])
+    sent = [(k, v) for source, ev in ((1, bucket_1), (2, bucket_2))
+            for _, k, v in feed((spec,), ev, None, ids=(5,), source=source).parts if k.startswith("partial:")]
+    assert [(r["site"], r["temp_max"], r["_events"]) for r in call(sent)] == [("s1", 9.0, 3)]
+
+    def moved_a(site: str, source: int = 1) -> list[tuple[str, bytes]]:
+        """Bucket 1's moves when device a's event is corrected to ``site``: what it kept, as corrected."""
+        after = bucket_1.set_column(1, "site", pa.array([site, "s1"]))
+        got = moves((spec,), (0,), np.array([100 * MIN]), '{"dataset":"devices"}', after, 0, None, (5,), source)
+        return [(k, v) for _, k, v in got]
+
+    rows = call(moved_a("s2"))
+    assert sorted((r["site"], r["temp_max"], r["_events"], r["_kind"], r["_cause"]) for r in rows) == [
+        ("s1", 5.0, 2, "provisional", None), ("s2", 9.0, 1, "provisional", None)]
+    t.setWatermark(130 * 60_000)  # both windows final (they end at 120 minutes), within the 30-minute horizon
+    rows = call(moved_a("s3"))  # a again, now to s3: s2's window is left with nothing
+    assert sorted((r["site"], r["temp_max"], r["_events"], r["_kind"], r["_cause"]) for r in rows) == [
+        ("s2", None, 0, "correction", '{"dataset":"devices"}'), ("s3", 9.0, 1, "final", None)]
+
+    parts = from_ipc(bytes(t.peekValueState(state_name_of(spec.name) + PARTS, 5)[0]))
+    assert sorted(zip(parts.column("site").to_pylist(), parts.column(engine.SOURCE).to_pylist(), strict=True)) == [
+        ("s1", 1), ("s1", 2), ("s3", 1)]
+    saved = pa.RecordBatch.from_pylist([{"rollup": spec.name + PARTS, "windows": engine.state_to_ipc(parts)}])
+    for sources, want in (({1: 11, 2: 12}, [11, 11, 12]), (None, [engine.FORKED] * 3)):
+        out = pa.Table.from_batches(list(initial_windows(iter([saved]), specs=(spec,), ids=(5, 6), sources=sources)))
+        assert set(out.column(PACK_KIND).to_pylist()) == {spec.name + PARTS}
+        got = pa.concat_tables([from_ipc(v) for v in out.column(ROWS).to_pylist()])
+        assert sorted(got.column(engine.SOURCE).to_pylist()) == want
+    assert TS_US in bucket_1.column_names
