@@ -275,7 +275,7 @@ def state_step(spark: SparkSession, pipeline: Pipeline, raw: DataFrame,
     return attach(raw, pipeline, layout, changelogs, devices, parser=parser, cache=TableCache(uuid.uuid4().hex),
                   initial=initial, floor_us=fork.floor_us if fork is not None else floor_us, ticks=ticks,
                   call_counts=call_counts, windows=windows, gap_records=gap_records, ranges=ranges,
-                  correction_counts=correction_counts, restored_parts=fork.rollup_parts if fork is not None else ())
+                  correction_counts=correction_counts)
 
 
 def needs_ticks(pipeline: Pipeline) -> bool:
@@ -324,8 +324,7 @@ def attach(raw: DataFrame, pipeline: Pipeline, layout: BucketLayout, changelogs:
            windows: DataFrame | None = None,
            gap_records: Accumulator[dict[int, dict[str, Any]]] | None = None,
            ranges: RangeReader | None = None,
-           correction_counts: Accumulator[dict[int, dict[str, Any]]] | None = None,
-           restored_parts: tuple[str, ...] = ()) -> StateStream:
+           correction_counts: Accumulator[dict[int, dict[str, Any]]] | None = None) -> StateStream:
     """The Kafka stream ``raw`` through the pipeline's state step (:class:`StateStream`): parsed,
     joined in the plan by the joins before the step, then keyed by bucket (``layout``) into the
     step with the partitioned dimensions' ``changelogs`` (one stream each, in the plan's order,
@@ -341,8 +340,7 @@ def attach(raw: DataFrame, pipeline: Pipeline, layout: BucketLayout, changelogs:
     bucket's call counts to. ``windows``: the rollup step's initial state
     (:data:`enrich.state.rollups.INITIAL`), a fork's rollup windows. ``gap_records``: an accumulator
     of ``enrich.accumulators.KeyedTallies`` the step reports each bucket's gaps to (:mod:`enrich.gaps`);
-    ``correction_counts``: one each bucket reports its corrected partitioned joins' late versions to;
-    ``restored_parts``: the rollups whose windows' parts ``windows`` holds (a fork's)."""
+    ``correction_counts``: one each bucket reports its corrected partitioned joins' late versions to."""
     cfg, st = pipeline.cfg, pipeline.state
     assert cfg.state is not None and st is not None
     timezone = pipeline.timezone
@@ -385,8 +383,7 @@ def attach(raw: DataFrame, pipeline: Pipeline, layout: BucketLayout, changelogs:
             processor, outputStructType=ROLLUP_INPUT, outputMode="Append", timeMode="EventTime", initialState=init,
             eventTimeColumnName=ROLLUP_TIME), st.rollups, cfg.state.server_timeout.total_seconds(),
             dropped_rollups(pipeline.checkpoint), windows,
-            {s.dataset: s for s in st.before_specs if any(r.fill_keys == s.dataset for r in st.rollups)}, layout.ids,
-            restored_parts)
+            {s.dataset: s for s in st.before_specs if any(r.fill_keys == s.dataset for r in st.rollups)}, layout.ids)
     unpack = Unpack(to_arrow_schema(flat_schema, timezone=timezone), to_arrow_schema(st.schema, timezone=timezone),
                     tuple(f.name for f in st.passed), st.inner,
                     tuple(n for n, _ in st.calls.result_columns()) if st.calls else (), tuple(f.name for f in tail))
@@ -400,17 +397,14 @@ ROLLUP_INPUT = StructType([StructField(RBUCKET, IntegerType(), False), StructFie
 
 def rollup_step(stepped: DataFrame, specs: tuple[RollupSpec, ...], server_timeout_s: float,
                 dropped: tuple[str, ...] = (), windows: DataFrame | None = None,
-                fills: Mapping[str, joins.JoinSpec] | None = None, ids: tuple[int, ...] = (),
-                restored_parts: tuple[str, ...] = ()) -> DataFrame:
+                fills: Mapping[str, joins.JoinSpec] | None = None, ids: tuple[int, ...] = ()) -> DataFrame:
     """The rollup step after the state step (:class:`enrich.state.rollups.RollupProcessor`), keyed by
     rollup bucket: the events pass through it; its rows are ``PACK_KIND``, ``ROWS``. ``dropped``: the
     rollups removed from the checkpoint, whose windows it deletes; ``windows``: its initial state
     (:data:`enrich.state.rollups.INITIAL`, a fork's first batch); ``fills``: the in-plan joins whose
-    dimension's keys rollups fill by, by dataset; ``ids``: the rollup buckets' grouping keys;
-    ``restored_parts``: the rollups whose windows' parts ``windows`` holds."""
+    dimension's keys rollups fill by, by dataset; ``ids``: the rollup buckets' grouping keys."""
     return stepped.groupBy(RBUCKET).transformWithStateInPandas(
-        RollupProcessor(specs, server_timeout_s=server_timeout_s, dropped=dropped, joins=fills, ids=ids,
-                        restored_parts=restored_parts),
+        RollupProcessor(specs, server_timeout_s=server_timeout_s, dropped=dropped, joins=fills, ids=ids),
         outputStructType=rollups.OUTPUT,
         outputMode="Append", timeMode="EventTime",
         initialState=windows.groupBy(RBUCKET) if windows is not None else None)

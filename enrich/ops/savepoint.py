@@ -205,7 +205,6 @@ def take(cfg: EnrichConfig, to: str | Path, *, spark: SparkSession | None = None
                         F.lit(r.name + rollups.PARTS).alias("rollup"), F.col("value.table").alias("windows")))
             # The state buckets the parts name, for a fork to find them in its own layout.
             meta["rollups"]["bucket_ids"] = kept.get(BUCKET_IDS)
-            meta["rollups"]["parts"] = [r.name for r in st.rollups if r.moves]
             windows = functools.reduce(DataFrame.unionByName, parts).where(F.length("windows") > 0)
             _write_parquet(spark, windows, directory / ROLLUPS_FILE)
         if pipeline.corrected:  # the events written within the horizon, which the fork goes on correcting
@@ -335,6 +334,13 @@ class Savepoint:
                 raise SavepointRefused(f"{cfg.source}: rollup {name}: {', '.join(changed)} changed; {where} holds its "
                                        "windows laid out by the old settings (put them back, or give the rollup a "
                                        "new name: it starts empty)")
+        ids = self.meta.get("rollups", {}).get("bucket_ids")
+        moving = [r.name for r in rollup_specs if r.moves and r.name in held]
+        if moving and (not isinstance(ids, list) or len(ids) != cfg.state.buckets):
+            raise SavepointRefused(f"{cfg.source}: rollup {moving[0]}: its windows' parts are kept per state bucket "
+                                   f"and {where} has {len(ids) if isinstance(ids, list) else 'other'} buckets, "
+                                   f"not {cfg.state.buckets}; fork with state.buckets as it was (or rename the "
+                                   "rollup: it starts empty)")
 
     def fork(self, spark: SparkSession, pipeline: Pipeline) -> tuple[str, Fork]:
         """The events' starting offsets (Spark's JSON) and the state step's start, for ``pipeline``
@@ -379,8 +385,7 @@ class Savepoint:
                     functools.partial(_gap_rows, schema=schema), from_arrow_schema(schema))
         return self.events_start, Fork(devices=devices, dims=dims, changelogs=changelogs, floor_us=self.floor_us,
                                        rollups=windows, gaps=gaps, written=written,
-                                       rollup_ids=tuple(saved_ids) if isinstance(saved_ids, list) else None,
-                                       rollup_parts=tuple(self.meta.get("rollups", {}).get("parts", [])))
+                                       rollup_ids=tuple(saved_ids) if isinstance(saved_ids, list) else None)
 
     @property
     def gaps_driver(self) -> dict[str, Any] | None:

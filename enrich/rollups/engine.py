@@ -351,11 +351,10 @@ def _percentiles(sketches: pa.Array, ranks: list[float]) -> list[pa.Array]:
 # it. A correcting state bucket recomputes its parts of every window in the span of its corrected
 # events from the events it kept (as they are now), and :func:`move` replaces its parts there and
 # combines each window whose part changed again from its parts: min, max, the sketches and the
-# distinct sets do not subtract, so a window is rebuilt rather than adjusted. A window restored by a
-# fork without its parts has one part of source ``FORKED`` (its whole partial): it is not moved.
+# distinct sets do not subtract, so a window is rebuilt rather than adjusted.
 
-#: A part's state bucket (its grouping key); ``FORKED``: a window a fork restored whole.
-SOURCE, FORKED = "__source", -1
+#: A part's state bucket (its grouping key).
+SOURCE = "__source"
 
 
 def parts_schema(spec: RollupSpec) -> pa.Schema:
@@ -416,14 +415,35 @@ def move_table(spec: RollupSpec, partials: pa.Table, lo: int, hi: int, cause: st
                                           MOVE_CAUSE_KEY: cause.encode()})
 
 
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether two parts of one window hold the same aggregates. A bucket's part was merged batch by
+    batch and its new one is built at once: float sums may differ in their last bits and the
+    sketches' bytes with the order they saw their values, so those compare by value (a sketch by its
+    count and quantiles)."""
+    for k, x in a.items():
+        y = b.get(k)
+        if isinstance(x, float) and isinstance(y, float):
+            if not (x == y or (x != x and y != y) or abs(x - y) <= 1e-9 * max(abs(x), abs(y))):
+                return False
+        elif isinstance(x, bytes) and isinstance(y, bytes) and k.endswith(".kll"):
+            if x != y:
+                qx, qy = (np.asarray(sketch.quantiles(v, _RANKS), dtype=np.float64) for v in (x, y))
+                if not np.allclose(qx, qy, rtol=1e-9, equal_nan=True):
+                    return False
+        elif x != y:
+            return False
+    return True
+
+
+_RANKS = [0.0, 0.1, 0.25, 0.5, 0.75, 0.9, 0.95, 0.99, 1.0]
+
+
 @dataclass(frozen=True)
 class Moved:
-    """:func:`move`'s result: the state and the rows written (:class:`Advanced`), the new parts, and
-    how many windows were not moved (a fork restored them)."""
+    """:func:`move`'s result: the state and the rows written (:class:`Advanced`) and the new parts."""
 
     advanced: Advanced
     parts: pa.Table
-    skipped: int
 
 
 def move(spec: RollupSpec, state: pa.Table | None, parts: pa.Table | None, moves: Sequence[tuple[int, pa.Table]],
@@ -432,53 +452,47 @@ def move(spec: RollupSpec, state: pa.Table | None, parts: pa.Table | None, moves
     ``source`` in the windows starting within its range with its table's; every window whose part
     changed is written again, combined from its parts: a ``correction`` with the move's cause once
     the window is final, else ``final`` when the watermark has reached it, else ``provisional``. A
-    window the state no longer holds (beyond the horizon) or that a fork restored whole is left alone.
-    Replacing the range rather than the windows named keeps the parts right whatever the bucket sent
-    before (an event corrected twice leaves the window of its first correction too)."""
+    window the state no longer holds (beyond the horizon) is left alone. Replacing the range rather
+    than the windows named keeps the parts right whatever the bucket sent before (an event corrected
+    twice leaves the window of its first correction too)."""
     sschema, wschema, pschema = state_schema(spec), spec.window_schema(), parts_schema(spec)
     state = sschema.empty_table() if state is None else state.cast(sschema)
     parts = pschema.empty_table() if parts is None else parts.cast(pschema)
     win = [*spec.by, WINDOW_START]
-    p_src = as_numpy(parts.column(SOURCE)) if parts.num_rows else np.zeros(0, np.int32)
-    forked = np.unique(idents(parts, win)[p_src == FORKED]) if parts.num_rows else np.zeros(0, object)
     changed: dict[str, tuple[pa.Table, str]] = {}  # window -> its keys and start (one row), the cause
-    skipped: set[str] = set()
     for source, table in moves:
         meta = table.schema.metadata or {}
         lo, hi, cause = int(meta[MOVE_LO]), int(meta[MOVE_HI]), meta[MOVE_CAUSE_KEY].decode()
         if watermark_us is not None:  # windows gone from the state: nothing to move
             lo = max(lo, ((watermark_us - spec.correct_for_us) // spec.window_us) * spec.window_us)
         new = table.cast(wschema)
-        new = new.filter(pa.array(as_numpy(new.column(EVENTS)) > 0))
         n_start = as_numpy(new.column(WINDOW_START))
-        new = new.filter(pa.array((n_start >= lo) & (n_start < hi)))
+        new = new.filter(pa.array((as_numpy(new.column(EVENTS)) > 0) & (n_start >= lo) & (n_start < hi)))
         p_start = as_numpy(parts.column(WINDOW_START)) if parts.num_rows else np.zeros(0, np.int64)
         p_src = as_numpy(parts.column(SOURCE)) if parts.num_rows else np.zeros(0, np.int32)
-        p_win = idents(parts, win)
-        old_at = (p_src == source) & (p_start >= lo) & (p_start < hi) & ~np.isin(p_win, forked)
-        n_win = idents(new, win)
-        keep_new = ~np.isin(n_win, forked)
-        skipped |= set(n_win[~keep_new].tolist())
-        new, n_win = new.filter(pa.array(keep_new)), n_win[keep_new]
+        old_at = (p_src == source) & (p_start >= lo) & (p_start < hi)
         old = parts.filter(pa.array(old_at)).drop_columns([SOURCE])
-        o_win = idents(old, win)
-        before = dict(zip(o_win.tolist(), old.to_pylist(), strict=True))
-        after = dict(zip(n_win.tolist(), new.to_pylist(), strict=True))
-        for k in set(before) | set(after):
-            if before.get(k) != after.get(k):  # an unchanged part rewrites nothing
-                src, row = (new, n_win.tolist().index(k)) if k in after else (old, o_win.tolist().index(k))
+        o_win, n_win = idents(old, win).tolist(), idents(new, win).tolist()
+        before = dict(zip(o_win, old.to_pylist(), strict=True))
+        after = dict(zip(n_win, new.to_pylist(), strict=True))
+        at_new, at_old = {k: i for i, k in enumerate(n_win)}, {k: i for i, k in enumerate(o_win)}
+        for k in before.keys() | after.keys():
+            x, y = before.get(k), after.get(k)
+            if x is None or y is None or not _same(x, y):  # an unchanged part rewrites nothing
+                src, row = (new, at_new[k]) if k in at_new else (old, at_old[k])
                 changed.setdefault(k, (src.select(win).slice(row, 1), cause))
         src_col = pa.array(np.full(new.num_rows, source, np.int32), pa.int32())
         parts = pa.concat_tables([parts.filter(pa.array(~old_at)), new.append_column(pschema.field(SOURCE), src_col)])
     if not changed:
-        return Moved(Advanced(state, spec.output_schema().empty_table(), 0), parts, len(skipped))
+        return Moved(Advanced(state, spec.output_schema().empty_table(), 0), parts)
 
     affected = np.asarray(sorted(changed), dtype=object)
     mine = parts.filter(pa.array(np.isin(idents(parts, win), affected)))
     order, starts = sort_groups(mine, win, [SOURCE])  # each window's parts in source order: replays alike
     merged = combine_sorted(spec, mine.take(pa.array(order)).drop_columns([SOURCE]), starts) if mine.num_rows \
         else wschema.empty_table()
-    gone = [k for k in affected.tolist() if k not in set(idents(merged, win).tolist())]
+    have = set(idents(merged, win).tolist())
+    gone = [k for k in affected.tolist() if k not in have]
     if gone:  # every part of it moved away: the window is empty now
         keys = pa.concat_tables([changed[k][0] for k in gone]).cast(pa.schema([*[wschema.field(b) for b in spec.by],
                                                                                 wschema.field(WINDOW_START)]))
@@ -510,4 +524,4 @@ def move(spec: RollupSpec, state: pa.Table | None, parts: pa.Table | None, moves
     rows = rows.set_column(rows.schema.get_field_index(CAUSE), rows.schema.field(CAUSE),
                            pa.array([changed[k][1] for k in w_win], pa.string(), mask=kind != CORRECTION_KIND))
     order_rows, _ = sort_groups(rows, win)
-    return Moved(Advanced(table.take(pa.array(order)), rows.take(pa.array(order_rows)), 0), parts, len(skipped))
+    return Moved(Advanced(table.take(pa.array(order)), rows.take(pa.array(order_rows)), 0), parts)

@@ -52,6 +52,7 @@ from enrich.columns import (
     PROVISIONAL,
     RBUCKET,
     RETRACTED,
+    REVISION,
     ROLLUP_TIME,
     ROWS,
     TS_US,
@@ -201,7 +202,7 @@ class DeviceStateProcessor(StatefulProcessor):
                 self._gaps(int(key[0]), None, self._watermark(timerValues))
             if any(r.needs_ticks for r in self.rollups):  # a tick: the rollup step decides idleness, fills
                 yield self._rollup_frame([(int(key[0]), packs.TICK, b"")], timerValues)
-            if fixed is not None:
+            if fixed is not None or self._moves_out:
                 yield self._corrections_out(int(key[0]), fixed, timerValues)
             return
         # Shuffle order is not stable: rows leave in source order, so a replay gives the same output.
@@ -258,17 +259,18 @@ class DeviceStateProcessor(StatefulProcessor):
             yield packed.pack_output(out)
         else:
             yield self._with_rollups(int(key[0]), out.append_column(TS_US, table.column(TS_US)), timerValues)
-        if fixed is not None:  # after the events: the rollups count none of them (see _corrections_out)
+        if fixed is not None or self._moves_out:  # after the events: the rollups count none of them
             yield self._corrections_out(int(key[0]), fixed, timerValues)
 
-    def _corrections_out(self, bucket: int, fixed: pa.Table, timer_values: TimerValues) -> pd.DataFrame:
+    def _corrections_out(self, bucket: int, fixed: pa.Table | None, timer_values: TimerValues) -> pd.DataFrame:
         """The corrections ``fixed`` as the step's output. With rollups they pass the rollup step as
         events do, but feed none: a corrected join runs in the join pass, after the rollup step, so
         no rollup holds a column it corrects."""
         if not self.rollups:
+            assert fixed is not None  # moves need rollups
             return packed.pack_output(fixed)
-        return self._rollup_frame([(bucket, packs.EVENTS, v) for v in packed.pack_output(fixed)[ROWS]]
-                                  + self._moves_out, timer_values)
+        events = [(bucket, packs.EVENTS, v) for v in packed.pack_output(fixed)[ROWS]] if fixed is not None else []
+        return self._rollup_frame(events + self._moves_out, timer_values)
 
     def _correct(self, bucket: int, watermark: int | None, versions: list[Version]) -> pa.Table | None:
         """The corrections this batch's late versions make of the events the bucket kept (as the
@@ -303,9 +305,17 @@ class DeviceStateProcessor(StatefulProcessor):
         if not fixed:
             return None
         rows = pa.concat_tables(fixed, promote_options="permissive")
+        written = rows
         rows, lost = self._look_again(rows, versions)
-        if self._moving:  # the rollups' windows in the corrected events' span, rebuilt
+        if self._moving and self._moves_needed(written, rows):  # the rollups' windows in their span, rebuilt
             self._moves_out = self._moves(bucket, rows, watermark, chunks, start, versions)
+        # An event an inner join before or in the step dropped (never written) that it still does not
+        # match: no correction (a fresh job would not write it, and no consumer has it to retract).
+        seen = self._counted(written) | (rows.column(REVISION).to_numpy(zero_copy_only=False) > 1)
+        if (lost & ~seen).any():
+            rows, lost = rows.filter(pa.array(~(lost & ~seen))), lost[~(lost & ~seen)]
+            if not rows.num_rows:
+                return None
         if self.waits is not None and PROVISIONAL in rows.column_names:
             # As a fresh job would write the event now: provisional while a dataset it waits for is
             # not complete past it, final once it is (a late version usually comes with completeness).
@@ -360,13 +370,23 @@ class DeviceStateProcessor(StatefulProcessor):
         return rollups.moves(self.rollups, self._moving, ts, cause, kept, complete_from, watermark,
                              self.rollup_ids, bucket)
 
+    def _moves_needed(self, written: pa.Table, rows: pa.Table) -> bool:
+        """Whether a correction may move events between a moving rollup's windows: some corrected
+        event has another value of a column the rollup reads (or match) than it was written with, or
+        was corrected before (the rollup holds its last correction's values, not the written ones)."""
+        if (rows.column(REVISION).to_numpy(zero_copy_only=False) > 1).any():
+            return True
+        if not np.array_equal(self._counted(written), self._counted(rows)):
+            return True
+        cols = {c for i in self._moving for c in (*self.rollups[i].by, *(m for m, _, _ in self.rollups[i].metrics))}
+        return any(not written.column(c).equals(rows.column(c)) for c in cols if c in written.column_names)
+
     def _counted(self, t: pa.Table) -> np.ndarray:
         """Whether the rollups count each of the rows ``t`` (an inner join of the plan matched it)."""
         ok = np.ones(t.num_rows, bool)
         for matched in (*self.inner, *(d.join.matched for d in self.dims if d.inner)):
-            if matched not in t.column_names:  # kept under an earlier plan without the join
-                continue
-            ok &= pc.fill_null(t.column(matched), False).to_numpy(zero_copy_only=False).astype(bool)
+            if matched in t.column_names:  # null: kept under an earlier plan without the join
+                ok &= pc.fill_null(t.column(matched), True).to_numpy(zero_copy_only=False).astype(bool)
         return ok
 
     def _look_again(self, rows: pa.Table, versions: list[Version]) -> tuple[pa.Table, np.ndarray]:
@@ -375,15 +395,11 @@ class DeviceStateProcessor(StatefulProcessor):
         versions, a partitioned one in the bucket's versions after the batch (as a fresh job would
         join them now); and the rows an inner join before or in the step does not match (a
         correction of them retracts the event)."""
-        lost = np.zeros(rows.num_rows, bool)
         again = [(i, d) for i, d in enumerate(self.dims) if any(c.dim == d.index for c in self.corrected)]
         names = rows.column_names
         if again or self._rerun:
             rows = self._join_again(rows, names, again, versions)
-        for matched in (*self.inner, *(d.join.matched for d in self.dims if d.inner)):
-            if matched in rows.column_names:
-                lost |= ~pc.fill_null(rows.column(matched), False).to_numpy(zero_copy_only=False).astype(bool)
-        return rows, lost
+        return rows, ~self._counted(rows)
 
     def _join_again(self, rows: pa.Table, names: list[str], again: list[tuple[int, PartitionedDim]],
                     versions: list[Version]) -> pa.Table:

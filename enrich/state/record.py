@@ -147,9 +147,10 @@ def rollup_record(rollups: Sequence[RollupSpec]) -> list[dict[str, Any]]:
     """What the rollups' stored windows depend on: each one's name, keys, window, horizon (a longer one
     would take late events for windows already dropped, and write them again from revision 1),
     whether it needs the tick source (``idle_finalize``, a fill by a join's keys: Spark cannot add it
-    to or remove it from a checkpoint) and stored schema."""
+    to or remove it from a checkpoint), stored schema, and whether it keeps its windows' parts per
+    state bucket (``moves``: windows kept without them could not be rebuilt from them)."""
     return [{"name": r.name, "by": list(r.by), "window_us": r.window_us, "correct_for_us": r.correct_for_us,
-             "ticks": r.needs_ticks, "state_schema": str(state_schema(r))} for r in rollups]
+             "ticks": r.needs_ticks, "state_schema": str(state_schema(r)), "moves": r.moves} for r in rollups]
 
 
 def _check_rollups(kept: dict[str, Any], now: list[dict[str, Any]], layout: CheckpointLayout, path: Path,
@@ -211,7 +212,9 @@ def _check_rollups(kept: dict[str, Any], now: list[dict[str, Any]], layout: Chec
 
 
 #: The rollup record's entries as the settings they come from.
-_SETTING = {"window_us": "window", "correct_for_us": "correct_for", "state_schema": "metrics or their types"}
+_SETTING = {"window_us": "window", "correct_for_us": "correct_for", "state_schema": "metrics or their types",
+            "moves": "moving its events when a late version corrects a column of it (joins[].corrections or "
+                     "how: inner on the join it comes from)"}
 
 
 def by_name(entries: object) -> dict[str, dict[str, Any]]:

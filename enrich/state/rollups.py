@@ -226,14 +226,12 @@ class RollupProcessor(StatefulProcessor):
 
     def __init__(self, specs: tuple[RollupSpec, ...], *, server_timeout_s: float = 120.0,
                  dropped: tuple[str, ...] = (), joins: Mapping[str, JoinSpec] | None = None,
-                 ids: tuple[int, ...] = (), restored_parts: tuple[str, ...] = ()) -> None:
+                 ids: tuple[int, ...] = ()) -> None:
         """``dropped``: the names of rollups removed from the checkpoint, whose windows are deleted;
         ``joins``: the in-plan joins of the rollups that fill by a dimension's keys (``fill_keys``),
-        by dataset; ``ids``: the rollup buckets' grouping keys (the state layout's);
-        ``restored_parts``: the rollups whose windows' parts a fork's savepoint holds (the others'
-        restored windows get one part of source :data:`enrich.rollups.engine.FORKED`)."""
+        by dataset; ``ids``: the rollup buckets' grouping keys (the state layout's)."""
         self.specs, self.server_timeout_s, self.dropped = specs, server_timeout_s, dropped
-        self.joins, self.ids, self.restored_parts = dict(joins or {}), ids, restored_parts
+        self.joins, self.ids = dict(joins or {}), ids
 
     def init(self, handle: StatefulProcessorHandle) -> None:
         spark_state_server_timeout(handle, self.server_timeout_s)
@@ -333,9 +331,6 @@ class RollupProcessor(StatefulProcessor):
                 held = self._load(i, full=True)
                 saved = pa.concat_tables(got[spec.name]).cast(engine.state_schema(spec))
                 self._store(i, pa.concat_tables([held, saved]) if held is not None else saved)
-                if spec.moves and spec.name not in self.restored_parts:  # its windows' sources are not known
-                    whole = saved.select(spec.window_schema().names)
-                    self._add_parts(i, [(engine.FORKED, whole)])
             if spec.moves and spec.name + PARTS in got:
                 held_parts = self._load_parts(i)
                 saved_parts = pa.concat_tables(got[spec.name + PARTS]).cast(engine.parts_schema(spec))
@@ -674,8 +669,8 @@ def initial_windows(batches: Iterator[pa.RecordBatch], *, specs: tuple[RollupSpe
     (:data:`INITIAL`): each window in the rollup bucket its keys route to under the new checkpoint's
     grouping keys ``ids``; a rollup the job no longer has is left out. A moving rollup's parts (rows
     named ``<rollup>_parts``) go with their windows, each part's state bucket as the new layout
-    names it (``sources``: the savepoint's grouping key to the fork's, None: another bucket count,
-    every part :data:`enrich.rollups.engine.FORKED`)."""
+    names it (``sources``: the savepoint's grouping key to the fork's; a fork keeps the bucket count
+    of a savepoint with parts: :meth:`enrich.ops.savepoint.Savepoint.check`)."""
     by_name = {s.name: s for s in specs}
     by_name.update({s.name + PARTS: s for s in specs if s.moves})
     for batch in batches:
@@ -686,8 +681,9 @@ def initial_windows(batches: Iterator[pa.RecordBatch], *, specs: tuple[RollupSpe
                 continue
             if name != spec.name:
                 table = from_ipc(value).cast(engine.parts_schema(spec))
-                was = partial.as_numpy(table.column(engine.SOURCE)).tolist()
-                now = [(sources or {}).get(s, engine.FORKED) for s in was]
+                if sources is None:
+                    raise ValueError(f"rollup {spec.name}: a savepoint's parts without the fork's bucket of each")
+                now = [sources[s] for s in partial.as_numpy(table.column(engine.SOURCE)).tolist()]
                 table = table.set_column(table.schema.get_field_index(engine.SOURCE), engine.parts_schema(spec).field(
                     engine.SOURCE), pa.array(now, pa.int32()))
             else:

@@ -71,8 +71,8 @@ class Fork:
     ``gaps`` the gap tables' rows by state variable (``gaps``, ``gaps_closed``; empty: none), and
     ``written`` the events written within the corrections' horizon, one kept chunk per row
     (:func:`enrich.state.corrections.saved_chunks`; None: none); ``rollup_ids`` the savepoint job's
-    bucket grouping keys (None: not known) and ``rollup_parts`` the rollups whose windows' parts
-    per state bucket it holds (:func:`enrich.rollups.engine.move`)."""
+    bucket grouping keys (None: not known), which its moving rollups' parts name
+    (:func:`enrich.rollups.engine.move`)."""
 
     devices: DataFrame
     dims: Mapping[str, tuple[DataFrame, bytes]]
@@ -82,7 +82,6 @@ class Fork:
     gaps: Mapping[str, DataFrame] = dataclasses.field(default_factory=dict)
     written: DataFrame | None = None
     rollup_ids: tuple[int, ...] | None = None
-    rollup_parts: tuple[str, ...] = ()
 
 
 def prepare(spark: SparkSession, cfg: EnrichConfig, ck: CheckpointLayout, spec: StateSpec,

@@ -158,6 +158,16 @@ def test_a_rollup_the_savepoint_holds_must_keep_its_layout(tmp_path: Path) -> No
     point.check(cfg, SPEC, (), [r, dataclasses.replace(r, name="d_2m")])   # added
     with pytest.raises(SavepointRefused, match=r"rollup d_1m: window changed; the savepoint .* new name"):
         point.check(cfg, SPEC, (), [dataclasses.replace(r, window_us=120_000_000)])
+    # A rollup that moves its events (corrections) keeps its windows' parts per state bucket: it must
+    # keep moving, and a fork the savepoint's bucket count.
+    with pytest.raises(SavepointRefused, match=r"rollup d_1m: moving its events when a late version corrects"):
+        point.check(cfg, SPEC, (), [dataclasses.replace(r, moves=True)])
+    moving = dataclasses.replace(r, moves=True)
+    point.meta["rollups"] = {"rows": "rollups.parquet", "rollups": rollup_record([moving]), "bucket_ids": list(range(8))}
+    point.check(cfg, SPEC, (), [moving])
+    with pytest.raises(SavepointRefused, match=r"rollup d_1m: its windows' parts are kept per state bucket and the "
+                                               r"savepoint .* has 8 buckets, not 16"):
+        point.check(cfg_with(tmp_path, aggregates={"temp": ["last", "mean"]}, buckets=16), SPEC, (), [moving])
 
 
 def test_a_fork_is_refused_on_a_checkpoint_with_batches(tmp_path: Path) -> None:

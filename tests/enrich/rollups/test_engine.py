@@ -375,7 +375,6 @@ def test_moves_between_windows_end_as_a_batch_recompute_of_the_corrected_events(
                 lo, hi = since // P * P, max(done[k][2] for k in hit) // P * P + P
                 got = engine.move(spec, b.state, parts, [(source, _move(spec, _sources(done)[source], lo, hi))],
                                   watermark)
-                assert got.skipped == 0
                 rows_moved = b.took(got.advanced)
                 for row in rows_moved:
                     assert lo <= row["window_start"] < hi
@@ -409,15 +408,17 @@ def test_moves_between_windows_end_as_a_batch_recompute_of_the_corrected_events(
     assert all(latest[k]["v_count"] == 0 and latest[k]["v_max"] is None for k in emptied)
 
 
-def test_a_window_a_fork_restored_is_not_moved_and_a_window_past_the_horizon_not_started_again() -> None:
+def test_a_move_rewrites_only_changed_windows_and_never_one_past_the_horizon() -> None:
     spec = dataclasses.replace(PSPEC, correct_for_us=200)
-    first = partial.partials(spec, table([("a", 1, 10, 0, 1, 1.0, "x", 1)]))
+    rows = [("a", 1, 10, 0, k, v, "x", 1) for k, v in enumerate([0.1, 0.2, 0.3, 0.4, 0.5, 0.6])]
+    first = pa.concat_tables([partial.partials(spec, table(rows[:3])), partial.partials(spec, table(rows[3:]))])
     state = engine.advance(spec, None, first, None).state
-    forked = first.append_column(engine.SOURCE, pa.array([engine.FORKED], pa.int32()))
+    parts = engine.add_parts(spec, None, [(1, partial.partials(spec, table(rows[:3]))),
+                                          (1, partial.partials(spec, table(rows[3:])))])
+    # The same events again, summed at once (their float sum differs in its last bits): nothing to write.
+    got = engine.move(spec, state, parts, [(1, _move(spec, rows, 0, 100))], None)
+    assert got.advanced.rows.num_rows == 0
     moved = _move(spec, [("a", 1, 10, 1, 1, 2.0, "x", 1)], 0, 100)  # source 1's new part of the window
-    got = engine.move(spec, state, forked, [(1, moved)], None)
-    assert got.skipped == 1 and got.advanced.rows.num_rows == 0
-    assert got.parts.column(engine.SOURCE).to_pylist() == [engine.FORKED]
     # The window ended at 100; with the watermark at 300 (100 + 200) it is gone: a move does not start it again.
     got = engine.move(spec, None, None, [(1, moved)], 300)
     assert got.advanced.rows.num_rows == 0 and got.advanced.state.num_rows == 0
