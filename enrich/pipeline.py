@@ -284,12 +284,11 @@ def _rerun(cfg: EnrichConfig, state: StatePlan) -> set[int]:
 
 
 def _refuse_uses(cfg: EnrichConfig, adds: set[str], where: str, what: str) -> None:
-    """A corrected join's columns (``adds``) that the state's aggregates, a call or a gap uses, refused:
-    what the step computed from them would stay as first computed. A rollup over them is kept right:
-    the buckets move the events between its windows."""
+    """A corrected join's columns (``adds``) that the state's aggregates or a gap uses, refused: what
+    the step computed from them would stay as first computed. A rollup over them is kept right (the
+    buckets move the events between its windows), and a call reading them is made again."""
     assert cfg.state is not None
     users = [("state:", set(cfg.state.columns)),
-             ("a call", {r.name for c in cfg.calls for r in c.body.refs() if r.scope is None}),
              ("gaps:", set(cfg.gaps.columns) if cfg.gaps is not None else set())]
     for who, names in users:
         used = sorted(adds & names)

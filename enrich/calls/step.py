@@ -114,6 +114,25 @@ class CallStep:
         """The event columns the templates read."""
         return {r.name for c in self.calls for r in c.body.refs() if r.scope is None}
 
+    def stale(self, table: pa.Table, devices: Mapping[str, pa.Array | pa.ChunkedArray]) -> pa.Table:
+        """The call table with the results of ``devices[name]`` (per call, the devices whose events a
+        late reference version corrected in a column its template reads) taken as not made: each is
+        made again at the device's next event, whatever its ``refresh`` (a call made at every event
+        is anyway), as are the calls that need it. The new call has the batch's Idempotency-Key."""
+        marked = {c.name: pa.array([], self.key_type) for c in self.calls}
+        for name, keys in devices.items():
+            marked[name] = pa.concat_arrays([marked[name], pa.array(keys).cast(self.key_type)])
+        for c in self.calls:  # in needs order: a call that needs a stale one is stale for its devices too
+            for n in c.needs:
+                marked[c.name] = pa.concat_arrays([marked[c.name], marked[n]])
+        for c in self.calls:
+            if c.every_event or not len(marked[c.name]):
+                continue
+            hit = pc.is_in(table.column(KEY), value_set=marked[c.name])
+            i = table.schema.get_field_index(f"{c.name}__ok")
+            table = table.set_column(i, table.schema.field(i), pc.if_else(hit, False, table.column(i)))
+        return table
+
     def keep(self, table: pa.Table | None, devices: pa.Array | pa.ChunkedArray) -> pa.Table | None:
         """The call table without the devices not in ``devices`` (the keys of the device table):
         their state expired. None when nothing was dropped."""

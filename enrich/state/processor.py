@@ -71,6 +71,7 @@ from enrich.joins.partitioned import (
     conform,
     lookup,
 )
+from enrich.rollups import engine as rollup_engine
 from enrich.rollups import packs
 from enrich.rollups.spec import RollupSpec
 from enrich.state import corrections, engine, rollups, wait
@@ -309,6 +310,8 @@ class DeviceStateProcessor(StatefulProcessor):
         rows, lost = self._look_again(rows, versions)
         if self._moving and self._moves_needed(written, rows):  # the rollups' windows in their span, rebuilt
             self._moves_out = self._moves(bucket, rows, watermark, chunks, start, versions)
+        if self.calls is not None and self.call_value is not None:  # made again at the device's next event
+            self._stale_calls(written, rows)
         # An event an inner join before or in the step dropped (never written) that it still does not
         # match: no correction (a fresh job would not write it, and no consumer has it to retract).
         seen = self._counted(written) | (rows.column(REVISION).to_numpy(zero_copy_only=False) > 1)
@@ -369,6 +372,26 @@ class DeviceStateProcessor(StatefulProcessor):
         cause = _cause_text(rows.column(CAUSE)[0].as_py())
         return rollups.moves(self.rollups, self._moving, ts, cause, kept, complete_from, watermark,
                              self.rollup_ids, bucket)
+
+    def _stale_calls(self, written: pa.Table, rows: pa.Table) -> None:
+        """The stored results of the calls whose template reads a column a correction changed (from
+        what the event was written with, or corrected before), for the corrected events' devices,
+        taken as not made (:meth:`enrich.calls.step.CallStep.stale`)."""
+        assert self.calls is not None
+        stored = self._stored_calls()
+        if stored is None or not rows.num_rows:
+            return
+        again = rows.column(REVISION).to_numpy(zero_copy_only=False) > 1
+        devices = {}
+        for c in self.calls.calls:
+            cols = sorted({r.name for r in c.body.refs() if r.scope is None} & set(rows.column_names))
+            if c.every_event or not cols:
+                continue
+            changed = again | (rollup_engine.idents(written, cols) != rollup_engine.idents(rows, cols))
+            if changed.any():
+                devices[c.name] = rows.column(self.spec.key).filter(pa.array(changed))
+        if devices:
+            self._store_calls(self.calls.stale(stored, devices))
 
     def _moves_needed(self, written: pa.Table, rows: pa.Table) -> bool:
         """Whether a correction may move events between a moving rollup's windows: some corrected

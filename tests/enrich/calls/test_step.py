@@ -220,3 +220,22 @@ def test_a_template_changed_before_a_replay_makes_the_call_again_with_a_new_key(
     b.step = CallStep((dataclasses.replace(changed, headers=(("X-Model", "v2"),)),), pa.string(), str(tmp_path))
     b.batch([("d1", 0, 1)], batch_id=1, keep_stored=False)
     assert service.paths["/score"] == 3 and service.headers[-1]["X-Model"] == "v2"
+
+
+def test_a_stale_result_is_made_again_at_the_devices_next_event_with_a_new_key_and_so_is_what_needs_it(
+        service: Service, tmp_path: Path) -> None:
+    """CallStep.stale (a late reference version changed a column the template reads): the device's
+    result of that call is made again at its next event, whatever its refresh, in a new batch (a new
+    Idempotency-Key), with the calls that need it; other devices keep theirs."""
+    once = dataclasses.replace(action(service), refresh=None)  # made once, needing risk
+    b = Bucket(tmp_path, risk(service), once)
+    b.batch([("d1", 1, 1), ("d2", 1, 1)])
+    assert {short(k) for k in service.keys} == {"q-1-d1-risk-0", "q-1-d2-risk-0", "q-1-d1-action-0",
+                                                "q-1-d2-action-0"}
+    assert b.stored is not None
+    b.stored = b.step.stale(b.stored, {"risk": pa.array(["d1"])})
+    b.batch([("d1", 2, 2), ("d2", 2, 2)])
+    assert {short(k) for k in service.keys} - {"q-1-d1-risk-0", "q-1-d2-risk-0", "q-1-d1-action-0",
+                                               "q-1-d2-action-0"} == {"q-2-d1-risk-0", "q-2-d1-action-0"}
+    b.batch([("d1", 3, 3)])  # made again once, not at every event
+    assert not {short(k) for k in service.keys if short(k).startswith("q-3-")}

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -24,6 +24,7 @@ from enrich.ops.rescale import rescale
 from enrich.ops.savepoint import take
 from refresh.config import load_config
 from refresh.runner import Refresher
+from tests.enrich.calls.server import Service, serve
 from tests.enrich.helpers import produce_events, read_all
 from tests.enrich.joins.test_asof_job import db_clock, execute, iso
 from tests.timing import bound
@@ -415,10 +416,17 @@ def test_an_inner_join_of_the_pass_with_write_state_and_corrections_is_refused_n
 
 
 
+@pytest.fixture
+def service() -> Iterator[Service]:
+    """A real HTTP service on 127.0.0.1 the job's call goes to."""
+    with serve() as svc:
+        yield svc
+
+
 @pytest.mark.parametrize("strategy", ["partitioned", "broadcast"])
 def test_a_join_in_the_state_step_corrects_within_its_horizon_moves_rollup_events_and_counts_the_rest(
         spark: SparkSession, kafka: dict[str, str], mysql_url: str, unique: Callable[[str], str],
-        tmp_path: Path, caplog: pytest.LogCaptureFixture, strategy: str) -> None:
+        tmp_path: Path, caplog: pytest.LogCaptureFixture, strategy: str, service: Service) -> None:
     """A join whose columns a rollup groups by: ``strategy: partitioned`` (the buckets hold the key's
     versions and its events, and find the late versions themselves) or broadcast (it runs before the
     state step; the driver finds the late versions, the buckets join the corrected events again with
@@ -426,7 +434,8 @@ def test_a_join_in_the_state_step_corrects_within_its_horizon_moves_rollup_event
     device 1 moves to s-6 and device 2 to s-7, the latter as of before the horizon's start: the
     events within the horizon are corrected, with their cause, the version reaching further back
     counts as ``beyond_horizon`` and is logged once naming its key. A rollup by the site moves the
-    events between its windows (a final window: a correction naming the change). The corrected output
+    events between its windows (a final window: a correction naming the change), and a call whose
+    request names the site is made again at the device's next event. The corrected output
     and the rollup's latest rows equal a fresh job's (windows left empty say 0 events)."""
     devices = Devices.published(kafka, mysql_url, unique, tmp_path)
     topics, t0 = devices.topics, devices.t0
@@ -443,6 +452,9 @@ def test_a_join_in_the_state_step_corrects_within_its_horizon_moves_rollup_event
         data["metrics"] = {"port": 0}
         data["rollups"] = [{"name": "by_site", "by": ["site"], "window": "1m", "metrics": {"n": ["count", "sum", "max"]},
                             "output": {"kafka": {"topic": unique("sites")}}}]
+        # A call made once per device, whose request names the site: made again after a correction.
+        data["calls"] = [{"name": "risk", "url": service.url("/score"), "refresh": "once",
+                          "body": {"device": "{device_id}", "site": "{site}"}, "response": {"score": "DOUBLE"}}]
         return data
 
     def windows(data: dict[str, Any]) -> dict[tuple[Any, str], dict[str, Any]]:
@@ -469,6 +481,10 @@ def test_a_join_in_the_state_step_corrects_within_its_horizon_moves_rollup_event
     with caplog.at_level("WARNING", logger="enrich.dimension.corrections"):
         job.run(spark)
     assert job.started.pipeline.state is not None and job.started.pipeline.state.rollups[0].moves
+    # Device 2's call named s-2; its events were corrected to s-7 and its next event (n 6) made it again.
+    assert [b["site"] for _, b in service.bodies if str(b["device"]) == "2"] == ["s-2", "s-7"]
+    assert [b["site"] for _, b in service.bodies if str(b["device"]) == "1"] == ["s-2"]  # no event since
+    assert len({k.split("-2-risk")[0] for k in service.keys if "-2-risk" in k}) == 2  # two batches' keys
     got = outputs(kafka, out_topic)
     fixed = sorted((r for r in got if r["_kind"] == "correction"), key=lambda r: r["n"])
     assert [(r["n"], r["site"], r["_devices_matched"], r["_revision"], r["_retracted"]) for r in fixed] == [
