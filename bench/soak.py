@@ -179,9 +179,11 @@ class PrivatePostgres:
 
 class Soak:
     def __init__(self, work: Path, bootstrap: str, mysql_server: str, *, seed: int, duration: float,
-                 min_kills: int = 5, min_restarts: int = 2) -> None:
+                 min_kills: int = 5, min_restarts: int = 2, max_job_kills: int | None = None) -> None:
         self.work, self.bootstrap, self.seed, self.duration = work, bootstrap, seed, duration
         self.min_kills, self.min_restarts = min_kills, min_restarts
+        # The job's kills at most (None: as many as its restarts allow): each restart costs 20-80 CPU s.
+        self.max_job_kills = max_job_kills
         self.rng = random.Random(seed)
         self.kafka = {"bootstrap.servers": bootstrap}
         tag = uuid.uuid4().hex[:8]
@@ -398,7 +400,9 @@ class Soak:
                 next_refresher_kill = time.monotonic() + rng.uniform(3, 12)
             if self._job_commits() > job_started_commits and job_ready_at is None:
                 job_ready_at = now + job_extra_wait
-            if job_ready_at is not None and now >= job_ready_at and (now < deadline or self.fig.kills_job < self.min_kills):
+            capped = self.max_job_kills is not None and self.fig.kills_job >= self.max_job_kills
+            if job_ready_at is not None and now >= job_ready_at and not capped and \
+                    (now < deadline or self.fig.kills_job < self.min_kills):
                 self._kill("job")
                 self.fig.kills_job += 1
                 job_started_commits = self._job_commits()
@@ -641,12 +645,14 @@ def missing_kills_span(duration: float) -> float:
 
 def run(work: Path, *, duration: float, seed: int, bootstrap: str | None = None,
         mysql_server: str = "mysql+pymysql://root@127.0.0.1:3306", min_kills: int = 5,
-        min_restarts: int = 2) -> Figures:
-    """One soak; returns its figures (``Figures.ok()`` says whether every check passed)."""
+        min_restarts: int = 2, max_job_kills: int | None = None) -> Figures:
+    """One soak; returns its figures (``Figures.ok()`` says whether every check passed).
+    ``max_job_kills``: kill the job at most this many times (None: whenever it has committed a batch
+    since its last start, until the churn ends)."""
     work.mkdir(parents=True, exist_ok=True)
     with _broker(bootstrap, work) as servers:
         return Soak(work, servers, mysql_server, seed=seed, duration=duration, min_kills=min_kills,
-                    min_restarts=min_restarts).run()
+                    min_restarts=min_restarts, max_job_kills=max_job_kills).run()
 
 
 def main(argv: list[str] | None = None) -> int:
