@@ -175,8 +175,7 @@ def advance(spec: RollupSpec, state: pa.Table | None, partials: pa.Table | None,
         old = np.logical_or.reduceat(gaps_before[order], starts)
         gap = _marked(spec, windows, old, marks or Marks())
         written |= gap != old
-    # A final window (by the watermark or idle) only ever gets corrections after its final row.
-    kind = np.where(was_final, CORRECTION_KIND, np.where(reached, FINAL_KIND, PROVISIONAL_KIND))
+    kind = _kind(was_final, reached)
     revision = revision + written
     final = was_final | reached
     rows = _rows(spec, windows, written, kind, revision, BY_WATERMARK, gap)
@@ -282,6 +281,13 @@ def state_from_ipc(data: bytes, spec: RollupSpec) -> pa.Table:
         raise ValueError(f"stored state of rollup {spec.name!r} has schema {table.schema}, "
                          f"expected {state_schema(spec)}")
     return table
+
+
+def _kind(was_final: np.ndarray, reached: np.ndarray) -> np.ndarray:
+    """A written window's kind: a final one (by the watermark or idle) only ever gets corrections
+    after its final row; another is final once the watermark has reached its end (at once when it
+    was first written after that), else provisional."""
+    return np.where(was_final, CORRECTION_KIND, np.where(reached, FINAL_KIND, PROVISIONAL_KIND))
 
 
 def _state(windows: pa.Table, revision: np.ndarray, final: np.ndarray, gap: np.ndarray | None = None) -> pa.Table:
@@ -515,7 +521,7 @@ def move(spec: RollupSpec, state: pa.Table | None, parts: pa.Table | None, moves
     gap = stored(GAP, False, bool) if spec.gaps else None
     end = as_numpy(merged.column(WINDOW_START)) + spec.window_us
     reached = end <= watermark_us if watermark_us is not None else np.zeros(len(end), bool)
-    kind = np.where(was_final, CORRECTION_KIND, np.where(reached, FINAL_KIND, PROVISIONAL_KIND))
+    kind = _kind(was_final, reached)
     updated = _state(merged, revision, was_final | reached, gap)
     table = pa.concat_tables([state.filter(pa.array(~hit)), updated])
     order, _ = sort_groups(table, win)

@@ -366,8 +366,8 @@ class DeviceStateProcessor(StatefulProcessor):
         read = [t for c in chunks if c[3] >= lo and c[2] < hi and (t := self._read_chunk(c[0])) is not None]
         kept = pa.concat_tables(read, promote_options="permissive") if read else rows.slice(0, 0)
         kts = kept.column(corrections.TS).to_numpy(zero_copy_only=False)
-        kept, _ = self._look_again(kept.filter(pa.array((kts >= lo) & (kts < hi))), versions)
-        kept = kept.filter(pa.array(self._counted(kept)))
+        kept, lost = self._look_again(kept.filter(pa.array((kts >= lo) & (kts < hi))), versions)
+        kept = kept.filter(pa.array(~lost))  # the events the rollups count
         kept = kept.rename_columns([TS_US if n == corrections.TS else n for n in kept.column_names])
         cause = _cause_text(rows.column(CAUSE)[0].as_py())
         return rollups.moves(self.rollups, self._moving, ts, cause, kept, complete_from, watermark,
@@ -381,13 +381,12 @@ class DeviceStateProcessor(StatefulProcessor):
         stored = self._stored_calls()
         if stored is None or not rows.num_rows:
             return
-        again = rows.column(REVISION).to_numpy(zero_copy_only=False) > 1
         devices = {}
         for c in self.calls.calls:
-            cols = sorted({r.name for r in c.body.refs() if r.scope is None} & set(rows.column_names))
-            if c.every_event or not cols:
+            cols = {r.name for r in c.body.refs() if r.scope is None}
+            if c.every_event or not cols & set(rows.column_names):
                 continue
-            changed = again | (rollup_engine.idents(written, cols) != rollup_engine.idents(rows, cols))
+            changed = _changed(written, rows, cols)
             if changed.any():
                 devices[c.name] = rows.column(self.spec.key).filter(pa.array(changed))
         if devices:
@@ -397,12 +396,8 @@ class DeviceStateProcessor(StatefulProcessor):
         """Whether a correction may move events between a moving rollup's windows: some corrected
         event has another value of a column the rollup reads (or match) than it was written with, or
         was corrected before (the rollup holds its last correction's values, not the written ones)."""
-        if (rows.column(REVISION).to_numpy(zero_copy_only=False) > 1).any():
-            return True
-        if not np.array_equal(self._counted(written), self._counted(rows)):
-            return True
         cols = {c for i in self._moving for c in (*self.rollups[i].by, *(m for m, _, _ in self.rollups[i].metrics))}
-        return any(not written.column(c).equals(rows.column(c)) for c in cols if c in written.column_names)
+        return bool((_changed(written, rows, cols) | (self._counted(written) != self._counted(rows))).any())
 
     def _counted(self, t: pa.Table) -> np.ndarray:
         """Whether the rollups count each of the rows ``t`` (an inner join of the plan matched it)."""
@@ -418,14 +413,13 @@ class DeviceStateProcessor(StatefulProcessor):
         versions, a partitioned one in the bucket's versions after the batch (as a fresh job would
         join them now); and the rows an inner join before or in the step does not match (a
         correction of them retracts the event)."""
-        again = [(i, d) for i, d in enumerate(self.dims) if any(c.dim == d.index for c in self.corrected)]
+        again = {i for i, d in enumerate(self.dims) if any(c.dim == d.index for c in self.corrected)}
         names = rows.column_names
         if again or self._rerun:
             rows = self._join_again(rows, names, again, versions)
         return rows, ~self._counted(rows)
 
-    def _join_again(self, rows: pa.Table, names: list[str], again: list[tuple[int, PartitionedDim]],
-                    versions: list[Version]) -> pa.Table:
+    def _join_again(self, rows: pa.Table, names: list[str], again: set[int], versions: list[Version]) -> pa.Table:
         """:meth:`_look_again`'s joins; ``_clipped`` found again when every as-of join before the step
         that sets it runs again (else the written flag stays, with the corrected joins' ORed in)."""
         fresh_clip = CLIPPED in names and all(i in self._rerun for i, s in enumerate(self.before) if s.time is not None)
@@ -440,7 +434,7 @@ class DeviceStateProcessor(StatefulProcessor):
                 looked = join_table(rows.drop_columns(mine), spec, base, overlay)
                 rows = looked.select([*names, *[n for n in looked.column_names if n not in names]])
         for i, dim in enumerate(self.dims):
-            corrected = any(i == j for j, _ in again)
+            corrected = i in again
             if not corrected and not (fresh_clip and dim.join.time is not None):
                 continue
             # Rows kept under an earlier plan may lack a column: looked up, and conformed later.
@@ -828,6 +822,15 @@ def _batch_changes(corrected: tuple[corrections.Corrects, ...]) -> list[tuple[co
         _CHANGES.clear()
         _CHANGES[ident] = hit
     return hit
+
+
+def _changed(written: pa.Table, rows: pa.Table, columns: set[str]) -> np.ndarray:
+    """Per corrected event (``written``: as kept, ``rows``: corrected), whether ``columns`` hold other
+    values now than it was written with, or it was corrected before (what a rollup or a call holds
+    of it is then its last correction's, not the written values)."""
+    cols = sorted(columns & set(written.column_names))
+    again = rows.column(REVISION).to_numpy(zero_copy_only=False) > 1
+    return again | (rollup_engine.idents(written, cols) != rollup_engine.idents(rows, cols)) if cols else again
 
 
 def _cause_text(cause: dict[str, Any]) -> str:

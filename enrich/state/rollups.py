@@ -254,11 +254,12 @@ class RollupProcessor(StatefulProcessor):
         # The states this call read or wrote (a call is one bucket): the steps after advance, the
         # idle finalization and the timer read them again.
         self._held: dict[int, _Held] = {}
+        self._parts: dict[int, pa.Table | None] = {}  # the moving rollups' parts this call read or wrote
 
     def handleInputRows(self, key: Any, rows: Iterator[pd.DataFrame],  # type: ignore[override]
                         timerValues: TimerValues) -> Iterator[pd.DataFrame]:
         settle()
-        self._held = {}
+        self._held, self._parts = {}, {}
         self._bucket = int(key[0])
         kinds: list[str] = []
         values: list[bytes] = []
@@ -320,7 +321,7 @@ class RollupProcessor(StatefulProcessor):
                            timerValues: TimerValues) -> None:
         """A fork's first batch: the bucket's windows of each rollup from the savepoint
         (:func:`initial_windows`), their timer set."""
-        self._held = {}
+        self._held, self._parts = {}, {}
         self._watermark = watermark_us(timerValues)
         got: dict[str, list[pa.Table]] = {}
         for name, value in zip(initialState.iloc[:, -2], initialState.iloc[:, -1], strict=True):  # as INITIAL ends
@@ -340,7 +341,7 @@ class RollupProcessor(StatefulProcessor):
 
     def handleExpiredTimer(self, key: Any, timerValues: TimerValues,
                            expiredTimerInfo: ExpiredTimerInfo) -> Iterator[pd.DataFrame]:
-        self._held = {}
+        self._held, self._parts = {}, {}
         self._bucket = int(key[0])
         kinds: list[str] = []
         values: list[bytes] = []
@@ -396,14 +397,18 @@ class RollupProcessor(StatefulProcessor):
         self._store_parts(i, engine.add_parts(self.specs[i], self._load_parts(i), partials))
 
     def _load_parts(self, i: int) -> pa.Table | None:
-        got = self.parts[i].get()
-        return from_ipc(bytes(got[0])) if got is not None else None
+        """Rollup ``i``'s parts of the bucket: read once per call, then as this call stored them."""
+        if i not in self._parts:
+            got = self.parts[i].get()
+            self._parts[i] = from_ipc(bytes(got[0])) if got is not None else None
+        return self._parts[i]
 
     def _store_parts(self, i: int, parts: pa.Table) -> None:
         if parts.num_rows:
             self.parts[i].update((to_ipc(parts),))
         else:
             self.parts[i].clear()
+        self._parts[i] = parts if parts.num_rows else None
 
     def _key_fill(self, watermark: int | None) -> dict[int, pa.Table]:
         """Per rollup that fills by a dimension's keys (``fill_keys``): the empty windows of the
