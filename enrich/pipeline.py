@@ -284,17 +284,18 @@ def _rerun(cfg: EnrichConfig, state: StatePlan) -> set[int]:
 
 
 def _refuse_uses(cfg: EnrichConfig, adds: set[str], where: str, what: str) -> None:
-    """A corrected join's columns (``adds``) that the state's aggregates or a gap uses, refused: what
-    the step computed from them would stay as first computed. A rollup over them is kept right (the
-    buckets move the events between its windows), and a call reading them is made again."""
+    """A corrected join's columns (``adds``) that the state step keys or times devices by, or a gap
+    uses, refused: what the step made of them would stay as first made. The state's aggregates over
+    them are folded again, a rollup over them is kept right (the buckets move the events between its
+    windows), and a call reading them is made again."""
     assert cfg.state is not None
-    users = [("state:", set(cfg.state.columns)),
+    users = [("state: (its key or timestamp)", {cfg.state.key, cfg.state.timestamp}),
              ("gaps:", set(cfg.gaps.columns) if cfg.gaps is not None else set())]
     for who, names in users:
         used = sorted(adds & names)
         if used:
             raise ConfigError(f"{where}: column(s) {used} of {what} are used by {who}, which the corrections do not "
-                              "recompute yet; remove corrections or those uses (docs/state.md)")
+                              "recompute; remove corrections or those uses (docs/state.md)")
 
 
 def _corrected_before(cfg: EnrichConfig, state: StatePlan, j: JoinConfig, where: str,
@@ -314,8 +315,7 @@ def _corrected_before(cfg: EnrichConfig, state: StatePlan, j: JoinConfig, where:
 def _corrected_dim(cfg: EnrichConfig, state: StatePlan, j: JoinConfig, where: str,
                    schemas: Mapping[str, DatasetSchema]) -> Corrects:
     """A partitioned join with corrections: its buckets find their late versions themselves (they
-    hold the key's versions and its events). What the step computes from its columns (the state's
-    aggregates, a rollup, a call, a gap) would stay as first computed, so such uses are refused."""
+    hold the key's versions and its events). A gap over its columns is refused (see :func:`_refuse_uses`)."""
     assert cfg.state is not None
     dim = state.dims[list(cfg.partitioned_joins).index(j)]
     _refuse_uses(cfg, {out for _, out in dim.join.columns} | {dim.join.matched}, where, "this partitioned join")

@@ -32,7 +32,7 @@ from enrich.state.layout import BucketLayout
 from enrich.state.stored import WRITTEN
 from refstream import contract
 
-__all__ = ["CAUSE_TYPE", "MERGE_AT", "NO_BOUND_END", "NO_BOUND_START", "REVISIONS_SCHEMA", "SMALL_ROWS", "TS",
+__all__ = ["ACC", "CAUSE_TYPE", "MERGE_AT", "SEQ", "NO_BOUND_END", "NO_BOUND_START", "REVISIONS_SCHEMA", "SMALL_ROWS", "TS",
            "Corrects", "Matched", "as_events", "bucket_changes", "join_again",
            "read_tallies", "tally", "emitted", "horizon_start", "initial_written", "keep", "match",
            "read_changes", "revisions", "saved_chunks", "with_revisions"]
@@ -176,13 +176,19 @@ def emitted(rows: pa.Table) -> pa.Table:
     cause, not retracted (an inner join of the join pass that finds no row retracts it:
     :func:`enrich.joins.join_table`)."""
     tail = [rows.column(REVISION), rows.column(CAUSE)]
-    body = rows.drop_columns([TS, REVISION, CAUSE])
+    body = rows.drop_columns([TS, REVISION, CAUSE, *[n for n in rows.column_names if n == SEQ or n.startswith(ACC)]])
     return (body.append_column(KIND, pa.array([KIND_CORRECTION] * rows.num_rows, pa.string()))
             .append_column(REVISION, tail[0]).append_column(CAUSE, tail[1])
             .append_column(RETRACTED, pa.array(np.zeros(rows.num_rows, bool), pa.bool_())))
 
 #: A kept event's time (UTC microseconds); it keeps its last revision in :data:`REVISION`.
 TS = "__c_ts"
+#: With state aggregates over a corrected join's columns, a kept event's chunk number when first
+#: kept (:data:`SEQ`: its batch's place in the bucket's application order) and, per accumulator
+#: ``a`` of those aggregates, ``ACC + a``: the device's accumulator before the event (null: a
+#: fresh state), which a correction refolds the device's aggregates from
+#: (:func:`enrich.state.engine.refold`).
+SEQ, ACC = "__c_seq", "__c_acc:"
 #: A correction's cause (:data:`CAUSE`): the dataset, the changelog key (its JSON text), the
 #: version's valid_from, and where the changelog record is.
 CAUSE_TYPE = pa.struct([("dataset", pa.string()), ("key", pa.string()),

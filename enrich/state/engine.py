@@ -27,6 +27,7 @@ bits of a mean may differ between two different splits of the same events into b
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -106,6 +107,9 @@ class Applied:
     evicted: int
     touched: int = 0
     removed: pa.Array | None = None
+    #: Per event (input order), the accumulators :func:`apply` was asked for as they were before it;
+    #: a null row where it was not applied or started a fresh state.
+    before: pa.Table | None = None
 
 
 def _numeric(typ: pa.DataType) -> bool:
@@ -164,14 +168,16 @@ def next_expiry(spec: StateSpec, state: pa.Table) -> int | None:
 
 
 def apply(spec: StateSpec, state: pa.Table, events: pa.Table, watermark_us: int | None,
-          late_at_read: np.ndarray | None = None) -> Applied:
+          late_at_read: np.ndarray | None = None, before: tuple[str, ...] = ()) -> Applied:
     """Apply one micro-batch of one bucket's events to the bucket's state (see the module docstring).
 
     ``events`` holds at least the key, the timestamp, the tie columns and the aggregated columns;
     ``watermark_us`` is the batch's watermark in microseconds (None: nothing is late, nothing expires).
     ``late_at_read``: which events are late, as judged when they were read (events held for
     completeness, ``enrich.state.wait``, are judged against the watermark of the batch that read
-    them, not the one that releases them); None: judged against ``watermark_us``.
+    them, not the one that releases them); None: judged against ``watermark_us``. ``before``: the
+    accumulators (names of :meth:`StateSpec.state_schema`) to give each applied event as they were
+    before it (:attr:`Applied.before`), which corrections refold the device's aggregates from.
     """
     state, removed = evict_keys(spec, state, watermark_us)
     evicted = len(removed)
@@ -209,97 +215,43 @@ def apply(spec: StateSpec, state: pa.Table, events: pa.Table, watermark_us: int 
         seed_of = np.full(groups, -1, dtype=np.int64)
     seeded = seed_of >= 0
 
-    # The combined sequence: per device, its stored state (a seed row) first, then its events.
     sizes = np.diff(np.append(starts, m))
-    shift = np.cumsum(seeded)                               # seed rows up to and including group g
-    ev_pos = np.arange(m) + np.repeat(shift, sizes)         # where each event lands
-    seed_pos = starts[seeded] + shift[seeded] - 1           # where each seed row lands
-    total = m + int(seeded.sum())
-    gid = np.empty(total, dtype=np.int64)
-    gid[ev_pos] = np.repeat(np.arange(groups), sizes)
-    gid[seed_pos] = np.flatnonzero(seeded)
     seed_rows = seed_of[seeded]
     seeds = state.take(pa.array(seed_rows)) if len(seed_rows) else None
-
-    def combined(event_values: np.ndarray | pa.Array, seed_values: np.ndarray | pa.Array | None,
-                 typ: pa.DataType | None = None) -> pa.Array:
-        """One column over the combined sequence, from its event values (in application order) and
-        its seed values."""
-        parts = [pa.array(event_values, typ) if not isinstance(event_values, pa.Array) else event_values]
-        idx = [ev_pos]
-        if seed_values is not None and len(seed_rows):
-            parts.append(pa.array(seed_values, parts[0].type) if not isinstance(seed_values, pa.Array)
-                         else seed_values.cast(parts[0].type))
-            idx.append(seed_pos)
-        place = np.concatenate(idx)
-        inverse = np.empty(total, dtype=np.int64)
-        inverse[place] = np.arange(total)
-        return pa.concat_arrays(parts).take(pa.array(inverse))
-
-    # Each group is contiguous in the combined sequence: its seed row (if any), then its events in
-    # application order, whose times ascend.
-    csizes = sizes + seeded
-    cstart = starts + shift - seeded                        # each group's first row in the sequence
-    ev_group = np.repeat(np.arange(groups), sizes)          # each event's group, in application order
-
-    def cumsum_int(values: np.ndarray) -> np.ndarray:
-        total_so_far = np.cumsum(values)
-        return total_so_far - np.repeat(total_so_far[cstart] - values[cstart], csizes)
+    seq = _Sequence(starts, sizes, seeded)
 
     def seeds_col(name: str) -> pa.Array | None:
         return seeds.column(name).combine_chunks() if seeds is not None else None
 
     sts = ts[rows]
     out: dict[str, pa.Array] = {}
-    count = combined(np.ones(m, dtype=np.int64), seeds_col(EVENTS), pa.int64())
-    out[EVENTS] = pa.array(cumsum_int(count.to_numpy()), pa.int64())
+    count = seq.combined(np.ones(m, dtype=np.int64), seeds_col(EVENTS), pa.int64())
+    out[EVENTS] = pa.array(seq.cumsum_int(count.to_numpy()), pa.int64())
     # Times ascend within a group's events: the running least time is the seed's or the first
     # event's, the running greatest the seed's or the event's own.
-    first = combined(sts, _seed_micros(seeds_col(FIRST_SEEN)), pa.int64()).to_numpy().copy()
+    first = seq.combined(sts, _seed_micros(seeds_col(FIRST_SEEN)), pa.int64()).to_numpy().copy()
     first_event = sts[starts]
-    first[ev_pos] = np.minimum(np.repeat(first[cstart], sizes), np.repeat(first_event, sizes))
+    first[seq.ev_pos] = np.minimum(np.repeat(first[seq.cstart], sizes), np.repeat(first_event, sizes))
     out[FIRST_SEEN] = pa.array(first, pa.int64())
-    last = combined(sts, _seed_micros(seeds_col(LAST_SEEN)), pa.int64()).to_numpy().copy()
-    seed_last = np.where(seeded, last[cstart], np.iinfo(np.int64).min)
-    last[ev_pos] = np.maximum(sts, seed_last[ev_group])
+    last = seq.combined(sts, _seed_micros(seeds_col(LAST_SEEN)), pa.int64()).to_numpy().copy()
+    seed_last = np.where(seeded, last[seq.cstart], np.iinfo(np.int64).min)
+    last[seq.ev_pos] = np.maximum(sts, seed_last[seq.ev_group])
     out[LAST_SEEN] = pa.array(last, pa.int64())
-
-    for column, aggs, typ in spec.aggregates:
-        values = _ignored_as_null(events.column(column).combine_chunks().take(pa.array(rows)))
-        if values.type != typ:
-            values = pc.cast(values, typ)
-        for agg in aggs:
-            name = f"{column}_{agg}"
-            if agg == "last":
-                out[name] = _running_last(combined(values, seeds_col(name)), cstart, csizes)
-            elif agg in ("min", "max"):
-                out[name] = _running_extreme(combined(values, seeds_col(name)), agg, cstart, csizes)
-            else:
-                ok = values.is_valid()
-                s = combined(pc.cast(values, pa.float64()).fill_null(0.0), seeds_col(f"{column}_sum"), pa.float64())
-                c = combined(pc.cast(ok, pa.int64()), seeds_col(f"{column}_count"), pa.int64())
-                # pandas sums floats per group with compensated (Kahan) summation.
-                out[f"{column}_sum"] = pa.array(pd.Series(s.to_numpy(zero_copy_only=False)).groupby(gid, sort=False)
-                                                .cumsum().to_numpy())
-                out[f"{column}_count"] = pa.array(cumsum_int(c.to_numpy(zero_copy_only=False)), pa.int64())
+    values = {column: events.column(column).combine_chunks().take(pa.array(rows)) for column, _, _ in spec.aggregates}
+    out.update(_fold(spec, values, seq, seeds_col))
+    ev_pos = seq.ev_pos
 
     # Per event: its row of the combined sequence, back in input order.
     at = np.full(n, -1, dtype=np.int64)
     at[rows] = ev_pos
     pick = pa.array(at, mask=at < 0)
-    tstype = spec.timestamp_type
-    fields: list[pa.Array] = [out[EVENTS].take(pick), out[FIRST_SEEN].take(pick).cast(tstype),
-                              out[LAST_SEEN].take(pick).cast(tstype)]
-    for column, aggs, _typ in spec.aggregates:
-        for agg in aggs:
-            if agg == "mean":
-                total_sum = out[f"{column}_sum"].take(pick)
-                total_n = out[f"{column}_count"].take(pick)
-                mean = pc.divide(total_sum, pc.cast(total_n, pa.float64()))
-                fields.append(pc.if_else(pc.greater(total_n, 0), mean, pa.scalar(None, pa.float64())))
-            else:
-                fields.append(out[f"{column}_{agg}"].take(pick))
-    column = pa.StructArray.from_arrays(fields, fields=list(out_type), mask=pa.array(at < 0))
+    column = _output(spec, out, pick, at < 0)
+    held = None
+    if before:  # each applied event's accumulators before it, in input order (null: a fresh start)
+        prior = seq.prior(out, before)
+        app = np.full(n, -1, dtype=np.int64)
+        app[rows] = np.arange(m)
+        held = prior.take(pa.array(app, mask=app < 0))
 
     # The new state: the untouched devices in their stored order, then each touched device's last
     # combined row in key order (a layout that only depends on the state and the events: replays
@@ -320,7 +272,145 @@ def apply(spec: StateSpec, state: pa.Table, events: pa.Table, watermark_us: int 
     else:
         new_state = touched
     return Applied(new_state.combine_chunks(), column, pa.array(late, pa.bool_()), m, int(late.sum()), evicted,
-                   groups, removed)
+                   groups, removed, held)
+
+
+class _Sequence:
+    """The combined sequence of a fold: per group (a device), its seed row (the state it starts
+    from) if ``seeded``, then its ``sizes`` events in application order; groups contiguous."""
+
+    def __init__(self, starts: np.ndarray, sizes: np.ndarray, seeded: np.ndarray) -> None:
+        groups, m = len(starts), int(sizes.sum())
+        shift = np.cumsum(seeded)                                  # seed rows up to and including group g
+        self.ev_pos = np.arange(m) + np.repeat(shift, sizes)       # where each event lands
+        self.seed_pos = starts[seeded] + shift[seeded] - 1         # where each seed row lands
+        self.total = m + int(seeded.sum())
+        self.gid = np.empty(self.total, dtype=np.int64)
+        self.gid[self.ev_pos] = np.repeat(np.arange(groups), sizes)
+        self.gid[self.seed_pos] = np.flatnonzero(seeded)
+        self.csizes = sizes + seeded
+        self.cstart = starts + shift - seeded                      # each group's first row in the sequence
+        self.ev_group = np.repeat(np.arange(groups), sizes)        # each event's group, in application order
+        self.seeded = seeded
+
+    def combined(self, event_values: np.ndarray | pa.Array, seed_values: np.ndarray | pa.Array | None,
+                 typ: pa.DataType | None = None) -> pa.Array:
+        """One column over the combined sequence, from its event values (in application order) and
+        its seed values."""
+        parts = [pa.array(event_values, typ) if not isinstance(event_values, pa.Array) else event_values]
+        idx = [self.ev_pos]
+        if seed_values is not None and len(self.seed_pos):
+            parts.append(pa.array(seed_values, parts[0].type) if not isinstance(seed_values, pa.Array)
+                         else seed_values.cast(parts[0].type))
+            idx.append(self.seed_pos)
+        place = np.concatenate(idx)
+        inverse = np.empty(self.total, dtype=np.int64)
+        inverse[place] = np.arange(self.total)
+        return pa.concat_arrays(parts).take(pa.array(inverse))
+
+    def cumsum_int(self, values: np.ndarray) -> np.ndarray:
+        total_so_far = np.cumsum(values)
+        return total_so_far - np.repeat(total_so_far[self.cstart] - values[self.cstart], self.csizes)
+
+    def prior(self, out: dict[str, pa.Array], names: tuple[str, ...]) -> pa.Table:
+        """Per event (application order), the accumulators ``names`` of ``out`` before it: its
+        group's row before it, null for a group's first event without a seed."""
+        has = self.ev_pos > self.cstart[self.ev_group]
+        idx = pa.array(np.where(has, self.ev_pos - 1, 0), mask=~has)
+        return pa.table({name: out[name].take(idx) for name in names})
+
+
+def _fold(spec: StateSpec, values: dict[str, pa.Array], seq: _Sequence,
+          seeds_col: Callable[[str], pa.Array | None]) -> dict[str, pa.Array]:
+    """The aggregates' accumulators over the combined sequence ``seq``: ``values`` the aggregated
+    columns' values in application order, ``seeds_col`` a seed accumulator's values per seed row."""
+    out: dict[str, pa.Array] = {}
+    for column, aggs, typ in spec.aggregates:
+        vals = _ignored_as_null(values[column])
+        if vals.type != typ:
+            vals = pc.cast(vals, typ)
+        for agg in aggs:
+            name = f"{column}_{agg}"
+            if agg == "last":
+                out[name] = _running_last(seq.combined(vals, seeds_col(name)), seq.cstart, seq.csizes)
+            elif agg in ("min", "max"):
+                out[name] = _running_extreme(seq.combined(vals, seeds_col(name)), agg, seq.cstart, seq.csizes)
+            else:
+                ok = vals.is_valid()
+                s = seq.combined(pc.cast(vals, pa.float64()).fill_null(0.0), seeds_col(f"{column}_sum"), pa.float64())
+                c = seq.combined(pc.cast(ok, pa.int64()), seeds_col(f"{column}_count"), pa.int64())
+                # pandas sums floats per group with compensated (Kahan) summation.
+                out[f"{column}_sum"] = pa.array(pd.Series(s.to_numpy(zero_copy_only=False)).groupby(seq.gid, sort=False)
+                                                .cumsum().to_numpy())
+                out[f"{column}_count"] = pa.array(seq.cumsum_int(c.to_numpy(zero_copy_only=False)), pa.int64())
+    return out
+
+
+def _agg_fields(spec: StateSpec, out: dict[str, pa.Array], pick: pa.Array) -> list[pa.Array]:
+    """The aggregates' fields of the ``state`` struct at the sequence's rows ``pick`` (``mean``
+    finalised from its sum and count)."""
+    fields: list[pa.Array] = []
+    for column, aggs, _typ in spec.aggregates:
+        for agg in aggs:
+            if agg == "mean":
+                total_sum = out[f"{column}_sum"].take(pick)
+                total_n = out[f"{column}_count"].take(pick)
+                mean = pc.divide(total_sum, pc.cast(total_n, pa.float64()))
+                fields.append(pc.if_else(pc.greater(total_n, 0), mean, pa.scalar(None, pa.float64())))
+            else:
+                fields.append(out[f"{column}_{agg}"].take(pick))
+    return fields
+
+
+def _output(spec: StateSpec, out: dict[str, pa.Array], pick: pa.Array, missing: np.ndarray) -> pa.StructArray:
+    """The ``state`` struct per event: its row ``pick`` of the combined sequence (null: ``missing``)."""
+    tstype = spec.timestamp_type
+    fields: list[pa.Array] = [out[EVENTS].take(pick), out[FIRST_SEEN].take(pick).cast(tstype),
+                              out[LAST_SEEN].take(pick).cast(tstype), *_agg_fields(spec, out, pick)]
+    return pa.StructArray.from_arrays(fields, fields=list(spec.output_type()), mask=pa.array(missing))
+
+
+def accumulators(spec: StateSpec) -> tuple[str, ...]:
+    """The aggregates' accumulator columns (:meth:`StateSpec.state_schema`'s after the device's own)."""
+    return tuple(f.name for f in spec.state_schema() if f.name not in (KEY, FIRST_SEEN, LAST_SEEN, EVENTS))
+
+
+@dataclass(frozen=True)
+class Refolded:
+    """:func:`refold`'s result, per event in the order given: ``fields``, the aggregates' fields of
+    its ``state`` (by ``<column>_<agg>``), and ``before``, its accumulators before it; per run,
+    ``final``, the accumulators after its last event."""
+
+    fields: dict[str, pa.Array]
+    before: pa.Table
+    final: pa.Table
+
+
+def refold(spec: StateSpec, values: pa.Table, starts: np.ndarray, seeds: pa.Table) -> Refolded:
+    """The aggregates of ``spec`` folded again over ``values`` (the aggregated columns, events in
+    application order): runs beginning at ``starts``, each from its row of ``seeds`` (the
+    accumulators it starts from, :func:`accumulators`; a null row: a fresh state). What a
+    correction recomputes when a join column's values changed under a device's events."""
+    m = values.num_rows
+    sizes = np.diff(np.append(starts, m))
+    names = accumulators(spec)
+    seeded = ~np.asarray(seeds.column(names[0]).is_null().to_numpy(zero_copy_only=False), bool) if names else \
+        np.zeros(len(starts), bool)
+    if names:  # a run's seed row is whole or absent: every accumulator of a fresh state is null
+        for n in names[1:]:
+            seeded |= ~np.asarray(seeds.column(n).is_null().to_numpy(zero_copy_only=False), bool)
+    seq = _Sequence(np.asarray(starts, np.int64), sizes, seeded)
+    kept = seeds.filter(pa.array(seeded))
+
+    def seeds_col(name: str) -> pa.Array | None:
+        return kept.column(name).combine_chunks() if kept.num_rows else None
+
+    out = _fold(spec, {c: values.column(c).combine_chunks() for c, _, _ in spec.aggregates}, seq, seeds_col)
+    pick = pa.array(seq.ev_pos)
+    labels = [f"{c}_{a}" for c, aggs, _ in spec.aggregates for a in aggs]
+    ends = pa.array(seq.ev_pos[np.append(starts[1:], m) - 1])
+    return Refolded(dict(zip(labels, _agg_fields(spec, out, pick), strict=True)), seq.prior(out, names),
+                    pa.table({n: out[n].take(ends) for n in names}))
 
 
 def _seed_micros(a: pa.Array | None) -> np.ndarray | None:

@@ -23,6 +23,7 @@ fields (``_state_<field>``, times in microseconds) and ``_late``; the streaming 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 from collections.abc import Iterator
@@ -161,6 +162,14 @@ class DeviceStateProcessor(StatefulProcessor):
         self._sizes = (0, 0)
         self._types = {spec.key: spec.key_type, spec.timestamp: pa.int64(),
                        **{c: t for c, _, t in spec.aggregates}}
+        # The state's aggregates over a corrected join's columns: a correction folds them again.
+        changing = {o for k in self._rerun for o in (*[o for _, o in before[k].columns], before[k].matched)}
+        for d in dims:
+            if any(c.dim == d.index for c in corrected):
+                changing |= {o for _, o in d.join.columns} | {d.join.matched}
+        refolded = tuple(a for a in spec.aggregates if a[0] in changing)
+        self._refold = dataclasses.replace(spec, aggregates=refolded) if refolded else None
+        self._accs = engine.accumulators(self._refold) if self._refold is not None else ()
 
     def init(self, handle: StatefulProcessorHandle) -> None:
         spark_state_server_timeout(handle, self.server_timeout_s)  # before the first request
@@ -223,7 +232,8 @@ class DeviceStateProcessor(StatefulProcessor):
         if self.waits is not None:
             names.append(PROVISIONAL)
             late_at_read = good.column(LATE_AT_READ).to_numpy(zero_copy_only=False).astype(bool)
-        applied = engine.apply(self.spec, self._load(), events, self._watermark(timerValues), late_at_read)
+        applied = engine.apply(self.spec, self._load(), events, self._watermark(timerValues), late_at_read,
+                               before=self._accs)
         self._store(key, applied.state, applied.touched, applied.removed)
         at = np.full(table.num_rows, -1, dtype=np.int64)
         at[ok] = np.arange(int(ok.sum()))
@@ -252,7 +262,7 @@ class DeviceStateProcessor(StatefulProcessor):
                 matched = pc.fill_null(out.column(dim.join.matched), False)
                 keep = matched if keep is None else pc.and_(keep, matched)
         if self.corrected:  # before the inner filter: a late version may match what it drops
-            out = self._keep_written(out, table)
+            out = self._keep_written(out, table, applied.before)
         if keep is not None:
             kept = pc.or_(keep, pa.array(~ok))
             out, table = out.filter(kept), table.filter(kept)
@@ -312,6 +322,12 @@ class DeviceStateProcessor(StatefulProcessor):
             self._moves_out = self._moves(bucket, rows, watermark, chunks, start, versions)
         if self.calls is not None and self.call_value is not None:  # made again at the device's next event
             self._stale_calls(written, rows)
+        if self._refold is not None:  # the devices' aggregates over the corrected columns, folded again
+            rows, more_written, more = self._refold_state(bucket, written, rows, chunks, versions)
+            if more.num_rows:
+                written = pa.concat_tables([written, more_written], promote_options="permissive")
+                rows = pa.concat_tables([rows, more], promote_options="permissive")
+                lost = np.concatenate([lost, ~self._counted(more)])
         # An event an inner join before or in the step dropped (never written) that it still does not
         # match: no correction (a fresh job would not write it, and no consumer has it to retract).
         seen = self._counted(written) | (rows.column(REVISION).to_numpy(zero_copy_only=False) > 1)
@@ -372,6 +388,155 @@ class DeviceStateProcessor(StatefulProcessor):
         cause = _cause_text(rows.column(CAUSE)[0].as_py())
         return rollups.moves(self.rollups, self._moving, ts, cause, kept, complete_from, watermark,
                              self.rollup_ids, bucket)
+
+    def _refold_state(self, bucket: int, written: pa.Table, rows: pa.Table, chunks: list[list[int]],
+                      versions: list[Version]) -> tuple[pa.Table, pa.Table, pa.Table]:
+        """The state's aggregates over the corrected columns folded again for the devices of the
+        corrected events ``rows`` (``written``: as kept) whose values of those columns changed: from
+        the accumulators kept before each device's first kept event, over every event it kept, as
+        they are joined now. Returns ``rows`` with their refolded ``state`` fields, then the
+        corrections of the devices' later events whose ``state`` changed (or was corrected before),
+        as kept and as corrected (their next revision, the cause of the device's first corrected
+        event). The kept events' accumulators and revisions, and the devices' stored state, are
+        written back."""
+        spec, key = self._refold, self.spec.key
+        assert spec is not None
+        cols = {c for c, _, _ in spec.aggregates}
+        none = rows.slice(0, 0)
+        changed = _changed(written, rows, cols)
+        if not changed.any():
+            return rows, none, none
+        devices = pc.unique(rows.column(key).filter(pa.array(changed)))
+        where: list[tuple[int, pa.Table, np.ndarray]] = []
+        for c in chunks:
+            got = self._read_chunk(c[0])
+            if got is not None and (at := np.flatnonzero(pc.is_in(got.column(key), value_set=devices)
+                                                          .to_numpy(zero_copy_only=False))).size:
+                where.append((c[0], got, at))
+        if not where:
+            return rows, none, none
+        kept = pa.concat_tables([g.take(pa.array(at)) for _, g, at in where], promote_options="permissive")
+        events = kept.column(FLAT + "events")
+        applied = np.flatnonzero(events.is_valid().to_numpy(zero_copy_only=False))
+        part = kept.column("_partition").to_numpy(zero_copy_only=False)
+        offs = kept.column("_offset").to_numpy(zero_copy_only=False)
+        ts = kept.column(corrections.TS).to_numpy(zero_copy_only=False)
+        seq = kept.column(corrections.SEQ).to_numpy(zero_copy_only=False)
+        dev = pd.factorize(kept.column(key).to_pandas())[0]
+        # Application order: per device, batch by batch, within one by time, partition and offset.
+        order = applied[np.lexsort((offs[applied], part[applied], ts[applied], seq[applied], dev[applied]))]
+        if not len(order):  # none applied (all late): no state to fold
+            return rows, none, none
+        count = events.to_numpy(zero_copy_only=False)[order].astype(np.int64)
+        d = dev[order]
+        # A run starts at a device's first kept event, and where its count does not follow on: a fresh
+        # state, or an event left behind the horizon (the run starts from what it was applied to).
+        start = np.ones(len(order), bool)
+        start[1:] = (d[1:] != d[:-1]) | (count[1:] != count[:-1] + 1)
+        starts = np.flatnonzero(start)
+        ordered = kept.take(pa.array(order))
+        now, _ = self._look_again(ordered, versions)
+        seeds = pa.table({n: ordered.column(corrections.ACC + n).take(pa.array(starts)) for n in self._accs})
+        folded = engine.refold(spec, now.select(sorted(cols)), starts, seeds)
+
+        ident = pd.MultiIndex.from_arrays([part[order], offs[order]])
+        fixed = ident.get_indexer(pd.MultiIndex.from_arrays([rows.column("_partition").to_numpy(zero_copy_only=False),
+                                                             rows.column("_offset").to_numpy(zero_copy_only=False)]))
+        hit = fixed >= 0
+        # Per device, its first corrected event (application order): the later ones' state may change.
+        first = np.full(int(d.max()) + 1, len(order), np.int64)
+        np.minimum.at(first, d[fixed[hit]], fixed[hit])
+        later = np.arange(len(order)) > first[d]
+        later[fixed[hit]] = False
+        differs = np.zeros(len(order), bool)
+        for label, values in folded.fields.items():
+            differs |= ~_same_values(ordered.column(FLAT + label).combine_chunks(), values)
+        revision = ordered.column(REVISION).to_numpy(zero_copy_only=False).astype(np.int32)
+        more = np.flatnonzero(later & (differs | (revision > 0)))
+
+        def with_fields(t: pa.Table, at: np.ndarray) -> pa.Table:
+            """``t`` with the refolded fields of the events ``at`` (-1: its own kept)."""
+            src = np.where(at >= 0, t.num_rows + at, np.arange(t.num_rows))
+            for label, values in folded.fields.items():
+                name = FLAT + label
+                i = t.schema.get_field_index(name)
+                both = pa.concat_arrays([t.column(i).combine_chunks(), values.cast(t.schema.field(i).type)])
+                t = t.set_column(i, name, both.take(pa.array(src)))
+            return t
+
+        rows = with_fields(rows, fixed)  # the corrected events' own state (a late one, never applied, has none)
+        bumped = revision.copy()
+        bumped[more] += 1
+        first_row = {int(j): i for i, j in reversed(list(enumerate(fixed))) if j >= 0}
+        cause = rows.column(CAUSE).combine_chunks() if rows.num_rows else pa.nulls(0, corrections.CAUSE_TYPE)
+        cause_rows = [first_row.get(int(first[d[j]]), 0) for j in more]
+
+        def as_corrections(t: pa.Table) -> pa.Table:
+            t = t.take(pa.array(more)).drop_columns([REVISION])
+            t = t.append_column(REVISION, pa.array(bumped[more], pa.int32()))
+            return t.append_column(CAUSE, cause.take(pa.array(cause_rows, pa.int64())).cast(corrections.CAUSE_TYPE))
+
+        extra_written = as_corrections(ordered)
+        extra = with_fields(as_corrections(now), more)
+        self._write_back(where, order, folded.before, bumped)
+        self._store_refolded(bucket, ordered.column(key).take(pa.array(np.append(starts[1:], len(order)) - 1)),
+                             count[np.append(starts[1:], len(order)) - 1], folded.final)
+        return rows, extra_written, extra
+
+    def _write_back(self, where: list[tuple[int, pa.Table, np.ndarray]], order: np.ndarray, before: pa.Table,
+                    revision: np.ndarray) -> None:
+        """The refolded devices' kept events (``where``: chunk, its rows, the devices' rows in it;
+        ``order``: their application order over those rows) with their new accumulators ``before``
+        and revisions, written back whole (their revisions with them)."""
+        sizes = np.array([len(at) for _, _, at in where])
+        offsets = np.concatenate([[0], np.cumsum(sizes)])
+        rank = np.full(int(offsets[-1]), -1, np.int64)
+        rank[order] = np.arange(len(order))
+        for k, (chunk, got, at) in enumerate(where):
+            mine = rank[offsets[k]:offsets[k + 1]]
+            ok = mine >= 0
+            if not ok.any():
+                continue
+            rows_at, ranks = at[ok], mine[ok]
+            src = np.arange(got.num_rows)
+            src[rows_at] = got.num_rows + ranks  # where each row's new value comes from
+            t = got
+            for n in self._accs:
+                name = corrections.ACC + n
+                i = t.schema.get_field_index(name)
+                col = pa.concat_arrays([t.column(i).combine_chunks(), before.column(n).combine_chunks().cast(t.schema.field(i).type)])
+                t = t.set_column(i, name, col.take(pa.array(src)))
+            rev = t.column(REVISION).to_numpy(zero_copy_only=False).astype(np.int32).copy()
+            rev[rows_at] = np.maximum(rev[rows_at], revision[ranks])
+            t = t.set_column(t.schema.get_field_index(REVISION), REVISION, pa.array(rev, pa.int32()))
+            self.written.updateValue((chunk,), (to_ipc(t),))
+            self.written.removeKey((revisions_key(chunk),))
+
+    def _store_refolded(self, bucket: int, keys: pa.Array, counts: np.ndarray, final: pa.Table) -> None:
+        """The devices' stored accumulators replaced by a refold's ``final`` ones (per run: its
+        device ``keys`` and its last event's count), where the device's state is the one the run
+        ends in (its event count the run's last: no event since, no fresh state)."""
+        state = self._load()
+        if not state.num_rows:
+            return
+        last = np.append(pc.not_equal(keys[1:], keys[:-1]).to_numpy(zero_copy_only=False), True) if len(keys) > 1 \
+            else np.ones(len(keys), bool)  # a device's last run
+        runs = np.flatnonzero(last)
+        found = pc.index_in(keys.take(pa.array(runs)), value_set=state.column(engine.KEY)).fill_null(-1)
+        at = found.to_numpy(zero_copy_only=False).astype(np.int64)
+        stored_n = state.column(engine.EVENTS).to_numpy(zero_copy_only=False)
+        same = (at >= 0) & (stored_n[np.maximum(at, 0)] == counts[runs])
+        if not same.any():
+            return
+        rows_at, runs = at[same], runs[same]
+        touched = state.take(pa.array(rows_at))
+        for n in self._accs:
+            i = touched.schema.get_field_index(n)
+            touched = touched.set_column(i, n, final.column(n).take(pa.array(runs)).cast(touched.schema.field(i).type))
+        rest = np.ones(state.num_rows, bool)
+        rest[rows_at] = False
+        self._store((bucket,), pa.concat_tables([state.filter(pa.array(rest)), touched]).combine_chunks(),
+                    touched.num_rows, None)
 
     def _stale_calls(self, written: pa.Table, rows: pa.Table) -> None:
         """The stored results of the calls whose template reads a column a correction changed (from
@@ -476,17 +641,23 @@ class DeviceStateProcessor(StatefulProcessor):
         chunks = [*chunks, [next_id, kept.num_rows, int(pc.min(times).as_py()), int(pc.max(times).as_py())]]
         self._store_index(next_id + 1, chunks)
 
-    def _keep_written(self, out: pa.Table, table: pa.Table) -> pa.Table:
+    def _keep_written(self, out: pa.Table, table: pa.Table, before: pa.Table | None) -> pa.Table:
         """``out`` (this batch's output rows; ``table`` their input rows) kept for corrections (the
         good ones, with their times, a chunk of their own; the small chunks merged once there are
         :data:`~enrich.state.corrections.MERGE_AT` of them), then with ``_kind``, ``_revision``,
         ``_cause`` and ``_retracted``."""
         good = pc.is_null(out.column(ERROR))
         ts = table.filter(good).column(TS_US).to_numpy(zero_copy_only=False)
-        kept = corrections.keep(None, out.filter(good), ts, NO_BOUND_START)
+        index = self._written_index if self._written_index is not None else self._index()
+        chunks, next_id = list(index["chunks"]), index["next"]
+        mine = out.filter(good)
+        if self._refold is not None and mine.num_rows:  # what a refold of the device's aggregates starts from
+            assert before is not None
+            mine = mine.append_column(corrections.SEQ, pa.array(np.full(mine.num_rows, next_id, np.int64)))
+            for name in self._accs:
+                mine = mine.append_column(corrections.ACC + name, before.column(name))
+        kept = corrections.keep(None, mine, ts, NO_BOUND_START)
         if kept is not None:
-            index = self._written_index if self._written_index is not None else self._index()
-            chunks, next_id = list(index["chunks"]), index["next"]
             small = [c for c in chunks if c[1] < corrections.SMALL_ROWS]
             if len(small) + 1 >= corrections.MERGE_AT:
                 parts = []
@@ -652,7 +823,10 @@ class DeviceStateProcessor(StatefulProcessor):
             if kind == WRITTEN:
                 if self.corrected and rows.num_rows:
                     index = self._index()
-                    self._add_chunk(rows, index["chunks"], index["next"])
+                    after = index["next"]  # the savepoint's chunk numbers order its events: later ones come after
+                    if corrections.SEQ in rows.column_names:
+                        after = max(after, int(pc.max(rows.column(corrections.SEQ)).as_py() or 0) + 1)
+                    self._add_chunk(rows, index["chunks"], after)
                 continue
             i = next(n for n, d in enumerate(self.dims) if d.state_name == kind)
             version = self._dimension(i, None)
@@ -831,6 +1005,21 @@ def _changed(written: pa.Table, rows: pa.Table, columns: set[str]) -> np.ndarray
     cols = sorted(columns & set(written.column_names))
     again = rows.column(REVISION).to_numpy(zero_copy_only=False) > 1
     return again | (rollup_engine.idents(written, cols) != rollup_engine.idents(rows, cols)) if cols else again
+
+
+def _same_values(a: pa.Array, b: pa.Array) -> np.ndarray:
+    """Per row, whether ``a`` and ``b`` hold the same value (both null; floats within 1e-9 relative,
+    as a refolded mean's last bits may differ from one folded batch by batch)."""
+    null_a = a.is_null().to_numpy(zero_copy_only=False)
+    null_b = b.is_null().to_numpy(zero_copy_only=False)
+    same = null_a & null_b
+    both = ~null_a & ~null_b
+    if pa.types.is_floating(a.type) or pa.types.is_floating(b.type):
+        x = pc.cast(a, pa.float64()).fill_null(0.0).to_numpy(zero_copy_only=False)
+        y = pc.cast(b, pa.float64()).fill_null(0.0).to_numpy(zero_copy_only=False)
+        return same | (both & np.isclose(x, y, rtol=1e-9, atol=0.0))
+    eq = pc.equal(a, b.cast(a.type)).fill_null(False).to_numpy(zero_copy_only=False)
+    return same | (both & eq)
 
 
 def _cause_text(cause: dict[str, Any]) -> str:

@@ -285,3 +285,95 @@ def test_a_buckets_corrections_look_a_partitioned_join_up_again_retracting_and_c
     assert got.column("_devices_matched").to_pylist() == [True, False]
     assert got.column(CLIPPED).to_pylist() == [False, False]
     assert lost.tolist() == [False, True]
+
+
+def test_a_correction_refolds_the_state_aggregates_over_the_join_columns_as_a_fresh_bucket_computes_them() -> None:
+    """``state.aggregates`` over a corrected partitioned join's column (``limit``: max, mean, last),
+    through the processor (PySpark's TwsTester). Device 1's events at 10, 20 and 30 minutes were
+    joined with limits 1, 1 and 2 (versions from T0 and T0 + 25m); a version from T0 + 15m (limit
+    5) learnt later corrects the event at 20m, and with it the state of the event at 30m (its own
+    limit unchanged: a correction caused by the same version); the device's next event continues
+    from the refolded state. A second late version (T0 + 5m, limit 3) corrects the first event and
+    every later one's state. The latest record of each event equals what a bucket that had every
+    version from the start writes."""
+    import dataclasses
+
+    import pandas as pd
+    from pyspark.sql.streaming.tws_tester import TwsTester
+
+    from enrich import packed
+    from enrich.columns import FLAT, KIND, TS_US
+    from enrich.joins.partitioned import partitioned_dim
+    from enrich.state.engine import StateSpec
+    from enrich.state.processor import DeviceStateProcessor
+    from refstream import contract
+    from tests.enrich.joins.test_partitioned import SCHEMA, make_dim, records, upserts
+
+    dim = partitioned_dim(0, "devices", "ref.devices", SCHEMA, dataclasses.replace(make_dim().join, time="ts"),
+                          inner=False, history=timedelta(days=2))
+    c = Corrects(dim.join, ("id",), 3_600_000_000, ("owner", "limit"), dim=0)
+    spec = StateSpec("device_id", pa.int64(), TS_US, 10**12, aggregates=(("limit", ("max", "mean", "last"), pa.float64()),),
+                     timestamp_type=pa.int64())
+    columns = ("device_id", "ts", "_error", "_partition", "_offset")
+    offsets = iter(range(100))
+
+    def versions(*puts: tuple[int, float, int]) -> pa.Table:
+        """(device, limit, minutes after T0 it is valid from) versions, as the bucket's changelog records."""
+        parts = []
+        for device, limit, minutes in puts:
+            first = next(offsets)
+            t = records(*upserts({"id": device, "owner": "o", "limit": limit}), first=first)
+            parts.append(t.append_column("valid_from", pa.array([contract.format_time(T0 + minutes * MIN)]))
+                         .append_column("timestamp", pa.nulls(1, pa.timestamp("us", tz="UTC"))))
+        schema = records(contract.schema_message(SCHEMA), first=99)
+        schema = (schema.append_column("valid_from", pa.array([contract.format_time(T0 - 60 * MIN)]))
+                  .append_column("timestamp", pa.nulls(1, pa.timestamp("us", tz="UTC"))))
+        return pa.concat_tables([schema, *parts]).replace_schema_metadata({b"refstream.kind": dim.kind.encode()})
+
+    def events(rows: list[tuple[int, int, int]]) -> pa.Table:
+        """(device, minutes after T0, offset) events."""
+        ts = [T0 + m * MIN for _, m, _ in rows]
+        return pa.table({"device_id": pa.array([r[0] for r in rows], pa.int64()), "ts": pa.array(ts, pa.timestamp("us", tz="UTC")),
+                         "_error": pa.nulls(len(rows), pa.string()), "_partition": pa.array([0] * len(rows), pa.int32()),
+                         "_offset": pa.array([r[2] for r in rows], pa.int64()),
+                         TS_US: pa.array([us(t) for t in ts], pa.int64())})
+
+    def call(tester: TwsTester, *chunks: pa.Table) -> list[dict]:
+        out = tester.testInPandas(3, pd.DataFrame({"_0": [3] * len(chunks), "rows": [to_ipc(x) for x in chunks]}))
+        return pa.concat_tables([from_ipc(v) for v in out[packed.ROWS]]).to_pylist()
+
+    def tester() -> TwsTester:
+        return TwsTester(DeviceStateProcessor(spec, columns, dims=(dim,), corrected=(c,)), timeMode="EventTime",
+                         eventTimeExtractor=lambda _: 2**62)
+
+    batches = [events([(1, 10, 0), (1, 20, 1), (1, 30, 2), (2, 10, 3)]), events([(1, 40, 4)]), events([(1, 50, 5)])]
+    late = [[], [(1, 5.0, 15)], [(1, 3.0, 5)]]  # the versions learnt at batches 2 and 3
+    live, fresh = tester(), tester()
+    written = call(live, versions((1, 1.0, 0), (1, 2.0, 25)), batches[0])
+    second = call(live, versions(*late[1]), batches[1])
+    third = call(live, versions(*late[2]), batches[2])
+    want = call(fresh, versions((1, 1.0, 0), (1, 2.0, 25), *late[1], *late[2]), batches[0])
+    want += call(fresh, batches[1]) + call(fresh, batches[2])
+
+    fields = [FLAT + f for f in ("events", "limit_max", "limit_mean", "limit_last")]
+
+    def state(r: dict) -> tuple:
+        return tuple(round(r[f], 9) if isinstance(r[f], float) else r[f] for f in fields)
+
+    assert [state(r) for r in written] == [(1, 1.0, 1.0, 1.0), (2, 1.0, 1.0, 1.0), (3, 2.0, round(4 / 3, 9), 2.0), (1, None, None, None)]
+    fixed = {(r["_offset"], r["_revision"]): r for r in second if r[KIND] == "correction"}
+    # Event 1 (its limit 5 now) and event 2 (its state only), both caused by the version from 15m.
+    assert sorted(fixed) == [(1, 1), (2, 1)]
+    assert state(fixed[(1, 1)]) == (2, 5.0, 3.0, 5.0) and fixed[(1, 1)]["limit"] == 5.0
+    assert state(fixed[(2, 1)]) == (3, 5.0, round(8 / 3, 9), 2.0) and fixed[(2, 1)]["limit"] == 2.0
+    assert {r["_cause"]["valid_from"] for r in fixed.values()} == {T0 + 15 * MIN}
+    assert [state(r) for r in second if r[KIND] == "event"] == [(4, 5.0, 2.5, 2.0)]  # from the refolded state
+    # The second late version: event 0 corrected, every later event of device 1 a correction of its state.
+    assert sorted((r["_offset"], r["_revision"]) for r in third if r[KIND] == "correction") == [
+        (0, 1), (1, 2), (2, 2), (4, 1)]
+
+    latest: dict[int, dict] = {}
+    for r in written + second + third:
+        if r["_offset"] not in latest or r["_revision"] > latest[r["_offset"]]["_revision"]:
+            latest[r["_offset"]] = r
+    assert {o: (state(r), r["limit"]) for o, r in latest.items()} == {r["_offset"]: (state(r), r["limit"]) for r in want}

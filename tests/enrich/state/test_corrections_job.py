@@ -376,16 +376,25 @@ def test_corrections_on_a_join_the_state_needs_are_refused_naming_it(
 
     topics = {"events": unique("events"), "devices": unique("ref.devices")}
     data = job_config(kafka, unique, tmp_path, topics, "x", {"kafka": {"topic": unique("out")}})
-    data["state"]["aggregates"] = {"site": ["last"]}
-    schema = DatasetSchema("devices", ("id",), (Column("id", "int64"), Column("site", "string")))
-    with pytest.raises(ConfigError, match=r"joins\[0\].corrections: column\(s\) \['site'\] of this join \(or a join "
-                                          r"before the state step on them\) are used by state:"):
+    data["state"]["aggregates"] = {"site": ["last"]}  # folded again by a correction
+    schema = DatasetSchema("devices", ("id",), (Column("id", "int64"), Column("site", "string"),
+                                                Column("every", "int64")))
+    data["joins"][0]["columns"] = ["site", "every"]
+    built = Pipeline.build(config.parse(data, "test.yaml"), {"devices": schema})
+    assert built.state is not None and [c.dataset for c in built.corrected] == ["devices"]
+    # A gap's expected interval from the join: what the gaps made of it would stay as first made.
+    data["gaps"] = {"expected_every": "every", "output": {"kafka": {"topic": unique("gaps")}}}
+    with pytest.raises(ConfigError, match=r"joins\[0\].corrections: column\(s\) \['every'\] of this join \(or a join "
+                                          r"before the state step on them\) are used by gaps:"):
         Pipeline.build(config.parse(data, "test.yaml"), {"devices": schema})
-    # Partitioned: corrected in its buckets, but what the state computed from its columns is not recomputed.
+    # Partitioned: corrected in its buckets, the same.
     data["joins"][0]["strategy"] = "partitioned"
-    with pytest.raises(ConfigError, match=r"joins\[0\].corrections: column\(s\) \['site'\] of this partitioned join "
-                                          r"are used by state:"):
+    with pytest.raises(ConfigError, match=r"joins\[0\].corrections: column\(s\) \['every'\] of this partitioned join "
+                                          r"are used by gaps:"):
         Pipeline.build(config.parse(data, "test.yaml"), {"devices": schema})
+    del data["gaps"]
+    data["joins"][0]["columns"] = ["site"]
+    schema = DatasetSchema("devices", ("id",), (Column("id", "int64"), Column("site", "string")))
     del data["state"]["aggregates"]
     data["rollups"] = [{"name": "by_site", "by": ["site"], "window": "1m", "metrics": {"n": ["count"]},
                         "output": {"kafka": {"topic": unique("r")}}},
@@ -450,6 +459,7 @@ def test_a_join_in_the_state_step_corrects_within_its_horizon_moves_rollup_event
         data = job_config(kafka, unique, tmp_path, topics, name, {"kafka": {"topic": topic}})
         data["joins"][0].update({"strategy": strategy, "corrections": {"horizon": "15m"}})
         data["state"]["watermark"] = "1m"
+        data["state"]["aggregates"] = {"site": ["last"]}  # folded again by a correction
         data["metrics"] = {"port": 0}
         data["rollups"] = [{"name": "by_site", "by": ["site"], "window": "1m", "metrics": {"n": ["count", "sum", "max"]},
                             "output": {"kafka": {"topic": unique("sites")}}}]
@@ -492,10 +502,11 @@ def test_a_join_in_the_state_step_corrects_within_its_horizon_moves_rollup_event
         (2, "s-6", True, 1, False), (3, "s-6", True, 1, False), (4, "s-7", True, 1, False)]
     assert [(json.loads(r["_cause"]["key"]), r["_cause"]["valid_from"]) for r in fixed] == [
         ({"id": 1}, iso(t0 + 8 * minute)), ({"id": 1}, iso(t0 + 8 * minute)), ({"id": 2}, iso(t0 + 2 * minute))]
-    for r in fixed:  # the event as written, but for what the change corrects
+    for r in fixed:  # the event as written, but for what the change corrects, and the state made of it
         event = next(e for e in first if e["n"] == r["n"])
-        assert {k: v for k, v in r.items() if k not in ("site", "_kind", "_revision", "_cause")} == \
-            {k: v for k, v in event.items() if k not in ("site", "_kind", "_revision", "_cause")}
+        assert {k: v for k, v in r.items() if k not in ("site", "_kind", "_revision", "_cause", "state")} == \
+            {k: v for k, v in event.items() if k not in ("site", "_kind", "_revision", "_cause", "state")}
+        assert r["state"] == {**event["state"], "site_last": r["site"]}
     assert job.started.metrics is not None
     value = job.started.metrics.registry.get_sample_value
     assert value("refstream_enrich_corrections_total", {"dataset": "devices", "result": "beyond_horizon"}) == 1
@@ -527,14 +538,16 @@ def test_a_join_in_the_state_step_corrects_within_its_horizon_moves_rollup_event
 
     assert metrics(rolled) == {("s-2", 5): (1, 1, 1), ("s-6", 10): (1, 2, 2), ("s-7", 10): (1, 4, 4),
                                ("s-6", 20): (1, 3, 3), (None, 10): (1, 5, 5), ("s-7", 25): (1, 6, 6)}
+    states = {n: r["state"]["site_last"] for n, r in latest(got).items()}
+    assert states == {1: "s-2", 2: "s-6", 3: "s-6", 4: "s-7", 5: None, 6: "s-7"}
     if strategy == "broadcast":
         return
     # The oracle: a fresh job over the same events now writes the same.
     fresh_topic = unique("fresh")
     fresh = partitioned("fresh", fresh_topic)
     EnrichJob(config.parse(fresh, "test.yaml"), available_now=True).run(spark)
-    assert {r["n"]: tuple(r[c] for c in REFERENCE) for r in outputs(kafka, fresh_topic)} == \
-        {n: tuple(r[c] for c in REFERENCE) for n, r in latest(got).items()}
+    assert {r["n"]: (*[r[c] for c in REFERENCE], r["state"]["site_last"]) for r in outputs(kafka, fresh_topic)} == \
+        {n: (*[r[c] for c in REFERENCE], r["state"]["site_last"]) for n, r in latest(got).items()}
     assert metrics(rolled) == metrics(windows(fresh))
     # A fork from a savepoint keeps each window's parts: device 1 moved again, to s-9 as of t0 + 15m,
     # and the fork moves event 3 out of the window the savepoint held at s-6.
