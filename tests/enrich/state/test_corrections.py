@@ -377,3 +377,63 @@ def test_a_correction_refolds_the_state_aggregates_over_the_join_columns_as_a_fr
         if r["_offset"] not in latest or r["_revision"] > latest[r["_offset"]]["_revision"]:
             latest[r["_offset"]] = r
     assert {o: (state(r), r["limit"]) for o, r in latest.items()} == {r["_offset"]: (state(r), r["limit"]) for r in want}
+
+
+def test_hostile_keys_of_a_partitioned_join_correct_exactly_their_own_events_in_the_bucket() -> None:
+    """A partitioned join on a string key, through the processor (PySpark's TwsTester): late versions
+    of keys with quotes, a backslash, a newline, a NUL, non-ASCII, JSON of their own, 10,000
+    characters and case differences, beside near misses, found by the bucket in its own changelog
+    records: exactly their keys' events are corrected (the new site, and ``site: [last]`` folded
+    again), each cause naming its exact key."""
+    import json
+
+    import pandas as pd
+    from pyspark.sql.streaming.tws_tester import TwsTester
+
+    from enrich import packed
+    from enrich.columns import FLAT, KIND, TS_US
+    from enrich.joins.partitioned import partitioned_dim
+    from enrich.state.engine import StateSpec
+    from enrich.state.processor import DeviceStateProcessor
+    from refstream import contract
+    from refstream.contract import Column, DatasetSchema
+    from tests.enrich.joins.test_partitioned import records
+
+    schema = DatasetSchema("devices", ("device_id",), (Column("device_id", "string"), Column("site", "string")))
+    join = JoinSpec("devices", (("device_id", "device_id"),), (pa.string(),), (("site", "site"),), (pa.string(),),
+                    "_devices_matched", False, "ts")
+    dim = partitioned_dim(0, "devices", "ref.devices", schema, join, inner=False, history=timedelta(days=2))
+    c = Corrects(join, ("device_id",), 3_600_000_000, ("site",), dim=0)
+    spec = StateSpec("device_id", pa.string(), TS_US, 10**12, aggregates=(("site", ("last",), pa.string()),),
+                     timestamp_type=pa.int64())
+    t = TwsTester(DeviceStateProcessor(spec, ("device_id", "ts", "_error", "_partition", "_offset"), dims=(dim,),
+                                       corrected=(c,)), timeMode="EventTime", eventTimeExtractor=lambda _: 2**62)
+    changed = ['a"b', "c\\d", "e\nf", "g\0h", "ünï €", '{"device_id": "x"}', "k" * 10_000, "case"]
+    near = ['a"b ', "c\\\\d", "e\rf", "g", "uni €", "x", "k" * 9_999, "Case"]
+    devices = changed + near
+
+    def versions(keys: list[str], site: str, when: object, first: int, with_schema: bool = False) -> pa.Table:
+        ms = ([contract.schema_message(schema)] if with_schema else []) + list(
+            contract.upsert_messages(schema, [{"device_id": d, "site": site} for d in keys], 1))
+        r = records(*ms, first=first)
+        return (r.append_column("valid_from", pa.array([contract.format_time(when)] * r.num_rows))  # type: ignore[arg-type]
+                .append_column("timestamp", pa.nulls(r.num_rows, pa.timestamp("us", tz="UTC")))
+                .replace_schema_metadata({b"refstream.kind": dim.kind.encode()}))
+
+    def call(*chunks: pa.Table) -> list[dict]:
+        out = t.testInPandas(3, pd.DataFrame({"_0": [3] * len(chunks), "rows": [to_ipc(x) for x in chunks]}))
+        return pa.concat_tables([from_ipc(v) for v in out[packed.ROWS]]).to_pylist()
+
+    ts = T0 + 20 * MIN
+    evs = pa.table({"device_id": devices, "ts": pa.array([ts] * len(devices), pa.timestamp("us", tz="UTC")),
+                    "_error": pa.nulls(len(devices), pa.string()), "_partition": pa.array([0] * len(devices), pa.int32()),
+                    "_offset": pa.array(range(len(devices)), pa.int64()),
+                    TS_US: pa.array([us(ts)] * len(devices), pa.int64())})
+    written = call(versions(devices, "s-2", T0, 0, with_schema=True), evs)
+    assert {r["site"] for r in written} == {"s-2"}
+    got = [r for r in call(versions(changed, "s-6", T0 + 10 * MIN, 100)) if r[KIND] == "correction"]
+    assert sorted(r["_offset"] for r in got) == list(range(len(changed)))
+    for r in got:
+        assert r["device_id"] == changed[r["_offset"]]
+        assert (r["site"], r[FLAT + "site_last"], r["_revision"]) == ("s-6", "s-6", 1)
+        assert json.loads(r["_cause"]["key"]) == {"device_id": changed[r["_offset"]]}
