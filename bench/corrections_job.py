@@ -16,8 +16,10 @@ the events: every event of theirs is affected) is published: the time from the p
 until the output's committed end (its last stable offset) has moved by every correction is
 reported, and the corrections, read back (``read_committed``), are checked (every event of those
 devices once, with the new owner and the next revision); ``--late-rounds`` such versions one after
-another, each with another owner, the worst of them against the target. Medians over the rounds; ``--keep DIR`` keeps the configs and
-the jobs' logs.
+another, each with another owner, the worst of them against the target. ``--state-owner`` adds a third
+job, ``corrections`` with ``owner: [last]`` among the state's aggregates (``refold``: a late version
+folds the devices' aggregates again), and the late versions go to it instead. Medians over the
+rounds; ``--keep DIR`` keeps the configs and the jobs' logs.
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ def publish(settings: dict[str, str], topic: str, ns: range, owner: str, at: dat
 
 
 def config(path: Path, settings: dict[str, str], events: str, devices: str, work: Path, batch: int,
-           corrections: bool, out: str | None = None) -> tuple[str, Path]:
+           corrections: bool, out: str | None = None, refold: bool = False) -> tuple[str, Path]:
     """Write the job's config to ``path``; returns its output topic and checkpoint."""
     name = uuid.uuid4().hex[:8]
     out = out or f"bench-out-{name}"
@@ -89,7 +91,8 @@ def config(path: Path, settings: dict[str, str], events: str, devices: str, work
         "checkpoint": str(checkpoint),
         "trigger": "1s",
         "max_events_per_batch": batch,
-        "state": STATE_SECTION,
+        "state": {**STATE_SECTION, "aggregates": {**STATE_SECTION["aggregates"], "owner": ["last"]}} if refold
+        else STATE_SECTION,
         "spark": {"spark.ui.enabled": "false", "spark.driver.memory": "2g"},
     }), encoding="utf-8")
     return out, checkpoint
@@ -151,11 +154,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", type=Path, help="keep the jobs' configs and logs in this directory")
     ap.add_argument("--late-rounds", type=int, default=3,
                     help="late versions published one after another, each correcting the same events again")
+    ap.add_argument("--state-owner", action="store_true",
+                    help="a third job with owner: [last] among the state's aggregates (folded again by the late versions)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     print(f"machine: {_machine()}; {args.events:,} events over {args.devices:,} devices, batches of "
           f"{args.batch:,}; a late version of {args.late:,} devices", flush=True)
-    results: dict[str, list[dict[str, float]]] = {v: [] for v in VARIANTS}
+    variants = (*VARIANTS, "refold") if args.state_owner else VARIANTS
+    results: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
     with ExitStack() as stack:
         settings = broker_settings(stack, args.bootstrap)
         work = workdir(stack, args.keep, "bench-corrections-")
@@ -165,26 +171,31 @@ def main(argv: list[str] | None = None) -> int:
         data.fill_events(settings, events, args.events, 2, args.devices)
         last: tuple[Path, str, Path] | None = None
         for r in range(args.repeat):
-            for name in VARIANTS:
+            for name in variants:
                 cfg, job_log = work / f"{name}-{r}.yaml", work / f"{name}-{r}.log"
-                out, checkpoint = config(cfg, settings, events, devices, work, args.batch, name == "corrections")
+                out, checkpoint = config(cfg, settings, events, devices, work, args.batch, name != "as_of",
+                                         refold=name == "refold")
                 job = run_available_now(cfg, job_log)
                 res = {"rate": job.steady_rate(args.events, args.batch), "state": float(state_bytes(checkpoint))}
                 results[name].append(res)
-                if name == "corrections":
+                if name == variants[-1]:
                     last = (cfg, out, checkpoint)
                 print(f"[{r + 1}/{args.repeat}] {name}: {res['rate']:,.0f} events/s, state store "
                       f"{res['state'] / 1e6:,.1f} MB (run {job.wall_s:.0f}s)", flush=True)
         med = {name: {k: statistics.median(x[k] for x in results[name]) for k in ("rate", "state")}
-               for name in VARIANTS}
+               for name in variants}
         ratio = med["corrections"]["rate"] / med["as_of"]["rate"]
         kept = med["corrections"]["state"] - med["as_of"]["state"]
-        for name in VARIANTS:
+        for name in variants:
             print(f"median: {name} {med[name]['rate']:,.0f} events/s, state store {med[name]['state'] / 1e6:,.1f} MB")
         print(f"corrections on / off, throughput: {ratio:.2f} (target >= {TARGET_RATE}: "
               f"{'met' if ratio >= TARGET_RATE else 'NOT met'})")
         print(f"kept for corrections (state store with - without): {kept / 1e6:,.1f} MB, "
               f"{kept / args.devices:,.0f} bytes per device, {kept / args.events:,.1f} bytes per event")
+        if args.state_owner:
+            more = med["refold"]["state"] - med["corrections"]["state"]
+            print(f"refold on / corrections alone, throughput: {med['refold']['rate'] / med['corrections']['rate']:.2f}; "
+                  f"kept for the refold: {more / args.events:,.1f} bytes per event more")
 
         assert last is not None
         cfg, out, checkpoint = last

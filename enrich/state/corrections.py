@@ -23,7 +23,17 @@ import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from enrich.columns import BUCKET, CAUSE, KEY_BYTES, KIND, KIND_CORRECTION, KIND_EVENT, RETRACTED, REVISION
+from enrich.columns import (
+    BUCKET,
+    CAUSE,
+    ERROR,
+    KEY_BYTES,
+    KIND,
+    KIND_CORRECTION,
+    KIND_EVENT,
+    RETRACTED,
+    REVISION,
+)
 from enrich.dimension.corrections import NO_BOUND_END, NO_BOUND_START, QUIET, Entry, changes, changes_file
 from enrich.ipc import from_ipc, to_ipc
 from enrich.joins import JoinSpec, event_keys, row_keys
@@ -32,7 +42,7 @@ from enrich.state.layout import BucketLayout
 from enrich.state.stored import WRITTEN
 from refstream import contract
 
-__all__ = ["ACC", "CAUSE_TYPE", "MERGE_AT", "SEQ", "NO_BOUND_END", "NO_BOUND_START", "REVISIONS_SCHEMA", "SMALL_ROWS", "TS",
+__all__ = ["ACC", "CAUSE_TYPE", "MERGE_AT", "REFOLDED", "SEQ", "NO_BOUND_END", "NO_BOUND_START", "REVISIONS_SCHEMA", "SMALL_ROWS", "TS",
            "Corrects", "Matched", "as_events", "bucket_changes", "join_again",
            "read_tallies", "tally", "emitted", "horizon_start", "initial_written", "keep", "match",
            "read_changes", "revisions", "saved_chunks", "with_revisions"]
@@ -176,7 +186,8 @@ def emitted(rows: pa.Table) -> pa.Table:
     cause, not retracted (an inner join of the join pass that finds no row retracts it:
     :func:`enrich.joins.join_table`)."""
     tail = [rows.column(REVISION), rows.column(CAUSE)]
-    body = rows.drop_columns([TS, REVISION, CAUSE, *[n for n in rows.column_names if n == SEQ or n.startswith(ACC)]])
+    body = rows.drop_columns([TS, REVISION, CAUSE, *[n for n in rows.column_names
+                                                     if n in (SEQ, REFOLDED) or n.startswith(ACC)]])
     return (body.append_column(KIND, pa.array([KIND_CORRECTION] * rows.num_rows, pa.string()))
             .append_column(REVISION, tail[0]).append_column(CAUSE, tail[1])
             .append_column(RETRACTED, pa.array(np.zeros(rows.num_rows, bool), pa.bool_())))
@@ -214,26 +225,55 @@ def keep(log: pa.Table | None, written: pa.Table | None, ts: pa.Array | np.ndarr
 
 
 #: A chunk's revisions (:func:`revisions`): kept apart from its rows, so that correcting some of
-#: its events rewrites a few bytes, not the chunk.
+#: its events rewrites a few bytes, not the chunk. With state aggregates folded again, the revised
+#: rows' accumulators (:data:`ACC` columns) come with them.
 REVISIONS_SCHEMA = pa.schema([("row", pa.int32()), ("revision", pa.int32())])
+#: A kept row whose accumulators a fold set (:func:`with_revisions` marks the rows it revises).
+REFOLDED = "__c_refolded"
 
 
 def revisions(log: pa.Table) -> pa.Table:
-    """The rows of a chunk ``log`` corrected at least once, with their revision."""
+    """The rows of a chunk ``log`` corrected at least once or refolded (:data:`REFOLDED`), with their
+    revision and their accumulators (the :data:`ACC` columns ``log`` has)."""
     rev = log.column(REVISION).to_numpy(zero_copy_only=False)
-    rows = np.flatnonzero(rev > 0)
-    return pa.table([pa.array(rows.astype(np.int32), pa.int32()), pa.array(rev[rows].astype(np.int32), pa.int32())],
-                    schema=REVISIONS_SCHEMA)
+    listed = rev > 0
+    if REFOLDED in log.column_names:
+        listed |= log.column(REFOLDED).fill_null(False).to_numpy(zero_copy_only=False).astype(bool)
+    rows = np.flatnonzero(listed)
+    out = pa.table([pa.array(rows.astype(np.int32), pa.int32()), pa.array(rev[rows].astype(np.int32), pa.int32())],
+                   schema=REVISIONS_SCHEMA)
+    for name in log.column_names:
+        if name.startswith(ACC):
+            out = out.append_column(name, log.column(name).take(pa.array(rows)))
+    return out
 
 
 def with_revisions(chunk: pa.Table, revised: pa.Table | None) -> pa.Table:
-    """``chunk`` (a chunk's rows as kept) with the revisions of :func:`revisions` ``revised`` (None: none)."""
+    """``chunk`` (a chunk's rows as kept) with the revisions of :func:`revisions` ``revised`` (None:
+    none): each listed row's revision, and its accumulators where ``revised`` has them (the row
+    then marked :data:`REFOLDED`)."""
     if revised is None or revised.num_rows == 0:
         return chunk
     rev = chunk.column(REVISION).to_numpy(zero_copy_only=False).astype(np.int32).copy()
     rows = revised.column("row").to_numpy(zero_copy_only=False)
     rev[rows] = np.maximum(rev[rows], revised.column("revision").to_numpy(zero_copy_only=False))
-    return chunk.set_column(chunk.schema.get_field_index(REVISION), REVISION, pa.array(rev, pa.int32()))
+    chunk = chunk.set_column(chunk.schema.get_field_index(REVISION), REVISION, pa.array(rev, pa.int32()))
+    accs = [n for n in revised.column_names if n.startswith(ACC) and n in chunk.column_names]
+    if accs:
+        src = np.arange(chunk.num_rows)
+        src[rows] = chunk.num_rows + np.arange(len(rows))
+        for name in accs:
+            i = chunk.schema.get_field_index(name)
+            both = pa.concat_arrays([chunk.column(i).combine_chunks(),
+                                     revised.column(name).combine_chunks().cast(chunk.schema.field(i).type)])
+            chunk = chunk.set_column(i, name, both.take(pa.array(src)))
+        marked = np.zeros(chunk.num_rows, bool)
+        if REFOLDED in chunk.column_names:
+            marked = chunk.column(REFOLDED).fill_null(False).to_numpy(zero_copy_only=False).astype(bool).copy()
+            chunk = chunk.drop_columns([REFOLDED])
+        marked[rows] = True
+        chunk = chunk.append_column(REFOLDED, pa.array(marked, pa.bool_()))
+    return chunk
 
 
 def saved_chunks(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:
@@ -319,6 +359,8 @@ def match(log: pa.Table | None, changes: Sequence[tuple[Corrects, pa.Table]],
         if ch.num_rows == 0:
             continue
         log_keys, log_nulls = event_keys(log, spec)
+        if ERROR in log.column_names:  # a dead letter (a call failed) kept for the state's fold only
+            log_nulls = log_nulls | pc.is_valid(log.column(ERROR)).to_numpy(zero_copy_only=False).astype(bool)
         ch_keys, ch_nulls = row_keys(ch, c.key)
         if watermark is not None:  # older than this join's horizon: not corrected
             log_nulls = log_nulls | (ts < watermark - c.horizon_us)

@@ -194,7 +194,9 @@ def apply(spec: StateSpec, state: pa.Table, events: pa.Table, watermark_us: int 
     out_type = spec.output_type()
     if len(use) == 0:
         nulls = pa.nulls(n, out_type)
-        return Applied(state, nulls, pa.array(late, pa.bool_()), 0, int(late.sum()), evicted, 0, removed)
+        types = {f.name: f.type for f in spec.state_schema()}
+        held = pa.table({name: pa.nulls(n, types[name]) for name in before}) if before else None
+        return Applied(state, nulls, pa.array(late, pa.bool_()), 0, int(late.sum()), evicted, 0, removed, held)
 
     # Sort the applied events by device, time, ties; the sort is stable, so equal ties keep input order.
     sub = events.select([spec.key, spec.timestamp, *spec.ties]).take(pa.array(use))

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -104,6 +105,8 @@ from refstream import contract
 from refstream.compat import spark_state_server_timeout
 from refstream.contract import DatasetSchema
 
+log = logging.getLogger(__name__)
+
 
 class DeviceStateProcessor(StatefulProcessor):
     """One call per bucket and micro-batch: apply its events to its devices' state (see module doc).
@@ -170,6 +173,8 @@ class DeviceStateProcessor(StatefulProcessor):
         refolded = tuple(a for a in spec.aggregates if a[0] in changing)
         self._refold = dataclasses.replace(spec, aggregates=refolded) if refolded else None
         self._accs = engine.accumulators(self._refold) if self._refold is not None else ()
+        self._chunks: dict[int, pa.Table] = {}  # a call's kept chunks as read (and revised)
+        self._warned_unknown = False
 
     def init(self, handle: StatefulProcessorHandle) -> None:
         spark_state_server_timeout(handle, self.server_timeout_s)  # before the first request
@@ -197,6 +202,7 @@ class DeviceStateProcessor(StatefulProcessor):
                         timerValues: TimerValues) -> Iterator[pd.DataFrame]:
         settle()
         self._gap_done = None
+        self._chunks = {}
         self._written_index: dict[str, Any] | None = None
         self._dim_changes, self._moves_out = {}, []
         kinds = packed.unpack_kinds(rows)
@@ -262,7 +268,7 @@ class DeviceStateProcessor(StatefulProcessor):
                 matched = pc.fill_null(out.column(dim.join.matched), False)
                 keep = matched if keep is None else pc.and_(keep, matched)
         if self.corrected:  # before the inner filter: a late version may match what it drops
-            out = self._keep_written(out, table, applied.before)
+            out = self._keep_written(out, table, applied.before, ok)
         if keep is not None:
             kept = pc.or_(keep, pa.array(~ok))
             out, table = out.filter(kept), table.filter(kept)
@@ -309,6 +315,7 @@ class DeviceStateProcessor(StatefulProcessor):
                 found = corrections.match(got, changes, watermark)
                 if found is not None:  # the chunk's revisions written back, not its rows
                     self.written.updateValue((revisions_key(c[0]),), (to_ipc(corrections.revisions(found.log)),))
+                    self._chunks[c[0]] = found.log
                     fixed.append(found.rows)
         if gone:
             self._store_index(index["next"], chunks)
@@ -323,7 +330,7 @@ class DeviceStateProcessor(StatefulProcessor):
         if self.calls is not None and self.call_value is not None:  # made again at the device's next event
             self._stale_calls(written, rows)
         if self._refold is not None:  # the devices' aggregates over the corrected columns, folded again
-            rows, more_written, more = self._refold_state(bucket, written, rows, chunks, versions)
+            rows, more_written, more = self._refold_state(bucket, written, rows, chunks, versions, watermark)
             if more.num_rows:
                 written = pa.concat_tables([written, more_written], promote_options="permissive")
                 rows = pa.concat_tables([rows, more], promote_options="permissive")
@@ -383,14 +390,15 @@ class DeviceStateProcessor(StatefulProcessor):
         kept = pa.concat_tables(read, promote_options="permissive") if read else rows.slice(0, 0)
         kts = kept.column(corrections.TS).to_numpy(zero_copy_only=False)
         kept, lost = self._look_again(kept.filter(pa.array((kts >= lo) & (kts < hi))), versions)
-        kept = kept.filter(pa.array(~lost))  # the events the rollups count
+        kept = kept.filter(pa.array(~lost))  # the events the rollups count (a call's dead letters none)
+        kept = kept.filter(pc.is_null(kept.column(ERROR)))
         kept = kept.rename_columns([TS_US if n == corrections.TS else n for n in kept.column_names])
         cause = _cause_text(rows.column(CAUSE)[0].as_py())
         return rollups.moves(self.rollups, self._moving, ts, cause, kept, complete_from, watermark,
                              self.rollup_ids, bucket)
 
     def _refold_state(self, bucket: int, written: pa.Table, rows: pa.Table, chunks: list[list[int]],
-                      versions: list[Version]) -> tuple[pa.Table, pa.Table, pa.Table]:
+                      versions: list[Version], watermark: int | None) -> tuple[pa.Table, pa.Table, pa.Table]:
         """The state's aggregates over the corrected columns folded again for the devices of the
         corrected events ``rows`` (``written``: as kept) whose values of those columns changed: from
         the accumulators kept before each device's first kept event, over every event it kept, as
@@ -398,7 +406,8 @@ class DeviceStateProcessor(StatefulProcessor):
         corrections of the devices' later events whose ``state`` changed (or was corrected before),
         as kept and as corrected (their next revision, the cause of the device's first corrected
         event). The kept events' accumulators and revisions, and the devices' stored state, are
-        written back."""
+        written back. A device with events kept before its aggregates were folded (corrections added
+        to a checkpoint that had run) keeps its state as first computed until they leave the horizon."""
         spec, key = self._refold, self.spec.key
         assert spec is not None
         cols = {c for c, _, _ in spec.aggregates}
@@ -407,12 +416,23 @@ class DeviceStateProcessor(StatefulProcessor):
         if not changed.any():
             return rows, none, none
         devices = pc.unique(rows.column(key).filter(pa.array(changed)))
+        got_chunks = [(c[0], got) for c in chunks if (got := self._read_chunk(c[0])) is not None]
+        need = [corrections.SEQ, *[corrections.ACC + n for n in self._accs]]
+        unknown = [got.column(key).filter(pc.is_in(got.column(key), value_set=devices)) for _, got in got_chunks
+                   if any(n not in got.column_names for n in need)]
+        if unknown and sum(len(u) for u in unknown):
+            gone = pc.unique(pa.chunked_array(unknown).combine_chunks())
+            if not self._warned_unknown:
+                self._warned_unknown = True
+                log.warning("corrections: %d device(s) of bucket %d have events kept before their state's aggregates "
+                            "were folded again (corrections added to a checkpoint that had run); their state stays as "
+                            "first computed until those events leave the horizon", len(gone), bucket)
+            devices = devices.filter(pc.invert(pc.is_in(devices, value_set=gone)))
         where: list[tuple[int, pa.Table, np.ndarray]] = []
-        for c in chunks:
-            got = self._read_chunk(c[0])
-            if got is not None and (at := np.flatnonzero(pc.is_in(got.column(key), value_set=devices)
-                                                          .to_numpy(zero_copy_only=False))).size:
-                where.append((c[0], got, at))
+        for chunk, got in got_chunks:
+            if (at := np.flatnonzero(pc.is_in(got.column(key), value_set=devices)
+                                     .to_numpy(zero_copy_only=False))).size:
+                where.append((chunk, got, at))
         if not where:
             return rows, none, none
         kept = pa.concat_tables([g.take(pa.array(at)) for _, g, at in where], promote_options="permissive")
@@ -436,12 +456,25 @@ class DeviceStateProcessor(StatefulProcessor):
         starts = np.flatnonzero(start)
         ordered = kept.take(pa.array(order))
         now, _ = self._look_again(ordered, versions)
+        # Events older than the horizon keep what they were written with (a version reaching further
+        # back corrects none of them, nor what the state made of them).
+        since = watermark - min(c.horizon_us for c in self.corrected) if watermark is not None else None
+        old = ts[order] < since if since is not None else np.zeros(len(order), bool)
+        if old.any():
+            mask = pa.array(old)
+            for name in ordered.column_names:
+                if name in now.column_names and name not in (REVISION, corrections.TS):
+                    i = now.schema.get_field_index(name)
+                    now = now.set_column(i, name, pc.if_else(mask, ordered.column(name).cast(now.schema.field(i).type),
+                                                             now.column(i)))
         seeds = pa.table({n: ordered.column(corrections.ACC + n).take(pa.array(starts)) for n in self._accs})
         folded = engine.refold(spec, now.select(sorted(cols)), starts, seeds)
 
         ident = pd.MultiIndex.from_arrays([part[order], offs[order]])
-        fixed = ident.get_indexer(pd.MultiIndex.from_arrays([rows.column("_partition").to_numpy(zero_copy_only=False),
-                                                             rows.column("_offset").to_numpy(zero_copy_only=False)]))
+        once = np.flatnonzero(~ident.duplicated())  # an event kept twice (offsets read again): its first
+        fixed = ident[once].get_indexer(pd.MultiIndex.from_arrays([
+            rows.column("_partition").to_numpy(zero_copy_only=False), rows.column("_offset").to_numpy(zero_copy_only=False)]))
+        fixed = np.where(fixed >= 0, once[np.maximum(fixed, 0)], -1)
         hit = fixed >= 0
         # Per device, its first corrected event (application order): the later ones' state may change.
         first = np.full(int(d.max()) + 1, len(order), np.int64)
@@ -452,7 +485,8 @@ class DeviceStateProcessor(StatefulProcessor):
         for label, values in folded.fields.items():
             differs |= ~_same_values(ordered.column(FLAT + label).combine_chunks(), values)
         revision = ordered.column(REVISION).to_numpy(zero_copy_only=False).astype(np.int32)
-        more = np.flatnonzero(later & (differs | (revision > 0)))
+        letter = pc.is_valid(ordered.column(ERROR)).to_numpy(zero_copy_only=False).astype(bool)  # a call's: no event
+        more = np.flatnonzero(later & (differs | (revision > 0)) & ~letter)
 
         def with_fields(t: pa.Table, at: np.ndarray) -> pa.Table:
             """``t`` with the refolded fields of the events ``at`` (-1: its own kept)."""
@@ -487,7 +521,8 @@ class DeviceStateProcessor(StatefulProcessor):
                     revision: np.ndarray) -> None:
         """The refolded devices' kept events (``where``: chunk, its rows, the devices' rows in it;
         ``order``: their application order over those rows) with their new accumulators ``before``
-        and revisions, written back whole (their revisions with them)."""
+        and revisions: each chunk's revisions table written again with the rows whose accumulators
+        or revision changed (:func:`enrich.state.corrections.revisions`), not its rows."""
         sizes = np.array([len(at) for _, _, at in where])
         offsets = np.concatenate([[0], np.cumsum(sizes)])
         rank = np.full(int(offsets[-1]), -1, np.int64)
@@ -498,19 +533,30 @@ class DeviceStateProcessor(StatefulProcessor):
             if not ok.any():
                 continue
             rows_at, ranks = at[ok], mine[ok]
-            src = np.arange(got.num_rows)
-            src[rows_at] = got.num_rows + ranks  # where each row's new value comes from
+            differs = np.zeros(len(rows_at), bool)
             t = got
             for n in self._accs:
                 name = corrections.ACC + n
                 i = t.schema.get_field_index(name)
-                col = pa.concat_arrays([t.column(i).combine_chunks(), before.column(n).combine_chunks().cast(t.schema.field(i).type)])
-                t = t.set_column(i, name, col.take(pa.array(src)))
+                new = before.column(n).combine_chunks().take(pa.array(ranks)).cast(t.schema.field(i).type)
+                differs |= ~_same_values(t.column(i).combine_chunks().take(pa.array(rows_at)), new)
+                src = np.arange(t.num_rows)
+                src[rows_at] = t.num_rows + np.arange(len(rows_at))
+                t = t.set_column(i, name, pa.concat_arrays([t.column(i).combine_chunks(), new]).take(pa.array(src)))
             rev = t.column(REVISION).to_numpy(zero_copy_only=False).astype(np.int32).copy()
+            bumped = revision[ranks] > rev[rows_at]
+            if not (differs | bumped).any():
+                continue
             rev[rows_at] = np.maximum(rev[rows_at], revision[ranks])
             t = t.set_column(t.schema.get_field_index(REVISION), REVISION, pa.array(rev, pa.int32()))
-            self.written.updateValue((chunk,), (to_ipc(t),))
-            self.written.removeKey((revisions_key(chunk),))
+            marked = np.zeros(t.num_rows, bool)
+            if corrections.REFOLDED in t.column_names:
+                marked = t.column(corrections.REFOLDED).fill_null(False).to_numpy(zero_copy_only=False).astype(bool).copy()
+                t = t.drop_columns([corrections.REFOLDED])
+            marked[rows_at[differs]] = True
+            t = t.append_column(corrections.REFOLDED, pa.array(marked, pa.bool_()))
+            self.written.updateValue((revisions_key(chunk),), (to_ipc(corrections.revisions(t)),))
+            self._chunks[chunk] = t
 
     def _store_refolded(self, bucket: int, keys: pa.Array, counts: np.ndarray, final: pa.Table) -> None:
         """The devices' stored accumulators replaced by a refold's ``final`` ones (per run: its
@@ -612,14 +658,21 @@ class DeviceStateProcessor(StatefulProcessor):
         return rows
 
     def _read_chunk(self, chunk: int) -> pa.Table | None:
-        """A kept chunk's rows with their revisions (:func:`enrich.state.corrections.revisions`)."""
+        """A kept chunk's rows with their revisions (:func:`enrich.state.corrections.revisions`), read
+        once per call."""
+        hit = self._chunks.get(chunk)
+        if hit is not None:
+            return hit
         got = self.written.getValue((chunk,))
         if got is None:
             return None
         revised = self.written.getValue((revisions_key(chunk),))
-        return corrections.with_revisions(from_ipc(bytes(got[0])), from_ipc(bytes(revised[0])) if revised else None)
+        table = corrections.with_revisions(from_ipc(bytes(got[0])), from_ipc(bytes(revised[0])) if revised else None)
+        self._chunks[chunk] = table
+        return table
 
     def _drop_chunk(self, chunk: int) -> None:
+        self._chunks.pop(chunk, None)
         self.written.removeKey((chunk,))
         self.written.removeKey((revisions_key(chunk),))
 
@@ -641,12 +694,14 @@ class DeviceStateProcessor(StatefulProcessor):
         chunks = [*chunks, [next_id, kept.num_rows, int(pc.min(times).as_py()), int(pc.max(times).as_py())]]
         self._store_index(next_id + 1, chunks)
 
-    def _keep_written(self, out: pa.Table, table: pa.Table, before: pa.Table | None) -> pa.Table:
+    def _keep_written(self, out: pa.Table, table: pa.Table, before: pa.Table | None, ok: np.ndarray) -> pa.Table:
         """``out`` (this batch's output rows; ``table`` their input rows) kept for corrections (the
         good ones, with their times, a chunk of their own; the small chunks merged once there are
         :data:`~enrich.state.corrections.MERGE_AT` of them), then with ``_kind``, ``_revision``,
         ``_cause`` and ``_retracted``."""
-        good = pc.is_null(out.column(ERROR))
+        # The events the state applied (``ok``), a call's dead letters among them: the fold needs each
+        # (they count in the state), the corrections none (no consumer has them as events).
+        good = pa.array(ok)
         ts = table.filter(good).column(TS_US).to_numpy(zero_copy_only=False)
         index = self._written_index if self._written_index is not None else self._index()
         chunks, next_id = list(index["chunks"]), index["next"]

@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from pathlib import Path
 
 import pyarrow as pa
+import pytest
 
 from enrich.columns import CAUSE, REVISION
 from enrich.dimension.corrections import NO_BOUND_END, NO_BOUND_START
@@ -102,6 +104,29 @@ def test_a_chunks_revisions_kept_apart_give_back_what_match_left() -> None:
     assert with_revisions(log, revisions(again.log)).column(REVISION).to_pylist() == [1, 0, 2, 1]
     # A merged chunk holds revisions in its rows: the kept ones never go back.
     assert with_revisions(again.log, revised).column(REVISION).to_pylist() == [1, 0, 2, 1]
+
+
+def test_a_chunks_refolded_accumulators_ride_with_its_revisions_and_a_savepoint_applies_them() -> None:
+    """With state aggregates folded again, the revisions table also carries the rows' accumulators:
+    the rows a fold marked (:data:`REFOLDED`) and those corrected; read back onto the rows as kept
+    they give the chunk as the fold left it, and so does a savepoint's copy (:func:`saved_chunks`)."""
+    from enrich.state.corrections import ACC, REFOLDED
+
+    log = keep(None, events(["d1", "d1", "d1"], [0, 10, 20], [0, 1, 2]), times([0, 10, 20]), us(T0 - 60 * MIN))
+    assert log is not None
+    log = log.append_column(ACC + "x_max", pa.array([None, 1.0, 2.0], pa.float64()))
+    folded = (log.set_column(log.schema.get_field_index(ACC + "x_max"), ACC + "x_max", pa.array([None, 1.0, 5.0]))
+              .set_column(log.schema.get_field_index(REVISION), REVISION, pa.array([0, 0, 1], pa.int32()))
+              .append_column(REFOLDED, pa.array([False, False, True])))
+    side = revisions(folded)
+    assert side.to_pylist() == [{"row": 2, "revision": 1, ACC + "x_max": 5.0}]
+    read = with_revisions(log, side)
+    assert read.column(ACC + "x_max").to_pylist() == [None, 1.0, 5.0]
+    assert read.column(REVISION).to_pylist() == [0, 0, 1] and read.column(REFOLDED).to_pylist() == [False, False, True]
+    assert revisions(read).equals(side)  # what the next write of the chunk's revisions keeps
+    batch = pa.RecordBatch.from_pylist([{"rows": to_ipc(log), "revisions": to_ipc(side)}])
+    (saved,) = list(saved_chunks(iter([batch])))
+    assert from_ipc(saved.column("table")[0].as_py()).column(ACC + "x_max").to_pylist() == [None, 1.0, 5.0]
 
 
 def test_a_savepoints_chunks_carry_their_revisions_and_a_fork_routes_each_event_to_its_devices_bucket() -> None:
@@ -294,8 +319,10 @@ def test_a_correction_refolds_the_state_aggregates_over_the_join_columns_as_a_fr
     5) learnt later corrects the event at 20m, and with it the state of the event at 30m (its own
     limit unchanged: a correction caused by the same version); the device's next event continues
     from the refolded state. A second late version (T0 + 5m, limit 3) corrects the first event and
-    every later one's state. The latest record of each event equals what a bucket that had every
-    version from the start writes."""
+    every later one's state. Then, behind a watermark, a call of one late event alone (never applied,
+    kept without state) and one where a version from T0 + 35m corrects the events after it again,
+    from the accumulators the earlier folds left. The latest record of each event equals what a
+    bucket that had every version from the start writes."""
     import dataclasses
 
     import pandas as pd
@@ -346,14 +373,23 @@ def test_a_correction_refolds_the_state_aggregates_over_the_join_columns_as_a_fr
         return TwsTester(DeviceStateProcessor(spec, columns, dims=(dim,), corrected=(c,)), timeMode="EventTime",
                          eventTimeExtractor=lambda _: 2**62)
 
-    batches = [events([(1, 10, 0), (1, 20, 1), (1, 30, 2), (2, 10, 3)]), events([(1, 40, 4)]), events([(1, 50, 5)])]
-    late = [[], [(1, 5.0, 15)], [(1, 3.0, 5)]]  # the versions learnt at batches 2 and 3
+    batches = [events([(1, 10, 0), (1, 20, 1), (1, 30, 2), (2, 10, 3)]), events([(1, 40, 4)]), events([(1, 50, 5)]),
+               events([(1, 30, 6)]), events([(2, 60, 7)])]
+    late = [[], [(1, 5.0, 15)], [(1, 3.0, 5)], [], [(1, 7.0, 35)]]  # the versions learnt at each batch
     live, fresh = tester(), tester()
     written = call(live, versions((1, 1.0, 0), (1, 2.0, 25)), batches[0])
     second = call(live, versions(*late[1]), batches[1])
     third = call(live, versions(*late[2]), batches[2])
-    want = call(fresh, versions((1, 1.0, 0), (1, 2.0, 25), *late[1], *late[2]), batches[0])
+    watermark = (us(T0 + 45 * MIN)) // 1000
+    live.setWatermark(watermark)
+    fourth = call(live, batches[3])
+    assert [r[FLAT + "events"] for r in fourth] == [None]  # late: not applied, kept without state
+    fifth = call(live, versions(*late[4]), batches[4])
+    assert sorted((r["_offset"], r["_revision"]) for r in fifth if r[KIND] == "correction") == [(4, 2), (5, 1)]
+    want = call(fresh, versions((1, 1.0, 0), (1, 2.0, 25), *late[1], *late[2], *late[4]), batches[0])
     want += call(fresh, batches[1]) + call(fresh, batches[2])
+    fresh.setWatermark(watermark)
+    want += call(fresh, batches[3]) + call(fresh, batches[4])
 
     fields = [FLAT + f for f in ("events", "limit_max", "limit_mean", "limit_last")]
 
@@ -373,10 +409,97 @@ def test_a_correction_refolds_the_state_aggregates_over_the_join_columns_as_a_fr
         (0, 1), (1, 2), (2, 2), (4, 1)]
 
     latest: dict[int, dict] = {}
-    for r in written + second + third:
+    for r in written + second + third + fourth + fifth:
         if r["_offset"] not in latest or r["_revision"] > latest[r["_offset"]]["_revision"]:
             latest[r["_offset"]] = r
     assert {o: (state(r), r["limit"]) for o, r in latest.items()} == {r["_offset"]: (state(r), r["limit"]) for r in want}
+
+
+def test_an_event_a_call_dead_lettered_counts_in_the_refold_and_gets_no_correction(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A call made at every event (``on_error: dead_letter``) failed for device 1's event at 30
+    minutes: a dead letter the state counted. A late version then corrects the event at 20 minutes:
+    the dead letter is not corrected (no consumer has it as an event), and the state the device goes
+    on with holds its limit, as a bucket that had every version from the start has it."""
+    import dataclasses
+
+    import pandas as pd
+    from pyspark.sql.streaming.tws_tester import TwsTester
+
+    from enrich import packed
+    from enrich.calls import step as call_step
+    from enrich.calls.config import CallConfig, RetryConfig
+    from enrich.calls.step import CallStep
+    from enrich.calls.template import Template
+    from enrich.columns import ERROR, FLAT, KIND, TS_US
+    from enrich.joins.partitioned import partitioned_dim
+    from enrich.state.engine import StateSpec
+    from enrich.state.processor import DeviceStateProcessor
+    from refstream import contract
+    from tests.enrich.calls.server import serve
+    from tests.enrich.joins.test_partitioned import SCHEMA, make_dim, records, upserts
+
+    batch_id = iter(range(1, 100))
+    monkeypatch.setattr(call_step, "_ids", lambda: ("q", next(batch_id)))
+    dim = partitioned_dim(0, "devices", "ref.devices", SCHEMA, dataclasses.replace(make_dim().join, time="ts"),
+                          inner=False, history=timedelta(days=2))
+    c = Corrects(dim.join, ("id",), 3_600_000_000, ("owner", "limit"), dim=0)
+    spec = StateSpec("device_id", pa.int64(), TS_US, 10**12, aggregates=(("limit", ("max", "mean"), pa.float64()),),
+                     timestamp_type=pa.int64())
+    offsets = iter(range(100))
+
+    def versions(*puts: tuple[int, float, int], with_schema: bool = False) -> pa.Table:
+        parts = [records(contract.schema_message(SCHEMA), first=99)] if with_schema else []
+        times = [T0] if with_schema else []
+        for device, limit, minutes in puts:
+            parts.append(records(*upserts({"id": device, "owner": "o", "limit": limit}), first=next(offsets)))
+            times.append(T0 + minutes * MIN)
+        t = pa.concat_tables(parts)
+        return (t.append_column("valid_from", pa.array([contract.format_time(w) for w in times]))
+                .append_column("timestamp", pa.nulls(t.num_rows, pa.timestamp("us", tz="UTC")))
+                .replace_schema_metadata({b"refstream.kind": dim.kind.encode()}))
+
+    def events(rows: list[tuple[int, int]]) -> pa.Table:
+        ts = [T0 + m * MIN for m, _ in rows]
+        return pa.table({"device_id": pa.array([1] * len(rows), pa.int64()), "ts": pa.array(ts, pa.timestamp("us", tz="UTC")),
+                         "_error": pa.nulls(len(rows), pa.string()), "_partition": pa.array([0] * len(rows), pa.int32()),
+                         "_offset": pa.array([o for _, o in rows], pa.int64()), TS_US: pa.array([us(t) for t in ts], pa.int64())})
+
+    with serve() as service:
+        def tester(name: str) -> TwsTester:
+            call = CallConfig(name="risk", url=service.url("/score"), retries=RetryConfig(attempts=1),
+                              body=Template({"device": "{device_id}"}), response=(("score", "DOUBLE"),),
+                              on_error="dead_letter", refresh=timedelta(0))
+            step = CallStep((call,), pa.int64(), str(tmp_path / name))
+            return TwsTester(DeviceStateProcessor(spec, ("device_id", "ts", "_error", "_partition", "_offset"),
+                                                  dims=(dim,), corrected=(c,), calls=step),
+                             timeMode="EventTime", eventTimeExtractor=lambda _: 2**62)
+
+        def call(t: TwsTester, *chunks: pa.Table, down: bool = False) -> list[dict]:
+            service.down = down
+            out = t.testInPandas(3, pd.DataFrame({"_0": [3] * len(chunks), "rows": [to_ipc(x) for x in chunks]}))
+            return pa.concat_tables([from_ipc(v) for v in out[packed.ROWS]]).to_pylist()
+
+        live, fresh = tester("live"), tester("fresh")
+        got = call(live, versions((1, 1.0, 0), (1, 2.0, 25), with_schema=True), events([(10, 0), (20, 1)]))
+        dead = call(live, events([(30, 2)]), down=True)
+        assert dead[0][ERROR] == "call risk failed: HTTP 503" and dead[0][FLAT + "events"] == 3
+        got += dead + call(live, versions((1, 5.0, 15)), events([(40, 3)]))
+        want = call(fresh, versions((1, 1.0, 0), (1, 2.0, 25), (1, 5.0, 15), with_schema=True), events([(10, 0), (20, 1)]))
+        want += call(fresh, events([(30, 2)]), down=True) + call(fresh, events([(40, 3)]))
+
+    assert sorted((r["_offset"], r["_revision"]) for r in got if r[KIND] == "correction") == [(1, 1)]
+    fields = [FLAT + f for f in ("events", "limit_max", "limit_mean")]
+
+    def latest(rows: list[dict]) -> dict[int, tuple]:
+        out: dict[int, dict] = {}
+        for r in rows:
+            if r["_offset"] not in out or r["_revision"] > out[r["_offset"]]["_revision"]:
+                out[r["_offset"]] = r
+        return {o: tuple(round(r[f], 9) if isinstance(r[f], float) else r[f] for f in fields)
+                for o, r in out.items() if r[ERROR] is None}
+
+    assert latest(got) == latest(want) and latest(got)[3] == (4, 5.0, 2.5)
 
 
 def test_hostile_keys_of_a_partitioned_join_correct_exactly_their_own_events_in_the_bucket() -> None:
