@@ -154,6 +154,9 @@ class DeviceStateProcessor(StatefulProcessor):
         self._dim_changes: dict[int, tuple[pa.Table, pa.Table, pa.Table]] = {}
         # The rollups whose windows a correction moves events between, and this call's moves.
         self._moving = tuple(i for i, r in enumerate(rollups) if r.moves)
+        # Kept a moving rollup's widest window longer than the horizon: a window the horizon's start
+        # falls in has all its events kept, so a correction within the horizon moves it too.
+        self._keep_extra = max((rollups[i].window_us for i in self._moving), default=0)
         self._moves_out: list[tuple[int, str, bytes]] = []
         self.waits, self.floor_us = waits, floor_us
         self.calls, self.call_counts = calls, call_counts
@@ -172,6 +175,15 @@ class DeviceStateProcessor(StatefulProcessor):
                 changing |= {o for _, o in d.join.columns} | {d.join.matched}
         refolded = tuple(a for a in spec.aggregates if a[0] in changing)
         self._refold = dataclasses.replace(spec, aggregates=refolded) if refolded else None
+        # Per corrected join before or in the step, its horizon and the columns a look-up again sets.
+        self._horizons: list[tuple[int, set[str]]] = []
+        for c in corrected:
+            if c.dim is not None:
+                d = next(d for d in dims if d.index == c.dim)
+                self._horizons.append((c.horizon_us, {o for _, o in d.join.columns} | {d.join.matched}))
+            elif c.before:
+                chain = [before[k] for k in corrections.join_again(before, [c.dataset])]
+                self._horizons.append((c.horizon_us, {o for b in chain for o in (*[o for _, o in b.columns], b.matched)}))
         self._accs = engine.accumulators(self._refold) if self._refold is not None else ()
         self._chunks: dict[int, pa.Table] = {}  # a call's kept chunks as read (and revised)
         self._warned_unknown = False
@@ -297,6 +309,8 @@ class DeviceStateProcessor(StatefulProcessor):
         dimensions' after the batch's records, which a corrected one's columns are looked up in again."""
         index = self._index()
         start = corrections.horizon_start(self.corrected, watermark)
+        if start != NO_BOUND_START:
+            start -= self._keep_extra
         gone = [c for c in index["chunks"] if c[3] < start]
         for c in gone:
             self._drop_chunk(c[0])
@@ -389,13 +403,32 @@ class DeviceStateProcessor(StatefulProcessor):
         read = [t for c in chunks if c[3] >= lo and c[2] < hi and (t := self._read_chunk(c[0])) is not None]
         kept = pa.concat_tables(read, promote_options="permissive") if read else rows.slice(0, 0)
         kts = kept.column(corrections.TS).to_numpy(zero_copy_only=False)
-        kept, lost = self._look_again(kept.filter(pa.array((kts >= lo) & (kts < hi))), versions)
-        kept = kept.filter(pa.array(~lost))  # the events the rollups count (a call's dead letters none)
+        span = kept.filter(pa.array((kts >= lo) & (kts < hi)))
+        kept = self._written_behind(self._look_again(span, versions)[0], span, watermark)
+        kept = kept.filter(pa.array(self._counted(kept)))  # the events the rollups count (a call's dead letters none)
         kept = kept.filter(pc.is_null(kept.column(ERROR)))
         kept = kept.rename_columns([TS_US if n == corrections.TS else n for n in kept.column_names])
         cause = _cause_text(rows.column(CAUSE)[0].as_py())
         return rollups.moves(self.rollups, self._moving, ts, cause, kept, complete_from, watermark,
                              self.rollup_ids, bucket)
+
+    def _written_behind(self, now: pa.Table, kept: pa.Table, watermark: int | None) -> pa.Table:
+        """Kept events ``kept`` joined again (``now``), but those older than a corrected join's horizon
+        with its columns as written: a version reaching further back corrects none of them, nor what
+        the state or a rollup made of them."""
+        if watermark is None:
+            return now
+        ts = kept.column(corrections.TS).to_numpy(zero_copy_only=False)
+        for horizon, cols in self._horizons:
+            old = ts < watermark - horizon
+            if not old.any():
+                continue
+            mask = pa.array(old)
+            for name in sorted(cols & set(now.column_names) & set(kept.column_names)):
+                i = now.schema.get_field_index(name)
+                now = now.set_column(i, name, pc.if_else(mask, kept.column(name).cast(now.schema.field(i).type),
+                                                         now.column(i)))
+        return now
 
     def _refold_state(self, bucket: int, written: pa.Table, rows: pa.Table, chunks: list[list[int]],
                       versions: list[Version], watermark: int | None) -> tuple[pa.Table, pa.Table, pa.Table]:
@@ -455,18 +488,7 @@ class DeviceStateProcessor(StatefulProcessor):
         start[1:] = (d[1:] != d[:-1]) | (count[1:] != count[:-1] + 1)
         starts = np.flatnonzero(start)
         ordered = kept.take(pa.array(order))
-        now, _ = self._look_again(ordered, versions)
-        # Events older than the horizon keep what they were written with (a version reaching further
-        # back corrects none of them, nor what the state made of them).
-        since = watermark - min(c.horizon_us for c in self.corrected) if watermark is not None else None
-        old = ts[order] < since if since is not None else np.zeros(len(order), bool)
-        if old.any():
-            mask = pa.array(old)
-            for name in ordered.column_names:
-                if name in now.column_names and name not in (REVISION, corrections.TS):
-                    i = now.schema.get_field_index(name)
-                    now = now.set_column(i, name, pc.if_else(mask, ordered.column(name).cast(now.schema.field(i).type),
-                                                             now.column(i)))
+        now = self._written_behind(self._look_again(ordered, versions)[0], ordered, watermark)
         seeds = pa.table({n: ordered.column(corrections.ACC + n).take(pa.array(starts)) for n in self._accs})
         folded = engine.refold(spec, now.select(sorted(cols)), starts, seeds)
 

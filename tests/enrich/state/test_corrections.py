@@ -560,3 +560,68 @@ def test_hostile_keys_of_a_partitioned_join_correct_exactly_their_own_events_in_
         assert r["device_id"] == changed[r["_offset"]]
         assert (r["site"], r[FLAT + "site_last"], r["_revision"]) == ("s-6", "s-6", 1)
         assert json.loads(r["_cause"]["key"]) == {"device_id": changed[r["_offset"]]}
+
+
+def test_a_rollup_window_the_horizons_start_falls_in_is_moved_with_its_older_events_as_written() -> None:
+    """A rollup by site (5-minute windows, ``moves``) over a corrected partitioned join with a
+    15-minute horizon, through the state step (PySpark's TwsTester): the watermark at T0 + 19m puts
+    the horizon's start at 4m, inside the window [0, 5m). A late version moves device 1 to s-6 as of
+    2m: its events at 4.5m and 19m are corrected, the one at 3m (behind the horizon) is not, and the
+    bucket's move starts at that window: it counts the 4.5m event at s-6 and the 3m one at s-2, as
+    written."""
+    import pandas as pd
+    from pyspark.sql.streaming.tws_tester import TwsTester
+
+    from enrich.columns import KIND, PACK_KIND, ROWS, TS_US
+    from enrich.joins.partitioned import partitioned_dim
+    from enrich.rollups import engine as rollup_engine
+    from enrich.rollups.spec import RollupSpec
+    from enrich.state.engine import StateSpec
+    from enrich.state.processor import DeviceStateProcessor
+    from refstream import contract
+    from refstream.contract import Column, DatasetSchema
+    from tests.enrich.joins.test_partitioned import records
+
+    schema = DatasetSchema("devices", ("device_id",), (Column("device_id", "string"), Column("site", "string")))
+    join = JoinSpec("devices", (("device_id", "device_id"),), (pa.string(),), (("site", "site"),), (pa.string(),),
+                    "_devices_matched", False, "ts")
+    dim = partitioned_dim(0, "devices", "ref.devices", schema, join, inner=False, history=timedelta(days=2))
+    c = Corrects(join, ("device_id",), 15 * 60_000_000, ("site",), dim=0)
+    rollup = RollupSpec(name="by_site", by=("site",), by_types=(pa.string(),), window_us=5 * 60_000_000,
+                        correct_for_us=60 * 60_000_000, metrics=(("temp", ("max",), pa.float64()),), moves=True)
+    spec = StateSpec("device_id", pa.string(), TS_US, 10**12, timestamp_type=pa.int64())
+    t = TwsTester(DeviceStateProcessor(spec, ("device_id", "ts", "temp", "_error", "_partition", "_offset"), dims=(dim,),
+                                       corrected=(c,), rollups=(rollup,), rollup_ids=(5,)),
+                  timeMode="EventTime", eventTimeExtractor=lambda _: 2**62)
+
+    def versions(site: str, when: object, first: int, with_schema: bool = False) -> pa.Table:
+        ms = ([contract.schema_message(schema)] if with_schema else []) + list(
+            contract.upsert_messages(schema, [{"device_id": "d1", "site": site}], 1))
+        r = records(*ms, first=first)
+        return (r.append_column("valid_from", pa.array([contract.format_time(when)] * r.num_rows))  # type: ignore[arg-type]
+                .append_column("timestamp", pa.nulls(r.num_rows, pa.timestamp("us", tz="UTC")))
+                .replace_schema_metadata({b"refstream.kind": dim.kind.encode()}))
+
+    def events(rows: list[tuple[float, float, int]]) -> pa.Table:
+        ts = [T0 + timedelta(minutes=m) for m, _, _ in rows]
+        return pa.table({"device_id": ["d1"] * len(rows), "ts": pa.array(ts, pa.timestamp("us", tz="UTC")),
+                         "temp": pa.array([x for _, x, _ in rows], pa.float64()),
+                         "_error": pa.nulls(len(rows), pa.string()), "_partition": pa.array([0] * len(rows), pa.int32()),
+                         "_offset": pa.array([o for _, _, o in rows], pa.int64()),
+                         TS_US: pa.array([us(x) for x in ts], pa.int64())})
+
+    def call(*chunks: pa.Table) -> pd.DataFrame:
+        return t.testInPandas(3, pd.DataFrame({"_0": [3] * len(chunks), "rows": [to_ipc(x) for x in chunks]}))
+
+    call(versions("s-2", T0, 0, with_schema=True), events([(3, 30.0, 0), (4.5, 45.0, 1), (19, 19.0, 2)]))
+    t.setWatermark(us(T0 + 19 * MIN) // 1000)
+    out = call(versions("s-6", T0 + 2 * MIN, 10))
+    fixed = [r for kind, v in zip(out[PACK_KIND], out[ROWS], strict=True) if kind == "events"
+             for r in from_ipc(v).to_pylist() if r[KIND] == "correction"]
+    assert [(r["_offset"], r["site"]) for r in fixed] == [(1, "s-6"), (2, "s-6")]
+    moved = [from_ipc(v) for kind, v in zip(out[PACK_KIND], out[ROWS], strict=True) if kind.startswith("move:")]
+    assert len(moved) == 1
+    meta = moved[0].schema.metadata
+    assert (int(meta[rollup_engine.MOVE_LO]), int(meta[rollup_engine.MOVE_HI])) == (us(T0), us(T0 + 20 * MIN))
+    assert sorted((r["window_start"] - us(T0), r["site"], r["_events"], r["temp.max"]) for r in moved[0].to_pylist()) == [
+        (0, "s-2", 1, 30.0), (0, "s-6", 1, 45.0), (15 * 60_000_000, "s-6", 1, 19.0)]
