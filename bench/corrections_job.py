@@ -18,7 +18,9 @@ reported, and the corrections, read back (``read_committed``), are checked (ever
 devices once, with the new owner and the next revision); ``--late-rounds`` such versions one after
 another, each with another owner, the worst of them against the target. ``--state-owner`` adds a third
 job, ``corrections`` with ``owner: [last]`` among the state's aggregates (``refold``: a late version
-folds the devices' aggregates again), and the late versions go to it instead. Medians over the
+folds the devices' aggregates again), and the late versions go to it instead; ``--rollup-owner`` a
+fourth, that job with a rollup by ``owner`` per hour (``moves``: a late version moves the events
+between its windows, written to Parquet), which the late versions then go to. Medians over the
 rounds; ``--keep DIR`` keeps the configs and the jobs' logs.
 """
 
@@ -73,7 +75,8 @@ def publish(settings: dict[str, str], topic: str, ns: range, owner: str, at: dat
 
 
 def config(path: Path, settings: dict[str, str], events: str, devices: str, work: Path, batch: int,
-           corrections: bool, out: str | None = None, refold: bool = False) -> tuple[str, Path]:
+           corrections: bool, out: str | None = None, refold: bool = False,
+           rollup: bool = False) -> tuple[str, Path]:
     """Write the job's config to ``path``; returns its output topic and checkpoint."""
     name = uuid.uuid4().hex[:8]
     out = out or f"bench-out-{name}"
@@ -94,6 +97,9 @@ def config(path: Path, settings: dict[str, str], events: str, devices: str, work
         "state": {**STATE_SECTION, "aggregates": {**STATE_SECTION["aggregates"], "owner": ["last"]}} if refold
         else STATE_SECTION,
         "spark": {"spark.ui.enabled": "false", "spark.driver.memory": "2g"},
+        **({"rollups": [{"name": "by_owner", "by": ["owner"], "window": "1h", "correct_for": "24h",
+                         "metrics": {"temperature": ["count", "mean", "max"]},
+                         "output": {"parquet": {"path": str(work / f"rollup-{name}")}}}]} if rollup else {}),
     }), encoding="utf-8")
     return out, checkpoint
 
@@ -154,13 +160,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", type=Path, help="keep the jobs' configs and logs in this directory")
     ap.add_argument("--late-rounds", type=int, default=3,
                     help="late versions published one after another, each correcting the same events again")
+    ap.add_argument("--rollup-owner", action="store_true",
+                    help="with --state-owner's job, a fourth with a rollup by owner whose events the late versions move")
     ap.add_argument("--state-owner", action="store_true",
                     help="a third job with owner: [last] among the state's aggregates (folded again by the late versions)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     print(f"machine: {_machine()}; {args.events:,} events over {args.devices:,} devices, batches of "
           f"{args.batch:,}; a late version of {args.late:,} devices", flush=True)
-    variants = (*VARIANTS, "refold") if args.state_owner else VARIANTS
+    variants = (*VARIANTS, *(["refold"] if args.state_owner or args.rollup_owner else []),
+                *(["moves"] if args.rollup_owner else []))
     results: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
     with ExitStack() as stack:
         settings = broker_settings(stack, args.bootstrap)
@@ -174,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
             for name in variants:
                 cfg, job_log = work / f"{name}-{r}.yaml", work / f"{name}-{r}.log"
                 out, checkpoint = config(cfg, settings, events, devices, work, args.batch, name != "as_of",
-                                         refold=name == "refold")
+                                         refold=name in ("refold", "moves"), rollup=name == "moves")
                 job = run_available_now(cfg, job_log)
                 res = {"rate": job.steady_rate(args.events, args.batch), "state": float(state_bytes(checkpoint))}
                 results[name].append(res)
@@ -192,7 +201,10 @@ def main(argv: list[str] | None = None) -> int:
               f"{'met' if ratio >= TARGET_RATE else 'NOT met'})")
         print(f"kept for corrections (state store with - without): {kept / 1e6:,.1f} MB, "
               f"{kept / args.devices:,.0f} bytes per device, {kept / args.events:,.1f} bytes per event")
-        if args.state_owner:
+        if args.rollup_owner:
+            print(f"moves on / the refold's job, throughput: {med['moves']['rate'] / med['refold']['rate']:.2f}; "
+                  f"state store {(med['moves']['state'] - med['refold']['state']) / 1e6:,.1f} MB more")
+        if "refold" in variants:
             more = med["refold"]["state"] - med["corrections"]["state"]
             print(f"refold on / corrections alone, throughput: {med['refold']['rate'] / med['corrections']['rate']:.2f}; "
                   f"kept for the refold: {more / args.events:,.1f} bytes per event more")
