@@ -383,7 +383,8 @@ def attach(raw: DataFrame, pipeline: Pipeline, layout: BucketLayout, changelogs:
             processor, outputStructType=ROLLUP_INPUT, outputMode="Append", timeMode="EventTime", initialState=init,
             eventTimeColumnName=ROLLUP_TIME), st.rollups, cfg.state.server_timeout.total_seconds(),
             dropped_rollups(pipeline.checkpoint), windows,
-            {s.dataset: s for s in st.before_specs if any(r.fill_keys == s.dataset for r in st.rollups)}, layout.ids)
+            {s.dataset: s for s in st.before_specs if any(r.fill_keys == s.dataset for r in st.rollups)}, layout.ids,
+            floor_us=floor_us)
     unpack = Unpack(to_arrow_schema(flat_schema, timezone=timezone), to_arrow_schema(st.schema, timezone=timezone),
                     tuple(f.name for f in st.passed), st.inner,
                     tuple(n for n, _ in st.calls.result_columns()) if st.calls else (), tuple(f.name for f in tail))
@@ -397,14 +398,17 @@ ROLLUP_INPUT = StructType([StructField(RBUCKET, IntegerType(), False), StructFie
 
 def rollup_step(stepped: DataFrame, specs: tuple[RollupSpec, ...], server_timeout_s: float,
                 dropped: tuple[str, ...] = (), windows: DataFrame | None = None,
-                fills: Mapping[str, joins.JoinSpec] | None = None, ids: tuple[int, ...] = ()) -> DataFrame:
+                fills: Mapping[str, joins.JoinSpec] | None = None, ids: tuple[int, ...] = (),
+                floor_us: int | None = None) -> DataFrame:
     """The rollup step after the state step (:class:`enrich.state.rollups.RollupProcessor`), keyed by
     rollup bucket: the events pass through it; its rows are ``PACK_KIND``, ``ROWS``. ``dropped``: the
     rollups removed from the checkpoint, whose windows it deletes; ``windows``: its initial state
     (:data:`enrich.state.rollups.INITIAL`, a fork's first batch); ``fills``: the in-plan joins whose
-    dimension's keys rollups fill by, by dataset; ``ids``: the rollup buckets' grouping keys."""
+    dimension's keys rollups fill by, by dataset; ``ids``: the rollup buckets' grouping keys;
+    ``floor_us``: a fork's watermark floor."""
     return stepped.groupBy(RBUCKET).transformWithStateInPandas(
-        RollupProcessor(specs, server_timeout_s=server_timeout_s, dropped=dropped, joins=fills, ids=ids),
+        RollupProcessor(specs, server_timeout_s=server_timeout_s, dropped=dropped, joins=fills, ids=ids,
+                        floor_us=floor_us),
         outputStructType=rollups.OUTPUT,
         outputMode="Append", timeMode="EventTime",
         initialState=windows.groupBy(RBUCKET) if windows is not None else None)

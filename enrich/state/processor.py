@@ -344,7 +344,9 @@ class DeviceStateProcessor(StatefulProcessor):
         if self.calls is not None and self.call_value is not None:  # made again at the device's next event
             self._stale_calls(written, rows)
         if self._refold is not None:  # the devices' aggregates over the corrected columns, folded again
-            rows, more_written, more = self._refold_state(bucket, written, rows, chunks, versions, watermark)
+            rows, more_written, more, restated = self._refold_state(bucket, written, rows, chunks, versions, watermark)
+            if self.calls is not None and self.call_value is not None and len(restated):
+                self._stale_state_calls(restated)
             if more.num_rows:
                 written = pa.concat_tables([written, more_written], promote_options="permissive")
                 rows = pa.concat_tables([rows, more], promote_options="permissive")
@@ -431,15 +433,15 @@ class DeviceStateProcessor(StatefulProcessor):
         return now
 
     def _refold_state(self, bucket: int, written: pa.Table, rows: pa.Table, chunks: list[list[int]],
-                      versions: list[Version], watermark: int | None) -> tuple[pa.Table, pa.Table, pa.Table]:
+                      versions: list[Version], watermark: int | None) -> tuple[pa.Table, pa.Table, pa.Table, pa.Array]:
         """The state's aggregates over the corrected columns folded again for the devices of the
         corrected events ``rows`` (``written``: as kept) whose values of those columns changed: from
         the accumulators kept before each device's first kept event, over every event it kept, as
         they are joined now. Returns ``rows`` with their refolded ``state`` fields, then the
         corrections of the devices' later events whose ``state`` changed (or was corrected before),
         as kept and as corrected (their next revision, the cause of the device's first corrected
-        event). The kept events' accumulators and revisions, and the devices' stored state, are
-        written back. A device with events kept before its aggregates were folded (corrections added
+        event); and the devices some event's ``state`` changed of. The kept events' accumulators and
+        revisions, and the devices' stored state, are written back. A device with events kept before its aggregates were folded (corrections added
         to a checkpoint that had run) keeps its state as first computed until they leave the horizon."""
         spec, key = self._refold, self.spec.key
         assert spec is not None
@@ -447,7 +449,7 @@ class DeviceStateProcessor(StatefulProcessor):
         none = rows.slice(0, 0)
         changed = _changed(written, rows, cols)
         if not changed.any():
-            return rows, none, none
+            return rows, none, none, pa.array([], self.spec.key_type)
         devices = pc.unique(rows.column(key).filter(pa.array(changed)))
         got_chunks = [(c[0], got) for c in chunks if (got := self._read_chunk(c[0])) is not None]
         need = [corrections.SEQ, *[corrections.ACC + n for n in self._accs]]
@@ -467,7 +469,7 @@ class DeviceStateProcessor(StatefulProcessor):
                                      .to_numpy(zero_copy_only=False))).size:
                 where.append((chunk, got, at))
         if not where:
-            return rows, none, none
+            return rows, none, none, pa.array([], self.spec.key_type)
         kept = pa.concat_tables([g.take(pa.array(at)) for _, g, at in where], promote_options="permissive")
         events = kept.column(FLAT + "events")
         applied = np.flatnonzero(events.is_valid().to_numpy(zero_copy_only=False))
@@ -479,7 +481,7 @@ class DeviceStateProcessor(StatefulProcessor):
         # Application order: per device, batch by batch, within one by time, partition and offset.
         order = applied[np.lexsort((offs[applied], part[applied], ts[applied], seq[applied], dev[applied]))]
         if not len(order):  # none applied (all late): no state to fold
-            return rows, none, none
+            return rows, none, none, pa.array([], self.spec.key_type)
         count = events.to_numpy(zero_copy_only=False)[order].astype(np.int64)
         d = dev[order]
         # A run starts at a device's first kept event, and where its count does not follow on: a fresh
@@ -537,7 +539,10 @@ class DeviceStateProcessor(StatefulProcessor):
         self._write_back(where, order, folded.before, bumped)
         self._store_refolded(bucket, ordered.column(key).take(pa.array(np.append(starts[1:], len(order)) - 1)),
                              count[np.append(starts[1:], len(order)) - 1], folded.final)
-        return rows, extra_written, extra
+        hit_rows = np.zeros(len(order), bool)
+        hit_rows[fixed[hit]] = True
+        restated = pc.unique(ordered.column(key).filter(pa.array(differs & (later | hit_rows))))
+        return rows, extra_written, extra, restated.combine_chunks() if isinstance(restated, pa.ChunkedArray) else restated
 
     def _write_back(self, where: list[tuple[int, pa.Table, np.ndarray]], order: np.ndarray, before: pa.Table,
                     revision: np.ndarray) -> None:
@@ -624,6 +629,20 @@ class DeviceStateProcessor(StatefulProcessor):
                 devices[c.name] = rows.column(self.spec.key).filter(pa.array(changed))
         if devices:
             self._store_calls(self.calls.stale(stored, devices))
+
+    def _stale_state_calls(self, devices: pa.Array) -> None:
+        """The stored results of the calls whose template reads a ``state`` field a fold changed, for
+        the ``devices`` whose state it changed, taken as not made: made again at each one's next
+        event, as :meth:`_stale_calls` does for the corrected columns."""
+        assert self.calls is not None and self._refold is not None
+        stored = self._stored_calls()
+        if stored is None:
+            return
+        fields = {f"{c}_{a}" for c, aggs, _ in self._refold.aggregates for a in aggs}
+        stale = {c.name: devices for c in self.calls.calls
+                 if not c.every_event and {r.name for r in c.body.refs() if r.scope == "state"} & fields}
+        if stale:
+            self._store_calls(self.calls.stale(stored, stale))
 
     def _moves_needed(self, written: pa.Table, rows: pa.Table) -> bool:
         """Whether a correction may move events between a moving rollup's windows: some corrected

@@ -226,12 +226,14 @@ class RollupProcessor(StatefulProcessor):
 
     def __init__(self, specs: tuple[RollupSpec, ...], *, server_timeout_s: float = 120.0,
                  dropped: tuple[str, ...] = (), joins: Mapping[str, JoinSpec] | None = None,
-                 ids: tuple[int, ...] = ()) -> None:
+                 ids: tuple[int, ...] = (), floor_us: int | None = None) -> None:
         """``dropped``: the names of rollups removed from the checkpoint, whose windows are deleted;
         ``joins``: the in-plan joins of the rollups that fill by a dimension's keys (``fill_keys``),
-        by dataset; ``ids``: the rollup buckets' grouping keys (the state layout's)."""
+        by dataset; ``ids``: the rollup buckets' grouping keys (the state layout's); ``floor_us``: a
+        fork's watermark floor (its savepoint's watermark), as the state step has it: the fork's
+        first batches judge windows final against it, not against a watermark Spark has yet to make."""
         self.specs, self.server_timeout_s, self.dropped = specs, server_timeout_s, dropped
-        self.joins, self.ids = dict(joins or {}), ids
+        self.joins, self.ids, self.floor_us = dict(joins or {}), ids, floor_us
 
     def init(self, handle: StatefulProcessorHandle) -> None:
         spark_state_server_timeout(handle, self.server_timeout_s)
@@ -284,7 +286,7 @@ class RollupProcessor(StatefulProcessor):
         partials = {i: [from_ipc(v) for _, v in sorted(parts, key=lambda p: p[0])] for i, parts in got.items()}
         marks = {i: engine.Marks.of(pa.concat_tables([from_ipc(v) for _, v in sorted(parts, key=lambda p: p[0])]))
                  for i, parts in marked.items()}
-        watermark = self._watermark = watermark_us(timerValues)
+        watermark = self._watermark = self._floored(timerValues)
         # A late reference version's moves come before the batch's events: they replace what the
         # state buckets sent before this batch, to which the batch's partials then add.
         for i in sorted(moved):
@@ -322,7 +324,7 @@ class RollupProcessor(StatefulProcessor):
         """A fork's first batch: the bucket's windows of each rollup from the savepoint
         (:func:`initial_windows`), their timer set."""
         self._held, self._parts = {}, {}
-        self._watermark = watermark_us(timerValues)
+        self._watermark = self._floored(timerValues)
         got: dict[str, list[pa.Table]] = {}
         for name, value in zip(initialState.iloc[:, -2], initialState.iloc[:, -1], strict=True):  # as INITIAL ends
             got.setdefault(name, []).append(from_ipc(value))
@@ -345,7 +347,7 @@ class RollupProcessor(StatefulProcessor):
         self._bucket = int(key[0])
         kinds: list[str] = []
         values: list[bytes] = []
-        watermark = self._watermark = watermark_us(timerValues)
+        watermark = self._watermark = self._floored(timerValues)
         filled = self._key_fill(watermark)
         for i, empty in filled.items():
             self._advance(i, empty, watermark, kinds, values)
@@ -353,6 +355,13 @@ class RollupProcessor(StatefulProcessor):
         self._timer()
         if kinds:
             yield pd.DataFrame({PACK_KIND: kinds, ROWS: values})
+
+    def _floored(self, timer_values: TimerValues) -> int | None:
+        """The batch's watermark (microseconds; None: none yet), never below the floor."""
+        us = watermark_us(timer_values)
+        if self.floor_us is None:
+            return us
+        return self.floor_us if us is None else max(us, self.floor_us)
 
     def _advance_rest(self, done: set[int], watermark: int | None, kinds: list[str], values: list[bytes]) -> None:
         """The rollups of the bucket the batch brought no partials for: windows the watermark has

@@ -420,7 +420,9 @@ def test_an_event_a_call_dead_lettered_counts_in_the_refold_and_gets_no_correcti
     """A call made at every event (``on_error: dead_letter``) failed for device 1's event at 30
     minutes: a dead letter the state counted. A late version then corrects the event at 20 minutes:
     the dead letter is not corrected (no consumer has it as an event), and the state the device goes
-    on with holds its limit, as a bucket that had every version from the start has it."""
+    on with holds its limit, as a bucket that had every version from the start has it. A call made
+    once per device whose request reads the state's ``limit_max`` is made again at the device's next
+    event, with the refolded maximum."""
     import dataclasses
 
     import pandas as pd
@@ -470,7 +472,10 @@ def test_an_event_a_call_dead_lettered_counts_in_the_refold_and_gets_no_correcti
             call = CallConfig(name="risk", url=service.url("/score"), retries=RetryConfig(attempts=1),
                               body=Template({"device": "{device_id}"}), response=(("score", "DOUBLE"),),
                               on_error="dead_letter", refresh=timedelta(0))
-            step = CallStep((call,), pa.int64(), str(tmp_path / name))
+            quota = CallConfig(name="quota", url=service.url("/score"), retries=RetryConfig(attempts=1),
+                               body=Template({"device": "{device_id}", "max": "{state.limit_max}"}),
+                               response=(("score", "DOUBLE"),), on_error="null")
+            step = CallStep((call, quota), pa.int64(), str(tmp_path / name))
             return TwsTester(DeviceStateProcessor(spec, ("device_id", "ts", "_error", "_partition", "_offset"),
                                                   dims=(dim,), corrected=(c,), calls=step),
                              timeMode="EventTime", eventTimeExtractor=lambda _: 2**62)
@@ -485,6 +490,7 @@ def test_an_event_a_call_dead_lettered_counts_in_the_refold_and_gets_no_correcti
         dead = call(live, events([(30, 2)]), down=True)
         assert dead[0][ERROR] == "call risk failed: HTTP 503" and dead[0][FLAT + "events"] == 3
         got += dead + call(live, versions((1, 5.0, 15)), events([(40, 3)]))
+        assert [b["max"] for _, b in service.bodies if "max" in b] == [1.0, 5.0]
         want = call(fresh, versions((1, 1.0, 0), (1, 2.0, 25), (1, 5.0, 15), with_schema=True), events([(10, 0), (20, 1)]))
         want += call(fresh, events([(30, 2)]), down=True) + call(fresh, events([(40, 3)]))
 

@@ -568,5 +568,5 @@ def test_a_join_in_the_state_step_corrects_within_its_horizon_moves_rollup_event
     assert (left["_kind"], left["_events"], json.loads(left["_cause"])["valid_from"]) == (
         "correction", 0, iso(t0 + 15 * minute))
     assert left["_revision"] > window_of(rolled, "s-6")["_revision"]
-    # New at s-9 (provisional: a fork's rollup step has no watermark before its own first one).
-    assert (joined["_kind"], joined["_revision"], joined["_events"], joined["n_sum"]) == ("provisional", 1, 1, 3)
+    # New at s-9: final at once (the window ends before the savepoint's watermark, the fork's floor).
+    assert (joined["_kind"], joined["_revision"], joined["_events"], joined["n_sum"]) == ("final", 1, 1, 3)

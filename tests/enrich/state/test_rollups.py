@@ -276,3 +276,25 @@ def test_the_rollup_step_moves_a_buckets_part_of_its_windows_and_a_fork_keeps_th
     got = pa.concat_tables([from_ipc(v) for v in out.column(ROWS).to_pylist()])
     assert sorted(got.column(engine.SOURCE).to_pylist()) == [11, 11, 12]
     assert TS_US in bucket_1.column_names
+
+
+def test_a_forks_rollup_step_judges_windows_against_its_savepoints_watermark() -> None:
+    """A fork's first batches have no watermark of Spark's yet: the rollup step takes the savepoint's
+    (``floor_us``), as the state step does, so a window that ends before it is written final at
+    once, not provisional; one after it stays provisional; without a floor both are provisional."""
+    tester_cls, processor_cls, _ = _processor_calls()
+    events = good_events([("a", "s1", 100, 1.0), ("a", "s1", 110, 2.0)])
+    sent = [(k, v) for _, k, v in feed((DEVICE,), events, None, ids=(5,), source=0).parts if k.startswith("partial:")]
+
+    def kinds(floor_us: int | None) -> list[tuple[int, str]]:
+        t = tester_cls(processor_cls((DEVICE,), floor_us=floor_us), timeMode="EventTime",
+                       eventTimeExtractor=lambda _: 2**62)
+        frame = pd.DataFrame({"_0": [5] * len(sent), "_1": [pd.Timestamp(0, tz="UTC")] * len(sent),
+                              PACK_KIND: [k for k, _ in sent], ROWS: [v for _, v in sent]})
+        out = t.testInPandas(5, frame)
+        rows = [r for kind, value in zip(out[PACK_KIND], out[ROWS], strict=True) if kind.startswith("rollup:")
+                for r in from_ipc(value).to_pylist()]
+        return sorted((int(r["window_start"].timestamp()) // 60, r["_kind"]) for r in rows)
+
+    assert kinds(105 * MIN) == [(100, "final"), (110, "provisional")]
+    assert kinds(None) == [(100, "provisional"), (110, "provisional")]
