@@ -14,7 +14,7 @@ give two revisions, in join order). Pure: Arrow and numpy, no Spark.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,7 +42,7 @@ from enrich.state.layout import BucketLayout
 from enrich.state.stored import WRITTEN
 from refstream import contract
 
-__all__ = ["ACC", "CAUSE_TYPE", "MERGE_AT", "REFOLDED", "SEQ", "NO_BOUND_END", "NO_BOUND_START", "REVISIONS_SCHEMA", "SMALL_ROWS", "TS",
+__all__ = ["ACC", "CAUSE_TYPE", "MERGE_AT", "REFOLDED", "SEQ", "VALUE", "NO_BOUND_END", "NO_BOUND_START", "REVISIONS_SCHEMA", "SMALL_ROWS", "TS",
            "Corrects", "Matched", "as_events", "bucket_changes", "join_again",
            "read_tallies", "tally", "emitted", "horizon_start", "initial_written", "keep", "match",
            "read_changes", "revisions", "saved_chunks", "with_revisions"]
@@ -200,6 +200,9 @@ TS = "__c_ts"
 #: fresh state), which a correction refolds the device's aggregates from
 #: (:func:`enrich.state.engine.refold`).
 SEQ, ACC = "__c_seq", "__c_acc:"
+#: In a chunk's revisions table, a corrected row's value of a corrected join's column ``c`` as its
+#: last correction wrote it is ``VALUE + c``: read back, a kept row says what was last written of it.
+VALUE = "__c_value:"
 #: A correction's cause (:data:`CAUSE`): the dataset, the changelog key (its JSON text), the
 #: version's valid_from, and where the changelog record is.
 CAUSE_TYPE = pa.struct([("dataset", pa.string()), ("key", pa.string()),
@@ -232,9 +235,11 @@ REVISIONS_SCHEMA = pa.schema([("row", pa.int32()), ("revision", pa.int32())])
 REFOLDED = "__c_refolded"
 
 
-def revisions(log: pa.Table) -> pa.Table:
+def revisions(log: pa.Table, columns: Sequence[str] = ()) -> pa.Table:
     """The rows of a chunk ``log`` corrected at least once or refolded (:data:`REFOLDED`), with their
-    revision and their accumulators (the :data:`ACC` columns ``log`` has)."""
+    revision, their accumulators (the :data:`ACC` columns ``log`` has) and their values of
+    ``columns`` (as :data:`VALUE` + name: what their last correction wrote of a corrected join's
+    columns)."""
     rev = log.column(REVISION).to_numpy(zero_copy_only=False)
     listed = rev > 0
     if REFOLDED in log.column_names:
@@ -245,6 +250,9 @@ def revisions(log: pa.Table) -> pa.Table:
     for name in log.column_names:
         if name.startswith(ACC):
             out = out.append_column(name, log.column(name).take(pa.array(rows)))
+    for name in columns:
+        if name in log.column_names:
+            out = out.append_column(VALUE + name, log.column(name).take(pa.array(rows)))
     return out
 
 
@@ -258,10 +266,17 @@ def with_revisions(chunk: pa.Table, revised: pa.Table | None) -> pa.Table:
     rows = revised.column("row").to_numpy(zero_copy_only=False)
     rev[rows] = np.maximum(rev[rows], revised.column("revision").to_numpy(zero_copy_only=False))
     chunk = chunk.set_column(chunk.schema.get_field_index(REVISION), REVISION, pa.array(rev, pa.int32()))
+    src = np.arange(chunk.num_rows)
+    src[rows] = chunk.num_rows + np.arange(len(rows))
+    for side in revised.column_names:  # the values a correction wrote of the corrected joins' columns
+        name = side[len(VALUE):]
+        if side.startswith(VALUE) and name in chunk.column_names:
+            i = chunk.schema.get_field_index(name)
+            both = pa.concat_arrays([chunk.column(i).combine_chunks(),
+                                     revised.column(side).combine_chunks().cast(chunk.schema.field(i).type)])
+            chunk = chunk.set_column(i, name, both.take(pa.array(src)))
     accs = [n for n in revised.column_names if n.startswith(ACC) and n in chunk.column_names]
     if accs:
-        src = np.arange(chunk.num_rows)
-        src[rows] = chunk.num_rows + np.arange(len(rows))
         for name in accs:
             i = chunk.schema.get_field_index(name)
             both = pa.concat_arrays([chunk.column(i).combine_chunks(),
@@ -313,6 +328,8 @@ class Matched:
 
     rows: pa.Table
     log: pa.Table
+    #: Each of ``rows``' place in ``log``.
+    at: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
 
 def _hits(log_keys: np.ndarray, log_nulls: np.ndarray, ts: np.ndarray, ch_keys: np.ndarray, ch_nulls: np.ndarray,
@@ -353,6 +370,7 @@ def match(log: pa.Table | None, changes: Sequence[tuple[Corrects, pa.Table]],
     ts = log.column(TS).to_numpy(zero_copy_only=False)
     revision = log.column(REVISION).to_numpy(zero_copy_only=False).astype(np.int32).copy()
     picked: list[pa.Table] = []
+    places: list[np.ndarray] = []
     for c, ch in changes:
         spec = c.spec
         ch = ch.filter(pc.invert(pc.is_in(ch.column("result"), value_set=pa.array(QUIET))))
@@ -382,7 +400,8 @@ def match(log: pa.Table | None, changes: Sequence[tuple[Corrects, pa.Table]],
             fields=list(CAUSE_TYPE))
         got = log.take(pa.array(rows)).drop_columns([REVISION])
         picked.append(got.append_column(REVISION, pa.array(revision[rows], pa.int32())).append_column(CAUSE, cause))
+        places.append(rows)
     if not picked:
         return None
     log = log.set_column(log.schema.get_field_index(REVISION), REVISION, pa.array(revision, pa.int32()))
-    return Matched(pa.concat_tables(picked), log)
+    return Matched(pa.concat_tables(picked), log, np.concatenate(places).astype(np.int64))

@@ -184,6 +184,9 @@ class DeviceStateProcessor(StatefulProcessor):
             elif c.before:
                 chain = [before[k] for k in corrections.join_again(before, [c.dataset])]
                 self._horizons.append((c.horizon_us, {o for b in chain for o in (*[o for _, o in b.columns], b.matched)}))
+        # The columns a correction rewrites in the kept rows (through their revisions table): a kept row
+        # then says what was last written of it, which an event behind the horizon keeps for good.
+        self._revisable = tuple(sorted({c for _, cols in self._horizons for c in cols} | ({CLIPPED} if corrected else set())))
         self._accs = engine.accumulators(self._refold) if self._refold is not None else ()
         self._chunks: dict[int, pa.Table] = {}  # a call's kept chunks as read (and revised)
         self._warned_unknown = False
@@ -318,6 +321,7 @@ class DeviceStateProcessor(StatefulProcessor):
         changes = self._changes(bucket, watermark, chunks)
         starts = [int(pc.min(t.column("start")).as_py()) for _, t in changes if t.num_rows]
         fixed: list[pa.Table] = []
+        now: list[pa.Table] = []  # the corrected events looked up again
         if starts:
             first = min(starts)
             for c in chunks:
@@ -328,17 +332,21 @@ class DeviceStateProcessor(StatefulProcessor):
                     continue
                 found = corrections.match(got, changes, watermark)
                 if found is not None:  # the chunk's revisions written back, not its rows
-                    self.written.updateValue((revisions_key(c[0]),), (to_ipc(corrections.revisions(found.log)),))
-                    self._chunks[c[0]] = found.log
+                    looked, _ = self._look_again(found.rows, versions)
+                    log = self._with_values(found.log, looked, found.at)  # what is written of them now
+                    self.written.updateValue((revisions_key(c[0]),),
+                                             (to_ipc(corrections.revisions(log, self._revisable)),))
+                    self._chunks[c[0]] = log
                     fixed.append(found.rows)
+                    now.append(looked)
         if gone:
             self._store_index(index["next"], chunks)
         self._written_index = {"next": index["next"], "chunks": chunks}  # this call's: no second read
         if not fixed:
             return None
-        rows = pa.concat_tables(fixed, promote_options="permissive")
-        written = rows
-        rows, lost = self._look_again(rows, versions)
+        written = pa.concat_tables(fixed, promote_options="permissive")
+        rows = pa.concat_tables(now, promote_options="permissive")
+        lost = ~self._counted(rows)
         if self._moving and self._moves_needed(written, rows):  # the rollups' windows in their span, rebuilt
             self._moves_out = self._moves(bucket, rows, watermark, chunks, start, versions)
         if self.calls is not None and self.call_value is not None:  # made again at the device's next event
@@ -376,7 +384,6 @@ class DeviceStateProcessor(StatefulProcessor):
         driver's file, a partitioned join's from its records in this bucket (counted here)."""
         shipped = iter(_batch_changes(tuple(c for c in self.corrected if c.dim is None))
                        if any(c.dim is None for c in self.corrected) else ())
-        kept_until = max((c[3] for c in chunks), default=None)
         out, found = [], []
         for c in self.corrected:
             if c.dim is None:
@@ -386,6 +393,8 @@ class DeviceStateProcessor(StatefulProcessor):
             if got is None:
                 continue
             start = watermark - c.horizon_us if watermark is not None else NO_BOUND_START
+            # What the bucket wrote within this join's horizon (it keeps some before it for the moves).
+            kept_until = max((k[3] for k in chunks if k[3] >= start), default=None)
             table = corrections.bucket_changes(c, *got, start, kept_until)
             found.append((c, table, start))
             out.append((c, table.filter(pc.invert(pc.is_in(table.column("result"), value_set=pa.array(QUIET))))))
@@ -414,10 +423,23 @@ class DeviceStateProcessor(StatefulProcessor):
         return rollups.moves(self.rollups, self._moving, ts, cause, kept, complete_from, watermark,
                              self.rollup_ids, bucket)
 
+    def _with_values(self, log: pa.Table, looked: pa.Table, at: np.ndarray) -> pa.Table:
+        """The kept rows ``log`` with the corrected values (``looked``, of its rows ``at``) of the
+        columns a correction rewrites."""
+        src = np.arange(log.num_rows)
+        src[at] = log.num_rows + np.arange(len(at))  # of an event corrected twice in the batch: its last
+        for name in self._revisable:
+            if name in log.column_names and name in looked.column_names:
+                i = log.schema.get_field_index(name)
+                both = pa.concat_arrays([log.column(i).combine_chunks(),
+                                         looked.column(name).combine_chunks().cast(log.schema.field(i).type)])
+                log = log.set_column(i, name, both.take(pa.array(src)))
+        return log
+
     def _written_behind(self, now: pa.Table, kept: pa.Table, watermark: int | None) -> pa.Table:
         """Kept events ``kept`` joined again (``now``), but those older than a corrected join's horizon
-        with its columns as written: a version reaching further back corrects none of them, nor what
-        the state or a rollup made of them."""
+        with its columns as last written (as first written, or by their last correction): a version
+        reaching further back corrects none of them, nor what the state or a rollup made of them."""
         if watermark is None:
             return now
         ts = kept.column(corrections.TS).to_numpy(zero_copy_only=False)
@@ -453,8 +475,12 @@ class DeviceStateProcessor(StatefulProcessor):
         devices = pc.unique(rows.column(key).filter(pa.array(changed)))
         got_chunks = [(c[0], got) for c in chunks if (got := self._read_chunk(c[0])) is not None]
         need = [corrections.SEQ, *[corrections.ACC + n for n in self._accs]]
-        unknown = [got.column(key).filter(pc.is_in(got.column(key), value_set=devices)) for _, got in got_chunks
-                   if any(n not in got.column_names for n in need)]
+        # Rows kept before the fold began: a chunk without its columns, or rows merged into one that
+        # has them (their chunk number null).
+        unknown = [got.column(key).filter(pc.and_(pc.is_in(got.column(key), value_set=devices),
+                                                  pc.is_null(got.column(corrections.SEQ))))
+                   if all(n in got.column_names for n in need)
+                   else got.column(key).filter(pc.is_in(got.column(key), value_set=devices)) for _, got in got_chunks]
         if unknown and sum(len(u) for u in unknown):
             gone = pc.unique(pa.chunked_array(unknown).combine_chunks())
             if not self._warned_unknown:
@@ -582,7 +608,7 @@ class DeviceStateProcessor(StatefulProcessor):
                 t = t.drop_columns([corrections.REFOLDED])
             marked[rows_at[differs]] = True
             t = t.append_column(corrections.REFOLDED, pa.array(marked, pa.bool_()))
-            self.written.updateValue((revisions_key(chunk),), (to_ipc(corrections.revisions(t)),))
+            self.written.updateValue((revisions_key(chunk),), (to_ipc(corrections.revisions(t, self._revisable)),))
             self._chunks[chunk] = t
 
     def _store_refolded(self, bucket: int, keys: pa.Array, counts: np.ndarray, final: pa.Table) -> None:

@@ -574,7 +574,9 @@ def test_a_rollup_window_the_horizons_start_falls_in_is_moved_with_its_older_eve
     the horizon's start at 4m, inside the window [0, 5m). A late version moves device 1 to s-6 as of
     2m: its events at 4.5m and 19m are corrected, the one at 3m (behind the horizon) is not, and the
     bucket's move starts at that window: it counts the 4.5m event at s-6 and the 3m one at s-2, as
-    written."""
+    written. In a fresh bucket, the same events are corrected at a watermark of 10m (all three to
+    s-6), then at 19m a version from 4m moves the later two to s-7: the window's move counts the 3m
+    event at s-6, as its last correction wrote it, not as first written."""
     import pandas as pd
     from pyspark.sql.streaming.tws_tester import TwsTester
 
@@ -631,3 +633,66 @@ def test_a_rollup_window_the_horizons_start_falls_in_is_moved_with_its_older_eve
     assert (int(meta[rollup_engine.MOVE_LO]), int(meta[rollup_engine.MOVE_HI])) == (us(T0), us(T0 + 20 * MIN))
     assert sorted((r["window_start"] - us(T0), r["site"], r["_events"], r["temp.max"]) for r in moved[0].to_pylist()) == [
         (0, "s-2", 1, 30.0), (0, "s-6", 1, 45.0), (15 * 60_000_000, "s-6", 1, 19.0)]
+
+    # A fresh bucket: the 3m event corrected once within the horizon, then left behind it.
+    t = TwsTester(DeviceStateProcessor(spec, ("device_id", "ts", "temp", "_error", "_partition", "_offset"), dims=(dim,),
+                                       corrected=(c,), rollups=(rollup,), rollup_ids=(5,)),
+                  timeMode="EventTime", eventTimeExtractor=lambda _: 2**62)
+    call(versions("s-2", T0, 0, with_schema=True), events([(3, 30.0, 0), (4.5, 45.0, 1), (19, 19.0, 2)]))
+    t.setWatermark(us(T0 + 10 * MIN) // 1000)
+    call(versions("s-6", T0 + 2 * MIN, 10))
+    t.setWatermark(us(T0 + 19 * MIN) // 1000)
+    out = call(versions("s-7", T0 + 4 * MIN, 20))
+    moved = [from_ipc(v) for kind, v in zip(out[PACK_KIND], out[ROWS], strict=True) if kind.startswith("move:")]
+    assert sorted((r["window_start"] - us(T0), r["site"], r["_events"]) for r in moved[0].to_pylist()) == [
+        (0, "s-6", 1), (0, "s-7", 1), (15 * 60_000_000, "s-7", 1)]
+
+
+def test_a_refold_keeps_what_an_event_behind_the_horizon_was_last_corrected_to() -> None:
+    """``limit: [max]`` over a corrected partitioned join with a 15-minute horizon: at a watermark
+    of 10m a version from 2m corrects every event to limit 9; at 19m a version from 8m sets limit 2
+    for the later two. The event at 3m is behind the horizon then: the fold keeps its corrected 9
+    (not the 1 it was first written with), so the later events' maximum stays 9."""
+    import dataclasses
+
+    import pandas as pd
+    from pyspark.sql.streaming.tws_tester import TwsTester
+
+    from enrich import packed
+    from enrich.columns import FLAT, KIND, TS_US
+    from enrich.joins.partitioned import partitioned_dim
+    from enrich.state.engine import StateSpec
+    from enrich.state.processor import DeviceStateProcessor
+    from refstream import contract
+    from tests.enrich.joins.test_partitioned import SCHEMA, make_dim, records, upserts
+
+    dim = partitioned_dim(0, "devices", "ref.devices", SCHEMA, dataclasses.replace(make_dim().join, time="ts"),
+                          inner=False, history=timedelta(days=2))
+    c = Corrects(dim.join, ("id",), 15 * 60_000_000, ("owner", "limit"), dim=0)
+    spec = StateSpec("device_id", pa.int64(), TS_US, 10**12, aggregates=(("limit", ("max",), pa.float64()),),
+                     timestamp_type=pa.int64())
+    t = TwsTester(DeviceStateProcessor(spec, ("device_id", "ts", "_error", "_partition", "_offset"), dims=(dim,),
+                                       corrected=(c,)), timeMode="EventTime", eventTimeExtractor=lambda _: 2**62)
+
+    def version(limit: float, minutes: int, first: int, with_schema: bool = False) -> pa.Table:
+        ms = ([contract.schema_message(SCHEMA)] if with_schema else []) + upserts({"id": 1, "owner": "o", "limit": limit})
+        r = records(*ms, first=first)
+        return (r.append_column("valid_from", pa.array([contract.format_time(T0 + minutes * MIN)] * r.num_rows))
+                .append_column("timestamp", pa.nulls(r.num_rows, pa.timestamp("us", tz="UTC")))
+                .replace_schema_metadata({b"refstream.kind": dim.kind.encode()}))
+
+    ts = [T0 + m * MIN for m in (3, 10, 19)]
+    evs = pa.table({"device_id": pa.array([1, 1, 1], pa.int64()), "ts": pa.array(ts, pa.timestamp("us", tz="UTC")),
+                    "_error": pa.nulls(3, pa.string()), "_partition": pa.array([0] * 3, pa.int32()),
+                    "_offset": pa.array([0, 1, 2], pa.int64()), TS_US: pa.array([us(x) for x in ts], pa.int64())})
+
+    def call(*chunks: pa.Table) -> list[tuple]:
+        out = t.testInPandas(3, pd.DataFrame({"_0": [3] * len(chunks), "rows": [to_ipc(x) for x in chunks]}))
+        return [(r["_offset"], r[KIND], r["_revision"], r["limit"], r[FLAT + "limit_max"])
+                for v in out[packed.ROWS] for r in from_ipc(v).to_pylist()]
+
+    assert call(version(1.0, 0, 0, with_schema=True), evs) == [(o, "event", 0, 1.0, 1.0) for o in range(3)]
+    t.setWatermark(us(T0 + 10 * MIN) // 1000)
+    assert call(version(9.0, 2, 10)) == [(o, "correction", 1, 9.0, 9.0) for o in range(3)]
+    t.setWatermark(us(T0 + 19 * MIN) // 1000)
+    assert call(version(2.0, 8, 20)) == [(1, "correction", 2, 2.0, 9.0), (2, "correction", 2, 2.0, 9.0)]
