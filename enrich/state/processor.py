@@ -175,18 +175,18 @@ class DeviceStateProcessor(StatefulProcessor):
                 changing |= {o for _, o in d.join.columns} | {d.join.matched}
         refolded = tuple(a for a in spec.aggregates if a[0] in changing)
         self._refold = dataclasses.replace(spec, aggregates=refolded) if refolded else None
-        # Per corrected join before or in the step, its horizon and the columns a look-up again sets.
-        self._horizons: list[tuple[int, set[str]]] = []
+        # The columns a correction rewrites in the kept rows (through their revisions table: a kept row
+        # says what was last written of it, what the state and the rollups counted): those of the
+        # corrected joins before or in the step, and of the joins before it on their columns.
+        revisable = {CLIPPED} if corrected else set()
         for c in corrected:
             if c.dim is not None:
                 d = next(d for d in dims if d.index == c.dim)
-                self._horizons.append((c.horizon_us, {o for _, o in d.join.columns} | {d.join.matched}))
+                revisable |= {o for _, o in d.join.columns} | {d.join.matched}
             elif c.before:
                 chain = [before[k] for k in corrections.join_again(before, [c.dataset])]
-                self._horizons.append((c.horizon_us, {o for b in chain for o in (*[o for _, o in b.columns], b.matched)}))
-        # The columns a correction rewrites in the kept rows (through their revisions table): a kept row
-        # then says what was last written of it, which an event behind the horizon keeps for good.
-        self._revisable = tuple(sorted({c for _, cols in self._horizons for c in cols} | ({CLIPPED} if corrected else set())))
+                revisable |= {o for b in chain for o in (*[o for _, o in b.columns], b.matched)}
+        self._revisable = tuple(sorted(revisable))
         self._accs = engine.accumulators(self._refold) if self._refold is not None else ()
         self._chunks: dict[int, pa.Table] = {}  # a call's kept chunks as read (and revised)
         self._warned_unknown = False
@@ -348,11 +348,11 @@ class DeviceStateProcessor(StatefulProcessor):
         rows = pa.concat_tables(now, promote_options="permissive")
         lost = ~self._counted(rows)
         if self._moving and self._moves_needed(written, rows):  # the rollups' windows in their span, rebuilt
-            self._moves_out = self._moves(bucket, rows, watermark, chunks, start, versions)
+            self._moves_out = self._moves(bucket, rows, watermark, chunks, start)
         if self.calls is not None and self.call_value is not None:  # made again at the device's next event
             self._stale_calls(written, rows)
         if self._refold is not None:  # the devices' aggregates over the corrected columns, folded again
-            rows, more_written, more, restated = self._refold_state(bucket, written, rows, chunks, versions, watermark)
+            rows, more_written, more, restated = self._refold_state(bucket, written, rows, chunks)
             if self.calls is not None and self.call_value is not None and len(restated):
                 self._stale_state_calls(restated)
             if more.num_rows:
@@ -403,10 +403,10 @@ class DeviceStateProcessor(StatefulProcessor):
         return out
 
     def _moves(self, bucket: int, rows: pa.Table, watermark: int | None, chunks: list[list[int]],
-               complete_from: int, versions: list[Version]) -> list[tuple[int, str, bytes]]:
+               complete_from: int) -> list[tuple[int, str, bytes]]:
         """The moves (:func:`enrich.state.rollups.moves`) of the corrected events ``rows``: the
-        bucket's new parts of the rollup windows in their span, from every event it kept there,
-        joined again as they are now."""
+        bucket's new parts of the rollup windows in their span, from every event it kept there, as
+        last written (this batch's corrections included)."""
         ts = rows.column(corrections.TS).to_numpy(zero_copy_only=False).astype(np.int64)
         widest = max(self.rollups[i].window_us for i in self._moving)
         lo = min(int(ts.min()) // self.rollups[i].window_us * self.rollups[i].window_us for i in self._moving)
@@ -414,8 +414,8 @@ class DeviceStateProcessor(StatefulProcessor):
         read = [t for c in chunks if c[3] >= lo and c[2] < hi and (t := self._read_chunk(c[0])) is not None]
         kept = pa.concat_tables(read, promote_options="permissive") if read else rows.slice(0, 0)
         kts = kept.column(corrections.TS).to_numpy(zero_copy_only=False)
-        span = kept.filter(pa.array((kts >= lo) & (kts < hi)))
-        kept = self._written_behind(self._look_again(span, versions)[0], span, watermark)
+        # As last written: this batch's corrections are in the chunks as read (their values rewritten).
+        kept = kept.filter(pa.array((kts >= lo) & (kts < hi)))
         kept = kept.filter(pa.array(self._counted(kept)))  # the events the rollups count (a call's dead letters none)
         kept = kept.filter(pc.is_null(kept.column(ERROR)))
         kept = kept.rename_columns([TS_US if n == corrections.TS else n for n in kept.column_names])
@@ -436,35 +436,18 @@ class DeviceStateProcessor(StatefulProcessor):
                 log = log.set_column(i, name, both.take(pa.array(src)))
         return log
 
-    def _written_behind(self, now: pa.Table, kept: pa.Table, watermark: int | None) -> pa.Table:
-        """Kept events ``kept`` joined again (``now``), but those older than a corrected join's horizon
-        with its columns as last written (as first written, or by their last correction): a version
-        reaching further back corrects none of them, nor what the state or a rollup made of them."""
-        if watermark is None:
-            return now
-        ts = kept.column(corrections.TS).to_numpy(zero_copy_only=False)
-        for horizon, cols in self._horizons:
-            old = ts < watermark - horizon
-            if not old.any():
-                continue
-            mask = pa.array(old)
-            for name in sorted(cols & set(now.column_names) & set(kept.column_names)):
-                i = now.schema.get_field_index(name)
-                now = now.set_column(i, name, pc.if_else(mask, kept.column(name).cast(now.schema.field(i).type),
-                                                         now.column(i)))
-        return now
-
-    def _refold_state(self, bucket: int, written: pa.Table, rows: pa.Table, chunks: list[list[int]],
-                      versions: list[Version], watermark: int | None) -> tuple[pa.Table, pa.Table, pa.Table, pa.Array]:
+    def _refold_state(self, bucket: int, written: pa.Table, rows: pa.Table,
+                      chunks: list[list[int]]) -> tuple[pa.Table, pa.Table, pa.Table, pa.Array]:
         """The state's aggregates over the corrected columns folded again for the devices of the
         corrected events ``rows`` (``written``: as kept) whose values of those columns changed: from
         the accumulators kept before each device's first kept event, over every event it kept, as
-        they are joined now. Returns ``rows`` with their refolded ``state`` fields, then the
+        last written (this batch's corrections included). Returns ``rows`` with their refolded ``state`` fields, then the
         corrections of the devices' later events whose ``state`` changed (or was corrected before),
         as kept and as corrected (their next revision, the cause of the device's first corrected
         event); and the devices some event's ``state`` changed of. The kept events' accumulators and
-        revisions, and the devices' stored state, are written back. A device with events kept before its aggregates were folded (corrections added
-        to a checkpoint that had run) keeps its state as first computed until they leave the horizon."""
+        revisions, and the devices' stored state, are written back. A device with events kept before
+        its aggregates were folded (corrections added to a checkpoint that had run) keeps its state as
+        first computed until they leave the horizon."""
         spec, key = self._refold, self.spec.key
         assert spec is not None
         cols = {c for c, _, _ in spec.aggregates}
@@ -516,7 +499,7 @@ class DeviceStateProcessor(StatefulProcessor):
         start[1:] = (d[1:] != d[:-1]) | (count[1:] != count[:-1] + 1)
         starts = np.flatnonzero(start)
         ordered = kept.take(pa.array(order))
-        now = self._written_behind(self._look_again(ordered, versions)[0], ordered, watermark)
+        now = ordered  # as last written: this batch's corrections are in the chunks as read
         seeds = pa.table({n: ordered.column(corrections.ACC + n).take(pa.array(starts)) for n in self._accs})
         folded = engine.refold(spec, now.select(sorted(cols)), starts, seeds)
 
