@@ -188,6 +188,9 @@ class DeviceStateProcessor(StatefulProcessor):
                 revisable |= {o for b in chain for o in (*[o for _, o in b.columns], b.matched)}
         self._revisable = tuple(sorted(revisable))
         self._accs = engine.accumulators(self._refold) if self._refold is not None else ()
+        # What a kept row's revisions table holds of it as last written: the corrected columns and the
+        # refolded state fields.
+        self._rewritten = self._revisable + tuple(FLAT + f"{c}_{a}" for c, aggs, _ in refolded for a in aggs)
         self._chunks: dict[int, pa.Table] = {}  # a call's kept chunks as read (and revised)
         self._warned_unknown = False
 
@@ -335,7 +338,7 @@ class DeviceStateProcessor(StatefulProcessor):
                     looked, _ = self._look_again(found.rows, versions)
                     log = self._with_values(found.log, looked, found.at)  # what is written of them now
                     self.written.updateValue((revisions_key(c[0]),),
-                                             (to_ipc(corrections.revisions(log, self._revisable)),))
+                                             (to_ipc(corrections.revisions(log, self._rewritten)),))
                     self._chunks[c[0]] = log
                     fixed.append(found.rows)
                     now.append(looked)
@@ -519,7 +522,7 @@ class DeviceStateProcessor(StatefulProcessor):
             differs |= ~_same_values(ordered.column(FLAT + label).combine_chunks(), values)
         revision = ordered.column(REVISION).to_numpy(zero_copy_only=False).astype(np.int32)
         letter = pc.is_valid(ordered.column(ERROR)).to_numpy(zero_copy_only=False).astype(bool)  # a call's: no event
-        more = np.flatnonzero(later & (differs | (revision > 0)) & ~letter)
+        more = np.flatnonzero(later & differs & ~letter)  # against the state last written of each
 
         def with_fields(t: pa.Table, at: np.ndarray) -> pa.Table:
             """``t`` with the refolded fields of the events ``at`` (-1: its own kept)."""
@@ -545,20 +548,23 @@ class DeviceStateProcessor(StatefulProcessor):
 
         extra_written = as_corrections(ordered)
         extra = with_fields(as_corrections(now), more)
-        self._write_back(where, order, folded.before, bumped)
-        self._store_refolded(bucket, ordered.column(key).take(pa.array(np.append(starts[1:], len(order)) - 1)),
-                             count[np.append(starts[1:], len(order)) - 1], folded.final)
         hit_rows = np.zeros(len(order), bool)
         hit_rows[fixed[hit]] = True
+        written_state = differs & hit_rows
+        written_state[more] = True  # the state each correction writes, kept as last written
+        self._write_back(where, order, folded.before, bumped, folded.fields, written_state)
+        self._store_refolded(bucket, ordered.column(key).take(pa.array(np.append(starts[1:], len(order)) - 1)),
+                             count[np.append(starts[1:], len(order)) - 1], folded.final)
         restated = pc.unique(ordered.column(key).filter(pa.array(differs & (later | hit_rows))))
         return rows, extra_written, extra, restated.combine_chunks() if isinstance(restated, pa.ChunkedArray) else restated
 
     def _write_back(self, where: list[tuple[int, pa.Table, np.ndarray]], order: np.ndarray, before: pa.Table,
-                    revision: np.ndarray) -> None:
+                    revision: np.ndarray, fields: dict[str, pa.Array], written_state: np.ndarray) -> None:
         """The refolded devices' kept events (``where``: chunk, its rows, the devices' rows in it;
         ``order``: their application order over those rows) with their new accumulators ``before``
-        and revisions: each chunk's revisions table written again with the rows whose accumulators
-        or revision changed (:func:`enrich.state.corrections.revisions`), not its rows."""
+        and revisions, and the refolded ``state`` ``fields`` of the events a correction writes it of
+        (``written_state``): each chunk's revisions table written again with the rows whose
+        accumulators, revision or state changed (:func:`enrich.state.corrections.revisions`), not its rows."""
         sizes = np.array([len(at) for _, _, at in where])
         offsets = np.concatenate([[0], np.cumsum(sizes)])
         rank = np.full(int(offsets[-1]), -1, np.int64)
@@ -579,6 +585,17 @@ class DeviceStateProcessor(StatefulProcessor):
                 src = np.arange(t.num_rows)
                 src[rows_at] = t.num_rows + np.arange(len(rows_at))
                 t = t.set_column(i, name, pa.concat_arrays([t.column(i).combine_chunks(), new]).take(pa.array(src)))
+            restate = written_state[ranks]
+            if restate.any():
+                at_rows, at_ranks = rows_at[restate], ranks[restate]
+                differs |= restate
+                src = np.arange(t.num_rows)
+                src[at_rows] = t.num_rows + np.arange(len(at_rows))
+                for label, values in fields.items():
+                    name = FLAT + label
+                    i = t.schema.get_field_index(name)
+                    new = values.take(pa.array(at_ranks)).cast(t.schema.field(i).type)
+                    t = t.set_column(i, name, pa.concat_arrays([t.column(i).combine_chunks(), new]).take(pa.array(src)))
             rev = t.column(REVISION).to_numpy(zero_copy_only=False).astype(np.int32).copy()
             bumped = revision[ranks] > rev[rows_at]
             if not (differs | bumped).any():
@@ -591,7 +608,7 @@ class DeviceStateProcessor(StatefulProcessor):
                 t = t.drop_columns([corrections.REFOLDED])
             marked[rows_at[differs]] = True
             t = t.append_column(corrections.REFOLDED, pa.array(marked, pa.bool_()))
-            self.written.updateValue((revisions_key(chunk),), (to_ipc(corrections.revisions(t, self._revisable)),))
+            self.written.updateValue((revisions_key(chunk),), (to_ipc(corrections.revisions(t, self._rewritten)),))
             self._chunks[chunk] = t
 
     def _store_refolded(self, bucket: int, keys: pa.Array, counts: np.ndarray, final: pa.Table) -> None:

@@ -696,3 +696,51 @@ def test_a_refold_keeps_what_an_event_behind_the_horizon_was_last_corrected_to()
     assert call(version(9.0, 2, 10)) == [(o, "correction", 1, 9.0, 9.0) for o in range(3)]
     t.setWatermark(us(T0 + 19 * MIN) // 1000)
     assert call(version(2.0, 8, 20)) == [(1, "correction", 2, 2.0, 9.0), (2, "correction", 2, 2.0, 9.0)]
+
+
+def test_a_later_event_whose_state_a_fold_leaves_as_last_written_gets_no_correction() -> None:
+    """``limit: [max]``: events at 10, 20 and 30 minutes. A late version from 28m (limit 9) corrects
+    the 30m event (revision 1, maximum 9); then one from 15m (limit 5) corrects the 20m event: the
+    30m event's maximum stays 9, as its last correction wrote it, so it gets no correction again."""
+    import dataclasses
+
+    import pandas as pd
+    from pyspark.sql.streaming.tws_tester import TwsTester
+
+    from enrich import packed
+    from enrich.columns import FLAT, KIND, TS_US
+    from enrich.joins.partitioned import partitioned_dim
+    from enrich.state.engine import StateSpec
+    from enrich.state.processor import DeviceStateProcessor
+    from refstream import contract
+    from tests.enrich.joins.test_partitioned import SCHEMA, make_dim, records, upserts
+
+    dim = partitioned_dim(0, "devices", "ref.devices", SCHEMA, dataclasses.replace(make_dim().join, time="ts"),
+                          inner=False, history=timedelta(days=2))
+    c = Corrects(dim.join, ("id",), 3_600_000_000, ("owner", "limit"), dim=0)
+    spec = StateSpec("device_id", pa.int64(), TS_US, 10**12, aggregates=(("limit", ("max",), pa.float64()),),
+                     timestamp_type=pa.int64())
+    t = TwsTester(DeviceStateProcessor(spec, ("device_id", "ts", "_error", "_partition", "_offset"), dims=(dim,),
+                                       corrected=(c,)), timeMode="EventTime", eventTimeExtractor=lambda _: 2**62)
+
+    def version(limit: float, minutes: int, first: int, with_schema: bool = False) -> pa.Table:
+        ms = ([contract.schema_message(SCHEMA)] if with_schema else []) + upserts({"id": 1, "owner": "o", "limit": limit})
+        r = records(*ms, first=first)
+        return (r.append_column("valid_from", pa.array([contract.format_time(T0 + minutes * MIN)] * r.num_rows))
+                .append_column("timestamp", pa.nulls(r.num_rows, pa.timestamp("us", tz="UTC")))
+                .replace_schema_metadata({b"refstream.kind": dim.kind.encode()}))
+
+    ts = [T0 + m * MIN for m in (10, 20, 30)]
+    evs = pa.table({"device_id": pa.array([1, 1, 1], pa.int64()), "ts": pa.array(ts, pa.timestamp("us", tz="UTC")),
+                    "_error": pa.nulls(3, pa.string()), "_partition": pa.array([0] * 3, pa.int32()),
+                    "_offset": pa.array([0, 1, 2], pa.int64()), TS_US: pa.array([us(x) for x in ts], pa.int64())})
+
+    def call(*chunks: pa.Table) -> list[tuple]:
+        out = t.testInPandas(3, pd.DataFrame({"_0": [3] * len(chunks), "rows": [to_ipc(x) for x in chunks]}))
+        return [(r["_offset"], r[KIND], r["_revision"], r[FLAT + "limit_max"])
+                for v in out[packed.ROWS] for r in from_ipc(v).to_pylist()]
+
+    assert call(version(1.0, 0, 0, with_schema=True), evs) == [(0, "event", 0, 1.0), (1, "event", 0, 1.0),
+                                                               (2, "event", 0, 1.0)]
+    assert call(version(9.0, 28, 10)) == [(2, "correction", 1, 9.0)]
+    assert call(version(5.0, 15, 20)) == [(1, "correction", 1, 5.0)]
