@@ -42,7 +42,7 @@ from enrich.state.layout import BucketLayout
 from enrich.state.stored import WRITTEN
 from refstream import contract
 
-__all__ = ["ACC", "CAUSE_TYPE", "MERGE_AT", "REFOLDED", "SEQ", "VALUE", "NO_BOUND_END", "NO_BOUND_START", "REVISIONS_SCHEMA", "SMALL_ROWS", "TS",
+__all__ = ["ACC", "CAUSE_TYPE", "MERGE_AT", "REFOLDED", "SEQ", "VALUE", "mark_refolded", "put", "NO_BOUND_END", "NO_BOUND_START", "REVISIONS_SCHEMA", "SMALL_ROWS", "TS",
            "Corrects", "Matched", "as_events", "bucket_changes", "join_again",
            "read_tallies", "tally", "emitted", "horizon_start", "initial_written", "keep", "match",
            "read_changes", "revisions", "saved_chunks", "with_revisions"]
@@ -266,29 +266,35 @@ def with_revisions(chunk: pa.Table, revised: pa.Table | None) -> pa.Table:
     rows = revised.column("row").to_numpy(zero_copy_only=False)
     rev[rows] = np.maximum(rev[rows], revised.column("revision").to_numpy(zero_copy_only=False))
     chunk = chunk.set_column(chunk.schema.get_field_index(REVISION), REVISION, pa.array(rev, pa.int32()))
-    src = np.arange(chunk.num_rows)
-    src[rows] = chunk.num_rows + np.arange(len(rows))
     for side in revised.column_names:  # the values a correction wrote of the corrected joins' columns
         name = side[len(VALUE):]
         if side.startswith(VALUE) and name in chunk.column_names:
-            i = chunk.schema.get_field_index(name)
-            both = pa.concat_arrays([chunk.column(i).combine_chunks(),
-                                     revised.column(side).combine_chunks().cast(chunk.schema.field(i).type)])
-            chunk = chunk.set_column(i, name, both.take(pa.array(src)))
+            chunk = put(chunk, name, rows, revised.column(side))
     accs = [n for n in revised.column_names if n.startswith(ACC) and n in chunk.column_names]
-    if accs:
-        for name in accs:
-            i = chunk.schema.get_field_index(name)
-            both = pa.concat_arrays([chunk.column(i).combine_chunks(),
-                                     revised.column(name).combine_chunks().cast(chunk.schema.field(i).type)])
-            chunk = chunk.set_column(i, name, both.take(pa.array(src)))
-        marked = np.zeros(chunk.num_rows, bool)
-        if REFOLDED in chunk.column_names:
-            marked = chunk.column(REFOLDED).fill_null(False).to_numpy(zero_copy_only=False).astype(bool).copy()
-            chunk = chunk.drop_columns([REFOLDED])
-        marked[rows] = True
-        chunk = chunk.append_column(REFOLDED, pa.array(marked, pa.bool_()))
-    return chunk
+    for name in accs:
+        chunk = put(chunk, name, rows, revised.column(name))
+    return mark_refolded(chunk, rows) if accs else chunk
+
+
+def put(table: pa.Table, name: str, at: np.ndarray, values: pa.Array | pa.ChunkedArray) -> pa.Table:
+    """``table`` with its column ``name``'s values at rows ``at`` replaced by ``values`` (cast to the
+    column's type; of a row given twice, the last)."""
+    i = table.schema.get_field_index(name)
+    src = np.arange(table.num_rows)
+    src[at] = table.num_rows + np.arange(len(at))
+    new = values.combine_chunks() if isinstance(values, pa.ChunkedArray) else values
+    both = pa.concat_arrays([table.column(i).combine_chunks(), new.cast(table.schema.field(i).type)])
+    return table.set_column(i, name, both.take(pa.array(src)))
+
+
+def mark_refolded(chunk: pa.Table, rows: np.ndarray) -> pa.Table:
+    """``chunk`` with its rows ``rows`` marked :data:`REFOLDED`, beside those marked before."""
+    marked = np.zeros(chunk.num_rows, bool)
+    if REFOLDED in chunk.column_names:
+        marked = chunk.column(REFOLDED).fill_null(False).to_numpy(zero_copy_only=False).astype(bool).copy()
+        chunk = chunk.drop_columns([REFOLDED])
+    marked[rows] = True
+    return chunk.append_column(REFOLDED, pa.array(marked, pa.bool_()))
 
 
 def saved_chunks(batches: Iterator[pa.RecordBatch]) -> Iterator[pa.RecordBatch]:

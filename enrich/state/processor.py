@@ -429,14 +429,9 @@ class DeviceStateProcessor(StatefulProcessor):
     def _with_values(self, log: pa.Table, looked: pa.Table, at: np.ndarray) -> pa.Table:
         """The kept rows ``log`` with the corrected values (``looked``, of its rows ``at``) of the
         columns a correction rewrites."""
-        src = np.arange(log.num_rows)
-        src[at] = log.num_rows + np.arange(len(at))  # of an event corrected twice in the batch: its last
-        for name in self._revisable:
+        for name in self._revisable:  # of an event corrected twice in the batch: its last
             if name in log.column_names and name in looked.column_names:
-                i = log.schema.get_field_index(name)
-                both = pa.concat_arrays([log.column(i).combine_chunks(),
-                                         looked.column(name).combine_chunks().cast(log.schema.field(i).type)])
-                log = log.set_column(i, name, both.take(pa.array(src)))
+                log = corrections.put(log, name, at, looked.column(name))
         return log
 
     def _refold_state(self, bucket: int, written: pa.Table, rows: pa.Table,
@@ -444,10 +439,10 @@ class DeviceStateProcessor(StatefulProcessor):
         """The state's aggregates over the corrected columns folded again for the devices of the
         corrected events ``rows`` (``written``: as kept) whose values of those columns changed: from
         the accumulators kept before each device's first kept event, over every event it kept, as
-        last written (this batch's corrections included). Returns ``rows`` with their refolded ``state`` fields, then the
-        corrections of the devices' later events whose ``state`` changed (or was corrected before),
-        as kept and as corrected (their next revision, the cause of the device's first corrected
-        event); and the devices some event's ``state`` changed of. The kept events' accumulators and
+        last written (this batch's corrections included). Returns ``rows`` with their refolded
+        ``state`` fields, then the corrections of the devices' later events whose ``state`` changed
+        from what was last written of it, as kept and as corrected (their next revision, the cause
+        of the device's first corrected event); and the devices some event's ``state`` changed of. The kept events' accumulators and
         revisions, and the devices' stored state, are written back. A device with events kept before
         its aggregates were folded (corrections added to a checkpoint that had run) keeps its state as
         first computed until they leave the horizon."""
@@ -501,10 +496,9 @@ class DeviceStateProcessor(StatefulProcessor):
         start = np.ones(len(order), bool)
         start[1:] = (d[1:] != d[:-1]) | (count[1:] != count[:-1] + 1)
         starts = np.flatnonzero(start)
-        ordered = kept.take(pa.array(order))
-        now = ordered  # as last written: this batch's corrections are in the chunks as read
+        ordered = kept.take(pa.array(order))  # as last written: this batch's corrections are in the chunks as read
         seeds = pa.table({n: ordered.column(corrections.ACC + n).take(pa.array(starts)) for n in self._accs})
-        folded = engine.refold(spec, now.select(sorted(cols)), starts, seeds)
+        folded = engine.refold(spec, ordered.select(sorted(cols)), starts, seeds)
 
         ident = pd.MultiIndex.from_arrays([part[order], offs[order]])
         once = np.flatnonzero(~ident.duplicated())  # an event kept twice (offsets read again): its first
@@ -526,28 +520,28 @@ class DeviceStateProcessor(StatefulProcessor):
 
         def with_fields(t: pa.Table, at: np.ndarray) -> pa.Table:
             """``t`` with the refolded fields of the events ``at`` (-1: its own kept)."""
-            src = np.where(at >= 0, t.num_rows + at, np.arange(t.num_rows))
+            mine = np.flatnonzero(at >= 0)
             for label, values in folded.fields.items():
-                name = FLAT + label
-                i = t.schema.get_field_index(name)
-                both = pa.concat_arrays([t.column(i).combine_chunks(), values.cast(t.schema.field(i).type)])
-                t = t.set_column(i, name, both.take(pa.array(src)))
+                t = corrections.put(t, FLAT + label, mine, values.take(pa.array(at[mine])))
             return t
 
         rows = with_fields(rows, fixed)  # the corrected events' own state (a late one, never applied, has none)
         bumped = revision.copy()
         bumped[more] += 1
-        first_row = {int(j): i for i, j in reversed(list(enumerate(fixed))) if j >= 0}
+        # Per kept event, the first of ``rows`` correcting it: a later event's cause is its device's first's.
+        first_row = np.zeros(len(order), np.int64)
+        by = np.flatnonzero(hit)[::-1]
+        first_row[fixed[by]] = by
         cause = rows.column(CAUSE).combine_chunks() if rows.num_rows else pa.nulls(0, corrections.CAUSE_TYPE)
-        cause_rows = [first_row.get(int(first[d[j]]), 0) for j in more]
+        cause_rows = first_row[first[d[more]]]
 
         def as_corrections(t: pa.Table) -> pa.Table:
             t = t.take(pa.array(more)).drop_columns([REVISION])
             t = t.append_column(REVISION, pa.array(bumped[more], pa.int32()))
-            return t.append_column(CAUSE, cause.take(pa.array(cause_rows, pa.int64())).cast(corrections.CAUSE_TYPE))
+            return t.append_column(CAUSE, cause.take(pa.array(cause_rows)).cast(corrections.CAUSE_TYPE))
 
         extra_written = as_corrections(ordered)
-        extra = with_fields(as_corrections(now), more)
+        extra = with_fields(extra_written, more)
         hit_rows = np.zeros(len(order), bool)
         hit_rows[fixed[hit]] = True
         written_state = differs & hit_rows
@@ -579,35 +573,21 @@ class DeviceStateProcessor(StatefulProcessor):
             t = got
             for n in self._accs:
                 name = corrections.ACC + n
-                i = t.schema.get_field_index(name)
-                new = before.column(n).combine_chunks().take(pa.array(ranks)).cast(t.schema.field(i).type)
-                differs |= ~_same_values(t.column(i).combine_chunks().take(pa.array(rows_at)), new)
-                src = np.arange(t.num_rows)
-                src[rows_at] = t.num_rows + np.arange(len(rows_at))
-                t = t.set_column(i, name, pa.concat_arrays([t.column(i).combine_chunks(), new]).take(pa.array(src)))
+                new = before.column(n).combine_chunks().take(pa.array(ranks)).cast(t.schema.field(name).type)
+                differs |= ~_same_values(t.column(name).combine_chunks().take(pa.array(rows_at)), new)
+                t = corrections.put(t, name, rows_at, new)
             restate = written_state[ranks]
             if restate.any():
-                at_rows, at_ranks = rows_at[restate], ranks[restate]
                 differs |= restate
-                src = np.arange(t.num_rows)
-                src[at_rows] = t.num_rows + np.arange(len(at_rows))
                 for label, values in fields.items():
-                    name = FLAT + label
-                    i = t.schema.get_field_index(name)
-                    new = values.take(pa.array(at_ranks)).cast(t.schema.field(i).type)
-                    t = t.set_column(i, name, pa.concat_arrays([t.column(i).combine_chunks(), new]).take(pa.array(src)))
+                    t = corrections.put(t, FLAT + label, rows_at[restate], values.take(pa.array(ranks[restate])))
             rev = t.column(REVISION).to_numpy(zero_copy_only=False).astype(np.int32).copy()
             bumped = revision[ranks] > rev[rows_at]
             if not (differs | bumped).any():
                 continue
             rev[rows_at] = np.maximum(rev[rows_at], revision[ranks])
             t = t.set_column(t.schema.get_field_index(REVISION), REVISION, pa.array(rev, pa.int32()))
-            marked = np.zeros(t.num_rows, bool)
-            if corrections.REFOLDED in t.column_names:
-                marked = t.column(corrections.REFOLDED).fill_null(False).to_numpy(zero_copy_only=False).astype(bool).copy()
-                t = t.drop_columns([corrections.REFOLDED])
-            marked[rows_at[differs]] = True
-            t = t.append_column(corrections.REFOLDED, pa.array(marked, pa.bool_()))
+            t = corrections.mark_refolded(t, rows_at[differs])
             self.written.updateValue((revisions_key(chunk),), (to_ipc(corrections.revisions(t, self._rewritten)),))
             self._chunks[chunk] = t
 

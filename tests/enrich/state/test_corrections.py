@@ -648,99 +648,78 @@ def test_a_rollup_window_the_horizons_start_falls_in_is_moved_with_its_older_eve
         (0, "s-6", 1), (0, "s-7", 1), (15 * 60_000_000, "s-7", 1)]
 
 
+class LimitMaxBucket:
+    """Bucket 3 of the state step (PySpark's TwsTester) with ``limit: [max]`` over a corrected
+    partitioned join of device 1's versions (``horizon_us``), and its events at ``minutes``."""
+
+    def __init__(self, horizon_us: int, minutes: tuple[int, ...]) -> None:
+        import dataclasses
+
+        from pyspark.sql.streaming.tws_tester import TwsTester
+
+        from enrich.columns import TS_US
+        from enrich.joins.partitioned import partitioned_dim
+        from enrich.state.engine import StateSpec
+        from enrich.state.processor import DeviceStateProcessor
+        from tests.enrich.joins.test_partitioned import SCHEMA, make_dim
+
+        self.schema = SCHEMA
+        self.dim = partitioned_dim(0, "devices", "ref.devices", SCHEMA, dataclasses.replace(make_dim().join, time="ts"),
+                                   inner=False, history=timedelta(days=2))
+        c = Corrects(self.dim.join, ("id",), horizon_us, ("owner", "limit"), dim=0)
+        spec = StateSpec("device_id", pa.int64(), TS_US, 10**12, aggregates=(("limit", ("max",), pa.float64()),),
+                         timestamp_type=pa.int64())
+        self.tester = TwsTester(DeviceStateProcessor(spec, ("device_id", "ts", "_error", "_partition", "_offset"),
+                                                     dims=(self.dim,), corrected=(c,)),
+                                timeMode="EventTime", eventTimeExtractor=lambda _: 2**62)
+        ts = [T0 + m * MIN for m in minutes]
+        n = len(ts)
+        self.events = pa.table({"device_id": pa.array([1] * n, pa.int64()), "ts": pa.array(ts, pa.timestamp("us", tz="UTC")),
+                                "_error": pa.nulls(n, pa.string()), "_partition": pa.array([0] * n, pa.int32()),
+                                "_offset": pa.array(range(n), pa.int64()), TS_US: pa.array([us(x) for x in ts], pa.int64())})
+
+    def version(self, limit: float, minutes: int, first: int, with_schema: bool = False) -> pa.Table:
+        """Device 1's version with ``limit`` from ``minutes`` after T0, as the bucket's changelog records."""
+        from refstream import contract
+        from tests.enrich.joins.test_partitioned import records, upserts
+
+        ms = ([contract.schema_message(self.schema)] if with_schema else []) + upserts({"id": 1, "owner": "o", "limit": limit})
+        r = records(*ms, first=first)
+        return (r.append_column("valid_from", pa.array([contract.format_time(T0 + minutes * MIN)] * r.num_rows))
+                .append_column("timestamp", pa.nulls(r.num_rows, pa.timestamp("us", tz="UTC")))
+                .replace_schema_metadata({b"refstream.kind": self.dim.kind.encode()}))
+
+    def call(self, *chunks: pa.Table) -> list[tuple]:
+        """One call with ``chunks``: (offset, kind, revision, limit, limit_max) of every row out."""
+        import pandas as pd
+
+        from enrich import packed
+        from enrich.columns import FLAT, KIND
+
+        out = self.tester.testInPandas(3, pd.DataFrame({"_0": [3] * len(chunks), "rows": [to_ipc(x) for x in chunks]}))
+        return [(r["_offset"], r[KIND], r["_revision"], r["limit"], r[FLAT + "limit_max"])
+                for v in out[packed.ROWS] for r in from_ipc(v).to_pylist()]
+
+
 def test_a_refold_keeps_what_an_event_behind_the_horizon_was_last_corrected_to() -> None:
     """``limit: [max]`` over a corrected partitioned join with a 15-minute horizon: at a watermark
     of 10m a version from 2m corrects every event to limit 9; at 19m a version from 8m sets limit 2
     for the later two. The event at 3m is behind the horizon then: the fold keeps its corrected 9
     (not the 1 it was first written with), so the later events' maximum stays 9."""
-    import dataclasses
-
-    import pandas as pd
-    from pyspark.sql.streaming.tws_tester import TwsTester
-
-    from enrich import packed
-    from enrich.columns import FLAT, KIND, TS_US
-    from enrich.joins.partitioned import partitioned_dim
-    from enrich.state.engine import StateSpec
-    from enrich.state.processor import DeviceStateProcessor
-    from refstream import contract
-    from tests.enrich.joins.test_partitioned import SCHEMA, make_dim, records, upserts
-
-    dim = partitioned_dim(0, "devices", "ref.devices", SCHEMA, dataclasses.replace(make_dim().join, time="ts"),
-                          inner=False, history=timedelta(days=2))
-    c = Corrects(dim.join, ("id",), 15 * 60_000_000, ("owner", "limit"), dim=0)
-    spec = StateSpec("device_id", pa.int64(), TS_US, 10**12, aggregates=(("limit", ("max",), pa.float64()),),
-                     timestamp_type=pa.int64())
-    t = TwsTester(DeviceStateProcessor(spec, ("device_id", "ts", "_error", "_partition", "_offset"), dims=(dim,),
-                                       corrected=(c,)), timeMode="EventTime", eventTimeExtractor=lambda _: 2**62)
-
-    def version(limit: float, minutes: int, first: int, with_schema: bool = False) -> pa.Table:
-        ms = ([contract.schema_message(SCHEMA)] if with_schema else []) + upserts({"id": 1, "owner": "o", "limit": limit})
-        r = records(*ms, first=first)
-        return (r.append_column("valid_from", pa.array([contract.format_time(T0 + minutes * MIN)] * r.num_rows))
-                .append_column("timestamp", pa.nulls(r.num_rows, pa.timestamp("us", tz="UTC")))
-                .replace_schema_metadata({b"refstream.kind": dim.kind.encode()}))
-
-    ts = [T0 + m * MIN for m in (3, 10, 19)]
-    evs = pa.table({"device_id": pa.array([1, 1, 1], pa.int64()), "ts": pa.array(ts, pa.timestamp("us", tz="UTC")),
-                    "_error": pa.nulls(3, pa.string()), "_partition": pa.array([0] * 3, pa.int32()),
-                    "_offset": pa.array([0, 1, 2], pa.int64()), TS_US: pa.array([us(x) for x in ts], pa.int64())})
-
-    def call(*chunks: pa.Table) -> list[tuple]:
-        out = t.testInPandas(3, pd.DataFrame({"_0": [3] * len(chunks), "rows": [to_ipc(x) for x in chunks]}))
-        return [(r["_offset"], r[KIND], r["_revision"], r["limit"], r[FLAT + "limit_max"])
-                for v in out[packed.ROWS] for r in from_ipc(v).to_pylist()]
-
-    assert call(version(1.0, 0, 0, with_schema=True), evs) == [(o, "event", 0, 1.0, 1.0) for o in range(3)]
-    t.setWatermark(us(T0 + 10 * MIN) // 1000)
-    assert call(version(9.0, 2, 10)) == [(o, "correction", 1, 9.0, 9.0) for o in range(3)]
-    t.setWatermark(us(T0 + 19 * MIN) // 1000)
-    assert call(version(2.0, 8, 20)) == [(1, "correction", 2, 2.0, 9.0), (2, "correction", 2, 2.0, 9.0)]
+    b = LimitMaxBucket(15 * 60_000_000, (3, 10, 19))
+    assert b.call(b.version(1.0, 0, 0, with_schema=True), b.events) == [(o, "event", 0, 1.0, 1.0) for o in range(3)]
+    b.tester.setWatermark(us(T0 + 10 * MIN) // 1000)
+    assert b.call(b.version(9.0, 2, 10)) == [(o, "correction", 1, 9.0, 9.0) for o in range(3)]
+    b.tester.setWatermark(us(T0 + 19 * MIN) // 1000)
+    assert b.call(b.version(2.0, 8, 20)) == [(1, "correction", 2, 2.0, 9.0), (2, "correction", 2, 2.0, 9.0)]
 
 
 def test_a_later_event_whose_state_a_fold_leaves_as_last_written_gets_no_correction() -> None:
     """``limit: [max]``: events at 10, 20 and 30 minutes. A late version from 28m (limit 9) corrects
     the 30m event (revision 1, maximum 9); then one from 15m (limit 5) corrects the 20m event: the
     30m event's maximum stays 9, as its last correction wrote it, so it gets no correction again."""
-    import dataclasses
-
-    import pandas as pd
-    from pyspark.sql.streaming.tws_tester import TwsTester
-
-    from enrich import packed
-    from enrich.columns import FLAT, KIND, TS_US
-    from enrich.joins.partitioned import partitioned_dim
-    from enrich.state.engine import StateSpec
-    from enrich.state.processor import DeviceStateProcessor
-    from refstream import contract
-    from tests.enrich.joins.test_partitioned import SCHEMA, make_dim, records, upserts
-
-    dim = partitioned_dim(0, "devices", "ref.devices", SCHEMA, dataclasses.replace(make_dim().join, time="ts"),
-                          inner=False, history=timedelta(days=2))
-    c = Corrects(dim.join, ("id",), 3_600_000_000, ("owner", "limit"), dim=0)
-    spec = StateSpec("device_id", pa.int64(), TS_US, 10**12, aggregates=(("limit", ("max",), pa.float64()),),
-                     timestamp_type=pa.int64())
-    t = TwsTester(DeviceStateProcessor(spec, ("device_id", "ts", "_error", "_partition", "_offset"), dims=(dim,),
-                                       corrected=(c,)), timeMode="EventTime", eventTimeExtractor=lambda _: 2**62)
-
-    def version(limit: float, minutes: int, first: int, with_schema: bool = False) -> pa.Table:
-        ms = ([contract.schema_message(SCHEMA)] if with_schema else []) + upserts({"id": 1, "owner": "o", "limit": limit})
-        r = records(*ms, first=first)
-        return (r.append_column("valid_from", pa.array([contract.format_time(T0 + minutes * MIN)] * r.num_rows))
-                .append_column("timestamp", pa.nulls(r.num_rows, pa.timestamp("us", tz="UTC")))
-                .replace_schema_metadata({b"refstream.kind": dim.kind.encode()}))
-
-    ts = [T0 + m * MIN for m in (10, 20, 30)]
-    evs = pa.table({"device_id": pa.array([1, 1, 1], pa.int64()), "ts": pa.array(ts, pa.timestamp("us", tz="UTC")),
-                    "_error": pa.nulls(3, pa.string()), "_partition": pa.array([0] * 3, pa.int32()),
-                    "_offset": pa.array([0, 1, 2], pa.int64()), TS_US: pa.array([us(x) for x in ts], pa.int64())})
-
-    def call(*chunks: pa.Table) -> list[tuple]:
-        out = t.testInPandas(3, pd.DataFrame({"_0": [3] * len(chunks), "rows": [to_ipc(x) for x in chunks]}))
-        return [(r["_offset"], r[KIND], r["_revision"], r[FLAT + "limit_max"])
-                for v in out[packed.ROWS] for r in from_ipc(v).to_pylist()]
-
-    assert call(version(1.0, 0, 0, with_schema=True), evs) == [(0, "event", 0, 1.0), (1, "event", 0, 1.0),
-                                                               (2, "event", 0, 1.0)]
-    assert call(version(9.0, 28, 10)) == [(2, "correction", 1, 9.0)]
-    assert call(version(5.0, 15, 20)) == [(1, "correction", 1, 5.0)]
+    b = LimitMaxBucket(3_600_000_000, (10, 20, 30))
+    assert b.call(b.version(1.0, 0, 0, with_schema=True), b.events) == [
+        (0, "event", 0, 1.0, 1.0), (1, "event", 0, 1.0, 1.0), (2, "event", 0, 1.0, 1.0)]
+    assert b.call(b.version(9.0, 28, 10)) == [(2, "correction", 1, 9.0, 9.0)]
+    assert b.call(b.version(5.0, 15, 20)) == [(1, "correction", 1, 5.0, 5.0)]
