@@ -196,12 +196,17 @@ class Publisher:
                 for part in partitions or [0]:
                     self._produce(p, topic, m.key, m.value, m.headers, part)
                     sent += 1
+        def outstanding() -> int:
+            # The queue's length counts the client's own events too (a down broker's errors, one per
+            # reconnect): no more messages are pending than have had no failure reported.
+            return max(0, min(len(p), sent - len(errors)))
+
         deadline = time.monotonic() + flush_timeout
-        while len(p) > 0 and time.monotonic() < deadline:
+        while outstanding() > 0 and time.monotonic() < deadline:
             p.flush(min(1.0, max(0.0, deadline - time.monotonic())))
             if stop is not None and stop.is_set() and errors:
                 break
-        pending = len(p)
+        pending = outstanding()
         if errors or pending:
             first = errors[0] if errors else "no delivery report"
             raise PublishError(f"topic {topic}: {sent - len(errors) - pending}/{sent} messages acknowledged "
