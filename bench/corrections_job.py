@@ -164,12 +164,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="with --state-owner's job, a fourth with a rollup by owner whose events the late versions move")
     ap.add_argument("--state-owner", action="store_true",
                     help="a third job with owner: [last] among the state's aggregates (folded again by the late versions)")
+    ap.add_argument("--only", choices=("as_of", "corrections", "refold", "moves"),
+                    help="run this job alone (its throughput and the late versions; no ratios): for profiling")
+    ap.add_argument("--py-spy", type=Path, help="sample the late versions' job (its process tree) into this "
+                                               "file, py-spy's raw format (python -m bench.tools.pyspy FILE)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     print(f"machine: {_machine()}; {args.events:,} events over {args.devices:,} devices, batches of "
           f"{args.batch:,}; a late version of {args.late:,} devices", flush=True)
     variants = (*VARIANTS, *(["refold"] if args.state_owner or args.rollup_owner else []),
                 *(["moves"] if args.rollup_owner else []))
+    if args.only:
+        variants = (args.only,)
     results: dict[str, list[dict[str, float]]] = {v: [] for v in variants}
     with ExitStack() as stack:
         settings = broker_settings(stack, args.bootstrap)
@@ -193,18 +199,19 @@ def main(argv: list[str] | None = None) -> int:
                       f"{res['state'] / 1e6:,.1f} MB (run {job.wall_s:.0f}s)", flush=True)
         med = {name: {k: statistics.median(x[k] for x in results[name]) for k in ("rate", "state")}
                for name in variants}
-        ratio = med["corrections"]["rate"] / med["as_of"]["rate"]
-        kept = med["corrections"]["state"] - med["as_of"]["state"]
         for name in variants:
             print(f"median: {name} {med[name]['rate']:,.0f} events/s, state store {med[name]['state'] / 1e6:,.1f} MB")
-        print(f"corrections on / off, throughput: {ratio:.2f} (target >= {TARGET_RATE}: "
-              f"{'met' if ratio >= TARGET_RATE else 'NOT met'})")
-        print(f"kept for corrections (state store with - without): {kept / 1e6:,.1f} MB, "
-              f"{kept / args.devices:,.0f} bytes per device, {kept / args.events:,.1f} bytes per event")
-        if args.rollup_owner:
+        ratio = med["corrections"]["rate"] / med["as_of"]["rate"] if not args.only else 0.0
+        kept = med["corrections"]["state"] - med["as_of"]["state"] if not args.only else 0.0
+        if not args.only:
+            print(f"corrections on / off, throughput: {ratio:.2f} (target >= {TARGET_RATE}: "
+                  f"{'met' if ratio >= TARGET_RATE else 'NOT met'})")
+            print(f"kept for corrections (state store with - without): {kept / 1e6:,.1f} MB, "
+                  f"{kept / args.devices:,.0f} bytes per device, {kept / args.events:,.1f} bytes per event")
+        if args.rollup_owner and not args.only:
             print(f"moves on / the refold's job, throughput: {med['moves']['rate'] / med['refold']['rate']:.2f}; "
                   f"state store {(med['moves']['state'] - med['refold']['state']) / 1e6:,.1f} MB more")
-        if "refold" in variants:
+        if "refold" in variants and not args.only:
             more = med["refold"]["state"] - med["corrections"]["state"]
             print(f"refold on / corrections alone, throughput: {med['refold']['rate'] / med['corrections']['rate']:.2f}; "
                   f"kept for the refold: {more / args.events:,.1f} bytes per event more")
@@ -223,6 +230,11 @@ def main(argv: list[str] | None = None) -> int:
         stack.callback(_stop, proc)
         wait_batches(job_log, 5, proc)
         read_output(settings, out, dict(ends), ends)  # whatever the restart wrote (nothing: it is caught up)
+        if args.py_spy:
+            from bench.tools import pyspy
+
+            spies = [pyspy.spy_pid(proc.pid, args.py_spy, subprocesses=True)]
+            stack.callback(pyspy.stop_all, spies)
         took = []
         for k in range(1, args.late_rounds + 1):
             # Each round a new owner, valid from the same time: the last record of a key with one

@@ -349,20 +349,20 @@ def _hits(log_keys: np.ndarray, log_nulls: np.ndarray, ts: np.ndarray, ch_keys: 
     cand = np.flatnonzero(np.isin(r_code, c_code))
     if not len(cand):
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    order = np.lexsort((start, c_code))
-    sc, ss = c_code[order], start[order]
-    rows, found = [], []
-    # Per kept row: the last change of its key starting at or before its time.
-    for code in np.unique(r_code[cand]):
-        lo, hi = np.searchsorted(sc, code, "left"), np.searchsorted(sc, code, "right")
-        mine = cand[r_code[cand] == code]
-        at = np.searchsorted(ss[lo:hi], ts[mine], "right") - 1
-        ok = at >= 0
-        ch = order[lo + at[ok]]
-        inside = ts[mine[ok]] < end[ch]
-        rows.append(mine[ok][inside])
-        found.append(ch[inside])
-    return np.concatenate(rows), np.concatenate(found)
+    # Per kept row: the last change of its key starting at or before its time, found with one
+    # search over (key code, time rank) pairs made single integers: times ranked among the changes'
+    # starts and the rows' times, so both fit beside a code in 64 bits.
+    times, rank = np.unique(np.concatenate([start, ts[cand]]), return_inverse=True)
+    width = np.int64(len(times) + 1)
+    c_rank, r_rank = rank[:len(start)], rank[len(start):]
+    c_pair = c_code.astype(np.int64) * width + c_rank
+    order = np.argsort(c_pair, kind="stable")
+    at = np.searchsorted(c_pair[order], r_code[cand].astype(np.int64) * width + r_rank, "right") - 1
+    ok = at >= 0
+    ch = order[np.maximum(at, 0)]
+    ok &= c_code[ch] == r_code[cand]  # a change of the row's own key, not the key before it
+    ok &= ts[cand] < end[ch]
+    return cand[ok].astype(np.int64), ch[ok].astype(np.int64)
 
 
 def match(log: pa.Table | None, changes: Sequence[tuple[Corrects, pa.Table]],

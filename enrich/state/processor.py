@@ -351,7 +351,7 @@ class DeviceStateProcessor(StatefulProcessor):
         rows = pa.concat_tables(now, promote_options="permissive")
         lost = ~self._counted(rows)
         if self._moving and self._moves_needed(written, rows):  # the rollups' windows in their span, rebuilt
-            self._moves_out = self._moves(bucket, rows, watermark, chunks, start)
+            self._moves_out = self._moves(bucket, written, rows, watermark, chunks, start)
         if self.calls is not None and self.call_value is not None:  # made again at the device's next event
             self._stale_calls(written, rows)
         if self._refold is not None:  # the devices' aggregates over the corrected columns, folded again
@@ -405,11 +405,11 @@ class DeviceStateProcessor(StatefulProcessor):
             self.correction_counts.add({bucket: corrections.tally(found)})
         return out
 
-    def _moves(self, bucket: int, rows: pa.Table, watermark: int | None, chunks: list[list[int]],
+    def _moves(self, bucket: int, written: pa.Table, rows: pa.Table, watermark: int | None, chunks: list[list[int]],
                complete_from: int) -> list[tuple[int, str, bytes]]:
-        """The moves (:func:`enrich.state.rollups.moves`) of the corrected events ``rows``: the
-        bucket's new parts of the rollup windows in their span, from every event it kept there, as
-        last written (this batch's corrections included)."""
+        """The moves (:func:`enrich.state.rollups.moves`) of the corrected events ``rows`` (``written``:
+        as last written before this batch): the bucket's new parts of the rollup windows in their
+        span, from every event it kept there, as last written (this batch's corrections included)."""
         ts = rows.column(corrections.TS).to_numpy(zero_copy_only=False).astype(np.int64)
         widest = max(self.rollups[i].window_us for i in self._moving)
         lo = min(int(ts.min()) // self.rollups[i].window_us * self.rollups[i].window_us for i in self._moving)
@@ -418,13 +418,15 @@ class DeviceStateProcessor(StatefulProcessor):
         kept = pa.concat_tables(read, promote_options="permissive") if read else rows.slice(0, 0)
         kts = kept.column(corrections.TS).to_numpy(zero_copy_only=False)
         # As last written: this batch's corrections are in the chunks as read (their values rewritten).
-        kept = kept.filter(pa.array((kts >= lo) & (kts < hi)))
-        kept = kept.filter(pa.array(self._counted(kept)))  # the events the rollups count (a call's dead letters none)
-        kept = kept.filter(pc.is_null(kept.column(ERROR)))
+        # The events the rollups count: in the span, matched by the inner joins, not a call's dead letter.
+        ok = (kts >= lo) & (kts < hi) & self._counted(kept)
+        if ERROR in kept.column_names:
+            ok &= pc.is_null(kept.column(ERROR)).to_numpy(zero_copy_only=False)
+        kept = kept.filter(pa.array(ok))
         kept = kept.rename_columns([TS_US if n == corrections.TS else n for n in kept.column_names])
         cause = _cause_text(rows.column(CAUSE)[0].as_py())
         return rollups.moves(self.rollups, self._moving, ts, cause, kept, complete_from, watermark,
-                             self.rollup_ids, bucket)
+                             self.rollup_ids, bucket, written)
 
     def _with_values(self, log: pa.Table, looked: pa.Table, at: np.ndarray) -> pa.Table:
         """The kept rows ``log`` with the corrected values (``looked``, of its rows ``at``) of the

@@ -155,13 +155,16 @@ def feed(specs: Sequence[RollupSpec], events: pa.Table, watermark_us: int | None
 
 def moves(specs: Sequence[RollupSpec], moving: Sequence[int], corrected_us: np.ndarray, cause: str,
           kept: pa.Table, complete_from: int, watermark_us: int | None, ids: Sequence[int],
-          source: int) -> list[tuple[int, str, bytes]]:
+          source: int, was: pa.Table) -> list[tuple[int, str, bytes]]:
     """State bucket ``source``'s moves (:func:`enrich.rollups.engine.move`) of the ``moving`` rollups
     after a batch corrected events at times ``corrected_us`` (``cause``: the first one's version,
     JSON): per rollup, its new parts of every window from the first corrected event's to the last's,
     from ``kept`` (every event the bucket keeps that a rollup counts, as corrected now, with
     ``_ts_us``; it keeps them all from ``complete_from`` on, so no window starting before that is
-    moved), to every rollup bucket (one may hold a part the bucket no longer has events for)."""
+    moved). A move goes to each rollup bucket that holds one of those windows now and to each that
+    held the window a corrected event leaves (``was``: the corrected events as last written before
+    this batch, with the rollups' ``by`` columns), even with no part left for it there; the other
+    rollup buckets' parts from this bucket cannot change (the events they were made of did not)."""
     out: list[tuple[int, str, bytes]] = []
     if not len(corrected_us):
         return out
@@ -178,7 +181,8 @@ def moves(specs: Sequence[RollupSpec], moving: Sequence[int], corrected_us: np.n
         table = engine.move_table(spec, partial.partials(spec, kept.filter(pa.array((kts >= lo) & (kts < hi)))),
                                   lo, hi, cause)
         rb = _route(table, spec.by, ids)
-        for b in ids:
+        left = np.unique(_route(was, spec.by, ids)) if was.num_rows else np.zeros(0, np.int32)
+        for b in np.union1d(np.unique(rb), left).tolist():
             out.append((int(b), move_kind(i, source), to_ipc(table.filter(pa.array(rb == b)))))
     return out
 

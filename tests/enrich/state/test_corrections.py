@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pyarrow as pa
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from enrich.columns import CAUSE, REVISION
 from enrich.dimension.corrections import NO_BOUND_END, NO_BOUND_START
@@ -723,3 +725,31 @@ def test_a_later_event_whose_state_a_fold_leaves_as_last_written_gets_no_correct
         (0, "event", 0, 1.0, 1.0), (1, "event", 0, 1.0, 1.0), (2, "event", 0, 1.0, 1.0)]
     assert b.call(b.version(9.0, 28, 10)) == [(2, "correction", 1, 9.0, 9.0)]
     assert b.call(b.version(5.0, 15, 20)) == [(1, "correction", 1, 5.0, 5.0)]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_each_kept_row_meets_the_change_of_its_key_whose_span_holds_its_time(data: st.DataObject) -> None:
+    """``_hits`` (one search over every key at once) against a scan of every (row, change) pair:
+    keys with several changes whose spans touch or leave gaps, null keys on either side."""
+    import numpy as np
+
+    from enrich.state.corrections import _hits
+
+    keys = ["a", "b", "c", "d"]
+    changes: list[tuple[str, int, int, bool]] = []
+    for k in keys:
+        bounds = sorted(data.draw(st.sets(st.integers(0, 40), max_size=5), label=f"bounds {k}"))
+        for lo, hi in zip(bounds, bounds[1:], strict=False):
+            if data.draw(st.booleans(), label="kept"):
+                changes.append((k, lo, hi, data.draw(st.booleans(), label="null")))
+    rows = data.draw(st.lists(st.tuples(st.sampled_from(keys), st.integers(0, 45), st.booleans()), max_size=30))
+    got_rows, got_found = _hits(np.array([k for k, _, _ in rows], dtype=object), np.array([n for _, _, n in rows], bool),
+                                np.array([t for _, t, _ in rows], np.int64),
+                                np.array([k for k, _, _, _ in changes], dtype=object),
+                                np.array([n for _, _, _, n in changes], bool),
+                                np.array([lo for _, lo, _, _ in changes], np.int64),
+                                np.array([hi for _, _, hi, _ in changes], np.int64))
+    want = sorted((i, j) for i, (k, t, null) in enumerate(rows) for j, (ck, lo, hi, cnull) in enumerate(changes)
+                  if not null and not cnull and k == ck and lo <= t < hi)
+    assert sorted(zip(got_rows.tolist(), got_found.tolist(), strict=True)) == want

@@ -256,7 +256,7 @@ def test_the_rollup_step_moves_a_buckets_part_of_its_windows_and_a_fork_keeps_th
     def moved_a(site: str, source: int = 1) -> list[tuple[str, bytes]]:
         """Bucket 1's moves when device a's event is corrected to ``site``: what it kept, as corrected."""
         after = bucket_1.set_column(1, "site", pa.array([site, "s1"]))
-        got = moves((spec,), (0,), np.array([100 * MIN]), '{"dataset":"devices"}', after, 0, None, (5,), source)
+        got = moves((spec,), (0,), np.array([100 * MIN]), '{"dataset":"devices"}', after, 0, None, (5,), source, bucket_1)
         return [(k, v) for _, k, v in got]
 
     rows = call(moved_a("s2"))
@@ -276,6 +276,27 @@ def test_the_rollup_step_moves_a_buckets_part_of_its_windows_and_a_fork_keeps_th
     got = pa.concat_tables([from_ipc(v) for v in out.column(ROWS).to_pylist()])
     assert sorted(got.column(engine.SOURCE).to_pylist()) == [11, 11, 12]
     assert TS_US in bucket_1.column_names
+
+
+def test_a_move_goes_to_the_rollup_buckets_of_the_windows_it_touches_and_of_those_left() -> None:
+    """A state bucket's moves reach the rollup buckets holding a window in the moved span (as
+    corrected) and those of the windows the corrected events leave (an empty move there drops the
+    bucket's part), not every rollup bucket: with 16 rollup buckets and three sites, at most three."""
+    import dataclasses
+
+    from enrich.state.rollups import _route, moves
+
+    spec = dataclasses.replace(SITE, moves=True)
+    ids = tuple(range(100, 116))
+    was = good_events([("a", "s1", 100, 9.0), ("b", "s2", 101, 2.0)])
+    now = was.set_column(1, "site", pa.array(["s3", "s2"]))
+    got = moves((spec,), (0,), np.array([100 * MIN]), '{"dataset":"devices"}', now, 0, None, ids, 7, was.slice(0, 1))
+    route = {site: int(_route(pa.table({"site": [site]}), ("site",), ids)[0]) for site in ("s1", "s2", "s3")}
+    assert len(set(route.values())) == 3  # the hash spreads them: the test means something
+    assert sorted(b for b, _, _ in got) == sorted(route.values())
+    sent = {b: from_ipc(v) for b, _, v in got}
+    assert sent[route["s3"]].column("site").to_pylist() == ["s3"]
+    assert sent[route["s1"]].num_rows == 0  # s1's bucket is told its part from bucket 7 is gone
 
 
 def test_a_forks_rollup_step_judges_windows_against_its_savepoints_watermark() -> None:
