@@ -413,17 +413,25 @@ def test_a_rollup_added_to_a_checkpoint_starts_with_the_next_batch_and_a_removed
         run([site_5m, device_1m], [])
 
 
-def test_a_job_rescaled_between_runs_keeps_its_rollups_windows(
+def test_a_rescaled_job_and_a_fork_from_its_savepoint_keep_the_rollups_windows(
         spark: SparkSession, kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path,
         mysql_url: str) -> None:
-    """enrich rescale moves the rollup step's windows and timers with the state step's (Spark's
-    repartition, every stateful step): run on 2 state partitions, rescaled to 4, run on: every
-    revision once, in order, and the latest rows equal the recompute."""
+    """After half the events on 2 state partitions, a savepoint is taken, then the checkpoint is
+    rescaled to 4 and the job runs on. ``enrich rescale`` moves the rollup step's windows and timers
+    with the state step's (Spark's repartition, every stateful step): every revision once, in order,
+    and the latest rows equal the recompute. The savepoint holds the rollup step's windows; a fork
+    (16 buckets where the original had 4) re-routes them and goes on: with the original's rows up
+    to the savepoint, each window's revisions run 1, 2, ... once, and the latest rows equal the
+    recompute of all the events. (One first run for both: each costs the suite a job's start.)"""
     data = {**make_config(kafka, unique, tmp_path, mysql_url), "spark": {"spark.sql.shuffle.partitions": "2"}}
     publish(kafka, data["joins"][0]["topic"], changelog(DEVICES, [{"device_id": "a", "site": "s1"},
                                                                   {"device_id": "b", "site": "s1"}]))
     produce_events(kafka, data["events"]["topic"], EVENTS[:8])
     EnrichJob(config.parse(data, "test.yaml"), available_now=True).run(spark)
+    saved = take(config.parse(data, "test.yaml"), tmp_path / "savepoint", spark=spark)
+    assert (tmp_path / "savepoint" / "rollups.parquet").is_dir() and saved.devices == 2
+    before = {name: rows_of(tmp_path / name) for name in ("device_1m", "site_5m")}  # what the savepoint covers
+
     got = rescale(config.parse(data, "test.yaml"), 4, spark=spark)
     assert (got.before, got.after) == (2, 4)
     # The rollup step's windows are in the partitions Spark's shuffle puts their buckets in now.
@@ -435,37 +443,21 @@ def test_a_job_rescaled_between_runs_keeps_its_rollups_windows(
     EnrichJob(config.parse(data, "test.yaml"), available_now=True).run(spark)
     check_outputs(kafka, data, tmp_path)
 
-
-def test_a_fork_from_a_savepoint_carries_the_rollups_windows_on(
-        spark: SparkSession, kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path,
-        mysql_url: str) -> None:
-    """enrich savepoint holds the rollup step's windows; a fork (16 buckets where the original had 4)
-    re-routes them and goes on: with the original's rows, each window's revisions run 1, 2, ... once,
-    and the latest rows equal the recompute of all the events."""
-    data = make_config(kafka, unique, tmp_path, mysql_url)
-    for r in data["rollups"]:
-        r["output"] = {"parquet": r["output"]["parquet"]}
-    publish(kafka, data["joins"][0]["topic"], changelog(DEVICES, [{"device_id": "a", "site": "s1"},
-                                                                  {"device_id": "b", "site": "s1"}]))
-    produce_events(kafka, data["events"]["topic"], EVENTS[:8])
-    EnrichJob(config.parse(data, "test.yaml"), available_now=True).run(spark)
-    got = take(config.parse(data, "test.yaml"), tmp_path / "savepoint", spark=spark)
-    assert (tmp_path / "savepoint" / "rollups.parquet").is_dir() and got.devices == 2
     fork = {**data, "checkpoint": str(tmp_path / "fork" / "checkpoint"),
             "output": {"parquet": {"path": str(tmp_path / "fork" / "events")}},
             "state": {**data["state"], "buckets": 16},
             "rollups": [{**r, "output": {"parquet": {"path": str(tmp_path / "fork" / r["name"])}}}
                         for r in data["rollups"]]}
-    produce_events(kafka, data["events"]["topic"], EVENTS[8:])
+    fork.pop("spark")
     EnrichJob(config.parse(fork, "test.yaml"), available_now=True,
               from_savepoint=tmp_path / "savepoint").run(spark)
-    rows = {name: pd.concat([rows_of(tmp_path / name).assign(run=0), rows_of(tmp_path / "fork" / name).assign(run=1)])
-            for name in ("device_1m", "site_5m")}
+    forked = {name: pd.concat([before[name].assign(run=0), rows_of(tmp_path / "fork" / name).assign(run=1)])
+              for name in ("device_1m", "site_5m")}
     assert not rows_of(tmp_path / "fork" / "device_1m").empty
     for name, keys in (("device_1m", ["device_id"]), ("site_5m", ["site"])):
-        for _, g in rows[name].sort_values(["run", "batch_id", "_revision"]).groupby([*keys, "window_start"]):
+        for _, g in forked[name].sort_values(["run", "batch_id", "_revision"]).groupby([*keys, "window_start"]):
             assert list(g["_revision"]) == list(range(1, len(g) + 1)), g
-    equal_recompute(rows["device_1m"], rows["site_5m"])
+    equal_recompute(forked["device_1m"], forked["site_5m"])
 
 
 def test_a_fill_by_a_joins_column_writes_every_key_of_the_dimension(
