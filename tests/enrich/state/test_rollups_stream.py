@@ -216,42 +216,44 @@ def equal_recompute(dev: pd.DataFrame, site: pd.DataFrame) -> None:
                                   want_site.sort_values("window_start").reset_index(drop=True), check_dtype=False)
 
 
-@pytest.mark.parametrize("point", ["rollup", "rollups"])
-def test_a_sigkill_while_a_batchs_rollups_are_written_writes_each_revision_once(
-        kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path, pg_url: str, point: str) -> None:
-    """``rollup``: killed once device_1m's Parquet rows of batch 2 are in place, before its Kafka rows,
-    site_5m's and Spark's commit: the restart replays batch 2, writes the rest and not those again.
-    ``rollups``: killed once every rollup output of batch 2 is written (Parquet, the topic and its
-    ledger, the table and its fence), with a Kafka event output whose tasks wrote a dead letter: the
-    restart replays batch 2 and writes none of them again."""
+def test_sigkills_while_a_batchs_rollups_are_written_write_each_revision_once(
+        kafka: dict[str, str], unique: Callable[[str], str], tmp_path: Path, pg_url: str) -> None:
+    """Killed twice in batch 2, with a Kafka event output whose tasks write a dead letter: first once
+    device_1m's Parquet rows of batch 2 are in place, before its Kafka rows, site_5m's and Spark's
+    commit (``rollup``): the restart replays batch 2 and writes the rest, not those again; then, in
+    that replay, once every rollup output of batch 2 is written (``rollups``: Parquet, the topic and
+    its ledger, the table and its fence): the next restart replays batch 2 again and writes none of
+    them again. (Both kills in one job: each run costs the suite a job's start.)"""
     data = make_config(kafka, unique, tmp_path, pg_url)
-    events = list(EVENTS)
-    if point == "rollups":  # last, alone in a batch of its own: batches 0-3 stay as they were
-        data["output"] = {"kafka": {"topic": unique("enriched")}}
-        events.append({"device_id": "a", "ts": at(8.5), "temp": "not a number", "n": 17})
+    data["output"] = {"kafka": {"topic": unique("enriched")}}
+    # Last, alone in a batch of its own: batches 0-3 stay as they were.
+    events = [*EVENTS, {"device_id": "a", "ts": at(8.5), "temp": "not a number", "n": 17}]
     publish(kafka, data["joins"][0]["topic"], changelog(DEVICES, [{"device_id": "a", "site": "s1"},
                                                                   {"device_id": "b", "site": "s1"}]))
     produce_events(kafka, data["events"]["topic"], events)
     config_path = tmp_path / "enrich.yaml"
     config_path.write_text(yaml.safe_dump({**data, "spark": {"spark.sql.shuffle.partitions": "2"}}))
-    flag, log = tmp_path / "killed", tmp_path / "job.log"
-    proc = start_job(config_path, log, "--available-now", kill=f"{point}:2:{flag}")
-    assert proc.wait(bound(300)) != 0, log.read_text()[-3000:]
-    assert flag.exists(), log.read_text()[-3000:]
-    assert (tmp_path / "device_1m" / "batch_id=2").exists()
-    assert (tmp_path / "site_5m" / "batch_id=2").exists() == (point == "rollups")
+    log = tmp_path / "job.log"
+    for point in ("rollup", "rollups"):
+        flag = tmp_path / f"killed-{point}"
+        proc = start_job(config_path, log, "--available-now", kill=f"{point}:2:{flag}")
+        assert proc.wait(bound(300)) != 0, log.read_text()[-3000:]
+        assert flag.exists(), log.read_text()[-3000:]
+        assert (tmp_path / "device_1m" / "batch_id=2").exists()
+        assert (tmp_path / "site_5m" / "batch_id=2").exists() == (point == "rollups")
+    after = log.stat().st_size
     proc = start_job(config_path, log, "--available-now")
     assert proc.wait(bound(300)) == 0, log.read_text()[-3000:]
     text = log.read_text()
     assert "batch_id=2 exists (a replay)" in text
-    if point == "rollups":  # the topic's ledger and the table's fence held batch 2
-        assert re.search(r"batch 2 already committed to device_1m_\w+ \(last 2\): skipped", text), text[-3000:]
-        assert re.search(r"batch 2 slot 0: committed to site_5m_\w+ before; skipped", text), text[-3000:]
-        errors = [dict(m.headers() or [])["error"].decode() for m in read_all(kafka, data["dead_letter_topic"])]
-        assert len(errors) == 2 and sum(e.startswith("beyond the rollup horizon") for e in errors) == 1, errors
-        # Counted by the Kafka output's tasks as they write, with no job of the driver's own: the
-        # replay of batch 2 wrote none (its slots had committed it before the kill).
-        assert late_per_batch(text) == {3: 3}, text[-3000:]
+    last = text[after:]  # the topic's ledger and the table's fence held batch 2
+    assert re.search(r"batch 2 already committed to device_1m_\w+ \(last 2\): skipped", last), last[-3000:]
+    assert re.search(r"batch 2 slot 0: committed to site_5m_\w+ before; skipped", last), last[-3000:]
+    errors = [dict(m.headers() or [])["error"].decode() for m in read_all(kafka, data["dead_letter_topic"])]
+    assert len(errors) == 2 and sum(e.startswith("beyond the rollup horizon") for e in errors) == 1, errors
+    # Counted by the Kafka output's tasks as they write, with no job of the driver's own: the last
+    # replay of batch 2 wrote none (its slots had committed it before the kill).
+    assert late_per_batch(text) == {3: 3}, text[-3000:]
     check_outputs(kafka, data, tmp_path)
 
 
