@@ -181,7 +181,10 @@ def moves(specs: Sequence[RollupSpec], moving: Sequence[int], corrected_us: np.n
         table = engine.move_table(spec, partial.partials(spec, kept.filter(pa.array((kts >= lo) & (kts < hi)))),
                                   lo, hi, cause)
         rb = _route(table, spec.by, ids)
-        left = np.unique(_route(was, spec.by, ids)) if was.num_rows else np.zeros(0, np.int32)
+        # A column missing from rows kept under an earlier plan is null there, as in ``kept``.
+        was_by = pa.table({b: was.column(b) if b in was.column_names else pa.nulls(was.num_rows, t)
+                           for b, t in zip(spec.by, spec.by_types, strict=True)})
+        left = np.unique(_route(was_by, spec.by, ids)) if was.num_rows else np.zeros(0, np.int32)
         for b in np.union1d(np.unique(rb), left).tolist():
             out.append((int(b), move_kind(i, source), to_ipc(table.filter(pa.array(rb == b)))))
     return out

@@ -297,6 +297,10 @@ def test_a_move_goes_to_the_rollup_buckets_of_the_windows_it_touches_and_of_thos
     sent = {b: from_ipc(v) for b, _, v in got}
     assert sent[route["s3"]].column("site").to_pylist() == ["s3"]
     assert sent[route["s1"]].num_rows == 0  # s1's bucket is told its part from bucket 7 is gone
+    # Corrected rows kept under an earlier plan, without a column the rollup is by: null there.
+    got = moves((spec,), (0,), np.array([100 * MIN]), "{}", now, 0, None, ids, 7, was.drop_columns(["site"]))
+    null = int(_route(pa.table({"site": pa.nulls(1, pa.string())}), ("site",), ids)[0])
+    assert sorted(b for b, _, _ in got) == sorted({route["s2"], route["s3"], null})
 
 
 def test_a_forks_rollup_step_judges_windows_against_its_savepoints_watermark() -> None:
