@@ -201,9 +201,9 @@ def main(argv: list[str] | None = None) -> int:
                for name in variants}
         for name in variants:
             print(f"median: {name} {med[name]['rate']:,.0f} events/s, state store {med[name]['state'] / 1e6:,.1f} MB")
-        ratio = med["corrections"]["rate"] / med["as_of"]["rate"] if not args.only else 0.0
-        kept = med["corrections"]["state"] - med["as_of"]["state"] if not args.only else 0.0
         if not args.only:
+            ratio = med["corrections"]["rate"] / med["as_of"]["rate"]
+            kept = med["corrections"]["state"] - med["as_of"]["state"]
             print(f"corrections on / off, throughput: {ratio:.2f} (target >= {TARGET_RATE}: "
                   f"{'met' if ratio >= TARGET_RATE else 'NOT met'})")
             print(f"kept for corrections (state store with - without): {kept / 1e6:,.1f} MB, "

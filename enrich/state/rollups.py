@@ -184,8 +184,7 @@ def moves(specs: Sequence[RollupSpec], moving: Sequence[int], corrected_us: np.n
         # A column missing from rows kept under an earlier plan is null there, as in ``kept``.
         was_by = pa.table({b: was.column(b) if b in was.column_names else pa.nulls(was.num_rows, t)
                            for b, t in zip(spec.by, spec.by_types, strict=True)})
-        left = np.unique(_route(was_by, spec.by, ids)) if was.num_rows else np.zeros(0, np.int32)
-        for b in np.union1d(np.unique(rb), left).tolist():
+        for b in np.union1d(rb, _route(was_by, spec.by, ids)).tolist():  # each bucket once
             out.append((int(b), move_kind(i, source), to_ipc(table.filter(pa.array(rb == b)))))
     return out
 
