@@ -340,14 +340,8 @@ def _rows(spec: RollupSpec, windows: pa.Table, written: np.ndarray, kind: np.nda
 
 
 def _percentiles(sketches: pa.Array, ranks: list[float]) -> list[pa.Array]:
-    """Per rank, each window's quantile from its serialized sketch (null for none): one sketch read
-    per window, all its ranks at once."""
-    values: list[list[float | None]] = [[None] * len(sketches) for _ in ranks]
-    for i, data in enumerate(sketches.to_pylist()):
-        if data is not None:
-            for j, q in enumerate(sketch.quantiles(data, ranks)):
-                values[j][i] = q
-    return [pa.array(v, pa.float64()) for v in values]
+    """Per rank, each window's quantile from its serialized sketch (null for none)."""
+    return sketch.quantile_arrays(sketches, ranks)
 
 
 # ------------------------------------------------------------------------------------------ moves

@@ -16,7 +16,8 @@ events with a null event time belong to no window and are left out. The rows com
 ``by`` columns (nulls last) and the window start.
 
 Pure and vectorised: events are sorted once by group, and the aggregates are Arrow group-bys and
-numpy reductions over the sorted runs; only sketches are built and merged one group at a time.
+numpy reductions over the sorted runs; only sketches of many values are built and merged one
+group at a time.
 """
 
 from __future__ import annotations
@@ -127,10 +128,9 @@ def _distinct(gid: np.ndarray, values: pa.Array, groups: int, typ: pa.DataType) 
 
 
 def _sketches(starts: np.ndarray, n: int, valid: np.ndarray, values: np.ndarray) -> pa.Array:
-    """Per group, a serialized KLL sketch of its ``valid`` values (null for none)."""
+    """Per group, a serialized sketch of its ``valid`` values (null for none)."""
     counts = np.add.reduceat(valid.astype(np.int64), starts) if len(starts) else np.zeros(0, np.int64)
-    parts = np.split(values[valid], np.cumsum(counts)[:-1])
-    return pa.array([sketch.build(part) if len(part) else None for part in parts], pa.binary())
+    return sketch.build_groups(values[valid], counts)
 
 
 def _aggregate(g: np.ndarray, columns: dict[str, pa.Array], aggs: list[tuple[str, str]]) -> pa.Table:
@@ -239,26 +239,9 @@ def combine_sorted(spec: RollupSpec, table: pa.Table, starts: np.ndarray) -> pa.
                 for col in (name, f"{column}.last_ts", f"{column}.last_p", f"{column}.last_o"):
                     out[col] = _column(table, col).take(at)
             elif acc == "kll":
-                out[name] = _merge_sketches(_column(table, name), starts, n)
+                out[name] = sketch.merge_groups(_column(table, name), starts)
             elif acc == "set":
                 sets = _column(table, name)
                 parents = as_numpy(pc.list_parent_indices(sets)).astype(np.int64)
                 out[name] = _distinct(gid[parents], pc.list_flatten(sets), groups, typ)
     return pa.Table.from_arrays([out[f.name].cast(f.type) for f in schema], schema=schema)
-
-
-def _merge_sketches(sketches: pa.Array, starts: np.ndarray, n: int) -> pa.Array:
-    """Per group (runs at ``starts``), its non-null sketches merged; a group with one keeps its bytes."""
-    valid = as_numpy(sketches.is_valid())
-    counts = np.add.reduceat(valid.astype(np.int64), starts)
-    # A group's single sketch (or none: null) is its latest valid row; only the others merge.
-    at = _latest(starts, n, valid, np.zeros(n, np.int64), np.zeros(n, np.int64), np.arange(n))
-    merged = sketches.take(at)
-    several = np.flatnonzero(counts > 1)
-    if not len(several):
-        return merged
-    ends = np.append(starts[1:], n)
-    data, every = merged.to_pylist(), sketches.to_pylist()  # two conversions, not one per group
-    for g in several.tolist():
-        data[g] = sketch.merge([v for v in every[starts[g]:ends[g]] if v is not None])
-    return pa.array(data, pa.binary())
