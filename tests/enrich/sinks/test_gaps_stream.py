@@ -53,7 +53,7 @@ def iso(seconds: float) -> str:
     return (T0 + timedelta(seconds=seconds)).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
-# Three events a batch, one partition; a, b and c report every 10 s (a gap: 3 x 10 s of silence), d has no interval.
+# Six events a batch, one partition; a, b and c report every 10 s (a gap: 3 x 10 s of silence), d has no interval.
 FIRST = [ev("a", 0), ev("b", 0), ev("c", 0), ev("a", 10), ev("b", 10), ev("c", 10),
          ev("a", 20), ev("b", 20), ev("d", 20), ev("a", 30), ev("b", 30), ev("a", 35),
          ev("a", 45), ev("b", 45), ev("b", 46)]           # the partition passes c's threshold (40)
@@ -71,7 +71,7 @@ def make_config(kafka: dict[str, str], unique: Callable[[str], str], tmp_path: P
         "output": {"parquet": {"path": str(tmp_path / "events")}},
         "dead_letter_topic": unique("dlq"),
         "checkpoint": str(tmp_path / "checkpoint"),
-        "max_events_per_batch": 3,
+        "max_events_per_batch": 6,
         "state": {"key": "device_id", "timestamp": "ts", "ttl": "1h", "watermark": "1m", "buckets": 4},
         "gaps": {"expected_every": "report_s", "after": 3,
                  "output": {"kafka": {"topic": unique("gaps")}, "database": {"url": db_url, "table": unique("gaps")}}},
