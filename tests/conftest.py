@@ -101,7 +101,7 @@ SERVICE_FIXTURES = frozenset({
 # The groups go by node id, not by xdist_group marks: pytest 9.2 ignores the group suffix pytest-xdist
 # 3.8 writes into marked tests' node ids (pytest-dev/pytest-xdist#1386), so marks no longer group.
 WORKER_GROUPS: dict[str, tuple[str, ...]] = {
-    "cluster": ("tests/e2e/test_cluster.py::", "tests/e2e/test_cluster_state.py::"),
+    "cluster": ("tests/e2e/test_cluster_state.py::",),
     "wall-clock": ("tests/refresh/", "tests/refstream/"),
 }
 

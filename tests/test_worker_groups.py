@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_a_test_belongs_to_the_group_its_node_id_starts_with() -> None:
     assert worker_group("tests/refresh/test_diff.py::test_x") == "wall-clock"
     assert worker_group("tests/refstream/test_logs.py::test_y[a]") == "wall-clock"
-    assert worker_group("tests/e2e/test_cluster.py::test_job_on_a_two_worker_standalone_cluster") == "cluster"
+    assert worker_group("tests/e2e/test_cluster_state.py::test_device_state_and_a_partitioned_dimension_on_a_two_worker_standalone_cluster") == "cluster"
     assert worker_group("tests/e2e/test_cluster_packed.py::test_z") is None  # it starts a cluster of its own
     assert worker_group("tests/enrich/test_job.py::test_w") is None
     assert all(prefix.startswith("tests/") for prefixes in WORKER_GROUPS.values() for prefix in prefixes)

@@ -1,5 +1,6 @@
 """The job on a standalone cluster whose workers do not have the job's Python environment: the
-recipe of docs/deployment.md ("On a Spark cluster"), run as written.
+recipe of docs/deployment.md ("On a Spark cluster"), run as written. The executors' Python workers
+write the output, and no task sends event rows to the driver.
 
 The wheel is built and installed with the `enrich` extra into a fresh venv, ``env``, which
 ``venv-pack`` packs (without PySpark's jars: the executors run their worker's Spark). The driver
@@ -8,7 +9,7 @@ runs ``env/bin/enrich run`` from the directory holding ``env``; the config ships
 Python workers, which resolves to ``env`` on the driver and to the unpacked archive in each
 executor's directory. The workers are started with an empty venv as their ``PYSPARK_PYTHON`` and
 without the test's ``PYTHONPATH``: neither PySpark, pandas nor refstream can be imported there, so
-the job completes only through the archive. Its own cluster fixture (not test_cluster.py's) for
+the job completes only through the archive. Its own cluster fixture (not the session's ``cluster``) for
 that reason: the workers' environment is the point.
 """
 
@@ -28,6 +29,7 @@ import psutil
 import pytest
 
 from refstream.contract import Column, DatasetSchema
+from tests.conftest import spark_defaults_less
 from tests.enrich.helpers import changelog, produce_events, publish, read_all
 from tests.enrich.process import write_config
 from tests.enrich.spark_cluster import SPARK_HOME, both_executors, master_state, standalone_cluster
@@ -94,6 +96,22 @@ def bare_cluster(tmp_path: Path) -> Iterator[tuple[str, int, Path]]:
         yield master, ui, python
 
 
+def driver_jvm_args(pid: int, timeout: float = 300) -> list[str]:
+    """The command line of the JVM the job's process ``pid`` started (its driver)."""
+    deadline = time.monotonic() + bound(timeout)
+    while time.monotonic() < deadline:
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                ppid = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+                args = [a.decode() for a in (stat.parent / "cmdline").read_bytes().split(b"\0") if a]
+            except (OSError, ValueError, IndexError):
+                continue
+            if ppid == pid and args and args[0].endswith("java"):
+                return args
+        time.sleep(0.2)
+    raise AssertionError(f"process {pid} started no JVM in {timeout}s")
+
+
 def python_workers(under: Path) -> dict[tuple[str, str], tuple[str, str]]:
     """(executable as started, working directory) -> (module, PYTHONPATH) of the PySpark Python
     processes (``python -m pyspark.<module>``) whose working directory is under ``under``."""
@@ -119,20 +137,28 @@ def test_job_on_workers_without_its_environment_runs_from_the_shipped_archive(
         assert probe.returncode != 0, f"{lib} is importable by the workers' Python: the test proves nothing"
 
     total = 2000
+    events_dir = tmp_path / "eventlog"
+    events_dir.mkdir()
     cfg = write_config(deploy / "enrich.yaml", kafka, unique, spark={
         "spark.archives": "refstream-env.tar.gz#env",      # unpacked as ./env in each executor's directory
         "spark.pyspark.python": "./env/bin/python",       # the Python workers' interpreter, there and here
         "spark.executor.memory": "512m", "spark.driver.memory": "1g",
-        "spark.driver.host": "127.0.0.1", "spark.sql.shuffle.partitions": "2", **both_executors()})
+        "spark.driver.host": "127.0.0.1", "spark.sql.shuffle.partitions": "2", **both_executors(),
+        "spark.eventLog.enabled": "true", "spark.eventLog.dir": events_dir.as_uri(),
+        "spark.eventLog.compress": "false", "spark.eventLog.rolling.enabled": "false"})
     publish(kafka, cfg["joins"][0]["topic"], changelog(SCHEMA, [{"device_id": f"d{i}", "owner": f"o{i}"}
                                                                 for i in range(5)]))
     produce_events(kafka, cfg["events"]["topic"], [{"device_id": f"d{i % 6}", "n": i} for i in range(total)],
                    partitions=2)
     log = tmp_path / "job.log"
+    # The tests' spark-defaults.conf gives every driver C1 only: this one must get it from the job
+    # (DRIVER_JIT), so it runs with that file less that line.
+    env = clean_env(**spark_defaults_less("spark.driver.defaultJavaOptions", tmp_path / "spark-defaults.conf"))
     t0 = time.monotonic()
     proc = subprocess.Popen(["env/bin/enrich", "run", "--config", "enrich.yaml", "--master", master,
-                             "--available-now"], cwd=deploy, env=clean_env(), stdout=open(log, "ab"),  # noqa: SIM115
+                             "--available-now"], cwd=deploy, env=env, stdout=open(log, "ab"),  # noqa: SIM115
                             stderr=subprocess.STDOUT, start_new_session=True)
+    jvm = driver_jvm_args(proc.pid)
     workers: dict[tuple[str, str], tuple[str, str]] = {}
     driver: dict[tuple[str, str], tuple[str, str]] = {}
     try:
@@ -146,6 +172,7 @@ def test_job_on_workers_without_its_environment_runs_from_the_shipped_archive(
             proc.wait(bound(30))
     print(f"job: {time.monotonic() - t0:.0f}s; executors' Python: {workers}; driver's: {driver}")
     assert proc.returncode == 0, log.read_text()[-4000:]
+    assert "-XX:TieredStopAtLevel=1" in jvm, jvm  # enrich.session.DRIVER_JIT
 
     rows = [json.loads(m.value()) for m in read_all(kafka, cfg["output"]["kafka"]["topic"])]
     assert sorted(r["n"] for r in rows) == list(range(total))
@@ -174,3 +201,11 @@ def test_job_on_workers_without_its_environment_runs_from_the_shipped_archive(
                for w in line.split("writers: ", 1)[1].split(", ")]
     assert len(writers) >= 4, log.read_text()[-3000:]  # 2 batches of 1000 events, 2 tasks each
     assert {Path(w.split(" in ", 1)[1].split(":", 2)[2]) for w in writers} <= executor_dirs, writers
+    assert str(proc.pid) not in {w.split(" in ", 1)[1].split(":")[1] for w in writers}
+
+    # What reached the driver: Spark records every task's serialized result size. Event rows of a
+    # 1000-event batch are tens of kilobytes; a row of counts is a few hundred bytes plus metrics.
+    ends = [json.loads(line) for f in events_dir.rglob("*") if f.is_file() for line in f.read_text().splitlines()
+            if '"SparkListenerTaskEnd"' in line]
+    sizes = [e["Task Metrics"]["Result Size"] for e in ends if e.get("Task Metrics")]
+    assert len(sizes) >= 4 and max(sizes) < 8_000, sorted(sizes)[-5:]
