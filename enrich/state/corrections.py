@@ -43,8 +43,8 @@ from enrich.state.stored import WRITTEN
 from refstream import contract
 
 __all__ = ["ACC", "CAUSE_TYPE", "MERGE_AT", "REFOLDED", "SEQ", "VALUE", "mark_refolded", "put", "NO_BOUND_END", "NO_BOUND_START", "REVISIONS_SCHEMA", "SMALL_ROWS", "TS",
-           "Corrects", "Matched", "as_events", "bucket_changes", "join_again",
-           "read_tallies", "tally", "emitted", "horizon_start", "initial_written", "keep", "match",
+           "Corrects", "Matched", "Prepared", "as_events", "bucket_changes", "join_again",
+           "read_tallies", "tally", "emitted", "horizon_start", "initial_written", "keep", "match", "prepare",
            "read_changes", "revisions", "saved_chunks", "with_revisions"]
 
 #: A bucket's kept events are chunks, one per batch that wrote some; this many small ones (fewer
@@ -338,14 +338,16 @@ class Matched:
     at: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int64))
 
 
-def _hits(log_keys: np.ndarray, log_nulls: np.ndarray, ts: np.ndarray, ch_keys: np.ndarray, ch_nulls: np.ndarray,
-          start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _codes(keys: pd.Index, values: np.ndarray, nulls: np.ndarray, null: int) -> np.ndarray:
+    """Each of ``values``' place in ``keys`` (-1: not there; ``null`` where ``nulls``)."""
+    return np.where(nulls, null, keys.get_indexer(pd.Index(np.asarray(values, dtype=object), dtype=object)))
+
+
+def _pairs(r_code: np.ndarray, ts: np.ndarray, c_code: np.ndarray, start: np.ndarray,
+           end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(kept row, change row) pairs: the change of the row's key whose span holds the row's time (the
-    spans of one key's changes never overlap)."""
-    codes, _ = pd.factorize(np.concatenate([np.asarray(ch_keys, dtype=object), np.asarray(log_keys, dtype=object)]))
-    c_code, r_code = codes[:len(ch_keys)], codes[len(ch_keys):]
-    c_code = np.where(ch_nulls, -2, c_code)
-    r_code = np.where(log_nulls, -3, r_code)
+    spans of one key's changes never overlap), given the rows' and the changes' key codes
+    (:func:`_codes`: a row's equals a change's only when their keys are equal)."""
     cand = np.flatnonzero(np.isin(r_code, c_code))
     if not len(cand):
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
@@ -365,32 +367,65 @@ def _hits(log_keys: np.ndarray, log_nulls: np.ndarray, ts: np.ndarray, ch_keys: 
     return cand[ok].astype(np.int64), ch[ok].astype(np.int64)
 
 
-def match(log: pa.Table | None, changes: Sequence[tuple[Corrects, pa.Table]],
+@dataclass(frozen=True)
+class _Change:
+    """One corrected join's changes of a batch, made ready once for every chunk :func:`match` reads."""
+
+    corrects: Corrects
+    table: pa.Table           # the changes that correct (``unchanged`` ones left out)
+    keys: pd.Index            # their distinct keys
+    code: np.ndarray          # each change's key's place in ``keys`` (-2: a null key)
+    start: np.ndarray
+    end: np.ndarray
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A batch's changes (:func:`prepare`), as :func:`match` reads them."""
+
+    changes: tuple[_Change, ...]
+
+
+def prepare(changes: Sequence[tuple[Corrects, pa.Table]]) -> Prepared:
+    """``changes`` (per corrected join, in join order, the join and the batch's changes of its dataset:
+    :func:`enrich.dimension.corrections.changes`) made ready to match against many chunks."""
+    out = []
+    for c, ch in changes:
+        ch = ch.filter(pc.invert(pc.is_in(ch.column("result"), value_set=pa.array(QUIET))))
+        if ch.num_rows == 0:
+            continue
+        ch_keys, ch_nulls = row_keys(ch, c.key)
+        keys = pd.Index(pd.unique(np.asarray(ch_keys, dtype=object)), dtype=object)
+        code = _codes(keys, ch_keys, ch_nulls, -2)
+        out.append(_Change(c, ch, keys, code, ch.column("start").to_numpy(zero_copy_only=False),
+                           ch.column("end").to_numpy(zero_copy_only=False)))
+    return Prepared(tuple(out))
+
+
+def match(log: pa.Table | None, changes: Prepared | Sequence[tuple[Corrects, pa.Table]],
           watermark: int | None = None) -> Matched | None:
     """The kept events ``changes`` correct (see the module doc); None when none. ``changes``: per
     corrected join, in join order, the join and the batch's changes of its dataset
-    (:func:`enrich.dimension.corrections.changes`; ``unchanged`` ones are left out here); each
-    corrects the kept events within its horizon of ``watermark`` (None: all)."""
+    (:func:`enrich.dimension.corrections.changes`; ``unchanged`` ones are left out here), or those
+    :func:`prepare` made ready once for many chunks; each corrects the kept events within its
+    horizon of ``watermark`` (None: all)."""
     if log is None or log.num_rows == 0:
         return None
+    if not isinstance(changes, Prepared):
+        changes = prepare(changes)
     ts = log.column(TS).to_numpy(zero_copy_only=False)
     revision = log.column(REVISION).to_numpy(zero_copy_only=False).astype(np.int32).copy()
     picked: list[pa.Table] = []
     places: list[np.ndarray] = []
-    for c, ch in changes:
-        spec = c.spec
-        ch = ch.filter(pc.invert(pc.is_in(ch.column("result"), value_set=pa.array(QUIET))))
-        if ch.num_rows == 0:
-            continue
+    for change in changes.changes:
+        spec, ch = change.corrects.spec, change.table
         log_keys, log_nulls = event_keys(log, spec)
         if ERROR in log.column_names:  # a dead letter (a call failed) kept for the state's fold only
             log_nulls = log_nulls | pc.is_valid(log.column(ERROR)).to_numpy(zero_copy_only=False).astype(bool)
-        ch_keys, ch_nulls = row_keys(ch, c.key)
         if watermark is not None:  # older than this join's horizon: not corrected
-            log_nulls = log_nulls | (ts < watermark - c.horizon_us)
-        rows, found = _hits(log_keys, log_nulls, ts, ch_keys, ch_nulls,
-                            ch.column("start").to_numpy(zero_copy_only=False),
-                            ch.column("end").to_numpy(zero_copy_only=False))
+            log_nulls = log_nulls | (ts < watermark - change.corrects.horizon_us)
+        r_code = _codes(change.keys, log_keys, log_nulls, -3)
+        rows, found = _pairs(r_code, ts, change.code, change.start, change.end)
         if not len(rows):
             continue
         rows_order = np.argsort(rows, kind="stable")

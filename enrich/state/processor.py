@@ -327,13 +327,14 @@ class DeviceStateProcessor(StatefulProcessor):
         now: list[pa.Table] = []  # the corrected events looked up again
         if starts:
             first = min(starts)
+            ready = corrections.prepare(changes)
             for c in chunks:
                 if c[3] < first:  # every event of it is older than every change's span
                     continue
                 got = self._read_chunk(c[0])
                 if got is None:
                     continue
-                found = corrections.match(got, changes, watermark)
+                found = corrections.match(got, ready, watermark)
                 if found is not None:  # the chunk's revisions written back, not its rows
                     looked, _ = self._look_again(found.rows, versions)
                     log = self._with_values(found.log, looked, found.at)  # what is written of them now
