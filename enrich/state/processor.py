@@ -328,6 +328,7 @@ class DeviceStateProcessor(StatefulProcessor):
         if starts:
             first = min(starts)
             ready = corrections.prepare(changes)
+            hits: list[tuple[int, corrections.Matched]] = []
             for c in chunks:
                 if c[3] < first:  # every event of it is older than every change's span
                     continue
@@ -335,12 +336,19 @@ class DeviceStateProcessor(StatefulProcessor):
                 if got is None:
                     continue
                 found = corrections.match(got, ready, watermark)
-                if found is not None:  # the chunk's revisions written back, not its rows
-                    looked, _ = self._look_again(found.rows, versions)
+                if found is not None:
+                    hits.append((c[0], found))
+            if hits:  # looked up again at once, then each chunk's revisions written back, not its rows
+                found_rows = [found.rows for _, found in hits]
+                every, _ = self._look_again(pa.concat_tables(found_rows, promote_options="permissive"), versions)
+                at = 0
+                for (chunk, found), rows_of in zip(hits, found_rows, strict=True):
+                    looked = every.slice(at, rows_of.num_rows)
+                    at += rows_of.num_rows
                     log = self._with_values(found.log, looked, found.at)  # what is written of them now
-                    self.written.updateValue((revisions_key(c[0]),),
+                    self.written.updateValue((revisions_key(chunk),),
                                              (to_ipc(corrections.revisions(log, self._rewritten)),))
-                    self._chunks[c[0]] = log
+                    self._chunks[chunk] = log
                     fixed.append(found.rows)
                     now.append(looked)
         if gone:
