@@ -87,9 +87,10 @@ def _nearest(rank: float | np.ndarray, n: int | np.ndarray) -> np.ndarray:
 def _binary(offsets: np.ndarray, data: np.ndarray, valid: np.ndarray) -> pa.Array:
     """A binary array from int64 ``offsets``, uint8 ``data`` and a validity mask."""
     mask = pa.py_buffer(np.packbits(valid, bitorder="little")) if not valid.all() else None
-    return pa.Array.from_buffers(pa.binary(), len(valid), [
-        mask, pa.py_buffer(offsets.astype(np.int32)), pa.py_buffer(data)],
-        null_count=-1 if mask is not None else 0)
+    # Laid out with 64-bit offsets, then cast: past 2 GiB the cast refuses rather than wraps.
+    return pa.Array.from_buffers(pa.large_binary(), len(valid), [
+        mask, pa.py_buffer(offsets.astype(np.int64)), pa.py_buffer(data)],
+        null_count=-1 if mask is not None else 0).cast(pa.binary())
 
 
 def build_groups(values: np.ndarray, counts: np.ndarray) -> pa.Array:

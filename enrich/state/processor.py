@@ -338,19 +338,27 @@ class DeviceStateProcessor(StatefulProcessor):
                 found = corrections.match(got, ready, watermark)
                 if found is not None:
                     hits.append((c[0], found))
-            if hits:  # looked up again at once, then each chunk's revisions written back, not its rows
-                found_rows = [found.rows for _, found in hits]
-                every, _ = self._look_again(pa.concat_tables(found_rows, promote_options="permissive"), versions)
+            # Looked up again at once per set of kept columns (chunks kept under another plan may lack
+            # one, and what is looked up again depends on them), then each chunk's revisions written
+            # back, not its rows.
+            alike: dict[tuple[str, ...], list[int]] = {}
+            for i, (_, found) in enumerate(hits):
+                alike.setdefault(tuple(found.rows.column_names), []).append(i)
+            looked_of: dict[int, pa.Table] = {}
+            for those in alike.values():
+                every, _ = self._look_again(pa.concat_tables([hits[i][1].rows for i in those], promote_options="permissive"),
+                                             versions)
                 at = 0
-                for (chunk, found), rows_of in zip(hits, found_rows, strict=True):
-                    looked = every.slice(at, rows_of.num_rows)
-                    at += rows_of.num_rows
-                    log = self._with_values(found.log, looked, found.at)  # what is written of them now
-                    self.written.updateValue((revisions_key(chunk),),
-                                             (to_ipc(corrections.revisions(log, self._rewritten)),))
-                    self._chunks[chunk] = log
-                    fixed.append(found.rows)
-                    now.append(looked)
+                for i in those:
+                    looked_of[i] = every.slice(at, hits[i][1].rows.num_rows)
+                    at += hits[i][1].rows.num_rows
+            for i, (chunk, found) in enumerate(hits):
+                log = self._with_values(found.log, looked_of[i], found.at)  # what is written of them now
+                self.written.updateValue((revisions_key(chunk),),
+                                         (to_ipc(corrections.revisions(log, self._rewritten)),))
+                self._chunks[chunk] = log
+                fixed.append(found.rows)
+                now.append(looked_of[i])
         if gone:
             self._store_index(index["next"], chunks)
         self._written_index = {"next": index["next"], "chunks": chunks}  # this call's: no second read
