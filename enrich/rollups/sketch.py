@@ -119,9 +119,9 @@ def build_groups(values: np.ndarray, counts: np.ndarray) -> pa.Array:
     return out
 
 
-def _layout(sketches: pa.Array) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+def _layout(sketches: pa.Array) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """A binary array's offsets (int64, from its own start), data bytes, validity and, per value,
-    whether it is an exact one."""
+    whether it is an exact one and how many values it holds if so (0 otherwise)."""
     sketches = sketches.cast(pa.binary())
     n = len(sketches)
     offsets = np.frombuffer(sketches.buffers()[1], np.int32)[sketches.offset:sketches.offset + n + 1].astype(np.int64)
@@ -131,7 +131,7 @@ def _layout(sketches: pa.Array) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.
     valid = np.asarray(sketches.is_valid().to_numpy(zero_copy_only=False), bool) & (np.diff(offsets) > 0)
     exact = valid.copy()
     exact[valid] = data[offsets[:-1][valid]] == 0
-    return offsets, data, valid, exact
+    return offsets, data, valid, exact, np.where(exact, (np.diff(offsets) - 1) // 8, 0)
 
 
 def _gather(offsets: np.ndarray, data: np.ndarray, rows: np.ndarray) -> np.ndarray:
@@ -146,10 +146,9 @@ def merge_groups(sketches: pa.Array, starts: np.ndarray) -> pa.Array:
     """Per group (the runs of rows beginning at ``starts``), its non-null sketches merged; null for a
     group with none. Groups of exact sketches that stay within :data:`KLL_K` values are merged at once."""
     n = len(sketches)
-    offsets, data, valid, exact = _layout(sketches)
+    offsets, data, valid, exact, counts = _layout(sketches)
     sizes = np.diff(np.append(starts, n))
     gid = np.repeat(np.arange(len(starts)), sizes)
-    counts = np.where(exact, (np.diff(offsets) - 1) // 8, 0)
     total = np.bincount(gid, weights=counts, minlength=len(starts)).astype(np.int64)
     kll = np.bincount(gid, weights=valid & ~exact, minlength=len(starts)) > 0
     fast = ~kll & (total <= KLL_K)
@@ -173,8 +172,7 @@ def quantile_arrays(sketches: pa.Array, ranks: Sequence[float]) -> list[pa.Array
     """Per rank, each sketch's quantile (null for none): the exact ones by one sort of all their
     values, the KLL ones one read each."""
     n = len(sketches)
-    offsets, data, valid, exact = _layout(sketches)
-    counts = np.where(exact, (np.diff(offsets) - 1) // 8, 0)
+    offsets, data, valid, exact, counts = _layout(sketches)
     values = _gather(offsets, data, exact)
     gid = np.repeat(np.arange(n), counts)
     by_value = np.argsort(values, kind="stable")

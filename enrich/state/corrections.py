@@ -167,8 +167,12 @@ def read_tallies(reported: Mapping[int, Mapping[str, Any]]) -> tuple[dict[tuple[
 def read_changes(directory: str | Path, batch_id: int, dataset: str) -> pa.Table:
     """The changes the driver wrote for the batch (``enrich.dimension.corrections.changes``), the
     ones that correct something (``unchanged`` and ``timely`` left out)."""
-    t = from_ipc(changes_file(directory, batch_id, dataset).read_bytes())
-    return t.filter(pc.invert(pc.is_in(t.column("result"), value_set=pa.array(QUIET))))
+    return _correcting(from_ipc(changes_file(directory, batch_id, dataset).read_bytes()))
+
+
+def _correcting(changes: pa.Table) -> pa.Table:
+    """The ``changes`` that correct something (``unchanged`` and ``timely`` left out)."""
+    return changes.filter(pc.invert(pc.is_in(changes.column("result"), value_set=pa.array(QUIET))))
 
 
 def as_events(out: pa.Table) -> pa.Table:
@@ -391,7 +395,7 @@ def prepare(changes: Sequence[tuple[Corrects, pa.Table]]) -> Prepared:
     :func:`enrich.dimension.corrections.changes`) made ready to match against many chunks."""
     out = []
     for c, ch in changes:
-        ch = ch.filter(pc.invert(pc.is_in(ch.column("result"), value_set=pa.array(QUIET))))
+        ch = _correcting(ch)
         if ch.num_rows == 0:
             continue
         ch_keys, ch_nulls = row_keys(ch, c.key)

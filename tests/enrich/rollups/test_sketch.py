@@ -20,6 +20,21 @@ def groups_of(rng: np.random.Generator, counts: list[int]) -> list[np.ndarray]:
     return [rng.integers(-40, 40, c).astype(np.float64) / 4 for c in counts]
 
 
+def check_reading(values: np.ndarray, got: list[float | None], exact: bool, error: float) -> None:
+    """``got`` (the quantiles at ``RANKS``) as numpy's nearest rank of ``values`` when ``exact``, else
+    each with a true rank within ``error`` of the one asked for; None each for no values."""
+    if not len(values):
+        assert got == [None] * len(RANKS)
+        return
+    ordered = np.sort(values)
+    for r, q in zip(RANKS, got, strict=True):
+        if exact:
+            assert q == np.quantile(values, r, method="inverted_cdf"), (len(values), r)
+        else:
+            lo, hi = (np.searchsorted(ordered, q, side=s) / len(values) for s in ("left", "right"))
+            assert lo - error <= r <= hi + error, (len(values), r)
+
+
 @settings(max_examples=40, deadline=None)
 @given(counts=sizes, seed=st.integers(0, 2**16))
 def test_a_tables_sketches_read_as_numpys_nearest_rank_below_k_and_within_the_error_above(
@@ -30,18 +45,9 @@ def test_a_tables_sketches_read_as_numpys_nearest_rank_below_k_and_within_the_er
     got = sketch.quantile_arrays(built, RANKS)
     for i, values in enumerate(groups):
         one = [q[i].as_py() for q in got]
-        if not len(values):
-            assert one == [None] * len(RANKS)
-            continue
-        if len(values) <= K:  # the table's reading is one window's (KLL compacts at random)
+        if 0 < len(values) <= K:  # the table's reading is one window's (KLL compacts at random)
             assert one == sketch.quantiles(sketch.build(values), RANKS)
-        ordered = np.sort(values)
-        for r, q in zip(RANKS, one, strict=True):
-            if len(values) <= K:
-                assert q == np.quantile(values, r, method="inverted_cdf"), (len(values), r)
-            else:
-                lo, hi = (np.searchsorted(ordered, q, side=s) / len(values) for s in ("left", "right"))
-                assert lo - sketch.KLL_RANK_ERROR <= r <= hi + sketch.KLL_RANK_ERROR, (len(values), r)
+        check_reading(values, one, len(values) <= K, sketch.KLL_RANK_ERROR)
 
 
 @settings(max_examples=40, deadline=None)
@@ -61,18 +67,9 @@ def test_merging_a_tables_groups_keeps_every_value(parts: list[list[int]], seed:
     merged = sketch.merge_groups(table.slice(0), np.array(starts))
     assert len(merged) == len(parts)
     got = sketch.quantile_arrays(merged, RANKS)
+    no_kll = all(len(b or b"\0") <= 1 + 8 * K for b in rows)
     for g, whole in enumerate(wholes):
-        one = [q[g].as_py() for q in got]
-        if not len(whole):
-            assert one == [None] * len(RANKS)
-            continue
-        ordered = np.sort(whole)
-        for r, q in zip(RANKS, one, strict=True):
-            if len(whole) <= K and all(len(b or b"\0") <= 1 + 8 * K for b in rows):
-                assert q == np.quantile(whole, r, method="inverted_cdf"), (len(whole), r)
-            else:
-                lo, hi = (np.searchsorted(ordered, q, side=s) / len(whole) for s in ("left", "right"))
-                assert lo - 2 * sketch.KLL_RANK_ERROR <= r <= hi + 2 * sketch.KLL_RANK_ERROR, (len(whole), r)
+        check_reading(whole, [q[g].as_py() for q in got], len(whole) <= K and no_kll, 2 * sketch.KLL_RANK_ERROR)
 
 
 def test_a_small_window_is_its_values_and_a_large_one_a_kll_sketch() -> None:
