@@ -347,11 +347,67 @@ def _codes(keys: pd.Index, values: np.ndarray, nulls: np.ndarray, null: int) -> 
     return np.where(nulls, null, keys.get_indexer(pd.Index(np.asarray(values, dtype=object), dtype=object)))
 
 
+@dataclass(frozen=True)
+class _ByKey:
+    """A batch's changes grouped by key code (:func:`_by_key`): ``order`` lists them by (code,
+    start); a code's changes are ``order[lo[code]:hi[code]]``; ``most``: the most one code has."""
+
+    order: np.ndarray
+    lo: np.ndarray
+    hi: np.ndarray
+    most: int
+
+
+def _by_key(c_code: np.ndarray, start: np.ndarray, keys: int) -> _ByKey:
+    """``keys`` key codes' changes (``c_code``: each change's code, negative: a null key), by key."""
+    real = np.flatnonzero(c_code >= 0)
+    order = real[np.lexsort((start[real], c_code[real]))]
+    sorted_codes = c_code[order]
+    every = np.arange(keys)
+    lo = np.searchsorted(sorted_codes, every, "left")
+    hi = np.searchsorted(sorted_codes, every, "right")
+    return _ByKey(order, lo, hi, int((hi - lo).max(initial=0)))
+
+
+#: A batch whose keys have at most this many changes each is matched by a scan of each row's key's
+#: changes (a few passes over the rows); one with more, by one search over (key, time) pairs.
+SCAN_MOST = 8
+
+
 def _pairs(r_code: np.ndarray, ts: np.ndarray, c_code: np.ndarray, start: np.ndarray,
-           end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+           end: np.ndarray, by_key: _ByKey | None = None, scan_most: int = SCAN_MOST) -> tuple[np.ndarray, np.ndarray]:
     """(kept row, change row) pairs: the change of the row's key whose span holds the row's time (the
     spans of one key's changes never overlap), given the rows' and the changes' key codes
-    (:func:`_codes`: a row's equals a change's only when their keys are equal)."""
+    (:func:`_codes`: a row's equals a change's only when their keys are equal). ``by_key``: the
+    changes grouped once for every chunk a batch matches (:func:`_by_key`)."""
+    if by_key is None:
+        by_key = _by_key(c_code, start, int(max(r_code.max(initial=-1), c_code.max(initial=-1))) + 1)
+    if by_key.most > scan_most:
+        return _pairs_searched(r_code, ts, c_code, start, end)
+    known = (r_code >= 0) & (r_code < len(by_key.lo))
+    cand = np.flatnonzero(known)
+    code = r_code[cand]
+    lo, hi = by_key.lo[code], by_key.hi[code]
+    has = lo < hi
+    cand, lo, hi = cand[has], lo[has], hi[has]
+    t = ts[cand]
+    # A key's changes by start: the last one starting at or before the row's time.
+    best = np.full(len(cand), -1, np.int64)
+    starts = start[by_key.order]
+    for j in range(by_key.most):
+        at = lo + j
+        inside = at < hi
+        at = np.where(inside, at, 0)
+        best = np.where(inside & (starts[at] <= t), at, best)
+    ok = best >= 0
+    cand, ch = cand[ok], by_key.order[best[ok]]
+    ok = t[ok] < end[ch]
+    return cand[ok].astype(np.int64), ch[ok].astype(np.int64)
+
+
+def _pairs_searched(r_code: np.ndarray, ts: np.ndarray, c_code: np.ndarray, start: np.ndarray,
+                    end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`_pairs` by one search over every key at once (for keys with many changes)."""
     cand = np.flatnonzero(np.isin(r_code, c_code))
     if not len(cand):
         return np.zeros(0, np.int64), np.zeros(0, np.int64)
@@ -381,6 +437,7 @@ class _Change:
     code: np.ndarray          # each change's key's place in ``keys`` (-2: a null key)
     start: np.ndarray
     end: np.ndarray
+    by_key: _ByKey
 
 
 @dataclass(frozen=True)
@@ -401,8 +458,9 @@ def prepare(changes: Sequence[tuple[Corrects, pa.Table]]) -> Prepared:
         ch_keys, ch_nulls = row_keys(ch, c.key)
         keys = pd.Index(pd.unique(np.asarray(ch_keys, dtype=object)), dtype=object)
         code = _codes(keys, ch_keys, ch_nulls, -2)
-        out.append(_Change(c, ch, keys, code, ch.column("start").to_numpy(zero_copy_only=False),
-                           ch.column("end").to_numpy(zero_copy_only=False)))
+        start = ch.column("start").to_numpy(zero_copy_only=False)
+        out.append(_Change(c, ch, keys, code, start, ch.column("end").to_numpy(zero_copy_only=False),
+                           _by_key(code, start, len(keys))))
     return Prepared(tuple(out))
 
 
@@ -429,7 +487,7 @@ def match(log: pa.Table | None, changes: Prepared | Sequence[tuple[Corrects, pa.
         if watermark is not None:  # older than this join's horizon: not corrected
             log_nulls = log_nulls | (ts < watermark - change.corrects.horizon_us)
         r_code = _codes(change.keys, log_keys, log_nulls, -3)
-        rows, found = _pairs(r_code, ts, change.code, change.start, change.end)
+        rows, found = _pairs(r_code, ts, change.code, change.start, change.end, change.by_key)
         if not len(rows):
             continue
         rows_order = np.argsort(rows, kind="stable")

@@ -730,18 +730,24 @@ def test_a_later_event_whose_state_a_fold_leaves_as_last_written_gets_no_correct
 @settings(max_examples=200, deadline=None)
 @given(st.data())
 def test_each_kept_row_meets_the_change_of_its_key_whose_span_holds_its_time(data: st.DataObject) -> None:
-    """``_pairs`` (one search over every key at once) against a scan of every (row, change) pair:
+    """``_pairs`` (a scan of each key's changes, or one search over every key at once) against a scan
+    of every (row, change) pair:
     keys with several changes whose spans touch or leave gaps, null keys on either side, keys of rows
     that no change has."""
     import numpy as np
     import pandas as pd
 
-    from enrich.state.corrections import _codes, _pairs
+    from enrich.state.corrections import _by_key, _codes, _pairs
+
+    # Both ways of matching: a scan of each key's few changes, and the search for keys with more.
+    scan_most = data.draw(st.sampled_from([0, 1, 2, 8]), label="scan_most")
 
     def _hits(log_keys: np.ndarray, log_nulls: np.ndarray, ts: np.ndarray, ch_keys: np.ndarray,
               ch_nulls: np.ndarray, start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         index = pd.Index(pd.unique(ch_keys), dtype=object)  # as prepare() and match() code them
-        return _pairs(_codes(index, log_keys, log_nulls, -3), ts, _codes(index, ch_keys, ch_nulls, -2), start, end)
+        c_code = _codes(index, ch_keys, ch_nulls, -2)
+        return _pairs(_codes(index, log_keys, log_nulls, -3), ts, c_code, start, end,
+                      _by_key(c_code, start, len(index)), scan_most)
 
     keys = ["a", "b", "c", "d"]
     changes: list[tuple[str, int, int, bool]] = []
