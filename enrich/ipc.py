@@ -3,12 +3,17 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 import pyarrow as pa
 
 
-def to_ipc(table: pa.Table | pa.RecordBatch) -> bytes:
+def to_ipc(table: pa.Table | pa.RecordBatch, compression: Literal["lz4", "zstd"] | None = None) -> bytes:
+    """``table`` as an IPC stream; ``compression``: its buffers compressed (what :func:`from_ipc`
+    reads back either way)."""
     sink = pa.BufferOutputStream()
-    with pa.ipc.new_stream(sink, table.schema) as writer:
+    options = pa.ipc.IpcWriteOptions(compression=compression) if compression else None
+    with pa.ipc.new_stream(sink, table.schema, options=options) as writer:
         if isinstance(table, pa.RecordBatch):
             writer.write_batch(table)
         else:

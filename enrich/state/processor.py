@@ -756,7 +756,9 @@ class DeviceStateProcessor(StatefulProcessor):
         """``kept`` (written events with their times and revisions) stored as chunk ``next_id``, after
         the index's ``chunks``."""
         times = kept.column(corrections.TS)
-        self.written.updateValue((next_id,), (to_ipc(kept),))
+        # Compressed: a correcting batch reads every chunk a change can concern through the state
+        # server, whose transfer of the bytes is what such a read costs (docs/benchmarks.md).
+        self.written.updateValue((next_id,), (to_ipc(kept, "lz4"),))
         chunks = [*chunks, [next_id, kept.num_rows, int(pc.min(times).as_py()), int(pc.max(times).as_py())]]
         self._store_index(next_id + 1, chunks)
 
