@@ -108,6 +108,10 @@ from refstream.contract import DatasetSchema
 log = logging.getLogger(__name__)
 
 
+#: A kept chunk of at least this many bytes (in memory) is stored compressed.
+COMPRESS_FROM = 16 * 1024
+
+
 class DeviceStateProcessor(StatefulProcessor):
     """One call per bucket and micro-batch: apply its events to its devices' state (see module doc).
 
@@ -757,8 +761,9 @@ class DeviceStateProcessor(StatefulProcessor):
         the index's ``chunks``."""
         times = kept.column(corrections.TS)
         # Compressed: a correcting batch reads every chunk a change can concern through the state
-        # server, whose transfer of the bytes is what such a read costs (docs/benchmarks.md).
-        self.written.updateValue((next_id,), (to_ipc(kept, "lz4"),))
+        # server, whose transfer of the bytes is what such a read costs (docs/benchmarks.md). Not a
+        # small one: each of its buffers would carry a frame of its own, more than it saves.
+        self.written.updateValue((next_id,), (to_ipc(kept, "lz4" if kept.nbytes >= COMPRESS_FROM else None),))
         chunks = [*chunks, [next_id, kept.num_rows, int(pc.min(times).as_py()), int(pc.max(times).as_py())]]
         self._store_index(next_id + 1, chunks)
 

@@ -13,7 +13,8 @@ that runs while that batch is produced, before the transaction commits (its fetc
 transactions' ranges, then the partition's end, and the produce lands in between). So a record seen
 without its row is read again by a second read_committed consumer assigned to it only then: it
 counts against the job only if that read, too, finds the row missing (Apache Kafka never shows it
-before the commit, and the first read then was the broker's)."""
+before the commit, and the first read then was the broker's), and at most a batch's worth of records
+may be excused so."""
 
 from __future__ import annotations
 
@@ -109,9 +110,10 @@ def test_no_record_is_visible_before_its_row(spark: SparkSession, kafka: dict[st
         (never read again: without its row for good)."""
         verifier.assign([TopicPartition(msg.topic(), msg.partition(), msg.offset())])
         deadline = time.monotonic() + bound(30)
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not stop.is_set():
             again = verifier.poll(0.05)
-            if again is not None and again.error() is None and again.offset() == msg.offset():
+            if (again is not None and again.error() is None and again.partition() == msg.partition()
+                    and again.offset() == msg.offset()):
                 return not fetch(conn, select, (n,))
         return True
 
@@ -143,9 +145,11 @@ def test_no_record_is_visible_before_its_row(spark: SparkSession, kafka: dict[st
     finally:
         stop.set()
         watcher.join(10)
-    if shown_open:
-        print(f"the broker showed {len(shown_open)} records of open transactions (read again after their rows)")
+    assert not watcher.is_alive(), "the watcher did not finish"
     assert missing == [], f"records seen before their rows were in the table: {missing[:20]}"
+    # The broker's fault is rare (a transaction's first batch, a fetch at the same moment): a job that
+    # committed Kafka first, with every record then read again too late to catch it, shows many.
+    assert len(shown_open) <= PER_BATCH, f"{len(shown_open)} records seen before their rows: {shown_open[:20]}"
     assert sorted(seen) == list(range(TOTAL))
     assert sorted(Counter(json.loads(m.value())["n"] for m in read_all(kafka, out_topic)).items()) == \
         [(n, 1) for n in range(TOTAL)]

@@ -730,33 +730,35 @@ def test_a_later_event_whose_state_a_fold_leaves_as_last_written_gets_no_correct
 @settings(max_examples=200, deadline=None)
 @given(st.data())
 def test_each_kept_row_meets_the_change_of_its_key_whose_span_holds_its_time(data: st.DataObject) -> None:
-    """``_pairs`` (a scan of each key's changes, or one search over every key at once) against a scan
-    of every (row, change) pair:
-    keys with several changes whose spans touch or leave gaps, null keys on either side, keys of rows
-    that no change has."""
+    """``_pairs`` (a scan of each key's changes, and one search over every key at once) against a
+    scan of every (row, change) pair: keys with several changes, in any order, whose spans touch or
+    leave gaps, rows on and beside the spans' bounds, null keys on either side, keys of rows that no
+    change has."""
     import numpy as np
     import pandas as pd
 
     from enrich.state.corrections import _by_key, _codes, _pairs
 
-    # Both ways of matching: a scan of each key's few changes, and the search for keys with more.
-    scan_most = data.draw(st.sampled_from([0, 1, 2, 8]), label="scan_most")
-
     def _hits(log_keys: np.ndarray, log_nulls: np.ndarray, ts: np.ndarray, ch_keys: np.ndarray,
-              ch_nulls: np.ndarray, start: np.ndarray, end: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+              ch_nulls: np.ndarray, start: np.ndarray, end: np.ndarray, scan_most: int) -> tuple[np.ndarray, np.ndarray]:
         index = pd.Index(pd.unique(ch_keys), dtype=object)  # as prepare() and match() code them
         c_code = _codes(index, ch_keys, ch_nulls, -2)
         return _pairs(_codes(index, log_keys, log_nulls, -3), ts, c_code, start, end,
                       _by_key(c_code, start, len(index)), scan_most)
 
     keys = ["a", "b", "c", "d"]
+    rarely = st.sampled_from([False, False, False, True])  # a null key
     changes: list[tuple[str, int, int, bool]] = []
     for k in keys[:3]:
         bounds = sorted(data.draw(st.sets(st.integers(0, 40), max_size=5), label=f"bounds {k}"))
         for lo, hi in zip(bounds, bounds[1:], strict=False):
             if data.draw(st.booleans(), label="kept"):
-                changes.append((k, lo, hi, data.draw(st.booleans(), label="null")))
-    rows = data.draw(st.lists(st.tuples(st.sampled_from(keys), st.integers(0, 45), st.booleans()), max_size=30))
+                changes.append((k, lo, hi, data.draw(rarely, label="null")))
+    changes = data.draw(st.permutations(changes), label="changes in any order")
+    # Row times on a span's bounds and beside them as often as anywhere.
+    near = sorted({b + d for _, lo, hi, _ in changes for b in (lo, hi) for d in (-1, 0, 1) if b + d >= 0})
+    times = st.integers(0, 45) | st.sampled_from(near) | st.sampled_from(near) if near else st.integers(0, 45)
+    rows = data.draw(st.lists(st.tuples(st.sampled_from(keys), times, rarely), max_size=30))
     # Keys as the joins give them (enrich.joins.event_keys): strings as objects, integers as int64.
     as_ints = data.draw(st.booleans(), label="integer keys")
     coded = {k: (np.int64(2**62 + i) if as_ints else k) for i, k in enumerate(keys)}
@@ -764,12 +766,14 @@ def test_each_kept_row_meets_the_change_of_its_key_whose_span_holds_its_time(dat
     def key_array(ks: list[str]) -> np.ndarray:
         return np.array([coded[k] for k in ks], np.int64 if as_ints else object)
 
-    got_rows, got_found = _hits(key_array([k for k, _, _ in rows]), np.array([n for _, _, n in rows], bool),
-                                np.array([t for _, t, _ in rows], np.int64),
-                                key_array([k for k, _, _, _ in changes]),
-                                np.array([n for _, _, _, n in changes], bool),
-                                np.array([lo for _, lo, _, _ in changes], np.int64),
-                                np.array([hi for _, _, hi, _ in changes], np.int64))
     want = sorted((i, j) for i, (k, t, null) in enumerate(rows) for j, (ck, lo, hi, cnull) in enumerate(changes)
                   if not null and not cnull and k == ck and lo <= t < hi)
-    assert sorted(zip(got_rows.tolist(), got_found.tolist(), strict=True)) == want
+    # Both ways of matching: a scan of each key's few changes (8), and the search for keys with more (0).
+    for scan_most in (0, 8):
+        got_rows, got_found = _hits(key_array([k for k, _, _ in rows]), np.array([n for _, _, n in rows], bool),
+                                    np.array([t for _, t, _ in rows], np.int64),
+                                    key_array([k for k, _, _, _ in changes]),
+                                    np.array([n for _, _, _, n in changes], bool),
+                                    np.array([lo for _, lo, _, _ in changes], np.int64),
+                                    np.array([hi for _, _, hi, _ in changes], np.int64), scan_most)
+        assert sorted(zip(got_rows.tolist(), got_found.tolist(), strict=True)) == want, f"scan_most={scan_most}"
