@@ -375,13 +375,11 @@ SCAN_MOST = 8
 
 
 def _pairs(r_code: np.ndarray, ts: np.ndarray, c_code: np.ndarray, start: np.ndarray,
-           end: np.ndarray, by_key: _ByKey | None = None, scan_most: int = SCAN_MOST) -> tuple[np.ndarray, np.ndarray]:
+           end: np.ndarray, by_key: _ByKey, scan_most: int = SCAN_MOST) -> tuple[np.ndarray, np.ndarray]:
     """(kept row, change row) pairs: the change of the row's key whose span holds the row's time (the
     spans of one key's changes never overlap), given the rows' and the changes' key codes
     (:func:`_codes`: a row's equals a change's only when their keys are equal). ``by_key``: the
     changes grouped once for every chunk a batch matches (:func:`_by_key`)."""
-    if by_key is None:
-        by_key = _by_key(c_code, start, int(max(r_code.max(initial=-1), c_code.max(initial=-1))) + 1)
     if by_key.most > scan_most:
         return _pairs_searched(r_code, ts, c_code, start, end)
     known = (r_code >= 0) & (r_code < len(by_key.lo))
